@@ -1,0 +1,55 @@
+# Finds libtorch and defines the imported target odyssey::torch.
+#
+# CPU build (ODYSSEY_CUDA=OFF, the default): libtorch comes from the project venv's torch wheel
+# (scripts/setup.sh installs torch==2.11.0). The PyPI wheel is a CUDA build, and its
+# TorchConfig.cmake drags in the CUDA toolkit and every CUDA library; a CPU-only build needs
+# none of that. So we skip find_package(Torch) and link only libtorch_cpu + libc10 (+ libtorch,
+# a thin shim), with the wheel's include folders and its C++ ABI flag. The result runs on a
+# machine with no GPU and no CUDA libraries loaded.
+#
+# GPU build (ODYSSEY_CUDA=ON): find_package(Torch) against the host's libtorch (its CUDA
+# config included), so libtorch_cuda, cuDNN and NCCL are linked; see docs/gpu-build.md.
+
+set(ODYSSEY_PYTHON "" CACHE FILEPATH "Python with torch (default: .venv/bin/python)")
+if(NOT ODYSSEY_PYTHON)
+  set(ODYSSEY_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python")
+endif()
+if(NOT EXISTS "${ODYSSEY_PYTHON}")
+  message(FATAL_ERROR "No Python at ${ODYSSEY_PYTHON}: run scripts/setup.sh first, "
+                      "or pass -DODYSSEY_PYTHON=/path/to/python with torch installed.")
+endif()
+execute_process(
+  COMMAND "${ODYSSEY_PYTHON}" -c "import torch, os; print(os.path.dirname(torch.__file__)); print(torch.__version__); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
+  OUTPUT_VARIABLE _torch_out RESULT_VARIABLE _torch_rc OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "${ODYSSEY_PYTHON} cannot import torch: run scripts/setup.sh")
+endif()
+string(REPLACE "\n" ";" _torch_out "${_torch_out}")
+list(GET _torch_out 0 TORCH_ROOT)
+list(GET _torch_out 1 TORCH_VERSION_STRING)
+list(GET _torch_out 2 TORCH_CXX11_ABI)
+message(STATUS "odyssey: torch ${TORCH_VERSION_STRING} at ${TORCH_ROOT} (cuda=${ODYSSEY_CUDA})")
+
+add_library(odyssey_torch INTERFACE)
+add_library(odyssey::torch ALIAS odyssey_torch)
+if(ODYSSEY_CUDA)
+  list(APPEND CMAKE_PREFIX_PATH "${TORCH_ROOT}/share/cmake")
+  find_package(Torch REQUIRED)
+  target_link_libraries(odyssey_torch INTERFACE ${TORCH_LIBRARIES})
+  target_compile_definitions(odyssey_torch INTERFACE ODYSSEY_WITH_CUDA=1)
+else()
+  set(_tlib "${TORCH_ROOT}/lib")
+  foreach(_l torch_cpu c10)
+    if(NOT EXISTS "${_tlib}/lib${_l}.so")
+      message(FATAL_ERROR "missing ${_tlib}/lib${_l}.so in the torch wheel")
+    endif()
+  endforeach()
+  target_include_directories(odyssey_torch SYSTEM INTERFACE
+    "${TORCH_ROOT}/include" "${TORCH_ROOT}/include/torch/csrc/api/include")
+  target_link_libraries(odyssey_torch INTERFACE
+    "-Wl,--no-as-needed" "${_tlib}/libtorch_cpu.so" "${_tlib}/libc10.so" "-Wl,--as-needed")
+  target_compile_definitions(odyssey_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI})
+  # The wheel's libs find each other through their own rpath ($ORIGIN); ours need one to them.
+  set(CMAKE_BUILD_RPATH "${_tlib}" PARENT_SCOPE)
+  set(ODYSSEY_TORCH_LIBDIR "${_tlib}" PARENT_SCOPE)
+endif()

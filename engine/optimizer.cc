@@ -1,0 +1,137 @@
+#include "engine/optimizer.h"
+
+#include <cmath>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+namespace odyssey::engine {
+
+absl::Status AdamWOptions::Validate() const {
+  if (!(lr > 0) || !std::isfinite(lr)) return absl::InvalidArgumentError(absl::StrCat("optimizer.lr (", lr, ") must be > 0"));
+  if (!(beta1 >= 0 && beta1 < 1)) return absl::InvalidArgumentError(absl::StrCat("optimizer.beta1 (", beta1, ") must be in [0, 1)"));
+  if (!(beta2 >= 0 && beta2 < 1)) return absl::InvalidArgumentError(absl::StrCat("optimizer.beta2 (", beta2, ") must be in [0, 1)"));
+  if (!(eps > 0)) return absl::InvalidArgumentError(absl::StrCat("optimizer.eps (", eps, ") must be > 0"));
+  if (!(weight_decay >= 0)) return absl::InvalidArgumentError(absl::StrCat("optimizer.weight_decay (", weight_decay, ") must be >= 0"));
+  return absl::OkStatus();
+}
+
+absl::Status ScheduleOptions::Validate() const {
+  if (warmup_steps < 0) return absl::InvalidArgumentError(absl::StrCat("schedule.warmup_steps (", warmup_steps, ") must be >= 0"));
+  if (total_steps < 0) return absl::InvalidArgumentError(absl::StrCat("schedule.total_steps (", total_steps, ") must be >= 0"));
+  if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1))
+    return absl::InvalidArgumentError(absl::StrCat("schedule.min_lr_ratio (", min_lr_ratio, ") must be in [0, 1]"));
+  return absl::OkStatus();
+}
+
+double ScheduledLr(double peak, int64_t done, const ScheduleOptions& s) {
+  if (done < s.warmup_steps) return peak * static_cast<double>(done + 1) / static_cast<double>(s.warmup_steps);
+  if (s.total_steps <= s.warmup_steps) return peak;
+  const double progress = std::min(1.0, static_cast<double>(done - s.warmup_steps) /
+                                            static_cast<double>(std::max<int64_t>(1, s.total_steps - s.warmup_steps)));
+  return peak * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> norms;
+  for (const auto& p : params) {
+    if (p.grad().defined()) norms.push_back(p.grad().to(torch::kFloat32).norm());
+  }
+  if (norms.empty()) return 0.0;
+  const double total = torch::stack(norms).norm().item<double>();
+  if (max_norm > 0 && total > max_norm) {
+    const double coef = max_norm / (total + 1e-6);
+    for (const auto& p : params) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return total;
+}
+
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options)
+    : options_(options) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, p] : named_params) {
+    Slot s;
+    s.name = name;
+    s.param = p;
+    // fp32 params are their own master: no redundant copy.
+    s.master = p.scalar_type() == torch::kFloat32 ? p : p.detach().to(torch::kFloat32).clone();
+    s.exp_avg = torch::zeros_like(s.master);
+    s.exp_avg_sq = torch::zeros_like(s.master);
+    s.decay = p.dim() >= 2;
+    slots_.push_back(std::move(s));
+  }
+}
+
+void AdamW::Step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++steps_;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double bc1 = 1 - std::pow(b1, static_cast<double>(steps_));
+  const double bc2 = 1 - std::pow(b2, static_cast<double>(steps_));
+  for (Slot& s : slots_) {
+    if (!s.param.grad().defined()) continue;
+    torch::Tensor g = s.param.grad().to(torch::kFloat32);  // (param shape)
+    if (s.decay && options_.weight_decay > 0) s.master.mul_(1 - lr * options_.weight_decay);
+    s.exp_avg.lerp_(g, 1 - b1);
+    s.exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2);
+    torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(options_.eps);
+    s.master.addcdiv_(s.exp_avg, denom, -lr / bc1);
+    if (!s.master.is_same(s.param)) s.param.copy_(s.master);
+  }
+}
+
+void AdamW::ZeroGrad() {
+  for (Slot& s : slots_) {
+    if (s.param.grad().defined()) s.param.mutable_grad() = torch::Tensor();
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> AdamW::StateTensors() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  out.emplace_back("step", torch::tensor(steps_, torch::kInt64));
+  for (const Slot& s : slots_) {
+    out.emplace_back("exp_avg." + s.name, s.exp_avg);
+    out.emplace_back("exp_avg_sq." + s.name, s.exp_avg_sq);
+    if (!s.master.is_same(s.param)) out.emplace_back("master." + s.name, s.master);
+  }
+  return out;
+}
+
+absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  auto get = [&](const std::string& name, const torch::Tensor& like) -> absl::StatusOr<torch::Tensor> {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return absl::NotFoundError(absl::StrCat("optimizer state: missing tensor '", name, "'"));
+    if (it->second.sizes() != like.sizes())
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state: tensor '", name, "' has the wrong shape"));
+    return it->second;
+  };
+  auto step = by_name.find("step");
+  if (step == by_name.end() || step->second.numel() != 1)
+    return absl::NotFoundError("optimizer state: missing scalar 'step'");
+  torch::NoGradGuard no_grad;
+  for (Slot& s : slots_) {
+    auto m = get("exp_avg." + s.name, s.exp_avg);
+    if (!m.ok()) return m.status();
+    auto v = get("exp_avg_sq." + s.name, s.exp_avg_sq);
+    if (!v.ok()) return v.status();
+    s.exp_avg.copy_(*m);
+    s.exp_avg_sq.copy_(*v);
+    if (!s.master.is_same(s.param)) {
+      auto w = get("master." + s.name, s.master);
+      if (!w.ok()) return w.status();
+      s.master.copy_(*w);
+      s.param.copy_(s.master);
+    }
+  }
+  steps_ = step->second.item<int64_t>();
+  return absl::OkStatus();
+}
+
+}  // namespace odyssey::engine

@@ -1,0 +1,74 @@
+// AdamW with fp32 master weights and moments over (possibly bf16) parameters, the learning-
+// rate schedule (linear warmup + cosine decay) and global gradient-norm clipping.
+//
+// A parameter in fp32 is its own master; a bf16/fp16 one gets an fp32 master copy, updated in
+// fp32 and copied back (rounded) into the parameter after each step, so small updates are not
+// lost to bf16 rounding. Moments are fp32. The update is torch.optim.AdamW's (decoupled weight
+// decay, bias correction), with decay applied only to parameters of 2+ dimensions.
+// Thread safety: one thread at a time.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "absl/status/status.h"
+
+namespace odyssey::engine {
+
+struct AdamWOptions {
+  double lr = 3e-4;            // peak learning rate (> 0)
+  double beta1 = 0.9;          // in [0, 1)
+  double beta2 = 0.95;         // in [0, 1)
+  double eps = 1e-8;           // > 0
+  double weight_decay = 0.1;   // >= 0; 0 disables; never applied to 1-D params (norms, biases)
+  absl::Status Validate() const;
+};
+
+struct ScheduleOptions {
+  int64_t warmup_steps = 0;    // linear warmup from lr/warmup to lr; 0 = none
+  int64_t total_steps = 0;     // cosine decay ends here; 0 = constant lr after warmup
+  double min_lr_ratio = 0.1;   // final lr = min_lr_ratio * lr, in [0, 1]
+  absl::Status Validate() const;
+};
+
+// Learning rate for the step that follows `completed_steps` steps.
+double ScheduledLr(double peak_lr, int64_t completed_steps, const ScheduleOptions& schedule);
+
+// Scales every gradient so that their global L2 norm is at most max_norm (<= 0: no clipping).
+// Returns the norm before clipping. Parameters without a gradient are skipped.
+double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm);
+
+class AdamW {
+ public:
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options);
+
+  // One update with learning rate `lr` from the parameters' .grad(); params without a grad are
+  // skipped (their state does not advance).
+  void Step(double lr);
+  void ZeroGrad();
+  int64_t steps() const { return steps_; }
+  const AdamWOptions& options() const { return options_; }
+
+  // Optimizer state by name for checkpoints: "exp_avg.<param>", "exp_avg_sq.<param>",
+  // "master.<param>" (only for non-fp32 params), "step" (int64 scalar).
+  std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
+  // Restores what StateTensors() returned; errors name the missing or mismatched tensor.
+  absl::Status LoadStateTensors(const std::vector<std::pair<std::string, torch::Tensor>>& tensors);
+
+ private:
+  struct Slot {
+    std::string name;
+    torch::Tensor param;
+    torch::Tensor master;  // fp32; same storage as param when param is fp32
+    torch::Tensor exp_avg, exp_avg_sq;  // fp32, param's shape
+    bool decay = false;
+  };
+  AdamWOptions options_;
+  std::vector<Slot> slots_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace odyssey::engine

@@ -1,0 +1,156 @@
+#include "engine/trainer.h"
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/loss.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+#include "nlohmann/json.hpp"
+
+namespace odyssey::engine {
+
+absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
+  if (name == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (name == "cpu") return torch::Device(torch::kCPU);
+  if (name.rfind("cuda", 0) == 0) {
+    if (!torch::cuda::is_available())
+      return absl::FailedPreconditionError(absl::StrCat("device '", name, "': this build or machine has no CUDA device"));
+    int index = 0;
+    if (name.size() > 4) {
+      if (name[4] != ':' || name.size() == 5 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+        return absl::InvalidArgumentError(absl::StrCat("device '", name, "' must be cpu, cuda or cuda:N"));
+      index = std::stoi(name.substr(5));
+    }
+    if (index >= static_cast<int>(torch::cuda::device_count()))
+      return absl::InvalidArgumentError(absl::StrCat("device '", name, "': only ", torch::cuda::device_count(), " CUDA devices"));
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("device '", name, "' must be auto, cpu, cuda or cuda:N"));
+}
+
+absl::Status TrainerOptions::Validate() const {
+  if (steps <= 0) return absl::InvalidArgumentError(absl::StrCat("steps (", steps, ") must be > 0"));
+  if (absl::Status s = optimizer.Validate(); !s.ok()) return s;
+  if (absl::Status s = schedule.Validate(); !s.ok()) return s;
+  return absl::OkStatus();
+}
+
+Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data,
+                 torch::Device device, torch::Dtype dtype)
+    : options_(std::move(options)), model_(std::move(model)), data_(std::move(data)), device_(device), dtype_(dtype) {
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (auto& p : model_->named_parameters()) {
+    named.emplace_back(p.key(), p.value());
+    params_.push_back(p.value());
+  }
+  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer);
+  if (options_.schedule.total_steps == 0) options_.schedule.total_steps = options_.steps;
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  absl::StatusOr<torch::Device> device = ParseDevice(options.device);
+  if (!device.ok()) return device.status();
+  torch::Dtype dtype = device->is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+  if (options.dtype != "auto") {
+    absl::StatusOr<torch::Dtype> d = model::ParseDtype(options.dtype);
+    if (!d.ok()) return d.status();
+    dtype = *d;
+  }
+  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend = model::MakeAttentionBackend(options.attention);
+  if (!backend.ok()) return backend.status();
+  absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed);
+  if (!m.ok()) return m.status();
+  (*m)->set_attention_backend(*backend);
+  const model::ModelConfig& config = (*m)->config();
+  if (options.data.seq_len > config.max_position_embeddings)
+    return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
+                                                   ") must be <= the model's max_position_embeddings (",
+                                                   config.max_position_embeddings, ")"));
+  DataOptions data_options = options.data;
+  data_options.vocab_size = config.vocab_size;
+  absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
+  if (!data.ok()) return data.status();
+  return std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
+}
+
+torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
+  model::ForwardInputs in;
+  in.input_ids = batch.input_ids.to(device_);
+  in.position_ids = batch.position_ids.to(device_);
+  in.doc_lens = &batch.doc_lens;
+  torch::Tensor hidden = model_->Hidden(in, hook_);  // (B, S, hidden)
+  torch::Tensor mask = batch.loss_mask.to(device_);
+  *targets = batch.NumTargets();
+  torch::Tensor sum = MaskedCrossEntropySum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
+  return sum / static_cast<double>(std::max<int64_t>(1, *targets));
+}
+
+StepResult Trainer::Step(const Batch& batch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  model_->train();
+  StepResult r;
+  torch::Tensor loss = Loss(batch, &r.target_tokens);
+  loss.backward();
+  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
+  r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
+  optimizer_->Step(r.lr);
+  optimizer_->ZeroGrad();
+  r.loss = loss.item<double>();  // synchronizes the device
+  r.step = optimizer_->steps();
+  r.tokens = batch.input_ids.numel();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
+  return r;
+}
+
+StepResult Trainer::TrainStep() { return Step(data_->Next()); }
+
+double Trainer::EvalLoss(const Batch& batch) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  int64_t targets = 0;
+  return Loss(batch, &targets).item<double>();
+}
+
+absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
+  model::SaveOptions save;
+  save.dtype = dtype_;
+  if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) return s;
+  const std::filesystem::path root(dir);
+  if (absl::Status s = model::WriteSafetensors((root / "optimizer.safetensors").string(), optimizer_->StateTensors());
+      !s.ok())
+    return s;
+  nlohmann::json state = {{"step", optimizer_->steps()}, {"model", options_.model}, {"seed", options_.seed}};
+  const std::string path = (root / "trainer_state.json").string();
+  {
+    std::ofstream out(path + ".tmp", std::ios::trunc);
+    out << state.dump(2) << "\n";
+    if (!out.good()) return absl::InternalError(absl::StrCat(path, ".tmp: write failed"));
+  }
+  std::error_code ec;
+  std::filesystem::rename(path + ".tmp", path, ec);
+  if (ec) return absl::InternalError(absl::StrCat(path, ": rename failed (", ec.message(), ")"));
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
+  if (absl::Status s = model::LoadHfWeights(model_, dir); !s.ok()) return s;
+  const std::string opt_path = (std::filesystem::path(dir) / "optimizer.safetensors").string();
+  absl::StatusOr<std::unique_ptr<model::SafetensorsFile>> file = model::SafetensorsFile::Open(opt_path);
+  if (!file.ok()) return file.status();
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& [name, info] : (*file)->tensors()) {
+    absl::StatusOr<torch::Tensor> t = (*file)->Read(name);
+    if (!t.ok()) return t.status();
+    tensors.emplace_back(name, t->to(device_));
+  }
+  return optimizer_->LoadStateTensors(tensors);
+}
+
+}  // namespace odyssey::engine

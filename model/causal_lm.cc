@@ -1,0 +1,78 @@
+#include "model/causal_lm.h"
+
+#include <torch/torch.h>
+
+namespace odyssey::model {
+
+DecoderModelImpl::DecoderModelImpl(const ModelConfig& c) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    DecoderLayer layer(c);
+    layers->push_back(layer);
+    layer_list.push_back(layer);
+  }
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+CausalLMImpl::CausalLMImpl(const ModelConfig& c) : config_(c) {
+  model = register_module("model", DecoderModel(c));
+  if (!c.tie_word_embeddings) {
+    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+  }
+  backend_ = MakeAttentionBackend("auto").value();
+  inv_freq_cpu_ = RopeInvFreq(c, torch::kCPU);
+}
+
+torch::Tensor CausalLMImpl::HeadWeight() const {
+  return lm_head ? lm_head->weight : model->embed_tokens->weight;
+}
+
+torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerHook& hook) {
+  const torch::Tensor& ids = in.input_ids;  // (B, S)
+  TORCH_CHECK(ids.dim() == 2, "input_ids must be (B, S)");
+  const int64_t B = ids.size(0), S = ids.size(1);
+  torch::Tensor pos = in.position_ids;
+  if (!pos.defined()) {
+    pos = torch::arange(S, torch::TensorOptions().dtype(torch::kInt64).device(ids.device())).unsqueeze(0).expand({B, S});
+  }
+  torch::Tensor h = model->embed_tokens(ids);  // (B, S, hidden)
+  LayerContext ctx;
+  ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, S, D) each
+  ctx.attention.doc_lens = in.doc_lens;
+  ctx.backend = backend_.get();
+  for (int64_t i = 0; i < static_cast<int64_t>(model->layer_list.size()); ++i) {
+    DecoderLayer& layer = model->layer_list[i];
+    h = hook ? hook(i, layer, h, ctx) : layer->forward(h, ctx);
+  }
+  return model->norm(h);
+}
+
+torch::Tensor CausalLMImpl::Logits(const ForwardInputs& in) {
+  return torch::matmul(Hidden(in), HeadWeight().t());  // (B, S, vocab)
+}
+
+void CausalLMImpl::InitRandom(uint64_t seed, double std) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (auto& p : named_parameters()) {
+    torch::Tensor& t = p.value();
+    const std::string& name = p.key();
+    torch::Tensor init;
+    if (name.size() >= 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && t.dim() == 2) {
+      init = at::normal(0.0, std, t.sizes(), gen, torch::TensorOptions().dtype(torch::kFloat32));
+    } else if (name.find("norm") != std::string::npos) {
+      init = torch::ones(t.sizes());
+    } else {
+      init = torch::zeros(t.sizes());
+    }
+    t.copy_(init);
+  }
+}
+
+absl::StatusOr<CausalLM> MakeCausalLM(const ModelConfig& config) {
+  if (absl::Status s = config.Validate(); !s.ok()) return s;
+  return CausalLM(config);
+}
+
+}  // namespace odyssey::model

@@ -1,0 +1,80 @@
+// CausalLM: a decoder-only language model of the dense family (Llama 3.x, Qwen2, Qwen3).
+//
+// Module tree mirrors transformers' *ForCausalLM, so named_parameters() are the HF tensor names:
+//   model.embed_tokens.weight, model.layers.{i}.{self_attn,mlp,...}, model.norm.weight,
+//   lm_head.weight (absent when tie_word_embeddings: the head reuses the embedding).
+// The model computes hidden states; the engine computes the head + loss (tiled or not) from
+// Hidden() and HeadWeight(), and may wrap every decoder layer through a LayerHook (recompute,
+// offload, tiling). Thread safety: one thread at a time.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+
+#include "absl/status/statusor.h"
+#include "model/attention.h"
+#include "model/config.h"
+#include "model/layers.h"
+
+namespace odyssey::model {
+
+// Runs decoder layer `index` on h (B, S, hidden). The default calls layer->forward(h, ctx).
+using LayerHook = std::function<torch::Tensor(int64_t index, DecoderLayer& layer, const torch::Tensor& h,
+                                              const LayerContext& ctx)>;
+
+// The inputs of one forward pass.
+struct ForwardInputs {
+  torch::Tensor input_ids;     // (B, S) int64
+  torch::Tensor position_ids;  // (B, S) int64; undefined = 0..S-1 for every row
+  const std::vector<std::vector<int64_t>>* doc_lens = nullptr;  // packed documents per row
+};
+
+class DecoderModelImpl : public torch::nn::Module {
+ public:
+  explicit DecoderModelImpl(const ModelConfig& config);
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RMSNorm norm{nullptr};
+  std::vector<DecoderLayer> layer_list;  // typed handles into `layers`
+};
+TORCH_MODULE(DecoderModel);
+
+class CausalLMImpl : public torch::nn::Module {
+ public:
+  explicit CausalLMImpl(const ModelConfig& config);
+
+  const ModelConfig& config() const { return config_; }
+  // The attention backend every layer uses (default "auto").
+  void set_attention_backend(std::shared_ptr<const AttentionBackend> backend) { backend_ = std::move(backend); }
+  const AttentionBackend& attention_backend() const { return *backend_; }
+
+  // Final normed hidden states (B, S, hidden). `hook` runs each decoder layer (may be empty).
+  torch::Tensor Hidden(const ForwardInputs& in, const LayerHook& hook = nullptr);
+  // The LM head weight (vocab, hidden): lm_head.weight, or the embedding when tied.
+  torch::Tensor HeadWeight() const;
+  // Full logits (B, S, vocab) in the params' dtype. For tests and short sequences only: the
+  // engine's losses never materialize (S, vocab) at long S.
+  torch::Tensor Logits(const ForwardInputs& in);
+
+  // Random init as transformers does (normal(0, 0.02) weights, zero biases, unit norms).
+  void InitRandom(uint64_t seed, double std = 0.02);
+
+  DecoderModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tied
+
+ private:
+  ModelConfig config_;
+  std::shared_ptr<const AttentionBackend> backend_;
+  torch::Tensor inv_freq_cpu_;  // (D/2,) fp32, moved to the input's device per call
+};
+TORCH_MODULE(CausalLM);
+
+// Builds a model from a validated config. Errors name the config field that is wrong.
+absl::StatusOr<CausalLM> MakeCausalLM(const ModelConfig& config);
+
+}  // namespace odyssey::model

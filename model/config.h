@@ -1,0 +1,73 @@
+// Model configuration for the dense decoder family (Llama 3.x, Qwen2, Qwen3).
+//
+// A ModelConfig is plain data: built from a Hugging Face config.json, from a named random-init
+// shape, or by hand, then checked with Validate(). It links no libtorch, so the planner, the
+// controller and the CLI can use it. Thread safety: a value type; no shared state.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace odyssey::model {
+
+enum class Architecture { kLlama, kQwen2, kQwen3 };
+
+// Llama-3 style RoPE frequency scaling ("rope_scaling": {"rope_type": "llama3", ...}).
+struct RopeScaling {
+  bool enabled = false;             // false: plain RoPE with rope_theta.
+  double factor = 8.0;              // long-wavelength divisor.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::kLlama;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // GQA: must divide num_attention_heads.
+  int64_t head_dim = 0;             // 0: hidden_size / num_attention_heads.
+  int64_t max_position_embeddings = 0;  // longest sequence a job may ask for.
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // bias on q/k/v/o (Llama); Qwen2 has q/k/v bias always.
+  bool mlp_bias = false;        // bias on gate/up/down (Llama only).
+  // Token ids written to config.json on export; -1 leaves them out.
+  int64_t bos_token_id = -1;
+  int64_t eos_token_id = -1;
+
+  int64_t HeadDim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  bool QkvBias() const { return architecture == Architecture::kQwen2 || attention_bias; }
+  bool OBias() const { return architecture != Architecture::kQwen2 && attention_bias; }
+  bool QkNorm() const { return architecture == Architecture::kQwen3; }
+  // Parameter count (embeddings counted once when tied).
+  int64_t NumParameters() const;
+
+  // Checks every field; the message names the field and the rule that failed.
+  absl::Status Validate() const;
+};
+
+// Parses a Hugging Face config.json text. `source` names it in error messages.
+absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& json_text, const std::string& source);
+// Reads <dir>/config.json.
+absl::StatusOr<ModelConfig> LoadHfConfig(const std::string& checkpoint_dir);
+// The config.json text transformers needs to load an exported checkpoint.
+std::string ToHfConfigJson(const ModelConfig& config, const std::string& torch_dtype);
+
+// Named random-init shapes: tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b.
+absl::StatusOr<ModelConfig> NamedShape(const std::string& name);
+std::vector<std::string> NamedShapeNames();
+
+// Resolves a model reference: a named shape, or a checkpoint directory with config.json.
+absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir);
+
+}  // namespace odyssey::model

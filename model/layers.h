@@ -1,0 +1,88 @@
+// The layers of the dense decoder family (Llama 3.x, Qwen2, Qwen3), as libtorch modules whose
+// parameter names are the Hugging Face tensor names (so checkpoints load by name).
+//
+// Pure math: no offload, no process groups. Engine strategies wrap whole layers (recompute,
+// offload) or the two halves of a layer (AttentionBlock / MlpBlock, for tiling) from outside.
+// Thread safety: modules are used by one thread at a time.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include "model/attention.h"
+#include "model/config.h"
+
+namespace odyssey::model {
+
+// RMSNorm as Hugging Face computes it: normalize in fp32, cast back, then scale.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// RoPE tables for a batch: cos and sin of shape (B, S, D), in `dtype`.
+struct RopeTables {
+  torch::Tensor cos;
+  torch::Tensor sin;
+};
+// Inverse frequencies (D/2,) fp32, with Llama-3 scaling when configured.
+torch::Tensor RopeInvFreq(const ModelConfig& config, torch::Device device);
+// position_ids (B, S) int64.
+RopeTables MakeRopeTables(const torch::Tensor& inv_freq, const torch::Tensor& position_ids, torch::Dtype dtype);
+// x (B, H, S, D) rotated by the tables (B, S, D).
+torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope);
+
+// What every layer of one forward pass shares.
+struct LayerContext {
+  RopeTables rope;
+  AttentionMeta attention;
+  const AttentionBackend* backend = nullptr;
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x, const LayerContext& ctx);  // (B, S, hidden) -> same
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., hidden) -> (..., hidden)
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit DecoderLayerImpl(const ModelConfig& config);
+  // h + attn(norm(h)), then + mlp(norm(.)). (B, S, hidden) -> (B, S, hidden)
+  torch::Tensor forward(const torch::Tensor& h, const LayerContext& ctx);
+  // The two residual halves, for strategies that treat them differently (tiled MLP).
+  torch::Tensor AttentionBlock(const torch::Tensor& h, const LayerContext& ctx);  // h + attn(norm(h))
+  torch::Tensor MlpBlock(const torch::Tensor& h);                                // h + mlp(norm(h))
+
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+}  // namespace odyssey::model

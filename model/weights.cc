@@ -1,0 +1,97 @@
+#include "model/weights.h"
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "model/safetensors.h"
+#include "common/log.h"
+
+namespace odyssey::model {
+
+absl::Status LoadHfWeights(CausalLM& model, const std::string& dir) {
+  absl::StatusOr<SafetensorsCheckpoint> ckpt = SafetensorsCheckpoint::Open(dir);
+  if (!ckpt.ok()) return ckpt.status();
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used;
+  for (auto& p : model->named_parameters()) {
+    if (!ckpt->Has(p.key())) {
+      return absl::NotFoundError(absl::StrCat("checkpoint ", dir, ": missing tensor '", p.key(),
+                                              "' that the model (", model->config().num_hidden_layers,
+                                              " layers) needs"));
+    }
+    if (absl::Status s = ckpt->ReadInto(p.key(), p.value()); !s.ok()) return s;
+    used.insert(p.key());
+  }
+  int unused = 0;
+  for (const std::string& name : ckpt->Names()) {
+    if (!used.count(name) && !(name == "lm_head.weight" && model->config().tie_word_embeddings)) ++unused;
+  }
+  if (unused > 0) LogWarning(absl::StrCat("checkpoint ", dir, ": ", unused, " tensors not used by the model were ignored"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CausalLM> LoadPretrained(const std::string& dir, torch::Dtype dtype, torch::Device device) {
+  absl::StatusOr<ModelConfig> config = LoadHfConfig(dir);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<CausalLM> model = MakeCausalLM(*config);
+  if (!model.ok()) return model.status();
+  (*model)->to(device, dtype);
+  if (absl::Status s = LoadHfWeights(*model, dir); !s.ok()) return s;
+  return model;
+}
+
+absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype dtype, torch::Device device,
+                                   uint64_t seed) {
+  if (std::filesystem::is_directory(name_or_dir)) return LoadPretrained(name_or_dir, dtype, device);
+  absl::StatusOr<ModelConfig> config = NamedShape(name_or_dir);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<CausalLM> model = MakeCausalLM(*config);
+  if (!model.ok()) return model.status();
+  (*model)->InitRandom(seed);
+  (*model)->to(device, dtype);
+  return model;
+}
+
+absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const SaveOptions& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create directory (", ec.message(), ")"));
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach().to(options.dtype));
+  }
+  if (absl::Status s = WriteSafetensorsCheckpoint(dir, tensors, options.max_shard_bytes); !s.ok()) return s;
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << ToHfConfigJson(model->config(), DtypeName(options.dtype));
+    if (!out.good()) return absl::InternalError(absl::StrCat(tmp, ": write failed"));
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::InternalError(absl::StrCat(path, ": rename failed (", ec.message(), ")"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<torch::Dtype> ParseDtype(const std::string& name) {
+  if (name == "float32" || name == "fp32") return torch::kFloat32;
+  if (name == "bfloat16" || name == "bf16") return torch::kBFloat16;
+  if (name == "float16" || name == "fp16") return torch::kFloat16;
+  return absl::InvalidArgumentError(absl::StrCat("dtype '", name, "' is not one of float32, bfloat16, float16"));
+}
+
+std::string DtypeName(torch::Dtype dtype) {
+  switch (dtype) {
+    case torch::kFloat32: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    default: return std::string(c10::toString(dtype));
+  }
+}
+
+}  // namespace odyssey::model

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine lacks to build and test odyssey:
+# the Debian packages (toolchain, gRPC, protobuf, Abseil, prometheus-cpp, SQLite, CLI11,
+# nlohmann-json, spdlog, yaml-cpp, cpp-httplib, GoogleTest, ccache, the bible-kjv text) and a
+# project-local Python venv (.venv) with torch==2.11.0 (the libtorch the build links) and
+# transformers (parity tests). Idempotent: a second run only checks.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+debs=(build-essential cmake ninja-build ccache pkg-config git python3-venv
+  libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
+  libabsl-dev prometheus-cpp-dev libsqlite3-dev sqlite3 libcli11-dev nlohmann-json3-dev
+  libspdlog-dev libfmt-dev libyaml-cpp-dev libcpp-httplib-dev libgtest-dev libgmock-dev
+  bible-kjv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$py" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import torch, transformers, safetensors; assert torch.__version__.startswith("2.11.0")' 2>/dev/null; then
+  echo "setup: installing torch==2.11.0 and transformers into .venv (large download, once)"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q "torch==2.11.0" "transformers>=4.56,<5" safetensors numpy pyyaml grpcio grpcio-tools
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
