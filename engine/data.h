@@ -10,12 +10,13 @@
 //           makes token i a prediction target (so loss_mask[0] never counts).
 // Stream formats (kjv, text, bin) yield random windows of seq_len + 1 tokens, one document per
 // row. jsonl documents are packed greedily into rows of seq_len positions, in an order shuffled
-// afresh each epoch (seeded with seed + epoch), cycling forever: each document keeps its own positions (0, 1, ...) and attends only to itself;
-// a document longer than seq_len + 1 is cut into pieces of at most seq_len + 1 tokens that
-// overlap by one token (piece k is tokens [k*S, k*S + S + 1)), so every label is predicted once
-// per epoch; a piece that does not fit in what is left of a row starts the next row, and that
-// tail of the row is padding (ids 0, loss_mask 0) with positions of its own. Documents of
-// fewer than 2 tokens have no target and are skipped.
+// afresh each epoch (seeded with seed + epoch), cycling forever: each document keeps its own
+// positions (0, 1, ...) and attends only to itself; a document longer than seq_len + 1 is cut
+// into pieces of at most seq_len + 1 tokens that overlap by one token (piece k is tokens
+// [k*S, k*S + S + 1)), so every label is predicted once per epoch; a piece that does not fit in
+// what is left of a row starts the next row, and that tail of the row is padding (ids 0,
+// loss_mask 0) with positions of its own. Documents of fewer than 2 tokens have no target and
+// are skipped.
 // Thread safety: a DataSource is used by one thread.
 #pragma once
 

@@ -28,10 +28,25 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// A fresh path under the test temp dir; unique per process so parallel ctest runs do not clash.
-std::string TempPath(const std::string& name) {
-  return absl::StrCat(::testing::TempDir(), "/odyssey_data_test_", ::getpid(), "_", name);
+// Test files live in one folder per process (so parallel ctest runs do not clash), removed
+// when the tests end.
+std::string TempDirForTest() {
+  static const std::string dir = [] {
+    std::string d = absl::StrCat(::testing::TempDir(), "/odyssey_data_test_", ::getpid());
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  return dir;
 }
+
+class RemoveTempDir : public ::testing::Environment {
+ public:
+  void TearDown() override { std::filesystem::remove_all(TempDirForTest()); }
+};
+[[maybe_unused]] ::testing::Environment* const kRemoveTempDir =
+    ::testing::AddGlobalTestEnvironment(new RemoveTempDir);
+
+std::string TempPath(const std::string& name) { return TempDirForTest() + "/" + name; }
 
 std::string WriteFile(const std::string& name, const std::string& content) {
   const std::string path = TempPath(name);

@@ -221,8 +221,10 @@ ModelConfig Llama3(int64_t hidden, int64_t inter, int64_t layers, int64_t heads,
   c.num_hidden_layers = layers;
   c.num_attention_heads = heads;
   c.num_key_value_heads = kv;
-  c.head_dim = 128;
-  c.max_position_embeddings = 131072;
+  c.head_dim = 0;  // hidden / heads: 64 for 1B, 128 for 3B and 8B
+  // The published configs say 131072; RoPE itself has no limit, and these shapes exist to
+  // benchmark long context, so they accept up to 16M positions.
+  c.max_position_embeddings = int64_t{1} << 24;
   c.rms_norm_eps = 1e-5;
   c.rope_theta = theta;
   c.rope_scaling = {true, factor, 1.0, 4.0, 8192};

@@ -234,9 +234,8 @@ std::string ShardName(size_t i, size_t n) {
 }
 
 bool IsShardName(const std::string& f) {
-  // model-DDDDD-of-DDDDD.safetensors
-  static const std::string kPattern = "model-#####-of-#####.safetensors";
-  if (f.size() != kPattern.size()) return false;
+  constexpr char kPattern[] = "model-#####-of-#####.safetensors";  // '#': a digit
+  if (f.size() != sizeof(kPattern) - 1) return false;
   for (size_t i = 0; i < f.size(); ++i) {
     if (kPattern[i] == '#' ? !std::isdigit(static_cast<unsigned char>(f[i])) : f[i] != kPattern[i]) return false;
   }

@@ -1,0 +1,78 @@
+#include "model/config.h"
+
+#include <gtest/gtest.h>
+
+namespace odyssey::model {
+namespace {
+
+TEST(ConfigTest, NamedShapesHaveTheirPublishedSizes) {
+  // Parameter counts of the published models (embeddings counted once when tied).
+  EXPECT_NEAR(NamedShape("llama-3.2-1b")->NumParameters() / 1e9, 1.236, 0.002);
+  EXPECT_NEAR(NamedShape("llama-3.2-3b")->NumParameters() / 1e9, 3.213, 0.002);
+  EXPECT_NEAR(NamedShape("llama-3.1-8b")->NumParameters() / 1e9, 8.030, 0.002);
+  for (const auto& name : NamedShapeNames()) EXPECT_TRUE(NamedShape(name)->Validate().ok()) << name;
+}
+
+TEST(ConfigTest, UnknownShapeNamesTheChoices) {
+  auto c = NamedShape("llama-9000");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("llama-3.2-3b"), std::string::npos);
+}
+
+TEST(ConfigTest, ParsesQwen3WithHeadDimAndLlama3Scaling) {
+  auto q = ParseHfConfig(R"({"model_type":"qwen3","vocab_size":257,"hidden_size":96,"intermediate_size":160,
+    "num_hidden_layers":5,"num_attention_heads":3,"num_key_value_heads":1,"head_dim":48,"tie_word_embeddings":true})",
+                         "q.json");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->HeadDim(), 48);
+  EXPECT_TRUE(q->QkNorm());
+  EXPECT_FALSE(q->QkvBias());
+  auto l = ParseHfConfig(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+    "num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"llama3","factor":32.0,
+    "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}})",
+                         "l.json");
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(l->rope_scaling.enabled);
+  EXPECT_EQ(l->rope_scaling.factor, 32.0);
+  EXPECT_EQ(l->num_key_value_heads, 2);  // defaults to num_attention_heads
+  // The exported config parses back to the same model.
+  auto back = ParseHfConfig(ToHfConfigJson(*l, "bfloat16"), "export");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->NumParameters(), l->NumParameters());
+  EXPECT_TRUE(back->rope_scaling.enabled);
+}
+
+TEST(ConfigTest, BadConfigsNameFieldAndRule) {
+  struct Case {
+    const char* json;
+    const char* expect;
+  } cases[] = {
+      {"[1,2]", "not a JSON object"},
+      {R"({"model_type":"gpt2"})", "model_type 'gpt2' is not supported"},
+      {R"({"model_type":"llama","hidden_size":8})", "missing field 'vocab_size'"},
+      {R"({"model_type":"llama","vocab_size":"x"})", "'vocab_size' must be an integer"},
+      {R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+          "num_attention_heads":3,"num_key_value_heads":2,"head_dim":4})",
+       "num_key_value_heads (2) must divide num_attention_heads (3)"},
+      {R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":0,
+          "num_attention_heads":2})",
+       "num_hidden_layers (0) must be > 0"},
+      {R"({"model_type":"llama","vocab_size":10,"hidden_size":10,"intermediate_size":16,"num_hidden_layers":1,
+          "num_attention_heads":4})",
+       "must divide hidden_size"},
+      {R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+          "num_attention_heads":2,"rope_scaling":{"rope_type":"yarn"}})",
+       "rope_type 'yarn' is not supported"},
+  };
+  for (const auto& c : cases) {
+    auto r = ParseHfConfig(c.json, "cfg.json");
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(c.expect), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("cfg.json"), std::string::npos) << r.status().message();
+  }
+}
+
+}  // namespace
+}  // namespace odyssey::model

@@ -1,0 +1,138 @@
+#include <filesystem>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "model/causal_lm.h"
+#include "model/weights.h"
+
+namespace odyssey::model {
+namespace {
+
+ModelConfig SmallConfig(Architecture arch) {
+  ModelConfig c;
+  c.architecture = arch;
+  c.vocab_size = 97;
+  c.hidden_size = 48;
+  c.intermediate_size = 80;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 256;
+  c.tie_word_embeddings = arch != Architecture::kQwen2;
+  return c;
+}
+
+TEST(ModelTest, ParameterNamesAreHuggingFaceNames) {
+  CausalLM m(SmallConfig(Architecture::kQwen3));
+  std::set<std::string> names;
+  for (auto& p : m->named_parameters()) names.insert(p.key());
+  for (const char* n : {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+                        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+                        "model.layers.0.mlp.down_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+                        "model.norm.weight"}) {
+    EXPECT_TRUE(names.count(n)) << n;
+  }
+  EXPECT_FALSE(names.count("lm_head.weight"));  // tied
+  int64_t total = 0;
+  for (auto& p : m->parameters()) total += p.numel();
+  EXPECT_EQ(total, m->config().NumParameters());
+  CausalLM q2(SmallConfig(Architecture::kQwen2));
+  std::set<std::string> q2names;
+  for (auto& p : q2->named_parameters()) q2names.insert(p.key());
+  EXPECT_TRUE(q2names.count("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_FALSE(q2names.count("model.layers.0.self_attn.o_proj.bias"));
+  EXPECT_TRUE(q2names.count("lm_head.weight"));
+}
+
+TEST(ModelTest, PackedDocumentsEqualSeparateSequences) {
+  torch::manual_seed(0);
+  CausalLM m(SmallConfig(Architecture::kLlama));
+  m->InitRandom(3, 0.1);
+  torch::Tensor a = torch::randint(0, 97, {1, 7}, torch::kInt64);
+  torch::Tensor b = torch::randint(0, 97, {1, 12}, torch::kInt64);
+  ForwardInputs packed;
+  packed.input_ids = torch::cat({a, b}, 1);  // (1, 19)
+  packed.position_ids = torch::cat({torch::arange(7), torch::arange(12)}).unsqueeze(0);
+  std::vector<std::vector<int64_t>> lens = {{7, 12}};
+  packed.doc_lens = &lens;
+  torch::Tensor hp = m->Hidden(packed);
+  ForwardInputs ia, ib;
+  ia.input_ids = a;
+  ib.input_ids = b;
+  torch::Tensor ha = m->Hidden(ia), hb = m->Hidden(ib);
+  EXPECT_TRUE(torch::allclose(hp.narrow(1, 0, 7), ha, 1e-5, 1e-5));
+  EXPECT_TRUE(torch::allclose(hp.narrow(1, 7, 12), hb, 1e-5, 1e-5));
+  // Without doc_lens the second document would see the first: the outputs must differ.
+  ForwardInputs unpacked = packed;
+  unpacked.doc_lens = nullptr;
+  EXPECT_FALSE(torch::allclose(m->Hidden(unpacked).narrow(1, 7, 12), hb, 1e-3, 1e-3));
+}
+
+TEST(ModelTest, MathAndSdpaBackendsAgree) {
+  torch::manual_seed(1);
+  CausalLM m(SmallConfig(Architecture::kQwen3));
+  m->InitRandom(5, 0.1);
+  ForwardInputs in;
+  in.input_ids = torch::randint(0, 97, {2, 33}, torch::kInt64);
+  m->set_attention_backend(MakeAttentionBackend("math").value());
+  torch::Tensor a = m->Logits(in);
+  m->set_attention_backend(MakeAttentionBackend("sdpa").value());
+  torch::Tensor b = m->Logits(in);
+  EXPECT_LT((a - b).abs().max().item<double>(), 1e-4);
+  EXPECT_FALSE(MakeAttentionBackend("flash9").ok());
+}
+
+TEST(ModelTest, OutputIsCausal) {
+  CausalLM m(SmallConfig(Architecture::kLlama));
+  m->InitRandom(7, 0.1);
+  torch::Tensor ids = torch::randint(0, 97, {1, 20}, torch::kInt64);
+  ForwardInputs in;
+  in.input_ids = ids;
+  torch::Tensor base = m->Logits(in);
+  torch::Tensor changed = ids.clone();
+  changed.index_put_({0, 15}, (ids.index({0, 15}) + 1) % 97);
+  in.input_ids = changed;
+  torch::Tensor other = m->Logits(in);
+  EXPECT_TRUE(torch::equal(base.narrow(1, 0, 15), other.narrow(1, 0, 15)));
+  EXPECT_FALSE(torch::allclose(base.narrow(1, 15, 5), other.narrow(1, 15, 5)));
+}
+
+TEST(ModelTest, LoadModelRejectsUnknownNamesAndBadDirs) {
+  auto r = LoadModel("no-such-model", torch::kFloat32, torch::kCPU);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("neither a named shape"), std::string::npos);
+  auto dir = std::filesystem::temp_directory_path() / "odyssey_model_test_empty";
+  std::filesystem::create_directories(dir);
+  auto d = LoadModel(dir.string(), torch::kFloat32, torch::kCPU);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("config.json"), std::string::npos) << d.status();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ModelTest, MissingAndMisshapenTensorsAreNamed) {
+  auto dir = std::filesystem::temp_directory_path() / "odyssey_model_test_ckpt";
+  std::filesystem::remove_all(dir);
+  ModelConfig c = SmallConfig(Architecture::kLlama);
+  CausalLM m(c);
+  m->InitRandom(1);
+  ASSERT_TRUE(SaveHfCheckpoint(m, dir.string(), {torch::kFloat32}).ok());
+  // A model with one more layer than the checkpoint holds: the missing tensor is named.
+  c.num_hidden_layers = 3;
+  CausalLM bigger(c);
+  absl::Status s = LoadHfWeights(bigger, dir.string());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("model.layers.2."), std::string::npos) << s;
+  // A wider model: the shape mismatch names the tensor and both shapes.
+  c = SmallConfig(Architecture::kLlama);
+  c.intermediate_size = 96;
+  CausalLM wider(c);
+  s = LoadHfWeights(wider, dir.string());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("mlp"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("96"), std::string::npos) << s;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace odyssey::model

@@ -1,0 +1,87 @@
+// Parity with Hugging Face transformers: driven by run_parity.py, which writes tiny HF
+// checkpoints plus reference logprobs and gradients, then checks what this test saves back.
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "engine/loss.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+
+namespace odyssey {
+namespace {
+
+std::vector<std::string> Cases() {
+  std::vector<std::string> out;
+  const char* env = std::getenv("ODYSSEY_PARITY_CASES");
+  std::stringstream ss(env ? env : "");
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+TEST(HfParity, LogprobsGradientsAndRoundTrip) {
+  const char* dir_env = std::getenv("ODYSSEY_PARITY_DIR");
+  ASSERT_NE(dir_env, nullptr) << "run through tests/parity/run_parity.py (ctest -R hf_parity)";
+  const std::filesystem::path root(dir_env);
+  const auto cases = Cases();
+  ASSERT_FALSE(cases.empty());
+  for (const std::string& c : cases) {
+    SCOPED_TRACE(c);
+    const std::string dir = (root / c).string();
+    auto model = model::LoadPretrained(dir, torch::kFloat32, torch::kCPU);
+    ASSERT_TRUE(model.ok()) << model.status();
+    (*model)->set_attention_backend(model::MakeAttentionBackend("math").value());
+    auto refs = model::SafetensorsFile::Open((root / c / "refs.safetensors").string());
+    ASSERT_TRUE(refs.ok()) << refs.status();
+    torch::Tensor tokens = (*refs)->Read("tokens").value();    // (2, S+1)
+    torch::Tensor weights = (*refs)->Read("weights").value();  // (2, S)
+    torch::Tensor ref_logp = (*refs)->Read("logprobs").value();
+    const int64_t S = weights.size(1);
+
+    model::ForwardInputs in;
+    in.input_ids = tokens.narrow(1, 0, S);
+    torch::Tensor hidden = (*model)->Hidden(in);
+    torch::Tensor logp = engine::TokenLogprobs(hidden, (*model)->HeadWeight(), tokens.narrow(1, 1, S));
+    const double max_diff = (logp - ref_logp).abs().max().item<double>();
+    EXPECT_LE(max_diff, 1e-4) << "per-token logprobs differ from transformers";
+    // The check must be able to fail: logprobs of a 257-way softmax are far from zero.
+    EXPECT_GT(ref_logp.abs().mean().item<double>(), 1.0);
+
+    torch::Tensor loss = -(logp * weights).sum();
+    loss.backward();
+    int checked = 0;
+    double worst_rel = 0;
+    for (auto& p : (*model)->named_parameters()) {
+      SCOPED_TRACE(p.key());
+      auto ref = (*refs)->Read("grad." + p.key());
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      ASSERT_TRUE(p.value().grad().defined());
+      const double denom = ref->norm().item<double>();
+      ASSERT_GT(denom, 0.0);
+      const double rel = (p.value().grad() - *ref).norm().item<double>() / denom;
+      EXPECT_LE(rel, 1e-4) << "gradient differs from transformers";
+      worst_rel = std::max(worst_rel, rel);
+      ++checked;
+    }
+    EXPECT_EQ(checked, static_cast<int>((*refs)->tensors().size()) - 3);
+    std::printf("%s: logprobs max |d| %.2e, worst gradient relative error %.2e over %d parameters\n", c.c_str(),
+                max_diff, worst_rel, checked);
+
+    model::SaveOptions fp32;
+    fp32.dtype = torch::kFloat32;
+    ASSERT_TRUE(model::SaveHfCheckpoint(*model, (root / (c + "_roundtrip")).string(), fp32).ok());
+    model::SaveOptions sharded;
+    sharded.dtype = torch::kBFloat16;
+    sharded.max_shard_bytes = 64 << 10;
+    ASSERT_TRUE(model::SaveHfCheckpoint(*model, (root / (c + "_sharded_bf16")).string(), sharded).ok());
+  }
+}
+
+}  // namespace
+}  // namespace odyssey
