@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Configures and builds odyssey into build/ (CPU build against the venv's libtorch).
+# Extra arguments go to cmake's configure step. Jobs: ODYSSEY_JOBS (default: nproc).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/setup.sh
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
+cmake -S . -B build -G Ninja "$@" >/dev/null
+ninja -C build -j "${ODYSSEY_JOBS:-$(nproc)}"
