@@ -5,6 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 cmake -S . -B build -G Ninja "$@" >/dev/null
 ninja -C build -j "${ODYSSEY_JOBS:-$(nproc)}"
