@@ -74,9 +74,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
                                                    config.max_position_embeddings, ")"));
   DataOptions data_options = options.data;
   data_options.vocab_size = config.vocab_size;
+  Communicator* comm = options.communicator;
+  if (comm != nullptr) data_options.seed += static_cast<uint64_t>(comm->rank());  // each rank its own batches
   absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
   if (!data.ok()) return data.status();
-  return std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
+  auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
+  if (comm != nullptr && comm->world_size() > 1) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> params = trainer->params_;
+    if (absl::Status s = comm->Broadcast(params, 0); !s.ok()) return s;
+  }
+  return trainer;
 }
 
 torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
@@ -84,7 +92,7 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   in.input_ids = batch.input_ids.to(device_);
   in.position_ids = batch.position_ids.to(device_);
   in.doc_lens = &batch.doc_lens;
-  torch::Tensor hidden = model_->Hidden(in, hook_);  // (B, S, hidden)
+  torch::Tensor hidden = model_->Hidden(in, runner_);  // (B, S, hidden)
   torch::Tensor mask = batch.loss_mask.to(device_);
   *targets = batch.NumTargets();
   torch::Tensor sum = MaskedCrossEntropySum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
@@ -92,6 +100,7 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
 }
 
 StepResult Trainer::Step(const Batch& batch) {
+  if (options_.communicator != nullptr && options_.communicator->world_size() > 1) return DataParallelStep(batch);
   const auto t0 = std::chrono::steady_clock::now();
   model_->train();
   StepResult r;
@@ -104,6 +113,48 @@ StepResult Trainer::Step(const Batch& batch) {
   r.loss = loss.item<double>();  // synchronizes the device
   r.step = optimizer_->steps();
   r.tokens = batch.input_ids.numel();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
+  return r;
+}
+
+StepResult Trainer::DataParallelStep(const Batch& batch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& comm = *options_.communicator;
+  model_->train();
+  StepResult r;
+  // Target and position counts over all ranks first: each rank's loss is scaled by its share of
+  // the global targets, so the summed gradients are those of the mean over the global batch.
+  std::vector<torch::Tensor> counts = {
+      torch::tensor({static_cast<double>(batch.NumTargets()), static_cast<double>(batch.input_ids.numel())},
+                    torch::kFloat64)};
+  if (r.status = comm.AllReduce(counts, ReduceOp::kSum); !r.status.ok()) return r;
+  const double global_targets = counts[0][0].item<double>();
+  int64_t local_targets = 0;
+  torch::Tensor loss = Loss(batch, &local_targets) *
+                       (static_cast<double>(std::max<int64_t>(1, local_targets)) / std::max(1.0, global_targets));
+  loss.backward();
+  // Gradients (a parameter without one contributes zeros, so every rank sends the same list)
+  // and the loss share travel in one all-reduce.
+  std::vector<torch::Tensor> reduce;
+  reduce.reserve(params_.size() + 1);
+  for (torch::Tensor& p : params_) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    reduce.push_back(p.grad());
+  }
+  reduce.push_back(loss.detach().to(torch::kFloat32).reshape({1}));
+  if (r.status = comm.AllReduce(reduce, ReduceOp::kSum); !r.status.ok()) {
+    optimizer_->ZeroGrad();
+    return r;
+  }
+  r.target_tokens = static_cast<int64_t>(global_targets);
+  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
+  r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
+  optimizer_->Step(r.lr);
+  optimizer_->ZeroGrad();
+  r.loss = reduce.back().item<double>();
+  r.step = optimizer_->steps();
+  r.tokens = counts[0][1].item<int64_t>();
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
   return r;

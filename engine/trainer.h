@@ -1,8 +1,15 @@
 // Trainer: one model, its optimizer and its data on one device; runs training steps.
 //
+// Data parallel (TrainerOptions::communicator with world_size > 1): every rank holds the whole
+// model and optimizer, samples its own data (data seed + rank), and all-reduces its gradients
+// before clipping, weighted so that the update equals one rank's step on the ranks' batches
+// concatenated (the loss is the mean over all ranks' target tokens). Parameters are broadcast
+// from rank 0 at creation, and every rank applies the same reduced gradients, so the ranks stay
+// bitwise identical. Every rank must call Create and each step together.
+//
 // A step is forward + backward + clip + AdamW for one batch (one sequence or a packed batch),
 // with the loss averaged over the batch's masked target tokens. Memory strategies plug in
-// through set_layer_hook() (each decoder layer runs through the hook). Checkpoints are
+// through set_layer_runner() (the decoder layers run through it). Checkpoints are
 // Hugging Face directories (config.json + model.safetensors) plus optimizer.safetensors and
 // trainer_state.json, so a checkpoint both loads in transformers and resumes exactly.
 // Thread safety: one thread at a time.
@@ -16,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "engine/data.h"
 #include "engine/optimizer.h"
+#include "engine/parallel/communicator.h"
 #include "model/causal_lm.h"
 
 namespace odyssey::engine {
@@ -31,6 +39,9 @@ struct TrainerOptions {
   AdamWOptions optimizer;
   ScheduleOptions schedule;       // total_steps 0 = `steps`
   DataOptions data;               // vocab_size is taken from the model
+  // Data parallel over the communicator's ranks when its world_size > 1; nullptr (or a world
+  // of 1) trains alone. Not owned: it must outlive the trainer.
+  Communicator* communicator = nullptr;
   absl::Status Validate() const;
 };
 
@@ -39,10 +50,13 @@ struct StepResult {
   double loss = 0;           // mean over target tokens, nats
   double grad_norm = 0;      // before clipping
   double lr = 0;
-  int64_t tokens = 0;        // positions processed (B * S)
-  int64_t target_tokens = 0; // positions in the loss
+  int64_t tokens = 0;        // positions processed (B * S), summed over the ranks
+  int64_t target_tokens = 0; // positions in the loss, summed over the ranks
   double seconds = 0;
   double tokens_per_second = 0;
+  // Not OK when a collective failed (data parallel): nothing was updated, and the ranks must
+  // stop (the group is broken).
+  absl::Status status;
 };
 
 class Trainer {
@@ -60,7 +74,7 @@ class Trainer {
   // Loads weights, optimizer state and the step counter written by SaveCheckpoint.
   absl::Status LoadCheckpoint(const std::string& dir);
 
-  void set_layer_hook(model::LayerHook hook) { hook_ = std::move(hook); }
+  void set_layer_runner(model::LayerStackRunner runner) { runner_ = std::move(runner); }
   int64_t step() const { return optimizer_->steps(); }
   model::CausalLM& model() { return model_; }
   DataSource& data() { return *data_; }
@@ -72,6 +86,7 @@ class Trainer {
   Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data, torch::Device device,
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
+  StepResult DataParallelStep(const Batch& batch);
 
   TrainerOptions options_;
   model::CausalLM model_;
@@ -80,7 +95,7 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   torch::Device device_;
   torch::Dtype dtype_;
-  model::LayerHook hook_;
+  model::LayerStackRunner runner_;
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

@@ -28,7 +28,7 @@ torch::Tensor CausalLMImpl::HeadWeight() const {
   return lm_head ? lm_head->weight : model->embed_tokens->weight;
 }
 
-torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerHook& hook) {
+torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunner& runner) {
   const torch::Tensor& ids = in.input_ids;  // (B, S)
   TORCH_CHECK(ids.dim() == 2, "input_ids must be (B, S)");
   const int64_t B = ids.size(0), S = ids.size(1);
@@ -41,9 +41,10 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerHook& hoo
   ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, S, D) each
   ctx.attention.doc_lens = in.doc_lens;
   ctx.backend = backend_.get();
-  for (int64_t i = 0; i < static_cast<int64_t>(model->layer_list.size()); ++i) {
-    DecoderLayer& layer = model->layer_list[i];
-    h = hook ? hook(i, layer, h, ctx) : layer->forward(h, ctx);
+  if (runner) {
+    h = runner(model->layer_list, h, ctx);
+  } else {
+    for (const DecoderLayer& layer : model->layer_list) h = layer->forward(h, ctx);
   }
   return model->norm(h);
 }

@@ -4,7 +4,7 @@
 //   model.embed_tokens.weight, model.layers.{i}.{self_attn,mlp,...}, model.norm.weight,
 //   lm_head.weight (absent when tie_word_embeddings: the head reuses the embedding).
 // The model computes hidden states; the engine computes the head + loss (tiled or not) from
-// Hidden() and HeadWeight(), and may wrap every decoder layer through a LayerHook (recompute,
+// Hidden() and HeadWeight(), and may wrap every decoder layer through a LayerStackRunner (recompute,
 // offload, tiling). Thread safety: one thread at a time.
 #pragma once
 
@@ -23,9 +23,11 @@
 
 namespace odyssey::model {
 
-// Runs decoder layer `index` on h (B, S, hidden). The default calls layer->forward(h, ctx).
-using LayerHook = std::function<torch::Tensor(int64_t index, DecoderLayer& layer, const torch::Tensor& h,
-                                              const LayerContext& ctx)>;
+// Runs the whole stack of decoder layers on h (B, S, hidden) and returns the last layer's
+// output. The default runs layer->forward(h, ctx) in order. Engine memory strategies
+// (recompute, offload, tiling, nested checkpoints over groups of layers) are runners.
+using LayerStackRunner = std::function<torch::Tensor(const std::vector<DecoderLayer>& layers, const torch::Tensor& h,
+                                                     const LayerContext& ctx)>;
 
 // The inputs of one forward pass.
 struct ForwardInputs {
@@ -53,8 +55,8 @@ class CausalLMImpl : public torch::nn::Module {
   void set_attention_backend(std::shared_ptr<const AttentionBackend> backend) { backend_ = std::move(backend); }
   const AttentionBackend& attention_backend() const { return *backend_; }
 
-  // Final normed hidden states (B, S, hidden). `hook` runs each decoder layer (may be empty).
-  torch::Tensor Hidden(const ForwardInputs& in, const LayerHook& hook = nullptr);
+  // Final normed hidden states (B, S, hidden). `runner` runs the decoder layers (may be empty).
+  torch::Tensor Hidden(const ForwardInputs& in, const LayerStackRunner& runner = nullptr);
   // The LM head weight (vocab, hidden): lm_head.weight, or the embedding when tied.
   torch::Tensor HeadWeight() const;
   // Full logits (B, S, vocab) in the params' dtype. For tests and short sequences only: the
