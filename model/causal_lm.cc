@@ -44,7 +44,7 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunn
   if (runner) {
     h = runner(model->layer_list, h, ctx);
   } else {
-    for (const DecoderLayer& layer : model->layer_list) h = layer->forward(h, ctx);
+    for (DecoderLayer layer : model->layer_list) h = layer->forward(h, ctx);  // holders are shared_ptrs
   }
   return model->norm(h);
 }
