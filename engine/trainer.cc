@@ -62,8 +62,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     if (!d.ok()) return d.status();
     dtype = *d;
   }
-  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend = model::MakeAttentionBackend(options.attention);
+  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend =
+      model::MakeAttentionBackend(options.attention, options.attention_head_groups);
   if (!backend.ok()) return backend.status();
+  absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model);
+  if (!resolved.ok()) return resolved.status();
+  if (resolved->num_key_value_heads % options.attention_head_groups != 0)
+    return absl::InvalidArgumentError(absl::StrCat("attention_head_groups (", options.attention_head_groups,
+                                                   ") must divide num_key_value_heads (",
+                                                   resolved->num_key_value_heads, ")"));
+  absl::StatusOr<std::unique_ptr<memory::MemoryStack>> memory =
+      memory::MemoryStack::Create(options.memory, resolved->num_hidden_layers);
+  if (!memory.ok()) return memory.status();
+  // The host pool comes before the model's weights: a job that cannot fit fails fast.
+  if (absl::Status s = (*memory)->Prepare(options.data.batch_size, options.data.seq_len, resolved->hidden_size, dtype);
+      !s.ok())
+    return s;
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
@@ -79,6 +93,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
   if (!data.ok()) return data.status();
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
+  trainer->memory_ = *std::move(memory);
+  trainer->runner_ = trainer->memory_->Runner();
   if (comm != nullptr && comm->world_size() > 1) {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> params = trainer->params_;
@@ -95,7 +111,7 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   torch::Tensor hidden = model_->Hidden(in, runner_);  // (B, S, hidden)
   torch::Tensor mask = batch.loss_mask.to(device_);
   *targets = batch.NumTargets();
-  torch::Tensor sum = MaskedCrossEntropySum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
+  torch::Tensor sum = memory_->LossSum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
   return sum / static_cast<double>(std::max<int64_t>(1, *targets));
 }
 
@@ -131,8 +147,8 @@ StepResult Trainer::DataParallelStep(const Batch& batch) {
   if (r.status = comm.AllReduce(counts, ReduceOp::kSum); !r.status.ok()) return r;
   const double global_targets = counts[0][0].item<double>();
   int64_t local_targets = 0;
-  torch::Tensor loss = Loss(batch, &local_targets) *
-                       (static_cast<double>(std::max<int64_t>(1, local_targets)) / std::max(1.0, global_targets));
+  torch::Tensor loss = Loss(batch, &local_targets);  // sets local_targets
+  loss = loss * (static_cast<double>(std::max<int64_t>(1, local_targets)) / std::max(1.0, global_targets));
   loss.backward();
   // Gradients (a parameter without one contributes zeros, so every rank sends the same list)
   // and the loss share travel in one all-reduce.

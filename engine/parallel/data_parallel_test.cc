@@ -1,0 +1,140 @@
+// Data-parallel training through the Trainer: ranks stay identical, and their step equals one
+// rank's step on the concatenated batch.
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "engine/parallel/communicator.h"
+#include "engine/trainer.h"
+
+namespace odyssey::engine {
+namespace {
+
+TrainerOptions Tiny() {
+  TrainerOptions o;
+  o.model = "tiny";
+  o.device = "cpu";
+  o.dtype = "float32";
+  o.steps = 10;
+  o.optimizer.lr = 1e-3;
+  o.optimizer.weight_decay = 0.1;
+  o.schedule.warmup_steps = 2;
+  o.grad_clip = 0.5;  // low enough to clip: clipping must see the reduced gradients
+  o.data.format = "kjv";
+  o.data.seq_len = 32;
+  o.data.batch_size = 2;
+  o.seed = 3;
+  return o;
+}
+
+void ExpectClose(Trainer& a, Trainer& b, double rtol, double atol, const std::string& what) {
+  auto pa = a.model()->named_parameters();
+  auto pb = b.model()->named_parameters();
+  for (auto& p : pa) {
+    const torch::Tensor& x = p.value();
+    const torch::Tensor& y = pb[p.key()];
+    const double err = (x - y).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(x, y, rtol, atol)) << what << ": " << p.key() << " max |diff| " << err;
+  }
+}
+
+TEST(DataParallelTest, TwoRanksStayIdenticalAndEqualOneRankOnTheConcatenatedBatch) {
+  torch::set_num_threads(1);
+  auto single = Trainer::Create(Tiny());
+  ASSERT_TRUE(single.ok()) << single.status();
+
+  auto group = InProcessGroup::Create(2, absl::Seconds(60));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
+  std::vector<std::unique_ptr<Trainer>> ranks(2);
+  std::vector<absl::Status> created(2);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainerOptions o = Tiny();
+        o.communicator = comms[r].get();
+        auto t = Trainer::Create(o);
+        created[r] = t.status();
+        if (t.ok()) ranks[r] = *std::move(t);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  ASSERT_TRUE(created[0].ok()) << created[0];
+  ASSERT_TRUE(created[1].ok()) << created[1];
+  ExpectClose(*ranks[0], **single, 0, 0, "initial weights");
+
+  // Each rank samples its own batches (data seed + rank).
+  EXPECT_FALSE(torch::equal(ranks[0]->data().Next().input_ids, ranks[1]->data().Next().input_ids));
+
+  for (int step = 0; step < 4; ++step) {
+    Batch a = (*single)->data().Next(), b = (*single)->data().Next();
+    Batch both;
+    both.input_ids = torch::cat({a.input_ids, b.input_ids});
+    both.labels = torch::cat({a.labels, b.labels});
+    both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
+    both.position_ids = torch::cat({a.position_ids, b.position_ids});
+    StepResult r0, r1;
+    std::thread t1([&] { r1 = ranks[1]->Step(b); });
+    r0 = ranks[0]->Step(a);
+    t1.join();
+    ASSERT_TRUE(r0.status.ok()) << r0.status;
+    ASSERT_TRUE(r1.status.ok()) << r1.status;
+    StepResult rs = (*single)->Step(both);
+
+    EXPECT_EQ(r0.loss, r1.loss);
+    EXPECT_EQ(r0.grad_norm, r1.grad_norm);
+    EXPECT_NEAR(r0.loss, rs.loss, 1e-6 * rs.loss);
+    EXPECT_NEAR(r0.grad_norm, rs.grad_norm, 1e-5 * rs.grad_norm);
+    EXPECT_EQ(r0.tokens, rs.tokens);
+    EXPECT_EQ(r0.target_tokens, rs.target_tokens);
+    EXPECT_EQ(r0.step, step + 1);
+    ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");     // bitwise identical
+    ExpectClose(*ranks[0], **single, 1e-5, 1e-6, "data parallel vs one rank");
+  }
+}
+
+// Ranks with different numbers of target tokens: the loss is still the mean over all targets
+// (not the mean of the ranks' means).
+TEST(DataParallelTest, UnequalTargetCountsWeighTokensNotRanks) {
+  torch::set_num_threads(1);
+  auto single = Trainer::Create(Tiny());
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto group = InProcessGroup::Create(2, absl::Seconds(60));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
+  std::vector<std::unique_ptr<Trainer>> ranks(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      TrainerOptions o = Tiny();
+      o.communicator = comms[r].get();
+      auto t = Trainer::Create(o);
+      if (t.ok()) ranks[r] = *std::move(t);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(ranks[0] && ranks[1]);
+
+  Batch a = (*single)->data().Next(), b = (*single)->data().Next();
+  b.loss_mask.slice(1, 0, 20).zero_();  // rank 1 counts 12 of 32 positions per row
+  Batch both;
+  both.input_ids = torch::cat({a.input_ids, b.input_ids});
+  both.labels = torch::cat({a.labels, b.labels});
+  both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
+  both.position_ids = torch::cat({a.position_ids, b.position_ids});
+  StepResult r0, r1;
+  std::thread t1([&] { r1 = ranks[1]->Step(b); });
+  r0 = ranks[0]->Step(a);
+  t1.join();
+  StepResult rs = (*single)->Step(both);
+  EXPECT_EQ(r0.target_tokens, rs.target_tokens);
+  EXPECT_NEAR(r0.loss, rs.loss, 1e-6 * rs.loss);
+  ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");
+  ExpectClose(*ranks[0], **single, 1e-5, 1e-6, "data parallel vs one rank");
+}
+
+}  // namespace
+}  // namespace odyssey::engine
