@@ -3,12 +3,12 @@
 # CPU build (ODYSSEY_CUDA=OFF, the default): libtorch comes from the project venv's torch wheel
 # (scripts/setup.sh installs torch==2.11.0). The PyPI wheel is a CUDA build, and its
 # TorchConfig.cmake drags in the CUDA toolkit and every CUDA library; a CPU-only build needs
-# none of that. So we skip find_package(Torch) and link only libtorch_cpu + libc10 (+ libtorch,
-# a thin shim), with the wheel's include folders and its C++ ABI flag. The result runs on a
-# machine with no GPU and no CUDA libraries loaded.
+# none of that. So we skip find_package(Torch) and link only libtorch_cpu + libc10, with the
+# wheel's include folders and its C++ ABI flag. The result runs on a machine with no GPU.
 #
-# GPU build (ODYSSEY_CUDA=ON): find_package(Torch) against the host's libtorch (its CUDA
-# config included), so libtorch_cuda, cuDNN and NCCL are linked; see docs/gpu-build.md.
+# GPU build (ODYSSEY_CUDA=ON): the same, plus libtorch_cuda + libc10_cuda and the CUDA
+# toolkit's runtime; we still skip TorchConfig.cmake, whose CUDA/cuDNN/NVTX discovery differs
+# from host to host, and define what its targets would (USE_CUDA). See docs/gpu.md.
 
 set(ODYSSEY_PYTHON "" CACHE FILEPATH "Python with torch (default: .venv/bin/python)")
 if(NOT ODYSSEY_PYTHON)
@@ -32,24 +32,28 @@ message(STATUS "odyssey: torch ${TORCH_VERSION_STRING} at ${TORCH_ROOT} (cuda=${
 
 add_library(odyssey_torch INTERFACE)
 add_library(odyssey::torch ALIAS odyssey_torch)
+set(_tlib "${TORCH_ROOT}/lib")
+set(_tlibs torch_cpu c10)
 if(ODYSSEY_CUDA)
-  list(APPEND CMAKE_PREFIX_PATH "${TORCH_ROOT}/share/cmake")
-  find_package(Torch REQUIRED)
-  target_link_libraries(odyssey_torch INTERFACE ${TORCH_LIBRARIES})
-  target_compile_definitions(odyssey_torch INTERFACE ODYSSEY_WITH_CUDA=1)
-else()
-  set(_tlib "${TORCH_ROOT}/lib")
-  foreach(_l torch_cpu c10)
-    if(NOT EXISTS "${_tlib}/lib${_l}.so")
-      message(FATAL_ERROR "missing ${_tlib}/lib${_l}.so in the torch wheel")
-    endif()
-  endforeach()
-  target_include_directories(odyssey_torch SYSTEM INTERFACE
-    "${TORCH_ROOT}/include" "${TORCH_ROOT}/include/torch/csrc/api/include")
-  target_link_libraries(odyssey_torch INTERFACE
-    "-Wl,--no-as-needed" "${_tlib}/libtorch_cpu.so" "${_tlib}/libc10.so" "-Wl,--as-needed")
-  target_compile_definitions(odyssey_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI})
-  # The wheel's libs find each other through their own rpath ($ORIGIN); ours need one to them.
-  set(CMAKE_BUILD_RPATH "${_tlib}" PARENT_SCOPE)
-  set(ODYSSEY_TORCH_LIBDIR "${_tlib}" PARENT_SCOPE)
+  # libtorch_cuda registers the CUDA kernels (it must be linked even where no symbol of it is
+  # used directly: --no-as-needed), c10_cuda holds streams and the caching allocator.
+  list(APPEND _tlibs torch_cuda c10_cuda)
+  find_package(CUDAToolkit REQUIRED)
+  target_link_libraries(odyssey_torch INTERFACE CUDA::cudart)
+  target_compile_definitions(odyssey_torch INTERFACE ODYSSEY_WITH_CUDA=1 USE_CUDA=1)
 endif()
+set(_tpaths)
+foreach(_l ${_tlibs})
+  if(NOT EXISTS "${_tlib}/lib${_l}.so")
+    message(FATAL_ERROR "missing ${_tlib}/lib${_l}.so in the torch installation")
+  endif()
+  list(APPEND _tpaths "${_tlib}/lib${_l}.so")
+endforeach()
+target_include_directories(odyssey_torch SYSTEM INTERFACE
+  "${TORCH_ROOT}/include" "${TORCH_ROOT}/include/torch/csrc/api/include")
+target_link_libraries(odyssey_torch INTERFACE "-Wl,--no-as-needed" ${_tpaths} "-Wl,--as-needed")
+target_compile_definitions(odyssey_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI})
+# The torch libraries find each other (and the CUDA libraries of the wheel) through their own
+# rpath ($ORIGIN); ours need one to them.
+set(CMAKE_BUILD_RPATH "${_tlib}" PARENT_SCOPE)
+set(ODYSSEY_TORCH_LIBDIR "${_tlib}" PARENT_SCOPE)

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/data.h"
+#include "engine/memory/strategy.h"
 #include "engine/optimizer.h"
 #include "engine/parallel/communicator.h"
 #include "model/causal_lm.h"
@@ -32,7 +33,9 @@ struct TrainerOptions {
   std::string model = "tiny";     // named shape or HF checkpoint directory
   std::string device = "auto";    // auto (cuda if present, else cpu) | cpu | cuda | cuda:N
   std::string dtype = "auto";     // auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16
-  std::string attention = "auto"; // attention backend: auto | math | sdpa
+  std::string attention = "auto"; // attention backend: auto | math | sdpa | cudnn
+  int64_t attention_head_groups = 1;  // KV-head groups run one after another (divides KV heads)
+  memory::MemoryOptions memory;   // recompute, offload, tiling (default: none of them)
   uint64_t seed = 0;              // model init (named shapes) and data sampling
   int64_t steps = 300;            // training steps (> 0)
   double grad_clip = 1.0;         // max global grad norm; <= 0 disables
@@ -75,6 +78,7 @@ class Trainer {
   absl::Status LoadCheckpoint(const std::string& dir);
 
   void set_layer_runner(model::LayerStackRunner runner) { runner_ = std::move(runner); }
+  memory::MemoryStack& memory() { return *memory_; }
   int64_t step() const { return optimizer_->steps(); }
   model::CausalLM& model() { return model_; }
   DataSource& data() { return *data_; }
@@ -96,6 +100,7 @@ class Trainer {
   torch::Device device_;
   torch::Dtype dtype_;
   model::LayerStackRunner runner_;
+  std::unique_ptr<memory::MemoryStack> memory_;
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

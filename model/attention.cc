@@ -72,6 +72,39 @@ class SdpaAttention : public AttentionBackend {
   }
 };
 
+// SDPA with cuDNN first. The priority order is process-global in ATen; it is set around each
+// call and restored, since one training thread owns the process's attention calls.
+class CudnnAttention : public AttentionBackend {
+ public:
+  std::string name() const override { return "cudnn"; }
+
+ protected:
+  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       double scale) const override {
+    auto& context = at::globalContext();
+    const auto saved = context.sDPPriorityOrder();
+    std::vector<int64_t> order = {static_cast<int64_t>(at::SDPBackend::cudnn_attention)};
+    for (at::SDPBackend b : saved) {
+      if (b != at::SDPBackend::cudnn_attention) order.push_back(static_cast<int64_t>(b));
+    }
+    context.setSDPPriorityOrder(order);
+    torch::Tensor out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
+                                                         /*enable_gqa=*/q.size(1) != k.size(1));
+    std::vector<int64_t> restore;
+    for (at::SDPBackend b : saved) restore.push_back(static_cast<int64_t>(b));
+    context.setSDPPriorityOrder(restore);
+    return out;
+  }
+};
+
+template <typename B>
+struct Exposed : B {
+  torch::Tensor CausalPublic(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             double scale) const {
+    return this->Causal(q, k, v, scale);
+  }
+};
+
 class AutoAttention final : public AttentionBackend {
  public:
   std::string name() const override { return "auto"; }
@@ -79,28 +112,65 @@ class AutoAttention final : public AttentionBackend {
  protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
-    return q.is_cuda() ? sdpa_.CausalPublic(q, k, v, scale) : math_.CausalPublic(q, k, v, scale);
+    return q.is_cuda() ? cudnn_.CausalPublic(q, k, v, scale) : math_.CausalPublic(q, k, v, scale);
   }
 
  private:
-  template <typename B>
-  struct Exposed : B {
-    torch::Tensor CausalPublic(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               double scale) const {
-      return this->Causal(q, k, v, scale);
-    }
-  };
-  Exposed<SdpaAttention> sdpa_;
+  Exposed<CudnnAttention> cudnn_;
   Exposed<MathAttention> math_;
+};
+
+// Runs the inner backend over groups of KV heads (with their query heads) one after another.
+// GQA maps query head h to KV head h / (Hq / Hkv), so contiguous query-head blocks pair with
+// contiguous KV-head blocks. Each group's kernel call (and, in backward, its gradient call)
+// holds only that group's working memory.
+class HeadChunkedAttention final : public AttentionBackend {
+ public:
+  HeadChunkedAttention(std::shared_ptr<const AttentionBackend> inner, int64_t groups)
+      : inner_(std::move(inner)), groups_(groups) {}
+  std::string name() const override { return absl::StrCat(inner_->name(), "/", groups_, "-head-groups"); }
+
+ protected:
+  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       double scale) const override {
+    TORCH_CHECK(k.size(1) % groups_ == 0, "head groups (", groups_, ") must divide the KV heads (", k.size(1), ")");
+    const int64_t kv_per = k.size(1) / groups_, q_per = q.size(1) / groups_;
+    std::vector<torch::Tensor> outs;
+    AttentionMeta meta;
+    meta.scale = scale;
+    for (int64_t g = 0; g < groups_; ++g) {
+      outs.push_back(inner_->Forward(q.narrow(1, g * q_per, q_per), k.narrow(1, g * kv_per, kv_per),
+                                     v.narrow(1, g * kv_per, kv_per), meta));  // (B, Hq/G, S, D)
+    }
+    return torch::cat(outs, 1);  // (B, Hq, S, D)
+  }
+
+ private:
+  std::shared_ptr<const AttentionBackend> inner_;
+  int64_t groups_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(const std::string& kind) {
-  if (kind == "math") return std::make_shared<const MathAttention>();
-  if (kind == "sdpa") return std::make_shared<const SdpaAttention>();
-  if (kind == "auto" || kind.empty()) return std::make_shared<const AutoAttention>();
-  return absl::InvalidArgumentError(absl::StrCat("attention backend '", kind, "' is not one of auto, math, sdpa"));
+absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(const std::string& kind,
+                                                                             int64_t head_groups) {
+  std::shared_ptr<const AttentionBackend> backend;
+  if (kind == "math") {
+    backend = std::make_shared<const MathAttention>();
+  } else if (kind == "sdpa") {
+    backend = std::make_shared<const SdpaAttention>();
+  } else if (kind == "cudnn") {
+    backend = std::make_shared<const CudnnAttention>();
+  } else if (kind == "auto" || kind.empty()) {
+    backend = std::make_shared<const AutoAttention>();
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention backend '", kind, "' is not one of auto, math, sdpa, cudnn"));
+  }
+  if (head_groups < 1)
+    return absl::InvalidArgumentError(absl::StrCat("attention head_groups (", head_groups, ") must be >= 1"));
+  if (head_groups == 1) return backend;
+  return std::make_shared<const HeadChunkedAttention>(std::move(backend), head_groups);
 }
 
 }  // namespace odyssey::model

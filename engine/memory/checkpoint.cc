@@ -1,0 +1,174 @@
+#include "engine/memory/checkpoint.h"
+
+#include <torch/torch.h>
+
+namespace odyssey::engine::memory {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// State a Function carries from forward to backward (as an IValue capsule).
+struct BlockState : torch::CustomClassHolder {
+  BlockBody body;
+  SavedInputs* store = nullptr;
+  int64_t slot = 0;
+  std::shared_ptr<void> keepalive;  // e.g. an inner store that must outlive this block
+};
+
+class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, c10::intrusive_ptr<BlockState> state) {
+    torch::Tensor y;
+    {
+      torch::NoGradGuard no_grad;
+      y = state->body(x, /*recompute=*/false);
+    }
+    absl::Status s = state->store->Save(state->slot, x.detach());
+    TORCH_CHECK(s.ok(), std::string(s.message()));
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto state = c10::static_intrusive_pointer_cast<BlockState>(ctx->saved_data["state"].toCapsule());
+    torch::Tensor x = state->store->Take(state->slot).detach().requires_grad_(true);
+    torch::Tensor y;
+    {
+      torch::AutoGradMode grad(true);
+      y = state->body(x, /*recompute=*/true);
+    }
+    torch::autograd::backward({y}, {grads[0]});
+    ctx->saved_data.clear();  // releases the body (and what it captured) as soon as possible
+    return {x.grad(), torch::Tensor()};
+  }
+};
+
+struct MlpState : torch::CustomClassHolder {
+  model::DecoderLayer layer{nullptr};
+  int64_t tile = 0;
+};
+
+class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor h, c10::intrusive_ptr<MlpState> state) {
+    torch::Tensor flat = h.reshape({-1, h.size(-1)});  // (N, H)
+    torch::Tensor out = torch::empty_like(flat);
+    {
+      torch::NoGradGuard no_grad;
+      for (int64_t t0 = 0; t0 < flat.size(0); t0 += state->tile) {
+        const int64_t n = std::min(state->tile, flat.size(0) - t0);
+        out.narrow(0, t0, n).copy_(state->layer->MlpBlock(flat.narrow(0, t0, n)));
+      }
+    }
+    ctx->save_for_backward({h});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return out.view(h.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto state = c10::static_intrusive_pointer_cast<MlpState>(ctx->saved_data["state"].toCapsule());
+    torch::Tensor h = ctx->get_saved_variables()[0];
+    torch::Tensor flat = h.reshape({-1, h.size(-1)});       // (N, H)
+    torch::Tensor g = grads[0].reshape({-1, h.size(-1)});   // (N, H)
+    torch::Tensor gh = torch::empty_like(flat);             // one (N, H) buffer, filled per tile
+    for (int64_t t0 = 0; t0 < flat.size(0); t0 += state->tile) {
+      const int64_t n = std::min(state->tile, flat.size(0) - t0);
+      torch::Tensor x = flat.narrow(0, t0, n).detach().requires_grad_(true);
+      torch::Tensor y;
+      {
+        torch::AutoGradMode grad(true);
+        y = state->layer->MlpBlock(x);  // via (n, intermediate) only
+      }
+      torch::autograd::backward({y}, {g.narrow(0, t0, n)});
+      gh.narrow(0, t0, n).copy_(x.grad());
+    }
+    return {gh.view(h.sizes()), torch::Tensor()};
+  }
+};
+
+class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor hidden, torch::Tensor weight, torch::Tensor labels,
+                               torch::Tensor mask, int64_t tile) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});  // (N, H)
+    torch::Tensor y = labels.reshape({-1});                    // (N,)
+    torch::Tensor m = mask.reshape({-1}).to(torch::kFloat32);  // (N,)
+    torch::Tensor total = torch::zeros({}, h.options().dtype(torch::kFloat32));
+    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
+      const int64_t n = std::min(tile, h.size(0) - t0);
+      torch::Tensor logits = torch::matmul(h.narrow(0, t0, n), weight.t()).to(torch::kFloat32);  // (n, V)
+      torch::Tensor lse = torch::logsumexp(logits, -1);                                           // (n,)
+      torch::Tensor tgt = logits.gather(1, y.narrow(0, t0, n).unsqueeze(1)).squeeze(1);          // (n,)
+      total.add_(((lse - tgt) * m.narrow(0, t0, n)).sum());
+    }
+    ctx->save_for_backward({hidden, weight, labels, mask});
+    ctx->saved_data["tile"] = tile;
+    return total;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const torch::Tensor& hidden = saved[0];
+    const torch::Tensor& weight = saved[1];
+    const int64_t tile = ctx->saved_data["tile"].toInt();
+    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});      // (N, H)
+    torch::Tensor y = saved[2].reshape({-1});                      // (N,)
+    torch::Tensor m = saved[3].reshape({-1}).to(torch::kFloat32);  // (N,)
+    torch::Tensor scale = grads[0].to(torch::kFloat32);            // () upstream gradient
+    torch::Tensor gh = torch::empty_like(h);                        // (N, H)
+    // fp32 accumulator for the head's gradient: summing bf16 tile products in bf16 would lose
+    // the small ones. (V, H) is the size of the weight itself, not of the sequence.
+    torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
+      const int64_t n = std::min(tile, h.size(0) - t0);
+      torch::Tensor ht = h.narrow(0, t0, n);                                                  // (n, H)
+      torch::Tensor p = torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
+      p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::full({n, 1}, -1.0f, p.options()));
+      p.mul_((m.narrow(0, t0, n) * scale).unsqueeze(1));  // d loss / d logits
+      torch::Tensor pd = p.to(weight.scalar_type());
+      gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));  // (n, H)
+      gw.add_(torch::matmul(pd.t(), ht));                     // (V, H)
+    }
+    return {gh.view(hidden.sizes()), gw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
+                              std::shared_ptr<void> keepalive) {
+  if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
+  auto state = c10::make_intrusive<BlockState>();
+  state->body = std::move(body);
+  state->store = store;
+  state->slot = slot;
+  state->keepalive = std::move(keepalive);
+  // The Function records a backward node only for inputs that need grad; the block's
+  // parameters need it even when x does not.
+  return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);
+}
+
+torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens) {
+  if (!torch::GradMode::is_enabled()) {
+    torch::Tensor flat = h.reshape({-1, h.size(-1)});  // (N, H)
+    torch::Tensor out = torch::empty_like(flat);
+    for (int64_t t0 = 0; t0 < flat.size(0); t0 += tile_tokens) {
+      const int64_t n = std::min(tile_tokens, flat.size(0) - t0);
+      out.narrow(0, t0, n).copy_(layer->MlpBlock(flat.narrow(0, t0, n)));
+    }
+    return out.view(h.sizes());
+  }
+  auto state = c10::make_intrusive<MlpState>();
+  state->layer = layer;
+  state->tile = tile_tokens;
+  return TiledMlpFunction::apply(h, state);
+}
+
+torch::Tensor TiledCrossEntropySum(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& labels, const torch::Tensor& mask, int64_t tile_tokens) {
+  return TiledLossFunction::apply(hidden, weight, labels, mask, tile_tokens);
+}
+
+}  // namespace odyssey::engine::memory

@@ -1,0 +1,39 @@
+// Activation checkpointing: full-block recompute through a custom autograd Function, and the
+// tiled MLP and tiled LM-head + cross-entropy Functions. libtorch C++ has no checkpoint
+// helper, so these are torch::autograd::Function subclasses with static forward/backward.
+//
+// Each keeps from forward only what it cannot cheaply recompute (a block's input; a tile
+// Function's input) and reruns the math per block / per tile in backward, accumulating the
+// parameters' gradients there through a nested backward call.
+// Thread safety: one thread at a time.
+#pragma once
+
+#include <functional>
+
+#include <torch/types.h>
+
+#include "engine/memory/saved_inputs.h"
+#include "model/layers.h"
+
+namespace odyssey::engine::memory {
+
+// A block x -> y. `recompute` is false on the first forward (run without grad; anything
+// allocated for backward is waste) and true when backward reruns it with grad.
+using BlockBody = std::function<torch::Tensor(const torch::Tensor& x, bool recompute)>;
+
+// y = body(x), saving only x (in `store` slot `slot`); backward reruns body(x, true) and
+// back-propagates through it. With grad disabled this is body(x, false).
+torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
+                              std::shared_ptr<void> keepalive = nullptr);
+
+// layer->MlpBlock(h) over tiles of `tile_tokens` positions: no (S, intermediate) tensor at
+// full S, in forward or backward. h (B, S, H) -> (B, S, H).
+torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens);
+
+// Sum over positions of -log softmax(hidden @ W^T)[label] * mask, in tiles of `tile_tokens`
+// positions: no (S, vocab) logits; fp32 only inside a tile. hidden (B, S, H), W (V, H),
+// labels (B, S) int64, mask (B, S) float. Returns an fp32 scalar.
+torch::Tensor TiledCrossEntropySum(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& labels, const torch::Tensor& mask, int64_t tile_tokens);
+
+}  // namespace odyssey::engine::memory

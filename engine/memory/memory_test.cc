@@ -1,0 +1,226 @@
+// Every memory strategy must leave the gradients of plain autograd unchanged (fp32, CPU).
+#include "engine/memory/strategy.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "engine/loss.h"
+
+namespace odyssey::engine::memory {
+namespace {
+
+model::ModelConfig Config() {
+  model::ModelConfig c;
+  c.architecture = model::Architecture::kQwen3;  // q/k norms exercise the most paths
+  c.vocab_size = 97;
+  c.hidden_size = 64;
+  c.intermediate_size = 112;
+  c.num_hidden_layers = 5;  // odd: every_k=2 leaves a group of one
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 512;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+struct Result {
+  double loss = 0;
+  std::map<std::string, torch::Tensor> grads;
+};
+
+struct RunSetup {
+  model::ModelConfig config = Config();
+  int64_t B = 2, S = 50;
+  torch::Device device = torch::kCPU;
+  torch::Dtype dtype = torch::kFloat32;
+  std::string attention = "math";
+};
+
+Result RunStrategy(const MemoryOptions& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
+  const model::ModelConfig& c = setup.config;
+  model::CausalLM m(c);
+  m->InitRandom(11, 0.1);
+  m->to(setup.device, setup.dtype);
+  m->set_attention_backend(model::MakeAttentionBackend(setup.attention, head_groups).value());
+  auto stack = MemoryStack::Create(options, c.num_hidden_layers);
+  EXPECT_TRUE(stack.ok()) << stack.status();
+  torch::manual_seed(5);
+  const int64_t B = setup.B, S = setup.S;
+  torch::Tensor ids = torch::randint(0, c.vocab_size, {B, S}, torch::kInt64).to(setup.device);
+  torch::Tensor labels = torch::randint(0, c.vocab_size, {B, S}, torch::kInt64).to(setup.device);
+  torch::Tensor mask = (torch::rand({B, S}) > 0.3).to(torch::kFloat32).to(setup.device);
+  EXPECT_TRUE((*stack)->Prepare(B, S, c.hidden_size, setup.dtype).ok());
+  Result r;
+  for (int s = 0; s < steps; ++s) {
+    m->zero_grad();
+    model::ForwardInputs in;
+    in.input_ids = ids;
+    torch::Tensor hidden = m->Hidden(in, (*stack)->Runner());
+    torch::Tensor loss = (*stack)->LossSum(hidden, m->HeadWeight(), labels, mask);
+    loss.backward();
+    r.loss = loss.item<double>();
+  }
+  for (auto& p : m->named_parameters()) r.grads[p.key()] = p.value().grad().to(torch::kCPU, torch::kFloat32);
+  return r;
+}
+
+void ExpectSameGradients(const Result& got, const Result& want) {
+  EXPECT_NEAR(got.loss, want.loss, 1e-5 * std::abs(want.loss));
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (const auto& [name, g] : want.grads) {
+    const double rel = (got.grads.at(name) - g).norm().item<double>() / g.norm().item<double>();
+    EXPECT_LE(rel, 1e-5) << name;
+  }
+}
+
+class MemoryStrategyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(MemoryOptions{})); }
+  static Result* plain_;
+};
+Result* MemoryStrategyTest::plain_ = nullptr;
+
+TEST_F(MemoryStrategyTest, PlainGradientsAreNonTrivial) {
+  for (const auto& [name, g] : plain_->grads) EXPECT_GT(g.norm().item<double>(), 0.0) << name;
+}
+
+TEST_F(MemoryStrategyTest, LayerRecompute) {
+  MemoryOptions o;
+  o.recompute = "layer";
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+TEST_F(MemoryStrategyTest, NestedEveryTwoLayers) {
+  MemoryOptions o;
+  o.recompute = "every_k";
+  o.every_k = 2;
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+TEST_F(MemoryStrategyTest, OffloadToHostPool) {
+  MemoryOptions o;
+  o.recompute = "layer";
+  o.offload = true;
+  o.device_resident = 1;
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+TEST_F(MemoryStrategyTest, TiledMlp) {
+  MemoryOptions o;
+  o.mlp_tile = 7;  // does not divide B*S = 100
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+TEST_F(MemoryStrategyTest, TiledLoss) {
+  MemoryOptions o;
+  o.loss_tile = 13;
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+TEST_F(MemoryStrategyTest, HeadChunkedAttention) { ExpectSameGradients(RunStrategy(MemoryOptions{}, /*head_groups=*/2), *plain_); }
+
+TEST_F(MemoryStrategyTest, EverythingTogetherOverSeveralSteps) {
+  MemoryOptions o;
+  o.recompute = "every_k";
+  o.every_k = 3;
+  o.offload = true;
+  o.mlp_tile = 16;
+  o.loss_tile = 32;
+  // The same batch twice with zeroed grads: the pool is reused and the result repeats.
+  ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2), *plain_);
+}
+
+TEST(MemoryOptionsTest, ValidationNamesFieldAndRule) {
+  MemoryOptions o;
+  o.recompute = "sometimes";
+  EXPECT_NE(o.Validate().message().find("memory.recompute 'sometimes'"), std::string::npos);
+  o = MemoryOptions{};
+  o.offload = true;
+  EXPECT_NE(o.Validate().message().find("memory.offload needs memory.recompute"), std::string::npos);
+  o = MemoryOptions{};
+  o.recompute = "every_k";
+  o.every_k = 1;
+  EXPECT_NE(o.Validate().message().find("memory.every_k (1) must be >= 2"), std::string::npos);
+  EXPECT_FALSE(model::MakeAttentionBackend("math", 0).ok());
+}
+
+TEST(MemoryOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
+  MemoryOptions o;
+  o.recompute = "layer";
+  o.offload = true;
+  o.host_budget_bytes = 3 * 2 * 50 * 64 * 4;  // room for 3 of the 5 layer inputs
+  auto stack = MemoryStack::Create(o, 5);
+  ASSERT_TRUE(stack.ok());
+  absl::Status s = (*stack)->Prepare(2, 50, 64, torch::kFloat32);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("over memory.host_budget_bytes"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("by 0.00 GiB"), std::string::npos) << s;  // 25.6 KB over
+  // Keeping the last two on the device fits.
+  o.device_resident = 2;
+  stack = MemoryStack::Create(o, 5);
+  ASSERT_TRUE((*stack)->Prepare(2, 50, 64, torch::kFloat32).ok());
+  EXPECT_EQ((*stack)->host_pool_bytes(), 3 * 2 * 50 * 64 * 4);
+}
+
+// The same strategies on the GPU in bf16 (cuDNN attention, pinned host pool, side-stream
+// copies). bf16 rounding differs between any two orders of the same math, so each strategy is
+// held to the bar of the kernels: its error against an fp32 run is at most twice that of
+// plain bf16 autograd (plus a hair for gradients that are near zero everywhere).
+TEST(MemoryStrategyGpuTest, Bf16StrategiesAreAsAccurateAsPlainAutograd) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  RunSetup setup;
+  setup.config.hidden_size = 256;
+  setup.config.intermediate_size = 704;
+  setup.config.num_attention_heads = 8;
+  setup.config.num_key_value_heads = 4;
+  setup.config.vocab_size = 1000;
+  setup.B = 1;
+  setup.S = 2048;
+  setup.device = torch::Device(torch::kCUDA, 0);
+  setup.attention = "auto";
+  RunSetup fp32 = setup;
+  fp32.dtype = torch::kFloat32;
+  const Result ref = RunStrategy(MemoryOptions{}, 1, 1, fp32);
+  setup.dtype = torch::kBFloat16;
+  const Result plain = RunStrategy(MemoryOptions{}, 1, 1, setup);
+  auto error = [&](const Result& r, const std::string& name) {
+    return (r.grads.at(name) - ref.grads.at(name)).norm().item<double>() / ref.grads.at(name).norm().item<double>();
+  };
+  struct Case {
+    const char* what;
+    MemoryOptions o;
+    int64_t groups;
+  };
+  std::vector<Case> cases;
+  MemoryOptions o;
+  o.recompute = "layer";
+  cases.push_back({"layer recompute", o, 1});
+  o.offload = true;
+  o.device_resident = 1;
+  cases.push_back({"offload", o, 1});
+  o = MemoryOptions{};
+  o.recompute = "every_k";
+  o.every_k = 2;
+  o.offload = true;
+  cases.push_back({"nested + offload", o, 1});
+  o = MemoryOptions{};
+  o.mlp_tile = 300;
+  o.loss_tile = 500;
+  cases.push_back({"tiled mlp + loss", o, 1});
+  cases.push_back({"head groups", MemoryOptions{}, 2});
+  o.recompute = "layer";
+  o.offload = true;
+  cases.push_back({"all", o, 4});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Result got = RunStrategy(c.o, c.groups, 2, setup);
+    EXPECT_NEAR(got.loss, plain.loss, 2e-2 * std::abs(plain.loss));
+    for (const auto& [name, g] : ref.grads) {
+      EXPECT_LE(error(got, name), 2 * error(plain, name) + 1e-3) << name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace odyssey::engine::memory

@@ -1,0 +1,114 @@
+#include "engine/memory/strategy.h"
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/loss.h"
+#include "engine/memory/checkpoint.h"
+
+namespace odyssey::engine::memory {
+
+absl::Status MemoryOptions::Validate() const {
+  if (recompute != "none" && recompute != "layer" && recompute != "every_k")
+    return absl::InvalidArgumentError(absl::StrCat("memory.recompute '", recompute, "' is not one of none, layer, every_k"));
+  if (recompute == "every_k" && every_k < 2)
+    return absl::InvalidArgumentError(absl::StrCat("memory.every_k (", every_k, ") must be >= 2"));
+  if (offload && recompute == "none")
+    return absl::InvalidArgumentError("memory.offload needs memory.recompute 'layer' or 'every_k': it offloads the checkpointed inputs");
+  if (device_resident < 0)
+    return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", device_resident, ") must be >= 0"));
+  if (mlp_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.mlp_tile (", mlp_tile, ") must be >= 0"));
+  if (loss_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.loss_tile (", loss_tile, ") must be >= 0"));
+  if (host_budget_bytes < 0)
+    return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
+  return absl::OkStatus();
+}
+
+std::string MemoryOptions::Describe() const {
+  std::string s = absl::StrCat("recompute=", recompute);
+  if (recompute == "every_k") absl::StrAppend(&s, "(k=", every_k, ")");
+  absl::StrAppend(&s, " offload=", offload ? "on" : "off");
+  if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
+  absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile);
+  return s;
+}
+
+MemoryStack::MemoryStack(const MemoryOptions& options, int64_t num_layers)
+    : options_(options), num_layers_(num_layers) {
+  if (options_.offload) pool_ = std::make_unique<HostPool>(options_.host_budget_bytes, /*pinned=*/true);
+  saved_ = std::make_unique<SavedInputs>(pool_.get(), options_.device_resident);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryStack>> MemoryStack::Create(const MemoryOptions& options, int64_t num_layers) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  return std::unique_ptr<MemoryStack>(new MemoryStack(options, num_layers));
+}
+
+int64_t MemoryStack::NumCheckpoints() const {
+  if (options_.recompute == "layer") return num_layers_;
+  if (options_.recompute == "every_k") return (num_layers_ + options_.every_k - 1) / options_.every_k;
+  return 0;
+}
+
+absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::Dtype dtype) {
+  if (!pool_) return absl::OkStatus();
+  const int64_t offloaded = std::max<int64_t>(0, NumCheckpoints() - options_.device_resident);
+  for (int64_t slot = 0; slot < offloaded; ++slot) {
+    absl::StatusOr<torch::Tensor> t = pool_->Slot(slot, B * S * hidden, dtype);
+    if (!t.ok()) return t.status();
+  }
+  return absl::OkStatus();
+}
+
+torch::Tensor MemoryStack::RunLayer(model::DecoderLayer layer, const torch::Tensor& h,
+                                    const model::LayerContext& ctx) {
+  torch::Tensor a = layer->AttentionBlock(h, ctx);  // (B, S, H)
+  return options_.mlp_tile > 0 ? TiledMlpBlock(layer, a, options_.mlp_tile) : layer->MlpBlock(a);
+}
+
+model::LayerStackRunner MemoryStack::Runner() {
+  return [this](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
+                const model::LayerContext& ctx) -> torch::Tensor {
+    torch::Tensor h = h0;
+    const int64_t L = static_cast<int64_t>(layers.size());
+    if (options_.recompute == "none" || !torch::GradMode::is_enabled()) {
+      for (const auto& layer : layers) h = RunLayer(layer, h, ctx);
+      return h;
+    }
+    const int64_t k = options_.recompute == "layer" ? 1 : options_.every_k;
+    const int64_t groups = (L + k - 1) / k;
+    saved_->BeginStep(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * k, count = std::min(k, L - first);
+      std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
+      BlockBody body = [this, group, ctx](const torch::Tensor& x, bool recompute) {
+        torch::Tensor y = x;
+        if (!recompute || group.size() == 1) {
+          for (const auto& layer : group) y = RunLayer(layer, y, ctx);
+          return y;
+        }
+        // Nested: while this group's backward runs, its layers' inputs stay on the device and
+        // each layer is recomputed again on its own, so only one layer's activations live.
+        auto inner = std::make_shared<SavedInputs>(nullptr, 0);
+        inner->BeginStep(static_cast<int64_t>(group.size()));
+        for (size_t j = 0; j < group.size(); ++j) {
+          model::DecoderLayer layer = group[j];
+          y = CheckpointBlock(
+              y, [this, layer, ctx](const torch::Tensor& xi, bool) { return RunLayer(layer, xi, ctx); }, inner.get(),
+              static_cast<int64_t>(j), inner);
+        }
+        return y;
+      };
+      h = CheckpointBlock(h, std::move(body), saved_.get(), g);
+    }
+    return h;
+  };
+}
+
+torch::Tensor MemoryStack::LossSum(const torch::Tensor& hidden, const torch::Tensor& head_weight,
+                                   const torch::Tensor& labels, const torch::Tensor& mask) {
+  if (options_.loss_tile > 0) return TiledCrossEntropySum(hidden, head_weight, labels, mask, options_.loss_tile);
+  return MaskedCrossEntropySum(hidden, head_weight, labels, mask);
+}
+
+}  // namespace odyssey::engine::memory

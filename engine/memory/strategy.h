@@ -1,0 +1,68 @@
+// MemoryStack: the memory strategies of one job, chosen by MemoryOptions and applied to a
+// model as a LayerStackRunner plus a loss function. Each strategy is separate and switched
+// by config; any combination is valid except offload without recompute.
+//
+//   recompute  none | layer | every_k: save only each layer's (or each group of k layers')
+//              input; backward recomputes. every_k nests per-layer checkpoints inside each
+//              group (inputs of the group's layers stay on the device only while that group's
+//              backward runs), trading one more forward for k times fewer saved inputs.
+//   offload    the saved inputs go to a pinned host pool (see SavedInputs), except the last
+//              `device_resident` ones.
+//   mlp_tile   the MLP half of every layer runs over tiles of this many positions.
+//   loss_tile  the LM head + cross-entropy runs over tiles of this many positions.
+// Thread safety: one thread at a time (the training thread).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <torch/types.h>
+
+#include "absl/status/statusor.h"
+#include "engine/memory/host_pool.h"
+#include "engine/memory/saved_inputs.h"
+#include "model/causal_lm.h"
+
+namespace odyssey::engine::memory {
+
+struct MemoryOptions {
+  std::string recompute = "none";  // none | layer | every_k
+  int64_t every_k = 2;             // layers per checkpoint group (every_k only; >= 2)
+  bool offload = false;            // saved inputs to pinned host memory (needs recompute)
+  int64_t device_resident = 0;     // with offload: the last N checkpoints stay on the device
+  int64_t mlp_tile = 0;            // positions per MLP tile; 0 = untiled
+  int64_t loss_tile = 0;           // positions per loss tile; 0 = untiled (full logits)
+  int64_t host_budget_bytes = 0;   // pinned host bytes the pool may hold; 0 = no limit
+  // Checks the options; messages name the field ("memory.every_k (1) must be >= 2").
+  absl::Status Validate() const;
+  std::string Describe() const;
+};
+
+class MemoryStack {
+ public:
+  static absl::StatusOr<std::unique_ptr<MemoryStack>> Create(const MemoryOptions& options, int64_t num_layers);
+
+  // Allocates the host pool for batches of B x S (once per job; again only for a larger
+  // batch). Errors if the pool would exceed the host budget, saying by how much.
+  absl::Status Prepare(int64_t B, int64_t S, int64_t hidden, torch::Dtype dtype);
+  // Runs the decoder stack with the configured recompute / offload / tiling.
+  model::LayerStackRunner Runner();
+  // Masked cross-entropy sum (fp32 scalar): tiled when loss_tile > 0.
+  torch::Tensor LossSum(const torch::Tensor& hidden, const torch::Tensor& head_weight, const torch::Tensor& labels,
+                        const torch::Tensor& mask);
+
+  const MemoryOptions& options() const { return options_; }
+  int64_t host_pool_bytes() const { return pool_ ? pool_->allocated_bytes() : 0; }
+  int64_t NumCheckpoints() const;
+
+ private:
+  MemoryStack(const MemoryOptions& options, int64_t num_layers);
+  torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx);
+
+  MemoryOptions options_;
+  int64_t num_layers_;
+  std::unique_ptr<HostPool> pool_;
+  std::unique_ptr<SavedInputs> saved_;
+};
+
+}  // namespace odyssey::engine::memory
