@@ -49,11 +49,21 @@ foreach(_l ${_tlibs})
   endif()
   list(APPEND _tpaths "${_tlib}/lib${_l}.so")
 endforeach()
-target_include_directories(odyssey_torch SYSTEM INTERFACE
-  "${TORCH_ROOT}/include" "${TORCH_ROOT}/include/torch/csrc/api/include")
+# The wheel's include folder also carries its own copies of protobuf (google/) and fmt (fmt/),
+# older/newer than the system's that gRPC and spdlog are built against. Put only torch's own
+# headers on the include path: a folder of links to every entry but those two.
+set(_shim "${CMAKE_BINARY_DIR}/torch_include")
+file(MAKE_DIRECTORY "${_shim}")
+file(GLOB _entries RELATIVE "${TORCH_ROOT}/include" "${TORCH_ROOT}/include/*")
+foreach(_e ${_entries})
+  if(NOT _e MATCHES "^(google|fmt)$" AND NOT EXISTS "${_shim}/${_e}")
+    file(CREATE_LINK "${TORCH_ROOT}/include/${_e}" "${_shim}/${_e}" SYMBOLIC)
+  endif()
+endforeach()
+target_include_directories(odyssey_torch SYSTEM INTERFACE "${_shim}" "${_shim}/torch/csrc/api/include")
 target_link_libraries(odyssey_torch INTERFACE "-Wl,--no-as-needed" ${_tpaths} "-Wl,--as-needed")
 target_compile_definitions(odyssey_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI})
 # The torch libraries find each other (and the CUDA libraries of the wheel) through their own
-# rpath ($ORIGIN); ours need one to them.
-set(CMAKE_BUILD_RPATH "${_tlib}" PARENT_SCOPE)
-set(ODYSSEY_TORCH_LIBDIR "${_tlib}" PARENT_SCOPE)
+# rpath ($ORIGIN); ours get one to them from CMake, which adds the folder of every library
+# linked by full path to the build rpath.
+set(ODYSSEY_TORCH_LIBDIR "${_tlib}")

@@ -67,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (!backend.ok()) return backend.status();
   absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model);
   if (!resolved.ok()) return resolved.status();
+  if (options.num_layers > 0) resolved->num_hidden_layers = options.num_layers;
   if (resolved->num_key_value_heads % options.attention_head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("attention_head_groups (", options.attention_head_groups,
                                                    ") must divide num_key_value_heads (",
@@ -78,7 +79,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = (*memory)->Prepare(options.data.batch_size, options.data.seq_len, resolved->hidden_size, dtype);
       !s.ok())
     return s;
-  absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed);
+  absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
   const model::ModelConfig& config = (*m)->config();

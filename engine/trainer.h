@@ -31,6 +31,7 @@ namespace odyssey::engine {
 
 struct TrainerOptions {
   std::string model = "tiny";     // named shape or HF checkpoint directory
+  int64_t num_layers = 0;         // > 0: cut a named shape to this many layers (benchmarks)
   std::string device = "auto";    // auto (cuda if present, else cpu) | cpu | cuda | cuda:N
   std::string dtype = "auto";     // auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16
   std::string attention = "auto"; // attention backend: auto | math | sdpa | cudnn

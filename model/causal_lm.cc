@@ -54,20 +54,20 @@ torch::Tensor CausalLMImpl::Logits(const ForwardInputs& in) {
 }
 
 void CausalLMImpl::InitRandom(uint64_t seed, double std) {
+  // Drawn on the parameters' own device (a 8B model initializes in seconds on a GPU, minutes
+  // on a CPU), from the process generator seeded here.
   torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::manual_seed(seed);
   for (auto& p : named_parameters()) {
     torch::Tensor& t = p.value();
     const std::string& name = p.key();
-    torch::Tensor init;
     if (name.size() >= 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && t.dim() == 2) {
-      init = at::normal(0.0, std, t.sizes(), gen, torch::TensorOptions().dtype(torch::kFloat32));
+      t.normal_(0.0, std);
     } else if (name.find("norm") != std::string::npos) {
-      init = torch::ones(t.sizes());
+      t.fill_(1.0);
     } else {
-      init = torch::zeros(t.sizes());
+      t.zero_();
     }
-    t.copy_(init);
   }
 }
 

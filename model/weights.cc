@@ -45,14 +45,20 @@ absl::StatusOr<CausalLM> LoadPretrained(const std::string& dir, torch::Dtype dty
 }
 
 absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype dtype, torch::Device device,
-                                   uint64_t seed) {
-  if (std::filesystem::is_directory(name_or_dir)) return LoadPretrained(name_or_dir, dtype, device);
+                                   uint64_t seed, int64_t num_layers) {
+  if (std::filesystem::is_directory(name_or_dir)) {
+    if (num_layers > 0)
+      return absl::InvalidArgumentError("num_layers can only cut a named shape, not a checkpoint directory");
+    return LoadPretrained(name_or_dir, dtype, device);
+  }
   absl::StatusOr<ModelConfig> config = NamedShape(name_or_dir);
   if (!config.ok()) return config.status();
+  if (num_layers > 0) config->num_hidden_layers = num_layers;
   absl::StatusOr<CausalLM> model = MakeCausalLM(*config);
   if (!model.ok()) return model.status();
+  (*model)->to(device);
   (*model)->InitRandom(seed);
-  (*model)->to(device, dtype);
+  (*model)->to(dtype);
   return model;
 }
 

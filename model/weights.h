@@ -20,9 +20,10 @@ absl::Status LoadHfWeights(CausalLM& model, const std::string& dir);
 // config.json + weights from `dir`, placed on `device` in `dtype`.
 absl::StatusOr<CausalLM> LoadPretrained(const std::string& dir, torch::Dtype dtype, torch::Device device);
 
-// A model from a named shape (random init with `seed`) or a checkpoint directory.
+// A model from a named shape (random init with `seed`, drawn on `device`) or a checkpoint
+// directory. num_layers > 0 cuts a named shape to that many layers (for benchmarks).
 absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype dtype, torch::Device device,
-                                   uint64_t seed = 0);
+                                   uint64_t seed = 0, int64_t num_layers = 0);
 
 struct SaveOptions {
   torch::Dtype dtype = torch::kBFloat16;        // dtype written (and named in config.json)

@@ -1,0 +1,42 @@
+#include "engine/device_stats.h"
+
+#ifdef ODYSSEY_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace odyssey::engine {
+
+DeviceMemory ReadDeviceMemory(torch::Device device) {
+  DeviceMemory m;
+#ifdef ODYSSEY_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    m.allocated = stats.allocated_bytes[all].current;
+    m.peak_allocated = stats.allocated_bytes[all].peak;
+    m.reserved = stats.reserved_bytes[all].current;
+    m.peak_reserved = stats.reserved_bytes[all].peak;
+    size_t free_bytes = 0, total_bytes = 0;
+    c10::cuda::CUDAGuard guard(device.index());
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) m.total = static_cast<int64_t>(total_bytes);
+  }
+#endif
+  return m;
+}
+
+void ResetPeakMemory(torch::Device device) {
+#ifdef ODYSSEY_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+}
+
+void SynchronizeDevice(torch::Device device) {
+#ifdef ODYSSEY_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+}
+
+}  // namespace odyssey::engine
