@@ -1,0 +1,259 @@
+#include "worker/engine_job.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <torch/torch.h>
+
+#ifdef ODYSSEY_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "engine/parallel/communicator.h"
+#include "engine/trainer.h"
+
+namespace odyssey::worker {
+namespace fs = std::filesystem;
+
+std::string CheckpointPath(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / absl::StrFormat("step-%08d", step)).string();
+}
+
+std::vector<std::string> ListCheckpoints(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.size() == 13 && absl::StartsWith(name, "step-") &&
+        name.find_first_not_of("0123456789", 5) == std::string::npos)
+      out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());  // zero-padded: lexicographic = numeric
+  return out;
+}
+
+void SetTorchThreads(int threads) {
+  if (threads > 0) torch::set_num_threads(threads);
+}
+
+namespace {
+
+int64_t HostMemoryBytes() {
+  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+int64_t PeakRssBytes() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "model name")) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return absl::StrCat("CPU: ", line.substr(colon + 2));
+    }
+  }
+  return "CPU";
+}
+
+int64_t GpuPeakBytes(const torch::Device& device) {
+#ifdef ODYSSEY_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  return 0;
+}
+
+// Dense bf16 peak of the GPU, for MFU; 0 when unknown (no MFU reported).
+double PeakFlops(const torch::Device& device) {
+#ifdef ODYSSEY_WITH_CUDA
+  if (device.is_cuda()) {
+    const std::string name = at::cuda::getDeviceProperties(device.index())->name;
+    if (absl::StrContains(name, "H100") || absl::StrContains(name, "H200")) return 989e12;
+    if (absl::StrContains(name, "A100")) return 312e12;
+  }
+#endif
+  return 0;
+}
+
+// Model FLOPs of training on `tokens` positions in rows of `seq_len`: 6 per parameter per token
+// (forward + backward) plus causal attention (12 * layers * hidden * S / 2 per token).
+double TrainingFlops(const model::ModelConfig& c, int64_t tokens, int64_t seq_len) {
+  const double per_token = 6.0 * static_cast<double>(c.NumParameters()) +
+                           6.0 * c.num_hidden_layers * static_cast<double>(c.hidden_size) * seq_len;
+  return per_token * static_cast<double>(tokens);
+}
+
+// Writes `trainer`'s checkpoint for its current step atomically and prunes to `keep`.
+absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep) {
+  const std::string final_path = CheckpointPath(dir, trainer.step());
+  const std::string tmp = (fs::path(dir) / absl::StrFormat(".step-%08d.tmp-%d", trainer.step(), ::getpid())).string();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("checkpoint dir ", dir, ": ", ec.message()));
+  fs::remove_all(tmp, ec);
+  if (absl::Status s = trainer.SaveCheckpoint(tmp); !s.ok()) {
+    fs::remove_all(tmp, ec);
+    return s;
+  }
+  // A previous run of this job may have left the same step (it died after writing it and was
+  // resumed from an older one): the new one replaces it.
+  fs::remove_all(final_path, ec);
+  fs::rename(tmp, final_path, ec);
+  if (ec) return absl::InternalError(absl::StrCat("checkpoint ", final_path, ": rename failed: ", ec.message()));
+  if (keep > 0) {
+    std::vector<std::string> all = ListCheckpoints(dir);
+    for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
+  }
+  return final_path;
+}
+
+EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should_stop,
+                  const std::function<void(const EngineStep&)>& on_step) {
+  EngineOutcome out;
+  auto fail = [&](absl::Status s) {
+    out.status = std::move(s);
+    return out;
+  };
+  engine::TrainerOptions o;
+  o.model = j.model;
+  o.device = j.device;
+  o.dtype = j.dtype;
+  o.attention = j.attention;
+  o.seed = j.seed;
+  o.steps = j.steps;
+  o.optimizer.lr = j.lr;
+  o.optimizer.beta1 = j.beta1;
+  o.optimizer.beta2 = j.beta2;
+  o.optimizer.eps = j.eps;
+  o.optimizer.weight_decay = j.weight_decay;
+  o.schedule.warmup_steps = j.warmup_steps;
+  o.schedule.min_lr_ratio = j.min_lr_ratio;
+  o.grad_clip = j.grad_clip;
+  o.data.format = j.data_format;
+  o.data.path = j.data_path;
+  o.data.seq_len = j.seq_len;
+  o.data.batch_size = j.batch_size;
+  o.data.seed = j.seed;
+
+  std::unique_ptr<engine::TcpCommunicator> comm;
+  if (j.world_size > 1) {
+    engine::TcpCommunicatorOptions co;
+    co.rendezvous = j.rendezvous;
+    co.rank = j.rank;
+    co.world_size = j.world_size;
+    co.connect_timeout = absl::Seconds(120);
+    absl::StatusOr<std::unique_ptr<engine::TcpCommunicator>> c = engine::TcpCommunicator::Create(co);
+    if (!c.ok()) return fail(c.status());
+    comm = *std::move(c);
+    o.communicator = comm.get();
+  }
+  absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(o);
+  if (!created.ok()) return fail(created.status());
+  engine::Trainer& t = **created;
+  if (!j.resume_from.empty()) {
+    if (absl::Status s = t.LoadCheckpoint(j.resume_from); !s.ok())
+      return fail(absl::Status(s.code(), absl::StrCat("resume_from ", j.resume_from, ": ", s.message())));
+    // Replay the data stream so the resumed run trains on what an uninterrupted one would.
+    for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
+  }
+  const auto& cfg = t.model()->config();
+  LogInfo(absl::StrFormat("rank %d/%d: model %s (%.2fM params, %s on %s), data %s, steps %d..%d", j.rank,
+                          j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
+                          c10::toString(t.dtype()), t.device().str(), t.data().Describe(), t.step(), o.steps));
+
+  const bool writes_checkpoints = j.rank == 0 && !j.checkpoint_dir.empty();
+  if (writes_checkpoints) {  // leftovers of a run that died mid-write
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(j.checkpoint_dir, ec))
+      if (absl::StartsWith(e.path().filename().string(), ".step-")) fs::remove_all(e.path(), ec);
+  }
+  out.last_checkpoint = j.resume_from;
+  const double peak_flops = PeakFlops(t.device());
+  while (t.step() < o.steps) {
+    out.step = t.step();
+    if (should_stop()) {
+      out.stopped = true;
+      return out;
+    }
+    engine::StepResult r = t.TrainStep();
+    if (!r.status.ok())
+      return fail(absl::Status(r.status.code(), absl::StrCat("step ", t.step() + 1, ": ", r.status.message())));
+    out.step = r.step;
+    if (!std::isfinite(r.loss)) return fail(absl::InternalError(absl::StrCat("step ", r.step, ": loss is ", r.loss)));
+    EngineStep s;
+    s.step = r.step;
+    s.loss = r.loss;
+    s.grad_norm = r.grad_norm;
+    s.lr = r.lr;
+    s.tokens = r.tokens;
+    s.seconds = r.seconds;
+    s.tokens_per_second = r.tokens_per_second;
+    s.gpu_memory_peak_bytes = GpuPeakBytes(t.device());
+    s.host_memory_peak_bytes = PeakRssBytes();
+    if (peak_flops > 0 && r.seconds > 0)
+      s.mfu = TrainingFlops(cfg, r.tokens, o.data.seq_len) / (r.seconds * peak_flops * j.world_size);
+    if (writes_checkpoints && ((j.every_steps > 0 && r.step % j.every_steps == 0) || r.step == o.steps)) {
+      absl::StatusOr<std::string> path = WriteCheckpoint(t, j.checkpoint_dir, j.keep);
+      if (!path.ok()) return fail(path.status());
+      out.last_checkpoint = s.checkpoint = *path;
+    }
+    on_step(s);
+  }
+  out.step = t.step();
+  return out;
+}
+
+}  // namespace
+
+EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool()>& should_stop,
+                           const std::function<void(const EngineStep&)>& on_step) {
+  try {
+    return Run(options, should_stop, on_step);
+  } catch (const std::exception& e) {  // a libtorch error (e.g. out of memory) must not kill the worker
+    EngineOutcome out;
+    out.status = absl::InternalError(absl::StrCat("engine error: ", e.what()));
+    return out;
+  }
+}
+
+absl::StatusOr<DeviceInfo> ProbeDevice(const std::string& device) {
+  absl::StatusOr<torch::Device> d = engine::ParseDevice(device);
+  if (!d.ok()) return d.status();
+  DeviceInfo info;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  info.hostname = host;
+  info.device = d->str();
+  info.host_memory_bytes = HostMemoryBytes();
+#ifdef ODYSSEY_WITH_CUDA
+  if (d->is_cuda()) {
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(d->index());
+    info.device_name = p->name;
+    info.device_memory_bytes = static_cast<int64_t>(p->totalGlobalMem);
+    return info;
+  }
+#endif
+  info.device_name = CpuModelName();
+  info.device_memory_bytes = info.host_memory_bytes;  // a CPU worker computes in host memory
+  return info;
+}
+
+}  // namespace odyssey::worker

@@ -1,0 +1,99 @@
+// EngineJob: the engine half of running one rank of an SFT job, behind a header that includes
+// neither libtorch nor protobuf.
+//
+// Why the split: the torch wheel ships its own (old) google/protobuf headers in its include
+// folder, which shadow the system protobuf that the generated odyssey.v1 code needs, and gRPC
+// adds -pthread, which invalidates the shared torch precompiled header. So translation units
+// that include libtorch (engine_job.cc) never include proto headers, and those that include
+// proto/gRPC (job_runner.cc, worker.cc, worker_main.cc) never include libtorch.
+//
+// RunEngineJob, in order:
+//   1. For world_size > 1, joins the job's ranks through a TcpCommunicator at `rendezvous`
+//      (rank 0 hosts it) and trains data parallel.
+//   2. Resumes from `resume_from` when set: weights, optimizer state and step counter, then
+//      replays the data stream up to that step, so a resumed run sees the batches an
+//      uninterrupted run would have seen.
+//   3. Steps until `steps`, asking should_stop() between steps. Rank 0 writes a checkpoint every
+//      `every_steps` steps and at the end: into a hidden temp folder, then renamed to
+//      <checkpoint_dir>/step-NNNNNNNN (readers never see a half-written one); only the newest
+//      `keep` are kept (0 = all).
+// Thread safety: RunEngineJob runs on the calling thread; should_stop is called from it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace odyssey::worker {
+
+struct EngineJobOptions {
+  // What to train (TrainerOptions' meaning; see engine/trainer.h).
+  std::string model = "tiny";
+  std::string device = "auto";
+  std::string dtype = "auto";
+  std::string attention = "auto";
+  int64_t steps = 0;
+  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0, min_lr_ratio = 0;
+  int64_t warmup_steps = 0;
+  double grad_clip = 0;  // <= 0 disables
+  std::string data_format = "kjv";
+  std::string data_path;
+  int64_t seq_len = 256;
+  int64_t batch_size = 1;
+  uint64_t seed = 0;  // model init and data sampling
+  // Where this rank stands.
+  int rank = 0;
+  int world_size = 1;
+  std::string rendezvous;      // host:port, for world_size > 1
+  std::string resume_from;     // checkpoint folder; empty = fresh
+  std::string checkpoint_dir;  // empty = no checkpoints
+  int64_t every_steps = 0;     // 0 = only at the end
+  int keep = 0;                // 0 = all
+};
+
+// What one step did (rank-wide figures sum over the ranks).
+struct EngineStep {
+  int64_t step = 0;
+  double loss = 0, grad_norm = 0, lr = 0;
+  int64_t tokens = 0;  // positions of all ranks
+  double seconds = 0, tokens_per_second = 0;
+  int64_t gpu_memory_peak_bytes = 0;
+  int64_t host_offload_bytes = 0;
+  int64_t host_memory_peak_bytes = 0;
+  double mfu = 0;  // 0 where the device's peak is unknown (CPU)
+  std::string checkpoint;  // written at this step, if any
+};
+
+struct EngineOutcome {
+  absl::Status status;   // not OK: the run failed (the message says at which step and why)
+  bool stopped = false;  // should_stop() ended it
+  int64_t step = 0;      // steps completed
+  std::string last_checkpoint;
+};
+
+EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool()>& should_stop,
+                           const std::function<void(const EngineStep&)>& on_step);
+
+struct DeviceInfo {
+  std::string hostname;
+  std::string device;  // "cpu" or "cuda:N"
+  std::string device_name;
+  int64_t device_memory_bytes = 0;
+  int64_t host_memory_bytes = 0;
+};
+// What this machine offers for `device` (auto | cpu | cuda | cuda:N). Errors name the rule.
+absl::StatusOr<DeviceInfo> ProbeDevice(const std::string& device);
+
+// torch::set_num_threads, for callers that do not include libtorch.
+void SetTorchThreads(int threads);
+
+// Checkpoint folders in `dir` named step-NNNNNNNN, oldest first.
+std::vector<std::string> ListCheckpoints(const std::string& dir);
+// "<dir>/step-%08d".
+std::string CheckpointPath(const std::string& dir, int64_t step);
+
+}  // namespace odyssey::worker

@@ -1,0 +1,159 @@
+#include "worker/job_runner.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "worker/worker_metrics.h"
+
+namespace odyssey::worker {
+namespace v1 = odyssey::v1;
+
+absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment& a, const std::string& device) {
+  const v1::JobSpec& spec = a.spec();
+  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED)
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind (", v1::JobKind_Name(spec.kind()),
+                                                   ") is not supported by this worker: only SFT"));
+  if (spec.steps() <= 0) return absl::InvalidArgumentError(absl::StrCat("spec.steps (", spec.steps(), ") must be > 0"));
+  EngineJobOptions o;
+  o.model = spec.model().name().empty() ? "tiny" : spec.model().name();
+  o.device = device;
+  o.dtype = spec.model().dtype().empty() ? "auto" : spec.model().dtype();
+  o.attention = spec.model().attention().empty() ? "auto" : spec.model().attention();
+  o.steps = spec.steps();
+  const v1::OptimizerSpec& opt = spec.optimizer();
+  o.lr = opt.lr();
+  if (opt.beta1() != 0 || opt.beta2() != 0) {
+    o.beta1 = opt.beta1();
+    o.beta2 = opt.beta2();
+  }
+  o.eps = opt.eps() > 0 ? opt.eps() : 1e-8;
+  o.weight_decay = opt.weight_decay();
+  o.warmup_steps = opt.warmup_steps();
+  o.min_lr_ratio = opt.min_lr_ratio();
+  o.grad_clip = opt.grad_clip();
+  o.data_format = spec.data().format().empty() ? "kjv" : spec.data().format();
+  o.data_path = spec.data().path();
+  o.seq_len = spec.data().seq_len();
+  o.batch_size = spec.data().batch_size() > 0 ? spec.data().batch_size() : 1;
+  o.seed = spec.data().seed();
+  o.rank = a.rank();
+  o.world_size = std::max(1, a.world_size());
+  if (o.rank < 0 || o.rank >= o.world_size)
+    return absl::InvalidArgumentError(absl::StrCat("rank (", o.rank, ") must be in [0, world_size (", o.world_size, "))"));
+  o.rendezvous = a.rendezvous();
+  o.resume_from = a.resume_from();
+  o.checkpoint_dir = a.checkpoint_dir().empty() ? spec.checkpoint().directory() : a.checkpoint_dir();
+  o.every_steps = spec.checkpoint().every_steps();
+  o.keep = spec.checkpoint().keep();
+  return o;
+}
+
+absl::StatusOr<v1::WorkerCapabilities> ProbeCapabilities(const std::string& device) {
+  absl::StatusOr<DeviceInfo> d = ProbeDevice(device);
+  if (!d.ok()) return d.status();
+  v1::WorkerCapabilities caps;
+  caps.set_hostname(d->hostname);
+  caps.set_device(d->device);
+  caps.set_device_name(d->device_name);
+  caps.set_device_memory_bytes(d->device_memory_bytes);
+  caps.set_host_memory_bytes(d->host_memory_bytes);
+  return caps;
+}
+
+JobRunner::JobRunner(v1::Assignment assignment, JobRunnerOptions options, JobCallbacks callbacks,
+                     WorkerMetrics* metrics)
+    : assignment_(std::move(assignment)),
+      options_(std::move(options)),
+      callbacks_(std::move(callbacks)),
+      metrics_(metrics),
+      thread_([this] { Run(); }) {}
+
+JobRunner::~JobRunner() {
+  Cancel("worker shutting down");
+  if (thread_.joinable()) thread_.join();
+}
+
+void JobRunner::Cancel(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  if (!cancelled_.load()) cancel_reason_ = why;
+  cancelled_.store(true);
+}
+
+void JobRunner::Run() {
+  const std::string& job = assignment_.job();
+  const int rank = assignment_.rank();
+  if (metrics_) metrics_->busy->Set(1);
+  v1::JobResult result;
+  result.set_job(job);
+  result.set_rank(rank);
+  absl::StatusOr<EngineJobOptions> options = AssignmentToEngineOptions(assignment_, options_.device);
+  EngineOutcome outcome;
+  if (!options.ok()) {
+    outcome.status = options.status();
+  } else {
+    LogInfo(absl::StrCat("job=", job, " rank=", rank, " starting", options->resume_from.empty() ? "" : " from ",
+                         options->resume_from));
+    auto last_progress = std::chrono::steady_clock::now() - std::chrono::hours(1);
+    const int world_size = options->world_size;
+    outcome = RunEngineJob(
+        *options, [this] { return cancelled_.load(); },
+        [&](const EngineStep& s) {
+          if (metrics_) {
+            metrics_->step_duration->Observe(s.seconds);
+            metrics_->tokens->Increment(static_cast<double>(s.tokens) / world_size);
+            metrics_->steps->Increment();
+            metrics_->gpu_memory_peak->Set(static_cast<double>(s.gpu_memory_peak_bytes));
+            metrics_->host_offload->Set(static_cast<double>(s.host_offload_bytes));
+            metrics_->host_memory_peak->Set(static_cast<double>(s.host_memory_peak_bytes));
+            if (s.mfu > 0) metrics_->mfu->Set(s.mfu);
+          }
+          const auto now = std::chrono::steady_clock::now();
+          if (s.checkpoint.empty() && s.step != options->steps && s.step != 1 &&
+              std::chrono::duration<double>(now - last_progress).count() < options_.progress_interval_seconds)
+            return;
+          last_progress = now;
+          v1::JobProgress p;
+          p.set_job(job);
+          p.set_rank(rank);
+          p.set_checkpoint(s.checkpoint);
+          v1::StepMetrics* m = p.mutable_metrics();
+          m->set_step(s.step);
+          m->set_loss(s.loss);
+          m->set_grad_norm(s.grad_norm);
+          m->set_lr(s.lr);
+          m->set_tokens_per_second(s.tokens_per_second);
+          m->set_tokens(s.tokens);
+          m->set_step_seconds(s.seconds);
+          m->set_gpu_memory_peak_bytes(s.gpu_memory_peak_bytes);
+          m->set_host_offload_bytes(s.host_offload_bytes);
+          m->set_host_memory_peak_bytes(s.host_memory_peak_bytes);
+          m->set_world_size(world_size);
+          if (callbacks_.progress) callbacks_.progress(p);
+        });
+  }
+  result.set_step(outcome.step);
+  result.set_last_checkpoint(outcome.last_checkpoint);
+  if (!outcome.status.ok()) {
+    result.set_ok(false);
+    result.set_error(std::string(outcome.status.message()));
+    LogWarning(absl::StrCat("job=", job, " rank=", rank, " failed at step ", outcome.step, ": ", result.error()));
+    if (metrics_) metrics_->jobs_failed->Increment();
+  } else if (outcome.stopped) {
+    absl::MutexLock lock(&mu_);
+    result.set_ok(false);
+    result.set_cancelled(cancel_reason_);
+    LogInfo(absl::StrCat("job=", job, " rank=", rank, " stopped at step ", outcome.step, ": ", cancel_reason_));
+    if (metrics_) metrics_->jobs_cancelled->Increment();
+  } else {
+    result.set_ok(true);
+    LogInfo(absl::StrCat("job=", job, " rank=", rank, " succeeded at step ", outcome.step,
+                         " checkpoint=", outcome.last_checkpoint));
+    if (metrics_) metrics_->jobs_succeeded->Increment();
+  }
+  if (metrics_) metrics_->busy->Set(0);
+  done_.store(true);
+  if (callbacks_.done) callbacks_.done(result);
+}
+
+}  // namespace odyssey::worker

@@ -1,0 +1,222 @@
+#include "worker/job_runner.h"
+
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+namespace odyssey::worker {
+namespace {
+namespace fs = std::filesystem;
+namespace v1 = odyssey::v1;
+
+v1::Assignment TinyJob(const std::string& dir, int64_t steps) {
+  v1::Assignment a;
+  a.set_job("jobs/7");
+  a.set_rank(0);
+  a.set_world_size(1);
+  a.set_checkpoint_dir(dir);
+  v1::JobSpec* s = a.mutable_spec();
+  s->set_kind(v1::SFT);
+  s->mutable_model()->set_name("tiny");
+  s->mutable_model()->set_dtype("float32");
+  s->mutable_optimizer()->set_lr(3e-3);
+  s->mutable_optimizer()->set_warmup_steps(2);
+  s->mutable_optimizer()->set_grad_clip(1.0);
+  s->mutable_data()->set_format("kjv");
+  s->mutable_data()->set_seq_len(16);
+  s->mutable_data()->set_batch_size(2);
+  s->mutable_data()->set_seed(5);
+  s->set_steps(steps);
+  s->mutable_checkpoint()->set_every_steps(2);
+  s->mutable_checkpoint()->set_keep(2);
+  return a;
+}
+
+// Collects what a run reports; Wait() blocks until its result (with a deadline).
+struct Recorder {
+  absl::Mutex mu;
+  std::vector<v1::JobProgress> progress ABSL_GUARDED_BY(mu);
+  std::optional<v1::JobResult> result ABSL_GUARDED_BY(mu);
+  std::function<void(const v1::JobProgress&)> hook;  // called on the run's thread per progress
+
+  JobCallbacks Callbacks() {
+    return {[this](const v1::JobProgress& p) {
+              {
+                absl::MutexLock l(&mu);
+                progress.push_back(p);
+              }
+              if (hook) hook(p);
+            },
+            [this](const v1::JobResult& r) {
+              absl::MutexLock l(&mu);
+              result = r;
+            }};
+  }
+  v1::JobResult Wait(absl::Duration timeout = absl::Seconds(120)) {
+    absl::MutexLock l(&mu);
+    auto has = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return result.has_value(); };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&has), timeout)) << "no result in time";
+    return result.value_or(v1::JobResult());
+  }
+  bool WaitForProgress(absl::Duration timeout) {
+    absl::MutexLock l(&mu);
+    auto has = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !progress.empty(); };
+    return mu.AwaitWithTimeout(absl::Condition(&has), timeout);
+  }
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class JobRunnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SetTorchThreads(1);
+    root_ = fs::temp_directory_path() /
+            ("odyssey_job_runner_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  fs::path root_;
+};
+
+TEST_F(JobRunnerTest, RunsToTheEndWithAtomicCheckpointsKeepingK) {
+  const std::string dir = (root_ / "ckpt").string();
+  Recorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;  // every step
+  JobRunner runner(TinyJob(dir, 6), opts, rec.Callbacks(), nullptr);
+  v1::JobResult r = rec.Wait();
+  EXPECT_TRUE(r.ok()) << r.error();
+  EXPECT_EQ(r.job(), "jobs/7");
+  EXPECT_EQ(r.step(), 6);
+  EXPECT_EQ(r.last_checkpoint(), CheckpointPath(dir, 6));
+  EXPECT_TRUE(runner.done());
+  // keep = 2: steps 4 and 6 remain; no temp folders are left behind.
+  EXPECT_EQ(ListCheckpoints(dir), (std::vector<std::string>{CheckpointPath(dir, 4), CheckpointPath(dir, 6)}));
+  for (const auto& e : fs::directory_iterator(dir)) EXPECT_NE(e.path().filename().string()[0], '.') << e.path();
+  EXPECT_TRUE(fs::exists(fs::path(CheckpointPath(dir, 6)) / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(fs::path(CheckpointPath(dir, 6)) / "optimizer.safetensors"));
+  absl::MutexLock l(&rec.mu);
+  ASSERT_EQ(rec.progress.size(), 6u);
+  for (size_t i = 0; i < rec.progress.size(); ++i) {
+    const v1::JobProgress& p = rec.progress[i];
+    EXPECT_EQ(p.metrics().step(), static_cast<int64_t>(i + 1));
+    EXPECT_TRUE(std::isfinite(p.metrics().loss()));
+    EXPECT_EQ(p.metrics().tokens(), 32);
+    EXPECT_GT(p.metrics().host_memory_peak_bytes(), 0);
+    EXPECT_EQ(p.checkpoint().empty(), (i + 1) % 2 != 0) << "step " << i + 1;
+  }
+}
+
+// A run resumed from step 4 continues at step 5 and ends with the same weights as a run that
+// was never interrupted (optimizer state, step counter and data position all restored).
+TEST_F(JobRunnerTest, ResumeContinuesTheStepCountAndMatchesAnUninterruptedRun) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;
+  const std::string straight = (root_ / "straight").string();
+  {
+    Recorder rec;
+    JobRunner runner(TinyJob(straight, 8), opts, rec.Callbacks(), nullptr);
+    ASSERT_TRUE(rec.Wait().ok());
+  }
+  // The first run of the 8-step job is stopped right after its step-4 checkpoint (the cancel
+  // comes from the run's own thread, so no further step starts).
+  const std::string first = (root_ / "first").string();
+  {
+    Recorder rec;
+    absl::Notification runner_set;
+    JobRunner* runner_ptr = nullptr;
+    rec.hook = [&](const v1::JobProgress& p) {
+      if (p.metrics().step() != 4) return;
+      runner_set.WaitForNotification();
+      runner_ptr->Cancel("interrupted");
+    };
+    JobRunner runner(TinyJob(first, 8), opts, rec.Callbacks(), nullptr);
+    runner_ptr = &runner;
+    runner_set.Notify();
+    v1::JobResult r = rec.Wait();
+    ASSERT_EQ(r.cancelled(), "interrupted");
+    ASSERT_EQ(r.step(), 4);
+    ASSERT_EQ(r.last_checkpoint(), CheckpointPath(first, 4));
+  }
+  // The second run continues the same 8-step job from the first's step-4 checkpoint.
+  const std::string second = (root_ / "second").string();
+  v1::Assignment a = TinyJob(second, 8);
+  a.set_resume_from(CheckpointPath(first, 4));
+  Recorder rec;
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  v1::JobResult r = rec.Wait();
+  ASSERT_TRUE(r.ok()) << r.error();
+  EXPECT_EQ(r.step(), 8);
+  {
+    absl::MutexLock l(&rec.mu);
+    ASSERT_FALSE(rec.progress.empty());
+    EXPECT_EQ(rec.progress.front().metrics().step(), 5);
+  }
+  EXPECT_EQ(ReadFile(CheckpointPath(second, 8) + "/model.safetensors"),
+            ReadFile(CheckpointPath(straight, 8) + "/model.safetensors"));
+}
+
+TEST_F(JobRunnerTest, CancelStopsBetweenSteps) {
+  Recorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;
+  JobRunner runner(TinyJob((root_ / "c").string(), 1000000), opts, rec.Callbacks(), nullptr);
+  ASSERT_TRUE(rec.WaitForProgress(absl::Seconds(60)));
+  runner.Cancel("test says stop");
+  v1::JobResult r = rec.Wait(absl::Seconds(30));
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.cancelled(), "test says stop");
+  EXPECT_GT(r.step(), 0);
+  EXPECT_LT(r.step(), 1000000);
+}
+
+TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob((root_ / "x").string(), 4);
+    a.mutable_spec()->set_kind(v1::RL_SESSION);
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("spec.kind (RL_SESSION)"), std::string::npos) << r.error();
+  }
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob((root_ / "x").string(), 4);
+    a.set_resume_from((root_ / "nowhere").string());
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("resume_from"), std::string::npos) << r.error();
+  }
+}
+
+TEST(ProbeCapabilitiesTest, DescribesTheCpu) {
+  auto caps = ProbeCapabilities("cpu");
+  ASSERT_TRUE(caps.ok()) << caps.status();
+  EXPECT_EQ(caps->device(), "cpu");
+  EXPECT_FALSE(caps->hostname().empty());
+  EXPECT_GT(caps->host_memory_bytes(), 0);
+  EXPECT_FALSE(ProbeCapabilities("tpu:0").ok());
+}
+
+}  // namespace
+}  // namespace odyssey::worker

@@ -1,0 +1,123 @@
+// odyssey-worker: attaches to an odyssey-controller and runs the jobs it assigns on one device.
+// SIGINT/SIGTERM stop it cleanly: a running job is cancelled between steps and its result sent.
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/metrics_endpoint.h"
+#include "worker/engine_job.h"
+#include "worker/job_runner.h"
+#include "worker/worker.h"
+#include "worker/worker_metrics.h"
+
+namespace {
+
+// Writes `text` to `path` atomically (temp file + rename), so a reader never sees half of it.
+bool WriteFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    if (!out.good()) return false;
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  return !ec;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string controller = "127.0.0.1:50051";
+  std::string worker_id;
+  std::string device = "auto";
+  std::string metrics_listen;
+  std::string metrics_port_file;
+  int threads = 0;
+  double heartbeat_interval_s = 1.0;
+  double progress_interval_s = 0.25;
+  double max_backoff_s = 5.0;
+  int max_message_bytes = 64 << 20;
+
+  CLI::App app{"odyssey-worker: runs odyssey jobs on one device for an odyssey-controller"};
+  app.add_option("--controller", controller, "controller gRPC address host:port")->capture_default_str();
+  app.add_option("--worker-id", worker_id, "stable worker id (default: <hostname>-<pid>)");
+  app.add_option("--device", device, "auto | cpu | cuda | cuda:N")->capture_default_str();
+  app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address host:port (port 0 = any; empty = off)");
+  app.add_option("--metrics-port-file", metrics_port_file, "write the bound metrics port here once serving");
+  app.add_option("--threads", threads, "CPU threads for torch (0: torch's default)")->capture_default_str();
+  app.add_option("--heartbeat-interval", heartbeat_interval_s, "seconds between heartbeats")->capture_default_str();
+  app.add_option("--progress-interval", progress_interval_s, "min seconds between progress messages")
+      ->capture_default_str();
+  app.add_option("--max-backoff", max_backoff_s, "max seconds between reconnect attempts")->capture_default_str();
+  app.add_option("--max-message-bytes", max_message_bytes, "gRPC message size limit")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  // Signals go to one thread that asks the worker to stop (blocked here, before any thread starts).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  odyssey::worker::SetTorchThreads(threads);
+  odyssey::worker::WorkerOptions options;
+  options.controller = controller;
+  absl::StatusOr<odyssey::v1::WorkerCapabilities> caps = odyssey::worker::ProbeCapabilities(device);
+  if (!caps.ok()) {
+    std::fprintf(stderr, "odyssey-worker: --device: %s\n", std::string(caps.status().message()).c_str());
+    return 2;
+  }
+  options.capabilities = *caps;
+  options.capabilities.set_worker_id(worker_id.empty() ? absl::StrCat(caps->hostname(), "-", ::getpid()) : worker_id);
+  options.runner.device = caps->device();
+  options.runner.progress_interval_seconds = progress_interval_s;
+  options.heartbeat_interval = absl::Seconds(heartbeat_interval_s);
+  options.max_backoff = absl::Seconds(max_backoff_s);
+  options.max_message_bytes = max_message_bytes;
+
+  odyssey::worker::WorkerMetrics metrics;
+  std::unique_ptr<odyssey::MetricsEndpoint> endpoint;
+  if (!metrics_listen.empty()) {
+    auto e = odyssey::MetricsEndpoint::Create(metrics_listen, metrics.registry());
+    if (!e.ok()) {
+      std::fprintf(stderr, "odyssey-worker: --metrics-listen: %s\n", std::string(e.status().message()).c_str());
+      return 2;
+    }
+    endpoint = *std::move(e);
+    odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " metrics at http://",
+                                  metrics_listen.substr(0, metrics_listen.rfind(':')), ":", endpoint->port(),
+                                  "/metrics"));
+    if (!metrics_port_file.empty() && !WriteFileAtomically(metrics_port_file, absl::StrCat(endpoint->port(), "\n"))) {
+      std::fprintf(stderr, "odyssey-worker: --metrics-port-file: cannot write %s\n", metrics_port_file.c_str());
+      return 2;
+    }
+  }
+  odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " device ", options.capabilities.device(),
+                                " (", options.capabilities.device_name(), "), controller ", controller));
+
+  odyssey::worker::Worker worker(options, &metrics);
+  std::thread signal_thread([&worker, signals] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    odyssey::LogInfo(absl::StrCat("signal ", sig, ": stopping"));
+    worker.Shutdown();
+  });
+  signal_thread.detach();  // blocked in sigwait until a signal; the process may end before one comes
+  absl::Status s = worker.Run();
+  if (!s.ok()) {
+    odyssey::LogError(std::string(s.message()));
+    return 1;
+  }
+  odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " stopped"));
+  return 0;
+}
