@@ -1,0 +1,159 @@
+// odyssey-bench: times full training steps (forward + backward + AdamW) of a named shape at
+// one sequence length with a chosen memory strategy, and prints a JSON line and a table:
+// peak GPU bytes (allocated, reserved), peak pinned host bytes, seconds per step, tokens/s,
+// MFU, and the planner's prediction for the same run.
+//
+// FLOPs per step (model FLOPs; recompute is not counted):
+//   6 * N * T                          the weights, N = parameters used in matmuls (all but
+//                                      the input embedding when untied), T = B * S tokens
+//   + 6 * B * S^2 * Hq * D * L / 2 ... causal attention: forward 4*S^2*Hq*D per layer
+//                                      (QK^T and PV), backward twice that, halved for causality
+// MFU = FLOPs / step time / 989e12 (H100/H200 dense bf16 peak).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
+#include "engine/device_stats.h"
+#include "engine/trainer.h"
+#include "nlohmann/json.hpp"
+#include "planner/planner.h"
+
+namespace {
+
+constexpr double kPeakFlops = 989e12;
+
+double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
+  const double matmul_params = static_cast<double>(c.NumParameters()) -
+                               (c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size * c.hidden_size));
+  const double tokens = static_cast<double>(B * S);
+  const double attention = 6.0 * static_cast<double>(B) * static_cast<double>(S) * static_cast<double>(S) *
+                           static_cast<double>(c.num_attention_heads * c.HeadDim()) *
+                           static_cast<double>(c.num_hidden_layers) / 2.0;
+  return 6.0 * matmul_params * tokens + attention;
+}
+
+std::string GiB(int64_t b) { return absl::StrFormat("%.2f", static_cast<double>(b) / (1 << 30)); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  odyssey::engine::TrainerOptions o;
+  o.model = "llama-3.2-3b";
+  o.device = "auto";
+  o.attention = "auto";
+  o.steps = 1 << 30;
+  o.optimizer.lr = 1e-5;
+  o.data.format = "kjv";
+  o.data.batch_size = 1;
+  o.data.seq_len = 65536;
+  int steps = 3, warmup = 1;
+  std::string tokens = "random";
+  std::string json_path;
+  bool plan = true;
+
+  CLI::App app{"odyssey-bench: time full training steps"};
+  app.add_option("--model", o.model, "named shape")->capture_default_str();
+  app.add_option("--layers", o.num_layers, "cut the shape to this many layers (0 = all)")->capture_default_str();
+  app.add_option("--seq-len", o.data.seq_len, "tokens per sequence")->capture_default_str();
+  app.add_option("--batch-size", o.data.batch_size, "sequences per step")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
+  app.add_option("--device", o.device, "auto | cpu | cuda:N")->capture_default_str();
+  app.add_option("--dtype", o.dtype, "auto | bfloat16 | float32")->capture_default_str();
+  app.add_option("--attention", o.attention, "auto | cudnn | sdpa | math")->capture_default_str();
+  app.add_option("--head-groups", o.attention_head_groups, "KV-head groups run one after another")->capture_default_str();
+  app.add_option("--recompute", o.memory.recompute, "none | layer | every_k")->capture_default_str();
+  app.add_option("--every-k", o.memory.every_k, "layers per checkpoint group (every_k)")->capture_default_str();
+  app.add_flag("--offload", o.memory.offload, "offload checkpointed inputs to pinned host memory");
+  app.add_option("--device-resident", o.memory.device_resident, "with --offload: checkpoints kept on the GPU")
+      ->capture_default_str();
+  app.add_option("--mlp-tile", o.memory.mlp_tile, "positions per MLP tile (0: untiled)")->capture_default_str();
+  app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
+  app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
+  app.add_option("--tokens", tokens, "random | text (King James bytes)")->capture_default_str();
+  app.add_option("--json", json_path, "append the JSON result to this file");
+  app.add_flag("!--no-plan", plan, "skip the planner's prediction");
+  CLI11_PARSE(app, argc, argv);
+
+  auto created = odyssey::engine::Trainer::Create(o);
+  if (!created.ok()) {
+    std::fprintf(stderr, "odyssey-bench: %s\n", std::string(created.status().message()).c_str());
+    return 2;
+  }
+  auto& t = **created;
+  const auto& cfg = t.model()->config();
+  const int64_t B = o.data.batch_size, S = o.data.seq_len;
+  torch::Device dev = t.device();
+
+  odyssey::engine::Batch batch;
+  if (tokens == "random") {
+    torch::manual_seed(1234);
+    torch::Tensor ids = torch::randint(0, cfg.vocab_size, {B, S + 1}, torch::kInt64);
+    batch.input_ids = ids.narrow(1, 0, S).contiguous();
+    batch.labels = ids.narrow(1, 1, S).contiguous();
+    batch.loss_mask = torch::ones({B, S}, torch::kFloat32);
+    batch.position_ids = torch::arange(S, torch::kInt64).unsqueeze(0).expand({B, S}).contiguous();
+    batch.doc_lens.assign(B, {});
+  } else {
+    batch = t.data().Next();
+  }
+
+  std::vector<double> times;
+  double loss = 0;
+  for (int i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) odyssey::engine::ResetPeakMemory(dev);
+    odyssey::engine::SynchronizeDevice(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = t.Step(batch);
+    odyssey::engine::SynchronizeDevice(dev);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    loss = r.loss;
+    std::fprintf(stderr, "%s step %d: %.3f s, loss %.4f\n", i < warmup ? "warmup" : "timed", i, sec, r.loss);
+    if (i >= warmup) times.push_back(sec);
+  }
+  std::sort(times.begin(), times.end());
+  const double sec = times.empty() ? 0 : times[times.size() / 2];
+  const auto mem = odyssey::engine::ReadDeviceMemory(dev);
+  const double flops = ModelFlops(cfg, B, S);
+  nlohmann::json j = {
+      {"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
+      {"memory", o.memory.Describe()}, {"attention", t.model()->attention_backend().name()},
+      {"head_groups", o.attention_head_groups}, {"seconds_per_step", sec},
+      {"tokens_per_second", sec > 0 ? static_cast<double>(B * S) / sec : 0.0},
+      {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
+      {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
+      {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()}};
+  if (plan) {
+    odyssey::planner::Request req;
+    req.model = odyssey::planner::ShapeOf(cfg);
+    req.seq_len = S;
+    req.batch_size = B;
+    req.strategy = odyssey::planner::StrategyOf(o.memory.recompute, o.memory.every_k, o.memory.offload,
+                                                 o.memory.device_resident, o.memory.mlp_tile, o.memory.loss_tile,
+                                                 o.attention_head_groups);
+    const auto p = odyssey::planner::Predict(req);
+    j["planned_gpu_peak_bytes"] = p.gpu_peak_bytes;
+    j["planned_host_bytes"] = p.host_bytes;
+  }
+  std::printf("%s\n", j.dump().c_str());
+  std::printf("| model | layers | seq | memory | GPU peak alloc / reserved GiB | pinned GiB | s/step | tok/s | MFU |\n");
+  std::printf("| %s | %lld | %lld | %s%s | %s / %s | %s | %.2f | %.0f | %.1f%% |\n", o.model.c_str(),
+              static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(S), o.memory.Describe().c_str(),
+              o.attention_head_groups > 1 ? absl::StrFormat(" heads/%d", o.attention_head_groups).c_str() : "",
+              GiB(mem.peak_allocated).c_str(), GiB(mem.peak_reserved).c_str(), GiB(t.memory().host_pool_bytes()).c_str(),
+              sec, sec > 0 ? static_cast<double>(B * S) / sec : 0.0, sec > 0 ? 100.0 * flops / sec / kPeakFlops : 0.0);
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "a");
+    if (f != nullptr) {
+      std::fprintf(f, "%s\n", j.dump().c_str());
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

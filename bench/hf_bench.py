@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Hugging Face transformers baseline for odyssey-bench: the same named shape, random init,
+bf16, SDPA attention, gradient checkpointing, torch.optim.AdamW, one sequence of random tokens.
+Prints one JSON line and one table row per length; an out-of-memory length is reported as such.
+
+  python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 131072 --steps 2
+"""
+import argparse
+import json
+import time
+
+import torch
+import transformers
+
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def run(args, seq_len):
+    cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=max(seq_len, 131072), rms_norm_eps=1e-5,
+                                   rope_theta=500000.0, **SHAPES[args.model])
+    if args.layers:
+        cfg.num_hidden_layers = args.layers
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
+    times = []
+    try:
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        sec = sorted(times)[len(times) // 2]
+        res = dict(impl="hf", model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
+                   checkpointing=args.checkpointing, seconds_per_step=sec, tokens_per_second=seq_len / sec,
+                   gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                   gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(), loss=float(loss))
+    except torch.OutOfMemoryError:
+        res = dict(impl="hf", model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
+                   checkpointing=args.checkpointing, oom=True)
+    del model, opt
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-3b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[65536])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    for s in args.seq_len:
+        res = run(args, s)
+        print(json.dumps(res), flush=True)
+        if res.get("oom"):
+            print(f"| hf {args.model} | {s} | out of memory |", flush=True)
+        else:
+            gib = 1 << 30
+            print(f"| hf {args.model} | {s} | {res['gpu_peak_allocated_bytes'] / gib:.2f} / "
+                  f"{res['gpu_peak_reserved_bytes'] / gib:.2f} GiB | {res['seconds_per_step']:.2f} s | "
+                  f"{res['tokens_per_second']:.0f} tok/s |", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+#include "planner/planner.h"
+
+#include <gtest/gtest.h>
+
+namespace odyssey::planner {
+namespace {
+
+ModelShape Llama3B() { return ShapeOf(*model::NamedShape("llama-3.2-3b")); }
+
+int64_t Term(const Prediction& p, const std::string& prefix) {
+  for (const auto& [name, bytes] : p.terms) {
+    if (name.rfind(prefix, 0) == 0) return bytes;
+  }
+  return -1;
+}
+
+TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
+  Request r;
+  r.model = Llama3B();
+  r.seq_len = 65536;
+  r.strategy = StrategyOf("layer", 2, false, 0, 8192, 2048, 1);
+  Prediction p = Predict(r);
+  EXPECT_EQ(Term(p, "static"), r.model.params * 16);
+  const int64_t act = int64_t{65536} * 3072 * 2;
+  EXPECT_EQ(Term(p, "checkpointed"), 28 * act);
+  EXPECT_EQ(p.host_bytes, 0);
+  r.strategy.offload = true;
+  r.strategy.device_resident = 3;
+  p = Predict(r);
+  EXPECT_EQ(Term(p, "checkpointed"), 3 * act);
+  EXPECT_EQ(p.host_bytes, 25 * act);
+  r.strategy = StrategyOf("every_k", 4, true, 0, 8192, 2048, 1);
+  p = Predict(r);
+  EXPECT_EQ(p.host_bytes, 7 * act);
+  EXPECT_EQ(Term(p, "inputs of the group"), 3 * act);
+}
+
+TEST(PlannerTest, PeakGrowsWithLengthAndShrinksWithHeadGroupsAndTiles) {
+  Request r;
+  r.model = Llama3B();
+  r.strategy = StrategyOf("layer", 2, true, 0, 8192, 2048, 1);
+  r.seq_len = 131072;
+  const int64_t a = Predict(r).gpu_peak_bytes;
+  r.seq_len = 262144;
+  const int64_t b = Predict(r).gpu_peak_bytes;
+  EXPECT_GT(b, a);
+  r.strategy.head_groups = 4;
+  EXPECT_LT(Predict(r).gpu_peak_bytes, b);
+  r.strategy.head_groups = 1;
+  r.strategy.mlp_tile = 0;
+  EXPECT_GT(Predict(r).gpu_peak_bytes, b);
+}
+
+TEST(PlannerTest, ChoosesOffloadOnlyWhenNeeded) {
+  Hardware h200;
+  auto c64 = Choose(Llama3B(), 65536, 1, h200);
+  ASSERT_TRUE(c64.ok()) << c64.status();
+  EXPECT_FALSE(c64->strategy.offload);
+  auto c512 = Choose(Llama3B(), 524288, 1, h200);
+  ASSERT_TRUE(c512.ok()) << c512.status();
+  EXPECT_TRUE(c512->strategy.offload);
+  EXPECT_LE(c512->prediction.gpu_peak_bytes, h200.gpu_bytes);
+  EXPECT_LE(c512->prediction.host_bytes, h200.host_bytes);
+}
+
+TEST(PlannerTest, RefusesWhatCannotFitSayingByHowMuch) {
+  Hardware small;
+  small.gpu_bytes = int64_t{24} << 30;
+  small.host_bytes = int64_t{16} << 30;
+  auto c = Choose(Llama3B(), 1 << 20, 1, small);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("does not fit: 1048576 tokens"), std::string::npos) << c.status();
+  EXPECT_NE(c.status().message().find(" by "), std::string::npos) << c.status();
+  // The static state alone (51 GB) cannot fit 24 GiB whatever the length.
+  EXPECT_EQ(MaxSeqLen(Llama3B(), small), 0);
+}
+
+TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
+  Hardware h200;
+  auto c = Choose(Llama3B(), 1 << 20, 1, h200);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t max = MaxSeqLen(Llama3B(), h200);
+  EXPECT_GE(max, 1 << 20);
+  EXPECT_FALSE(Choose(Llama3B(), max + 16384 * 2, 1, h200).ok());
+}
+
+}  // namespace
+}  // namespace odyssey::planner
