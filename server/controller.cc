@@ -1,0 +1,649 @@
+#include "server/controller.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "server/validation.h"
+#include "spdlog/spdlog.h"
+
+namespace odyssey::server {
+
+namespace v1 = odyssey::v1;
+
+namespace {
+
+void SetTimestamp(absl::Time t, google::protobuf::Timestamp* ts) {
+  const int64_t nanos = absl::ToUnixNanos(t);
+  ts->set_seconds(nanos / 1000000000);
+  ts->set_nanos(static_cast<int32_t>(nanos % 1000000000));
+}
+
+bool Terminal(v1::Job::State s) {
+  return s == v1::Job::SUCCEEDED || s == v1::Job::FAILED || s == v1::Job::CANCELLED;
+}
+
+std::string StateName(v1::Job::State s) { return v1::Job::State_Name(s); }
+
+int32_t WorldSize(const v1::JobSpec& spec) { return std::max(1, spec.parallel().world_size()); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// JobWatch
+
+std::optional<v1::JobEvent> JobWatch::Next(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !events_.empty() || finished_; };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  if (events_.empty()) return std::nullopt;
+  v1::JobEvent event = std::move(events_.front());
+  events_.pop_front();
+  return event;
+}
+
+bool JobWatch::done() const {
+  absl::MutexLock lock(&mu_);
+  return finished_ && events_.empty();
+}
+
+void JobWatch::Push(v1::JobEvent event) {
+  absl::MutexLock lock(&mu_);
+  events_.push_back(std::move(event));
+}
+
+void JobWatch::Finish() {
+  absl::MutexLock lock(&mu_);
+  finished_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics (DESIGN.md section 6 names).
+
+struct Controller::Metrics {
+  explicit Metrics(prometheus::Registry& registry) {
+    auto& jobs = prometheus::BuildGauge().Name("odyssey_jobs").Help("Jobs by state").Register(registry);
+    for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) {
+      std::string label = StateName(static_cast<v1::Job::State>(s));
+      std::transform(label.begin(), label.end(), label.begin(), ::tolower);
+      jobs_by_state[s] = &jobs.Add({{"state", label}});
+    }
+    queue_depth = &prometheus::BuildGauge()
+                       .Name("odyssey_queue_depth")
+                       .Help("Jobs waiting for workers (PENDING)")
+                       .Register(registry)
+                       .Add({});
+    auto& workers = prometheus::BuildGauge().Name("odyssey_workers").Help("Workers by state").Register(registry);
+    workers_idle = &workers.Add({{"state", "idle"}});
+    workers_busy = &workers.Add({{"state", "busy"}});
+    workers_disconnected = &workers.Add({{"state", "disconnected"}});
+    tokens = &prometheus::BuildCounter()
+                  .Name("odyssey_tokens_total")
+                  .Help("Tokens trained, as reported by rank 0 of each job")
+                  .Register(registry)
+                  .Add({});
+    step_duration = &prometheus::BuildHistogram()
+                         .Name("odyssey_step_duration_seconds")
+                         .Help("Training step wall time, as reported by rank 0 of each job")
+                         .Register(registry)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30,
+                                                                          100, 300, 1000, 3000});
+    auto& created = prometheus::BuildCounter()
+                        .Name("odyssey_jobs_created_total")
+                        .Help("Jobs created (idempotent retries not counted)")
+                        .Register(registry);
+    jobs_created = &created.Add({});
+    restarts = &prometheus::BuildCounter()
+                    .Name("odyssey_job_restarts_total")
+                    .Help("Jobs put back in the queue after losing a worker")
+                    .Register(registry)
+                    .Add({});
+  }
+  prometheus::Gauge* jobs_by_state[6] = {};
+  prometheus::Gauge* queue_depth;
+  prometheus::Gauge* workers_idle;
+  prometheus::Gauge* workers_busy;
+  prometheus::Gauge* workers_disconnected;
+  prometheus::Counter* tokens;
+  prometheus::Histogram* step_duration;
+  prometheus::Counter* jobs_created;
+  prometheus::Counter* restarts;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Controller
+
+Controller::Controller(ControllerOptions options, std::unique_ptr<JobStore> store)
+    : options_(std::move(options)), store_(std::move(store)) {
+  if (options_.registry) metrics_ = std::make_unique<Metrics>(*options_.registry);
+}
+
+Controller::~Controller() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, w] : workers_) {
+    if (w.connection) w.connection->Close();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Controller>> Controller::Create(ControllerOptions options,
+                                                               std::unique_ptr<JobStore> store) {
+  std::unique_ptr<Controller> c(new Controller(std::move(options), std::move(store)));
+  absl::MutexLock lock(&c->mu_);
+  auto jobs = c->store_->LoadJobs();
+  if (!jobs.ok()) return jobs.status();
+  auto request_ids = c->store_->LoadRequestIds();
+  if (!request_ids.ok()) return request_ids.status();
+  const absl::Time now = c->options_.clock();
+  int running = 0;
+  for (auto& [id, job] : *jobs) {
+    job.set_name(JobName(id));
+    if (job.state() == v1::Job::RUNNING) {
+      ++running;
+      // Its workers get heartbeat_timeout to re-attach and report the job as held.
+      for (const std::string& wid : job.workers()) {
+        Worker& w = c->workers_[wid];
+        w.id = wid;
+        w.disconnected_since = now;
+        w.job = id;
+      }
+    }
+    c->jobs_.emplace(id, std::move(job));
+  }
+  for (auto& [rid, id] : *request_ids) c->request_ids_[rid] = id;
+  spdlog::info("controller: loaded {} jobs ({} running) from the store", c->jobs_.size(), running);
+  c->UpdateGauges();
+  return c;
+}
+
+v1::Job* Controller::FindJob(int64_t id) {
+  auto it = jobs_.find(id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+Controller::Worker* Controller::WorkerBySession(int64_t session) {
+  if (session == 0) return nullptr;
+  for (auto& [id, w] : workers_) {
+    if (w.session == session) return &w;
+  }
+  return nullptr;
+}
+
+void Controller::Commit(int64_t id, std::optional<v1::JobEvent> event) {
+  v1::Job& job = jobs_.at(id);
+  if (absl::Status s = store_->UpdateJob(id, job); !s.ok()) {
+    spdlog::error("job={} store update failed: {}", job.name(), s.ToString());
+  }
+  if (!event) return;
+  event->set_job(job.name());
+  SetTimestamp(options_.clock(), event->mutable_time());
+  if (absl::Status s = store_->AppendEvent(id, *event); !s.ok()) {
+    spdlog::error("job={} store event failed: {}", job.name(), s.ToString());
+  }
+  auto it = watches_.find(id);
+  if (it == watches_.end()) return;
+  const bool end = event->has_state() && Terminal(event->state());
+  for (auto& weak : it->second) {
+    if (auto watch = weak.lock()) {
+      watch->Push(*event);
+      if (end) watch->Finish();
+    }
+  }
+  if (end) {
+    watches_.erase(it);
+  } else {
+    std::erase_if(it->second, [](const std::weak_ptr<JobWatch>& w) { return w.expired(); });
+  }
+}
+
+void Controller::SetState(int64_t id, v1::Job::State state, const std::string& message) {
+  v1::Job& job = jobs_.at(id);
+  if (!message.empty()) {
+    v1::JobEvent note;
+    note.set_message(message);
+    Commit(id, note);
+  }
+  job.set_state(state);
+  const absl::Time now = options_.clock();
+  if (state == v1::Job::RUNNING && !job.has_start_time()) SetTimestamp(now, job.mutable_start_time());
+  if (Terminal(state)) SetTimestamp(now, job.mutable_end_time());
+  spdlog::info("job={} state={} {}", job.name(), StateName(state), message);
+  v1::JobEvent event;
+  event.set_state(state);
+  Commit(id, event);
+  UpdateGauges();
+}
+
+void Controller::SendTo(const std::string& worker_id, const v1::ControllerMessage& message) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end() || !it->second.connection) return;
+  it->second.connection->Send(message);
+}
+
+void Controller::CancelRanks(int64_t id, const std::string& except) {
+  v1::ControllerMessage cancel;
+  cancel.set_cancel(JobName(id));
+  for (const std::string& wid : jobs_.at(id).workers()) {
+    if (wid != except) SendTo(wid, cancel);
+  }
+}
+
+void Controller::UpdateGauges() {
+  if (!metrics_) return;
+  int64_t counts[6] = {};
+  for (const auto& [id, job] : jobs_) {
+    if (job.state() >= 0 && job.state() < 6) ++counts[job.state()];
+  }
+  for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) metrics_->jobs_by_state[s]->Set(counts[s]);
+  metrics_->queue_depth->Set(counts[v1::Job::PENDING]);
+  int idle = 0, busy = 0, disconnected = 0;
+  for (const auto& [wid, w] : workers_) {
+    if (w.session == 0) {
+      ++disconnected;
+    } else if (w.job == 0) {
+      ++idle;
+    } else {
+      ++busy;
+    }
+  }
+  metrics_->workers_idle->Set(idle);
+  metrics_->workers_busy->Set(busy);
+  metrics_->workers_disconnected->Set(disconnected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// JobService
+
+absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request) {
+  absl::MutexLock lock(&mu_);
+  if (!request.request_id().empty()) {
+    auto it = request_ids_.find(request.request_id());
+    if (it != request_ids_.end()) {
+      const v1::Job& existing = jobs_.at(it->second);
+      if (!google::protobuf::util::MessageDifferencer::Equals(existing.spec(), request.spec())) {
+        return absl::InvalidArgumentError(absl::StrCat("request_id: \"", request.request_id(),
+                                                       "\" was already used for ", existing.name(),
+                                                       " with a different spec"));
+      }
+      return existing;
+    }
+  }
+  v1::Job job;
+  *job.mutable_spec() = request.spec();
+  job.set_state(v1::Job::PENDING);
+  SetTimestamp(options_.clock(), job.mutable_create_time());
+  auto id = store_->InsertJob(job, request.request_id());
+  if (!id.ok()) {
+    return absl::UnavailableError(absl::StrCat("job store: ", id.status().message()));
+  }
+  job.set_name(JobName(*id));
+  jobs_.emplace(*id, std::move(job));
+  if (!request.request_id().empty()) request_ids_[request.request_id()] = *id;
+  if (metrics_) metrics_->jobs_created->Increment();
+  spdlog::info("job={} created (world_size {}, {} steps, model {})", JobName(*id),
+               WorldSize(request.spec()), request.spec().steps(), request.spec().model().name());
+  v1::JobEvent event;
+  event.set_state(v1::Job::PENDING);
+  Commit(*id, event);
+  UpdateGauges();
+  Schedule();
+  return jobs_.at(*id);
+}
+
+absl::StatusOr<v1::Job> Controller::GetJob(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  const v1::Job* job = FindJob(id);
+  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  return *job;
+}
+
+absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequest& request) {
+  absl::MutexLock lock(&mu_);
+  const int32_t page_size = request.page_size() == 0 ? kDefaultPageSize : request.page_size();
+  int64_t below = INT64_MAX;
+  if (!request.page_token().empty()) below = std::stoll(request.page_token());
+  v1::ListJobsResponse response;
+  // Newest first: descending ids; the page token is the last id returned.
+  for (auto it = std::make_reverse_iterator(jobs_.lower_bound(below)); it != jobs_.rend(); ++it) {
+    if (request.state() != v1::Job::STATE_UNSPECIFIED && it->second.state() != request.state()) continue;
+    if (response.jobs_size() == page_size) {
+      response.set_next_page_token(absl::StrCat(response.jobs(page_size - 1).name().substr(5)));
+      break;
+    }
+    *response.add_jobs() = it->second;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::Job> Controller::CancelJob(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = FindJob(id);
+  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  switch (job->state()) {
+    case v1::Job::CANCELLED:
+      return *job;
+    case v1::Job::PENDING:
+      SetState(id, v1::Job::CANCELLED, "cancelled by request");
+      break;
+    case v1::Job::RUNNING:
+      CancelRanks(id, "");
+      SetState(id, v1::Job::CANCELLED, "cancelled by request; workers told to stop");
+      break;
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat("name: job ", job->name(), " is ", StateName(job->state()),
+                       "; only PENDING or RUNNING jobs can be cancelled"));
+  }
+  Schedule();
+  return *FindJob(id);
+}
+
+absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  const v1::Job* job = FindJob(id);
+  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  auto watch = std::make_shared<JobWatch>();
+  v1::JobEvent current;
+  current.set_job(job->name());
+  SetTimestamp(options_.clock(), current.mutable_time());
+  if (job->step() > 0) {
+    v1::JobEvent step = current;
+    step.mutable_step()->set_step(job->step());
+    step.mutable_step()->set_loss(job->loss());
+    step.mutable_step()->set_tokens_per_second(job->tokens_per_second());
+    current.set_state(job->state());
+    watch->Push(current);
+    watch->Push(step);
+  } else {
+    current.set_state(job->state());
+    watch->Push(current);
+  }
+  if (Terminal(job->state())) {
+    watch->Finish();
+  } else {
+    watches_[id].push_back(watch);
+  }
+  return watch;
+}
+
+// ---------------------------------------------------------------------------------------------
+// WorkerService
+
+absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& capabilities,
+                                                 const std::string& peer_host,
+                                                 std::shared_ptr<WorkerConnection> connection) {
+  if (capabilities.worker_id().empty()) {
+    return absl::InvalidArgumentError("hello.worker_id: is required (stable across reconnects)");
+  }
+  absl::MutexLock lock(&mu_);
+  Worker& w = workers_[capabilities.worker_id()];
+  if (w.connection) w.connection->Close();  // replaced by this newer stream
+  w.id = capabilities.worker_id();
+  w.capabilities = capabilities;
+  w.host = peer_host.empty() ? capabilities.hostname() : peer_host;
+  w.session = next_session_++;
+  w.connection = std::move(connection);
+  w.last_seen = options_.clock();
+  spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
+               w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
+  const int64_t session = w.session;
+  UpdateGauges();
+  Schedule();
+  return session;
+}
+
+void Controller::OnWorkerMessage(int64_t session, const v1::WorkerMessage& message) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = WorkerBySession(session);
+  if (!w) return;
+  w->last_seen = options_.clock();
+  switch (message.msg_case()) {
+    case v1::WorkerMessage::kProgress:
+      OnProgress(*w, message.progress());
+      break;
+    case v1::WorkerMessage::kResult:
+      OnResult(*w, message.result());
+      break;
+    case v1::WorkerMessage::kHeld:
+      OnHeld(*w, message.held());
+      break;
+    default:  // heartbeat, a repeated hello: liveness only
+      break;
+  }
+}
+
+void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
+  auto id = ParseJobName(progress.job());
+  v1::Job* job = id.ok() ? FindJob(*id) : nullptr;
+  if (!job || job->state() != v1::Job::RUNNING || progress.rank() < 0 ||
+      progress.rank() >= job->workers_size() || job->workers(progress.rank()) != w.id) {
+    if (id.ok() && w.job != *id) {
+      // A run the controller no longer wants (cancelled, restarted elsewhere): stop it.
+      v1::ControllerMessage cancel;
+      cancel.set_cancel(progress.job());
+      SendTo(w.id, cancel);
+    }
+    return;
+  }
+  if (progress.rank() != 0) return;
+  const v1::StepMetrics& m = progress.metrics();
+  job->set_step(m.step());
+  job->set_loss(m.loss());
+  job->set_tokens_per_second(m.tokens_per_second());
+  if (metrics_) {
+    if (m.tokens() > 0) metrics_->tokens->Increment(static_cast<double>(m.tokens()));
+    if (m.step_seconds() > 0) metrics_->step_duration->Observe(m.step_seconds());
+  }
+  v1::JobEvent event;
+  *event.mutable_step() = m;
+  Commit(*id, event);
+  if (!progress.checkpoint().empty()) {
+    job->set_last_checkpoint(progress.checkpoint());
+    if (absl::Status s = store_->AddCheckpoint(*id, m.step(), progress.checkpoint()); !s.ok()) {
+      spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
+    }
+    spdlog::info("job={} checkpoint step={} dir={}", job->name(), m.step(), progress.checkpoint());
+    v1::JobEvent ckpt;
+    ckpt.set_checkpoint(progress.checkpoint());
+    Commit(*id, ckpt);
+  }
+}
+
+void Controller::OnResult(Worker& w, const v1::JobResult& result) {
+  auto id = ParseJobName(result.job());
+  if (!id.ok()) return;
+  if (w.job == *id) w.job = 0;
+  v1::ControllerMessage release;
+  release.set_release(result.job());
+  SendTo(w.id, release);
+
+  v1::Job* job = FindJob(*id);
+  if (job && job->state() == v1::Job::RUNNING && result.rank() >= 0 &&
+      result.rank() < job->workers_size() && job->workers(result.rank()) == w.id) {
+    if (result.ok()) {
+      if (result.rank() == 0) {
+        job->set_step(std::max(job->step(), result.step()));
+        if (!result.last_checkpoint().empty()) job->set_last_checkpoint(result.last_checkpoint());
+        SetState(*id, v1::Job::SUCCEEDED, "");
+      }
+    } else {
+      const std::string why = result.cancelled().empty() ? result.error()
+                                                         : absl::StrCat("stopped: ", result.cancelled());
+      job->set_error(absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why));
+      CancelRanks(*id, w.id);
+      SetState(*id, v1::Job::FAILED, job->error());
+    }
+  }
+  UpdateGauges();
+  Schedule();
+}
+
+void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
+  bool holds_bound = false;
+  for (const std::string& name : held.jobs()) {
+    auto id = ParseJobName(name);
+    if (!id.ok()) continue;
+    const v1::Job* job = FindJob(*id);
+    const bool listed = job && job->state() == v1::Job::RUNNING &&
+                        std::find(job->workers().begin(), job->workers().end(), w.id) != job->workers().end();
+    if (listed && (w.job == 0 || w.job == *id)) {
+      w.job = *id;
+      holds_bound = true;
+      spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
+    } else if (w.job != *id) {
+      v1::ControllerMessage cancel;
+      cancel.set_cancel(name);
+      SendTo(w.id, cancel);
+    }
+  }
+  if (w.job != 0 && !holds_bound) {
+    // The worker came back without its job (e.g. it restarted): that rank is lost.
+    const int64_t lost = w.job;
+    w.job = 0;
+    RankLost(lost, w.id, absl::StrCat("worker ", w.id, " re-attached without the job"));
+  }
+  UpdateGauges();
+  Schedule();
+}
+
+void Controller::DetachWorker(int64_t session) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = WorkerBySession(session);
+  if (!w) return;
+  w->session = 0;
+  w->connection = nullptr;
+  w->disconnected_since = options_.clock();
+  spdlog::info("worker={} disconnected{}", w->id, w->job ? absl::StrCat(" (holds ", JobName(w->job), ")") : "");
+  UpdateGauges();
+}
+
+void Controller::RankLost(int64_t id, const std::string& worker_id, const std::string& why) {
+  v1::Job* job = FindJob(id);
+  if (!job || job->state() != v1::Job::RUNNING) return;
+  CancelRanks(id, worker_id);
+  if (job->restarts() < job->spec().restart_limit()) {
+    job->set_restarts(job->restarts() + 1);
+    job->clear_workers();
+    if (metrics_) metrics_->restarts->Increment();
+    SetState(id, v1::Job::PENDING,
+             absl::StrCat(why, "; restart ", job->restarts(), " of ", job->spec().restart_limit(), " from ",
+                          job->last_checkpoint().empty() ? "the start" : job->last_checkpoint()));
+  } else {
+    job->set_error(absl::StrCat(why, "; restart_limit (", job->spec().restart_limit(), ") reached"));
+    SetState(id, v1::Job::FAILED, job->error());
+  }
+}
+
+void Controller::WorkerDead(const std::string& worker_id, const std::string& why) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return;
+  if (it->second.connection) it->second.connection->Close();
+  const int64_t job = it->second.job;
+  workers_.erase(it);
+  spdlog::warn("worker={} dead: {}", worker_id, why);
+  if (job != 0) RankLost(job, worker_id, absl::StrCat("worker ", worker_id, " lost (", why, ")"));
+}
+
+void Controller::Tick() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = options_.clock();
+  std::vector<std::pair<std::string, std::string>> dead;
+  for (const auto& [id, w] : workers_) {
+    if (w.session != 0 && now - w.last_seen > options_.heartbeat_timeout) {
+      dead.emplace_back(id, absl::StrCat("no message for ", absl::FormatDuration(now - w.last_seen)));
+    } else if (w.session == 0 && now - w.disconnected_since > options_.heartbeat_timeout) {
+      dead.emplace_back(id, absl::StrCat("did not re-attach within ", absl::FormatDuration(options_.heartbeat_timeout)));
+    }
+  }
+  for (const auto& [id, why] : dead) WorkerDead(id, why);
+  if (!dead.empty()) UpdateGauges();
+  Schedule();
+}
+
+void Controller::Schedule() {
+  std::vector<const v1::Job*> pending;
+  for (const auto& [id, job] : jobs_) {
+    if (job.state() == v1::Job::PENDING) pending.push_back(&job);
+  }
+  if (pending.empty()) return;
+  // Highest priority first, then oldest (ids grow with creation time).
+  std::stable_sort(pending.begin(), pending.end(), [](const v1::Job* a, const v1::Job* b) {
+    return a->spec().priority() > b->spec().priority();
+  });
+  std::vector<const Worker*> idle;
+  for (const auto& [id, w] : workers_) {
+    if (w.session != 0 && w.job == 0) idle.push_back(&w);
+  }
+  std::vector<std::pair<int64_t, std::vector<std::string>>> starts;
+  for (const v1::Job* job : pending) {
+    const size_t need = static_cast<size_t>(WorldSize(job->spec()));
+    if (idle.size() < need) break;  // gang: never partial; FIFO: nothing jumps the queue head
+    // Prefer one host: the host with the fewest idle workers that still fits the job.
+    std::map<std::string, std::vector<const Worker*>> by_host;
+    for (const Worker* w : idle) by_host[w->host].push_back(w);
+    const std::vector<const Worker*>* best = nullptr;
+    for (const auto& [host, ws] : by_host) {
+      if (ws.size() >= need && (!best || ws.size() < best->size())) best = &ws;
+    }
+    std::vector<const Worker*> chosen;
+    if (best) {
+      chosen.assign(best->begin(), best->begin() + need);
+    } else {
+      for (const auto& [host, ws] : by_host) {
+        for (const Worker* w : ws) {
+          if (chosen.size() < need) chosen.push_back(w);
+        }
+      }
+    }
+    std::vector<std::string> ids;
+    for (const Worker* w : chosen) {
+      ids.push_back(w->id);
+      idle.erase(std::find(idle.begin(), idle.end(), w));
+    }
+    starts.emplace_back(ParseJobName(job->name()).value(), std::move(ids));
+  }
+  for (auto& [id, ids] : starts) Assign(id, ids);
+}
+
+void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) {
+  v1::Job& job = jobs_.at(id);
+  job.clear_workers();
+  for (const std::string& wid : worker_ids) {
+    job.add_workers(wid);
+    workers_.at(wid).job = id;
+  }
+  const std::string rendezvous = absl::StrCat(workers_.at(worker_ids[0]).host, ":",
+                                              options_.rendezvous_port_base + id % 10000);
+  const std::string checkpoint_dir = job.spec().checkpoint().directory().empty()
+                                         ? absl::StrCat(options_.checkpoint_root, "/job-", id)
+                                         : job.spec().checkpoint().directory();
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    v1::ControllerMessage message;
+    v1::Assignment* a = message.mutable_assign();
+    a->set_job(job.name());
+    *a->mutable_spec() = job.spec();
+    a->set_rank(static_cast<int32_t>(rank));
+    a->set_world_size(static_cast<int32_t>(worker_ids.size()));
+    a->set_rendezvous(rendezvous);
+    a->set_resume_from(job.last_checkpoint());
+    a->set_checkpoint_dir(checkpoint_dir);
+    SendTo(worker_ids[rank], message);
+  }
+  SetState(id, v1::Job::RUNNING,
+           absl::StrCat("assigned to ", absl::StrJoin(worker_ids, ","),
+                        job.last_checkpoint().empty() ? "" : absl::StrCat(", resuming from ", job.last_checkpoint())));
+}
+
+std::vector<WorkerInfo> Controller::Workers() {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerInfo> out;
+  for (const auto& [id, w] : workers_) {
+    out.push_back({id, w.session != 0, w.job ? JobName(w.job) : ""});
+  }
+  return out;
+}
+
+}  // namespace odyssey::server

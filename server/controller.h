@@ -1,0 +1,177 @@
+// Controller: the core of odyssey-controller. Owns jobs (durable in a JobStore), the worker
+// registry and the gang scheduler, and applies the restart policy. Knows nothing of gRPC:
+// the service layer (service.h) validates requests, calls these methods and converts the
+// absl::Status once at the edge; workers are reached through the WorkerConnection interface.
+//
+// Worker protocol, as the controller reads it (see server/README.md):
+// - A worker attaches with its capabilities, then sends `held` (the jobs it still runs; empty
+//   on a fresh start), heartbeats, progress and results. Any message counts as liveness.
+// - A worker is idle (no job) or busy (bound to one job) and is bound from assignment until
+//   it reports a JobResult for the job (also after a cancel) or is declared dead.
+// - A worker whose stream ends or that is silent for heartbeat_timeout is disconnected; a
+//   disconnected worker that does not re-attach within heartbeat_timeout is dead: its job is
+//   put back in the queue (resume_from = last checkpoint, restarts + 1) while
+//   restarts < restart_limit, else FAILED. Other ranks of that job get `cancel`.
+// - Gang scheduling: the first queued job (highest priority, then oldest) that needs W
+//   workers starts only when W idle workers exist (one host preferred); jobs behind it wait
+//   (strict FIFO within priority, no partial starts, no backfill).
+// - After a controller restart, RUNNING jobs keep their workers for heartbeat_timeout: the
+//   workers re-attach and report `held`, or the job is restarted as above.
+//
+// Thread safety: all public methods may be called from any thread (one mutex). Messages to
+// workers are handed to WorkerConnection::Send under that mutex, so Send must not block.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "odyssey/v1/odyssey.pb.h"
+#include "prometheus/registry.h"
+#include "server/job_store.h"
+
+namespace odyssey::server {
+
+// The controller's end of one worker's Attach stream.
+class WorkerConnection {
+ public:
+  virtual ~WorkerConnection() = default;
+  // Queues a message to the worker. Must not block (called under the controller's mutex).
+  virtual void Send(const odyssey::v1::ControllerMessage& message) = 0;
+  // Ends the stream (a newer Attach of the same worker replaced it, or it was declared dead).
+  virtual void Close() = 0;
+};
+
+// A bounded-wait queue of one WatchJob stream's events.
+class JobWatch {
+ public:
+  // Waits up to `timeout` for the next event. Returns it, or nullopt on timeout or when the
+  // watch is over (then done() is true: the job ended and every event was delivered).
+  std::optional<odyssey::v1::JobEvent> Next(absl::Duration timeout);
+  bool done() const;
+
+  // Producer side (the controller).
+  void Push(odyssey::v1::JobEvent event);
+  void Finish();
+
+ private:
+  mutable absl::Mutex mu_;
+  std::deque<odyssey::v1::JobEvent> events_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+struct ControllerOptions {
+  // A worker silent this long is disconnected; disconnected this long, dead.
+  absl::Duration heartbeat_timeout = absl::Seconds(10);
+  // Default checkpoint folder root: a job without checkpoint.directory writes to
+  // <checkpoint_root>/job-<id>.
+  std::string checkpoint_root = "odyssey-state/checkpoints";
+  // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<rendezvous_port_base + id % 10000>.
+  int rendezvous_port_base = 29500;
+  // The time source (tests pass a fake clock).
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+  // Where metrics go; null = none.
+  std::shared_ptr<prometheus::Registry> registry;
+};
+
+// What the registry holds about a worker (for tests and status).
+struct WorkerInfo {
+  std::string id;
+  bool connected = false;
+  std::string job;  // "jobs/{id}" when busy
+};
+
+class Controller {
+ public:
+  // Loads every job from `store`. REQUIRES: store != nullptr.
+  static absl::StatusOr<std::unique_ptr<Controller>> Create(ControllerOptions options,
+                                                            std::unique_ptr<JobStore> store);
+  ~Controller();
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  // JobService. REQUIRES: the request passed validation.h's checks.
+  absl::StatusOr<odyssey::v1::Job> CreateJob(const odyssey::v1::CreateJobRequest& request);
+  absl::StatusOr<odyssey::v1::Job> GetJob(int64_t id);
+  absl::StatusOr<odyssey::v1::ListJobsResponse> ListJobs(const odyssey::v1::ListJobsRequest& request);
+  // PENDING or RUNNING -> CANCELLED (the workers get `cancel`); CANCELLED stays CANCELLED;
+  // SUCCEEDED and FAILED -> FAILED_PRECONDITION.
+  absl::StatusOr<odyssey::v1::Job> CancelJob(int64_t id);
+  // Events of job `id`: its current state (and latest step metrics) first, then every event
+  // until the job ends.
+  absl::StatusOr<std::shared_ptr<JobWatch>> WatchJob(int64_t id);
+
+  // WorkerService. Returns the attach session id to pass back to the calls below.
+  absl::StatusOr<int64_t> AttachWorker(const odyssey::v1::WorkerCapabilities& capabilities,
+                                       const std::string& peer_host,
+                                       std::shared_ptr<WorkerConnection> connection);
+  // Handles a message of a worker's stream. Messages of a replaced session are ignored.
+  void OnWorkerMessage(int64_t session, const odyssey::v1::WorkerMessage& message);
+  // The worker's stream ended.
+  void DetachWorker(int64_t session);
+
+  // Liveness checks and scheduling; call periodically (the binary: every 100 ms).
+  void Tick();
+
+  std::vector<WorkerInfo> Workers();
+
+ private:
+  struct Worker {
+    std::string id;
+    odyssey::v1::WorkerCapabilities capabilities;
+    std::string host;
+    int64_t session = 0;  // current stream; 0 = disconnected
+    std::shared_ptr<WorkerConnection> connection;
+    absl::Time last_seen;           // last message (connected)
+    absl::Time disconnected_since;  // when the stream ended (disconnected)
+    int64_t job = 0;                // bound job id; 0 = idle
+  };
+  struct Metrics;
+
+  Controller(ControllerOptions options, std::unique_ptr<JobStore> store);
+
+  odyssey::v1::Job* FindJob(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Persists job `id` and records `event` (stamped with the job name and now).
+  void Commit(int64_t id, std::optional<odyssey::v1::JobEvent> event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetState(int64_t id, odyssey::v1::Job::State state, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendTo(const std::string& worker_id, const odyssey::v1::ControllerMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `cancel` to every worker of job `id` other than `except`.
+  void CancelRanks(int64_t id, const std::string& except) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnProgress(Worker& worker, const odyssey::v1::JobProgress& progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnResult(Worker& worker, const odyssey::v1::JobResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnHeld(Worker& worker, const odyssey::v1::HeldJobs& held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
+  void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ControllerOptions options_;
+  std::unique_ptr<Metrics> metrics_;
+
+  absl::Mutex mu_;
+  std::unique_ptr<JobStore> store_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, odyssey::v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> request_ids_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);  // by id
+  absl::flat_hash_map<int64_t, std::vector<std::weak_ptr<JobWatch>>> watches_ ABSL_GUARDED_BY(mu_);
+  int64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace odyssey::server

@@ -1,0 +1,220 @@
+#include "server/job_store.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+
+// Finalizes a prepared statement when it goes out of scope.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+  bool ok() const { return rc_ == SQLITE_OK; }
+  sqlite3_stmt* get() { return stmt_; }
+  void BindInt(int i, int64_t v) { sqlite3_bind_int64(stmt_, i, v); }
+  void BindText(int i, const std::string& v) {
+    sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+  }
+  void BindBlob(int i, const std::string& v) {
+    sqlite3_bind_blob(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+  }
+  int Step() { return sqlite3_step(stmt_); }
+  std::string ColumnBytes(int i) {
+    const void* p = sqlite3_column_blob(stmt_, i);
+    return std::string(static_cast<const char*>(p), sqlite3_column_bytes(stmt_, i));
+  }
+  int64_t ColumnInt(int i) { return sqlite3_column_int64(stmt_, i); }
+
+ private:
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_ = SQLITE_ERROR;
+};
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS jobs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  job BLOB NOT NULL            -- odyssey.v1.Job, serialized
+);
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id INTEGER NOT NULL,
+  event BLOB NOT NULL          -- odyssey.v1.JobEvent, serialized
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, seq);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  job_id INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  directory TEXT NOT NULL,
+  PRIMARY KEY (job_id, step)
+);
+CREATE TABLE IF NOT EXISTS request_ids (
+  request_id TEXT PRIMARY KEY,
+  job_id INTEGER NOT NULL
+);
+)sql";
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+  sqlite3* db = nullptr;
+  int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                           nullptr);
+  if (rc != SQLITE_OK) {
+    std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+    sqlite3_close(db);
+    return absl::UnavailableError(absl::StrCat("cannot open job store ", path, ": ", msg));
+  }
+  std::unique_ptr<JobStore> store(new JobStore(db));
+  absl::MutexLock lock(&store->mu_);
+  sqlite3_busy_timeout(db, 5000);
+  for (const char* sql : {"PRAGMA journal_mode=WAL;", "PRAGMA synchronous=NORMAL;", kSchema}) {
+    if (absl::Status s = store->Exec(sql); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("job store ", path, ": ", s.message()));
+    }
+  }
+  return store;
+}
+
+JobStore::~JobStore() {
+  absl::MutexLock lock(&mu_);
+  sqlite3_close(db_);
+}
+
+absl::Status JobStore::Exec(const char* sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err ? err : "unknown error";
+    sqlite3_free(err);
+    return absl::InternalError(absl::StrCat("sqlite: ", msg));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::Error(const char* what) {
+  return absl::InternalError(absl::StrCat("sqlite ", what, ": ", sqlite3_errmsg(db_)));
+}
+
+absl::StatusOr<int64_t> JobStore::InsertJob(const v1::Job& job, const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  if (auto s = Exec("BEGIN IMMEDIATE;"); !s.ok()) return s;
+  auto rollback = [this](absl::Status s) {
+    mu_.AssertHeld();
+    (void)Exec("ROLLBACK;");
+    return s;
+  };
+  Statement insert(db_, "INSERT INTO jobs (state, priority, job) VALUES (?, ?, ?);");
+  if (!insert.ok()) return rollback(Error("prepare insert job"));
+  insert.BindInt(1, job.state());
+  insert.BindInt(2, job.spec().priority());
+  insert.BindBlob(3, job.SerializeAsString());
+  if (insert.Step() != SQLITE_DONE) return rollback(Error("insert job"));
+  const int64_t id = sqlite3_last_insert_rowid(db_);
+  if (!request_id.empty()) {
+    Statement rid(db_, "INSERT INTO request_ids (request_id, job_id) VALUES (?, ?);");
+    if (!rid.ok()) return rollback(Error("prepare insert request id"));
+    rid.BindText(1, request_id);
+    rid.BindInt(2, id);
+    if (rid.Step() != SQLITE_DONE) return rollback(Error("insert request id"));
+  }
+  if (auto s = Exec("COMMIT;"); !s.ok()) return rollback(s);
+  return id;
+}
+
+absl::Status JobStore::UpdateJob(int64_t id, const v1::Job& job) {
+  absl::MutexLock lock(&mu_);
+  Statement update(db_, "UPDATE jobs SET state = ?, priority = ?, job = ? WHERE id = ?;");
+  if (!update.ok()) return Error("prepare update job");
+  update.BindInt(1, job.state());
+  update.BindInt(2, job.spec().priority());
+  update.BindBlob(3, job.SerializeAsString());
+  update.BindInt(4, id);
+  if (update.Step() != SQLITE_DONE) return Error("update job");
+  if (sqlite3_changes(db_) != 1) return absl::NotFoundError(absl::StrCat("job ", id, " is not in the store"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<int64_t, v1::Job>>> JobStore::LoadJobs() {
+  absl::MutexLock lock(&mu_);
+  Statement select(db_, "SELECT id, job FROM jobs ORDER BY id;");
+  if (!select.ok()) return Error("prepare select jobs");
+  std::vector<std::pair<int64_t, v1::Job>> jobs;
+  int rc;
+  while ((rc = select.Step()) == SQLITE_ROW) {
+    v1::Job job;
+    if (!job.ParseFromString(select.ColumnBytes(1))) {
+      return absl::DataLossError(absl::StrCat("job ", select.ColumnInt(0), " in the store does not parse"));
+    }
+    jobs.emplace_back(select.ColumnInt(0), std::move(job));
+  }
+  if (rc != SQLITE_DONE) return Error("select jobs");
+  return jobs;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> JobStore::LoadRequestIds() {
+  absl::MutexLock lock(&mu_);
+  Statement select(db_, "SELECT request_id, job_id FROM request_ids;");
+  if (!select.ok()) return Error("prepare select request ids");
+  std::vector<std::pair<std::string, int64_t>> out;
+  int rc;
+  while ((rc = select.Step()) == SQLITE_ROW) out.emplace_back(select.ColumnBytes(0), select.ColumnInt(1));
+  if (rc != SQLITE_DONE) return Error("select request ids");
+  return out;
+}
+
+absl::Status JobStore::AppendEvent(int64_t job_id, const v1::JobEvent& event) {
+  absl::MutexLock lock(&mu_);
+  Statement insert(db_, "INSERT INTO events (job_id, event) VALUES (?, ?);");
+  if (!insert.ok()) return Error("prepare insert event");
+  insert.BindInt(1, job_id);
+  insert.BindBlob(2, event.SerializeAsString());
+  if (insert.Step() != SQLITE_DONE) return Error("insert event");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobStore::LoadEvents(int64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  Statement select(db_, "SELECT event FROM events WHERE job_id = ? ORDER BY seq;");
+  if (!select.ok()) return Error("prepare select events");
+  select.BindInt(1, job_id);
+  std::vector<v1::JobEvent> events;
+  int rc;
+  while ((rc = select.Step()) == SQLITE_ROW) {
+    v1::JobEvent event;
+    if (!event.ParseFromString(select.ColumnBytes(0))) return absl::DataLossError("event does not parse");
+    events.push_back(std::move(event));
+  }
+  if (rc != SQLITE_DONE) return Error("select events");
+  return events;
+}
+
+absl::Status JobStore::AddCheckpoint(int64_t job_id, int64_t step, const std::string& directory) {
+  absl::MutexLock lock(&mu_);
+  Statement insert(db_, "INSERT OR REPLACE INTO checkpoints (job_id, step, directory) VALUES (?, ?, ?);");
+  if (!insert.ok()) return Error("prepare insert checkpoint");
+  insert.BindInt(1, job_id);
+  insert.BindInt(2, step);
+  insert.BindText(3, directory);
+  if (insert.Step() != SQLITE_DONE) return Error("insert checkpoint");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> JobStore::LoadCheckpoints(int64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  Statement select(db_, "SELECT step, directory FROM checkpoints WHERE job_id = ? ORDER BY step;");
+  if (!select.ok()) return Error("prepare select checkpoints");
+  select.BindInt(1, job_id);
+  std::vector<std::pair<int64_t, std::string>> out;
+  int rc;
+  while ((rc = select.Step()) == SQLITE_ROW) out.emplace_back(select.ColumnInt(0), select.ColumnBytes(1));
+  if (rc != SQLITE_DONE) return Error("select checkpoints");
+  return out;
+}
+
+}  // namespace odyssey::server

@@ -1,0 +1,222 @@
+#include "server/validation.h"
+
+#include <cmath>
+#include <fstream>
+#include <filesystem>
+#include <initializer_list>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "model/config.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+
+absl::Status Invalid(absl::string_view field, absl::string_view rule) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
+}
+
+// Checks `value` is one of `allowed` (the empty string always is: it means the default).
+absl::Status OneOf(absl::string_view field, const std::string& value,
+                   std::initializer_list<absl::string_view> allowed) {
+  if (value.empty()) return absl::OkStatus();
+  for (absl::string_view a : allowed) {
+    if (value == a) return absl::OkStatus();
+  }
+  return Invalid(field, absl::StrCat("\"", value, "\" must be one of: ", absl::StrJoin(allowed, ", "),
+                                     " (or empty for the default)"));
+}
+
+#define ODYSSEY_RETURN_IF_ERROR(expr)      \
+  do {                                     \
+    absl::Status _status = (expr);         \
+    if (!_status.ok()) return _status;     \
+  } while (0)
+
+}  // namespace
+
+std::string JobName(int64_t id) { return absl::StrCat("jobs/", id); }
+
+absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view field) {
+  if (name.empty()) return Invalid(field, "is required (\"jobs/{id}\")");
+  constexpr absl::string_view kPrefix = "jobs/";
+  int64_t id = 0;
+  if (name.substr(0, kPrefix.size()) != kPrefix ||
+      !absl::SimpleAtoi(name.substr(kPrefix.size()), &id) || id <= 0) {
+    return Invalid(field, absl::StrCat("\"", name, "\" must be \"jobs/{id}\" with a positive number id"));
+  }
+  return id;
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
+  const std::string p(f);
+  if (spec.kind() == v1::RL_SESSION) {
+    return absl::UnimplementedError(
+        absl::StrCat(p, ".kind: RL_SESSION jobs are not served yet; use SFT"));
+  }
+  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED) {
+    return Invalid(p + ".kind", absl::StrCat("unknown kind ", static_cast<int>(spec.kind())));
+  }
+  if (spec.display_name().size() > kMaxDisplayNameBytes) {
+    return Invalid(p + ".display_name", absl::StrCat("length (", spec.display_name().size(),
+                                                     ") must be <= ", kMaxDisplayNameBytes, " bytes"));
+  }
+
+  // Model.
+  const auto& model = spec.model();
+  if (model.name().empty()) {
+    return Invalid(p + ".model.name", "is required (a named shape such as \"tiny\" or a Hugging Face checkpoint directory)");
+  }
+  auto config = odyssey::model::ResolveModelConfig(model.name());
+  if (!config.ok()) {
+    return Invalid(p + ".model.name",
+                   absl::StrCat("unknown model \"", model.name(), "\": must be a named shape (",
+                                absl::StrJoin(odyssey::model::NamedShapeNames(), ", "),
+                                ") or a checkpoint directory with a readable config.json (",
+                                config.status().message(), ")"));
+  }
+  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".model.dtype", model.dtype(), {"auto", "float32", "bfloat16"}));
+  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".model.attention", model.attention(), {"auto", "math", "sdpa"}));
+
+  // Parallelism.
+  const auto& par = spec.parallel();
+  if (par.world_size() < 0 || par.world_size() > kMaxWorldSize) {
+    return Invalid(p + ".parallel.world_size",
+                   absl::StrCat("(", par.world_size(), ") must be in [0, ", kMaxWorldSize, "] (0 = 1)"));
+  }
+  const int32_t world = std::max(1, par.world_size());
+  if (par.context_parallel() < 0) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", par.context_parallel(), ") must be >= 0 (0 = 1)"));
+  }
+  const int32_t cp = std::max(1, par.context_parallel());
+  if (world % cp != 0) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", cp, ") must divide parallel.world_size (", world, ")"));
+  }
+  if (cp > 1 && config->num_attention_heads % cp != 0) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", cp, ") must divide the model's num_attention_heads (",
+                                config->num_attention_heads, ")"));
+  }
+
+  // Memory.
+  const auto& mem = spec.memory();
+  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".memory.recompute", mem.recompute(), {"none", "layer", "every_k"}));
+  if (mem.recompute() == "every_k" && mem.recompute_every_k() <= 0) {
+    return Invalid(p + ".memory.recompute_every_k",
+                   absl::StrCat("(", mem.recompute_every_k(), ") must be > 0 when memory.recompute is \"every_k\""));
+  }
+  if (mem.recompute_every_k() < 0) {
+    return Invalid(p + ".memory.recompute_every_k", absl::StrCat("(", mem.recompute_every_k(), ") must be >= 0"));
+  }
+  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".memory.offload", mem.offload(), {"off", "on", "auto"}));
+  if (mem.mlp_tile_tokens() < 0) {
+    return Invalid(p + ".memory.mlp_tile_tokens", absl::StrCat("(", mem.mlp_tile_tokens(), ") must be >= 0"));
+  }
+  if (mem.loss_tile_tokens() < 0) {
+    return Invalid(p + ".memory.loss_tile_tokens", absl::StrCat("(", mem.loss_tile_tokens(), ") must be >= 0"));
+  }
+  if (mem.host_budget_bytes() < 0) {
+    return Invalid(p + ".memory.host_budget_bytes", absl::StrCat("(", mem.host_budget_bytes(), ") must be >= 0"));
+  }
+
+  // Optimizer.
+  const auto& opt = spec.optimizer();
+  if (!(opt.lr() > 0) || !std::isfinite(opt.lr())) {
+    return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be > 0 and finite"));
+  }
+  if (!(opt.beta1() >= 0 && opt.beta1() < 1)) {
+    return Invalid(p + ".optimizer.beta1", absl::StrCat("(", opt.beta1(), ") must be in [0, 1)"));
+  }
+  if (!(opt.beta2() >= 0 && opt.beta2() < 1)) {
+    return Invalid(p + ".optimizer.beta2", absl::StrCat("(", opt.beta2(), ") must be in [0, 1)"));
+  }
+  if (!(opt.eps() >= 0) || !std::isfinite(opt.eps())) {
+    return Invalid(p + ".optimizer.eps", absl::StrCat("(", opt.eps(), ") must be >= 0 and finite"));
+  }
+  if (!(opt.weight_decay() >= 0) || !std::isfinite(opt.weight_decay())) {
+    return Invalid(p + ".optimizer.weight_decay", absl::StrCat("(", opt.weight_decay(), ") must be >= 0 and finite"));
+  }
+  if (opt.warmup_steps() < 0) {
+    return Invalid(p + ".optimizer.warmup_steps", absl::StrCat("(", opt.warmup_steps(), ") must be >= 0"));
+  }
+  if (!(opt.min_lr_ratio() >= 0 && opt.min_lr_ratio() <= 1)) {
+    return Invalid(p + ".optimizer.min_lr_ratio", absl::StrCat("(", opt.min_lr_ratio(), ") must be in [0, 1]"));
+  }
+  if (std::isnan(opt.grad_clip())) {
+    return Invalid(p + ".optimizer.grad_clip", "must not be NaN (<= 0 disables clipping)");
+  }
+
+  // Data.
+  const auto& data = spec.data();
+  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".data.format", data.format(), {"kjv", "text", "bin", "jsonl"}));
+  if (!data.format().empty() && data.format() != "kjv") {
+    if (data.path().empty()) {
+      return Invalid(p + ".data.path", absl::StrCat("is required for data.format \"", data.format(), "\""));
+    }
+    std::error_code ec;
+    std::ifstream in(data.path(), std::ios::binary);
+    if (!std::filesystem::is_regular_file(data.path(), ec) || !in.good()) {
+      return Invalid(p + ".data.path", absl::StrCat("\"", data.path(), "\" must be a readable file"));
+    }
+  }
+  if (data.seq_len() <= 0) {
+    return Invalid(p + ".data.seq_len", absl::StrCat("(", data.seq_len(), ") must be > 0"));
+  }
+  if (data.seq_len() > config->max_position_embeddings) {
+    return Invalid(p + ".data.seq_len",
+                   absl::StrCat("(", data.seq_len(), ") must be <= the model's max_position_embeddings (",
+                                config->max_position_embeddings, ")"));
+  }
+  if (data.batch_size() <= 0) {
+    return Invalid(p + ".data.batch_size", absl::StrCat("(", data.batch_size(), ") must be > 0"));
+  }
+
+  // Run.
+  if (spec.steps() <= 0) {
+    return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be > 0"));
+  }
+  const auto& ckpt = spec.checkpoint();
+  if (ckpt.every_steps() < 0) {
+    return Invalid(p + ".checkpoint.every_steps", absl::StrCat("(", ckpt.every_steps(), ") must be >= 0 (0 = only at the end)"));
+  }
+  if (ckpt.keep() < 0) {
+    return Invalid(p + ".checkpoint.keep", absl::StrCat("(", ckpt.keep(), ") must be >= 0 (0 = all)"));
+  }
+  if (spec.restart_limit() < 0) {
+    return Invalid(p + ".restart_limit", absl::StrCat("(", spec.restart_limit(), ") must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCreateJobRequest(const v1::CreateJobRequest& request) {
+  if (!request.has_spec()) return Invalid("spec", "is required");
+  if (request.request_id().size() > 128) {
+    return Invalid("request_id", absl::StrCat("length (", request.request_id().size(), ") must be <= 128 bytes"));
+  }
+  return ValidateJobSpec(request.spec(), "spec");
+}
+
+absl::Status ValidateListJobsRequest(const v1::ListJobsRequest& request) {
+  if (request.page_size() < 0 || request.page_size() > kMaxPageSize) {
+    return Invalid("page_size", absl::StrCat("(", request.page_size(), ") must be in [0, ", kMaxPageSize,
+                                             "] (0 = ", kDefaultPageSize, ")"));
+  }
+  if (!request.page_token().empty()) {
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(request.page_token(), &id) || id <= 0) {
+      return Invalid("page_token", absl::StrCat("\"", request.page_token(),
+                                                "\" is not a token returned by ListJobs"));
+    }
+  }
+  if (!v1::Job::State_IsValid(request.state())) {
+    return Invalid("state", absl::StrCat("(", static_cast<int>(request.state()), ") is not a Job.State"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace odyssey::server

@@ -1,0 +1,105 @@
+#include "server/validation.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+using ::testing::HasSubstr;
+
+v1::JobSpec GoodSpec() {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_name("tiny");
+  spec.mutable_optimizer()->set_lr(1e-3);
+  spec.mutable_data()->set_format("kjv");
+  spec.mutable_data()->set_seq_len(64);
+  spec.mutable_data()->set_batch_size(2);
+  spec.set_steps(10);
+  return spec;
+}
+
+TEST(ValidationTest, GoodSpecPasses) { EXPECT_TRUE(ValidateJobSpec(GoodSpec()).ok()); }
+
+// Each case breaks one rule; the status must carry the code and name the field.
+TEST(ValidationTest, EachBrokenRuleNamesItsField) {
+  struct Case {
+    std::function<void(v1::JobSpec&)> mutate;
+    absl::StatusCode code;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::JobSpec& s) { s.mutable_model()->set_name("no-such-model"); }, absl::StatusCode::kInvalidArgument, "spec.model.name"},
+      {[](v1::JobSpec& s) { s.mutable_model()->clear_name(); }, absl::StatusCode::kInvalidArgument, "spec.model.name"},
+      {[](v1::JobSpec& s) { s.mutable_model()->set_dtype("fp8"); }, absl::StatusCode::kInvalidArgument, "spec.model.dtype"},
+      {[](v1::JobSpec& s) { s.set_steps(0); }, absl::StatusCode::kInvalidArgument, "spec.steps"},
+      {[](v1::JobSpec& s) { s.set_steps(-5); }, absl::StatusCode::kInvalidArgument, "spec.steps"},
+      {[](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(0); }, absl::StatusCode::kInvalidArgument, "spec.optimizer.lr"},
+      {[](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(-1); }, absl::StatusCode::kInvalidArgument, "spec.optimizer.lr"},
+      {[](v1::JobSpec& s) { s.mutable_optimizer()->set_beta1(1.0); }, absl::StatusCode::kInvalidArgument, "spec.optimizer.beta1"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_seq_len(1 << 30); }, absl::StatusCode::kInvalidArgument, "spec.data.seq_len"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_seq_len(0); }, absl::StatusCode::kInvalidArgument, "spec.data.seq_len"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_batch_size(0); }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_format("csv"); }, absl::StatusCode::kInvalidArgument, "spec.data.format"},
+      {[](v1::JobSpec& s) {
+         s.mutable_data()->set_format("text");
+         s.mutable_data()->set_path("/nonexistent/odyssey/data.txt");
+       }, absl::StatusCode::kInvalidArgument, "spec.data.path"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_format("jsonl"); }, absl::StatusCode::kInvalidArgument, "spec.data.path"},
+      {[](v1::JobSpec& s) { s.mutable_parallel()->set_world_size(-1); }, absl::StatusCode::kInvalidArgument, "spec.parallel.world_size"},
+      {[](v1::JobSpec& s) {
+         s.mutable_parallel()->set_world_size(4);
+         s.mutable_parallel()->set_context_parallel(3);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
+      {[](v1::JobSpec& s) { s.mutable_memory()->set_offload("maybe"); }, absl::StatusCode::kInvalidArgument, "spec.memory.offload"},
+      {[](v1::JobSpec& s) { s.mutable_memory()->set_recompute("every_k"); }, absl::StatusCode::kInvalidArgument, "spec.memory.recompute_every_k"},
+      {[](v1::JobSpec& s) { s.mutable_checkpoint()->set_every_steps(-1); }, absl::StatusCode::kInvalidArgument, "spec.checkpoint.every_steps"},
+      {[](v1::JobSpec& s) { s.set_restart_limit(-1); }, absl::StatusCode::kInvalidArgument, "spec.restart_limit"},
+      {[](v1::JobSpec& s) { s.set_display_name(std::string(1000, 'x')); }, absl::StatusCode::kInvalidArgument, "spec.display_name"},
+      {[](v1::JobSpec& s) { s.set_kind(v1::RL_SESSION); }, absl::StatusCode::kUnimplemented, "spec.kind"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    v1::JobSpec spec = GoodSpec();
+    cases[i].mutate(spec);
+    absl::Status s = ValidateJobSpec(spec);
+    EXPECT_EQ(s.code(), cases[i].code) << "case " << i << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(cases[i].field + ":")) << "case " << i;
+  }
+}
+
+TEST(ValidationTest, ReadableDatasetPasses) {
+  const auto path = std::filesystem::temp_directory_path() / "odyssey_validation_test.txt";
+  std::ofstream(path) << "hello";
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_data()->set_format("text");
+  spec.mutable_data()->set_path(path.string());
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+  std::filesystem::remove(path);
+}
+
+TEST(ValidationTest, JobNames) {
+  EXPECT_EQ(JobName(7), "jobs/7");
+  EXPECT_EQ(*ParseJobName("jobs/7"), 7);
+  for (const char* bad : {"", "jobs/", "jobs/x", "jobs/-1", "job/1", "7"}) {
+    auto id = ParseJobName(bad);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(id.status().message()), HasSubstr("name:"));
+  }
+}
+
+TEST(ValidationTest, ListRequest) {
+  v1::ListJobsRequest r;
+  EXPECT_TRUE(ValidateListJobsRequest(r).ok());
+  r.set_page_size(5000);
+  EXPECT_THAT(std::string(ValidateListJobsRequest(r).message()), HasSubstr("page_size:"));
+  r.set_page_size(10);
+  r.set_page_token("garbage");
+  EXPECT_THAT(std::string(ValidateListJobsRequest(r).message()), HasSubstr("page_token:"));
+}
+
+}  // namespace
+}  // namespace odyssey::server
