@@ -19,7 +19,7 @@ lib="$prefix/usr/lib/x86_64-linux-gnu"
 export PATH="$prefix/usr/bin:$PATH"
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 py="${PYTHON:-python3}"
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DODYSSEY_CUDA=ON -DODYSSEY_PYTHON="$(command -v "$py")" \
   -DODYSSEY_SERVICE="${ODYSSEY_SERVICE:-ON}" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 \
