@@ -1,0 +1,409 @@
+// odyssey: the command-line client of odyssey-controller's JobService.
+//
+//   odyssey [--controller HOST:PORT] submit SPEC.yaml [--request-id ID] [--watch]
+//   odyssey list [--state RUNNING] [--page-size N] [--all]
+//   odyssey get JOB        odyssey watch JOB        odyssey cancel JOB
+//
+// JOB is "jobs/N" or N. Exit codes: 0 ok; 1 the job FAILED or was CANCELLED (watch, submit
+// --watch) or another error; 2 usage or invalid argument (bad flags, bad spec file,
+// INVALID_ARGUMENT, FAILED_PRECONDITION, ...); 3 not found; 4 controller unavailable.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/spec.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
+#include "odyssey/v1/odyssey.grpc.pb.h"
+
+namespace {
+
+namespace v1 = odyssey::v1;
+
+constexpr int kExitOk = 0;
+constexpr int kExitJobFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitNotFound = 3;
+constexpr int kExitUnavailable = 4;
+
+int ExitCodeFor(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return kExitOk;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return kExitUsage;
+    case grpc::StatusCode::NOT_FOUND:
+      return kExitNotFound;
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return kExitUnavailable;
+    default:
+      return kExitJobFailed;
+  }
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::INVALID_ARGUMENT: return "invalid argument";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "failed precondition";
+    case grpc::StatusCode::NOT_FOUND: return "not found";
+    case grpc::StatusCode::UNAVAILABLE: return "unavailable";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "deadline exceeded";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "resource exhausted";
+    case grpc::StatusCode::UNIMPLEMENTED: return "unimplemented";
+    default: return "error";
+  }
+}
+
+int Fail(const std::string& controller, const grpc::Status& status) {
+  std::cerr << "odyssey: " << CodeName(status.error_code()) << ": " << status.error_message();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::cerr << " (controller " << controller << "; set --controller or ODYSSEY_CONTROLLER)";
+  }
+  std::cerr << "\n";
+  return ExitCodeFor(status.error_code());
+}
+
+std::string JobName(const std::string& arg) {
+  int64_t id = 0;
+  if (absl::SimpleAtoi(arg, &id)) return absl::StrCat("jobs/", id);
+  return arg;
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string FormatTime(const google::protobuf::Timestamp& t) {
+  if (t.seconds() == 0 && t.nanos() == 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixSeconds(t.seconds()), absl::LocalTimeZone());
+}
+
+std::string FormatRate(double tokens_per_second) {
+  if (tokens_per_second >= 1e6) return absl::StrFormat("%.2fM", tokens_per_second / 1e6);
+  if (tokens_per_second >= 1e3) return absl::StrFormat("%.1fK", tokens_per_second / 1e3);
+  return absl::StrFormat("%.0f", tokens_per_second);
+}
+
+std::string FormatDuration(double seconds) {
+  if (seconds < 0 || !std::isfinite(seconds)) return "?";
+  int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+void PrintJob(const v1::Job& job) {
+  std::cout << "name:            " << job.name() << "\n"
+            << "display_name:    " << job.spec().display_name() << "\n"
+            << "state:           " << v1::Job::State_Name(job.state()) << "\n"
+            << "model:           " << job.spec().model().name() << "\n"
+            << "world_size:      " << std::max(1, job.spec().parallel().world_size()) << "\n"
+            << "step:            " << job.step() << " / " << job.spec().steps() << "\n"
+            << "loss:            " << absl::StrFormat("%.4f", job.loss()) << "\n"
+            << "tokens/s:        " << FormatRate(job.tokens_per_second()) << "\n"
+            << "restarts:        " << job.restarts() << " (limit " << job.spec().restart_limit() << ")\n"
+            << "workers:         ";
+  for (int i = 0; i < job.workers_size(); ++i) std::cout << (i ? "," : "") << job.workers(i);
+  std::cout << "\n"
+            << "last_checkpoint: " << job.last_checkpoint() << "\n"
+            << "created:         " << FormatTime(job.create_time()) << "\n"
+            << "started:         " << FormatTime(job.start_time()) << "\n"
+            << "ended:           " << FormatTime(job.end_time()) << "\n";
+  if (!job.error().empty()) std::cout << "error:           " << job.error() << "\n";
+}
+
+class Client {
+ public:
+  Client(std::string address, double timeout_s) : address_(std::move(address)), timeout_s_(timeout_s) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stub_ = v1::JobService::NewStub(grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+  }
+  const std::string& address() const { return address_; }
+  v1::JobService::Stub* stub() { return stub_.get(); }
+  void Prepare(grpc::ClientContext* ctx) {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
+  }
+
+ private:
+  std::string address_;
+  double timeout_s_;
+  std::unique_ptr<v1::JobService::Stub> stub_;
+};
+
+bool Terminal(v1::Job::State s) {
+  return s == v1::Job::SUCCEEDED || s == v1::Job::FAILED || s == v1::Job::CANCELLED;
+}
+
+// Follows a job to its end with a live progress line. Reconnects (for up to `reconnect_s`)
+// when the controller goes away, e.g. while it restarts.
+int Watch(Client& client, const std::string& name, double reconnect_s) {
+  const bool tty = isatty(STDOUT_FILENO);
+  int64_t total_steps = 0;
+  {
+    grpc::ClientContext ctx;
+    client.Prepare(&ctx);
+    v1::GetJobRequest req;
+    req.set_name(name);
+    v1::Job job;
+    grpc::Status s = client.stub()->GetJob(&ctx, req, &job);
+    if (!s.ok()) return Fail(client.address(), s);
+    total_steps = job.spec().steps();
+  }
+  v1::Job::State state = v1::Job::STATE_UNSPECIFIED;
+  double step_seconds_ema = 0;
+  absl::Time last_print = absl::InfinitePast();
+  absl::Time down_since = absl::InfiniteFuture();
+  std::string line;
+  auto print_line = [&](bool force) {
+    const absl::Time now = absl::Now();
+    if (!force && !tty && now - last_print < absl::Seconds(1)) return;
+    last_print = now;
+    if (tty) {
+      std::cout << "\r\033[K" << line << std::flush;
+    } else {
+      std::cout << line << "\n" << std::flush;
+    }
+  };
+  while (true) {
+    grpc::ClientContext ctx;
+    v1::WatchJobRequest req;
+    req.set_name(name);
+    auto reader = client.stub()->WatchJob(&ctx, req);
+    v1::JobEvent event;
+    while (reader->Read(&event)) {
+      down_since = absl::InfiniteFuture();
+      if (event.has_step()) {
+        const v1::StepMetrics& m = event.step();
+        if (m.step_seconds() > 0) {
+          step_seconds_ema = step_seconds_ema == 0 ? m.step_seconds() : 0.8 * step_seconds_ema + 0.2 * m.step_seconds();
+        }
+        const double eta = step_seconds_ema > 0 ? (total_steps - m.step()) * step_seconds_ema : -1;
+        const int width = 20;
+        const int filled = total_steps > 0 ? static_cast<int>(width * m.step() / total_steps) : 0;
+        std::string bar(std::clamp(filled, 0, width), '#');
+        bar.resize(width, '.');
+        line = absl::StrFormat("%s [%s] step %d/%d  loss %.4f  %s tok/s  ETA %s", name, bar, m.step(), total_steps,
+                               m.loss(), FormatRate(m.tokens_per_second()), FormatDuration(eta));
+        print_line(m.step() == total_steps);
+      } else if (event.has_state()) {
+        state = event.state();
+        if (tty && !line.empty()) std::cout << "\n";
+        line.clear();
+        std::cout << name << ": " << v1::Job::State_Name(state) << "\n" << std::flush;
+      } else if (!event.checkpoint().empty()) {
+        if (tty && !line.empty()) std::cout << "\n";
+        std::cout << name << ": checkpoint " << event.checkpoint() << "\n" << std::flush;
+      } else if (!event.message().empty()) {
+        if (tty && !line.empty()) std::cout << "\n";
+        std::cout << name << ": " << event.message() << "\n" << std::flush;
+      }
+    }
+    grpc::Status s = reader->Finish();
+    if (Terminal(state)) break;
+    if (s.ok() || s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      // The stream ended before the job did: the controller went away. Retry for a while.
+      if (down_since == absl::InfiniteFuture()) {
+        down_since = absl::Now();
+        std::cerr << "odyssey: lost the controller, reconnecting...\n";
+      }
+      if (absl::Now() - down_since > absl::Seconds(reconnect_s)) {
+        return Fail(client.address(), s.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "watch stream ended") : s);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));  // reconnect backoff
+      continue;
+    }
+    return Fail(client.address(), s);
+  }
+  if (state == v1::Job::SUCCEEDED) return kExitOk;
+  grpc::ClientContext ctx;
+  client.Prepare(&ctx);
+  v1::GetJobRequest req;
+  req.set_name(name);
+  v1::Job job;
+  if (client.stub()->GetJob(&ctx, req, &job).ok() && !job.error().empty()) {
+    std::cerr << "odyssey: " << name << " " << Lower(v1::Job::State_Name(state)) << ": " << job.error() << "\n";
+  }
+  return kExitJobFailed;
+}
+
+std::string RandomRequestId() {
+  std::random_device rd;
+  return absl::StrFormat("cli-%016x%016x", (static_cast<uint64_t>(rd()) << 32) | rd(),
+                         (static_cast<uint64_t>(rd()) << 32) | rd());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"odyssey: submit and follow training jobs on an odyssey-controller"};
+  app.require_subcommand(1);
+  const char* env = std::getenv("ODYSSEY_CONTROLLER");
+  std::string controller = env && *env ? env : "localhost:50051";
+  double timeout_s = 10;
+  bool json = false;
+  app.add_option("--controller", controller, "Controller address host:port (env ODYSSEY_CONTROLLER)")
+      ->capture_default_str();
+  app.add_option("--timeout", timeout_s, "Seconds to wait for each call")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--json", json, "Print jobs as JSON");
+
+  std::string spec_path, request_id;
+  bool submit_watch = false;
+  double reconnect_s = 60;
+  auto* submit = app.add_subcommand("submit", "Create a job from a YAML or JSON JobSpec file; prints its name");
+  submit->add_option("spec", spec_path, "Spec file (.yaml or .json)")->required();
+  submit->add_option("--request-id", request_id, "Idempotency key: a retry with the same id returns the same job (default: random)");
+  submit->add_flag("--watch,-w", submit_watch, "Follow the job until it ends (exit 1 if it fails)");
+  submit->add_option("--reconnect", reconnect_s, "With --watch: seconds to keep reconnecting to a lost controller")->capture_default_str();
+
+  std::string state_filter;
+  int page_size = 0;
+  bool all = false;
+  auto* list = app.add_subcommand("list", "List jobs, newest first");
+  list->add_option("--state", state_filter, "Only jobs in this state (PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED)");
+  list->add_option("--page-size", page_size, "Jobs per page (0 = server default)");
+  list->add_flag("--all", all, "Follow every page");
+
+  std::string job_arg;
+  auto* get = app.add_subcommand("get", "Show a job");
+  get->add_option("job", job_arg, "jobs/N or N")->required();
+  auto* watch = app.add_subcommand("watch", "Follow a job until it ends (exit 0 SUCCEEDED, 1 FAILED/CANCELLED)");
+  watch->add_option("job", job_arg, "jobs/N or N")->required();
+  watch->add_option("--reconnect", reconnect_s, "Seconds to keep reconnecting to a lost controller")->capture_default_str();
+  auto* cancel = app.add_subcommand("cancel", "Cancel a PENDING or RUNNING job");
+  cancel->add_option("job", job_arg, "jobs/N or N")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+
+  Client client(controller, timeout_s);
+  if (submit->parsed()) {
+    auto spec = odyssey::client::LoadJobSpec(spec_path);
+    if (!spec.ok()) {
+      std::cerr << "odyssey: " << spec.status().message() << "\n";
+      return kExitUsage;
+    }
+    v1::CreateJobRequest req;
+    *req.mutable_spec() = *spec;
+    req.set_request_id(request_id.empty() ? RandomRequestId() : request_id);
+    v1::Job job;
+    grpc::Status s;
+    // Retrying with the same request id is safe: the controller creates the job once.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      grpc::ClientContext ctx;
+      client.Prepare(&ctx);
+      s = client.stub()->CreateJob(&ctx, req, &job);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(300 << attempt));  // retry backoff
+    }
+    if (!s.ok()) return Fail(controller, s);
+    if (json) {
+      std::cout << ToJson(job) << "\n";
+    } else {
+      std::cout << job.name() << "\n";
+    }
+    std::cout << std::flush;
+    return submit_watch ? Watch(client, job.name(), reconnect_s) : kExitOk;
+  }
+  if (list->parsed()) {
+    v1::ListJobsRequest req;
+    req.set_page_size(page_size);
+    if (!state_filter.empty()) {
+      v1::Job::State state;
+      std::string upper = state_filter;
+      for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      if (!v1::Job::State_Parse(upper, &state)) {
+        std::cerr << "odyssey: --state \"" << state_filter
+                  << "\" must be one of PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED\n";
+        return kExitUsage;
+      }
+      req.set_state(state);
+    }
+    if (!json) {
+      std::cout << absl::StrFormat("%-10s %-10s %-13s %-9s %-9s %-19s %s\n", "NAME", "STATE", "STEP", "LOSS",
+                                   "WORKERS", "CREATED", "DISPLAY NAME");
+    }
+    while (true) {
+      grpc::ClientContext ctx;
+      client.Prepare(&ctx);
+      v1::ListJobsResponse resp;
+      grpc::Status s = client.stub()->ListJobs(&ctx, req, &resp);
+      if (!s.ok()) return Fail(controller, s);
+      for (const v1::Job& job : resp.jobs()) {
+        if (json) {
+          std::cout << ToJson(job) << "\n";
+          continue;
+        }
+        std::cout << absl::StrFormat("%-10s %-10s %-13s %-9.4f %-9d %-19s %s\n", job.name(),
+                                     v1::Job::State_Name(job.state()),
+                                     absl::StrCat(job.step(), "/", job.spec().steps()), job.loss(),
+                                     std::max(1, job.spec().parallel().world_size()), FormatTime(job.create_time()),
+                                     job.spec().display_name());
+      }
+      if (!all || resp.next_page_token().empty()) break;
+      req.set_page_token(resp.next_page_token());
+    }
+    return kExitOk;
+  }
+  const std::string name = JobName(job_arg);
+  if (get->parsed()) {
+    grpc::ClientContext ctx;
+    client.Prepare(&ctx);
+    v1::GetJobRequest req;
+    req.set_name(name);
+    v1::Job job;
+    grpc::Status s = client.stub()->GetJob(&ctx, req, &job);
+    if (!s.ok()) return Fail(controller, s);
+    if (json) {
+      std::cout << ToJson(job) << "\n";
+    } else {
+      PrintJob(job);
+    }
+    return kExitOk;
+  }
+  if (watch->parsed()) return Watch(client, name, reconnect_s);
+  if (cancel->parsed()) {
+    grpc::ClientContext ctx;
+    client.Prepare(&ctx);
+    v1::CancelJobRequest req;
+    req.set_name(name);
+    v1::Job job;
+    grpc::Status s = client.stub()->CancelJob(&ctx, req, &job);
+    if (!s.ok()) return Fail(controller, s);
+    std::cout << job.name() << ": " << v1::Job::State_Name(job.state()) << "\n";
+    return kExitOk;
+  }
+  return kExitUsage;
+}
