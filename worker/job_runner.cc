@@ -94,7 +94,7 @@ void JobRunner::Run() {
   } else {
     LogInfo(absl::StrCat("job=", job, " rank=", rank, " starting", options->resume_from.empty() ? "" : " from ",
                          options->resume_from));
-    auto last_progress = std::chrono::steady_clock::now() - std::chrono::hours(1);
+    auto last_progress = std::chrono::steady_clock::now() - std::chrono::hours(1);  // the run's first step is sent
     const int world_size = options->world_size;
     outcome = RunEngineJob(
         *options, [this] { return cancelled_.load(); },
@@ -109,7 +109,7 @@ void JobRunner::Run() {
             if (s.mfu > 0) metrics_->mfu->Set(s.mfu);
           }
           const auto now = std::chrono::steady_clock::now();
-          if (s.checkpoint.empty() && s.step != options->steps && s.step != 1 &&
+          if (s.checkpoint.empty() && s.step != options->steps &&
               std::chrono::duration<double>(now - last_progress).count() < options_.progress_interval_seconds)
             return;
           last_progress = now;

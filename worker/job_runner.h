@@ -1,7 +1,7 @@
 // JobRunner: runs one assigned job (one rank of it) on its own thread with the engine
 // (worker/engine_job.h says what a run does) and reports through callbacks in odyssey.v1
 // messages: progress (throttled to progress_interval_seconds, plus every checkpoint and the
-// first and last steps) and exactly one result.
+// run's first and last steps) and exactly one result.
 // Thread safety: Cancel() and done() may be called from any thread; the callbacks are called
 // from the run's thread. The destructor cancels and joins.
 #pragma once
