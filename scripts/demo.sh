@@ -1,9 +1,108 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: trains the tiny byte-level model on the King James
-# Bible text (on the GPU if there is one, else the CPU) and writes a Hugging Face checkpoint
-# to out/demo. Extra arguments go to odyssey-train (see --help).
+# The main job, as a service: builds odyssey, starts an odyssey-controller (its SQLite state in
+# out/demo-state) and one odyssey-worker on loopback ports picked at run time, submits the
+# default SFT job (the tiny byte-level model on the King James text) with the `odyssey` CLI,
+# shows its live progress, and stops everything on completion or Ctrl-C.
+# The final checkpoint (a Hugging Face folder that transformers loads) lands in out/demo/.
+#
+# Options: --steps N (default 300), --device cpu|cuda|cuda:N|auto (default cpu),
+#          --threads N (torch CPU threads of the worker; default: the machine's cores).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+
+steps=300
+device=cpu
+threads=$(nproc)
+while (($#)); do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    --device) device="$2"; shift 2 ;;
+    --threads) threads="$2"; shift 2 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
 bash scripts/build.sh
-exec build/tools/odyssey-train --model tiny --data kjv --out out/demo "$@"
+bin="$root/build"
+cli="$bin/client/odyssey"
+state="$root/out/demo-state"
+ckpt="$root/out/demo"
+rm -rf "$state"  # each demo starts with an empty job store
+mkdir -p "$state"
+
+pids=()
+watch_pid=""
+job=""
+interrupted=0
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  [ -n "$watch_pid" ] && kill -TERM "$watch_pid" 2>/dev/null
+  if ((interrupted)) && [ -n "$job" ]; then
+    "$cli" --controller "$controller" --timeout 5 cancel "$job" >/dev/null 2>&1 || true
+  fi
+  # Workers first (a running job stops between steps), then the controller.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill -TERM "${pids[i]}" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  echo "demo: stopped (logs in $state)"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'interrupted=1; exit 130' INT TERM
+
+# Waits up to 60 s for a port file and prints its port.
+wait_port() {
+  for _ in $(seq 600); do
+    if [ -s "$1" ]; then cat "$1"; return 0; fi
+    sleep 0.1
+  done
+  echo "demo: $2 did not start; see $state/$2.log" >&2
+  return 1
+}
+
+# The daemons run in sessions of their own, so a Ctrl-C reaches only this script (and the CLI):
+# the trap then cancels the job and stops them in order.
+setsid "$bin/server/odyssey-controller" --listen 127.0.0.1:0 --port-file "$state/controller.port" \
+  --metrics-listen 127.0.0.1:0 --metrics-port-file "$state/controller-metrics.port" \
+  --state-dir "$state" >"$state/controller.log" 2>&1 &
+pids+=($!)
+port=$(wait_port "$state/controller.port" controller)
+controller="127.0.0.1:$port"
+
+setsid "$bin/worker/odyssey-worker" --controller "$controller" --device "$device" --threads "$threads" \
+  --worker-id demo-worker --metrics-listen 127.0.0.1:0 --metrics-port-file "$state/worker-metrics.port" \
+  >"$state/worker.log" 2>&1 &
+pids+=($!)
+worker_metrics=$(wait_port "$state/worker-metrics.port" worker)
+controller_metrics=$(cat "$state/controller-metrics.port")
+
+cat >"$state/job.json" <<EOF
+{
+  "kind": "SFT",
+  "display_name": "demo: tiny model on the King James text",
+  "model": {"name": "tiny"},
+  "optimizer": {"lr": 0.003, "warmup_steps": 20, "grad_clip": 1.0},
+  "data": {"format": "kjv", "seq_len": 256, "batch_size": 8, "seed": 1},
+  "steps": $steps,
+  "checkpoint": {"directory": "$ckpt", "every_steps": 100, "keep": 2}
+}
+EOF
+
+echo "demo: controller at $controller (state: $state)"
+echo "demo: metrics at http://127.0.0.1:$controller_metrics/metrics (controller)" \
+     "and http://127.0.0.1:$worker_metrics/metrics (worker)"
+job=$("$cli" --controller "$controller" submit "$state/job.json" | grep -o 'jobs/[0-9]*' | head -1)
+echo "demo: submitted $job; watching (Ctrl-C stops everything)"
+# In the background so that a signal to this script runs the trap at once.
+"$cli" --controller "$controller" watch "$job" &
+watch_pid=$!
+wait "$watch_pid" || true
+watch_pid=""
+"$cli" --controller "$controller" get "$job"
+last=$(ls -d "$ckpt"/step-* 2>/dev/null | tail -1 || true)
+if [ -n "$last" ]; then
+  echo "demo: final checkpoint $last"
+  echo "demo: load it with: .venv/bin/python -c 'import transformers; transformers.AutoModelForCausalLM.from_pretrained(\"$last\")'"
+fi

@@ -206,6 +206,8 @@ def tiny_spec(steps, every):
 
 
 def case_sft(c):
+    if not c.args.cli:
+        raise Failure("the sft case submits through the odyssey CLI: pass --cli")
     c.start_controller()
     metrics_port = c.start_worker("w1")
     before = scrape(metrics_port)
