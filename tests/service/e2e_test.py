@@ -10,6 +10,8 @@ Cases (--case):
                    its last checkpoint (the step count continues) and succeeds.
   controller_kill  kill -9 of the controller mid-job: after a restart on the same state every
                    job and its state is still there, the worker re-attaches, the job finishes.
+  data_parallel    a job of world_size 2 runs data parallel on two CPU workers (TCP
+                   communicator between the worker processes) and succeeds.
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
@@ -84,9 +86,17 @@ class Cluster:
         if os.path.exists(port_file):
             os.remove(port_file)
         listen = f"127.0.0.1:{self.port}"
+        if not hasattr(self, "rendezvous_base"):
+            # Job N's rank 0 listens on base + N: a port free now, so that tests running at the
+            # same time do not collide on the controller's default base.
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.rendezvous_base = s.getsockname()[1] - 1
         self.controller = self._spawn("controller", [
             self.args.controller, "--listen", listen, "--port-file", port_file, "--state-dir", self.state_dir,
-            "--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout", "2"])
+            "--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout", "2",
+            "--rendezvous-port-base", str(self.rendezvous_base)])
         wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip())
         self.port = int(open(port_file).read().strip())
         self.address = f"127.0.0.1:{self.port}"
@@ -303,9 +313,29 @@ def case_controller_kill(c):
         raise Failure(f"step {job.step}, restarts {job.restarts}: the job should not have been restarted")
 
 
+def case_data_parallel(c):
+    """A job of world_size 2 on two CPU workers: the ranks meet at the rendezvous the controller
+    hands out (TCP communicator), both run every step, and the job succeeds."""
+    c.start_controller()
+    m1 = c.start_worker("w1")
+    m2 = c.start_worker("w2")
+    spec = tiny_spec(steps=30, every=10)
+    spec["parallel"] = {"world_size": 2}
+    name = c.submit(spec)
+    job = c.wait_state(name, "SUCCEEDED")
+    print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)}, loss {job.loss:.3f}")
+    if job.step != 30 or sorted(job.workers) != ["w1", "w2"]:
+        raise Failure(f"step {job.step}, workers {list(job.workers)}")
+    for wid, port in (("w1", m1), ("w2", m2)):
+        m = scrape(port)
+        print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_tokens_total']:.0f} tokens")
+        if m["odyssey_steps_total"] != 30 or m["odyssey_tokens_total"] != 30 * 4 * 32:
+            raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_tokens_total']} tokens")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill"])
+    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel"])
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--cli", default="", help="the odyssey CLI (empty: submit through gRPC)")
