@@ -49,11 +49,11 @@ int main(int argc, char** argv) {
   o.attention = "auto";
   o.steps = 1 << 30;
   o.optimizer.lr = 1e-5;
-  o.data.format = "kjv";
+  o.data.format = "random";
   o.data.batch_size = 1;
   o.data.seq_len = 65536;
   int steps = 3, warmup = 1;
-  std::string tokens = "random";
+  std::string& tokens = o.data.format;
   std::string json_path;
   bool plan = true;
 
@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   app.add_option("--mlp-tile", o.memory.mlp_tile, "positions per MLP tile (0: untiled)")->capture_default_str();
   app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
-  app.add_option("--tokens", tokens, "random | text (King James bytes)")->capture_default_str();
+  app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
   CLI11_PARSE(app, argc, argv);
@@ -91,18 +91,7 @@ int main(int argc, char** argv) {
   const int64_t B = o.data.batch_size, S = o.data.seq_len;
   torch::Device dev = t.device();
 
-  odyssey::engine::Batch batch;
-  if (tokens == "random") {
-    torch::manual_seed(1234);
-    torch::Tensor ids = torch::randint(0, cfg.vocab_size, {B, S + 1}, torch::kInt64);
-    batch.input_ids = ids.narrow(1, 0, S).contiguous();
-    batch.labels = ids.narrow(1, 1, S).contiguous();
-    batch.loss_mask = torch::ones({B, S}, torch::kFloat32);
-    batch.position_ids = torch::arange(S, torch::kInt64).unsqueeze(0).expand({B, S}).contiguous();
-    batch.doc_lens.assign(B, {});
-  } else {
-    batch = t.data().Next();
-  }
+  const odyssey::engine::Batch batch = t.data().Next();  // the same batch every step
 
   std::vector<double> times;
   double loss = 0;

@@ -355,7 +355,7 @@ absl::StatusOr<PackedSource::Corpus> ParseJsonl(const std::string& path, std::st
 }
 
 absl::Status ValidateOptions(const DataOptions& o) {
-  static const std::vector<std::string> kFormats = {"kjv", "text", "bin", "jsonl"};
+  static const std::vector<std::string> kFormats = {"kjv", "text", "bin", "jsonl", "random"};
   if (std::find(kFormats.begin(), kFormats.end(), o.format) == kFormats.end()) {
     return absl::InvalidArgumentError(absl::StrCat("data.format '", o.format, "' is not one of ",
                                                    absl::StrJoin(kFormats, ", ")));
@@ -381,7 +381,7 @@ absl::Status ValidateOptions(const DataOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("data.vocab_size (", o.vocab_size,
                                                    ") must be <= ", kMaxVocab, " (uint32 ids)"));
   }
-  if (o.format != "kjv" && o.path.empty()) {
+  if (o.format != "kjv" && o.format != "random" && o.path.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("data.path must be set for format '", o.format, "'"));
   }
@@ -472,6 +472,15 @@ absl::StatusOr<std::unique_ptr<DataSource>> OpenDataSource(const DataOptions& op
                                           options);
   }
 
+  if (options.format == "random") {
+    // Uniform random ids: four windows' worth, so consecutive batches differ.
+    std::vector<uint32_t> ids(static_cast<size_t>(std::max<int64_t>(4 * (S + 1), 1 << 16)));
+    std::mt19937_64 rng(options.seed);
+    std::uniform_int_distribution<uint32_t> id(0, static_cast<uint32_t>(options.vocab_size - 1));
+    for (uint32_t& t : ids) t = id(rng);
+    return std::make_unique<StreamSource>(absl::StrCat("random (vocab ", options.vocab_size, ")"), std::move(ids),
+                                          options);
+  }
   absl::StatusOr<std::string> data = ReadFile(options.path, "data.path");
   if (!data.ok()) return data.status();
   const std::string desc = absl::StrCat(options.format, " ", options.path);

@@ -5,6 +5,7 @@
 //           (Debian package bible-kjv) prints, tokenized by the byte-level tokenizer.
 //   "text"  any file, byte-level tokenizer (token id = byte value, vocab 256).
 //   "bin"   little-endian uint32 token ids, no header.
+//   "random" uniform random token ids below vocab_size (benchmarks; no file).
 //   "jsonl" one JSON object per line: {"tokens": [ids...], "loss_mask": [0/1...]}; loss_mask
 //           is optional (all ones) and, when given, has one entry per token: loss_mask[i] = 1
 //           makes token i a prediction target (so loss_mask[0] never counts).
@@ -46,7 +47,7 @@ struct Batch {
 };
 
 struct DataOptions {
-  std::string format = "kjv";  // kjv | text | bin | jsonl
+  std::string format = "kjv";  // kjv | text | bin | jsonl | random
   std::string path;            // file to read; unused for kjv
   int64_t seq_len = 256;       // S: positions per row (> 0)
   int64_t batch_size = 1;      // B: rows per batch (> 0)
