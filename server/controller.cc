@@ -387,6 +387,7 @@ absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& c
   w.session = next_session_++;
   w.connection = std::move(connection);
   w.last_seen = options_.clock();
+  w.job_at_attach = w.job;
   spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
                w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
   const int64_t session = w.session;
@@ -482,7 +483,9 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
 }
 
 void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
-  bool holds_bound = false;
+  const int64_t expected = w.job_at_attach;
+  w.job_at_attach = 0;
+  bool holds_expected = false;
   for (const std::string& name : held.jobs()) {
     auto id = ParseJobName(name);
     if (!id.ok()) continue;
@@ -491,7 +494,7 @@ void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
                         std::find(job->workers().begin(), job->workers().end(), w.id) != job->workers().end();
     if (listed && (w.job == 0 || w.job == *id)) {
       w.job = *id;
-      holds_bound = true;
+      if (*id == expected) holds_expected = true;
       spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
     } else if (w.job != *id) {
       v1::ControllerMessage cancel;
@@ -499,11 +502,10 @@ void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
       SendTo(w.id, cancel);
     }
   }
-  if (w.job != 0 && !holds_bound) {
+  if (expected != 0 && !holds_expected && w.job == expected) {
     // The worker came back without its job (e.g. it restarted): that rank is lost.
-    const int64_t lost = w.job;
     w.job = 0;
-    RankLost(lost, w.id, absl::StrCat("worker ", w.id, " re-attached without the job"));
+    RankLost(expected, w.id, absl::StrCat("worker ", w.id, " re-attached without the job"));
   }
   UpdateGauges();
   Schedule();

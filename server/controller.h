@@ -137,6 +137,10 @@ class Controller {
     absl::Time last_seen;           // last message (connected)
     absl::Time disconnected_since;  // when the stream ended (disconnected)
     int64_t job = 0;                // bound job id; 0 = idle
+    // The job bound when the current stream attached: the first `held` must list it, else it
+    // is lost. (Jobs assigned after the attach may be missing from that `held`, which the
+    // worker wrote before it saw them.)
+    int64_t job_at_attach = 0;
   };
   struct Metrics;
 

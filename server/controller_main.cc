@@ -153,5 +153,6 @@ int main(int argc, char** argv) {
   ticker.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   metrics.reset();
+  spdlog::info("odyssey-controller: stopped");
   return 0;
 }
