@@ -12,14 +12,14 @@
 #include <torch/torch.h>
 
 #ifdef ODYSSEY_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
+#include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
 #include "engine/trainer.h"
 
@@ -71,25 +71,20 @@ std::string CpuModelName() {
   return "CPU";
 }
 
-int64_t GpuPeakBytes(const torch::Device& device) {
+// The GPU's name ("" on CPU).
+std::string GpuName(const torch::Device& device) {
 #ifdef ODYSSEY_WITH_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
-  }
+  cudaDeviceProp prop{};
+  if (device.is_cuda() && cudaGetDeviceProperties(&prop, device.index()) == cudaSuccess) return prop.name;
 #endif
-  return 0;
+  return "";
 }
 
-// Dense bf16 peak of the GPU, for MFU; 0 when unknown (no MFU reported).
+// Dense bf16 peak of the GPU, for MFU; 0 when unknown (no MFU reported, e.g. on CPU).
 double PeakFlops(const torch::Device& device) {
-#ifdef ODYSSEY_WITH_CUDA
-  if (device.is_cuda()) {
-    const std::string name = at::cuda::getDeviceProperties(device.index())->name;
-    if (absl::StrContains(name, "H100") || absl::StrContains(name, "H200")) return 989e12;
-    if (absl::StrContains(name, "A100")) return 312e12;
-  }
-#endif
+  const std::string name = GpuName(device);
+  if (absl::StrContains(name, "H100") || absl::StrContains(name, "H200")) return 989e12;
+  if (absl::StrContains(name, "A100")) return 312e12;
   return 0;
 }
 
@@ -186,6 +181,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
       if (absl::StartsWith(e.path().filename().string(), ".step-")) fs::remove_all(e.path(), ec);
   }
   out.last_checkpoint = j.resume_from;
+  engine::ResetPeakMemory(t.device());  // the peaks reported are this job's
   const double peak_flops = PeakFlops(t.device());
   while (t.step() < o.steps) {
     out.step = t.step();
@@ -194,6 +190,12 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
       return out;
     }
     engine::StepResult r = t.TrainStep();
+    if (!r.status.ok() && should_stop()) {
+      // Another rank stopped first (a cancel reaches the ranks at slightly different steps) and
+      // left this one's collective: that is the stop, not a failure.
+      out.stopped = true;
+      return out;
+    }
     if (!r.status.ok())
       return fail(absl::Status(r.status.code(), absl::StrCat("step ", t.step() + 1, ": ", r.status.message())));
     out.step = r.step;
@@ -206,7 +208,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
     s.tokens = r.tokens;
     s.seconds = r.seconds;
     s.tokens_per_second = r.tokens_per_second;
-    s.gpu_memory_peak_bytes = GpuPeakBytes(t.device());
+    s.gpu_memory_peak_bytes = engine::ReadDeviceMemory(t.device()).peak_allocated;
     s.host_memory_peak_bytes = PeakRssBytes();
     if (peak_flops > 0 && r.seconds > 0)
       s.mfu = TrainingFlops(cfg, r.tokens, o.data.seq_len) / (r.seconds * peak_flops * j.world_size);
@@ -243,14 +245,11 @@ absl::StatusOr<DeviceInfo> ProbeDevice(const std::string& device) {
   info.hostname = host;
   info.device = d->str();
   info.host_memory_bytes = HostMemoryBytes();
-#ifdef ODYSSEY_WITH_CUDA
   if (d->is_cuda()) {
-    const cudaDeviceProp* p = at::cuda::getDeviceProperties(d->index());
-    info.device_name = p->name;
-    info.device_memory_bytes = static_cast<int64_t>(p->totalGlobalMem);
+    info.device_name = GpuName(*d);
+    info.device_memory_bytes = engine::ReadDeviceMemory(*d).total;
     return info;
   }
-#endif
   info.device_name = CpuModelName();
   info.device_memory_bytes = info.host_memory_bytes;  // a CPU worker computes in host memory
   return info;

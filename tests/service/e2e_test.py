@@ -12,6 +12,11 @@ Cases (--case):
                    job and its state is still there, the worker re-attaches, the job finishes.
   data_parallel    a job of world_size 2 runs data parallel on two CPU workers (TCP
                    communicator between the worker processes) and succeeds.
+  cancel           `odyssey cancel` stops a running job between steps (CANCELLED); the worker
+                   then runs the next job.
+  result_while_controller_down
+                   a job that ends while the controller is down is reported SUCCEEDED once
+                   the controller is back (the worker keeps its result until released).
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
@@ -333,9 +338,45 @@ def case_data_parallel(c):
             raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_tokens_total']} tokens")
 
 
+def case_cancel(c):
+    """odyssey cancel stops a running job between steps; the worker then takes the next job."""
+    c.start_controller()
+    metrics_port = c.start_worker("w1")
+    name = c.submit(tiny_spec(steps=100000, every=0))
+    wait_for(f"{name} to pass step 5", lambda: c.get(name).step >= 5)
+    out = subprocess.run([c.args.cli, "--controller", c.address, "cancel", name], capture_output=True, text=True,
+                         timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"odyssey cancel failed ({out.returncode}): {out.stdout}{out.stderr}")
+    c.wait_state(name, "CANCELLED")
+    wait_for("w1 to report the cancelled run",
+             lambda: scrape(metrics_port).get('odyssey_worker_jobs_total{result="cancelled"}') == 1, timeout=30)
+    follow = c.submit(tiny_spec(steps=5, every=0))
+    c.wait_state(follow, "SUCCEEDED")
+    print(f"{name} CANCELLED; {follow} then SUCCEEDED on the same worker")
+
+
+def case_result_while_controller_down(c):
+    """A job that ends while the controller is down: its result is kept by the worker and
+    delivered after the controller comes back."""
+    c.start_controller()
+    metrics_port = c.start_worker("w1")
+    name = c.submit(tiny_spec(steps=80, every=20))
+    wait_for(f"{name} to pass step 5", lambda: c.get(name).step >= 5)
+    c.kill_controller()
+    wait_for("the job to end on w1 with the controller down",
+             lambda: scrape(metrics_port).get('odyssey_worker_jobs_total{result="succeeded"}') == 1)
+    c.start_controller()
+    job = c.wait_state(name, "SUCCEEDED")
+    print(f"{name}: SUCCEEDED at step {job.step} (ended while the controller was down), restarts {job.restarts}")
+    if job.step != 80 or job.restarts != 0 or not job.last_checkpoint.endswith("step-00000080"):
+        raise Failure(f"step {job.step}, restarts {job.restarts}, checkpoint {job.last_checkpoint}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel"])
+    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "cancel",
+                                                  "result_while_controller_down"])
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--cli", default="", help="the odyssey CLI (empty: submit through gRPC)")
