@@ -22,6 +22,8 @@
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
 #include "engine/trainer.h"
+#include "model/config.h"
+#include "planner/planner.h"
 
 namespace odyssey::worker {
 namespace fs = std::filesystem;
@@ -120,6 +122,50 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
   return final_path;
 }
 
+// Fills o->memory (and the attention head groups) from the job's memory fields; unset ones are
+// the planner's choice on a GPU and "none" on a CPU.
+absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) {
+  engine::memory::MemoryOptions& m = o->memory;
+  m.host_budget_bytes = j.host_budget_bytes;
+  const bool unset = j.recompute.empty() || j.offload.empty() || j.offload == "auto" || j.mlp_tile == 0 ||
+                     j.loss_tile == 0;
+  absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
+  if (!device.ok()) return device.status();
+  if (unset && device->is_cuda()) {
+    absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(j.model);
+    if (!config.ok()) return config.status();
+    planner::Hardware hw;
+    const engine::DeviceMemory mem = engine::ReadDeviceMemory(*device);
+    if (mem.total > 0) hw.gpu_bytes = mem.total - (int64_t{3} << 30);  // CUDA context and slack
+    hw.host_bytes = j.host_budget_bytes > 0 ? j.host_budget_bytes : HostMemoryBytes() / 8 * 7;
+    absl::StatusOr<planner::Choice> choice =
+        planner::Choose(planner::ShapeOf(*config), j.seq_len, j.batch_size, hw);
+    if (!choice.ok())
+      return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", choice.status().message()));
+    const planner::Strategy& st = choice->strategy;
+    m.recompute = st.recompute;
+    m.every_k = st.every_k;
+    m.offload = st.offload;
+    m.device_resident = st.device_resident;
+    m.mlp_tile = st.mlp_tile;
+    m.loss_tile = st.loss_tile;
+    o->attention_head_groups = st.head_groups;
+    LogInfo(absl::StrCat("memory: planner chose ", st.Describe(), " (predicted GPU peak ",
+                         choice->prediction.gpu_peak_bytes >> 20, " MiB, host ", choice->prediction.host_bytes >> 20,
+                         " MiB)"));
+  }
+  // What the spec sets wins over the planner.
+  if (!j.recompute.empty()) m.recompute = j.recompute;
+  if (j.every_k > 0) m.every_k = j.every_k;
+  if (j.offload == "on") m.offload = true;
+  if (j.offload == "off" || (!device->is_cuda() && (j.offload.empty() || j.offload == "auto"))) m.offload = false;
+  if (j.mlp_tile > 0) m.mlp_tile = j.mlp_tile;
+  if (j.loss_tile > 0) m.loss_tile = j.loss_tile;
+  if (m.recompute.empty()) m.recompute = "none";
+  if (!m.offload) m.device_resident = 0;
+  return m.Validate();
+}
+
 EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should_stop,
                   const std::function<void(const EngineStep&)>& on_step) {
   EngineOutcome out;
@@ -142,6 +188,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
   o.schedule.warmup_steps = j.warmup_steps;
   o.schedule.min_lr_ratio = j.min_lr_ratio;
   o.grad_clip = j.grad_clip;
+  if (absl::Status s = ChooseMemory(j, &o); !s.ok()) return fail(s);
   o.data.format = j.data_format;
   o.data.path = j.data_path;
   o.data.seq_len = j.seq_len;
@@ -170,9 +217,10 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
     for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
   }
   const auto& cfg = t.model()->config();
-  LogInfo(absl::StrFormat("rank %d/%d: model %s (%.2fM params, %s on %s), data %s, steps %d..%d", j.rank,
-                          j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
-                          c10::toString(t.dtype()), t.device().str(), t.data().Describe(), t.step(), o.steps));
+  LogInfo(absl::StrFormat("rank %d/%d: model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
+                          j.rank, j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
+                          c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
+                          t.step(), o.steps));
 
   const bool writes_checkpoints = j.rank == 0 && !j.checkpoint_dir.empty();
   if (writes_checkpoints) {  // leftovers of a run that died mid-write
@@ -209,6 +257,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
     s.seconds = r.seconds;
     s.tokens_per_second = r.tokens_per_second;
     s.gpu_memory_peak_bytes = engine::ReadDeviceMemory(t.device()).peak_allocated;
+    s.host_offload_bytes = t.memory().host_pool_bytes();
     s.host_memory_peak_bytes = PeakRssBytes();
     if (peak_flops > 0 && r.seconds > 0)
       s.mfu = TrainingFlops(cfg, r.tokens, o.data.seq_len) / (r.seconds * peak_flops * j.world_size);

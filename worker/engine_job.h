@@ -8,6 +8,8 @@
 // proto/gRPC (job_runner.cc, worker.cc, worker_main.cc) never include libtorch.
 //
 // RunEngineJob, in order:
+//   0. Picks the memory strategy: fields the spec leaves unset are the planner's choice on a
+//      GPU (planner::Choose for the model, sequence length and this device's memory).
 //   1. For world_size > 1, joins the job's ranks through a TcpCommunicator at `rendezvous`
 //      (rank 0 hosts it) and trains data parallel.
 //   2. Resumes from `resume_from` when set: weights, optimizer state and step counter, then
@@ -40,6 +42,14 @@ struct EngineJobOptions {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0, min_lr_ratio = 0;
   int64_t warmup_steps = 0;
   double grad_clip = 0;  // <= 0 disables
+  // Memory strategy (JobSpec.memory). Unset fields are the planner's choice on a GPU (the
+  // fastest strategy that fits the device and host memory); on a CPU unset means none.
+  std::string recompute;     // "" (planner) | none | layer | every_k
+  int64_t every_k = 0;       // 0 = planner's / 2
+  std::string offload;       // "" or "auto" (planner) | on | off
+  int64_t mlp_tile = 0;      // 0 = planner's choice (GPU) / untiled (CPU)
+  int64_t loss_tile = 0;     // 0 = planner's choice (GPU) / untiled (CPU)
+  int64_t host_budget_bytes = 0;  // 0 = the worker's limit
   std::string data_format = "kjv";
   std::string data_path;
   int64_t seq_len = 256;
@@ -62,7 +72,7 @@ struct EngineStep {
   int64_t tokens = 0;  // positions of all ranks
   double seconds = 0, tokens_per_second = 0;
   int64_t gpu_memory_peak_bytes = 0;
-  int64_t host_offload_bytes = 0;
+  int64_t host_offload_bytes = 0;  // the job's pinned host pool
   int64_t host_memory_peak_bytes = 0;
   double mfu = 0;  // 0 where the device's peak is unknown (CPU)
   std::string checkpoint;  // written at this step, if any

@@ -209,6 +209,44 @@ TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   }
 }
 
+// The spec's memory strategy reaches the engine: layer recompute with tiled MLP and loss trains
+// the same model as the plain step (fp32 on CPU: equal up to rounding).
+TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;
+  auto run = [&](const std::string& dir, bool strategies) {
+    v1::Assignment a = TinyJob((root_ / dir).string(), 3);
+    if (strategies) {
+      v1::MemorySpec* m = a.mutable_spec()->mutable_memory();
+      m->set_recompute("layer");
+      m->set_mlp_tile_tokens(8);
+      m->set_loss_tile_tokens(8);
+      m->set_offload("off");
+    }
+    Recorder rec;
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    EXPECT_TRUE(rec.Wait().ok());
+    absl::MutexLock l(&rec.mu);
+    std::vector<double> losses;
+    for (const auto& p : rec.progress) losses.push_back(p.metrics().loss());
+    return losses;
+  };
+  std::vector<double> plain = run("plain", false), tiled = run("tiled", true);
+  ASSERT_EQ(plain.size(), 3u);
+  ASSERT_EQ(tiled.size(), 3u);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(plain[i], tiled[i], 1e-5 * plain[i]) << "step " << i + 1;
+
+  v1::Assignment bad = TinyJob((root_ / "bad").string(), 3);
+  bad.mutable_spec()->mutable_memory()->set_offload("sometimes");
+  Recorder rec;
+  JobRunner runner(bad, opts, rec.Callbacks(), nullptr);
+  v1::JobResult r = rec.Wait();
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("spec.memory.offload ('sometimes') must be on, off, auto or empty"), std::string::npos)
+      << r.error();
+}
+
 TEST(ProbeCapabilitiesTest, DescribesTheCpu) {
   auto caps = ProbeCapabilities("cpu");
   ASSERT_TRUE(caps.ok()) << caps.status();
