@@ -135,6 +135,21 @@ class ControllerProcessTest : public ::testing::Test {
     }
     return out;
   }
+  // Opens Attach, sends one message built by `fill`, and returns how the controller ended it.
+  grpc::Status AttachWith(const std::function<void(v1::WorkerMessage&)>& fill) {
+    auto stub = v1::WorkerService::NewStub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto stream = stub->Attach(&ctx);
+    v1::WorkerMessage m;
+    fill(m);
+    stream->Write(m);
+    stream->WritesDone();
+    v1::ControllerMessage in;
+    while (stream->Read(&in)) {
+    }
+    return stream->Finish();
+  }
   FakeWorker* WorkerById(const std::string& id) {
     for (auto& w : workers_) {
       if (w->id() == id) return w.get();
@@ -349,6 +364,10 @@ TEST_F(ControllerProcessTest, BadRequestsGetTheCodeAndNameTheField) {
          }
          return reader->Finish();
        }, grpc::StatusCode::NOT_FOUND, "name"},
+      {"attach without hello", [this] { return AttachWith([](v1::WorkerMessage& m) { m.mutable_heartbeat(); }); },
+       grpc::StatusCode::INVALID_ARGUMENT, "hello"},
+      {"hello without worker_id", [this] { return AttachWith([](v1::WorkerMessage& m) { m.mutable_hello(); }); },
+       grpc::StatusCode::INVALID_ARGUMENT, "hello.worker_id"},
       {"oversized message", create([](v1::JobSpec& s) { s.set_display_name(std::string(200000, 'x')); }),
        grpc::StatusCode::RESOURCE_EXHAUSTED, ""},
   };
