@@ -234,9 +234,11 @@ def case_sft(c):
         raise Failure(f"step {job.step}, want 60")
     # The loss falls: from chance (ln 256 = 5.55 nats/byte at init) to clearly below it.
     wait_for("the final step event", lambda: steps and steps[-1][0] == 60, timeout=30)
-    first_loss = steps[0][1]
-    print(f"loss {first_loss:.3f} (step {steps[0][0]}) -> {job.loss:.3f} (step 60)")
-    if not job.loss < first_loss - 0.5 or not job.loss < math.log(256) - 1.0:
+    # The watch may start after the first steps on a busy machine: without step 1, the start is
+    # chance (a fresh model predicts bytes uniformly: ln 256).
+    first_step, first_loss = steps[0] if steps[0][0] == 1 else (0, math.log(256))
+    print(f"loss {first_loss:.3f} (step {first_step}) -> {job.loss:.3f} (step 60)")
+    if not job.loss < first_loss - 1.0 or not job.loss < math.log(256) - 1.5:
         raise Failure(f"loss did not fall: {first_loss} -> {job.loss}")
     # The checkpoint loads in transformers and predicts King James text better than chance.
     import torch
@@ -270,6 +272,9 @@ def case_worker_kill(c):
                    lambda: (lambda j: j if j.last_checkpoint and j.step >= 40 else None)(c.get(name)))
     c.kill_worker("w1")
     killed_at = c.get(name).step
+    # Once the controller has declared w1 dead and queued the job again, the checkpoint it will
+    # resume from is settled (w1's last messages were read before its stream's end).
+    wait_for("the controller to requeue the job", lambda: c.get(name).restarts == 1)
     ckpt = c.get(name).last_checkpoint
     ckpt_step = int(re.search(r"step-(\d+)", ckpt).group(1))
     print(f"killed w1 at step ~{killed_at}; last checkpoint {ckpt}")
