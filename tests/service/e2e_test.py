@@ -100,7 +100,7 @@ class Cluster:
                 self.rendezvous_base = s.getsockname()[1] - 1
         self.controller = self._spawn("controller", [
             self.args.controller, "--listen", listen, "--port-file", port_file, "--state-dir", self.state_dir,
-            "--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout", "2",
+            "--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout", "4",
             "--rendezvous-port-base", str(self.rendezvous_base)])
         wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip())
         self.port = int(open(port_file).read().strip())
