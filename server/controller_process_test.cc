@@ -465,6 +465,50 @@ TEST_F(ControllerProcessTest, HealthCheckServes) {
   EXPECT_EQ(bytes, std::string("\x08\x01", 2));
 }
 
+TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
+  StartController();
+  // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with list_services = ""
+  // (field 7, length 0: bytes 3a 00), through the generic async API (no reflection stubs needed).
+  grpc::GenericStub generic(channel_);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto call = generic.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto next = [&](intptr_t want) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) return false;  // bounded by the context deadline
+    return ok && reinterpret_cast<intptr_t>(tag) == want;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(next(1));
+  grpc::Slice request_bytes(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer request(&request_bytes, 1);
+  call->Write(request, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(next(2));
+  grpc::ByteBuffer response;
+  call->Read(&response, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(next(3));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.JobService"));
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.WorkerService"));
+  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
+  call->WritesDone(reinterpret_cast<void*>(4));
+  ASSERT_TRUE(next(4));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  EXPECT_TRUE(next(5));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 // 32 concurrent clients x 50 mixed requests: every one answered, no job lost. Prints latency.
 TEST_F(ControllerProcessTest, ConcurrentClientsAllAnsweredNoneLost) {
   StartController();
