@@ -92,6 +92,15 @@ int main(int argc, char** argv) {
   torch::Device dev = t.device();
 
   const odyssey::engine::Batch batch = t.data().Next();  // the same batch every step
+  std::string kernel = "n/a";
+  if (dev.is_cuda()) {
+    auto opts = torch::TensorOptions().dtype(t.dtype()).device(dev);
+    const int64_t D = cfg.HeadDim();
+    torch::Tensor q = torch::randn({1, S, cfg.num_attention_heads / o.attention_head_groups, D}, opts).transpose(1, 2);
+    torch::Tensor k = torch::randn({1, S, cfg.num_key_value_heads / o.attention_head_groups, D}, opts).transpose(1, 2);
+    kernel = odyssey::model::SdpaKernelFor(q, k, k, o.attention != "sdpa");
+    std::fprintf(stderr, "attention kernel: %s\n", kernel.c_str());
+  }
 
   std::vector<double> times;
   double loss = 0;
@@ -113,7 +122,7 @@ int main(int argc, char** argv) {
   nlohmann::json j = {
       {"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
       {"memory", o.memory.Describe()}, {"attention", t.model()->attention_backend().name()},
-      {"head_groups", o.attention_head_groups}, {"seconds_per_step", sec},
+      {"head_groups", o.attention_head_groups}, {"attention_kernel", kernel}, {"seconds_per_step", sec},
       {"tokens_per_second", sec > 0 ? static_cast<double>(B * S) / sec : 0.0},
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},

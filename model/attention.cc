@@ -2,6 +2,9 @@
 
 #include <cmath>
 
+#include <array>
+#include <optional>
+
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
@@ -72,8 +75,30 @@ class SdpaAttention : public AttentionBackend {
   }
 };
 
-// SDPA with cuDNN first. The priority order is process-global in ATen; it is set around each
-// call and restored, since one training thread owns the process's attention calls.
+// Puts cuDNN first in ATen's SDPA priority order for its lifetime. The order is process-global
+// in ATen; it is set around each call and restored, since one training thread owns the
+// process's attention calls.
+class CudnnFirst {
+ public:
+  CudnnFirst() : saved_(at::globalContext().sDPPriorityOrder()) {
+    std::vector<int64_t> order = {static_cast<int64_t>(at::SDPBackend::cudnn_attention)};
+    for (at::SDPBackend b : saved_) {
+      if (b != at::SDPBackend::cudnn_attention) order.push_back(static_cast<int64_t>(b));
+    }
+    at::globalContext().setSDPPriorityOrder(order);
+  }
+  ~CudnnFirst() {
+    std::vector<int64_t> restore;
+    for (at::SDPBackend b : saved_) restore.push_back(static_cast<int64_t>(b));
+    at::globalContext().setSDPPriorityOrder(restore);
+  }
+  CudnnFirst(const CudnnFirst&) = delete;
+  CudnnFirst& operator=(const CudnnFirst&) = delete;
+
+ private:
+  std::array<at::SDPBackend, at::num_sdp_backends> saved_;
+};
+
 class CudnnAttention : public AttentionBackend {
  public:
   std::string name() const override { return "cudnn"; }
@@ -81,19 +106,9 @@ class CudnnAttention : public AttentionBackend {
  protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
-    auto& context = at::globalContext();
-    const auto saved = context.sDPPriorityOrder();
-    std::vector<int64_t> order = {static_cast<int64_t>(at::SDPBackend::cudnn_attention)};
-    for (at::SDPBackend b : saved) {
-      if (b != at::SDPBackend::cudnn_attention) order.push_back(static_cast<int64_t>(b));
-    }
-    context.setSDPPriorityOrder(order);
-    torch::Tensor out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
-                                                         /*enable_gqa=*/q.size(1) != k.size(1));
-    std::vector<int64_t> restore;
-    for (at::SDPBackend b : saved) restore.push_back(static_cast<int64_t>(b));
-    context.setSDPPriorityOrder(restore);
-    return out;
+    CudnnFirst order;
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
+                                            /*enable_gqa=*/q.size(1) != k.size(1));
   }
 };
 
@@ -151,6 +166,20 @@ class HeadChunkedAttention final : public AttentionBackend {
 };
 
 }  // namespace
+
+std::string SdpaKernelFor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool cudnn_first) {
+  std::optional<CudnnFirst> order;
+  if (cudnn_first) order.emplace();
+  const int64_t choice = at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                               /*enable_gqa=*/q.size(1) != k.size(1));
+  switch (static_cast<at::SDPBackend>(choice)) {
+    case at::SDPBackend::flash_attention: return "flash";
+    case at::SDPBackend::efficient_attention: return "efficient";
+    case at::SDPBackend::math: return "math";
+    case at::SDPBackend::cudnn_attention: return "cudnn";
+    default: return absl::StrCat("backend ", choice);
+  }
+}
 
 absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(const std::string& kind,
                                                                              int64_t head_groups) {

@@ -49,4 +49,8 @@ class AttentionBackend {
 absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(const std::string& kind,
                                                                              int64_t head_groups = 1);
 
+// The kernel ATen's SDPA dispatch picks for causal GQA attention on these shapes ("flash",
+// "cudnn", "efficient", "math", ...), with cuDNN first in the order when cudnn_first. For logs.
+std::string SdpaKernelFor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool cudnn_first);
+
 }  // namespace odyssey::model

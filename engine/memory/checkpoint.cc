@@ -47,6 +47,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 struct MlpState : torch::CustomClassHolder {
   model::DecoderLayer layer{nullptr};
   int64_t tile = 0;
+  bool output_unused = false;
 };
 
 class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
@@ -54,7 +55,7 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor h, c10::intrusive_ptr<MlpState> state) {
     torch::Tensor flat = h.reshape({-1, h.size(-1)});  // (N, H)
     torch::Tensor out = torch::empty_like(flat);
-    {
+    if (!state->output_unused) {
       torch::NoGradGuard no_grad;
       for (int64_t t0 = 0; t0 < flat.size(0); t0 += state->tile) {
         const int64_t n = std::min(state->tile, flat.size(0) - t0);
@@ -150,7 +151,8 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
   return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);
 }
 
-torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens) {
+torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens,
+                            bool output_unused) {
   if (!torch::GradMode::is_enabled()) {
     torch::Tensor flat = h.reshape({-1, h.size(-1)});  // (N, H)
     torch::Tensor out = torch::empty_like(flat);
@@ -163,6 +165,7 @@ torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, i
   auto state = c10::make_intrusive<MlpState>();
   state->layer = layer;
   state->tile = tile_tokens;
+  state->output_unused = output_unused;
   return TiledMlpFunction::apply(h, state);
 }
 

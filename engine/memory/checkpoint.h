@@ -28,7 +28,12 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
 
 // layer->MlpBlock(h) over tiles of `tile_tokens` positions: no (S, intermediate) tensor at
 // full S, in forward or backward. h (B, S, H) -> (B, S, H).
-torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens);
+// output_unused: the caller only back-propagates through the result (a checkpointed layer's
+// recompute, where the MLP output is the layer's output): the forward tiles are skipped and
+// an uninitialized tensor returned, since the backward recomputes each tile anyway. That
+// saves one MLP forward per layer per step.
+torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens,
+                            bool output_unused = false);
 
 // Sum over positions of -log softmax(hidden @ W^T)[label] * mask, in tiles of `tile_tokens`
 // positions: no (S, vocab) logits; fp32 only inside a tile. hidden (B, S, H), W (V, H),

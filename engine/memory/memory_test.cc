@@ -111,6 +111,13 @@ TEST_F(MemoryStrategyTest, TiledMlp) {
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
+TEST_F(MemoryStrategyTest, LayerRecomputeWithTiledMlpSkipsTheUnusedForward) {
+  MemoryOptions o;
+  o.recompute = "layer";
+  o.mlp_tile = 9;
+  ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
 TEST_F(MemoryStrategyTest, TiledLoss) {
   MemoryOptions o;
   o.loss_tile = 13;

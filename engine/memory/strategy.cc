@@ -61,9 +61,9 @@ absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::D
 }
 
 torch::Tensor MemoryStack::RunLayer(model::DecoderLayer layer, const torch::Tensor& h,
-                                    const model::LayerContext& ctx) {
+                                    const model::LayerContext& ctx, bool output_unused) {
   torch::Tensor a = layer->AttentionBlock(h, ctx);  // (B, S, H)
-  return options_.mlp_tile > 0 ? TiledMlpBlock(layer, a, options_.mlp_tile) : layer->MlpBlock(a);
+  return options_.mlp_tile > 0 ? TiledMlpBlock(layer, a, options_.mlp_tile, output_unused) : layer->MlpBlock(a);
 }
 
 model::LayerStackRunner MemoryStack::Runner() {
@@ -83,10 +83,12 @@ model::LayerStackRunner MemoryStack::Runner() {
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
       BlockBody body = [this, group, ctx](const torch::Tensor& x, bool recompute) {
         torch::Tensor y = x;
-        if (!recompute || group.size() == 1) {
+        if (!recompute) {
           for (const auto& layer : group) y = RunLayer(layer, y, ctx);
           return y;
         }
+        // Recomputing for backward: the block's output value is never read, only its graph.
+        if (group.size() == 1) return RunLayer(group[0], y, ctx, /*output_unused=*/true);
         // Nested: while this group's backward runs, its layers' inputs stay on the device and
         // each layer is recomputed again on its own, so only one layer's activations live.
         auto inner = std::make_shared<SavedInputs>(nullptr, 0);
@@ -94,7 +96,11 @@ model::LayerStackRunner MemoryStack::Runner() {
         for (size_t j = 0; j < group.size(); ++j) {
           model::DecoderLayer layer = group[j];
           y = CheckpointBlock(
-              y, [this, layer, ctx](const torch::Tensor& xi, bool) { return RunLayer(layer, xi, ctx); }, inner.get(),
+              y,
+              [this, layer, ctx](const torch::Tensor& xi, bool inner_recompute) {
+                return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute);
+              },
+              inner.get(),
               static_cast<int64_t>(j), inner);
         }
         return y;

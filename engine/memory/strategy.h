@@ -57,7 +57,9 @@ class MemoryStack {
 
  private:
   MemoryStack(const MemoryOptions& options, int64_t num_layers);
-  torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx);
+  // output_unused: only back-propagated through (see TiledMlpBlock).
+  torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx,
+                         bool output_unused = false);
 
   MemoryOptions options_;
   int64_t num_layers_;
