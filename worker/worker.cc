@@ -130,6 +130,7 @@ bool Worker::Serve() {
     absl::MutexLock lock(&mu_);
     outbox_.clear();
     v1::WorkerMessage held;
+    held.mutable_held();  // sent even when empty: it tells the controller what this worker lost
     if (!running_job_.empty()) held.mutable_held()->add_jobs(running_job_);
     for (const auto& [job, result] : unreleased_) held.mutable_held()->add_jobs(job);
     outbox_.push_back(held);

@@ -1,0 +1,205 @@
+// The worker's side of the Attach protocol, against a scripted fake controller in-process:
+// hello then held on every stream, a busy worker refuses a second job, cancel stops a run, a
+// result is re-sent on every new stream until released, and reconnects follow a dropped stream.
+#include "worker/worker.h"
+
+#include <deque>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "odyssey/v1/odyssey.grpc.pb.h"
+
+namespace odyssey::worker {
+namespace {
+namespace v1 = odyssey::v1;
+
+// Records what workers send, stream by stream, and sends what the test queues.
+class FakeController final : public v1::WorkerService::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::ControllerMessage, v1::WorkerMessage>* stream) override {
+    int index;
+    {
+      absl::MutexLock l(&mu_);
+      index = static_cast<int>(streams_.size());
+      streams_.emplace_back();
+      contexts_.push_back(context);
+    }
+    std::thread writer([&] {
+      for (;;) {
+        v1::ControllerMessage m;
+        {
+          absl::MutexLock l(&mu_);
+          auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return !outbox_.empty() || contexts_[index] == nullptr;
+          };
+          mu_.Await(absl::Condition(&ready));
+          if (contexts_[index] == nullptr) return;
+          m = outbox_.front();
+          outbox_.pop_front();
+        }
+        stream->Write(m);
+      }
+    });
+    v1::WorkerMessage m;
+    while (stream->Read(&m)) {
+      absl::MutexLock l(&mu_);
+      if (!m.has_heartbeat()) streams_[index].push_back(m);
+    }
+    {
+      absl::MutexLock l(&mu_);
+      contexts_[index] = nullptr;
+    }
+    writer.join();
+    return grpc::Status::OK;
+  }
+
+  void Send(v1::ControllerMessage m) {
+    absl::MutexLock l(&mu_);
+    outbox_.push_back(std::move(m));
+  }
+  // Ends the newest stream from the controller's side (as a controller restart would).
+  void DropStream() {
+    absl::MutexLock l(&mu_);
+    if (!contexts_.empty() && contexts_.back()) contexts_.back()->TryCancel();
+  }
+  // Waits until stream `index` holds a message satisfying `pred`; returns it.
+  std::optional<v1::WorkerMessage> WaitFor(int index, const std::function<bool(const v1::WorkerMessage&)>& pred,
+                                           absl::Duration timeout = absl::Seconds(10)) {
+    absl::MutexLock l(&mu_);
+    std::optional<v1::WorkerMessage> found;
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (static_cast<int>(streams_.size()) <= index) return false;
+      for (const auto& m : streams_[index])
+        if (pred(m)) {
+          found = m;
+          return true;
+        }
+      return false;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&cond), timeout)) {
+      ADD_FAILURE() << "stream " << index << " of " << streams_.size() << " has "
+                    << (static_cast<int>(streams_.size()) > index ? streams_[index].size() : 0) << " messages";
+    }
+    return found;
+  }
+  std::vector<v1::WorkerMessage> Stream(int index) {
+    absl::MutexLock l(&mu_);
+    return streams_.at(index);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::vector<v1::WorkerMessage>> streams_ ABSL_GUARDED_BY(mu_);
+  std::vector<grpc::ServerContext*> contexts_ ABSL_GUARDED_BY(mu_);  // null once the stream ended
+  std::deque<v1::ControllerMessage> outbox_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::ControllerMessage Assign(const std::string& job, int64_t steps) {
+  v1::ControllerMessage m;
+  v1::Assignment* a = m.mutable_assign();
+  a->set_job(job);
+  a->set_world_size(1);
+  v1::JobSpec* s = a->mutable_spec();
+  s->mutable_model()->set_name("tiny");
+  s->mutable_model()->set_dtype("float32");
+  s->mutable_optimizer()->set_lr(1e-3);
+  s->mutable_data()->set_format("kjv");
+  s->mutable_data()->set_seq_len(16);
+  s->mutable_data()->set_batch_size(1);
+  s->set_steps(steps);
+  return m;
+}
+
+auto IsResult(const std::string& job) {
+  return [job](const v1::WorkerMessage& m) { return m.has_result() && m.result().job() == job; };
+}
+auto IsProgress(const std::string& job) {
+  return [job](const v1::WorkerMessage& m) { return m.has_progress() && m.progress().job() == job; };
+}
+
+TEST(WorkerTest, AttachProtocol) {
+  SetTorchThreads(1);
+  FakeController fake;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+
+  WorkerOptions o;
+  o.controller = "127.0.0.1:" + std::to_string(port);
+  o.capabilities.set_worker_id("t1");
+  o.capabilities.set_device("cpu");
+  o.runner.device = "cpu";
+  o.heartbeat_interval = absl::Milliseconds(50);
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(100);
+  Worker worker(o, nullptr);
+  std::thread run([&] { EXPECT_TRUE(worker.Run().ok()); });
+
+  // Every stream opens with hello, then held (empty on a fresh start).
+  ASSERT_TRUE(fake.WaitFor(0, [](const v1::WorkerMessage& m) { return m.has_held(); }));
+  std::vector<v1::WorkerMessage> first = fake.Stream(0);
+  ASSERT_GE(first.size(), 2u);
+  EXPECT_EQ(first[0].hello().worker_id(), "t1");
+  EXPECT_EQ(first[1].held().jobs_size(), 0);
+
+  // A running job; a second assignment is refused naming the first.
+  fake.Send(Assign("jobs/1", 1000000));
+  ASSERT_TRUE(fake.WaitFor(0, IsProgress("jobs/1")));
+  fake.Send(Assign("jobs/2", 10));
+  auto busy = fake.WaitFor(0, IsResult("jobs/2"));
+  ASSERT_TRUE(busy);
+  EXPECT_FALSE(busy->result().ok());
+  EXPECT_TRUE(absl::StrContains(busy->result().error(), "busy with jobs/1")) << busy->result().error();
+
+  // Cancel stops it between steps.
+  v1::ControllerMessage cancel;
+  cancel.set_cancel("jobs/1");
+  fake.Send(cancel);
+  auto cancelled = fake.WaitFor(0, IsResult("jobs/1"));
+  ASSERT_TRUE(cancelled);
+  EXPECT_EQ(cancelled->result().cancelled(), "cancelled by the controller");
+
+  // The controller goes away before releasing it: the next stream holds the job and re-sends
+  // its result.
+  fake.DropStream();
+  ASSERT_TRUE(fake.WaitFor(1, IsResult("jobs/1")));
+  std::vector<v1::WorkerMessage> second = fake.Stream(1);
+  EXPECT_TRUE(second[0].has_hello());
+  ASSERT_TRUE(second[1].has_held());
+  ASSERT_EQ(second[1].held().jobs_size(), 1);
+  EXPECT_EQ(second[1].held().jobs(0), "jobs/1");
+
+  // Released; the worker is idle again and runs the next job to the end.
+  v1::ControllerMessage release;
+  release.set_release("jobs/1");
+  fake.Send(release);
+  fake.Send(Assign("jobs/3", 3));  // on the same stream, after the release
+  auto done = fake.WaitFor(1, IsResult("jobs/3"));
+  ASSERT_TRUE(done);
+  EXPECT_TRUE(done->result().ok()) << done->result().error();
+  EXPECT_EQ(done->result().step(), 3);
+  // jobs/3 is not released: after a drop, the next stream holds it (and only it: the release
+  // of jobs/1 was read before jobs/3 was assigned on the same stream).
+  fake.DropStream();
+  ASSERT_TRUE(fake.WaitFor(2, IsResult("jobs/3")));
+  std::vector<v1::WorkerMessage> third = fake.Stream(2);
+  ASSERT_GE(third.size(), 2u);
+  ASSERT_EQ(third[1].held().jobs_size(), 1);
+  EXPECT_EQ(third[1].held().jobs(0), "jobs/3");
+
+  worker.Shutdown();
+  run.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+}  // namespace
+}  // namespace odyssey::worker
