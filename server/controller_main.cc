@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  // A peer that goes away mid-write (a /metrics scraper, a client) must not kill the process.
+  signal(SIGPIPE, SIG_IGN);
   // Signals are taken by a sigwait thread; block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
