@@ -1,10 +1,12 @@
 #include "client/spec.h"
 
 #include <fstream>
-#include <regex>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
@@ -49,27 +51,29 @@ absl::StatusOr<nlohmann::json> ToJson(const YAML::Node& node, const std::string&
 
 // protobuf's "(optimizer) lrr: Cannot find field." -> "optimizer.lrr: unknown field";
 // "(steps): invalid value 1.5 for type TYPE_INT64" -> "steps: invalid value 1.5 for type int64".
-std::string Humanize(std::string message) {
-  std::smatch m;
-  static const std::regex kUnknown(R"(^\(([^)]*)\) ?([^:]*): Cannot find field\.?$)");
-  static const std::regex kUnknownTop(R"(^([^:(]*): Cannot find field\.?$)");
-  static const std::regex kInvalid(R"(^\(([^)]*)\): (.*)$)");
-  if (std::regex_match(message, m, kUnknown)) {
-    return absl::StrCat(m[1].str().empty() ? "" : absl::StrCat(m[1].str(), "."), m[2].str(), ": unknown field");
+// Plain string surgery (no std::regex: GCC 12/13 warn falsely inside it under -Werror).
+std::string Humanize(const std::string& message) {
+  std::string path, rest = message;
+  if (!rest.empty() && rest[0] == '(') {
+    const size_t close = rest.find(')');
+    if (close == std::string::npos) return message;
+    path = rest.substr(1, close - 1);
+    rest = rest.substr(close + 1);
   }
-  if (std::regex_match(message, m, kUnknownTop)) return absl::StrCat(m[1].str(), ": unknown field");
-  if (std::regex_match(message, m, kInvalid)) {
-    std::string rule = m[2].str();
-    std::smatch t;
-    if (std::regex_search(rule, t, std::regex("TYPE_([A-Z0-9]+)"))) {
-      std::string type = t[1].str();
-      for (char& c : type) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-      rule = absl::StrCat(t.prefix().str(), type, t.suffix().str());
-    }
-    rule = std::regex_replace(rule, std::regex("type\\.googleapis\\.com/odyssey\\.v1\\."), "enum ");
-    return absl::StrCat(m[1].str(), ": ", rule);
+  const std::string kUnknown = ": Cannot find field";
+  if (const size_t at = rest.find(kUnknown); at != std::string::npos) {
+    std::string name(absl::StripAsciiWhitespace(rest.substr(0, at)));
+    return absl::StrCat(path, path.empty() || name.empty() ? "" : ".", name, ": unknown field");
   }
-  return message;
+  if (path.empty() || rest.rfind(": ", 0) != 0) return message;
+  std::string rule = rest.substr(2);
+  if (const size_t t = rule.find("TYPE_"); t != std::string::npos) {
+    size_t end = t + 5;
+    while (end < rule.size() && (absl::ascii_isupper(rule[end]) || absl::ascii_isdigit(rule[end]))) ++end;
+    rule = absl::StrCat(rule.substr(0, t), absl::AsciiStrToLower(rule.substr(t + 5, end - t - 5)), rule.substr(end));
+  }
+  rule = absl::StrReplaceAll(rule, {{"type.googleapis.com/odyssey.v1.", "enum "}});
+  return absl::StrCat(path, ": ", rule);
 }
 
 }  // namespace
