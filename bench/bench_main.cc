@@ -4,10 +4,11 @@
 // MFU, and the planner's prediction for the same run.
 //
 // FLOPs per step (model FLOPs; recompute is not counted):
-//   6 * N * T                          the weights, N = parameters used in matmuls (all but
-//                                      the input embedding when untied), T = B * S tokens
-//   + 6 * B * S^2 * Hq * D * L / 2 ... causal attention: forward 4*S^2*Hq*D per layer
-//                                      (QK^T and PV), backward twice that, halved for causality
+//   6 * N * T              the weights, N = parameters used in matmuls (all but the input
+//                          embedding when untied), T = B * S tokens
+//   + 6 * B * S^2 * Hq * D * L
+//                          causal attention: forward 4*S^2*Hq*D per layer (QK^T and PV),
+//                          backward twice that (12 in all), halved for causality
 // MFU = FLOPs / step time / 989e12 (H100/H200 dense bf16 peak).
 #include <algorithm>
 #include <chrono>
@@ -34,7 +35,7 @@ double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
   const double tokens = static_cast<double>(B * S);
   const double attention = 6.0 * static_cast<double>(B) * static_cast<double>(S) * static_cast<double>(S) *
                            static_cast<double>(c.num_attention_heads * c.HeadDim()) *
-                           static_cast<double>(c.num_hidden_layers) / 2.0;
+                           static_cast<double>(c.num_hidden_layers);
   return 6.0 * matmul_params * tokens + attention;
 }
 

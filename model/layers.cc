@@ -12,35 +12,65 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 
 namespace {
 
+// Rows per chunk: the norm's fp32 temporaries are a few (rows, H) tensors, so at 1M tokens of
+// a 3B model an unchunked norm would allocate 12 GiB per temporary; chunks of ~64M elements
+// keep them near 256 MB. Rows are independent, so chunking changes no result.
+int64_t NormChunkRows(int64_t H, int64_t chunk_elements) { return std::max<int64_t>(1, chunk_elements / H); }
+
+// y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), in transformers' op order, rows
+// chunked; rstd (rows, 1) fp32 is written when given.
+torch::Tensor NormRows(const torch::Tensor& x2d, const torch::Tensor& weight, double eps, int64_t chunk_elements,
+                       torch::Tensor* rstd_out) {
+  const int64_t N = x2d.size(0), H = x2d.size(1), chunk = NormChunkRows(H, chunk_elements);
+  torch::Tensor y = torch::empty_like(x2d);  // (N, H)
+  torch::Tensor rstd = torch::empty({N, 1}, x2d.options().dtype(torch::kFloat32));
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t n = std::min(chunk, N - r0);
+    torch::Tensor xf = x2d.narrow(0, r0, n).to(torch::kFloat32);                            // (n, H)
+    torch::Tensor r = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);              // (n, 1)
+    y.narrow(0, r0, n).copy_(weight * (xf * r).to(x2d.scalar_type()));
+    rstd.narrow(0, r0, n).copy_(r);
+  }
+  if (rstd_out != nullptr) *rstd_out = rstd;
+  return y;
+}
+
 // RMSNorm with a hand-written backward. Plain autograd through the fp32 math would save two
 // fp32 copies of the (S, H) activation (8 bytes per element, 24 KB per token for a 3B model);
 // this saves only x itself (alive anyway) and the per-row rstd (S fp32), and recomputes the
-// normalized rows in backward. The forward ops are transformers' own, in its order, so outputs
-// stay bitwise equal.
+// normalized rows chunk by chunk in backward. Forward outputs stay bitwise equal to
+// transformers'.
 class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
-                               double eps) {
-    torch::Tensor xf = x.to(torch::kFloat32);
-    torch::Tensor rstd = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);  // (..., 1)
+                               double eps, int64_t chunk_elements) {
+    torch::Tensor rstd;
+    torch::Tensor y = NormRows(x.reshape({-1, x.size(-1)}), weight, eps, chunk_elements, &rstd).view(x.sizes());
     ctx->save_for_backward({x, weight, rstd});
-    return weight * (xf * rstd).to(x.scalar_type());
+    ctx->saved_data["chunk_elements"] = chunk_elements;
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const torch::Tensor& x = saved[0];
+    const torch::Tensor x = saved[0].reshape({-1, saved[0].size(-1)});  // (N, H)
     const torch::Tensor& weight = saved[1];
-    const torch::Tensor& rstd = saved[2];
-    const torch::Tensor& g = grads[0];                                      // (..., H)
-    torch::Tensor n = x.to(torch::kFloat32) * rstd;                         // (..., H) fp32
-    torch::Tensor dn = (g * weight).to(torch::kFloat32);                    // through the cast
-    torch::Tensor dx = rstd * (dn - n * (dn * n).mean(-1, /*keepdim=*/true));
-    torch::Tensor dw = (g.to(torch::kFloat32) * n.to(x.scalar_type()).to(torch::kFloat32))
-                           .reshape({-1, x.size(-1)})
-                           .sum(0);  // (H,)
-    return {dx.to(x.scalar_type()), dw.to(weight.scalar_type()), torch::Tensor()};
+    const torch::Tensor& rstd = saved[2];                               // (N, 1)
+    const torch::Tensor g = grads[0].reshape({-1, x.size(1)});          // (N, H)
+    const int64_t N = x.size(0), chunk = NormChunkRows(x.size(1), ctx->saved_data["chunk_elements"].toInt());
+    torch::Tensor dx = torch::empty_like(x);
+    torch::Tensor dw = torch::zeros({x.size(1)}, weight.options().dtype(torch::kFloat32));  // (H,)
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t n = std::min(chunk, N - r0);
+      torch::Tensor r = rstd.narrow(0, r0, n);
+      torch::Tensor gc = g.narrow(0, r0, n);
+      torch::Tensor nrm = x.narrow(0, r0, n).to(torch::kFloat32) * r;   // (n, H) fp32
+      torch::Tensor dn = (gc * weight).to(torch::kFloat32);              // through the cast
+      dx.narrow(0, r0, n).copy_(r * (dn - nrm * (dn * nrm).mean(-1, /*keepdim=*/true)));
+      dw.add_((gc.to(torch::kFloat32) * nrm.to(x.scalar_type()).to(torch::kFloat32)).sum(0));
+    }
+    return {dx.view(saved[0].sizes()), dw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -48,12 +78,9 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   if (torch::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) {
-    return RMSNormFunction::apply(x, weight, eps_);
+    return RMSNormFunction::apply(x, weight, eps_, chunk_elements_);
   }
-  // fp32 inside the norm only, as transformers does; the output is back in x's dtype.
-  torch::Tensor xf = x.to(torch::kFloat32);
-  torch::Tensor rstd = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return weight * (xf * rstd).to(x.scalar_type());
+  return NormRows(x.reshape({-1, x.size(-1)}), weight, eps_, chunk_elements_, nullptr).view(x.sizes());
 }
 
 torch::Tensor RopeInvFreq(const ModelConfig& config, torch::Device device) {

@@ -24,10 +24,14 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+  // Rows are normalized in chunks of about this many elements, bounding the fp32 temporaries
+  // (forward and backward) at long sequences. Results do not depend on it.
+  void set_chunk_elements(int64_t n) { chunk_elements_ = n; }
   torch::Tensor weight;
 
  private:
   double eps_;
+  int64_t chunk_elements_ = int64_t{64} << 20;
 };
 TORCH_MODULE(RMSNorm);
 

@@ -98,6 +98,31 @@ TEST(ModelTest, OutputIsCausal) {
   EXPECT_FALSE(torch::allclose(base.narrow(1, 15, 5), other.narrow(1, 15, 5)));
 }
 
+// Chunked normalization (3 rows per chunk over 35 rows) equals one chunk bitwise, and its
+// hand-written backward equals autograd through the plain formula.
+TEST(ModelTest, ChunkedRMSNormMatchesPlainFormula) {
+  torch::manual_seed(3);
+  RMSNorm whole(16, 1e-6), chunked(16, 1e-6);
+  chunked->set_chunk_elements(3 * 16);
+  torch::Tensor w = torch::rand({16}) + 0.5;
+  whole->weight.data().copy_(w);
+  chunked->weight.data().copy_(w);
+  torch::Tensor x = torch::randn({5, 7, 16});
+  torch::Tensor a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
+  torch::Tensor g = torch::randn({5, 7, 16});
+  torch::Tensor ya = whole(a), yb = chunked(b);
+  EXPECT_TRUE(torch::equal(ya, yb));
+  yb.backward(g);
+  // Reference: autograd through the formula.
+  torch::Tensor c = x.clone().requires_grad_(true), wr = w.clone().requires_grad_(true);
+  torch::Tensor ref = wr * (c * torch::rsqrt(c.pow(2).mean(-1, true) + 1e-6));
+  ref.backward(g);
+  EXPECT_TRUE(torch::allclose(yb, ref, 1e-6, 1e-6));
+  EXPECT_LT((b.grad() - c.grad()).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((chunked->weight.grad() - wr.grad()).abs().max().item<double>(), 1e-4);
+  EXPECT_GT(c.grad().abs().max().item<double>(), 0.01);
+}
+
 TEST(ModelTest, LoadModelRejectsUnknownNamesAndBadDirs) {
   auto r = LoadModel("no-such-model", torch::kFloat32, torch::kCPU);
   ASSERT_FALSE(r.ok());
