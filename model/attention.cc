@@ -150,14 +150,17 @@ class HeadChunkedAttention final : public AttentionBackend {
                        double scale) const override {
     TORCH_CHECK(k.size(1) % groups_ == 0, "head groups (", groups_, ") must divide the KV heads (", k.size(1), ")");
     const int64_t kv_per = k.size(1) / groups_, q_per = q.size(1) / groups_;
-    std::vector<torch::Tensor> outs;
+    // Each group writes into its slice of one (B, S, Hq, D) buffer: the layout the output
+    // projection reads, so neither a concatenation nor the projection's reshape copies it.
+    torch::Tensor out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());  // (B, S, Hq, D)
     AttentionMeta meta;
     meta.scale = scale;
     for (int64_t g = 0; g < groups_; ++g) {
-      outs.push_back(inner_->Forward(q.narrow(1, g * q_per, q_per), k.narrow(1, g * kv_per, kv_per),
-                                     v.narrow(1, g * kv_per, kv_per), meta));  // (B, Hq/G, S, D)
+      torch::Tensor o = inner_->Forward(q.narrow(1, g * q_per, q_per), k.narrow(1, g * kv_per, kv_per),
+                                        v.narrow(1, g * kv_per, kv_per), meta);  // (B, Hq/G, S, D)
+      out.narrow(2, g * q_per, q_per).copy_(o.transpose(1, 2));
     }
-    return torch::cat(outs, 1);  // (B, Hq, S, D)
+    return out.transpose(1, 2);  // (B, Hq, S, D) view
   }
 
  private:
