@@ -166,7 +166,7 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   return m.Validate();
 }
 
-EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should_stop,
+EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Duration)>& stop,
                   const std::function<void(const EngineStep&)>& on_step) {
   EngineOutcome out;
   auto fail = [&](absl::Status s) {
@@ -233,14 +233,15 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
   const double peak_flops = PeakFlops(t.device());
   while (t.step() < o.steps) {
     out.step = t.step();
-    if (should_stop()) {
+    if (stop(absl::ZeroDuration())) {
       out.stopped = true;
       return out;
     }
     engine::StepResult r = t.TrainStep();
-    if (!r.status.ok() && should_stop()) {
-      // Another rank stopped first (a cancel reaches the ranks at slightly different steps) and
-      // left this one's collective: that is the stop, not a failure.
+    if (!r.status.ok() && j.world_size > 1 && stop(j.peer_loss_grace)) {
+      // Another rank left this one's collective: it stopped first (a cancel reaches the ranks at
+      // slightly different steps) or died (the controller requeues the job and cancels this
+      // rank). Either way this is the stop, not a failure.
       out.stopped = true;
       return out;
     }
@@ -274,10 +275,10 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool()>& should
 
 }  // namespace
 
-EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool()>& should_stop,
+EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool(absl::Duration)>& stop,
                            const std::function<void(const EngineStep&)>& on_step) {
   try {
-    return Run(options, should_stop, on_step);
+    return Run(options, stop, on_step);
   } catch (const std::exception& e) {  // a libtorch error (e.g. out of memory) must not kill the worker
     EngineOutcome out;
     out.status = absl::InternalError(absl::StrCat("engine error: ", e.what()));

@@ -15,11 +15,15 @@
 //   2. Resumes from `resume_from` when set: weights, optimizer state and step counter, then
 //      replays the data stream up to that step, so a resumed run sees the batches an
 //      uninterrupted run would have seen.
-//   3. Steps until `steps`, asking should_stop() between steps. Rank 0 writes a checkpoint every
+//   3. Steps until `steps`, asking stop(0) between steps. Rank 0 writes a checkpoint every
 //      `every_steps` steps and at the end: into a hidden temp folder, then renamed to
 //      <checkpoint_dir>/step-NNNNNNNN (readers never see a half-written one); only the newest
 //      `keep` are kept (0 = all).
-// Thread safety: RunEngineJob runs on the calling thread; should_stop is called from it.
+//   When a step's collective fails (another rank's process died), the run waits up to
+//   peer_loss_grace for a stop before it reports a failure: the controller, which sees the dead
+//   worker, requeues the job and cancels the surviving ranks, so the job restarts from its last
+//   checkpoint instead of failing on the survivor's error.
+// Thread safety: RunEngineJob runs on the calling thread; `stop` is called from it.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace odyssey::worker {
 
@@ -63,6 +68,9 @@ struct EngineJobOptions {
   std::string checkpoint_dir;  // empty = no checkpoints
   int64_t every_steps = 0;     // 0 = only at the end
   int keep = 0;                // 0 = all
+  // How long a rank whose collective failed waits for a stop before failing the job (longer
+  // than the controller's time to declare a silent worker dead).
+  absl::Duration peer_loss_grace = absl::Seconds(30);
 };
 
 // What one step did (rank-wide figures sum over the ranks).
@@ -80,12 +88,13 @@ struct EngineStep {
 
 struct EngineOutcome {
   absl::Status status;   // not OK: the run failed (the message says at which step and why)
-  bool stopped = false;  // should_stop() ended it
+  bool stopped = false;  // stop() ended it
   int64_t step = 0;      // steps completed
   std::string last_checkpoint;
 };
 
-EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool()>& should_stop,
+// stop(wait): whether the run should stop, waiting up to `wait` for that to become true.
+EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool(absl::Duration wait)>& stop,
                            const std::function<void(const EngineStep&)>& on_step);
 
 struct DeviceInfo {

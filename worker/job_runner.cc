@@ -106,8 +106,16 @@ void JobRunner::Run() {
                          options->resume_from));
     auto last_progress = std::chrono::steady_clock::now() - std::chrono::hours(1);  // the run's first step is sent
     const int world_size = options->world_size;
+    options->peer_loss_grace = absl::Seconds(options_.peer_loss_grace_seconds);
     outcome = RunEngineJob(
-        *options, [this] { return cancelled_.load(); },
+        *options,
+        [this](absl::Duration wait) {
+          if (wait <= absl::ZeroDuration()) return cancelled_.load();
+          absl::MutexLock lock(&mu_);  // Cancel() sets the flag under mu_
+          auto cancelled = [this] { return cancelled_.load(); };
+          mu_.AwaitWithTimeout(absl::Condition(&cancelled), wait);
+          return cancelled_.load();
+        },
         [&](const EngineStep& s) {
           if (metrics_) {
             metrics_->step_duration->Observe(s.seconds);

@@ -26,6 +26,9 @@ struct JobRunnerOptions {
   std::string device = "auto";  // the worker's device: auto | cpu | cuda:N
   // Progress messages are sent at most this often (checkpoints and the last step always).
   double progress_interval_seconds = 0.25;
+  // A rank whose collective failed waits this long for a cancel before failing the job (see
+  // engine_job.h).
+  double peer_loss_grace_seconds = 30;
 };
 
 struct JobCallbacks {

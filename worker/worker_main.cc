@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   double heartbeat_interval_s = 1.0;
   double progress_interval_s = 0.25;
   double max_backoff_s = 5.0;
+  double peer_loss_grace_s = 30.0;
   int max_message_bytes = 64 << 20;
 
   CLI::App app{"odyssey-worker: runs odyssey jobs on one device for an odyssey-controller"};
@@ -57,6 +58,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "CPU threads for torch (0: torch's default)")->capture_default_str();
   app.add_option("--heartbeat-interval", heartbeat_interval_s, "seconds between heartbeats")->capture_default_str();
   app.add_option("--progress-interval", progress_interval_s, "min seconds between progress messages")
+      ->capture_default_str();
+  app.add_option("--peer-loss-grace", peer_loss_grace_s,
+                 "seconds a rank whose peer died waits for the controller's cancel before failing the job")
       ->capture_default_str();
   app.add_option("--max-backoff", max_backoff_s, "max seconds between reconnect attempts")->capture_default_str();
   app.add_option("--max-message-bytes", max_message_bytes, "gRPC message size limit")->capture_default_str();
@@ -81,6 +85,7 @@ int main(int argc, char** argv) {
   options.capabilities.set_worker_id(worker_id.empty() ? absl::StrCat(caps->hostname(), "-", ::getpid()) : worker_id);
   options.runner.device = caps->device();
   options.runner.progress_interval_seconds = progress_interval_s;
+  options.runner.peer_loss_grace_seconds = peer_loss_grace_s;
   options.heartbeat_interval = absl::Seconds(heartbeat_interval_s);
   options.max_backoff = absl::Seconds(max_backoff_s);
   options.max_message_bytes = max_message_bytes;

@@ -12,6 +12,8 @@ Cases (--case):
                    job and its state is still there, the worker re-attaches, the job finishes.
   data_parallel    a job of world_size 2 runs data parallel on two CPU workers (TCP
                    communicator between the worker processes) and succeeds.
+  rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
+                   checkpoint on the surviving and a spare worker and succeeds.
   cancel           `odyssey cancel` stops a running job between steps (CANCELLED); the worker
                    then runs the next job.
   result_while_controller_down
@@ -207,6 +209,14 @@ def scrape(port):
     return values
 
 
+def requeued(c, name):
+    """True once job `name` was restarted once; raises if it ended instead."""
+    job = c.get(name)
+    if c.pb.Job.State.Name(job.state) in ("FAILED", "CANCELLED"):
+        raise Failure(f"{name} ended {c.pb.Job.State.Name(job.state)} instead of restarting: {job.error}")
+    return job.restarts == 1
+
+
 def tiny_spec(steps, every):
     return {
         "kind": "SFT",
@@ -274,7 +284,7 @@ def case_worker_kill(c):
     killed_at = c.get(name).step
     # Once the controller has declared w1 dead and queued the job again, the checkpoint it will
     # resume from is settled (w1's last messages were read before its stream's end).
-    wait_for("the controller to requeue the job", lambda: c.get(name).restarts == 1)
+    wait_for("the controller to requeue the job", lambda: requeued(c, name))
     ckpt = c.get(name).last_checkpoint
     ckpt_step = int(re.search(r"step-(\d+)", ckpt).group(1))
     print(f"killed w1 at step ~{killed_at}; last checkpoint {ckpt}")
@@ -343,6 +353,29 @@ def case_data_parallel(c):
             raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_tokens_total']} tokens")
 
 
+def case_rank_loss(c):
+    """kill -9 of one worker of a 2-rank job: the surviving rank stops on the controller's
+    cancel instead of failing the job, and the job restarts from its last checkpoint on the
+    survivor and a spare worker, and succeeds."""
+    c.start_controller()
+    for w in ("w1", "w2", "w3"):
+        c.start_worker(w)
+    spec = tiny_spec(steps=200, every=20)
+    spec["parallel"] = {"world_size": 2}
+    name = c.submit(spec)
+    job = wait_for("a checkpoint at step >= 20",
+                   lambda: (lambda j: j if j.last_checkpoint and j.step >= 20 else None)(c.get(name)))
+    victim = job.workers[1]
+    c.kill_worker(victim)
+    wait_for("the controller to requeue the job", lambda: requeued(c, name))
+    ckpt = c.get(name).last_checkpoint
+    print(f"killed {victim} (rank 1) at step ~{job.step}; resuming from {ckpt}")
+    job = c.wait_state(name, "SUCCEEDED")
+    print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)} after {job.restarts} restart(s)")
+    if job.step != 200 or job.restarts != 1 or victim in job.workers or len(job.workers) != 2:
+        raise Failure(f"step {job.step}, restarts {job.restarts}, workers {list(job.workers)}")
+
+
 def case_cancel(c):
     """odyssey cancel stops a running job between steps; the worker then takes the next job."""
     c.start_controller()
@@ -380,8 +413,8 @@ def case_result_while_controller_down(c):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "cancel",
-                                                  "result_while_controller_down"])
+    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
+                                                  "cancel", "result_while_controller_down"])
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--cli", default="", help="the odyssey CLI (empty: submit through gRPC)")
