@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -57,11 +58,10 @@ class Worker {
   void Shutdown();
 
  private:
-  class Session;  // one Attach stream
   // Handles one message from the controller.
   void Handle(const odyssey::v1::ControllerMessage& message);
-  // Queues a message for the current stream (dropped when there is none, except results,
-  // which are kept until released).
+  // Queues a message for the current stream; dropped when there is none (progress only:
+  // results go through OnResult, which keeps them until released).
   void Post(odyssey::v1::WorkerMessage message) ABSL_LOCKS_EXCLUDED(mu_);
   void OnResult(const odyssey::v1::JobResult& result) ABSL_LOCKS_EXCLUDED(mu_);
   // One stream's lifetime: hello, held, resend results, then pump the outbox until it breaks.

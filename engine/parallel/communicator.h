@@ -18,7 +18,7 @@
 // Thread safety: one Communicator object is used by one thread at a time (the rank's thread).
 #pragma once
 
-#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
