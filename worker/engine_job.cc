@@ -150,7 +150,7 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
     m.mlp_tile = st.mlp_tile;
     m.loss_tile = st.loss_tile;
     o->attention_head_groups = st.head_groups;
-    LogInfo(absl::StrCat("memory: planner chose ", st.Describe(), " (predicted GPU peak ",
+    LogInfo(absl::StrCat("job=", j.job, " memory: planner chose ", st.Describe(), " (predicted GPU peak ",
                          choice->prediction.gpu_peak_bytes >> 20, " MiB, host ", choice->prediction.host_bytes >> 20,
                          " MiB)"));
   }
@@ -217,8 +217,8 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
   }
   const auto& cfg = t.model()->config();
-  LogInfo(absl::StrFormat("rank %d/%d: model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
-                          j.rank, j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
+  LogInfo(absl::StrFormat("job=%s rank=%d/%d model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
+                          j.job, j.rank, j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
                           c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
                           t.step(), o.steps));
 

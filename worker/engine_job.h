@@ -38,6 +38,7 @@
 namespace odyssey::worker {
 
 struct EngineJobOptions {
+  std::string job;  // "jobs/{id}", for log lines
   // What to train (TrainerOptions' meaning; see engine/trainer.h).
   std::string model = "tiny";
   std::string device = "auto";

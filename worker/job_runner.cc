@@ -16,6 +16,7 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
                                                    ") is not supported by this worker: only SFT"));
   if (spec.steps() <= 0) return absl::InvalidArgumentError(absl::StrCat("spec.steps (", spec.steps(), ") must be > 0"));
   EngineJobOptions o;
+  o.job = a.job();
   o.model = spec.model().name().empty() ? "tiny" : spec.model().name();
   o.device = device;
   o.dtype = spec.model().dtype().empty() ? "auto" : spec.model().dtype();
