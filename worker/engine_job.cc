@@ -1,7 +1,11 @@
 #include "worker/engine_job.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -98,6 +102,17 @@ double TrainingFlops(const model::ModelConfig& c, int64_t tokens, int64_t seq_le
   return per_token * static_cast<double>(tokens);
 }
 
+// fsync of a file or folder.
+absl::Status SyncPath(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": open for fsync: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync: ", std::strerror(err)));
+  return absl::OkStatus();
+}
+
 // Writes `trainer`'s checkpoint for its current step atomically and prunes to `keep`.
 absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep) {
   const std::string final_path = CheckpointPath(dir, trainer.step());
@@ -110,11 +125,17 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
     fs::remove_all(tmp, ec);
     return s;
   }
+  // The files reach the disk before the rename publishes them, and the rename before anyone is
+  // told: a machine crash leaves the old checkpoint or the new one, never a torn one.
+  for (const auto& e : fs::directory_iterator(tmp, ec))
+    if (absl::Status s = SyncPath(e.path().string()); !s.ok()) return s;
+  if (absl::Status s = SyncPath(tmp); !s.ok()) return s;
   // A previous run of this job may have left the same step (it died after writing it and was
   // resumed from an older one): the new one replaces it.
   fs::remove_all(final_path, ec);
   fs::rename(tmp, final_path, ec);
   if (ec) return absl::InternalError(absl::StrCat("checkpoint ", final_path, ": rename failed: ", ec.message()));
+  if (absl::Status s = SyncPath(dir); !s.ok()) return s;
   if (keep > 0) {
     std::vector<std::string> all = ListCheckpoints(dir);
     for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);

@@ -16,7 +16,7 @@
 //      replays the data stream up to that step, so a resumed run sees the batches an
 //      uninterrupted run would have seen.
 //   3. Steps until `steps`, asking stop(0) between steps. Rank 0 writes a checkpoint every
-//      `every_steps` steps and at the end: into a hidden temp folder, then renamed to
+//      `every_steps` steps and at the end: into a hidden temp folder, fsynced, then renamed to
 //      <checkpoint_dir>/step-NNNNNNNN (readers never see a half-written one); only the newest
 //      `keep` are kept (0 = all).
 //   When a step's collective fails (another rank's process died), the run waits up to
