@@ -58,6 +58,10 @@ class ControllerProcessTest : public ::testing::Test {
     workers_.clear();
     jobs_.reset();
     channel_.reset();
+    // SIGTERM must stop it cleanly (exit 0): no crash on shutdown with streams open.
+    if (controller_) {
+      EXPECT_EQ(controller_->Terminate(), 0) << "log: " << controller_->log_path();
+    }
     controller_.reset();
     if (!HasFailure() && !std::getenv("ODYSSEY_KEEP_TEST_DIRS")) std::filesystem::remove_all(dir_);
   }
