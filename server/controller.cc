@@ -5,6 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "model/config.h"
+#include "planner/planner.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -257,6 +259,34 @@ void Controller::UpdateGauges() {
 // ---------------------------------------------------------------------------------------------
 // JobService
 
+absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
+  // The planner models one GPU rank. The machine: the largest GPU among the attached workers;
+  // an H200 host (the deployment target) when none is attached; no check when only CPU workers
+  // are attached (they are bound by host memory, which the planner does not model).
+  planner::Hardware hardware;
+  bool any_worker = false, any_gpu = false;
+  for (const auto& [id, w] : workers_) {
+    any_worker = true;
+    if (w.capabilities.device().rfind("cuda", 0) != 0 || w.capabilities.device_memory_bytes() <= 0) continue;
+    const int64_t gpu = w.capabilities.device_memory_bytes() - (int64_t{3} << 30);  // context, fragmentation
+    const int64_t host = w.capabilities.host_memory_bytes() / 100 * 85;               // leave the OS its share
+    if (!any_gpu || gpu > hardware.gpu_bytes) {
+      hardware.gpu_bytes = gpu;
+      hardware.host_bytes = host;
+    }
+    any_gpu = true;
+  }
+  if (any_worker && !any_gpu) return absl::OkStatus();
+  auto config = model::ResolveModelConfig(spec.model().name());
+  if (!config.ok()) return absl::OkStatus();  // validation has already named the model's problem
+  const int64_t batch = std::max<int64_t>(1, spec.data().batch_size());
+  auto choice = planner::Choose(planner::ShapeOf(*config), spec.data().seq_len(), batch, hardware);
+  if (!choice.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("spec.data.seq_len: ", choice.status().message()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request) {
   absl::MutexLock lock(&mu_);
   if (!request.request_id().empty()) {
@@ -271,6 +301,7 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
       return existing;
     }
   }
+  if (absl::Status fits = CheckFits(request.spec()); !fits.ok()) return fits;
   v1::Job job;
   *job.mutable_spec() = request.spec();
   job.set_state(v1::Job::PENDING);

@@ -128,6 +128,10 @@ class Controller {
   std::vector<WorkerInfo> Workers();
 
  private:
+  // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
+  // FAILED_PRECONDITION saying by how much when nothing fits.
+  absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   struct Worker {
     std::string id;
     odyssey::v1::WorkerCapabilities capabilities;

@@ -135,6 +135,46 @@ TEST_F(ControllerTest, SameRequestIdCreatesOneJob) {
   EXPECT_EQ(controller_->ListJobs({})->jobs_size(), 2);
 }
 
+// CreateJob runs the planner before anything is stored or allocated: a 3B model at 8M tokens
+// fits no H200 (the machine assumed while no worker is attached), nor an attached 80 GB GPU;
+// 64K fits. Only CPU workers attached: no GPU verdict.
+TEST_F(ControllerTest, PlannerRefusesJobsThatCannotFit) {
+  v1::CreateJobRequest big = Request(1);
+  big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
+  auto r = controller_->CreateJob(big);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("spec.data.seq_len: does not fit: 8388608 tokens"), std::string::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find(" by "), std::string::npos) << r.status();
+  EXPECT_TRUE(controller_->ListJobs(v1::ListJobsRequest())->jobs().empty());
+
+  v1::CreateJobRequest fits = big;
+  fits.mutable_spec()->mutable_data()->set_seq_len(65536);
+  EXPECT_TRUE(controller_->CreateJob(fits).ok());
+
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("gpu-0");
+  caps.set_device("cuda:0");
+  caps.set_device_memory_bytes(int64_t{80} << 30);
+  caps.set_host_memory_bytes(int64_t{64} << 30);
+  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
+  v1::CreateJobRequest mid = big;
+  mid.mutable_spec()->mutable_data()->set_seq_len(int64_t{1} << 20);  // fits an H200, not 80 GB
+  r = controller_->CreateJob(mid);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ControllerTest, PlannerDoesNotJudgeCpuWorkers) {
+  Attach("cpu-0");
+  v1::CreateJobRequest big = Request(1);
+  big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
+  EXPECT_TRUE(controller_->CreateJob(big).ok());
+}
+
 TEST_F(ControllerTest, GangSchedulingStartsWholeGangsOnly) {
   auto w1 = Attach("w1"), w2 = Attach("w2"), w3 = Attach("w3");
   auto j1 = *controller_->CreateJob(Request(2));
