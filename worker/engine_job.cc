@@ -223,7 +223,12 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     co.rank = j.rank;
     co.world_size = j.world_size;
     co.connect_timeout = absl::Seconds(120);
+    co.abort = [&stop] { return stop(absl::ZeroDuration()); };
     absl::StatusOr<std::unique_ptr<engine::TcpCommunicator>> c = engine::TcpCommunicator::Create(co);
+    if (absl::IsCancelled(c.status())) {
+      out.stopped = true;
+      return out;
+    }
     if (!c.ok()) return fail(c.status());
     comm = *std::move(c);
     o.communicator = comm.get();

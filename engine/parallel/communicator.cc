@@ -338,15 +338,20 @@ absl::StatusOr<std::unique_ptr<TcpCommunicator>> TcpCommunicator::Listen(const T
 
 absl::Status TcpCommunicator::Join() {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  auto aborted = [this] { return options_.abort && options_.abort(); };
+  const absl::Status cancelled = absl::CancelledError(absl::StrCat("rendezvous ", options_.rendezvous, ": aborted"));
   const int W = options_.world_size;
   if (W == 1) return absl::OkStatus();
   if (options_.rank == 0) {
     peers_.assign(W, -1);
     for (int joined = 1; joined < W;) {
-      if (absl::Status s = WaitFd(listen_fd_, POLLIN, deadline,
-                                  absl::StrCat("rendezvous: waiting for ", W - joined, " rank(s) to join"));
-          !s.ok())
-        return s;
+      // Waits in slices so that an abort is noticed.
+      if (aborted()) return cancelled;
+      absl::Status waited =
+          WaitFd(listen_fd_, POLLIN, std::min(deadline, absl::Now() + absl::Milliseconds(100)),
+                 absl::StrCat("rendezvous: waiting for ", W - joined, " rank(s) to join"));
+      if (absl::IsDeadlineExceeded(waited) && absl::Now() < deadline) continue;
+      if (!waited.ok()) return waited;
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
@@ -381,6 +386,7 @@ absl::Status TcpCommunicator::Join() {
   absl::Status last = absl::DeadlineExceededError(absl::StrCat("rendezvous ", options_.rendezvous, ": timed out"));
   absl::Duration backoff = absl::Milliseconds(20);
   while (absl::Now() < deadline) {
+    if (aborted()) return cancelled;
     absl::StatusOr<addrinfo*> res = Resolve(host, port, /*passive=*/false);
     if (!res.ok()) return res.status();
     int fd = -1;

@@ -103,13 +103,16 @@ struct TcpCommunicatorOptions {
   // How long Create waits for all ranks to join, and how long one collective may wait on a peer.
   absl::Duration connect_timeout = absl::Seconds(60);
   absl::Duration op_timeout = absl::Minutes(10);
+  // Asked about every 100 ms while waiting for the ranks to join: true gives up with CANCELLED
+  // (the job was cancelled while a peer never came). Empty = never.
+  std::function<bool()> abort;
 };
 
 class TcpCommunicator : public Communicator {
  public:
   // Rank 0: binds and listens, then waits for world_size - 1 peers. Others: connect and join.
   // Errors: INVALID_ARGUMENT (bad options, naming the field), UNAVAILABLE (cannot bind /
-  // connect), DEADLINE_EXCEEDED (peers did not join in time).
+  // connect), DEADLINE_EXCEEDED (peers did not join in time), CANCELLED (options.abort).
   static absl::StatusOr<std::unique_ptr<TcpCommunicator>> Create(const TcpCommunicatorOptions& options);
   // Rank 0 only: binds now and returns; Join() then waits for the peers. Lets a test learn the
   // port picked for "host:0" before starting the other ranks.

@@ -178,6 +178,32 @@ TEST(TcpCommunicatorTest, BadOptionsNameTheField) {
             std::string::npos);
 }
 
+// A rank waiting for peers that never come gives up when told to (a cancelled job), on either
+// side of the rendezvous.
+TEST(TcpCommunicatorTest, AbortEndsTheRendezvous) {
+  TcpCommunicatorOptions o;
+  o.rendezvous = "127.0.0.1:0";
+  o.world_size = 2;
+  int calls = 0;
+  o.abort = [&calls] { return ++calls >= 3; };  // true on the third look
+  auto root = TcpCommunicator::Create(o);
+  EXPECT_EQ(root.status().code(), absl::StatusCode::kCancelled) << root.status();
+  EXPECT_EQ(calls, 3);
+
+  TcpCommunicatorOptions one;
+  one.rendezvous = "127.0.0.1:0";
+  auto listener = TcpCommunicator::Listen(one);
+  ASSERT_TRUE(listener.ok());
+  // Nobody hosts this port's rendezvous protocol once the listener is gone: rank 1 retries.
+  const int port = (*listener)->bound_port();
+  listener->reset();
+  o.rendezvous = "127.0.0.1:" + std::to_string(port);
+  o.rank = 1;
+  calls = 0;
+  auto peer = TcpCommunicator::Create(o);
+  EXPECT_EQ(peer.status().code(), absl::StatusCode::kCancelled) << peer.status();
+}
+
 TEST(InProcessGroupTest, MissingRankTimesOut) {
   auto group = InProcessGroup::Create(2, absl::Milliseconds(100));
   auto c0 = group->Rank(0);
