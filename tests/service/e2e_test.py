@@ -424,18 +424,20 @@ def main():
     if args.cli and not os.path.exists(args.cli):
         args.cli = ""
     workdir = tempfile.mkdtemp(prefix=f"odyssey-e2e-{args.case}-")
-    c = Cluster(args, workdir)
     t0 = time.monotonic()
     ok = False
+    c = None
     try:
+        c = Cluster(args, workdir)
         globals()[f"case_{args.case}"](c)
         ok = True
     except Failure as e:
         print(f"FAILED: {e}")
     finally:
-        c.stop()
-        if not ok:
-            c.dump_logs()
+        if c:
+            c.stop()
+            if not ok:
+                c.dump_logs()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"{args.case}: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
