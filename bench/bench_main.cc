@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--mlp-tile", o.memory.mlp_tile, "positions per MLP tile (0: untiled)")->capture_default_str();
   app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
+  app.add_flag("--optimizer-on-host", o.optimizer.states_on_host, "fp32 master weights and moments in pinned host memory");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
     req.batch_size = B;
     req.strategy = odyssey::planner::StrategyOf(o.memory.recompute, o.memory.every_k, o.memory.offload,
                                                  o.memory.device_resident, o.memory.mlp_tile, o.memory.loss_tile,
-                                                 o.attention_head_groups);
+                                                 o.attention_head_groups, o.optimizer.states_on_host);
     const auto p = odyssey::planner::Predict(req);
     j["planned_gpu_peak_bytes"] = p.gpu_peak_bytes;
     j["planned_host_bytes"] = p.host_bytes;

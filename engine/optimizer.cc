@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "engine/device_stats.h"
 
 namespace odyssey::engine {
 
@@ -55,15 +56,32 @@ double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options)
     : options_(options) {
   torch::NoGradGuard no_grad;
+  if (options_.states_on_host) {
+    const bool cuda = !named_params.empty() && named_params.front().second.is_cuda();
+    host_pool_ = std::make_unique<memory::HostPool>(/*budget_bytes=*/0, /*pinned=*/cuda);
+  }
+  int64_t block = 0;
   for (auto& [name, p] : named_params) {
     Slot s;
     s.name = name;
     s.param = p;
-    // fp32 params are their own master: no redundant copy.
-    s.master = p.scalar_type() == torch::kFloat32 ? p : p.detach().to(torch::kFloat32).clone();
-    s.exp_avg = torch::zeros_like(s.master);
-    s.exp_avg_sq = torch::zeros_like(s.master);
     s.decay = p.dim() >= 2;
+    if (host_pool_) {
+      auto host = [&](const torch::Tensor& init) {
+        torch::Tensor t = host_pool_->Slot(block++, p.numel(), torch::kFloat32).value().view(p.sizes());
+        t.copy_(init);
+        return t;
+      };
+      s.on_host = true;
+      s.master = host(p.detach().to(torch::kCPU, torch::kFloat32));
+      s.exp_avg = host(torch::zeros(p.sizes()));
+      s.exp_avg_sq = host(torch::zeros(p.sizes()));
+    } else {
+      // fp32 params are their own master: no redundant copy.
+      s.master = p.scalar_type() == torch::kFloat32 ? p : p.detach().to(torch::kFloat32).clone();
+      s.exp_avg = torch::zeros_like(s.master);
+      s.exp_avg_sq = torch::zeros_like(s.master);
+    }
     slots_.push_back(std::move(s));
   }
 }
@@ -77,12 +95,23 @@ void AdamW::Step(double lr) {
   for (Slot& s : slots_) {
     if (!s.param.grad().defined()) continue;
     torch::Tensor g = s.param.grad().to(torch::kFloat32);  // (param shape)
-    if (s.decay && options_.weight_decay > 0) s.master.mul_(1 - lr * options_.weight_decay);
-    s.exp_avg.lerp_(g, 1 - b1);
-    s.exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2);
-    torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(options_.eps);
-    s.master.addcdiv_(s.exp_avg, denom, -lr / bc1);
-    if (!s.master.is_same(s.param)) s.param.copy_(s.master);
+    // Host-resident state is streamed to the parameter's device for the update and back;
+    // on a CPU device .to() returns the host tensors themselves and the update is in place.
+    const torch::Device dev = s.param.device();
+    torch::Tensor master = s.on_host ? s.master.to(dev, /*non_blocking=*/true) : s.master;
+    torch::Tensor m = s.on_host ? s.exp_avg.to(dev, /*non_blocking=*/true) : s.exp_avg;
+    torch::Tensor v = s.on_host ? s.exp_avg_sq.to(dev, /*non_blocking=*/true) : s.exp_avg_sq;
+    if (s.decay && options_.weight_decay > 0) master.mul_(1 - lr * options_.weight_decay);
+    m.lerp_(g, 1 - b1);
+    v.mul_(b2).addcmul_(g, g, 1 - b2);
+    torch::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps);
+    master.addcdiv_(m, denom, -lr / bc1);
+    if (s.on_host && !master.is_same(s.master)) {
+      s.master.copy_(master, /*non_blocking=*/true);
+      s.exp_avg.copy_(m, /*non_blocking=*/true);
+      s.exp_avg_sq.copy_(v, /*non_blocking=*/true);
+    }
+    if (!master.is_same(s.param)) s.param.copy_(master);
   }
 }
 
@@ -93,12 +122,16 @@ void AdamW::ZeroGrad() {
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> AdamW::StateTensors() const {
+  // Host-resident state may still be arriving from the device.
+  if (host_pool_ && !slots_.empty()) SynchronizeDevice(slots_.front().param.device());
   std::vector<std::pair<std::string, torch::Tensor>> out;
   out.emplace_back("step", torch::tensor(steps_, torch::kInt64));
   for (const Slot& s : slots_) {
     out.emplace_back("exp_avg." + s.name, s.exp_avg);
     out.emplace_back("exp_avg_sq." + s.name, s.exp_avg_sq);
-    if (!s.master.is_same(s.param)) out.emplace_back("master." + s.name, s.master);
+    if (!s.master.is_same(s.param) && (s.param.scalar_type() != torch::kFloat32 || !s.on_host)) {
+      out.emplace_back("master." + s.name, s.master);
+    }
   }
   return out;
 }
@@ -123,11 +156,13 @@ absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, to
     if (!v.ok()) return v.status();
     s.exp_avg.copy_(*m);
     s.exp_avg_sq.copy_(*v);
-    if (!s.master.is_same(s.param)) {
+    if (s.param.scalar_type() != torch::kFloat32) {
       auto w = get("master." + s.name, s.master);
       if (!w.ok()) return w.status();
       s.master.copy_(*w);
       s.param.copy_(s.master);
+    } else if (s.on_host) {
+      s.master.copy_(s.param);  // an fp32 param is its own master; the host copy follows it
     }
   }
   steps_ = step->second.item<int64_t>();

@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include "absl/status/status.h"
+#include "engine/memory/host_pool.h"
 
 namespace odyssey::engine {
 
@@ -24,6 +25,10 @@ struct AdamWOptions {
   double beta2 = 0.95;         // in [0, 1)
   double eps = 1e-8;           // > 0
   double weight_decay = 0.1;   // >= 0; 0 disables; never applied to 1-D params (norms, biases)
+  // Keep the fp32 master weights and both moments in (pinned) host memory: 12 bytes per
+  // parameter off the GPU. Each step streams a parameter's state to the device, updates it
+  // there and streams it back (about 24 bytes per parameter over PCIe per step).
+  bool states_on_host = false;
   absl::Status Validate() const;
 };
 
@@ -62,11 +67,13 @@ class AdamW {
   struct Slot {
     std::string name;
     torch::Tensor param;
-    torch::Tensor master;  // fp32; same storage as param when param is fp32
+    torch::Tensor master;  // fp32; same storage as param when param is fp32 (on the device)
     torch::Tensor exp_avg, exp_avg_sq;  // fp32, param's shape
     bool decay = false;
+    bool on_host = false;  // master and moments live in host_pool_
   };
   AdamWOptions options_;
+  std::unique_ptr<memory::HostPool> host_pool_;  // states_on_host: one block per state tensor
   std::vector<Slot> slots_;
   int64_t steps_ = 0;
 };

@@ -37,11 +37,12 @@ std::string Strategy::Describe() const {
   absl::StrAppend(&s, " offload=", offload ? "on" : "off");
   if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
   absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile, " head_groups=", head_groups);
+  if (optimizer_on_host) absl::StrAppend(&s, " optimizer_on_host");
   return s;
 }
 
 Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
-                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups) {
+                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host) {
   Strategy s;
   s.recompute = recompute;
   s.every_k = every_k;
@@ -50,6 +51,7 @@ Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload,
   s.mlp_tile = mlp_tile;
   s.loss_tile = loss_tile;
   s.head_groups = std::max<int64_t>(1, head_groups);
+  s.optimizer_on_host = optimizer_on_host;
   return s;
 }
 
@@ -63,7 +65,10 @@ Prediction Predict(const Request& r) {
   auto add = [&](const char* name, int64_t bytes) { p.terms.emplace_back(name, bytes); };
 
   // bf16: 2 + 2 + 4 + 4 + 4; fp32: 4 + 4 + (no master) + 4 + 4.
-  add("static (params, grads, fp32 master and moments)", m.params * 16);
+  const int64_t static_per_param = st.optimizer_on_host ? 2 * e : 16;
+  add(st.optimizer_on_host ? "static (params, grads; optimizer state on the host)"
+                           : "static (params, grads, fp32 master and moments)",
+      m.params * static_per_param);
   const int64_t act = T * H * e;  // one (T, hidden) activation
   int64_t checkpoints = 0, on_gpu = 0;
   if (st.recompute == "layer") checkpoints = m.layers;
@@ -104,7 +109,8 @@ Prediction Predict(const Request& r) {
   for (const auto& [name, bytes] : p.terms) {
     if (name.rfind("AdamW", 0) != 0) during_backward += bytes;
   }
-  const int64_t during_step = m.params * 16 + kOverhead + m.largest * 4 * 3;
+  if (st.optimizer_on_host) p.host_bytes += m.params * 12;
+  const int64_t during_step = m.params * static_per_param + kOverhead + m.largest * 4 * 3;
   p.gpu_peak_bytes = std::max(during_backward, during_step);
   p.fits = p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
   return p;
@@ -153,14 +159,20 @@ absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t 
     return false;
   };
   // 1. Recompute every layer, everything on the GPU.
-  if (consider(StrategyOf("layer", 2, false, 0, 0, 0, 1))) return best_miss;
   // 2. Offload, keeping as many checkpoints on the GPU as fit (more resident = fewer copies).
   // 3. Nested groups of k layers when the host cannot hold one input per layer.
-  for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {
-    const std::string mode = k == 1 ? "layer" : "every_k";
-    const int64_t checkpoints = (model.layers + k - 1) / k;
-    for (int64_t resident = checkpoints - 1; resident >= 0; --resident) {
-      if (consider(StrategyOf(mode, std::max<int64_t>(k, 2), true, resident, 0, 0, 1))) return best_miss;
+  // 4. All of that again with the optimizer state on the host (costs ~24 bytes of PCIe
+  //    traffic per parameter per step), for models whose state alone crowds the GPU.
+  for (bool host_optimizer : {false, true}) {
+    if (consider(StrategyOf("layer", 2, false, 0, 0, 0, 1, host_optimizer))) return best_miss;
+    for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {
+      const std::string mode = k == 1 ? "layer" : "every_k";
+      const int64_t checkpoints = (model.layers + k - 1) / k;
+      for (int64_t resident = checkpoints - 1; resident >= 0; --resident) {
+        if (consider(StrategyOf(mode, std::max<int64_t>(k, 2), true, resident, 0, 0, 1, host_optimizer))) {
+          return best_miss;
+        }
+      }
     }
   }
   return absl::ResourceExhaustedError(absl::StrCat(

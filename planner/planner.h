@@ -6,7 +6,8 @@
 // the cheapest strategy that fits a machine, or says by how much nothing fits. Every term is
 // listed in Prediction::terms so a mismatch against a measurement can be traced. The model:
 //   static      16 bytes per parameter: bf16 param + bf16 grad + fp32 master + 2 fp32 moments
-//               (fp32 training: 4 + 4 + 4 + 4, no master)
+//               (fp32 training: 4 + 4 + 4 + 4, no master); 4 with the optimizer state on the
+//               host, which then holds 12 bytes per parameter
 //   checkpoints the saved layer inputs that stay on the GPU (T * hidden * 2 each)
 //   layer       one decoder layer's activations and gradients during its backward recompute
 //               (attention inputs/outputs saved by the kernel, per-group gradient buffers)
@@ -42,10 +43,11 @@ struct Strategy {
   int64_t mlp_tile = 0;         // 0 = untiled
   int64_t loss_tile = 0;        // 0 = untiled
   int64_t head_groups = 1;
+  bool optimizer_on_host = false;  // fp32 master + moments in pinned host memory
   std::string Describe() const;
 };
 Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
-                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups);
+                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host = false);
 
 struct Hardware {
   int64_t gpu_bytes = int64_t{136} << 30;   // what the allocator may use (H200: 139 GiB less context)

@@ -76,6 +76,22 @@ TEST(PlannerTest, RefusesWhatCannotFitSayingByHowMuch) {
   EXPECT_EQ(MaxSeqLen(Llama3B(), small), 0);
 }
 
+TEST(PlannerTest, OptimizerOnHostMovesTwelveBytesPerParameter) {
+  Request r;
+  r.model = ShapeOf(*model::NamedShape("llama-3.1-8b"));
+  r.seq_len = 131072;
+  r.strategy = StrategyOf("layer", 2, true, 0, 8192, 2048, 1);
+  const Prediction on_gpu = Predict(r);
+  r.strategy.optimizer_on_host = true;
+  const Prediction on_host = Predict(r);
+  EXPECT_EQ(on_host.host_bytes - on_gpu.host_bytes, r.model.params * 12);
+  EXPECT_EQ(Term(on_host, "static"), r.model.params * 4);
+  // 8B at 256K fits one H200 only with the optimizer state on the host.
+  auto c = Choose(r.model, 262144, 1, Hardware{});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->strategy.optimizer_on_host);
+}
+
 TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   Hardware h200;
   auto c = Choose(Llama3B(), 1 << 20, 1, h200);
