@@ -171,6 +171,7 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
     m.mlp_tile = st.mlp_tile;
     m.loss_tile = st.loss_tile;
     o->attention_head_groups = st.head_groups;
+    o->optimizer.states_on_host = st.optimizer_on_host;
     LogInfo(absl::StrCat("job=", j.job, " memory: planner chose ", st.Describe(), " (predicted GPU peak ",
                          choice->prediction.gpu_peak_bytes >> 20, " MiB, host ", choice->prediction.host_bytes >> 20,
                          " MiB)"));
