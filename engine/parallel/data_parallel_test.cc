@@ -102,7 +102,10 @@ TEST(DataParallelTest, TwoRanksStayIdenticalAndEqualOneRankOnTheConcatenatedBatc
     EXPECT_EQ(r0.target_tokens, rs.target_tokens);
     EXPECT_EQ(r0.step, step + 1);
     ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");     // bitwise identical
-    ExpectClose(*ranks[0], **single, 1e-5, 1e-6, "data parallel vs one rank");
+    // The two sides sum the same per-token gradients in different orders, and AdamW divides
+    // by sqrt(v): entries with near-zero gradients turn rounding into update differences of
+    // ~1e-6. A wrong reduction (a missing or doubled average) moves weights by ~lr = 1e-3.
+    ExpectClose(*ranks[0], **single, 1e-5, 1e-5, "data parallel vs one rank");
   }
 }
 
@@ -144,7 +147,7 @@ TEST(DataParallelTest, UnequalTargetCountsWeighTokensNotRanks) {
   EXPECT_EQ(r0.target_tokens, rs.target_tokens);
   EXPECT_NEAR(r0.loss, rs.loss, 1e-6 * rs.loss);
   ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");
-  ExpectClose(*ranks[0], **single, 1e-5, 1e-6, "data parallel vs one rank");
+  ExpectClose(*ranks[0], **single, 1e-5, 1e-5, "data parallel vs one rank");
 }
 
 }  // namespace
