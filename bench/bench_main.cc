@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--mlp-tile", o.memory.mlp_tile, "positions per MLP tile (0: untiled)")->capture_default_str();
   app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
+  app.add_flag("--keep-attention", o.memory.keep_attention,
+               "keep each layer's attention output + LSE; the recompute skips the attention forward");
   app.add_flag("--optimizer-on-host", o.optimizer.states_on_host, "fp32 master weights and moments in pinned host memory");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
@@ -137,6 +139,7 @@ int main(int argc, char** argv) {
     req.strategy = odyssey::planner::StrategyOf(o.memory.recompute, o.memory.every_k, o.memory.offload,
                                                  o.memory.device_resident, o.memory.mlp_tile, o.memory.loss_tile,
                                                  o.attention_head_groups, o.optimizer.states_on_host);
+    req.strategy.keep_attention = o.memory.keep_attention;
     const auto p = odyssey::planner::Predict(req);
     j["planned_gpu_peak_bytes"] = p.gpu_peak_bytes;
     j["planned_host_bytes"] = p.host_bytes;

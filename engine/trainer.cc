@@ -79,6 +79,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = (*memory)->Prepare(options.data.batch_size, options.data.seq_len, resolved->hidden_size, dtype);
       !s.ok())
     return s;
+  if (options.memory.keep_attention) {
+    // Head groups wrap the stashing backend, which wraps the kernel: one record per group.
+    absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> kernel = model::MakeAttentionBackend(options.attention);
+    if (!kernel.ok()) return kernel.status();
+    if (!(*kernel)->SupportsStats(*device))
+      return absl::InvalidArgumentError(absl::StrCat("memory.keep_attention needs an attention backend whose forward "
+                                                     "statistics and backward run separately (math, or cudnn/auto on "
+                                                     "CUDA); '", options.attention, "' on ", device->str(), " has none"));
+    backend = model::WrapHeadGroups(
+        std::make_shared<const memory::StashingAttention>(*kernel, (*memory)->attention_stash()),
+        options.attention_head_groups);
+  }
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);

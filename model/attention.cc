@@ -42,24 +42,78 @@ torch::Tensor AttentionBackend::Forward(const torch::Tensor& q, const torch::Ten
   return torch::cat(rows, 0);  // (B, Hq, S, D)
 }
 
+std::pair<torch::Tensor, AttentionStats> AttentionBackend::CausalWithStats(const torch::Tensor&, const torch::Tensor&,
+                                                                           const torch::Tensor&, double) const {
+  TORCH_CHECK(false, "attention backend ", name(), " does not expose its statistics");
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> AttentionBackend::CausalBackward(
+    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+    const AttentionStats&, double) const {
+  TORCH_CHECK(false, "attention backend ", name(), " has no separate backward");
+}
+
 namespace {
+
+// k, v (B, Hkv, S, D) -> (B, Hq, S, D) for kernels that need one KV head per query head.
+torch::Tensor ExpandKv(const torch::Tensor& t, int64_t q_heads) {
+  const int64_t groups = q_heads / t.size(1);
+  return groups > 1 ? t.repeat_interleave(groups, 1) : t;
+}
+// The reverse for gradients: (B, Hq, S, D) -> (B, Hkv, S, D), summing each KV head's queries.
+torch::Tensor ReduceKv(const torch::Tensor& g, int64_t kv_heads) {
+  const int64_t groups = g.size(1) / kv_heads;
+  if (groups == 1) return g;
+  return g.view({g.size(0), kv_heads, groups, g.size(2), g.size(3)}).sum(2);
+}
 
 class MathAttention : public AttentionBackend {
  public:
   std::string name() const override { return "math"; }
+  bool SupportsStats(const torch::Device&) const override { return true; }
 
- protected:
+  std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                           const torch::Tensor& v, double scale) const override {
+    torch::Tensor scores = Scores(q, k, scale);                       // (B, Hq, S, S) fp32, masked
+    AttentionStats stats;
+    stats.lse = torch::logsumexp(scores, -1);                         // (B, Hq, S)
+    torch::Tensor probs = torch::softmax(scores, -1).to(q.scalar_type());
+    return {torch::matmul(probs, ExpandKv(v, q.size(1))), stats};   // (B, Hq, S, D)
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const AttentionStats& stats, double scale) const override {
+    torch::Tensor kr = ExpandKv(k, q.size(1)), vr = ExpandKv(v, q.size(1));
+    torch::Tensor p = torch::exp(Scores(q, k, scale) - stats.lse.unsqueeze(-1));  // (B, Hq, S, S) fp32
+    torch::Tensor g = grad_out.to(torch::kFloat32);
+    torch::Tensor dv = torch::matmul(p.transpose(2, 3), g);                          // (B, Hq, S, D)
+    torch::Tensor dp = torch::matmul(g, vr.to(torch::kFloat32).transpose(2, 3));     // (B, Hq, S, S)
+    torch::Tensor delta = (g * out.to(torch::kFloat32)).sum(-1, /*keepdim=*/true);   // (B, Hq, S, 1)
+    torch::Tensor ds = p * (dp - delta) * scale;                                     // (B, Hq, S, S)
+    torch::Tensor dq = torch::matmul(ds, kr.to(torch::kFloat32));
+    torch::Tensor dk = torch::matmul(ds.transpose(2, 3), q.to(torch::kFloat32));
+    const auto t = q.scalar_type();
+    return {dq.to(t), ReduceKv(dk, k.size(1)).to(t), ReduceKv(dv, v.size(1)).to(t)};
+  }
+
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
-    const int64_t groups = q.size(1) / k.size(1);
-    const int64_t S = q.size(2);
-    torch::Tensor kr = groups > 1 ? k.repeat_interleave(groups, 1) : k;  // (B, Hq, S, D)
-    torch::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
-    torch::Tensor scores = torch::matmul(q, kr.transpose(2, 3)) * scale;  // (B, Hq, S, S)
-    torch::Tensor mask = torch::ones({S, S}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+    torch::Tensor scores = torch::matmul(q, ExpandKv(k, q.size(1)).transpose(2, 3)) * scale;  // (B, Hq, S, S)
+    scores = scores.masked_fill(CausalMask(q), -std::numeric_limits<float>::infinity());
     torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
-    return torch::matmul(probs, vr);  // (B, Hq, S, D)
+    return torch::matmul(probs, ExpandKv(v, q.size(1)));  // (B, Hq, S, D)
+  }
+
+ private:
+  static torch::Tensor CausalMask(const torch::Tensor& q) {
+    const int64_t S = q.size(2);
+    return torch::ones({S, S}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  }
+  // Masked scores in fp32, the same values Causal() feeds its softmax.
+  static torch::Tensor Scores(const torch::Tensor& q, const torch::Tensor& k, double scale) {
+    torch::Tensor scores = (torch::matmul(q, ExpandKv(k, q.size(1)).transpose(2, 3)) * scale).to(torch::kFloat32);
+    return scores.masked_fill(CausalMask(q), -std::numeric_limits<float>::infinity());
   }
 };
 
@@ -67,7 +121,6 @@ class SdpaAttention : public AttentionBackend {
  public:
   std::string name() const override { return "sdpa"; }
 
- protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
@@ -103,20 +156,37 @@ class CudnnAttention : public AttentionBackend {
  public:
   std::string name() const override { return "cudnn"; }
 
- protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
     CudnnFirst order;
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
                                             /*enable_gqa=*/q.size(1) != k.size(1));
   }
-};
 
-template <typename B>
-struct Exposed : B {
-  torch::Tensor CausalPublic(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             double scale) const {
-    return this->Causal(q, k, v, scale);
+  // The cuDNN kernels called directly (what SDPA's cuDNN path calls), with K/V expanded to one
+  // head per query head; its gradients are summed back per KV head.
+  bool SupportsStats(const torch::Device& device) const override { return device.is_cuda(); }
+
+  std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                           const torch::Tensor& v, double scale) const override {
+    auto r = at::_scaled_dot_product_cudnn_attention(q, ExpandKv(k, q.size(1)), ExpandKv(v, q.size(1)), std::nullopt,
+                                                     /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true,
+                                                     /*return_debug_mask=*/false, scale);
+    AttentionStats stats;
+    stats.lse = std::get<1>(r);
+    stats.extra = {std::get<2>(r), std::get<3>(r), std::get<6>(r), std::get<7>(r)};  // cum_q, cum_k, seed, offset
+    stats.max_q = std::get<4>(r).expect_int();
+    stats.max_k = std::get<5>(r).expect_int();
+    return {std::get<0>(r), stats};
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const AttentionStats& st, double scale) const override {
+    auto [dq, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
+        grad_out.contiguous(), q, ExpandKv(k, q.size(1)), ExpandKv(v, q.size(1)), out, st.lse, st.extra[2],
+        st.extra[3], torch::Tensor(), st.extra[0], st.extra[1], st.max_q, st.max_k, 0.0, /*is_causal=*/true, scale);
+    return {dq, ReduceKv(dk, k.size(1)), ReduceKv(dv, v.size(1))};
   }
 };
 
@@ -124,15 +194,27 @@ class AutoAttention final : public AttentionBackend {
  public:
   std::string name() const override { return "auto"; }
 
- protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
-    return q.is_cuda() ? cudnn_.CausalPublic(q, k, v, scale) : math_.CausalPublic(q, k, v, scale);
+    return Pick(q).Causal(q, k, v, scale);
+  }
+  bool SupportsStats(const torch::Device& device) const override { return true; }
+  std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                           const torch::Tensor& v, double scale) const override {
+    return Pick(q).CausalWithStats(q, k, v, scale);
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const AttentionStats& stats, double scale) const override {
+    return Pick(q).CausalBackward(grad_out, q, k, v, out, stats, scale);
   }
 
  private:
-  Exposed<CudnnAttention> cudnn_;
-  Exposed<MathAttention> math_;
+  const AttentionBackend& Pick(const torch::Tensor& q) const {
+    return q.is_cuda() ? static_cast<const AttentionBackend&>(cudnn_) : math_;
+  }
+  CudnnAttention cudnn_;
+  MathAttention math_;
 };
 
 // Runs the inner backend over groups of KV heads (with their query heads) one after another.
@@ -145,7 +227,6 @@ class HeadChunkedAttention final : public AttentionBackend {
       : inner_(std::move(inner)), groups_(groups) {}
   std::string name() const override { return absl::StrCat(inner_->name(), "/", groups_, "-head-groups"); }
 
- protected:
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
     TORCH_CHECK(k.size(1) % groups_ == 0, "head groups (", groups_, ") must divide the KV heads (", k.size(1), ")");
@@ -201,8 +282,12 @@ absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(con
   }
   if (head_groups < 1)
     return absl::InvalidArgumentError(absl::StrCat("attention head_groups (", head_groups, ") must be >= 1"));
-  if (head_groups == 1) return backend;
-  return std::make_shared<const HeadChunkedAttention>(std::move(backend), head_groups);
+  return WrapHeadGroups(std::move(backend), head_groups);
+}
+
+std::shared_ptr<const AttentionBackend> WrapHeadGroups(std::shared_ptr<const AttentionBackend> inner, int64_t groups) {
+  if (groups <= 1) return inner;
+  return std::make_shared<const HeadChunkedAttention>(std::move(inner), groups);
 }
 
 }  // namespace odyssey::model

@@ -23,6 +23,14 @@ struct AttentionMeta {
   double scale = 0.0;  // softmax scale; 0 = 1/sqrt(D)
 };
 
+// What a kernel's backward needs besides q, k, v and the output: the softmax log-sum-exp
+// (B, Hq, S) fp32, and kernel-specific extras.
+struct AttentionStats {
+  torch::Tensor lse;
+  std::vector<torch::Tensor> extra;
+  int64_t max_q = 0, max_k = 0;
+};
+
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
@@ -31,10 +39,20 @@ class AttentionBackend {
   torch::Tensor Forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const AttentionMeta& meta) const;
 
- protected:
   // Plain causal attention over whole rows. REQUIRES: shapes as in the file comment.
   virtual torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                double scale) const = 0;
+
+  // The forward with its statistics, and the backward kernel alone: a strategy that keeps a
+  // layer's attention output from the first forward runs only the backward during the layer's
+  // recompute. Backends without them report SupportsStats() false. For q, k, v on `device`.
+  virtual bool SupportsStats(const torch::Device& device) const { return false; }
+  virtual std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                                   const torch::Tensor& v, double scale) const;
+  // Returns (dq, dk, dv) for grad_out of `out`.
+  virtual std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const AttentionStats& stats, double scale) const;
 };
 
 // "math": explicit matmul + softmax in fp32 (any device; the CPU reference path).
@@ -48,6 +66,9 @@ class AttentionBackend {
 // divide the model's num_key_value_heads (checked by the caller, which knows the model).
 absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(const std::string& kind,
                                                                              int64_t head_groups = 1);
+
+// Runs `inner` over `groups` groups of KV heads one after another (see MakeAttentionBackend).
+std::shared_ptr<const AttentionBackend> WrapHeadGroups(std::shared_ptr<const AttentionBackend> inner, int64_t groups);
 
 // The kernel ATen's SDPA dispatch picks for causal GQA attention on these shapes ("flash",
 // "cudnn", "efficient", "math", ...), with cuDNN first in the order when cudnn_first. For logs.

@@ -9,7 +9,7 @@ int main(int argc, char** argv) {
   std::string model = "llama-3.2-3b";
   int64_t seq_len = 65536, layers = 0;
   double gpu_gib = 136, host_gib = 110;
-  bool max = false;
+  bool max = false, keep = false;
   CLI::App app{"odyssey-plan: predicted memory and the chosen strategy"};
   app.add_option("--model", model, "named shape or HF checkpoint dir")->capture_default_str();
   app.add_option("--seq-len", seq_len, "tokens")->capture_default_str();
@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-gib", gpu_gib, "GPU memory the allocator may use")->capture_default_str();
   app.add_option("--host-gib", host_gib, "pinned host memory the pool may use")->capture_default_str();
   app.add_flag("--max", max, "print the longest sequence that fits");
+  app.add_flag("--keep-attention", keep, "allow keeping attention outputs (skips the attention re-forward)");
   CLI11_PARSE(app, argc, argv);
   auto config = odyssey::model::ResolveModelConfig(model);
   if (!config.ok()) {
@@ -32,7 +33,7 @@ int main(int argc, char** argv) {
     std::printf("longest sequence that fits: %lld tokens\n",
                 static_cast<long long>(odyssey::planner::MaxSeqLen(shape, hw)));
   }
-  auto choice = odyssey::planner::Choose(shape, seq_len, 1, hw);
+  auto choice = odyssey::planner::Choose(shape, seq_len, 1, hw, keep);
   if (!choice.ok()) {
     std::printf("%s\n", std::string(choice.status().message()).c_str());
     return 1;

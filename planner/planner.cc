@@ -38,6 +38,7 @@ std::string Strategy::Describe() const {
   if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
   absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile, " head_groups=", head_groups);
   if (optimizer_on_host) absl::StrAppend(&s, " optimizer_on_host");
+  if (keep_attention) absl::StrAppend(&s, " keep_attention");
   return s;
 }
 
@@ -99,6 +100,9 @@ Prediction Predict(const Request& r) {
   }
   add("one layer's activations and gradients", layer);
   if (st.recompute == "every_k") add("inputs of the group being recomputed", (st.every_k - 1) * act);
+  if (st.keep_attention && st.recompute == "layer") {
+    add("kept attention outputs and log-sum-exp", m.layers * T * (qd * e + 4 * m.heads));
+  }
   const int64_t loss_rows = st.loss_tile > 0 ? std::min(st.loss_tile, T) : T;
   add("final hidden state, its gradient, loss tile logits", 2 * act + loss_rows * m.vocab * 4 * 3);
   add("AdamW transients (largest parameter)", m.largest * 4 * 3);
@@ -122,7 +126,8 @@ std::string Prediction::Describe() const {
   return s + ")";
 }
 
-absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw) {
+absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
+                              bool allow_keep_attention) {
   const int64_t T = seq_len * batch_size;
   Request base;
   base.model = model;
@@ -163,6 +168,14 @@ absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t 
   // 3. Nested groups of k layers when the host cannot hold one input per layer.
   // 4. All of that again with the optimizer state on the host (costs ~24 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
+  // 0. Keeping attention outputs (no attention re-forward), everything else on the GPU.
+  if (allow_keep_attention) {
+    Strategy keep = StrategyOf("layer", 2, false, 0, 0, 0, 1);
+    keep.keep_attention = true;
+    if (consider(keep)) return best_miss;
+    keep.offload = true;
+    if (consider(keep)) return best_miss;
+  }
   for (bool host_optimizer : {false, true}) {
     if (consider(StrategyOf("layer", 2, false, 0, 0, 0, 1, host_optimizer))) return best_miss;
     for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {

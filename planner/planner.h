@@ -44,6 +44,7 @@ struct Strategy {
   int64_t loss_tile = 0;        // 0 = untiled
   int64_t head_groups = 1;
   bool optimizer_on_host = false;  // fp32 master + moments in pinned host memory
+  bool keep_attention = false;     // each layer's attention output + LSE kept on the GPU
   std::string Describe() const;
 };
 Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
@@ -79,7 +80,9 @@ struct Choice {
   Strategy strategy;
   Prediction prediction;
 };
-absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hardware);
+// allow_keep_attention: consider keeping attention outputs (fastest where it fits).
+absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hardware,
+                              bool allow_keep_attention = false);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);

@@ -92,6 +92,18 @@ TEST(PlannerTest, OptimizerOnHostMovesTwelveBytesPerParameter) {
   EXPECT_TRUE(c->strategy.optimizer_on_host);
 }
 
+TEST(PlannerTest, KeptAttentionOutputsAreChosenOnlyWhereTheyFitAndAllowed) {
+  Hardware h200;
+  auto c = Choose(Llama3B(), 65536, 1, h200, /*allow_keep_attention=*/true);
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->strategy.keep_attention);
+  EXPECT_EQ(Term(c->prediction, "kept attention"), int64_t{28} * 65536 * (3072 * 2 + 4 * 24));
+  EXPECT_FALSE(Choose(Llama3B(), 65536, 1, h200)->strategy.keep_attention);
+  auto long_seq = Choose(Llama3B(), 1 << 20, 1, h200, true);
+  ASSERT_TRUE(long_seq.ok());
+  EXPECT_FALSE(long_seq->strategy.keep_attention);  // 28 x 6 GiB of outputs cannot stay
+}
+
 TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   Hardware h200;
   auto c = Choose(Llama3B(), 1 << 20, 1, h200);

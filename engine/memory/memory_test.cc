@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "engine/loss.h"
+#include "engine/memory/attention_stash.h"
 
 namespace odyssey::engine::memory {
 namespace {
@@ -34,6 +35,7 @@ struct RunSetup {
   torch::Device device = torch::kCPU;
   torch::Dtype dtype = torch::kFloat32;
   std::string attention = "math";
+  std::vector<std::vector<int64_t>> doc_lens;  // packed documents per row; empty = none
 };
 
 Result RunStrategy(const MemoryOptions& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
@@ -41,9 +43,16 @@ Result RunStrategy(const MemoryOptions& options, int64_t head_groups = 1, int st
   model::CausalLM m(c);
   m->InitRandom(11, 0.1);
   m->to(setup.device, setup.dtype);
-  m->set_attention_backend(model::MakeAttentionBackend(setup.attention, head_groups).value());
   auto stack = MemoryStack::Create(options, c.num_hidden_layers);
   EXPECT_TRUE(stack.ok()) << stack.status();
+  if (options.keep_attention) {
+    m->set_attention_backend(model::WrapHeadGroups(
+        std::make_shared<const StashingAttention>(model::MakeAttentionBackend(setup.attention).value(),
+                                                  (*stack)->attention_stash()),
+        head_groups));
+  } else {
+    m->set_attention_backend(model::MakeAttentionBackend(setup.attention, head_groups).value());
+  }
   torch::manual_seed(5);
   const int64_t B = setup.B, S = setup.S;
   torch::Tensor ids = torch::randint(0, c.vocab_size, {B, S}, torch::kInt64).to(setup.device);
@@ -55,6 +64,18 @@ Result RunStrategy(const MemoryOptions& options, int64_t head_groups = 1, int st
     m->zero_grad();
     model::ForwardInputs in;
     in.input_ids = ids;
+    torch::Tensor pos;
+    if (!setup.doc_lens.empty()) {
+      std::vector<torch::Tensor> rows;
+      for (const auto& lens : setup.doc_lens) {
+        std::vector<torch::Tensor> parts;
+        for (int64_t n : lens) parts.push_back(torch::arange(n, torch::kInt64));
+        rows.push_back(torch::cat(parts));
+      }
+      pos = torch::stack(rows).to(setup.device);
+      in.position_ids = pos;
+      in.doc_lens = &setup.doc_lens;
+    }
     torch::Tensor hidden = m->Hidden(in, (*stack)->Runner());
     torch::Tensor loss = (*stack)->LossSum(hidden, m->HeadWeight(), labels, mask);
     loss.backward();
@@ -118,6 +139,27 @@ TEST_F(MemoryStrategyTest, LayerRecomputeWithTiledMlpSkipsTheUnusedForward) {
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
+TEST_F(MemoryStrategyTest, KeptAttentionOutputsSkipTheAttentionReforward) {
+  MemoryOptions o;
+  o.recompute = "layer";
+  o.keep_attention = true;
+  ExpectSameGradients(RunStrategy(o), *plain_);
+  o.mlp_tile = 9;
+  o.loss_tile = 13;
+  ExpectSameGradients(RunStrategy(o, /*head_groups=*/2, /*steps=*/2), *plain_);
+}
+
+TEST(MemoryStrategyPackedTest, KeptAttentionOutputsWithPackedDocuments) {
+  RunSetup setup;
+  setup.doc_lens = {{20, 30}, {50}};
+  const Result plain = RunStrategy(MemoryOptions{}, 1, 1, setup);
+  MemoryOptions o;
+  o.recompute = "layer";
+  o.keep_attention = true;
+  o.offload = true;
+  ExpectSameGradients(RunStrategy(o, 2, 1, setup), plain);
+}
+
 TEST_F(MemoryStrategyTest, TiledLoss) {
   MemoryOptions o;
   o.loss_tile = 13;
@@ -148,6 +190,9 @@ TEST(MemoryOptionsTest, ValidationNamesFieldAndRule) {
   o.recompute = "every_k";
   o.every_k = 1;
   EXPECT_NE(o.Validate().message().find("memory.every_k (1) must be >= 2"), std::string::npos);
+  o = MemoryOptions{};
+  o.keep_attention = true;
+  EXPECT_NE(o.Validate().message().find("memory.keep_attention needs memory.recompute 'layer'"), std::string::npos);
   EXPECT_FALSE(model::MakeAttentionBackend("math", 0).ok());
 }
 
@@ -216,6 +261,11 @@ TEST(MemoryStrategyGpuTest, Bf16StrategiesAreAsAccurateAsPlainAutograd) {
   o.loss_tile = 500;
   cases.push_back({"tiled mlp + loss", o, 1});
   cases.push_back({"head groups", MemoryOptions{}, 2});
+  o = MemoryOptions{};
+  o.recompute = "layer";
+  o.keep_attention = true;
+  o.mlp_tile = 300;
+  cases.push_back({"kept attention outputs (cuDNN backward alone)", o, 2});
   o.recompute = "layer";
   o.offload = true;
   cases.push_back({"all", o, 4});

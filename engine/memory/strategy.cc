@@ -19,6 +19,8 @@ absl::Status MemoryOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", device_resident, ") must be >= 0"));
   if (mlp_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.mlp_tile (", mlp_tile, ") must be >= 0"));
   if (loss_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.loss_tile (", loss_tile, ") must be >= 0"));
+  if (keep_attention && recompute != "layer")
+    return absl::InvalidArgumentError("memory.keep_attention needs memory.recompute 'layer'");
   if (host_budget_bytes < 0)
     return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
   return absl::OkStatus();
@@ -30,6 +32,7 @@ std::string MemoryOptions::Describe() const {
   absl::StrAppend(&s, " offload=", offload ? "on" : "off");
   if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
   absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile);
+  if (keep_attention) absl::StrAppend(&s, " keep_attention");
   return s;
 }
 
@@ -81,8 +84,14 @@ model::LayerStackRunner MemoryStack::Runner() {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * k, count = std::min(k, L - first);
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
-      BlockBody body = [this, group, ctx](const torch::Tensor& x, bool recompute) {
+      BlockBody body = [this, group, ctx, first](const torch::Tensor& x, bool recompute) {
         torch::Tensor y = x;
+        if (options_.keep_attention) {  // recompute == "layer": one layer per group
+          stash_.Begin(first, recompute ? AttentionStash::Mode::kReplay : AttentionStash::Mode::kRecord);
+          y = RunLayer(group[0], y, ctx, /*output_unused=*/recompute);
+          stash_.End();
+          return y;
+        }
         if (!recompute) {
           for (const auto& layer : group) y = RunLayer(layer, y, ctx);
           return y;

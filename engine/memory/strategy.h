@@ -10,6 +10,9 @@
 //              `device_resident` ones.
 //   mlp_tile   the MLP half of every layer runs over tiles of this many positions.
 //   loss_tile  the LM head + cross-entropy runs over tiles of this many positions.
+//   keep_attention  (with recompute=layer) each layer's attention output and log-sum-exp from
+//              the first forward are kept on the device; the recompute runs only the
+//              attention backward (see attention_stash.h).
 // Thread safety: one thread at a time (the training thread).
 #pragma once
 
@@ -19,6 +22,7 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "engine/memory/attention_stash.h"
 #include "engine/memory/host_pool.h"
 #include "engine/memory/saved_inputs.h"
 #include "model/causal_lm.h"
@@ -33,6 +37,7 @@ struct MemoryOptions {
   int64_t mlp_tile = 0;            // positions per MLP tile; 0 = untiled
   int64_t loss_tile = 0;           // positions per loss tile; 0 = untiled (full logits)
   int64_t host_budget_bytes = 0;   // pinned host bytes the pool may hold; 0 = no limit
+  bool keep_attention = false;     // keep attention outputs + LSE (needs recompute=layer)
   // Checks the options; messages name the field ("memory.every_k (1) must be >= 2").
   absl::Status Validate() const;
   std::string Describe() const;
@@ -52,6 +57,8 @@ class MemoryStack {
                         const torch::Tensor& mask);
 
   const MemoryOptions& options() const { return options_; }
+  // Where StashingAttention records (used only with keep_attention).
+  AttentionStash* attention_stash() { return &stash_; }
   int64_t host_pool_bytes() const { return pool_ ? pool_->allocated_bytes() : 0; }
   int64_t NumCheckpoints() const;
 
@@ -65,6 +72,7 @@ class MemoryStack {
   int64_t num_layers_;
   std::unique_ptr<HostPool> pool_;
   std::unique_ptr<SavedInputs> saved_;
+  AttentionStash stash_;
 };
 
 }  // namespace odyssey::engine::memory
