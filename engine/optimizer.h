@@ -56,6 +56,14 @@ class AdamW {
   void ZeroGrad();
   int64_t steps() const { return steps_; }
   const AdamWOptions& options() const { return options_; }
+  // Replaces beta1, beta2, eps, weight_decay and lr for the following steps (RL sessions send
+  // them with every optim_step). states_on_host is fixed at construction and is not changed.
+  // REQUIRES: options.Validate() is OK.
+  void set_hyperparameters(const AdamWOptions& options) {
+    const bool on_host = options_.states_on_host;
+    options_ = options;
+    options_.states_on_host = on_host;
+  }
 
   // Optimizer state by name for checkpoints: "exp_avg.<param>", "exp_avg_sq.<param>",
   // "master.<param>" (only for non-fp32 params), "step" (int64 scalar).

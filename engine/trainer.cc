@@ -1,12 +1,15 @@
 #include "engine/trainer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "c10/util/Exception.h"
 #include "engine/loss.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -35,6 +38,8 @@ absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
 
 absl::Status TrainerOptions::Validate() const {
   if (steps <= 0) return absl::InvalidArgumentError(absl::StrCat("steps (", steps, ") must be > 0"));
+  if (rl_group_tokens < 0)
+    return absl::InvalidArgumentError(absl::StrCat("rl_group_tokens (", rl_group_tokens, ") must be >= 0"));
   if (absl::Status s = optimizer.Validate(); !s.ok()) return s;
   if (absl::Status s = schedule.Validate(); !s.ok()) return s;
   return absl::OkStatus();
@@ -196,6 +201,166 @@ double Trainer::EvalLoss(const Batch& batch) {
   model_->eval();
   int64_t targets = 0;
   return Loss(batch, &targets).item<double>();
+}
+
+absl::Status Trainer::PrepareRl(const std::vector<Datum>& batch, const LossSpec* loss) {
+  if (options_.communicator != nullptr && options_.communicator->world_size() > 1)
+    return absl::UnimplementedError("RL calls (forward_backward, forward, optim_step) are single-rank for now");
+  const model::ModelConfig& config = model_->config();
+  if (absl::Status s = ValidateBatch(batch, loss, config.vocab_size, config.max_position_embeddings); !s.ok()) return s;
+  // The host pool (offload) must hold the largest group's padded rows.
+  int64_t positions = 0;
+  for (const auto& [begin, end] : RlGroups(batch)) {
+    int64_t longest = 0;
+    for (size_t i = begin; i < end; ++i) longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()));
+    positions = std::max<int64_t>(positions, longest * static_cast<int64_t>(end - begin));
+  }
+  return memory_->Prepare(1, positions, config.hidden_size, dtype_);
+}
+
+std::vector<std::pair<size_t, size_t>> Trainer::RlGroups(const std::vector<Datum>& batch) const {
+  const int64_t budget = options_.rl_group_tokens > 0 ? options_.rl_group_tokens
+                                                      : options_.data.batch_size * options_.data.seq_len;
+  std::vector<std::pair<size_t, size_t>> groups;
+  size_t begin = 0;
+  int64_t longest = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int64_t S = static_cast<int64_t>(batch[i].tokens.size());
+    const int64_t grown = std::max(longest, S) * static_cast<int64_t>(i - begin + 1);
+    if (i > begin && grown > budget) {
+      groups.emplace_back(begin, i);
+      begin = i;
+      longest = S;
+    } else {
+      longest = std::max(longest, S);
+    }
+  }
+  groups.emplace_back(begin, batch.size());
+  return groups;
+}
+
+std::vector<torch::Tensor> Trainer::GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end) {
+  const int64_t R = static_cast<int64_t>(end - begin);
+  int64_t S = 0;
+  for (size_t i = begin; i < end; ++i) S = std::max<int64_t>(S, static_cast<int64_t>(batch[i].tokens.size()));
+  // Right padding with id 0: causal attention keeps it out of the real positions, and its
+  // logprobs are cut off below.
+  torch::Tensor ids = torch::zeros({R, S}, torch::kInt64);      // (R, S)
+  torch::Tensor targets = torch::zeros({R, S}, torch::kInt64);  // (R, S)
+  for (int64_t r = 0; r < R; ++r) {
+    const Datum& d = batch[begin + static_cast<size_t>(r)];
+    const int64_t n = static_cast<int64_t>(d.tokens.size());
+    ids[r].slice(0, 0, n).copy_(torch::tensor(torch::ArrayRef<int64_t>(d.tokens), torch::kInt64));
+    targets[r].slice(0, 0, n).copy_(torch::tensor(torch::ArrayRef<int64_t>(d.target_tokens), torch::kInt64));
+  }
+  model::ForwardInputs in;
+  in.input_ids = ids.to(device_);
+  const torch::Tensor hidden = model_->Hidden(in, runner_);                                   // (R, S, hidden)
+  const torch::Tensor logp = TokenLogprobs(hidden, model_->HeadWeight(), targets.to(device_));  // (R, S) fp32
+  std::vector<torch::Tensor> out;
+  for (int64_t r = 0; r < R; ++r)
+    out.push_back(logp[r].slice(0, 0, static_cast<int64_t>(batch[begin + static_cast<size_t>(r)].tokens.size())));
+  return out;
+}
+
+namespace {
+
+std::vector<float> ToVector(const torch::Tensor& t) {
+  const torch::Tensor cpu = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();  // (S,)
+  return std::vector<float>(cpu.data_ptr<float>(), cpu.data_ptr<float>() + cpu.numel());
+}
+
+absl::Status ComputeError(const char* call, const c10::Error& e) {
+  const std::string what = absl::StrCat(call, " failed; gradients pending since the last optim_step were dropped: ",
+                                        e.what_without_backtrace());
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return absl::ResourceExhaustedError(what);
+  return absl::InternalError(what);
+}
+
+}  // namespace
+
+absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss) {
+  if (absl::Status s = PrepareRl(batch, &loss); !s.ok()) return s;
+  const auto t0 = std::chrono::steady_clock::now();
+  model_->train();
+  ForwardBackwardResult r;
+  r.weight_sum = BatchWeightSum(batch);
+  try {
+    std::vector<torch::Tensor> logps;  // per datum (S,) fp32, detached
+    std::vector<DatumTensors> inputs;
+    torch::Tensor loss_sum = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
+    for (const auto& [begin, end] : RlGroups(batch)) {
+      std::vector<torch::Tensor> group = GroupLogprobs(batch, begin, end);  // per datum (S_i,)
+      // Each datum's term is divided by the whole batch's W, so the summed gradients are those
+      // of the batch loss; the group's backward frees its activations before the next runs.
+      torch::Tensor term = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
+      for (size_t i = begin; i < end; ++i) {
+        DatumTensors in = ToTensors(batch[i], device_);
+        const torch::Tensor& logp = group[i - begin];
+        term = term + DatumLossSum(logp, in, loss) / r.weight_sum;
+        logps.push_back(logp.detach());
+        inputs.push_back(std::move(in));
+        r.tokens += static_cast<int64_t>(batch[i].tokens.size());
+      }
+      term.backward();
+      loss_sum += term.detach();
+    }
+    // Metrics after all the compute is queued: the host waits on the device once.
+    r.loss = loss_sum.item<double>();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      r.mismatch.Add(logps[i], inputs[i]);
+      r.clipped_tokens += PpoClippedTokens(logps[i], inputs[i], loss);
+      r.logprobs.push_back(ToVector(logps[i]));
+    }
+  } catch (const c10::Error& e) {
+    optimizer_->ZeroGrad();
+    rl_grads_pending_ = false;
+    return ComputeError("forward_backward", e);
+  }
+  rl_grads_pending_ = true;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
+  if (options_.communicator != nullptr && options_.communicator->world_size() > 1)
+    return absl::UnimplementedError("RL calls (forward_backward, forward, optim_step) are single-rank for now");
+  if (absl::Status s = adam.Validate(); !s.ok()) return s;
+  if (!rl_grads_pending_)
+    return absl::FailedPreconditionError("optim_step: no gradients since the last optim_step; call forward_backward first");
+  OptimStepResult r;
+  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
+  rl_grads_pending_ = false;
+  if (!std::isfinite(r.grad_norm)) {
+    optimizer_->ZeroGrad();
+    return absl::InternalError(absl::StrCat("optim_step: the gradient norm is ", r.grad_norm,
+                                            "; the update was skipped and the gradients dropped"));
+  }
+  optimizer_->set_hyperparameters(adam);
+  optimizer_->Step(adam.lr);
+  optimizer_->ZeroGrad();
+  r.step = optimizer_->steps();
+  r.lr = adam.lr;
+  return r;
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vector<Datum>& batch) {
+  if (absl::Status s = PrepareRl(batch, nullptr); !s.ok()) return s;
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::vector<std::vector<float>> out;
+  try {
+    std::vector<torch::Tensor> logps;  // per datum (S,) fp32
+    for (const auto& [begin, end] : RlGroups(batch)) {
+      for (torch::Tensor& l : GroupLogprobs(batch, begin, end)) logps.push_back(std::move(l));
+    }
+    for (const torch::Tensor& l : logps) out.push_back(ToVector(l));
+  } catch (const c10::Error& e) {
+    const std::string what = absl::StrCat("forward failed: ", e.what_without_backtrace());
+    if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return absl::ResourceExhaustedError(what);
+    return absl::InternalError(what);
+  }
+  return out;
 }
 
 absl::Status Trainer::SaveCheckpoint(const std::string& dir) {

@@ -12,6 +12,16 @@
 // through set_layer_runner() (the decoder layers run through it). Checkpoints are
 // Hugging Face directories (config.json + model.safetensors) plus optimizer.safetensors and
 // trainer_state.json, so a checkpoint both loads in transformers and resumes exactly.
+//
+// RL sessions (DESIGN.md section 2) drive the same model, memory runner and optimizer through
+// ForwardBackward / OptimStep / Forward instead of Step: batches of Datums (engine/rl_loss.h)
+// from an orchestrator, gradients accumulated over any number of ForwardBackward calls until
+// OptimStep applies them. Consecutive datums run together as right-padded rows of one batch,
+// as many as fit in TrainerOptions::rl_group_tokens positions (rows x the group's longest; a
+// longer datum runs alone); padding is causal-invisible to the real positions and never in the
+// loss, and each group's backward frees its activations before the next group runs. Do not
+// interleave Step/TrainStep with a ForwardBackward whose gradients are still pending: Step would
+// fold them into its own update. RL calls are single-rank for now (UNIMPLEMENTED with a communicator).
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -25,6 +35,7 @@
 #include "engine/memory/strategy.h"
 #include "engine/optimizer.h"
 #include "engine/parallel/communicator.h"
+#include "engine/rl_loss.h"
 #include "model/causal_lm.h"
 
 namespace odyssey::engine {
@@ -43,6 +54,9 @@ struct TrainerOptions {
   AdamWOptions optimizer;
   ScheduleOptions schedule;       // total_steps 0 = `steps`
   DataOptions data;               // vocab_size is taken from the model
+  // RL calls: positions (rows x longest datum) run in one padded forward; 0 = data.batch_size x
+  // data.seq_len, the shape the job's memory was planned for.
+  int64_t rl_group_tokens = 0;
   // Data parallel over the communicator's ranks when its world_size > 1; nullptr (or a world
   // of 1) trains alone. Not owned: it must outlive the trainer.
   Communicator* communicator = nullptr;
@@ -63,6 +77,24 @@ struct StepResult {
   absl::Status status;
 };
 
+// What ForwardBackward returns.
+struct ForwardBackwardResult {
+  // Per datum, the model's logprob of each target token (fp32, before this call's update).
+  std::vector<std::vector<float>> logprobs;
+  double loss = 0;            // the batch loss, normalized by weight_sum (engine/rl_loss.h)
+  double weight_sum = 0;      // W: sum of the batch's weights
+  Mismatch mismatch;          // trainer-vs-sampler |logp - q| over weighted tokens
+  int64_t clipped_tokens = 0; // ppo: weighted tokens whose gradient the clip removed
+  int64_t tokens = 0;         // positions run (sum of the datums' lengths)
+  double seconds = 0;
+};
+
+struct OptimStepResult {
+  int64_t step = 0;       // optimizer steps completed, this one included
+  double grad_norm = 0;   // of the accumulated gradients, before clipping
+  double lr = 0;
+};
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainerOptions& options);
@@ -73,6 +105,20 @@ class Trainer {
   StepResult Step(const Batch& batch);
   // Mean loss of `batch` without updating anything.
   double EvalLoss(const Batch& batch);
+
+  // RL: runs every datum forward and backward with `loss`; gradients add to those pending since
+  // the last OptimStep (nothing is updated). The batch is validated first (INVALID_ARGUMENT
+  // naming field, datum index and rule; nothing runs). A failure while computing (INTERNAL, or
+  // RESOURCE_EXHAUSTED when the device is out of memory) drops the pending gradients.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss);
+  // RL: clips the pending gradients (TrainerOptions::grad_clip), applies AdamW with `adam`'s
+  // hyperparameters and lr as given (the orchestrator owns the schedule), and zeroes them.
+  // FAILED_PRECONDITION when no ForwardBackward ran since the last OptimStep; a non-finite
+  // gradient norm skips the update and drops the gradients (INTERNAL).
+  absl::StatusOr<OptimStepResult> OptimStep(const AdamWOptions& adam);
+  // RL: per datum, the model's logprob of each target token (fp32), without gradients.
+  // Weights, sampler logprobs and advantages are not needed (checked only when present).
+  absl::StatusOr<std::vector<std::vector<float>>> Forward(const std::vector<Datum>& batch);
 
   absl::Status SaveCheckpoint(const std::string& dir);
   // Loads weights, optimizer state and the step counter written by SaveCheckpoint.
@@ -92,6 +138,14 @@ class Trainer {
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
   StepResult DataParallelStep(const Batch& batch);
+  // Checks that RL calls can run, validates the batch, and prepares the memory stack (host pool)
+  // for the batch's largest padded group.
+  absl::Status PrepareRl(const std::vector<Datum>& batch, const LossSpec* loss);
+  // Groups of consecutive datums, [begin, end), that run as one padded batch.
+  std::vector<std::pair<size_t, size_t>> RlGroups(const std::vector<Datum>& batch) const;
+  // The model's logprobs of the target tokens of datums [begin, end), one (S_i,) fp32 tensor per
+  // datum (differentiable under grad mode).
+  std::vector<torch::Tensor> GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end);
 
   TrainerOptions options_;
   model::CausalLM model_;
@@ -102,6 +156,7 @@ class Trainer {
   torch::Dtype dtype_;
   model::LayerStackRunner runner_;
   std::unique_ptr<memory::MemoryStack> memory_;
+  bool rl_grads_pending_ = false;  // a ForwardBackward ran since the last OptimStep
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.
