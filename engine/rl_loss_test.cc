@@ -189,6 +189,54 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(info.param));
     });
 
+// Gradients of successive ForwardBackward calls add up until OptimStep: two calls give the sum
+// of the gradients each gives alone (each normalized by its own batch's weights).
+TEST(RlAccumulationTest, SuccessiveCallsAddGradients) {
+  torch::set_num_threads(2);
+  std::unique_ptr<Trainer> trainer = MakeTrainer(/*seed=*/8);
+  ASSERT_NE(trainer, nullptr);
+  const std::vector<Datum> a = RandomBatch(*trainer, /*seed=*/1), b = RandomBatch(*trainer, /*seed=*/2);
+  LossSpec ppo;
+  ppo.kind = LossKind::kPpo;
+  ASSERT_TRUE(trainer->ForwardBackward(a, ppo).ok());
+  std::vector<torch::Tensor> ga = TakeGrads(*trainer);
+  ASSERT_TRUE(trainer->ForwardBackward(b, ppo).ok());
+  std::vector<torch::Tensor> gb = TakeGrads(*trainer);
+  ASSERT_TRUE(trainer->ForwardBackward(a, ppo).ok());
+  ASSERT_TRUE(trainer->ForwardBackward(b, ppo).ok());
+  std::vector<torch::Tensor> both = TakeGrads(*trainer);
+  for (size_t i = 0; i < both.size(); ++i) {
+    const torch::Tensor want = ga[i] + gb[i];
+    EXPECT_LE((both[i] - want).norm().item<double>(), 1e-6 * want.norm().item<double>() + 1e-12) << i;
+  }
+}
+
+// A wild sampler logprob (finite but absurd, as a broken inference engine might send) neither
+// poisons the gradients with NaN nor stops the session: log r is clamped.
+TEST(RlRobustnessTest, ExtremeSamplerLogprobKeepsGradientsFinite) {
+  torch::set_num_threads(2);
+  std::unique_ptr<Trainer> trainer = MakeTrainer(/*seed=*/6);
+  ASSERT_NE(trainer, nullptr);
+  std::vector<Datum> batch = RandomBatch(*trainer, /*seed=*/3);
+  batch[1].sampler_logprobs[4] = -1e30f;
+  batch[1].weights[4] = 1;
+  batch[2].sampler_logprobs[3] = -1e30f;
+  batch[2].weights[3] = 0;
+  for (LossKind kind : {LossKind::kImportanceSampling, LossKind::kPpo}) {
+    LossSpec spec;
+    spec.kind = kind;
+    absl::StatusOr<ForwardBackwardResult> r = trainer->ForwardBackward(batch, spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(std::isfinite(r->loss)) << LossKindName(kind);
+    for (const torch::Tensor& p : trainer->model()->parameters())
+      EXPECT_TRUE(torch::isfinite(p.grad()).all().item<bool>()) << LossKindName(kind);
+    AdamWOptions adam;
+    absl::StatusOr<OptimStepResult> step = trainer->OptimStep(adam);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_TRUE(std::isfinite(step->grad_norm));
+  }
+}
+
 // Forward's logprobs equal model->Hidden + engine::TokenLogprobs (the path hf_parity validates
 // against transformers), and ForwardBackward returns the same ones.
 TEST(RlForwardTest, LogprobsEqualHiddenPlusTokenLogprobs) {
