@@ -499,5 +499,54 @@ TEST(RlLearningTest, PpoRaisesRewardOfOwnSamples) {
   EXPECT_LT(max_mismatch, 1e-4);
 }
 
+// On a GPU in bf16 (the backend's attention, padded groups): ForwardBackward's logprobs and
+// parameter gradients agree with the fp32 CPU run on the same weights to bf16 precision.
+TEST(RlGpuTest, Bf16ForwardBackwardTracksFp32) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  TrainerOptions o = TinyCpu(/*seed=*/7);
+  o.device = "cuda";
+  o.dtype = "bfloat16";
+  o.rl_group_tokens = 64;
+  absl::StatusOr<std::unique_ptr<Trainer>> gpu = Trainer::Create(o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  std::unique_ptr<Trainer> cpu = MakeTrainer(/*seed=*/7);
+  ASSERT_NE(cpu, nullptr);
+  {
+    torch::NoGradGuard no_grad;
+    auto from = (*gpu)->model()->named_parameters();
+    for (auto& p : cpu->model()->named_parameters()) p.value().copy_(from[p.key()].to(torch::kCPU, torch::kFloat32));
+  }
+  std::vector<Datum> batch = RandomBatch(*cpu, /*seed=*/11);
+  LossSpec ppo;
+  ppo.kind = LossKind::kPpo;
+  absl::StatusOr<ForwardBackwardResult> want = cpu->ForwardBackward(batch, ppo);
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<ForwardBackwardResult> got = (*gpu)->ForwardBackward(batch, ppo);
+  ASSERT_TRUE(got.ok()) << got.status();
+  double max_logp = 0;
+  for (size_t i = 0; i < batch.size(); ++i)
+    max_logp = std::max(max_logp, (FromFloats(got->logprobs[i]) - FromFloats(want->logprobs[i])).abs().max().item<double>());
+  std::vector<torch::Tensor> g = TakeGrads(**gpu), w = TakeGrads(*cpu);
+  torch::Tensor gv = torch::cat([&] {
+    std::vector<torch::Tensor> v;
+    for (auto& t : g) v.push_back(t.to(torch::kCPU, torch::kFloat32).flatten());
+    return v;
+  }());
+  torch::Tensor wv = torch::cat([&] {
+    std::vector<torch::Tensor> v;
+    for (auto& t : w) v.push_back(t.flatten());
+    return v;
+  }());
+  const double cosine = (gv * wv).sum().item<double>() / (gv.norm() * wv.norm()).item<double>();
+  const double rel = (gv - wv).norm().item<double>() / wv.norm().item<double>();
+  std::printf("bf16 gpu vs fp32 cpu: max |dlogp| %.4f, loss %.6f vs %.6f, grad cosine %.5f, rel %.4f, clipped %lld vs %lld\n",
+              max_logp, got->loss, want->loss, cosine, rel, static_cast<long long>(got->clipped_tokens),
+              static_cast<long long>(want->clipped_tokens));
+  EXPECT_LT(max_logp, 0.1);
+  EXPECT_GT(cosine, 0.99);
+  AdamWOptions adam;
+  ASSERT_TRUE((*gpu)->OptimStep(adam).ok());
+}
+
 }  // namespace
 }  // namespace odyssey::engine
