@@ -256,7 +256,8 @@ std::vector<torch::Tensor> Trainer::GroupLogprobs(const std::vector<Datum>& batc
   model::ForwardInputs in;
   in.input_ids = ids.to(device_);
   const torch::Tensor hidden = model_->Hidden(in, runner_);                                   // (R, S, hidden)
-  const torch::Tensor logp = TokenLogprobs(hidden, model_->HeadWeight(), targets.to(device_));  // (R, S) fp32
+  // Tiled when the job's memory plan tiles the loss: no (R, S, vocab) logits at long S.
+  const torch::Tensor logp = memory_->TokenLogprobs(hidden, model_->HeadWeight(), targets.to(device_));  // (R, S)
   std::vector<torch::Tensor> out;
   for (int64_t r = 0; r < R; ++r)
     out.push_back(logp[r].slice(0, 0, static_cast<int64_t>(batch[begin + static_cast<size_t>(r)].tokens.size())));

@@ -136,7 +136,56 @@ class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
   }
 };
 
+class TiledLogprobFunction : public torch::autograd::Function<TiledLogprobFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor hidden, torch::Tensor weight, torch::Tensor labels,
+                               int64_t tile) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});  // (N, H)
+    torch::Tensor y = labels.reshape({-1});                    // (N,)
+    torch::Tensor out = torch::empty({h.size(0)}, h.options().dtype(torch::kFloat32));  // (N,)
+    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
+      const int64_t n = std::min(tile, h.size(0) - t0);
+      torch::Tensor logits = torch::matmul(h.narrow(0, t0, n), weight.t()).to(torch::kFloat32);  // (n, V)
+      torch::Tensor tgt = logits.gather(1, y.narrow(0, t0, n).unsqueeze(1)).squeeze(1);          // (n,)
+      out.narrow(0, t0, n).copy_(tgt - torch::logsumexp(logits, -1));
+    }
+    ctx->save_for_backward({hidden, weight, labels});
+    ctx->saved_data["tile"] = tile;
+    return out.view(labels.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const torch::Tensor& hidden = saved[0];
+    const torch::Tensor& weight = saved[1];
+    const int64_t tile = ctx->saved_data["tile"].toInt();
+    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});          // (N, H)
+    torch::Tensor y = saved[2].reshape({-1});                          // (N,)
+    torch::Tensor g = grads[0].reshape({-1}).to(torch::kFloat32);      // (N,) upstream
+    torch::Tensor gh = torch::empty_like(h);                            // (N, H)
+    torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));  // (V, H)
+    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
+      const int64_t n = std::min(tile, h.size(0) - t0);
+      torch::Tensor ht = h.narrow(0, t0, n);
+      // d logp / d logits = onehot(label) - softmax, scaled by the upstream gradient.
+      torch::Tensor p = -torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
+      p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::ones({n, 1}, p.options()));
+      p.mul_(g.narrow(0, t0, n).unsqueeze(1));
+      torch::Tensor pd = p.to(weight.scalar_type());
+      gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));
+      gw.add_(torch::matmul(pd.t(), ht));
+    }
+    return {gh.view(hidden.sizes()), gw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& labels,
+                                 int64_t tile_tokens) {
+  return TiledLogprobFunction::apply(hidden, weight, labels, tile_tokens);
+}
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive) {

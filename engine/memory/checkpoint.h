@@ -41,4 +41,10 @@ torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, i
 torch::Tensor TiledCrossEntropySum(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& labels, const torch::Tensor& mask, int64_t tile_tokens);
 
+// log softmax(hidden @ W^T)[label] at every position, fp32 (B, S), differentiable w.r.t.
+// hidden and W for any upstream gradient, in tiles of `tile_tokens` positions: the per-token
+// logprobs RL losses need, without (S, vocab) logits.
+torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& labels,
+                                 int64_t tile_tokens);
+
 }  // namespace odyssey::engine::memory

@@ -6,6 +6,7 @@
 
 #include "engine/loss.h"
 #include "engine/memory/attention_stash.h"
+#include "engine/memory/checkpoint.h"
 
 namespace odyssey::engine::memory {
 namespace {
@@ -164,6 +165,25 @@ TEST_F(MemoryStrategyTest, TiledLoss) {
   MemoryOptions o;
   o.loss_tile = 13;
   ExpectSameGradients(RunStrategy(o), *plain_);
+}
+
+// Per-token logprobs in tiles equal the untiled ones, and so do their gradients for an
+// arbitrary upstream gradient (what RL losses feed back).
+TEST(TiledLogprobTest, MatchesUntiledWithArbitraryUpstreamGradients) {
+  torch::manual_seed(9);
+  torch::Tensor h = torch::randn({2, 23, 16}, torch::requires_grad());
+  torch::Tensor w = (0.3 * torch::randn({41, 16})).requires_grad_(true);
+  torch::Tensor y = torch::randint(0, 41, {2, 23}, torch::kInt64);
+  torch::Tensor g = torch::randn({2, 23});
+  torch::Tensor ref = TokenLogprobs(h, w, y);
+  auto ref_grads = torch::autograd::grad({ref}, {h, w}, {g});
+  const torch::Tensor& rh = ref_grads[0];
+  const torch::Tensor& rw = ref_grads[1];
+  torch::Tensor got = TiledTokenLogprobs(h, w, y, 5);
+  auto grads = torch::autograd::grad({got}, {h, w}, {g});
+  EXPECT_LT((got - ref).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((grads[0] - rh).norm().item<double>() / rh.norm().item<double>(), 1e-5);
+  EXPECT_LT((grads[1] - rw).norm().item<double>() / rw.norm().item<double>(), 1e-5);
 }
 
 TEST_F(MemoryStrategyTest, HeadChunkedAttention) { ExpectSameGradients(RunStrategy(MemoryOptions{}, /*head_groups=*/2), *plain_); }

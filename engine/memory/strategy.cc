@@ -126,4 +126,10 @@ torch::Tensor MemoryStack::LossSum(const torch::Tensor& hidden, const torch::Ten
   return MaskedCrossEntropySum(hidden, head_weight, labels, mask);
 }
 
+torch::Tensor MemoryStack::TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& head_weight,
+                                         const torch::Tensor& labels) {
+  if (options_.loss_tile > 0) return TiledTokenLogprobs(hidden, head_weight, labels, options_.loss_tile);
+  return engine::TokenLogprobs(hidden, head_weight, labels);
+}
+
 }  // namespace odyssey::engine::memory

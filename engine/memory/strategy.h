@@ -55,6 +55,9 @@ class MemoryStack {
   // Masked cross-entropy sum (fp32 scalar): tiled when loss_tile > 0.
   torch::Tensor LossSum(const torch::Tensor& hidden, const torch::Tensor& head_weight, const torch::Tensor& labels,
                         const torch::Tensor& mask);
+  // Per-token log p(label), fp32 (B, S): tiled when loss_tile > 0 (RL losses).
+  torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& head_weight,
+                              const torch::Tensor& labels);
 
   const MemoryOptions& options() const { return options_; }
   // Where StashingAttention records (used only with keep_attention).
