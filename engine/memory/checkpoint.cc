@@ -88,6 +88,32 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
   }
 };
 
+// The backward of logits = hidden @ W^T through log-softmax, tile by tile: with
+// d/d logits = (softmax - onehot(label)) * coef per row, returns (d hidden, d W) in their
+// dtypes. Both tiled head Functions use it (the loss: coef = mask * upstream; per-token
+// logprobs: coef = -upstream). hidden (B, S, H), W (V, H), labels (B, S), coef (B*S,) fp32.
+std::pair<torch::Tensor, torch::Tensor> HeadBackward(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                     const torch::Tensor& labels, const torch::Tensor& coef,
+                                                     int64_t tile) {
+  torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});  // (N, H)
+  torch::Tensor y = labels.reshape({-1});                    // (N,)
+  torch::Tensor gh = torch::empty_like(h);                   // (N, H)
+  // fp32 accumulator for the head's gradient: summing bf16 tile products in bf16 would lose
+  // the small ones. (V, H) is the size of the weight itself, not of the sequence.
+  torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+  for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
+    const int64_t n = std::min(tile, h.size(0) - t0);
+    torch::Tensor ht = h.narrow(0, t0, n);                                                  // (n, H)
+    torch::Tensor p = torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
+    p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::full({n, 1}, -1.0f, p.options()));
+    p.mul_(coef.narrow(0, t0, n).unsqueeze(1));
+    torch::Tensor pd = p.to(weight.scalar_type());
+    gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));  // (n, H)
+    gw.add_(torch::matmul(pd.t(), ht));                     // (V, H)
+  }
+  return {gh.view(hidden.sizes()), gw.to(weight.scalar_type())};
+}
+
 class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor hidden, torch::Tensor weight, torch::Tensor labels,
@@ -114,25 +140,10 @@ class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
     const torch::Tensor& hidden = saved[0];
     const torch::Tensor& weight = saved[1];
     const int64_t tile = ctx->saved_data["tile"].toInt();
-    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});      // (N, H)
-    torch::Tensor y = saved[2].reshape({-1});                      // (N,)
-    torch::Tensor m = saved[3].reshape({-1}).to(torch::kFloat32);  // (N,)
-    torch::Tensor scale = grads[0].to(torch::kFloat32);            // () upstream gradient
-    torch::Tensor gh = torch::empty_like(h);                        // (N, H)
-    // fp32 accumulator for the head's gradient: summing bf16 tile products in bf16 would lose
-    // the small ones. (V, H) is the size of the weight itself, not of the sequence.
-    torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
-    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
-      const int64_t n = std::min(tile, h.size(0) - t0);
-      torch::Tensor ht = h.narrow(0, t0, n);                                                  // (n, H)
-      torch::Tensor p = torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
-      p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::full({n, 1}, -1.0f, p.options()));
-      p.mul_((m.narrow(0, t0, n) * scale).unsqueeze(1));  // d loss / d logits
-      torch::Tensor pd = p.to(weight.scalar_type());
-      gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));  // (n, H)
-      gw.add_(torch::matmul(pd.t(), ht));                     // (V, H)
-    }
-    return {gh.view(hidden.sizes()), gw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // d loss / d logits = (softmax - onehot) * mask * upstream.
+    torch::Tensor coef = saved[3].reshape({-1}).to(torch::kFloat32) * grads[0].to(torch::kFloat32);  // (N,)
+    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile);
+    return {gh, gw, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -160,23 +171,10 @@ class TiledLogprobFunction : public torch::autograd::Function<TiledLogprobFuncti
     const torch::Tensor& hidden = saved[0];
     const torch::Tensor& weight = saved[1];
     const int64_t tile = ctx->saved_data["tile"].toInt();
-    torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});          // (N, H)
-    torch::Tensor y = saved[2].reshape({-1});                          // (N,)
-    torch::Tensor g = grads[0].reshape({-1}).to(torch::kFloat32);      // (N,) upstream
-    torch::Tensor gh = torch::empty_like(h);                            // (N, H)
-    torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));  // (V, H)
-    for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
-      const int64_t n = std::min(tile, h.size(0) - t0);
-      torch::Tensor ht = h.narrow(0, t0, n);
-      // d logp / d logits = onehot(label) - softmax, scaled by the upstream gradient.
-      torch::Tensor p = -torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
-      p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::ones({n, 1}, p.options()));
-      p.mul_(g.narrow(0, t0, n).unsqueeze(1));
-      torch::Tensor pd = p.to(weight.scalar_type());
-      gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));
-      gw.add_(torch::matmul(pd.t(), ht));
-    }
-    return {gh.view(hidden.sizes()), gw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+    // d logp / d logits = (onehot - softmax) * upstream = (softmax - onehot) * -upstream.
+    torch::Tensor coef = -grads[0].reshape({-1}).to(torch::kFloat32);  // (N,)
+    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile);
+    return {gh, gw, torch::Tensor(), torch::Tensor()};
   }
 };
 
