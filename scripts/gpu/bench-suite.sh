@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
-# subset: tests | 64k | 256k | 1m | hf | all (default). Runs in about 9 minutes for "all" minus hf.
+# subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | all (= tests, 64k,
+# 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes) and hf run only when named.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -9,19 +10,27 @@ out="${OUT:-$root/out}"
 mkdir -p "$out"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-what="${1:-all}"
-ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test odyssey-bench odyssey-plan >"$out/build.log" 2>&1 \
+what=",${1:-all},"
+has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
+only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
+ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test rl_loss_test odyssey-bench odyssey-plan >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 export LD_LIBRARY_PATH="$root/.deps/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
 run() { echo "+ $*" >&2; "$@" 2>&1 | grep -E '^\||error|what\(\)|kernel' | tail -2; }
-case "$what" in tests|all) build-gpu/engine/memory_test 2>&1 | tail -4 ;; esac
-case "$what" in 64k|all)
+has tests && { build-gpu/engine/memory_test 2>&1 | tail -4; build-gpu/engine/rl_loss_test --gtest_filter="*Gpu*" 2>&1 | tail -4; }
+if has 64k; then
   run $B --seq-len 65536 --recompute layer --keep-attention --steps 2
-  run $B --seq-len 65536 --recompute layer --keep-attention --offload --steps 2 ;;
-esac
-case "$what" in 256k|all) run $B --seq-len 262144 --recompute layer --keep-attention --offload --steps 1 ;; esac
-case "$what" in 1m|all)
-  run $B --seq-len 1048576 --layers 2 --recompute layer --offload --head-groups 4 --warmup 0 --steps 1 ;;
-esac
-case "$what" in hf) python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl" ;; esac
+  run $B --seq-len 65536 --recompute layer --keep-attention --offload --steps 2
+fi
+has 256k && run $B --seq-len 262144 --recompute layer --keep-attention --offload --steps 1
+has 1m && run $B --seq-len 1048576 --layers 2 --recompute layer --offload --head-groups 4 --warmup 0 --steps 1
+if only 1b; then
+  B1="${B/llama-3.2-3b/llama-3.2-1b}"
+  run $B1 --seq-len 65536 --recompute layer --keep-attention --steps 2
+  run $B1 --seq-len 262144 --recompute layer --keep-attention --offload --steps 1
+fi
+only hf && python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl"
+# 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.
+only 512k && run $B --seq-len 524288 --recompute layer --offload --device-resident 10 --head-groups 4 --warmup 0 --steps 1
+exit 0
