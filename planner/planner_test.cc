@@ -113,5 +113,56 @@ TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   EXPECT_FALSE(Choose(Llama3B(), max + 16384 * 2, 1, h200).ok());
 }
 
+// Peaks measured on one H200 (docs/benchmarks.md, 2026-11-30: odyssey-bench's
+// gpu_peak_allocated_bytes and pinned_host_bytes). The planner must never predict less than was
+// measured (a job it accepts must not run out of memory) and, at full depth, not more than 20%
+// above it (it counts every gradient as resident while backward allocates them layer by layer);
+// the run cut to 2 layers, where that term is small, within 5%. Pinned bytes are exact.
+TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
+  struct Row {
+    const char* shape;
+    int64_t layers, seq;
+    Strategy strategy;
+    int64_t measured_gpu, measured_host;
+    double max_over;
+  };
+  auto keep = [](Strategy s) {
+    s.keep_attention = true;
+    return s;
+  };
+  Strategy host_optimizer = StrategyOf("none", 2, false, 0, 0, 0, 1, /*optimizer_on_host=*/true);
+  const std::vector<Row> rows = {
+      {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, false, 0, 8192, 2048, 1)), 74674474496, 0, 1.2},
+      {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 64205491712, 11274289152, 1.2},
+      {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 64568811008, 11274289152, 1.2},
+      {"llama-3.2-3b", 28, 262144, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 118811397632, 45097156608, 1.2},
+      {"llama-3.2-3b", 28, 524288, StrategyOf("layer", 2, true, 10, 8192, 2048, 4), 113168984576, 57982058496, 1.2},
+      {"llama-3.2-3b", 2, 1048576, StrategyOf("layer", 2, true, 0, 8192, 2048, 4), 92151187968, 12884901888, 1.05},
+      {"llama-3.2-3b", 28, 16384, StrategyOf("none", 2, false, 0, 0, 0, 1), 119374666752, 0, 1.2},
+      {"llama-3.2-3b", 28, 16384, StrategyOf("layer", 2, false, 0, 0, 0, 1), 73290247168, 0, 1.2},
+      {"llama-3.2-3b", 28, 16384, StrategyOf("none", 2, false, 0, 4096, 0, 1), 86489488384, 0, 1.2},
+      {"llama-3.2-3b", 28, 16384, StrategyOf("none", 2, false, 0, 0, 2048, 1), 98462129664, 0, 1.2},
+      {"llama-3.2-3b", 28, 16384, host_optimizer, 80821668864, -1, 1.2},
+      {"llama-3.2-1b", 16, 65536, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 28925670912, 4294967296, 1.3},
+      {"llama-3.2-1b", 16, 262144, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 53540214272, 17179869184, 1.2},
+  };
+  for (const Row& row : rows) {
+    SCOPED_TRACE(testing::Message() << row.shape << " layers " << row.layers << " seq " << row.seq << " "
+                                    << row.strategy.Describe());
+    auto config = *model::NamedShape(row.shape);
+    config.num_hidden_layers = row.layers;
+    Request r;
+    r.model = ShapeOf(config);
+    r.seq_len = row.seq;
+    r.strategy = row.strategy;
+    const Prediction p = Predict(r);
+    EXPECT_GE(p.gpu_peak_bytes, row.measured_gpu);
+    EXPECT_LE(static_cast<double>(p.gpu_peak_bytes), row.max_over * static_cast<double>(row.measured_gpu));
+    if (row.measured_host >= 0) {
+      EXPECT_EQ(p.host_bytes, row.measured_host);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace odyssey::planner
