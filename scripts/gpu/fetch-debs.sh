@@ -16,6 +16,8 @@ pkgs=(
   protobuf-compiler protobuf-compiler-grpc libre2-9 libre2-dev libc-ares2 libc-ares-dev libupb0 libupb-dev
   libsqlite3-0 libsqlite3-dev libyaml-cpp0.7 libyaml-cpp-dev prometheus-cpp-dev libprometheus-cpp-core1.0
   libprometheus-cpp-pull1.0 libcpp-httplib0.11 libcpp-httplib-dev libcivetweb1 libcivetweb-dev
+  # TLS: OpenSSL headers for common/tls.cc (the runtime libssl3 is the host's)
+  libssl-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do
