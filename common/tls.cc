@@ -124,10 +124,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const ClientTlsOptions& options,
                                                                                  grpc::ChannelArguments* args) {
   if (options.ca.empty()) {
-    for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--tls-server-name", options.server_name},
-                                      {"--tls-cert", options.cert},
-                                      {"--tls-key", options.key}}) {
-      if (!value.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": needs --tls-ca (TLS is off without it)"));
+    using Flag = std::pair<const char*, const std::string*>;
+    for (const auto& [flag, value] :
+         {Flag{"--tls-server-name", &options.server_name}, Flag{"--tls-cert", &options.cert},
+          Flag{"--tls-key", &options.key}}) {
+      if (!value->empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(flag, ": needs --tls-ca (TLS is off without it)"));
+      }
     }
     return grpc::InsecureChannelCredentials();
   }

@@ -50,7 +50,8 @@ TEST(TokenTableTest, BadLinesNameFileLineAndRuleButNotTheToken) {
        "f.txt:1: token has a character outside the token alphabet at position 32"},
       {"bad tenant char", kAlice + " alice!\n",
        "f.txt:1: tenant \"alice!\" contains a character outside [A-Za-z0-9._-] (tenant names are 1 to 63"},
-      {"tenant starts with dash", kAlice + " -alice\n", "f.txt:1: tenant \"-alice\" does not start with a letter or digit"},
+      {"tenant starts with dash", kAlice + " -alice\n",
+       "f.txt:1: tenant \"-alice\" does not start with a letter or digit"},
       {"unknown reserved tenant", kAlice + " @admin\n",
        "f.txt:1: tenant \"@admin\" does not start with a letter or digit (tenant names are 1 to 63 characters of "
        "[A-Za-z0-9._-] starting with a letter or digit, or the reserved \"@worker\")"},
@@ -104,8 +105,8 @@ TEST(TokenTableTest, Authenticate) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(missing.status().message(), "missing bearer token: send metadata 'authorization: Bearer <token>'");
 
-  for (const std::string& wrong : {"Bearer " + kAlice + "x", "Bearer " + kAlice.substr(1), "Bearer " + kBob.substr(0, 31) + "X",
-                                   std::string("Bearer nope")}) {
+  for (const std::string& wrong : {"Bearer " + kAlice + "x", "Bearer " + kAlice.substr(1),
+                                   "Bearer " + kBob.substr(0, 31) + "X", std::string("Bearer nope")}) {
     auto unknown = table->Authenticate(wrong);
     EXPECT_EQ(unknown.status().code(), absl::StatusCode::kUnauthenticated) << wrong;
     EXPECT_EQ(unknown.status().message(), "bearer token not recognized") << wrong;

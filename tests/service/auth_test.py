@@ -17,7 +17,9 @@ in a temporary folder, plus a second, unrelated CA. Checked:
   - a plaintext client against the TLS port fails, a client trusting another CA fails;
   - a worker with a tenant token cannot attach (PERMISSION_DENIED, logged);
   - SIGHUP reloads the token file (a new tenant works, a removed token stops working), and a
-    broken file on SIGHUP keeps the tokens in force.
+    broken file on SIGHUP keeps the tokens in force;
+  - mTLS (--tls-client-ca): a client without a certificate is refused, one with a certificate
+    the CA signed is served.
 Every wait is on a condition with a deadline.
 """
 import argparse
@@ -308,6 +310,34 @@ def run(env):
              timeout=DEADLINE_S)
     jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"), timeout=10)  # still works
     print("ok: SIGHUP reload (carol in, bob out); a broken file keeps the tokens")
+    # --- mTLS: a controller with --tls-client-ca takes only clients with a certificate it signed ---
+    openssl(env.workdir, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
+            "client.key", "-out", "client.csr", "-subj", "/CN=odyssey client")
+    openssl(env.workdir, "x509", "-req", "-in", "client.csr", "-CA", pki["ca.pem"], "-CAkey", pki["ca.key"],
+            "-CAcreateserial", "-out", "client.pem", "-days", "2")
+    mtls_port_file = env.path("mtls.port")
+    mtls_tokens = env.write("mtls-tokens.txt", f"{tokens['alice']} alice\n")
+    env.spawn("controller-mtls", [
+        env.args.controller, "--listen", "127.0.0.1:0", "--port-file", mtls_port_file, "--state-dir",
+        env.path("state-mtls"), "--metrics-listen", "", "--auth-token-file", mtls_tokens,
+        "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-client-ca", pki["ca.pem"]])
+    wait_for("the mTLS controller's port file",
+             lambda: os.path.exists(mtls_port_file) and open(mtls_port_file).read().strip(), timeout=DEADLINE_S)
+    mtls = ["--controller", f"127.0.0.1:{int(open(mtls_port_file).read())}", "--tls-ca", pki["ca.pem"],
+            "--tls-server-name", "localhost", "--token-file", env.path("alice.token"), "--timeout", "5"]
+    out = subprocess.run([env.args.cli, *mtls, "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 4:
+        raise Failure(f"mTLS without a client certificate: exit {out.returncode}: {out.stdout}{out.stderr}")
+    out = subprocess.run([env.args.cli, *mtls, "--tls-cert", env.path("client.pem"), "--tls-key",
+                          env.path("client.key"), "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"mTLS with a client certificate: exit {out.returncode}: {out.stdout}{out.stderr}")
+    out = subprocess.run([env.args.cli, *mtls, "--tls-cert", env.path("client.pem"), "--tls-key",
+                          pki["server.key"], "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 2 or "does not match the certificate in --tls-cert" not in out.stderr:
+        raise Failure(f"CLI with a mismatched --tls-key: exit {out.returncode}: {out.stderr}")
+    print("ok: mTLS: refused without a client certificate, served with one; a mismatched client key is a usage error")
+
     for t in tokens.values():
         for log in env.logs:
             if t in open(log, errors="replace").read():
