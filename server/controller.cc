@@ -170,7 +170,7 @@ absl::StatusOr<v1::Job*> Controller::FindTenantJob(int64_t id, const std::string
   v1::Job* job = FindJob(id);
   if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
   if (job->tenant() != tenant) {
-    spdlog::warn("job={} refused to a caller of another tenant", job->name());
+    spdlog::warn("job={} refused to tenant \"{}\" (it belongs to \"{}\")", job->name(), tenant, job->tenant());
     return absl::PermissionDeniedError(absl::StrCat("name: ", job->name(), " belongs to another tenant"));
   }
   return job;
