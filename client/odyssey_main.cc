@@ -1,12 +1,13 @@
 // odyssey: the command-line client of odyssey-controller's JobService.
 //
-//   odyssey [--controller HOST:PORT] submit SPEC.yaml [--request-id ID] [--watch]
+//   odyssey [--controller HOST:PORT] [--tls-ca PEM] [--token-file PATH] submit SPEC.yaml [--request-id ID] [--watch]
 //   odyssey list [--state RUNNING] [--page-size N] [--all]
 //   odyssey get JOB        odyssey watch JOB        odyssey cancel JOB
 //
 // JOB is "jobs/N" or N. Exit codes: 0 ok; 1 the job FAILED or was CANCELLED (watch, submit
 // --watch) or another error; 2 usage or invalid argument (bad flags, bad spec file,
-// INVALID_ARGUMENT, FAILED_PRECONDITION, ...); 3 not found; 4 controller unavailable.
+// INVALID_ARGUMENT, FAILED_PRECONDITION, ...); 3 not found; 4 controller unavailable;
+// 5 not allowed (UNAUTHENTICATED: no or unknown token; PERMISSION_DENIED: another tenant's job).
 #include <unistd.h>
 
 #include <chrono>
@@ -17,12 +18,14 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/spec.h"
+#include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "odyssey/v1/odyssey.grpc.pb.h"
@@ -36,6 +39,7 @@ constexpr int kExitJobFailed = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitNotFound = 3;
 constexpr int kExitUnavailable = 4;
+constexpr int kExitNotAllowed = 5;
 
 int ExitCodeFor(grpc::StatusCode code) {
   switch (code) {
@@ -53,6 +57,9 @@ int ExitCodeFor(grpc::StatusCode code) {
     case grpc::StatusCode::UNAVAILABLE:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       return kExitUnavailable;
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return kExitNotAllowed;
     default:
       return kExitJobFailed;
   }
@@ -67,6 +74,8 @@ const char* CodeName(grpc::StatusCode code) {
     case grpc::StatusCode::DEADLINE_EXCEEDED: return "deadline exceeded";
     case grpc::StatusCode::RESOURCE_EXHAUSTED: return "resource exhausted";
     case grpc::StatusCode::UNIMPLEMENTED: return "unimplemented";
+    case grpc::StatusCode::UNAUTHENTICATED: return "unauthenticated";
+    case grpc::StatusCode::PERMISSION_DENIED: return "permission denied";
     default: return "error";
   }
 }
@@ -74,7 +83,11 @@ const char* CodeName(grpc::StatusCode code) {
 int Fail(const std::string& controller, const grpc::Status& status) {
   std::cerr << "odyssey: " << CodeName(status.error_code()) << ": " << status.error_message();
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    std::cerr << " (controller " << controller << "; set --controller or ODYSSEY_CONTROLLER)";
+    std::cerr << " (controller " << controller << "; set --controller or ODYSSEY_CONTROLLER";
+    std::cerr << "; a TLS controller needs --tls-ca)";
+  }
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    std::cerr << " (set --token-file or ODYSSEY_TOKEN)";
   }
   std::cerr << "\n";
   return ExitCodeFor(status.error_code());
@@ -141,21 +154,28 @@ void PrintJob(const v1::Job& job) {
 
 class Client {
  public:
-  Client(std::string address, double timeout_s) : address_(std::move(address)), timeout_s_(timeout_s) {
-    grpc::ChannelArguments args;
+  // `args` carries the TLS target-name override, if any. `token` empty = no authorization.
+  Client(std::string address, double timeout_s, std::shared_ptr<grpc::ChannelCredentials> credentials,
+         grpc::ChannelArguments args, std::string token)
+      : address_(std::move(address)), timeout_s_(timeout_s), token_(std::move(token)) {
     args.SetMaxReceiveMessageSize(64 << 20);
-    stub_ = v1::JobService::NewStub(grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+    stub_ = v1::JobService::NewStub(grpc::CreateCustomChannel(address_, credentials, args));
   }
   const std::string& address() const { return address_; }
   v1::JobService::Stub* stub() { return stub_.get(); }
+  // A unary call: deadline and token.
   void Prepare(grpc::ClientContext* ctx) {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
+    Authorize(ctx);
   }
+  // A stream (no deadline): the token only.
+  void Authorize(grpc::ClientContext* ctx) { odyssey::AddBearerToken(token_, ctx); }
 
  private:
   std::string address_;
   double timeout_s_;
+  std::string token_;
   std::unique_ptr<v1::JobService::Stub> stub_;
 };
 
@@ -195,6 +215,7 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
   };
   while (true) {
     grpc::ClientContext ctx;
+    client.Authorize(&ctx);
     v1::WatchJobRequest req;
     req.set_name(name);
     auto reader = client.stub()->WatchJob(&ctx, req);
@@ -274,6 +295,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "Seconds to wait for each call")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--json", json, "Print jobs as JSON");
+  odyssey::ClientTlsOptions tls;
+  const char* tls_ca_env = std::getenv("ODYSSEY_TLS_CA");
+  if (tls_ca_env) tls.ca = tls_ca_env;
+  std::string token_file;
+  app.add_option("--tls-ca", tls.ca, "PEM CA bundle that signed the controller's certificate: TLS on (env ODYSSEY_TLS_CA)");
+  app.add_option("--tls-server-name", tls.server_name, "Name to verify in the controller's certificate instead of the host");
+  app.add_option("--tls-cert", tls.cert, "PEM client certificate, for a controller with --tls-client-ca (mTLS)");
+  app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert");
+  app.add_option("--token-file", token_file, "File holding your bearer token (else env ODYSSEY_TOKEN holds the token)");
 
   std::string spec_path, request_id;
   bool submit_watch = false;
@@ -308,7 +338,24 @@ int main(int argc, char** argv) {
     return rc == 0 ? kExitOk : kExitUsage;
   }
 
-  Client client(controller, timeout_s);
+  grpc::ChannelArguments channel_args;
+  auto credentials = odyssey::MakeChannelCredentials(tls, &channel_args);
+  if (!credentials.ok()) {
+    std::cerr << "odyssey: " << credentials.status().message() << "\n";
+    return kExitUsage;
+  }
+  std::string token;
+  if (!token_file.empty()) {
+    auto read = odyssey::ReadTokenFile(token_file, "--token-file");
+    if (!read.ok()) {
+      std::cerr << "odyssey: " << read.status().message() << "\n";
+      return kExitUsage;
+    }
+    token = *std::move(read);
+  } else if (const char* env_token = std::getenv("ODYSSEY_TOKEN"); env_token && *env_token) {
+    token = std::string(absl::StripAsciiWhitespace(env_token));
+  }
+  Client client(controller, timeout_s, *credentials, channel_args, token);
   if (submit->parsed()) {
     auto spec = odyssey::client::LoadJobSpec(spec_path);
     if (!spec.ok()) {
@@ -351,16 +398,18 @@ int main(int argc, char** argv) {
       }
       req.set_state(state);
     }
-    if (!json) {
-      std::cout << absl::StrFormat("%-10s %-10s %-13s %-9s %-9s %-19s %s\n", "NAME", "STATE", "STEP", "LOSS",
-                                   "WORKERS", "CREATED", "DISPLAY NAME");
-    }
+    bool header = !json;  // printed once the first page came back (not above an error)
     while (true) {
       grpc::ClientContext ctx;
       client.Prepare(&ctx);
       v1::ListJobsResponse resp;
       grpc::Status s = client.stub()->ListJobs(&ctx, req, &resp);
       if (!s.ok()) return Fail(controller, s);
+      if (header) {
+        std::cout << absl::StrFormat("%-10s %-10s %-13s %-9s %-9s %-19s %s\n", "NAME", "STATE", "STEP", "LOSS",
+                                     "WORKERS", "CREATED", "DISPLAY NAME");
+        header = false;
+      }
       for (const v1::Job& job : resp.jobs()) {
         if (json) {
           std::cout << ToJson(job) << "\n";

@@ -155,7 +155,7 @@ absl::StatusOr<std::unique_ptr<Controller>> Controller::Create(ControllerOptions
     }
     c->jobs_.emplace(id, std::move(job));
   }
-  for (auto& [rid, id] : *request_ids) c->request_ids_[rid] = id;
+  for (auto& rid : *request_ids) c->request_ids_[{std::move(rid.tenant), std::move(rid.request_id)}] = rid.job_id;
   spdlog::info("controller: loaded {} jobs ({} running) from the store", c->jobs_.size(), running);
   c->UpdateGauges();
   return c;
@@ -164,6 +164,16 @@ absl::StatusOr<std::unique_ptr<Controller>> Controller::Create(ControllerOptions
 v1::Job* Controller::FindJob(int64_t id) {
   auto it = jobs_.find(id);
   return it == jobs_.end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<v1::Job*> Controller::FindTenantJob(int64_t id, const std::string& tenant) {
+  v1::Job* job = FindJob(id);
+  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  if (job->tenant() != tenant) {
+    spdlog::warn("job={} refused to tenant \"{}\" (it belongs to \"{}\")", job->name(), tenant, job->tenant());
+    return absl::PermissionDeniedError(absl::StrCat("name: ", job->name(), " belongs to another tenant"));
+  }
+  return job;
 }
 
 Controller::Worker* Controller::WorkerBySession(int64_t session) {
@@ -287,10 +297,10 @@ absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request) {
+absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   if (!request.request_id().empty()) {
-    auto it = request_ids_.find(request.request_id());
+    auto it = request_ids_.find(std::make_pair(tenant, request.request_id()));
     if (it != request_ids_.end()) {
       const v1::Job& existing = jobs_.at(it->second);
       if (!google::protobuf::util::MessageDifferencer::Equals(existing.spec(), request.spec())) {
@@ -304,6 +314,7 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
   if (absl::Status fits = CheckFits(request.spec()); !fits.ok()) return fits;
   v1::Job job;
   *job.mutable_spec() = request.spec();
+  job.set_tenant(tenant);
   job.set_state(v1::Job::PENDING);
   SetTimestamp(options_.clock(), job.mutable_create_time());
   auto id = store_->InsertJob(job, request.request_id());
@@ -312,9 +323,9 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
   }
   job.set_name(JobName(*id));
   jobs_.emplace(*id, std::move(job));
-  if (!request.request_id().empty()) request_ids_[request.request_id()] = *id;
+  if (!request.request_id().empty()) request_ids_[{tenant, request.request_id()}] = *id;
   if (metrics_) metrics_->jobs_created->Increment();
-  spdlog::info("job={} created (world_size {}, {} steps, model {})", JobName(*id),
+  spdlog::info("job={} created (tenant \"{}\", world_size {}, {} steps, model {})", JobName(*id), tenant,
                WorldSize(request.spec()), request.spec().steps(), request.spec().model().name());
   v1::JobEvent event;
   event.set_state(v1::Job::PENDING);
@@ -324,14 +335,20 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
   return jobs_.at(*id);
 }
 
-absl::StatusOr<v1::Job> Controller::GetJob(int64_t id) {
+absl::StatusOr<v1::Job> Controller::GetJob(int64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  const v1::Job* job = FindJob(id);
-  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
-  return *job;
+  absl::StatusOr<v1::Job*> job = FindTenantJob(id, tenant);
+  if (!job.ok()) return job.status();
+  return **job;
 }
 
-absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequest& request) {
+absl::Status Controller::CheckJobAccess(int64_t id, const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  return FindTenantJob(id, tenant).status();
+}
+
+absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequest& request,
+                                                          const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   const int32_t page_size = request.page_size() == 0 ? kDefaultPageSize : request.page_size();
   int64_t below = INT64_MAX;
@@ -339,6 +356,7 @@ absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequ
   v1::ListJobsResponse response;
   // Newest first: descending ids; the page token is the last id returned.
   for (auto it = std::make_reverse_iterator(jobs_.lower_bound(below)); it != jobs_.rend(); ++it) {
+    if (it->second.tenant() != tenant) continue;
     if (request.state() != v1::Job::STATE_UNSPECIFIED && it->second.state() != request.state()) continue;
     if (response.jobs_size() == page_size) {
       response.set_next_page_token(absl::StrCat(response.jobs(page_size - 1).name().substr(5)));
@@ -349,10 +367,11 @@ absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequ
   return response;
 }
 
-absl::StatusOr<v1::Job> Controller::CancelJob(int64_t id) {
+absl::StatusOr<v1::Job> Controller::CancelJob(int64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  v1::Job* job = FindJob(id);
-  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  absl::StatusOr<v1::Job*> found = FindTenantJob(id, tenant);
+  if (!found.ok()) return found.status();
+  v1::Job* job = *found;
   switch (job->state()) {
     case v1::Job::CANCELLED:
       return *job;
@@ -372,10 +391,11 @@ absl::StatusOr<v1::Job> Controller::CancelJob(int64_t id) {
   return *FindJob(id);
 }
 
-absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id) {
+absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  const v1::Job* job = FindJob(id);
-  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  absl::StatusOr<v1::Job*> found = FindTenantJob(id, tenant);
+  if (!found.ok()) return found.status();
+  const v1::Job* job = *found;
   auto watch = std::make_shared<JobWatch>();
   v1::JobEvent current;
   current.set_job(job->name());

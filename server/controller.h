@@ -103,15 +103,29 @@ class Controller {
   Controller& operator=(const Controller&) = delete;
 
   // JobService. REQUIRES: the request passed validation.h's checks.
-  absl::StatusOr<odyssey::v1::Job> CreateJob(const odyssey::v1::CreateJobRequest& request);
-  absl::StatusOr<odyssey::v1::Job> GetJob(int64_t id);
-  absl::StatusOr<odyssey::v1::ListJobsResponse> ListJobs(const odyssey::v1::ListJobsRequest& request);
+  //
+  // Tenants (see server/auth.h): `tenant` is the caller's, as the service layer got it from
+  // CallerTenant (kAnonymousTenant "" when auth is off). A job belongs to the tenant that
+  // created it (Job.tenant, persisted); ListJobs shows only the caller's jobs, and
+  // GetJob/CancelJob/WatchJob/CheckJobAccess on another tenant's job are PERMISSION_DENIED
+  // "name: jobs/N belongs to another tenant". (PERMISSION_DENIED rather than NOT_FOUND: job ids
+  // are one global sequence, so a job's existence tells nothing that a tenant cannot infer from
+  // its own ids, and the clearer error saves operators from hunting a job that is there.)
+  // Request ids are scoped per tenant: two tenants may use the same one.
+  absl::StatusOr<odyssey::v1::Job> CreateJob(const odyssey::v1::CreateJobRequest& request, const std::string& tenant);
+  absl::StatusOr<odyssey::v1::Job> GetJob(int64_t id, const std::string& tenant);
+  absl::StatusOr<odyssey::v1::ListJobsResponse> ListJobs(const odyssey::v1::ListJobsRequest& request,
+                                                         const std::string& tenant);
   // PENDING or RUNNING -> CANCELLED (the workers get `cancel`); CANCELLED stays CANCELLED;
   // SUCCEEDED and FAILED -> FAILED_PRECONDITION.
-  absl::StatusOr<odyssey::v1::Job> CancelJob(int64_t id);
+  absl::StatusOr<odyssey::v1::Job> CancelJob(int64_t id, const std::string& tenant);
   // Events of job `id`: its current state (and latest step metrics) first, then every event
   // until the job ends.
-  absl::StatusOr<std::shared_ptr<JobWatch>> WatchJob(int64_t id);
+  absl::StatusOr<std::shared_ptr<JobWatch>> WatchJob(int64_t id, const std::string& tenant);
+  // OK when job `id` exists and belongs to `tenant`; else NOT_FOUND or PERMISSION_DENIED with
+  // the messages above. For handlers that act on a job by name (TrainingService) and must
+  // check the caller's right to it before anything else.
+  absl::Status CheckJobAccess(int64_t id, const std::string& tenant);
 
   // WorkerService. Returns the attach session id to pass back to the calls below.
   absl::StatusOr<int64_t> AttachWorker(const odyssey::v1::WorkerCapabilities& capabilities,
@@ -151,6 +165,9 @@ class Controller {
   Controller(ControllerOptions options, std::unique_ptr<JobStore> store);
 
   odyssey::v1::Job* FindJob(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Job `id` when it exists and belongs to `tenant`; else NOT_FOUND / PERMISSION_DENIED.
+  absl::StatusOr<odyssey::v1::Job*> FindTenantJob(int64_t id, const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists job `id` and records `event` (stamped with the job name and now).
   void Commit(int64_t id, std::optional<odyssey::v1::JobEvent> event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetState(int64_t id, odyssey::v1::Job::State state, const std::string& message)
@@ -176,7 +193,8 @@ class Controller {
   absl::Mutex mu_;
   std::unique_ptr<JobStore> store_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, odyssey::v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int64_t> request_ids_ ABSL_GUARDED_BY(mu_);
+  // (tenant, request_id) -> job id.
+  absl::flat_hash_map<std::pair<std::string, std::string>, int64_t> request_ids_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);  // by id
   absl::flat_hash_map<int64_t, std::vector<std::weak_ptr<JobWatch>>> watches_ ABSL_GUARDED_BY(mu_);
   int64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;

@@ -10,9 +10,11 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "common/metrics_endpoint.h"
+#include "common/tls.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/auth.h"
 #include "server/controller.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
@@ -44,6 +46,8 @@ int main(int argc, char** argv) {
   double heartbeat_timeout_s = 10;
   int64_t max_message_bytes = 16 << 20;
   int rendezvous_port_base = 29500;
+  std::string auth_token_file;
+  odyssey::ServerTlsFiles tls;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound gRPC port here (atomically) once serving");
@@ -63,6 +67,13 @@ int main(int argc, char** argv) {
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
                  "Rank 0 of job N hosts its rendezvous on port base + N % 10000")
       ->capture_default_str();
+  app.add_option("--auth-token-file", auth_token_file,
+                 "Bearer tokens: one '<token> <tenant>' per line (tenant @worker = worker tokens); "
+                 "SIGHUP reloads it. Empty = auth off (one anonymous tenant)");
+  app.add_option("--tls-cert", tls.cert, "PEM certificate chain of the gRPC port (with --tls-key: TLS on)");
+  app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", tls.client_ca,
+                 "PEM CA bundle: clients must present a certificate it signed (mTLS); empty = not asked");
   CLI11_PARSE(app, argc, argv);
 
   // A peer that goes away mid-write (a /metrics scraper, a client) must not kill the process.
@@ -72,7 +83,26 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Credentials first: a bad --auth-token-file or TLS flag stops the process before it touches
+  // the state or a port.
+  if (!auth_token_file.empty()) {
+    auto table = odyssey::server::TokenTable::Load(auth_token_file);
+    if (!table.ok()) {
+      std::cerr << "odyssey-controller: --auth-token-file: " << table.status().message() << "\n";
+      return 1;
+    }
+    spdlog::info("odyssey-controller: auth on: {} tokens of {} tenants from {}", table->size(), table->tenants(),
+                 auth_token_file);
+    odyssey::server::SetAuthTokens(std::make_shared<const odyssey::server::TokenTable>(*std::move(table)));
+  }
+  auto credentials = odyssey::MakeServerCredentials(tls);
+  if (!credentials.ok()) {
+    std::cerr << "odyssey-controller: " << credentials.status().message() << "\n";
+    return 1;
+  }
 
   std::error_code ec;
   std::filesystem::create_directories(state_dir, ec);
@@ -104,7 +134,7 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(&job_service);
@@ -133,7 +163,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
-  spdlog::info("odyssey-controller: serving gRPC on {}:{}, metrics {}, state {}", host, port,
+  spdlog::info("odyssey-controller: serving gRPC ({}, auth {}) on {}:{}, metrics {}, state {}",
+               tls.cert.empty() ? "plaintext" : (tls.client_ca.empty() ? "TLS" : "mTLS"),
+               auth_token_file.empty() ? "off" : "on", host, port,
                metrics ? absl::StrCat("http://", metrics_listen.substr(0, metrics_listen.rfind(':')), ":",
                                       metrics->port(), "/metrics")
                        : std::string("off"),
@@ -149,7 +181,24 @@ int main(int argc, char** argv) {
   });
 
   int signal = 0;
-  sigwait(&signals, &signal);
+  while (true) {
+    sigwait(&signals, &signal);
+    if (signal != SIGHUP) break;
+    // Reload the token file; a broken file keeps the tokens in force (never auth off by accident).
+    if (auth_token_file.empty()) {
+      spdlog::info("odyssey-controller: SIGHUP: no --auth-token-file, nothing to reload");
+      continue;
+    }
+    auto table = odyssey::server::TokenTable::Load(auth_token_file);
+    if (!table.ok()) {
+      spdlog::error("odyssey-controller: SIGHUP: keeping the current tokens: --auth-token-file: {}",
+                    std::string(table.status().message()));
+      continue;
+    }
+    spdlog::info("odyssey-controller: SIGHUP: reloaded {} tokens of {} tenants from {}", table->size(),
+                 table->tenants(), auth_token_file);
+    odyssey::server::SetAuthTokens(std::make_shared<const odyssey::server::TokenTable>(*std::move(table)));
+  }
   spdlog::info("odyssey-controller: signal {}, shutting down", signal);
   stop = true;
   ticker.join();

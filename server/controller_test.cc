@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/auth.h"
 #include "server/validation.h"
 
 namespace odyssey::server {
@@ -11,6 +12,9 @@ namespace {
 
 namespace v1 = odyssey::v1;
 using ::testing::HasSubstr;
+
+// Callers of these tests are the anonymous tenant (auth off), except in the tenant tests.
+const std::string kAnon = kAnonymousTenant;
 
 // Records what the controller sends to one worker.
 class FakeConnection : public WorkerConnection {
@@ -110,7 +114,7 @@ class ControllerTest : public ::testing::Test {
     m.mutable_result()->set_cancelled(cancelled);
     controller_->OnWorkerMessage(w.session, m);
   }
-  v1::Job Get(const std::string& name) { return *controller_->GetJob(*ParseJobName(name)); }
+  v1::Job Get(const std::string& name) { return *controller_->GetJob(*ParseJobName(name), kAnon); }
 
   std::filesystem::path dir_;
   absl::Time now_ = absl::FromUnixSeconds(1700000000);
@@ -118,21 +122,21 @@ class ControllerTest : public ::testing::Test {
 };
 
 TEST_F(ControllerTest, SameRequestIdCreatesOneJob) {
-  auto a = controller_->CreateJob(Request(1, 10, "rid-1"));
-  auto b = controller_->CreateJob(Request(1, 10, "rid-1"));
+  auto a = controller_->CreateJob(Request(1, 10, "rid-1"), kAnon);
+  auto b = controller_->CreateJob(Request(1, 10, "rid-1"), kAnon);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->name(), b->name());
-  auto c = controller_->CreateJob(Request(1, 10, "rid-2"));
+  auto c = controller_->CreateJob(Request(1, 10, "rid-2"), kAnon);
   EXPECT_NE(c->name(), a->name());
   // Same id, different spec: refused, naming request_id.
-  auto d = controller_->CreateJob(Request(1, 11, "rid-1"));
+  auto d = controller_->CreateJob(Request(1, 11, "rid-1"), kAnon);
   EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(d.status().message()), HasSubstr("request_id:"));
   // And it survives a restart.
   Restart();
-  auto e = controller_->CreateJob(Request(1, 10, "rid-1"));
+  auto e = controller_->CreateJob(Request(1, 10, "rid-1"), kAnon);
   EXPECT_EQ(e->name(), a->name());
-  EXPECT_EQ(controller_->ListJobs({})->jobs_size(), 2);
+  EXPECT_EQ(controller_->ListJobs({}, kAnon)->jobs_size(), 2);
 }
 
 // CreateJob runs the planner before anything is stored or allocated: a 3B model at 8M tokens
@@ -142,17 +146,17 @@ TEST_F(ControllerTest, PlannerRefusesJobsThatCannotFit) {
   v1::CreateJobRequest big = Request(1);
   big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
   big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
-  auto r = controller_->CreateJob(big);
+  auto r = controller_->CreateJob(big, kAnon);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(r.status().message().find("spec.data.seq_len: does not fit: 8388608 tokens"), std::string::npos)
       << r.status();
   EXPECT_NE(r.status().message().find(" by "), std::string::npos) << r.status();
-  EXPECT_TRUE(controller_->ListJobs(v1::ListJobsRequest())->jobs().empty());
+  EXPECT_TRUE(controller_->ListJobs(v1::ListJobsRequest(), kAnon)->jobs().empty());
 
   v1::CreateJobRequest fits = big;
   fits.mutable_spec()->mutable_data()->set_seq_len(65536);
-  EXPECT_TRUE(controller_->CreateJob(fits).ok());
+  EXPECT_TRUE(controller_->CreateJob(fits, kAnon).ok());
 
   v1::WorkerCapabilities caps;
   caps.set_worker_id("gpu-0");
@@ -162,7 +166,7 @@ TEST_F(ControllerTest, PlannerRefusesJobsThatCannotFit) {
   ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
   v1::CreateJobRequest mid = big;
   mid.mutable_spec()->mutable_data()->set_seq_len(int64_t{1} << 20);  // fits an H200, not 80 GB
-  r = controller_->CreateJob(mid);
+  r = controller_->CreateJob(mid, kAnon);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
 }
@@ -172,13 +176,13 @@ TEST_F(ControllerTest, PlannerDoesNotJudgeCpuWorkers) {
   v1::CreateJobRequest big = Request(1);
   big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
   big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
-  EXPECT_TRUE(controller_->CreateJob(big).ok());
+  EXPECT_TRUE(controller_->CreateJob(big, kAnon).ok());
 }
 
 TEST_F(ControllerTest, GangSchedulingStartsWholeGangsOnly) {
   auto w1 = Attach("w1"), w2 = Attach("w2"), w3 = Attach("w3");
-  auto j1 = *controller_->CreateJob(Request(2));
-  auto j2 = *controller_->CreateJob(Request(2));
+  auto j1 = *controller_->CreateJob(Request(2), kAnon);
+  auto j2 = *controller_->CreateJob(Request(2), kAnon);
   EXPECT_EQ(Get(j1.name()).state(), v1::Job::RUNNING);
   EXPECT_EQ(Get(j2.name()).state(), v1::Job::PENDING);
   // Still one idle worker only: no partial start.
@@ -216,9 +220,9 @@ TEST_F(ControllerTest, GangSchedulingStartsWholeGangsOnly) {
 }
 
 TEST_F(ControllerTest, PriorityFirstThenFifo) {
-  auto j1 = *controller_->CreateJob(Request(1, 10, "", 0));
-  auto j2 = *controller_->CreateJob(Request(1, 10, "", 5));
-  auto j3 = *controller_->CreateJob(Request(1, 10, "", 5));
+  auto j1 = *controller_->CreateJob(Request(1, 10, "", 0), kAnon);
+  auto j2 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
+  auto j3 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
   auto w1 = Attach("w1");
   EXPECT_EQ(Get(j2.name()).state(), v1::Job::RUNNING);
   EXPECT_EQ(Get(j1.name()).state(), v1::Job::PENDING);
@@ -227,7 +231,7 @@ TEST_F(ControllerTest, PriorityFirstThenFifo) {
 
 TEST_F(ControllerTest, DeadWorkerRestartsFromCheckpointThenFailsAtLimit) {
   auto w1 = Attach("w1");
-  auto job = *controller_->CreateJob(Request(1, 10, "", 0, /*restart_limit=*/1));
+  auto job = *controller_->CreateJob(Request(1, 10, "", 0, /*restart_limit=*/1), kAnon);
   Progress(w1, job.name(), 0, 4, "/ckpt/step-4");
   EXPECT_EQ(Get(job.name()).last_checkpoint(), "/ckpt/step-4");
   controller_->DetachWorker(w1.session);
@@ -254,28 +258,28 @@ TEST_F(ControllerTest, DeadWorkerRestartsFromCheckpointThenFailsAtLimit) {
 
 TEST_F(ControllerTest, CancelRules) {
   auto w1 = Attach("w1");
-  auto running = *controller_->CreateJob(Request(1));
-  auto pending = *controller_->CreateJob(Request(1));
-  EXPECT_EQ(controller_->CancelJob(*ParseJobName(pending.name()))->state(), v1::Job::CANCELLED);
-  EXPECT_EQ(controller_->CancelJob(*ParseJobName(running.name()))->state(), v1::Job::CANCELLED);
+  auto running = *controller_->CreateJob(Request(1), kAnon);
+  auto pending = *controller_->CreateJob(Request(1), kAnon);
+  EXPECT_EQ(controller_->CancelJob(*ParseJobName(pending.name()), kAnon)->state(), v1::Job::CANCELLED);
+  EXPECT_EQ(controller_->CancelJob(*ParseJobName(running.name()), kAnon)->state(), v1::Job::CANCELLED);
   EXPECT_EQ(w1.conn->Count(v1::ControllerMessage::kCancel), 1);
   // Cancelling again is a no-op; the worker stays busy until it reports.
-  EXPECT_EQ(controller_->CancelJob(*ParseJobName(running.name()))->state(), v1::Job::CANCELLED);
-  auto next = *controller_->CreateJob(Request(1));
+  EXPECT_EQ(controller_->CancelJob(*ParseJobName(running.name()), kAnon)->state(), v1::Job::CANCELLED);
+  auto next = *controller_->CreateJob(Request(1), kAnon);
   EXPECT_EQ(Get(next.name()).state(), v1::Job::PENDING);
   Result(w1, running.name(), 0, false, "cancel requested");
   EXPECT_EQ(Get(running.name()).state(), v1::Job::CANCELLED);
   EXPECT_EQ(Get(next.name()).state(), v1::Job::RUNNING);
   Result(w1, next.name(), 0, true);
-  auto done = controller_->CancelJob(*ParseJobName(next.name()));
+  auto done = controller_->CancelJob(*ParseJobName(next.name()), kAnon);
   EXPECT_EQ(done.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(done.status().message()), HasSubstr("SUCCEEDED"));
-  EXPECT_EQ(controller_->CancelJob(12345).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(controller_->CancelJob(12345, kAnon).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(ControllerTest, RankErrorFailsJobAndCancelsOtherRanks) {
   auto w1 = Attach("w1"), w2 = Attach("w2");
-  auto job = *controller_->CreateJob(Request(2));
+  auto job = *controller_->CreateJob(Request(2), kAnon);
   const v1::Job running = Get(job.name());
   Attached& rank1 = running.workers(1) == "w1" ? w1 : w2;
   Attached& rank0 = running.workers(0) == "w1" ? w1 : w2;
@@ -288,7 +292,7 @@ TEST_F(ControllerTest, RankErrorFailsJobAndCancelsOtherRanks) {
 
 TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {
   auto w1 = Attach("w1");
-  auto job = *controller_->CreateJob(Request(1));
+  auto job = *controller_->CreateJob(Request(1), kAnon);
   Progress(w1, job.name(), 0, 3);
   Restart();
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
@@ -308,7 +312,7 @@ TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {
 
 TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
   auto w1 = Attach("w1");
-  auto job = *controller_->CreateJob(Request(1, 10, "", 0, 2));
+  auto job = *controller_->CreateJob(Request(1, 10, "", 0, 2), kAnon);
   Restart();
   now_ += absl::Seconds(11);
   controller_->Tick();
@@ -329,12 +333,12 @@ TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
 }
 
 TEST_F(ControllerTest, ListJobsPagesNewestFirst) {
-  for (int i = 0; i < 7; ++i) ASSERT_TRUE(controller_->CreateJob(Request(1)).ok());
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE(controller_->CreateJob(Request(1), kAnon).ok());
   v1::ListJobsRequest r;
   r.set_page_size(3);
   std::vector<std::string> names;
   while (true) {
-    auto page = controller_->ListJobs(r);
+    auto page = controller_->ListJobs(r, kAnon);
     ASSERT_TRUE(page.ok());
     for (const auto& j : page->jobs()) names.push_back(j.name());
     if (page->next_page_token().empty()) break;
@@ -345,13 +349,13 @@ TEST_F(ControllerTest, ListJobsPagesNewestFirst) {
   EXPECT_EQ(names.back(), "jobs/1");
   v1::ListJobsRequest filtered;
   filtered.set_state(v1::Job::RUNNING);
-  EXPECT_EQ(controller_->ListJobs(filtered)->jobs_size(), 0);
+  EXPECT_EQ(controller_->ListJobs(filtered, kAnon)->jobs_size(), 0);
 }
 
 TEST_F(ControllerTest, WatchDeliversStateStepsAndEnd) {
   auto w1 = Attach("w1");
-  auto job = *controller_->CreateJob(Request(1));
-  auto watch = *controller_->WatchJob(*ParseJobName(job.name()));
+  auto job = *controller_->CreateJob(Request(1), kAnon);
+  auto watch = *controller_->WatchJob(*ParseJobName(job.name()), kAnon);
   Progress(w1, job.name(), 0, 1, "/ckpt/1");
   Result(w1, job.name(), 0, true);
   std::vector<v1::JobEvent> events;
@@ -362,6 +366,108 @@ TEST_F(ControllerTest, WatchDeliversStateStepsAndEnd) {
   EXPECT_TRUE(std::any_of(events.begin(), events.end(), [](auto& e) { return e.has_step(); }));
   EXPECT_TRUE(std::any_of(events.begin(), events.end(), [](auto& e) { return e.checkpoint() == "/ckpt/1"; }));
   EXPECT_EQ(events.back().state(), v1::Job::SUCCEEDED);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tenants (auth on): each tenant sees and touches only its own jobs.
+
+TEST_F(ControllerTest, CreateJobRecordsTheTenantAndItSurvivesARestart) {
+  auto job = controller_->CreateJob(Request(1), "alice");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->tenant(), "alice");
+  Restart();
+  auto again = controller_->GetJob(*ParseJobName(job->name()), "alice");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tenant(), "alice");
+  EXPECT_EQ(controller_->GetJob(*ParseJobName(job->name()), "bob").status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(ControllerTest, ListJobsShowsOnlyTheCallersJobs) {
+  std::vector<std::string> alice, bob;
+  for (int i = 0; i < 5; ++i) {
+    alice.push_back(controller_->CreateJob(Request(1), "alice")->name());
+    bob.push_back(controller_->CreateJob(Request(1), "bob")->name());
+  }
+  const std::string anonymous = controller_->CreateJob(Request(1), kAnon)->name();
+  auto names = [&](const std::string& tenant, int page_size) {
+    std::vector<std::string> out;
+    v1::ListJobsRequest r;
+    r.set_page_size(page_size);
+    while (true) {
+      auto page = controller_->ListJobs(r, tenant);
+      EXPECT_TRUE(page.ok()) << page.status();
+      for (const auto& j : page->jobs()) {
+        EXPECT_EQ(j.tenant(), tenant) << j.name();
+        out.push_back(j.name());
+      }
+      if (page->next_page_token().empty()) break;
+      r.set_page_token(page->next_page_token());
+    }
+    std::reverse(out.begin(), out.end());  // oldest first, as created
+    return out;
+  };
+  EXPECT_EQ(names("alice", 2), alice);  // pages of 2 over interleaved ids
+  EXPECT_EQ(names("bob", 0), bob);
+  EXPECT_EQ(names(kAnon, 0), std::vector<std::string>{anonymous});
+  EXPECT_TRUE(names("carol", 0).empty());
+  Restart();
+  EXPECT_EQ(names("alice", 3), alice);
+}
+
+TEST_F(ControllerTest, AnotherTenantsJobIsPermissionDenied) {
+  auto w1 = Attach("w1");
+  const v1::Job job = *controller_->CreateJob(Request(1), "alice");
+  const int64_t id = *ParseJobName(job.name());
+  ASSERT_EQ(job.state(), v1::Job::RUNNING);
+  const std::string want = "name: " + job.name() + " belongs to another tenant";
+  for (const std::string& other : {std::string("bob"), kAnon}) {
+    auto get = controller_->GetJob(id, other);
+    EXPECT_EQ(get.status().code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_EQ(get.status().message(), want);
+    auto cancel = controller_->CancelJob(id, other);
+    EXPECT_EQ(cancel.status().code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_EQ(cancel.status().message(), want);
+    auto watch = controller_->WatchJob(id, other);
+    EXPECT_EQ(watch.status().code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_EQ(watch.status().message(), want);
+    absl::Status access = controller_->CheckJobAccess(id, other);
+    EXPECT_EQ(access.code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_EQ(access.message(), want);
+  }
+  // The refused cancels did nothing: the job still runs and its worker got no cancel.
+  EXPECT_EQ(controller_->GetJob(id, "alice")->state(), v1::Job::RUNNING);
+  EXPECT_EQ(w1.conn->Count(v1::ControllerMessage::kCancel), 0);
+  // The owner may do all of it.
+  EXPECT_TRUE(controller_->CheckJobAccess(id, "alice").ok());
+  EXPECT_TRUE(controller_->WatchJob(id, "alice").ok());
+  EXPECT_EQ(controller_->CancelJob(id, "alice")->state(), v1::Job::CANCELLED);
+  // A job that does not exist is NOT_FOUND for everyone.
+  EXPECT_EQ(controller_->CheckJobAccess(9999, "alice").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(controller_->GetJob(9999, "bob").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ControllerTest, RequestIdsArePerTenant) {
+  auto a1 = controller_->CreateJob(Request(1, 10, "same-id"), "alice");
+  auto b1 = controller_->CreateJob(Request(1, 10, "same-id"), "bob");
+  ASSERT_TRUE(a1.ok() && b1.ok());
+  EXPECT_NE(a1->name(), b1->name());  // bob's retry key does not return alice's job
+  EXPECT_EQ(b1->tenant(), "bob");
+  // Bob may even send a different spec under the same id as alice.
+  auto b2 = controller_->CreateJob(Request(1, 11, "other-id"), "bob");
+  auto a2 = controller_->CreateJob(Request(1, 12, "other-id"), "alice");
+  ASSERT_TRUE(a2.ok() && b2.ok());
+  // Within a tenant the id is still idempotent, also across a restart.
+  Restart();
+  auto a3 = controller_->CreateJob(Request(1, 10, "same-id"), "alice");
+  auto b3 = controller_->CreateJob(Request(1, 10, "same-id"), "bob");
+  ASSERT_TRUE(a3.ok() && b3.ok());
+  EXPECT_EQ(a3->name(), a1->name());
+  EXPECT_EQ(b3->name(), b1->name());
+  auto clash = controller_->CreateJob(Request(1, 13, "same-id"), "bob");
+  EXPECT_EQ(clash.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->ListJobs({}, "alice")->jobs_size(), 2);
+  EXPECT_EQ(controller_->ListJobs({}, "bob")->jobs_size(), 2);
 }
 
 }  // namespace

@@ -54,10 +54,21 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   directory TEXT NOT NULL,
   PRIMARY KEY (job_id, step)
 );
-CREATE TABLE IF NOT EXISTS request_ids (
-  request_id TEXT PRIMARY KEY,
-  job_id INTEGER NOT NULL
+CREATE TABLE IF NOT EXISTS tenant_request_ids (
+  tenant TEXT NOT NULL,        -- the job's owner ('' = anonymous: auth off)
+  request_id TEXT NOT NULL,
+  job_id INTEGER NOT NULL,
+  PRIMARY KEY (tenant, request_id)
 );
+)sql";
+
+// Stores written before tenants kept request ids in `request_ids (request_id PRIMARY KEY,
+// job_id)`: those jobs belong to the anonymous tenant. Moved once, in one transaction.
+constexpr const char* kMigrateRequestIds = R"sql(
+BEGIN IMMEDIATE;
+INSERT OR IGNORE INTO tenant_request_ids (tenant, request_id, job_id) SELECT '', request_id, job_id FROM request_ids;
+DROP TABLE request_ids;
+COMMIT;
 )sql";
 
 }  // namespace
@@ -77,6 +88,19 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   for (const char* sql : {"PRAGMA journal_mode=WAL;", "PRAGMA synchronous=NORMAL;", kSchema}) {
     if (absl::Status s = store->Exec(sql); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("job store ", path, ": ", s.message()));
+    }
+  }
+  bool has_old_table = false;
+  {
+    Statement old_table(db, "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'request_ids';");
+    if (!old_table.ok()) return store->Error("prepare schema check");
+    has_old_table = old_table.Step() == SQLITE_ROW;
+  }  // finalized before the migration drops the table
+  if (has_old_table) {
+    if (absl::Status s = store->Exec(kMigrateRequestIds); !s.ok()) {
+      (void)store->Exec("ROLLBACK;");
+      return absl::Status(s.code(), absl::StrCat("job store ", path, ": moving request ids to tenant_request_ids: ",
+                                                 s.message()));
     }
   }
   return store;
@@ -117,10 +141,11 @@ absl::StatusOr<int64_t> JobStore::InsertJob(const v1::Job& job, const std::strin
   if (insert.Step() != SQLITE_DONE) return rollback(Error("insert job"));
   const int64_t id = sqlite3_last_insert_rowid(db_);
   if (!request_id.empty()) {
-    Statement rid(db_, "INSERT INTO request_ids (request_id, job_id) VALUES (?, ?);");
+    Statement rid(db_, "INSERT INTO tenant_request_ids (tenant, request_id, job_id) VALUES (?, ?, ?);");
     if (!rid.ok()) return rollback(Error("prepare insert request id"));
-    rid.BindText(1, request_id);
-    rid.BindInt(2, id);
+    rid.BindText(1, job.tenant());
+    rid.BindText(2, request_id);
+    rid.BindInt(3, id);
     if (rid.Step() != SQLITE_DONE) return rollback(Error("insert request id"));
   }
   if (auto s = Exec("COMMIT;"); !s.ok()) return rollback(s);
@@ -157,13 +182,15 @@ absl::StatusOr<std::vector<std::pair<int64_t, v1::Job>>> JobStore::LoadJobs() {
   return jobs;
 }
 
-absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> JobStore::LoadRequestIds() {
+absl::StatusOr<std::vector<JobStore::RequestId>> JobStore::LoadRequestIds() {
   absl::MutexLock lock(&mu_);
-  Statement select(db_, "SELECT request_id, job_id FROM request_ids;");
+  Statement select(db_, "SELECT tenant, request_id, job_id FROM tenant_request_ids;");
   if (!select.ok()) return Error("prepare select request ids");
-  std::vector<std::pair<std::string, int64_t>> out;
+  std::vector<RequestId> out;
   int rc;
-  while ((rc = select.Step()) == SQLITE_ROW) out.emplace_back(select.ColumnBytes(0), select.ColumnInt(1));
+  while ((rc = select.Step()) == SQLITE_ROW) {
+    out.push_back({select.ColumnBytes(0), select.ColumnBytes(1), select.ColumnInt(2)});
+  }
   if (rc != SQLITE_DONE) return Error("select request ids");
   return out;
 }

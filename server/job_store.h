@@ -1,8 +1,9 @@
 // JobStore: the controller's durable state in one SQLite database (WAL mode).
 //
 // Tables: jobs (the Job message, its state and priority), events (each JobEvent of a job, in
-// order), checkpoints (directories written, by job and step) and request_ids (CreateJob
-// idempotency keys -> job id). The controller keeps its working set in memory and writes
+// order), checkpoints (directories written, by job and step) and tenant_request_ids (CreateJob
+// idempotency keys, unique per tenant -> job id; a store written before tenants existed has
+// its `request_ids` moved there, as the anonymous tenant's, when opened). The controller keeps its working set in memory and writes
 // through to the store, so after a restart (even after kill -9) LoadJobs() returns every job
 // as last written. Writes are durable when they return (synchronous=NORMAL in WAL mode: a
 // power loss may drop the last transactions, a process crash does not).
@@ -34,15 +35,21 @@ class JobStore {
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;
 
-  // Inserts `job` (its name is ignored) and, when request_id is non-empty, the key -> id row,
-  // in one transaction. Returns the new id.
+  // Inserts `job` (its name is ignored) and, when request_id is non-empty, the
+  // (job.tenant(), request_id) -> id row, in one transaction. Returns the new id. A request id
+  // the same tenant already used is an error (the controller checks first).
   absl::StatusOr<int64_t> InsertJob(const odyssey::v1::Job& job, const std::string& request_id);
   // Overwrites job `id` (state and priority columns follow the message).
   absl::Status UpdateJob(int64_t id, const odyssey::v1::Job& job);
   // Every job, by ascending id.
   absl::StatusOr<std::vector<std::pair<int64_t, odyssey::v1::Job>>> LoadJobs();
-  // Every request id -> job id.
-  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> LoadRequestIds();
+  struct RequestId {
+    std::string tenant;
+    std::string request_id;
+    int64_t job_id = 0;
+  };
+  // Every (tenant, request id) -> job id.
+  absl::StatusOr<std::vector<RequestId>> LoadRequestIds();
 
   absl::Status AppendEvent(int64_t job_id, const odyssey::v1::JobEvent& event);
   absl::StatusOr<std::vector<odyssey::v1::JobEvent>> LoadEvents(int64_t job_id);

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/auth.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -61,42 +62,51 @@ prometheus::Histogram* JobServiceImpl::Timer(const std::string& method) {
                                                                      0.1, 0.3, 1, 3});
 }
 
-grpc::Status JobServiceImpl::CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* request,
+grpc::Status JobServiceImpl::CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* request,
                                        v1::Job* response) {
   ScopedTimer timer(Timer("CreateJob"));
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
   if (absl::Status s = ValidateCreateJobRequest(*request); !s.ok()) return ToGrpcStatus(s);
-  auto job = controller_->CreateJob(*request);
+  auto job = controller_->CreateJob(*request, *tenant);
   if (!job.ok()) return ToGrpcStatus(job.status());
   *response = std::move(*job);
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request, v1::Job* response) {
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
+                                    v1::Job* response) {
   ScopedTimer timer(Timer("GetJob"));
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
   auto id = ParseJobName(request->name());
   if (!id.ok()) return ToGrpcStatus(id.status());
-  auto job = controller_->GetJob(*id);
+  auto job = controller_->GetJob(*id, *tenant);
   if (!job.ok()) return ToGrpcStatus(job.status());
   *response = std::move(*job);
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* response) {
   ScopedTimer timer(Timer("ListJobs"));
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
   if (absl::Status s = ValidateListJobsRequest(*request); !s.ok()) return ToGrpcStatus(s);
-  auto list = controller_->ListJobs(*request);
+  auto list = controller_->ListJobs(*request, *tenant);
   if (!list.ok()) return ToGrpcStatus(list.status());
   *response = std::move(*list);
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                                        v1::Job* response) {
   ScopedTimer timer(Timer("CancelJob"));
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
   auto id = ParseJobName(request->name());
   if (!id.ok()) return ToGrpcStatus(id.status());
-  auto job = controller_->CancelJob(*id);
+  auto job = controller_->CancelJob(*id, *tenant);
   if (!job.ok()) return ToGrpcStatus(job.status());
   *response = std::move(*job);
   return grpc::Status::OK;
@@ -104,9 +114,11 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJob
 
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
   auto id = ParseJobName(request->name());
   if (!id.ok()) return ToGrpcStatus(id.status());
-  auto watch = controller_->WatchJob(*id);
+  auto watch = controller_->WatchJob(*id, *tenant);
   if (!watch.ok()) return ToGrpcStatus(watch.status());
   while (!context->IsCancelled()) {
     std::optional<v1::JobEvent> event = (*watch)->Next(absl::Milliseconds(250));
@@ -182,6 +194,7 @@ class StreamConnection final : public WorkerConnection {
 }  // namespace
 
 grpc::Status WorkerServiceImpl::Attach(grpc::ServerContext* context, AttachStream* stream) {
+  if (absl::Status s = AuthorizeWorker(*context); !s.ok()) return ToGrpcStatus(s);
   v1::WorkerMessage first;
   if (!stream->Read(&first)) return grpc::Status::OK;
   if (!first.has_hello()) {

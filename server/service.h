@@ -1,7 +1,9 @@
 // The gRPC edge of odyssey-controller: JobService and WorkerService handlers.
 //
-// Handlers are thin: validate the request (validation.h), call the Controller (which knows no
-// gRPC) and convert its absl::Status once, here, with ToGrpcStatus. Every unary call is timed
+// Handlers are thin: authenticate the caller (auth.h: CallerTenant for JobService,
+// AuthorizeWorker for WorkerService.Attach), validate the request (validation.h), call the
+// Controller (which knows no gRPC) with the caller's tenant and convert its absl::Status once,
+// here, with ToGrpcStatus. Every unary call is timed
 // into odyssey_rpc_duration_seconds{method}.
 //
 // Thread safety: the services are called concurrently by gRPC's sync server threads; they hold

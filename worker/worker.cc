@@ -105,25 +105,51 @@ void Worker::Handle(const v1::ControllerMessage& message) {
   // Ended runners are joined outside mu_ (their last callback may still be taking it).
 }
 
+bool Worker::LogRefusal(const std::string& id, const grpc::Status& status) const {
+  const grpc::StatusCode code = status.error_code();
+  if (code != grpc::StatusCode::UNAUTHENTICATED && code != grpc::StatusCode::PERMISSION_DENIED) return false;
+  LogError(absl::StrCat("worker=", id, " refused by the controller at ", options_.controller, " (",
+                        code == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED" : "PERMISSION_DENIED",
+                        "): ", status.error_message(), "; check --token-file (a token of tenant @worker)"));
+  return true;
+}
+
 bool Worker::Serve() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options_.max_message_bytes);
   args.SetMaxSendMessageSize(options_.max_message_bytes);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(options_.controller, grpc::InsecureChannelCredentials(), args);
+  const std::string& id = options_.capabilities.worker_id();
+  // Read on every connect: rotated certificates and tokens apply without a restart.
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeChannelCredentials(options_.tls, &args);
+  if (!credentials.ok()) {
+    LogError(absl::StrCat("worker=", id, " cannot connect: ", credentials.status().message()));
+    return false;
+  }
+  std::string token;
+  if (!options_.token_file.empty()) {
+    absl::StatusOr<std::string> read = ReadTokenFile(options_.token_file, "--token-file");
+    if (!read.ok()) {
+      LogError(absl::StrCat("worker=", id, " cannot connect: ", read.status().message()));
+      return false;
+    }
+    token = *std::move(read);
+  }
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options_.controller, *credentials, args);
   std::unique_ptr<v1::WorkerService::Stub> stub = v1::WorkerService::NewStub(channel);
   grpc::ClientContext ctx;
+  AddBearerToken(token, &ctx);
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::ControllerMessage>> stream = stub->Attach(&ctx);
-  const std::string& id = options_.capabilities.worker_id();
   const absl::Time started = absl::Now();
 
   v1::WorkerMessage hello;
   *hello.mutable_hello() = options_.capabilities;
   if (!stream->Write(hello)) {
     grpc::Status s = stream->Finish();
-    LogWarning(absl::StrCat("worker=", id, " cannot attach to ", options_.controller, ": ", s.error_message()));
+    if (!LogRefusal(id, s)) {
+      LogWarning(absl::StrCat("worker=", id, " cannot attach to ", options_.controller, ": ", s.error_message()));
+    }
     return false;
   }
   {
@@ -190,14 +216,18 @@ bool Worker::Serve() {
     }
     if (!ok) break;
   }
+  bool controller_ended;
   {
     absl::MutexLock lock(&mu_);
     connected_ = false;
     outbox_.clear();
+    controller_ended = stream_broken_;
   }
   if (metrics_) metrics_->connected->Set(0);
   stream->WritesDone();
-  ctx.TryCancel();
+  // When the controller ended the call, Finish() reports its status (e.g. a refused token);
+  // cancelling first would replace that with CANCELLED.
+  if (!controller_ended) ctx.TryCancel();
   reader.join();
   grpc::Status s = stream->Finish();
   bool shutting_down;
@@ -205,9 +235,10 @@ bool Worker::Serve() {
     absl::MutexLock lock(&mu_);
     shutting_down = shutdown_;
   }
-  if (!shutting_down)
+  if (!LogRefusal(id, s) && !shutting_down) {
     LogWarning(absl::StrCat("worker=", id, " lost the controller at ", options_.controller, ": ",
                             s.ok() ? "stream ended" : s.error_message()));
+  }
   return answered || absl::Now() - started > absl::Seconds(2);
 }
 

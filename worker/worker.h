@@ -12,6 +12,11 @@
 //     disconnected: only the newest matters, and the result carries the final state).
 //   - When the stream breaks (controller gone, network), running jobs keep running and the
 //     worker reconnects with exponential backoff (initial_backoff doubling to max_backoff).
+//   - Security (server/README.md, "Auth and TLS"): with `tls.ca` the channel is TLS trusting
+//     only that CA; with `token_file` every Attach carries `authorization: Bearer <token>` (a
+//     token of the controller's reserved tenant @worker). Both files are read again on every
+//     (re)connect, so rotated certificates and tokens are picked up without a restart; a
+//     refused Attach (UNAUTHENTICATED, PERMISSION_DENIED) is logged and retried with backoff.
 // Thread safety: Run() blocks the calling thread until Shutdown() (callable from any thread,
 // e.g. a signal handler thread). Internal state is guarded by mu_.
 #pragma once
@@ -26,8 +31,13 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "odyssey/v1/odyssey.pb.h"
 #include "worker/job_runner.h"
+
+namespace grpc {
+class Status;
+}  // namespace grpc
 
 namespace odyssey::worker {
 
@@ -35,6 +45,8 @@ class WorkerMetrics;
 
 struct WorkerOptions {
   std::string controller;   // host:port of the controller's gRPC server
+  ClientTlsOptions tls;     // empty ca = plaintext
+  std::string token_file;   // bearer token file (see common/tls.h ReadTokenFile); empty = none
   odyssey::v1::WorkerCapabilities capabilities;  // worker_id must be set
   JobRunnerOptions runner;
   absl::Duration heartbeat_interval = absl::Seconds(1);
@@ -67,6 +79,9 @@ class Worker {
   // One stream's lifetime: hello, held, resend results, then pump the outbox until it breaks.
   // Returns true if the stream got as far as the controller's first answer or ran a while.
   bool Serve();
+  // Logs an Attach refused for its credentials (UNAUTHENTICATED, PERMISSION_DENIED); false
+  // (nothing logged) for any other status.
+  bool LogRefusal(const std::string& id, const grpc::Status& status) const;
 
   const WorkerOptions options_;
   WorkerMetrics* const metrics_;

@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/metrics_endpoint.h"
+#include "common/tls.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "worker/engine_job.h"
 #include "worker/job_runner.h"
 #include "worker/worker.h"
@@ -48,6 +50,8 @@ int main(int argc, char** argv) {
   double max_backoff_s = 5.0;
   double peer_loss_grace_s = 30.0;
   int max_message_bytes = 64 << 20;
+  odyssey::ClientTlsOptions tls;
+  std::string token_file;
 
   CLI::App app{"odyssey-worker: runs odyssey jobs on one device for an odyssey-controller"};
   app.add_option("--controller", controller, "controller gRPC address host:port")->capture_default_str();
@@ -64,7 +68,32 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-backoff", max_backoff_s, "max seconds between reconnect attempts")->capture_default_str();
   app.add_option("--max-message-bytes", max_message_bytes, "gRPC message size limit")->capture_default_str();
+  app.add_option("--tls-ca", tls.ca, "PEM CA bundle that signed the controller's certificate: TLS on (empty: plaintext)");
+  app.add_option("--tls-server-name", tls.server_name,
+                 "name to verify in the controller's certificate instead of --controller's host");
+  app.add_option("--tls-cert", tls.cert, "PEM client certificate, for a controller with --tls-client-ca (mTLS)");
+  app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert");
+  app.add_option("--token-file", token_file,
+                 "file holding this worker's bearer token (a token of tenant @worker in the controller's "
+                 "--auth-token-file); re-read on every reconnect");
   CLI11_PARSE(app, argc, argv);
+
+  // Check the credential files now: a bad flag is a startup error, not a silent retry loop.
+  {
+    grpc::ChannelArguments args;
+    auto credentials = odyssey::MakeChannelCredentials(tls, &args);
+    if (!credentials.ok()) {
+      std::fprintf(stderr, "odyssey-worker: %s\n", std::string(credentials.status().message()).c_str());
+      return 2;
+    }
+    if (!token_file.empty()) {
+      auto token = odyssey::ReadTokenFile(token_file, "--token-file");
+      if (!token.ok()) {
+        std::fprintf(stderr, "odyssey-worker: %s\n", std::string(token.status().message()).c_str());
+        return 2;
+      }
+    }
+  }
 
   // Signals go to one thread that asks the worker to stop (blocked here, before any thread starts).
   sigset_t signals;
@@ -76,6 +105,8 @@ int main(int argc, char** argv) {
   odyssey::worker::SetTorchThreads(threads);
   odyssey::worker::WorkerOptions options;
   options.controller = controller;
+  options.tls = tls;
+  options.token_file = token_file;
   absl::StatusOr<odyssey::v1::WorkerCapabilities> caps = odyssey::worker::ProbeCapabilities(device);
   if (!caps.ok()) {
     std::fprintf(stderr, "odyssey-worker: --device: %s\n", std::string(caps.status().message()).c_str());

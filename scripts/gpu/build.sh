@@ -9,7 +9,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 prefix="$root/.deps/prefix"
-if [ ! -f "$prefix/.unpacked" ]; then
+# Unpack once, and again when fetch-debs.sh added packages since (e.g. libssl-dev for TLS).
+if [ ! -f "$prefix/.unpacked" ] || [ -n "$(find .deps/debs -name '*.deb' -newer "$prefix/.unpacked" 2>/dev/null)" ]; then
   ls .deps/debs/*.deb >/dev/null 2>&1 || { echo "no .deps/debs: run scripts/gpu/fetch-debs.sh on a machine with registries"; exit 2; }
   rm -rf "$prefix" && mkdir -p "$prefix"
   for d in .deps/debs/*.deb; do dpkg -x "$d" "$prefix"; done

@@ -16,6 +16,9 @@ pkgs=(
   protobuf-compiler protobuf-compiler-grpc libre2-9 libre2-dev libc-ares2 libc-ares-dev libupb0 libupb-dev
   libsqlite3-0 libsqlite3-dev libyaml-cpp0.7 libyaml-cpp-dev prometheus-cpp-dev libprometheus-cpp-core1.0
   libprometheus-cpp-pull1.0 libcpp-httplib0.11 libcpp-httplib-dev libcivetweb1 libcivetweb-dev
+  # TLS: OpenSSL headers for common/tls.cc, and libssl3 so that libssl-dev's libcrypto.so
+  # symlink resolves inside the private prefix (Debian's 3.0.x, which libgrpc was built against)
+  libssl3 libssl-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""Bearer tokens, tenant isolation and TLS through real processes: an odyssey-controller with
+--auth-token-file and --tls-cert/--tls-key, an odyssey-worker attaching over TLS with a worker
+token, the odyssey CLI and Python gRPC stubs (generated at run time with grpc_tools.protoc).
+
+A throwaway CA and a server certificate for localhost / 127.0.0.1 are made with the openssl CLI
+in a temporary folder, plus a second, unrelated CA. Checked:
+  - startup errors name the flag: a key that does not match the certificate (--tls-key), a bad
+    token file line (file:line and the rule, never the token);
+  - a worker attaches over TLS with its @worker token; tenant alice's job (submitted with the
+    CLI over TLS with --token-file) runs to SUCCEEDED;
+  - no token -> UNAUTHENTICATED "missing bearer token: ..."; unknown token -> UNAUTHENTICATED
+    "bearer token not recognized"; health checks answer without a token;
+  - tenant bob gets PERMISSION_DENIED "jobs/N belongs to another tenant" on Get/Cancel/Watch of
+    alice's job (gRPC and CLI, exit 5) and does not see it in ListJobs; the same request_id is
+    bob's own; a worker token cannot call JobService;
+  - a plaintext client against the TLS port fails, a client trusting another CA fails;
+  - a worker with a tenant token cannot attach (PERMISSION_DENIED, logged);
+  - SIGHUP reloads the token file (a new tenant works, a removed token stops working), and a
+    broken file on SIGHUP keeps the tokens in force;
+  - mTLS (--tls-client-ca): a client without a certificate is refused, one with a certificate
+    the CA signed is served.
+Every wait is on a condition with a deadline.
+"""
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_test import Failure, tiny_spec, wait_for  # noqa: E402
+
+DEADLINE_S = 60
+
+
+def openssl(workdir, *argv):
+    out = subprocess.run(["openssl", *argv], cwd=workdir, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"openssl {' '.join(argv)} failed: {out.stderr}")
+
+
+def make_pki(workdir):
+    """A CA, a server certificate it signs for localhost/127.0.0.1, and an unrelated CA."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl(workdir, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
+            "/CN=odyssey test CA")
+    openssl(workdir, "req", "-x509", *ec, "-keyout", "other-ca.key", "-out", "other-ca.pem", "-days", "2", "-subj",
+            "/CN=unrelated CA")
+    openssl(workdir, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    with open(os.path.join(workdir, "san.cnf"), "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl(workdir, "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "2", "-extfile", "san.cnf")
+    return {name: os.path.join(workdir, name) for name in
+            ("ca.pem", "ca.key", "other-ca.pem", "other-ca.key", "server.pem", "server.key")}
+
+
+class Env:
+    def __init__(self, args, workdir):
+        self.args, self.workdir = args, workdir
+        self.procs, self.logs = [], []
+        gen = os.path.join(workdir, "gen")
+        os.makedirs(gen)
+        import grpc_tools
+        from grpc_tools import protoc
+
+        proto_root = os.path.join(args.source_dir, "proto")
+        well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+        if protoc.main(["protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={gen}",
+                        f"--grpc_python_out={gen}", os.path.join(proto_root, "odyssey/v1/odyssey.proto")]) != 0:
+            raise Failure("protoc failed on odyssey.proto")
+        sys.path.insert(0, gen)
+        import grpc
+        from odyssey.v1 import odyssey_pb2, odyssey_pb2_grpc
+
+        self.grpc, self.pb, self.pbg = grpc, odyssey_pb2, odyssey_pb2_grpc
+
+    def path(self, name):
+        return os.path.join(self.workdir, name)
+
+    def write(self, name, text):
+        with open(self.path(name), "w") as f:
+            f.write(text)
+        return self.path(name)
+
+    def spawn(self, name, argv):
+        log_path = self.path(f"{name}.log")
+        self.logs.append(log_path)
+        p = subprocess.Popen(argv, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def log(self, name):
+        with open(self.path(f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def channel(self, ca=None, plaintext=False):
+        if plaintext:
+            return self.grpc.insecure_channel(self.address)
+        creds = self.grpc.ssl_channel_credentials(root_certificates=open(ca, "rb").read())
+        # The certificate names localhost; the address is 127.0.0.1 (as --tls-server-name does).
+        return self.grpc.secure_channel(self.address, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def dump_logs(self):
+        for path in self.logs:
+            print(f"----- {path} (last 40 lines)")
+            with open(path, errors="replace") as f:
+                print("".join(f.readlines()[-40:]))
+
+
+def expect_rpc_error(what, call, code, message=None):
+    """Runs call(); it must fail with `code` (a code or a tuple of codes) and, when given, a
+    message containing `message`."""
+    import grpc
+    codes = code if isinstance(code, tuple) else (code,)
+    try:
+        call()
+    except grpc.RpcError as e:
+        if e.code() not in codes or (message is not None and message not in (e.details() or "")):
+            raise Failure(f"{what}: got {e.code()} {e.details()!r}, want {code} {message!r}")
+        print(f"ok: {what}: {e.code().name} {e.details()!r}")
+        return e
+    raise Failure(f"{what}: succeeded, want {code}")
+
+
+def run(env):
+    grpc, pb, pbg = env.grpc, env.pb, env.pbg
+    pki = make_pki(env.workdir)
+    tokens = {t: secrets.token_hex(24) for t in ("alice", "bob", "worker", "carol")}
+    token_file = env.write("tokens.txt", "\n".join([
+        "# odyssey test tokens: <token> <tenant>",
+        f"{tokens['alice']} alice",
+        f"{tokens['bob']}\tbob",
+        "",
+        f"{tokens['worker']} @worker",
+    ]) + "\n")
+    for t in tokens:
+        env.write(f"{t}.token", tokens[t] + "\n")
+
+    # --- startup errors name the flag (and never echo a token) ---
+    bad = subprocess.run([env.args.controller, "--listen", "127.0.0.1:0", "--state-dir", env.path("bad-state"),
+                          "--metrics-listen", "", "--tls-cert", pki["server.pem"], "--tls-key", pki["other-ca.key"]],
+                         capture_output=True, text=True, timeout=30)
+    if bad.returncode == 0 or "--tls-key" not in bad.stderr or "does not match the certificate in --tls-cert" \
+            not in bad.stderr:
+        raise Failure(f"mismatched key: exit {bad.returncode}, stderr {bad.stderr!r}")
+    print(f"ok: mismatched --tls-key refused: {bad.stderr.strip()}")
+    broken = env.write("broken-tokens.txt", f"# x\n{tokens['alice']} alice\nshort-token bob\n")
+    bad = subprocess.run([env.args.controller, "--listen", "127.0.0.1:0", "--state-dir", env.path("bad-state"),
+                          "--metrics-listen", "", "--auth-token-file", broken],
+                         capture_output=True, text=True, timeout=30)
+    if bad.returncode == 0 or f"{broken}:3: token is too short" not in bad.stderr or "short-token" in bad.stderr:
+        raise Failure(f"bad token file: exit {bad.returncode}, stderr {bad.stderr!r}")
+    print(f"ok: bad token file refused: {bad.stderr.strip()}")
+
+    # --- the controller: tokens + TLS ---
+    port_file = env.path("controller.port")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rendezvous_base = s.getsockname()[1] - 1
+    controller = env.spawn("controller", [
+        env.args.controller, "--listen", "127.0.0.1:0", "--port-file", port_file, "--state-dir", env.path("state"),
+        "--metrics-listen", "", "--heartbeat-timeout", "4", "--rendezvous-port-base", str(rendezvous_base),
+        "--auth-token-file", token_file, "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"]])
+    wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip(),
+             timeout=DEADLINE_S)
+    env.address = f"127.0.0.1:{int(open(port_file).read())}"
+    channel = env.channel(pki["ca.pem"])
+    jobs = pbg.JobServiceStub(channel)
+
+    def md(tenant):
+        return [("authorization", f"Bearer {tokens[tenant]}")]
+
+    # Health stays open (Kubernetes probes send no token): SERVING = field 1, value 1.
+    health = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda b: b,
+                                 response_deserializer=lambda b: b)
+    if health(b"", timeout=10) != b"\x08\x01":
+        raise Failure("health check without a token did not answer SERVING")
+    print("ok: grpc.health.v1.Health/Check answers SERVING without a token")
+
+    # --- a worker attaches over TLS with its token ---
+    worker_argv = [env.args.worker, "--controller", env.address, "--device", "cpu", "--threads", "1",
+                   "--heartbeat-interval", "0.5", "--max-backoff", "0.5", "--progress-interval", "0",
+                   "--tls-ca", pki["ca.pem"], "--tls-server-name", "localhost"]
+    env.spawn("w1", worker_argv + ["--worker-id", "w1", "--token-file", env.path("worker.token")])
+    wait_for("w1 to attach", lambda: "worker=w1 attached" in env.log("controller"), timeout=DEADLINE_S)
+
+    # --- alice submits through the CLI over TLS with her token file; the job succeeds ---
+    cli_tls = ["--controller", env.address, "--tls-ca", pki["ca.pem"], "--tls-server-name", "localhost"]
+    spec_path = env.write("spec.json", json.dumps(tiny_spec(steps=8, every=0)))
+    out = subprocess.run([env.args.cli, *cli_tls, "--token-file", env.path("alice.token"), "submit", spec_path,
+                          "--request-id", "shared-id", "--watch"], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise Failure(f"alice's submit --watch: exit {out.returncode}: {out.stdout}{out.stderr}")
+    name = re.search(r"jobs/\d+", out.stdout).group(0)
+    job = jobs.GetJob(pb.GetJobRequest(name=name), metadata=md("alice"), timeout=10)
+    if pb.Job.State.Name(job.state) != "SUCCEEDED" or job.tenant != "alice" or list(job.workers) != ["w1"]:
+        raise Failure(f"alice's job: {job}")
+    print(f"ok: alice's {name} SUCCEEDED on w1 over TLS (tenant {job.tenant!r})")
+    # ODYSSEY_TOKEN works as well as --token-file.
+    out = subprocess.run([env.args.cli, *cli_tls, "get", name], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "ODYSSEY_TOKEN": tokens["alice"]})
+    if out.returncode != 0 or "SUCCEEDED" not in out.stdout:
+        raise Failure(f"odyssey get with ODYSSEY_TOKEN: exit {out.returncode}: {out.stdout}{out.stderr}")
+
+    # --- no token, unknown token, worker token on JobService ---
+    Code = grpc.StatusCode
+    expect_rpc_error("ListJobs without a token", lambda: jobs.ListJobs(pb.ListJobsRequest(), timeout=10),
+                     Code.UNAUTHENTICATED, "missing bearer token: send metadata 'authorization: Bearer <token>'")
+    expect_rpc_error("GetJob with an unknown token", lambda: jobs.GetJob(
+        pb.GetJobRequest(name=name), metadata=[("authorization", "Bearer " + secrets.token_hex(24))], timeout=10),
+        Code.UNAUTHENTICATED, "bearer token not recognized")
+    expect_rpc_error("CreateJob with a worker token", lambda: jobs.CreateJob(
+        pb.CreateJobRequest(spec=job.spec), metadata=md("worker"), timeout=10), Code.PERMISSION_DENIED,
+        "worker tokens (tenant @worker) may only call WorkerService.Attach")
+    out = subprocess.run([env.args.cli, *cli_tls, "list"], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "ODYSSEY_TOKEN"})
+    if out.returncode != 5 or "unauthenticated: missing bearer token" not in out.stderr:
+        raise Failure(f"odyssey list without a token: exit {out.returncode}: {out.stderr}")
+
+    # --- bob cannot touch alice's job, does not see it, and has his own request ids ---
+    denied = f"{name} belongs to another tenant"
+    expect_rpc_error("bob GetJob(alice's)", lambda: jobs.GetJob(pb.GetJobRequest(name=name), metadata=md("bob"),
+                                                               timeout=10), Code.PERMISSION_DENIED, denied)
+    expect_rpc_error("bob CancelJob(alice's)", lambda: jobs.CancelJob(pb.CancelJobRequest(name=name),
+                                                                     metadata=md("bob"), timeout=10),
+                     Code.PERMISSION_DENIED, denied)
+    expect_rpc_error("bob WatchJob(alice's)", lambda: list(jobs.WatchJob(pb.WatchJobRequest(name=name),
+                                                                        metadata=md("bob"), timeout=10)),
+                     Code.PERMISSION_DENIED, denied)
+    out = subprocess.run([env.args.cli, *cli_tls, "--token-file", env.path("bob.token"), "cancel", name],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 5 or denied not in out.stderr:
+        raise Failure(f"bob's odyssey cancel of alice's job: exit {out.returncode}: {out.stderr}")
+    long_spec = pb.JobSpec()
+    long_spec.CopyFrom(job.spec)
+    long_spec.steps = 100000  # still running when bob cancels it
+    bobs = jobs.CreateJob(pb.CreateJobRequest(spec=long_spec, request_id="shared-id"), metadata=md("bob"), timeout=10)
+    if bobs.name == name or bobs.tenant != "bob":
+        raise Failure(f"bob's CreateJob with alice's request_id returned {bobs.name} (tenant {bobs.tenant!r})")
+    bob_list = [j.name for j in jobs.ListJobs(pb.ListJobsRequest(), metadata=md("bob"), timeout=10).jobs]
+    alice_list = [j.name for j in jobs.ListJobs(pb.ListJobsRequest(), metadata=md("alice"), timeout=10).jobs]
+    if bob_list != [bobs.name] or alice_list != [name]:
+        raise Failure(f"ListJobs: bob sees {bob_list}, alice sees {alice_list}")
+    print(f"ok: ListJobs: bob sees {bob_list}, alice sees {alice_list}")
+    jobs.CancelJob(pb.CancelJobRequest(name=bobs.name), metadata=md("bob"), timeout=10)
+    if pb.Job.State.Name(jobs.GetJob(pb.GetJobRequest(name=name), metadata=md("alice"), timeout=10).state) \
+            != "SUCCEEDED":
+        raise Failure("alice's job changed")
+
+    # --- transport: plaintext and a foreign CA cannot talk to the TLS port (the call fails at
+    # once as UNAVAILABLE; DEADLINE_EXCEEDED if the handshake failure comes after the deadline) ---
+    no_transport = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)
+    expect_rpc_error("a plaintext client", lambda: pbg.JobServiceStub(env.channel(plaintext=True)).ListJobs(
+        pb.ListJobsRequest(), metadata=md("alice"), timeout=5), no_transport)
+    expect_rpc_error("a client trusting another CA", lambda: pbg.JobServiceStub(env.channel(pki["other-ca.pem"]))
+                     .ListJobs(pb.ListJobsRequest(), metadata=md("alice"), timeout=5), no_transport)
+    out = subprocess.run([env.args.cli, "--controller", env.address, "--token-file", env.path("alice.token"),
+                          "--timeout", "5", "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 4:
+        raise Failure(f"odyssey list without --tls-ca against TLS: exit {out.returncode}: {out.stderr}")
+
+    # --- a worker with a tenant token (or none) cannot attach ---
+    env.spawn("w-tenant", worker_argv + ["--worker-id", "w-tenant", "--token-file", env.path("alice.token")])
+    env.spawn("w-none", worker_argv + ["--worker-id", "w-none"])
+    wait_for("w-tenant to be refused", lambda: "refused by the controller" in env.log("w-tenant")
+             and "WorkerService.Attach needs a worker token" in env.log("w-tenant"), timeout=DEADLINE_S)
+    wait_for("w-none to be refused", lambda: "UNAUTHENTICATED" in env.log("w-none"), timeout=DEADLINE_S)
+    if "worker=w-tenant attached" in env.log("controller") or "worker=w-none attached" in env.log("controller"):
+        raise Failure("the controller registered a worker without a worker token")
+    print("ok: workers with a tenant token / no token are refused and never registered")
+
+    # --- SIGHUP reloads the token file; a broken file keeps the tokens in force ---
+    expect_rpc_error("carol before the reload", lambda: jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"),
+                                                                     timeout=10), Code.UNAUTHENTICATED)
+    env.write("tokens.txt", f"{tokens['alice']} alice\n{tokens['worker']} @worker\n{tokens['carol']} carol\n")
+    controller.send_signal(signal.SIGHUP)
+
+    def reloaded():
+        try:
+            jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"), timeout=10)
+            return True
+        except grpc.RpcError:
+            return False
+    wait_for("carol's token to work after SIGHUP", reloaded, timeout=DEADLINE_S)
+    expect_rpc_error("bob after his token was removed", lambda: jobs.ListJobs(
+        pb.ListJobsRequest(), metadata=md("bob"), timeout=10), Code.UNAUTHENTICATED, "bearer token not recognized")
+    env.write("tokens.txt", "garbage\n")
+    controller.send_signal(signal.SIGHUP)
+    wait_for("the controller to log the broken reload", lambda: "keeping the current tokens" in env.log("controller"),
+             timeout=DEADLINE_S)
+    jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"), timeout=10)  # still works
+    print("ok: SIGHUP reload (carol in, bob out); a broken file keeps the tokens")
+    # --- mTLS: a controller with --tls-client-ca takes only clients with a certificate it signed ---
+    openssl(env.workdir, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
+            "client.key", "-out", "client.csr", "-subj", "/CN=odyssey client")
+    openssl(env.workdir, "x509", "-req", "-in", "client.csr", "-CA", pki["ca.pem"], "-CAkey", pki["ca.key"],
+            "-CAcreateserial", "-out", "client.pem", "-days", "2")
+    mtls_port_file = env.path("mtls.port")
+    mtls_tokens = env.write("mtls-tokens.txt", f"{tokens['alice']} alice\n")
+    env.spawn("controller-mtls", [
+        env.args.controller, "--listen", "127.0.0.1:0", "--port-file", mtls_port_file, "--state-dir",
+        env.path("state-mtls"), "--metrics-listen", "", "--auth-token-file", mtls_tokens,
+        "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-client-ca", pki["ca.pem"]])
+    wait_for("the mTLS controller's port file",
+             lambda: os.path.exists(mtls_port_file) and open(mtls_port_file).read().strip(), timeout=DEADLINE_S)
+    mtls = ["--controller", f"127.0.0.1:{int(open(mtls_port_file).read())}", "--tls-ca", pki["ca.pem"],
+            "--tls-server-name", "localhost", "--token-file", env.path("alice.token"), "--timeout", "5"]
+    out = subprocess.run([env.args.cli, *mtls, "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 4:
+        raise Failure(f"mTLS without a client certificate: exit {out.returncode}: {out.stdout}{out.stderr}")
+    out = subprocess.run([env.args.cli, *mtls, "--tls-cert", env.path("client.pem"), "--tls-key",
+                          env.path("client.key"), "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"mTLS with a client certificate: exit {out.returncode}: {out.stdout}{out.stderr}")
+    out = subprocess.run([env.args.cli, *mtls, "--tls-cert", env.path("client.pem"), "--tls-key",
+                          pki["server.key"], "list"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 2 or "does not match the certificate in --tls-cert" not in out.stderr:
+        raise Failure(f"CLI with a mismatched --tls-key: exit {out.returncode}: {out.stderr}")
+    print("ok: mTLS: refused without a client certificate, served with one; a mismatched client key is a usage error")
+
+    for t in tokens.values():
+        for log in env.logs:
+            if t in open(log, errors="replace").read():
+                raise Failure(f"a token appears in {log}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--cli", required=True)
+    ap.add_argument("--source-dir", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args()
+    if not shutil.which("openssl"):
+        print("FAILED: the openssl CLI is missing (scripts/setup.sh installs it)")
+        return 1
+    workdir = tempfile.mkdtemp(prefix="odyssey-auth-")
+    t0 = time.monotonic()
+    ok = False
+    env = None
+    try:
+        env = Env(args, workdir)
+        run(env)
+        ok = True
+    except Failure as e:
+        print(f"FAILED: {e}")
+    finally:
+        if env:
+            env.stop()
+            if not ok:
+                env.dump_logs()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"auth: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
