@@ -19,8 +19,10 @@ Cases (--case):
                and token index) and the rule, after which the session still trains; (f) the
                trainer-vs-sampler mismatch gauges appear on the controller's /metrics after a
                forward_backward with sampler logprobs, with the values the call returned.
-  cancel       (h) CancelJob ends the session (CANCELLED), a later call gets FAILED_PRECONDITION
-               naming the state; a session with a 2 s idle timeout ends SUCCEEDED on its own.
+  cancel       (h) the odyssey CLI creates a session from client/examples/rl-session.yaml (when
+               --cli is given) and `odyssey get` shows its step; cancel ends the session
+               (CANCELLED), a later call gets FAILED_PRECONDITION naming the state; a session
+               with a 2 s idle timeout ends SUCCEEDED on its own.
 
 Every wait is on a condition with a deadline.
 """
@@ -30,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -337,14 +340,38 @@ def case_bad_input(c):
         raise Failure(f"odyssey_training_calls_total counted {calls} INVALID_ARGUMENT forward_backward calls")
 
 
+def cli(c, *argv):
+    out = subprocess.run([c.args.cli, "--controller", c.address, *argv], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"odyssey {' '.join(argv)} failed ({out.returncode}): {out.stdout}{out.stderr}")
+    return out.stdout
+
+
 def case_cancel(c):
     c.start_controller()
     c.start_worker("w1")
-    job = c.session()
     batch = c.batch(seed=6)
+    if c.args.cli:
+        # The CLI creates a session from the example spec file (kind RL_SESSION, the rl block).
+        example = os.path.join(c.args.source_dir, "client", "examples", "rl-session.yaml")
+        job = re.search(r"jobs/\d+", cli(c, "submit", example)).group(0)
+        c.wait_state(job, "RUNNING")
+        spec = c.get(job).spec
+        if spec.kind != c.pb.RL_SESSION or spec.rl.idle_timeout_seconds != 1800:
+            raise Failure(f"the example spec arrived as {spec}")
+    else:
+        job = c.session()
     c.fb(job, batch)
     c.step(job)
-    c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
+    wait_for("GetJob to show step 1", lambda: c.get(job).step == 1, timeout=30)
+    if c.args.cli:
+        got = cli(c, "get", job)
+        print(f"(h) odyssey get {job}:\n{got}")
+        if "RL_SESSION" not in got or "step:            1 (optimizer steps" not in got:
+            raise Failure(f"odyssey get shows {got!r}")
+        cli(c, "cancel", job)
+    else:
+        c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
     c.wait_state(job, "CANCELLED")
     expect_code(c, "a call after the cancel", lambda: c.fb(job, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
                 "is CANCELLED")
@@ -367,9 +394,11 @@ def main():
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--source-dir", required=True)
+    ap.add_argument("--cli", default="", help="the odyssey CLI (the cancel case submits the example spec with it)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
-    args.cli = ""
+    if args.cli and not os.path.exists(args.cli):
+        args.cli = ""
     workdir = tempfile.mkdtemp(prefix=f"odyssey-rl-{args.case}-")
     t0 = time.monotonic()
     ok = False
