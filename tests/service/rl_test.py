@@ -23,6 +23,10 @@ Cases (--case):
                --cli is given) and `odyssey get` shows its step; cancel ends the session
                (CANCELLED), a later call gets FAILED_PRECONDITION naming the state; a session
                with a 2 s idle timeout ends SUCCEEDED on its own.
+  worker_loss  SaveCheckpoint sets the job's last_checkpoint; kill -9 of the session's worker
+               requeues the session (calls meanwhile get FAILED_PRECONDITION "is PENDING"), and
+               on a new worker it resumes from that checkpoint: same logprobs, step counter
+               continues from the saved step.
 
 Every wait is on a condition with a deadline.
 """
@@ -62,7 +66,7 @@ class RlCluster(Cluster):
         self.metrics_port = int(open(metrics_file).read().strip())
         self.training = self.pbg.TrainingServiceStub(self.channel)
 
-    def session(self, idle_timeout=0):
+    def session(self, idle_timeout=0, restart_limit=0):
         spec = self.pb.JobSpec(kind=self.pb.RL_SESSION, display_name="rl-test")
         spec.model.name = "tiny"
         spec.model.dtype = "float32"
@@ -70,6 +74,7 @@ class RlCluster(Cluster):
         spec.data.batch_size = BATCH_SIZE
         spec.optimizer.grad_clip = 1.0
         spec.rl.idle_timeout_seconds = idle_timeout
+        spec.restart_limit = restart_limit
         name = self.jobs.CreateJob(self.pb.CreateJobRequest(spec=spec), timeout=10).name
         self.wait_state(name, "RUNNING")
         return name
@@ -388,9 +393,37 @@ def case_cancel(c):
                 "is SUCCEEDED")
 
 
+def case_worker_loss(c):
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session(restart_limit=1)
+    batch, probe = c.batch(seed=7), c.batch(seed=8, n=2, length=17)
+    for _ in range(3):
+        c.fb(job, batch)
+        c.step(job)
+    saved = c.training.SaveCheckpoint(c.pb.SaveCheckpointRequest(job=job), timeout=120)
+    at_save = c.forward(job, probe)
+    c.fb(job, batch)
+    if c.step(job).step != 4:
+        raise Failure("optim_step after the save")
+    c.kill_worker("w1")
+    wait_for("the controller to requeue the session", lambda: c.get(job).restarts == 1)
+    expect_code(c, "a call while the session waits for a worker", lambda: c.forward(job, probe),
+                c.grpc.StatusCode.FAILED_PRECONDITION, "is PENDING")
+    c.start_worker("w2")
+    j = c.wait_state(job, "RUNNING")
+    back = max_diff(c.forward(job, probe), at_save)
+    c.fb(job, batch)
+    step = c.step(job).step
+    print(f"(worker loss) killed w1 at step 4; {job} restarted on {list(j.workers)} from {saved.directory}: "
+          f"logprobs differ from save time by {back:.2e}, next optim_step is {step}")
+    if list(j.workers) != ["w2"] or back > 1e-6 or step != saved.step + 1:
+        raise Failure(f"the restarted session is not the saved one: workers {list(j.workers)}, diff {back}, step {step}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel"])
+    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss"])
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--source-dir", required=True)
