@@ -344,17 +344,20 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   })));
   ASSERT_TRUE(runner.Submit(FbCall(8)));
   ASSERT_TRUE(runner.Submit(StepCall(9)));
-  ASSERT_TRUE(runner.Submit(FbCall(10)));  // pending gradients the load drops
-  ASSERT_TRUE(runner.Submit(Call(11, [&](v1::TrainingCall& c) {
+  ASSERT_TRUE(runner.Submit(Call(10, [&](v1::TrainingCall& c) {  // an export is not a checkpoint
+    c.mutable_load_checkpoint()->set_directory((root_ / "export").string());
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(11)));  // pending gradients the load drops
+  ASSERT_TRUE(runner.Submit(Call(12, [&](v1::TrainingCall& c) {
     c.mutable_load_checkpoint()->set_directory(CheckpointPath(dir, 2));
   })));
-  ASSERT_TRUE(runner.Submit(StepCall(12)));
-  const std::vector<v1::TrainingReply> r = rec.WaitReplies(12);
-  ASSERT_EQ(r.size(), 12u);
+  ASSERT_TRUE(runner.Submit(StepCall(13)));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(13);
+  ASSERT_EQ(r.size(), 13u);
   for (size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].call_id(), static_cast<int64_t>(i + 1));
     EXPECT_EQ(r[i].job(), "jobs/7");
-    if (i != 2 && i != 11) {
+    if (i != 2 && i != 9 && i != 12) {
       EXPECT_EQ(r[i].code(), 0) << "call " << i + 1 << ": " << r[i].message();
     }
   }
@@ -372,15 +375,17 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   EXPECT_TRUE(fs::exists(root_ / "export" / "config.json"));
   EXPECT_NE(ReadFile((root_ / "export" / "config.json").string()).find("bfloat16"), std::string::npos);
   EXPECT_EQ(r[8].optim_step().step(), 3);
-  EXPECT_EQ(r[10].load_checkpoint().step(), 2);
-  // The load dropped the gradients of call 10 (computed on the replaced weights).
-  EXPECT_EQ(r[11].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[11].message();
+  EXPECT_EQ(r[9].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[9].message();
+  EXPECT_NE(r[9].message().find("no trainer_state.json"), std::string::npos) << r[9].message();
+  EXPECT_EQ(r[11].load_checkpoint().step(), 2);
+  // The load dropped the gradients of call 11 (computed on the replaced weights).
+  EXPECT_EQ(r[12].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[12].message();
   // No call for 2 s: the session ends ok at the loaded step.
   const v1::JobResult result = rec.Wait();
   EXPECT_TRUE(result.ok()) << result.error();
   EXPECT_EQ(result.step(), 2);
   EXPECT_EQ(result.last_checkpoint(), CheckpointPath(dir, 2));
-  EXPECT_FALSE(runner.Submit(FbCall(13)));  // ended: nothing queues
+  EXPECT_FALSE(runner.Submit(FbCall(14)));  // ended: nothing queues
   absl::MutexLock l(&rec.mu);
   // Progress after each optim_step, the save and the load: step and the last loss.
   std::vector<int64_t> steps;
