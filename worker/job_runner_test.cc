@@ -1,8 +1,10 @@
 #include "worker/job_runner.h"
 
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <sstream>
 
@@ -418,6 +420,49 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
     }
   }
   EXPECT_GT(aborted, 0);
+}
+
+// On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
+// planner's memory strategy for seq_len x batch_size positions) and trains: the loss of a fixed
+// 4096-token batch falls over 8 forward_backward + optim_step calls, and forward's logprobs are
+// finite. Skips where there is no GPU.
+TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
+  if (!ProbeDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cuda:0";
+  v1::Assignment a = RlJob((root_ / "gpu").string(), 0);
+  a.mutable_spec()->mutable_model()->clear_dtype();
+  a.mutable_spec()->mutable_data()->set_seq_len(8192);
+  a.mutable_spec()->mutable_data()->set_batch_size(1);
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  auto batch = [](v1::Datum* d) {
+    for (int i = 0; i < 4096; ++i) {
+      d->add_tokens((i * 7) % 256);
+      d->add_target_tokens(((i + 1) * 7) % 256);
+    }
+  };
+  int64_t id = 0;
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) {
+      batch(c.mutable_forward_backward()->add_batch());
+      c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+    })));
+    ASSERT_TRUE(runner.Submit(StepCall(++id)));
+  }
+  ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) { batch(c.mutable_forward()->add_batch()); })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(static_cast<size_t>(id));
+  ASSERT_EQ(r.size(), static_cast<size_t>(id));
+  for (const auto& reply : r) ASSERT_EQ(reply.code(), 0) << reply.message();
+  const double first = r[0].forward_backward().loss(), last = r[14].forward_backward().loss();
+  std::cout << "GPU RL session: loss " << first << " -> " << last << ", " << r[0].forward_backward().seconds()
+            << " s for the first forward_backward, " << r[14].forward_backward().seconds() << " s for the last\n";
+  EXPECT_LT(last, first - 1.0);
+  EXPECT_EQ(r[15].optim_step().step(), 8);
+  ASSERT_EQ(r[16].forward().logprobs(0).values_size(), 4096);
+  for (float v : r[16].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);
+  runner.Cancel("done");
+  EXPECT_EQ(rec.Wait(absl::Seconds(60)).cancelled(), "done");
 }
 
 TEST(ProbeCapabilitiesTest, DescribesTheCpu) {
