@@ -44,10 +44,13 @@ int main(int argc, char** argv) {
   std::string metrics_listen = "0.0.0.0:9464";
   std::string metrics_port_file;
   double heartbeat_timeout_s = 10;
-  int64_t max_message_bytes = 16 << 20;
+  // A TrainingService batch of 1M tokens with every per-token array is ~20 MB; 64 MiB leaves
+  // room for ~3M-token batches (and matches the worker's default).
+  int64_t max_message_bytes = 64 << 20;
   int rendezvous_port_base = 29500;
   std::string auth_token_file;
   odyssey::ServerTlsFiles tls;
+  double sequence_wait_s = 30;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound gRPC port here (atomically) once serving");
@@ -61,9 +64,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--max-message-bytes", max_message_bytes,
-                 "Largest gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED")
+                 "Largest gRPC message accepted or sent (also TrainingService batches and their forwarding to "
+                 "workers; keep the workers' --max-message-bytes at least as large); larger ones get "
+                 "RESOURCE_EXHAUSTED")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 30));
+  app.add_option("--sequence-wait", sequence_wait_s,
+                 "Seconds a sequenced TrainingService call waits for its predecessor before it gets ABORTED")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
                  "Rank 0 of job N hosts its rendezvous on port base + N % 10000")
       ->capture_default_str();
@@ -121,6 +130,7 @@ int main(int argc, char** argv) {
   options.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   options.checkpoint_root = std::filesystem::absolute(std::filesystem::path(state_dir) / "checkpoints").string();
   options.rendezvous_port_base = rendezvous_port_base;
+  options.sequence_wait = absl::Seconds(sequence_wait_s);
   options.registry = registry;
   auto controller = odyssey::server::Controller::Create(options, std::move(*store));
   if (!controller.ok()) {
@@ -129,6 +139,7 @@ int main(int argc, char** argv) {
   }
 
   odyssey::server::JobServiceImpl job_service(controller->get(), registry.get());
+  odyssey::server::TrainingServiceImpl training_service(controller->get());
   odyssey::server::WorkerServiceImpl worker_service(controller->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -138,6 +149,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(&job_service);
+  builder.RegisterService(&training_service);
   builder.RegisterService(&worker_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

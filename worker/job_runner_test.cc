@@ -1,7 +1,10 @@
 #include "worker/job_runner.h"
 
+#include <cmath>
 #include <filesystem>
+#include <functional>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <sstream>
 
@@ -57,7 +60,8 @@ struct Recorder {
             [this](const v1::JobResult& r) {
               absl::MutexLock l(&mu);
               result = r;
-            }};
+            },
+            nullptr};
   }
   v1::JobResult Wait(absl::Duration timeout = absl::Seconds(120)) {
     absl::MutexLock l(&mu);
@@ -186,17 +190,28 @@ TEST_F(JobRunnerTest, CancelStopsBetweenSteps) {
   EXPECT_LT(r.step(), 1000000);
 }
 
+v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds);
+
 TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   JobRunnerOptions opts;
   opts.device = "cpu";
   {
     Recorder rec;
     v1::Assignment a = TinyJob((root_ / "x").string(), 4);
-    a.mutable_spec()->set_kind(v1::RL_SESSION);
+    a.mutable_spec()->set_kind(static_cast<v1::JobKind>(9));
     JobRunner runner(a, opts, rec.Callbacks(), nullptr);
     v1::JobResult r = rec.Wait();
     EXPECT_FALSE(r.ok());
-    EXPECT_NE(r.error().find("spec.kind (RL_SESSION)"), std::string::npos) << r.error();
+    EXPECT_NE(r.error().find("spec.kind (9)"), std::string::npos) << r.error();
+  }
+  {
+    Recorder rec;
+    v1::Assignment a = RlJob((root_ / "x").string(), 0);
+    a.set_world_size(2);
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("RL sessions are single-rank for now"), std::string::npos) << r.error();
   }
   {
     Recorder rec;
@@ -245,6 +260,209 @@ TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
   EXPECT_FALSE(r.ok());
   EXPECT_NE(r.error().find("spec.memory.offload ('sometimes') must be on, off, auto or empty"), std::string::npos)
       << r.error();
+}
+
+// ---------------------------------------------------------------------------------------------
+// RL sessions
+
+v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds) {
+  v1::Assignment a = TinyJob(dir, 0);
+  v1::JobSpec* s = a.mutable_spec();
+  s->set_kind(v1::RL_SESSION);
+  s->clear_steps();
+  s->mutable_data()->clear_format();
+  s->mutable_optimizer()->clear_lr();  // unused: every optim_step carries its own
+  s->mutable_rl()->set_idle_timeout_seconds(idle_timeout_seconds);
+  return a;
+}
+
+// Collects an RL run's replies besides its progress and result.
+struct RlRecorder : Recorder {
+  std::vector<v1::TrainingReply> replies ABSL_GUARDED_BY(mu);
+  JobCallbacks Callbacks() {
+    JobCallbacks c = Recorder::Callbacks();
+    c.reply = [this](const v1::TrainingReply& r) {
+      absl::MutexLock l(&mu);
+      replies.push_back(r);
+    };
+    return c;
+  }
+  // The replies once there are `n` (waits up to 120 s).
+  std::vector<v1::TrainingReply> WaitReplies(size_t n) {
+    absl::MutexLock l(&mu);
+    auto has = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return replies.size() >= n; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&has), absl::Seconds(120))) << "replies: " << replies.size();
+    return replies;
+  }
+};
+
+v1::TrainingCall Call(int64_t id, const std::function<void(v1::TrainingCall&)>& fill) {
+  v1::TrainingCall c;
+  c.set_call_id(id);
+  c.set_job("jobs/7");
+  fill(c);
+  return c;
+}
+
+v1::TrainingCall FbCall(int64_t id, int first_token = 1) {
+  return Call(id, [first_token](v1::TrainingCall& c) {
+    v1::Datum* d = c.mutable_forward_backward()->add_batch();
+    for (int i = 0; i < 12; ++i) {
+      d->add_tokens((first_token + i * 7) % 256);
+      d->add_target_tokens((first_token + i * 7 + 7) % 256);
+    }
+    c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+  });
+}
+
+v1::TrainingCall StepCall(int64_t id) {
+  return Call(id, [](v1::TrainingCall& c) { c.mutable_optim_step()->mutable_adam()->set_lr(1e-2); });
+}
+
+// Calls submitted at once run FIFO; replies carry their call ids; the engine's INVALID_ARGUMENT
+// comes back unchanged and the session keeps working; save/load/export write where they say;
+// progress follows the optimizer steps; the idle timeout ends the run with an ok result.
+TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
+  const std::string dir = (root_ / "ckpt").string();
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  JobRunner runner(RlJob(dir, 2), opts, rec.Callbacks(), nullptr);
+  // Submitted while the model loads: they queue.
+  ASSERT_TRUE(runner.Submit(FbCall(1)));
+  ASSERT_TRUE(runner.Submit(StepCall(2)));
+  ASSERT_TRUE(runner.Submit(Call(3, [](v1::TrainingCall& c) {
+    v1::Datum* d = c.mutable_forward_backward()->add_batch();
+    d->add_tokens(1);
+    d->add_target_tokens(999);
+    c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(4)));
+  ASSERT_TRUE(runner.Submit(StepCall(5)));
+  ASSERT_TRUE(runner.Submit(Call(6, [](v1::TrainingCall& c) { c.mutable_save_checkpoint(); })));
+  ASSERT_TRUE(runner.Submit(Call(7, [&](v1::TrainingCall& c) {
+    c.mutable_export_weights()->set_directory((root_ / "export").string());
+    c.mutable_export_weights()->set_dtype("bfloat16");
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(8)));
+  ASSERT_TRUE(runner.Submit(StepCall(9)));
+  ASSERT_TRUE(runner.Submit(Call(10, [&](v1::TrainingCall& c) {  // an export is not a checkpoint
+    c.mutable_load_checkpoint()->set_directory((root_ / "export").string());
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(11)));  // pending gradients the load drops
+  ASSERT_TRUE(runner.Submit(Call(12, [&](v1::TrainingCall& c) {
+    c.mutable_load_checkpoint()->set_directory(CheckpointPath(dir, 2));
+  })));
+  ASSERT_TRUE(runner.Submit(StepCall(13)));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(13);
+  ASSERT_EQ(r.size(), 13u);
+  for (size_t i = 0; i < r.size(); ++i) {
+    EXPECT_EQ(r[i].call_id(), static_cast<int64_t>(i + 1));
+    EXPECT_EQ(r[i].job(), "jobs/7");
+    if (i != 2 && i != 9 && i != 12) {
+      EXPECT_EQ(r[i].code(), 0) << "call " << i + 1 << ": " << r[i].message();
+    }
+  }
+  EXPECT_EQ(r[0].forward_backward().logprobs_size(), 1);
+  EXPECT_EQ(r[0].forward_backward().logprobs(0).values_size(), 12);
+  EXPECT_EQ(r[0].forward_backward().tokens(), 12);
+  EXPECT_EQ(r[1].optim_step().step(), 1);
+  EXPECT_EQ(r[2].code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(r[2].message(), "batch[0].target_tokens[0] (999) must be in [0, 256), the model's vocabulary");
+  EXPECT_EQ(r[4].optim_step().step(), 2);
+  EXPECT_EQ(r[5].save_checkpoint().directory(), CheckpointPath(dir, 2));
+  EXPECT_EQ(r[5].save_checkpoint().step(), 2);
+  EXPECT_TRUE(fs::exists(fs::path(CheckpointPath(dir, 2)) / "optimizer.safetensors"));
+  EXPECT_EQ(r[6].export_weights().directory(), (root_ / "export").string());
+  EXPECT_TRUE(fs::exists(root_ / "export" / "config.json"));
+  EXPECT_NE(ReadFile((root_ / "export" / "config.json").string()).find("bfloat16"), std::string::npos);
+  EXPECT_EQ(r[8].optim_step().step(), 3);
+  EXPECT_EQ(r[9].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[9].message();
+  EXPECT_NE(r[9].message().find("no trainer_state.json"), std::string::npos) << r[9].message();
+  EXPECT_EQ(r[11].load_checkpoint().step(), 2);
+  // The load dropped the gradients of call 11 (computed on the replaced weights).
+  EXPECT_EQ(r[12].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[12].message();
+  // No call for 2 s: the session ends ok at the loaded step.
+  const v1::JobResult result = rec.Wait();
+  EXPECT_TRUE(result.ok()) << result.error();
+  EXPECT_EQ(result.step(), 2);
+  EXPECT_EQ(result.last_checkpoint(), CheckpointPath(dir, 2));
+  EXPECT_FALSE(runner.Submit(FbCall(14)));  // ended: nothing queues
+  absl::MutexLock l(&rec.mu);
+  // Progress after each optim_step, the save and the load: step and the last loss.
+  std::vector<int64_t> steps;
+  for (const auto& p : rec.progress) steps.push_back(p.metrics().step());
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 2, 3, 2}));
+  EXPECT_EQ(rec.progress[2].checkpoint(), CheckpointPath(dir, 2));
+  EXPECT_DOUBLE_EQ(rec.progress[0].metrics().loss(), r[0].forward_backward().loss());
+}
+
+// A cancel ends the session after the call that runs; the calls still queued get ABORTED.
+TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  JobRunner runner(RlJob((root_ / "c").string(), 0), opts, rec.Callbacks(), nullptr);
+  ASSERT_TRUE(runner.Submit(FbCall(1)));
+  ASSERT_EQ(rec.WaitReplies(1).size(), 1u);
+  for (int i = 2; i <= 20; ++i) ASSERT_TRUE(runner.Submit(FbCall(i, i)));
+  runner.Cancel("test says stop");
+  const v1::JobResult result = rec.Wait(absl::Seconds(60));
+  EXPECT_FALSE(result.ok());
+  EXPECT_EQ(result.cancelled(), "test says stop");
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(20);
+  ASSERT_EQ(r.size(), 20u);
+  int aborted = 0;
+  for (const auto& reply : r) {
+    if (reply.code() == static_cast<int>(absl::StatusCode::kAborted)) {
+      ++aborted;
+      EXPECT_NE(reply.message().find("cancelled"), std::string::npos) << reply.message();
+    }
+  }
+  EXPECT_GT(aborted, 0);
+}
+
+// On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
+// planner's memory strategy for seq_len x batch_size positions) and trains: the loss of a fixed
+// 4096-token batch falls over 8 forward_backward + optim_step calls, and forward's logprobs are
+// finite. Skips where there is no GPU.
+TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
+  if (!ProbeDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cuda:0";
+  v1::Assignment a = RlJob((root_ / "gpu").string(), 0);
+  a.mutable_spec()->mutable_model()->clear_dtype();
+  a.mutable_spec()->mutable_data()->set_seq_len(8192);
+  a.mutable_spec()->mutable_data()->set_batch_size(1);
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  auto batch = [](v1::Datum* d) {
+    for (int i = 0; i < 4096; ++i) {
+      d->add_tokens((i * 7) % 256);
+      d->add_target_tokens(((i + 1) * 7) % 256);
+    }
+  };
+  int64_t id = 0;
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) {
+      batch(c.mutable_forward_backward()->add_batch());
+      c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+    })));
+    ASSERT_TRUE(runner.Submit(StepCall(++id)));
+  }
+  ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) { batch(c.mutable_forward()->add_batch()); })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(static_cast<size_t>(id));
+  ASSERT_EQ(r.size(), static_cast<size_t>(id));
+  for (const auto& reply : r) ASSERT_EQ(reply.code(), 0) << reply.message();
+  const double first = r[0].forward_backward().loss(), last = r[14].forward_backward().loss();
+  std::cout << "GPU RL session: loss " << first << " -> " << last << ", " << r[0].forward_backward().seconds()
+            << " s for the first forward_backward, " << r[14].forward_backward().seconds() << " s for the last\n";
+  EXPECT_LT(last, first - 1.0);
+  EXPECT_EQ(r[15].optim_step().step(), 8);
+  ASSERT_EQ(r[16].forward().logprobs(0).values_size(), 4096);
+  for (float v : r[16].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);
+  runner.Cancel("done");
+  EXPECT_EQ(rec.Wait(absl::Seconds(60)).cancelled(), "done");
 }
 
 TEST(ProbeCapabilitiesTest, DescribesTheCpu) {
