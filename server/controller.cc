@@ -199,12 +199,13 @@ v1::Job* Controller::FindJob(int64_t id) {
   return it == jobs_.end() ? nullptr : &it->second;
 }
 
-absl::StatusOr<v1::Job*> Controller::FindTenantJob(int64_t id, const std::string& tenant) {
+absl::StatusOr<v1::Job*> Controller::FindTenantJob(int64_t id, const std::string& tenant,
+                                                   absl::string_view field) {
   v1::Job* job = FindJob(id);
-  if (!job) return absl::NotFoundError(absl::StrCat("name: job ", JobName(id), " does not exist"));
+  if (!job) return absl::NotFoundError(absl::StrCat(field, ": ", JobName(id), " does not exist"));
   if (job->tenant() != tenant) {
     spdlog::warn("job={} refused to tenant \"{}\" (it belongs to \"{}\")", job->name(), tenant, job->tenant());
-    return absl::PermissionDeniedError(absl::StrCat("name: ", job->name(), " belongs to another tenant"));
+    return absl::PermissionDeniedError(absl::StrCat(field, ": ", job->name(), " belongs to another tenant"));
   }
   return job;
 }
@@ -384,9 +385,9 @@ absl::StatusOr<v1::Job> Controller::GetJob(int64_t id, const std::string& tenant
   return **job;
 }
 
-absl::Status Controller::CheckJobAccess(int64_t id, const std::string& tenant) {
+absl::Status Controller::CheckJobAccess(int64_t id, const std::string& tenant, absl::string_view field) {
   absl::MutexLock lock(&mu_);
-  return FindTenantJob(id, tenant).status();
+  return FindTenantJob(id, tenant, field).status();
 }
 
 absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequest& request,

@@ -141,9 +141,10 @@ class Controller {
   // until the job ends.
   absl::StatusOr<std::shared_ptr<JobWatch>> WatchJob(int64_t id, const std::string& tenant);
   // OK when job `id` exists and belongs to `tenant`; else NOT_FOUND or PERMISSION_DENIED with
-  // the messages above. For handlers that act on a job by name (TrainingService) and must
-  // check the caller's right to it before anything else.
-  absl::Status CheckJobAccess(int64_t id, const std::string& tenant);
+  // the messages above, which start with `field` (the request field naming the job: "job" in
+  // the TrainingService). For handlers that act on a job by name and must check the caller's
+  // right to it before anything else.
+  absl::Status CheckJobAccess(int64_t id, const std::string& tenant, absl::string_view field = "name");
 
   // WorkerService. Returns the attach session id to pass back to the calls below.
   absl::StatusOr<int64_t> AttachWorker(const odyssey::v1::WorkerCapabilities& capabilities,
@@ -217,7 +218,8 @@ class Controller {
 
   odyssey::v1::Job* FindJob(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Job `id` when it exists and belongs to `tenant`; else NOT_FOUND / PERMISSION_DENIED.
-  absl::StatusOr<odyssey::v1::Job*> FindTenantJob(int64_t id, const std::string& tenant)
+  absl::StatusOr<odyssey::v1::Job*> FindTenantJob(int64_t id, const std::string& tenant,
+                                                  absl::string_view field = "name")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists job `id` and records `event` (stamped with the job name and now).
   void Commit(int64_t id, std::optional<odyssey::v1::JobEvent> event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

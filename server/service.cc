@@ -149,7 +149,7 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
     return valid;
   }
   const int64_t id = ParseJobName(job, "job").value();  // validated
-  if (absl::Status access = controller_->CheckJobAccess(id, *tenant); !access.ok()) {
+  if (absl::Status access = controller_->CheckJobAccess(id, *tenant, "job"); !access.ok()) {
     controller_->CountTrainingCall(method, access.code());
     return access;
   }

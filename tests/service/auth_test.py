@@ -267,6 +267,33 @@ def run(env):
             != "SUCCEEDED":
         raise Failure("alice's job changed")
 
+    # --- the TrainingService: alice's RL session answers alice only ---
+    training = pbg.TrainingServiceStub(channel)
+    rl_spec = pb.JobSpec(kind=pb.RL_SESSION, display_name="alice-rl")
+    rl_spec.model.name = "tiny"
+    rl_spec.data.seq_len = 64
+    rl_spec.data.batch_size = 1
+    session = jobs.CreateJob(pb.CreateJobRequest(spec=rl_spec), metadata=md("alice"), timeout=10).name
+    wait_for("alice's RL session to run", lambda: pb.Job.State.Name(jobs.GetJob(
+        pb.GetJobRequest(name=session), metadata=md("alice"), timeout=10).state) == "RUNNING", timeout=DEADLINE_S)
+    datum = pb.Datum(tokens=list(range(65, 81)), target_tokens=list(range(66, 82)))
+    fb = pb.ForwardBackwardRequest(job=session, batch=[datum], loss=pb.LossConfig(kind="cross_entropy"))
+    reply = training.ForwardBackward(fb, metadata=md("alice"), timeout=60)
+    if len(reply.logprobs) != 1 or len(reply.logprobs[0].values) != 16:
+        raise Failure(f"alice's ForwardBackward: {reply}")
+    expect_rpc_error("bob ForwardBackward(alice's session)", lambda: training.ForwardBackward(
+        fb, metadata=md("bob"), timeout=10), Code.PERMISSION_DENIED, f"job: {session} belongs to another tenant")
+    expect_rpc_error("bob ExportWeights(alice's session)", lambda: training.ExportWeights(
+        pb.ExportWeightsRequest(job=session, directory=env.path("bob-export")), metadata=md("bob"), timeout=10),
+        Code.PERMISSION_DENIED, f"job: {session} belongs to another tenant")
+    expect_rpc_error("ForwardBackward without a token", lambda: training.ForwardBackward(fb, timeout=10),
+                     Code.UNAUTHENTICATED, "missing bearer token")
+    if os.path.exists(env.path("bob-export")):
+        raise Failure("bob's refused ExportWeights wrote a directory")
+    jobs.CancelJob(pb.CancelJobRequest(name=session), metadata=md("alice"), timeout=10)
+    print(f"ok: TrainingService: alice's {session} answers alice; bob gets PERMISSION_DENIED, no token "
+          "UNAUTHENTICATED")
+
     # --- transport: plaintext and a foreign CA cannot talk to the TLS port (the call fails at
     # once as UNAVAILABLE; DEADLINE_EXCEEDED if the handshake failure comes after the deadline) ---
     no_transport = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)
