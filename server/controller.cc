@@ -340,7 +340,28 @@ absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::Status Controller::CheckPaths(const v1::JobSpec& spec, const std::string& tenant) const {
+  if (absl::Status s = CheckJobSpecPaths(spec, options_.paths, tenant, "spec"); !s.ok()) return s;
+  if (options_.paths.enabled() && spec.checkpoint().directory().empty()) {
+    // The id is not known yet: job-0 stands for it (only the existing prefix can be a link).
+    absl::Status s = options_.paths.Check(DefaultCheckpointDir(0, tenant), PathPolicy::Access::kWrite, tenant,
+                                          "spec.checkpoint.directory (empty: the default folder)");
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Controller::CheckPaths(const v1::TrainingCall& call, const std::string& tenant) const {
+  return CheckTrainingCallPaths(call, options_.paths, tenant);
+}
+
+std::string Controller::DefaultCheckpointDir(int64_t id, const std::string& tenant) const {
+  if (options_.paths.enabled()) return absl::StrCat(options_.paths.TenantFolder(tenant), "/checkpoints/job-", id);
+  return absl::StrCat(options_.checkpoint_root, "/job-", id);
+}
+
 absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request, const std::string& tenant) {
+  if (absl::Status s = CheckPaths(request.spec(), tenant); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   if (!request.request_id().empty()) {
     auto it = request_ids_.find(std::make_pair(tenant, request.request_id()));
@@ -725,7 +746,7 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
   const std::string rendezvous = absl::StrCat(workers_.at(worker_ids[0]).host, ":",
                                               options_.rendezvous_port_base + id % 10000);
   const std::string checkpoint_dir = job.spec().checkpoint().directory().empty()
-                                         ? absl::StrCat(options_.checkpoint_root, "/job-", id)
+                                         ? DefaultCheckpointDir(id, job.tenant())
                                          : job.spec().checkpoint().directory();
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     v1::ControllerMessage message;

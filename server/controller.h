@@ -56,6 +56,7 @@
 #include "odyssey/v1/odyssey.pb.h"
 #include "prometheus/registry.h"
 #include "server/job_store.h"
+#include "server/paths.h"
 
 namespace odyssey::server {
 
@@ -91,8 +92,10 @@ struct ControllerOptions {
   // A worker silent this long is disconnected; disconnected this long, dead.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   // Default checkpoint folder root: a job without checkpoint.directory writes to
-  // <checkpoint_root>/job-<id>.
+  // <checkpoint_root>/job-<id> (when `paths` is off; see DefaultCheckpointDir).
   std::string checkpoint_root = "odyssey-state/checkpoints";
+  // Which paths clients may name (server/paths.h); default: off, any absolute path.
+  PathPolicy paths;
   // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<rendezvous_port_base + id % 10000>.
   int rendezvous_port_base = 29500;
   // The time source (tests pass a fake clock).
@@ -145,6 +148,20 @@ class Controller {
   // the TrainingService). For handlers that act on a job by name and must check the caller's
   // right to it before anything else.
   absl::Status CheckJobAccess(int64_t id, const std::string& tenant, absl::string_view field = "name");
+
+  // Path confinement (server/paths.h, options.paths). OK when `tenant` may name the paths of
+  // `spec` (validation.h CheckJobSpecPaths) and, when spec.checkpoint.directory is empty, the
+  // tenant's default checkpoint folder still resolves inside its tenant folder (a symbolic link
+  // there must not steer the workers' writes); else PERMISSION_DENIED / INVALID_ARGUMENT naming
+  // the field. The service calls it before validation.h's checks, which read model and dataset
+  // files; CreateJob calls it again.
+  absl::Status CheckPaths(const odyssey::v1::JobSpec& spec, const std::string& tenant) const;
+  // The same for the directory of a TrainingService call (CheckTrainingCallPaths).
+  absl::Status CheckPaths(const odyssey::v1::TrainingCall& call, const std::string& tenant) const;
+  // Where job `id` of `tenant` writes checkpoints when its spec names no folder: with paths on,
+  // <tenant folder>/checkpoints/job-<id> (so the tenant may load them back); else
+  // <checkpoint_root>/job-<id>.
+  std::string DefaultCheckpointDir(int64_t id, const std::string& tenant) const;
 
   // WorkerService. Returns the attach session id to pass back to the calls below.
   absl::StatusOr<int64_t> AttachWorker(const odyssey::v1::WorkerCapabilities& capabilities,

@@ -9,6 +9,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -16,6 +17,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
 #include "server/controller.h"
+#include "server/paths.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
 
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
   int rendezvous_port_base = 29500;
   std::string auth_token_file;
   odyssey::ServerTlsFiles tls;
+  odyssey::server::PathPolicyOptions paths;
   double sequence_wait_s = 30;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
@@ -79,6 +82,13 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", auth_token_file,
                  "Bearer tokens: one '<token> <tenant>' per line (tenant @worker = worker tokens); "
                  "SIGHUP reloads it. Empty = auth off (one anonymous tenant)");
+  app.add_option("--path-root", paths.root,
+                 "Every path a client names (checkpoint and export folders, datasets, model folders) must lie "
+                 "under this existing folder: under <root>/<tenant> with auth on, anywhere under it with auth off. "
+                 "Empty = any absolute path (single-tenant / trusted deployments only)");
+  app.add_option("--shared-read-root", paths.shared_read_roots,
+                 "A folder every tenant may read but none may write (base models, datasets); repeatable. "
+                 "Requires --path-root and must not contain it");
   app.add_option("--tls-cert", tls.cert, "PEM certificate chain of the gRPC port (with --tls-key: TLS on)");
   app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert");
   app.add_option("--tls-client-ca", tls.client_ca,
@@ -107,6 +117,20 @@ int main(int argc, char** argv) {
                  auth_token_file);
     odyssey::server::SetAuthTokens(std::make_shared<const odyssey::server::TokenTable>(*std::move(table)));
   }
+  auto path_policy = odyssey::server::PathPolicy::Create(paths);
+  if (!path_policy.ok()) {
+    std::cerr << "odyssey-controller: " << path_policy.status().message() << "\n";
+    return 1;
+  }
+  if (path_policy->enabled()) {
+    spdlog::info("odyssey-controller: client paths confined to {} ({}), shared read-only: {}", paths.root,
+                 auth_token_file.empty() ? "auth off: the whole root" : "a folder per tenant",
+                 paths.shared_read_roots.empty() ? std::string("none") : absl::StrJoin(paths.shared_read_roots, ", "));
+  } else if (!auth_token_file.empty()) {
+    spdlog::warn("odyssey-controller: auth is on but --path-root is not set: any tenant may make the workers read "
+                 "or write any absolute path (other tenants' checkpoints included); set --path-root for "
+                 "multi-tenant deployments");
+  }
   auto credentials = odyssey::MakeServerCredentials(tls);
   if (!credentials.ok()) {
     std::cerr << "odyssey-controller: " << credentials.status().message() << "\n";
@@ -132,6 +156,7 @@ int main(int argc, char** argv) {
   options.rendezvous_port_base = rendezvous_port_base;
   options.sequence_wait = absl::Seconds(sequence_wait_s);
   options.registry = registry;
+  options.paths = *std::move(path_policy);
   auto controller = odyssey::server::Controller::Create(options, std::move(*store));
   if (!controller.ok()) {
     std::cerr << "odyssey-controller: " << controller.status().message() << "\n";

@@ -66,6 +66,7 @@ class ControllerTest : public ::testing::Test {
     registry_ = std::make_shared<prometheus::Registry>();
     options.registry = registry_;
     options.sequence_wait = sequence_wait_;
+    options.paths = paths_;
     auto c = Controller::Create(options, std::move(*store));
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = std::move(*c);
@@ -126,6 +127,7 @@ class ControllerTest : public ::testing::Test {
   std::unique_ptr<Controller> controller_;
   std::shared_ptr<prometheus::Registry> registry_;
   absl::Duration sequence_wait_ = absl::Seconds(30);
+  PathPolicy paths_;  // off unless a test confines paths
 };
 
 TEST_F(ControllerTest, SameRequestIdCreatesOneJob) {
@@ -452,6 +454,115 @@ TEST_F(ControllerTest, AnotherTenantsJobIsPermissionDenied) {
   // A job that does not exist is NOT_FOUND for everyone.
   EXPECT_EQ(controller_->CheckJobAccess(9999, "alice").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(controller_->GetJob(9999, "bob").status().code(), absl::StatusCode::kNotFound);
+}
+
+// --path-root: a root with alice's and bob's folders and a shared read root (base models).
+class PathConfinementTest : public ControllerTest {
+ protected:
+  void SetUp() override {
+    ControllerTest::SetUp();
+    root_ = (dir_ / "root").string();
+    shared_ = (dir_ / "shared").string();
+    for (const std::string& d : {root_ + "/alice/base", root_ + "/bob/export", shared_ + "/base"}) {
+      std::filesystem::create_directories(d);
+    }
+    auto policy = PathPolicy::Create({.root = root_, .shared_read_roots = {shared_}});
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    paths_ = *policy;
+    Restart();
+  }
+  absl::Status Create(const std::string& tenant, const std::function<void(v1::JobSpec&)>& edit) {
+    v1::CreateJobRequest r = Request(1);
+    edit(*r.mutable_spec());
+    return controller_->CreateJob(r, tenant).status();
+  }
+  std::string root_, shared_;
+};
+
+TEST_F(PathConfinementTest, JobSpecPathsMustBeTheTenantsOrShared) {
+  struct Case {
+    std::function<void(v1::JobSpec&)> edit;
+    absl::StatusCode code;
+    std::string message;  // expected prefix
+  };
+  const auto kDenied = absl::StatusCode::kPermissionDenied;
+  const Case cases[] = {
+      {[&](v1::JobSpec& s) { s.mutable_checkpoint()->set_directory(root_ + "/alice/run1"); }, absl::StatusCode::kOk, ""},
+      {[&](v1::JobSpec& s) { s.mutable_model()->set_name(shared_ + "/base"); }, absl::StatusCode::kOk, ""},
+      {[&](v1::JobSpec& s) { s.mutable_data()->set_path(shared_ + "/data.bin"); }, absl::StatusCode::kOk, ""},
+      {[&](v1::JobSpec& s) { s.mutable_checkpoint()->set_directory(root_ + "/bob/run1"); }, kDenied,
+       "spec.checkpoint.directory: \"" + root_ + "/bob/run1\" must be inside " + root_ +
+           "/alice (the caller's tenant folder)"},
+      {[&](v1::JobSpec& s) { s.mutable_checkpoint()->set_directory(shared_ + "/base/out"); }, kDenied,
+       "spec.checkpoint.directory: "},
+      {[&](v1::JobSpec& s) { s.mutable_model()->set_name(root_ + "/bob/export"); }, kDenied,
+       "spec.model.name: \"" + root_ + "/bob/export\" must be under " + root_ + "/alice (the caller's tenant folder) or " +
+           shared_ + " (shared, read-only)"},
+      {[&](v1::JobSpec& s) { s.mutable_model()->set_name(root_ + "/alice/../bob/export"); }, kDenied, "spec.model.name: "},
+      {[&](v1::JobSpec& s) { s.mutable_data()->set_path("/etc/passwd"); }, kDenied, "spec.data.path: \"/etc/passwd\""},
+      {[&](v1::JobSpec& s) { s.mutable_data()->set_path("data.bin"); }, absl::StatusCode::kInvalidArgument,
+       "spec.data.path: \"data.bin\" must be an absolute path"},
+      {[&](v1::JobSpec& s) { s.mutable_model()->set_name("some-folder"); }, absl::StatusCode::kInvalidArgument,
+       "spec.model.name: \"some-folder\" must be a named shape"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status s = Create("alice", c.edit);
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_THAT(std::string(s.message()), ::testing::StartsWith(c.message));
+  }
+  // Bob's own folder is his; the anonymous tenant (auth off) may use the whole root.
+  EXPECT_TRUE(Create("bob", [&](v1::JobSpec& s) { s.mutable_model()->set_name(root_ + "/bob/export"); }).ok());
+  EXPECT_TRUE(Create(kAnon, [&](v1::JobSpec& s) { s.mutable_model()->set_name(root_ + "/bob/export"); }).ok());
+  EXPECT_EQ(Create(kAnon, [&](v1::JobSpec& s) { s.mutable_data()->set_path("/etc/passwd"); }).code(), kDenied);
+}
+
+TEST_F(PathConfinementTest, DefaultCheckpointsGoToTheTenantFolder) {
+  auto w1 = Attach("w1");
+  const v1::Job job = *controller_->CreateJob(Request(1), "alice");
+  ASSERT_EQ(w1.conn->Assignments().size(), 1u);
+  EXPECT_EQ(w1.conn->Assignments()[0].checkpoint_dir(), root_ + "/alice/checkpoints/job-" +
+                                                             std::to_string(*ParseJobName(job.name())));
+  EXPECT_EQ(controller_->DefaultCheckpointDir(7, kAnon), root_ + "/checkpoints/job-7");
+}
+
+TEST_F(PathConfinementTest, ALinkCannotSteerTheDefaultCheckpointFolder) {
+  std::filesystem::create_directory_symlink(root_ + "/bob", root_ + "/alice/checkpoints");
+  const absl::Status s = Create("alice", [](v1::JobSpec&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("resolves (through a symbolic link) outside"));
+}
+
+TEST_F(PathConfinementTest, TrainingCallDirectories) {
+  auto call = [](int kind, const std::string& dir) {
+    v1::TrainingCall c;
+    if (kind == 0) c.mutable_save_checkpoint()->set_directory(dir);
+    if (kind == 1) c.mutable_load_checkpoint()->set_directory(dir);
+    if (kind == 2) c.mutable_export_weights()->set_directory(dir);
+    return c;
+  };
+  const auto kDenied = absl::StatusCode::kPermissionDenied;
+  EXPECT_TRUE(controller_->CheckPaths(call(0, ""), "bob").ok());  // the job's default folder
+  EXPECT_TRUE(controller_->CheckPaths(call(0, root_ + "/bob/ckpt"), "bob").ok());
+  EXPECT_TRUE(controller_->CheckPaths(call(1, root_ + "/bob/export"), "bob").ok());
+  EXPECT_TRUE(controller_->CheckPaths(call(1, shared_ + "/base"), "bob").ok());
+  EXPECT_TRUE(controller_->CheckPaths(call(2, root_ + "/bob/export"), "bob").ok());
+  const absl::Status load = controller_->CheckPaths(call(1, root_ + "/alice/base"), "bob");
+  EXPECT_EQ(load.code(), kDenied);
+  EXPECT_THAT(std::string(load.message()), ::testing::StartsWith("directory: \"" + root_ + "/alice/base\" must be under " + root_ +
+                                                    "/bob (the caller's tenant folder)"));
+  EXPECT_EQ(controller_->CheckPaths(call(0, root_ + "/alice/x"), "bob").code(), kDenied);
+  EXPECT_EQ(controller_->CheckPaths(call(2, shared_ + "/base"), "bob").code(), kDenied);
+  EXPECT_EQ(controller_->CheckPaths(call(2, "relative"), "bob").code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ControllerTest, WithoutAPathRootAnyAbsolutePathIsAllowed) {
+  v1::CreateJobRequest r = Request(1);
+  r.mutable_spec()->mutable_checkpoint()->set_directory((dir_ / "anywhere").string());
+  EXPECT_TRUE(controller_->CreateJob(r, "alice").ok());
+  v1::TrainingCall c;
+  c.mutable_load_checkpoint()->set_directory("/somewhere/else");
+  EXPECT_TRUE(controller_->CheckPaths(c, "bob").ok());
+  EXPECT_EQ(controller_->DefaultCheckpointDir(3, "alice"), (dir_ / "ckpt").string() + "/job-3");
 }
 
 TEST_F(ControllerTest, RequestIdsArePerTenant) {

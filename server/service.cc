@@ -67,6 +67,8 @@ grpc::Status JobServiceImpl::CreateJob(grpc::ServerContext* context, const v1::C
   ScopedTimer timer(Timer("CreateJob"));
   auto tenant = CallerTenant(*context);
   if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+  // Paths before validation: validation reads the model and dataset files it names.
+  if (absl::Status s = controller_->CheckPaths(request->spec(), *tenant); !s.ok()) return ToGrpcStatus(s);
   if (absl::Status s = ValidateCreateJobRequest(*request); !s.ok()) return ToGrpcStatus(s);
   auto job = controller_->CreateJob(*request, *tenant);
   if (!job.ok()) return ToGrpcStatus(job.status());
@@ -138,7 +140,8 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
                                                                const absl::Status& valid, const std::string& job,
                                                                int64_t sequence, v1::TrainingCall call) {
   // Who is calling comes first (an unauthenticated caller learns nothing about its request),
-  // then the request's own rules, then whether the job is the caller's.
+  // then the request's own rules, then whether the job is the caller's, then whether the
+  // caller may name the call's directory (server/paths.h).
   auto tenant = CallerTenant(*context);
   if (!tenant.ok()) {
     controller_->CountTrainingCall(method, tenant.status().code());
@@ -152,6 +155,10 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
   if (absl::Status access = controller_->CheckJobAccess(id, *tenant, "job"); !access.ok()) {
     controller_->CountTrainingCall(method, access.code());
     return access;
+  }
+  if (absl::Status paths = controller_->CheckPaths(call, *tenant); !paths.ok()) {
+    controller_->CountTrainingCall(method, paths.code());
+    return paths;
   }
   return controller_->Train(id, std::move(call), sequence, [context] { return context->IsCancelled(); });
 }

@@ -1,5 +1,6 @@
 #include "server/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <filesystem>
@@ -335,6 +336,51 @@ absl::Status ValidateRolloutBatch(const v1::RolloutBatch& batch) {
   ODYSSEY_RETURN_IF_ERROR(CheckBatch(batch.batch(), "batch"));
   ODYSSEY_RETURN_IF_ERROR(CheckLoss(batch.loss(), "loss"));
   return CheckAdam(batch.adam(), "adam");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Path confinement
+
+absl::Status CheckJobSpecPaths(const v1::JobSpec& spec, const PathPolicy& policy, absl::string_view tenant,
+                               absl::string_view f) {
+  using Access = PathPolicy::Access;
+  const std::string p(f);
+  const std::string& model = spec.model().name();
+  if (model.find('/') != std::string::npos) {
+    ODYSSEY_RETURN_IF_ERROR(policy.Check(model, Access::kRead, tenant, p + ".model.name"));
+  } else if (policy.enabled() && !model.empty()) {
+    // A bare name is a named shape, or a folder relative to a process's working folder: the
+    // latter is not confinable.
+    const std::vector<std::string> shapes = odyssey::model::NamedShapeNames();
+    if (std::find(shapes.begin(), shapes.end(), model) == shapes.end()) {
+      return Invalid(p + ".model.name", absl::StrCat("\"", model, "\" must be a named shape (", absl::StrJoin(shapes, ", "),
+                                                     ") or an absolute checkpoint directory"));
+    }
+  }
+  if (!spec.data().path().empty()) {
+    ODYSSEY_RETURN_IF_ERROR(policy.Check(spec.data().path(), Access::kRead, tenant, p + ".data.path"));
+  }
+  if (!spec.checkpoint().directory().empty()) {
+    ODYSSEY_RETURN_IF_ERROR(
+        policy.Check(spec.checkpoint().directory(), Access::kWrite, tenant, p + ".checkpoint.directory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTrainingCallPaths(const v1::TrainingCall& call, const PathPolicy& policy,
+                                    absl::string_view tenant) {
+  using Access = PathPolicy::Access;
+  switch (call.call_case()) {
+    case v1::TrainingCall::kSaveCheckpoint:
+      if (call.save_checkpoint().directory().empty()) return absl::OkStatus();
+      return policy.Check(call.save_checkpoint().directory(), Access::kWrite, tenant, "directory");
+    case v1::TrainingCall::kLoadCheckpoint:
+      return policy.Check(call.load_checkpoint().directory(), Access::kRead, tenant, "directory");
+    case v1::TrainingCall::kExportWeights:
+      return policy.Check(call.export_weights().directory(), Access::kWrite, tenant, "directory");
+    default:
+      return absl::OkStatus();
+  }
 }
 
 absl::Status ValidateListJobsRequest(const v1::ListJobsRequest& request) {

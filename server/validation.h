@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "odyssey/v1/odyssey.pb.h"
+#include "server/paths.h"
 
 namespace odyssey::server {
 
@@ -57,6 +58,20 @@ absl::Status ValidateLoadCheckpointRequest(const odyssey::v1::LoadCheckpointRequ
 absl::Status ValidateExportWeightsRequest(const odyssey::v1::ExportWeightsRequest& request);
 // One PushRollouts batch: a ForwardBackward's checks plus an OptimStep's.
 absl::Status ValidateRolloutBatch(const odyssey::v1::RolloutBatch& batch);
+
+// Path confinement (server/paths.h). Each checks the client-chosen paths of a request against
+// `policy` for `tenant` (the caller's), and must run before the checks above, which read the
+// model and dataset files: a tenant must not learn whether another tenant's files exist.
+// JobSpec: model.name when it is a path (it holds a '/'; with confinement on, a name without
+// one must be a named shape), read; data.path when set, read; checkpoint.directory when set,
+// written (empty = the controller's default, Controller::DefaultCheckpointDir). `field`
+// prefixes field names ("spec").
+absl::Status CheckJobSpecPaths(const odyssey::v1::JobSpec& spec, const PathPolicy& policy, absl::string_view tenant,
+                               absl::string_view field = "spec");
+// TrainingService: the `directory` of save_checkpoint (written; empty = the job's default
+// folder), load_checkpoint (read) and export_weights (written). Other calls have no paths.
+absl::Status CheckTrainingCallPaths(const odyssey::v1::TrainingCall& call, const PathPolicy& policy,
+                                    absl::string_view tenant);
 
 // "jobs/{id}" with id a positive decimal number. `field` names the field in messages.
 absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view field = "name");
