@@ -7,7 +7,8 @@
 // JOB is "jobs/N" or N. Exit codes: 0 ok; 1 the job FAILED or was CANCELLED (watch, submit
 // --watch) or another error; 2 usage or invalid argument (bad flags, bad spec file,
 // INVALID_ARGUMENT, FAILED_PRECONDITION, ...); 3 not found; 4 controller unavailable;
-// 5 not allowed (UNAUTHENTICATED: no or unknown token; PERMISSION_DENIED: another tenant's job).
+// 5 not allowed (UNAUTHENTICATED: no or unknown token; PERMISSION_DENIED: another tenant's job
+// or a path outside the caller's folders).
 #include <unistd.h>
 
 #include <chrono>
