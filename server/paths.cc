@@ -20,6 +20,10 @@ fs::path Normal(const fs::path& p) {
 
 absl::Status FormError(absl::string_view path, absl::string_view field) {
   if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": is empty"));
+  if (path.size() > kMaxCheckedPathBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": length (", path.size(), ") must be <= ", kMaxCheckedPathBytes, " bytes"));
+  }
   if (path.find('\0') != absl::string_view::npos) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": must not contain NUL bytes"));
   }
@@ -98,8 +102,8 @@ std::string PathPolicy::Rule(absl::string_view tenant, Access access) const {
 
 absl::Status PathPolicy::Check(absl::string_view path, Access access, absl::string_view tenant,
                                absl::string_view field) const {
-  if (absl::Status form = FormError(path, field); !form.ok()) return form;
   if (!enabled()) return absl::OkStatus();
+  if (absl::Status form = FormError(path, field); !form.ok()) return form;
 
   const bool write = access == Access::kWrite;
   const fs::path tenant_lexical = tenant.empty() ? root_.lexical : root_.lexical / std::string(tenant);

@@ -14,8 +14,8 @@
 //   Writes must name something strictly inside the tenant folder (never the folder itself: the
 //   workers replace the folder they write).
 //
-// How a path is judged (Check): it must be absolute and free of NUL bytes (else
-// INVALID_ARGUMENT); then both its lexical normal form (`.` and `..` folded without touching
+// How a path is judged (Check, when on): it must be absolute, of bounded length and free of NUL
+// bytes (else INVALID_ARGUMENT); then both its lexical normal form (`.` and `..` folded without touching
 // the filesystem) and its resolved form (std::filesystem::weakly_canonical: symbolic links of
 // the part that exists followed, as the kernel will) must lie under one allowed root. So
 // `<root>/alice/../bob/x` and a symbolic link inside alice's folder that points at bob's are
@@ -30,6 +30,7 @@
 // Thread safety: immutable after Create; Check may be called from any thread.
 #pragma once
 
+#include <cstddef>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -39,6 +40,9 @@
 #include "absl/strings/string_view.h"
 
 namespace odyssey::server {
+
+// Longest path Check accepts with confinement on, in bytes (Linux's PATH_MAX).
+inline constexpr size_t kMaxCheckedPathBytes = 4096;
 
 struct PathPolicyOptions {
   // The folder every client-supplied path must lie under (tenant folders are its children).
@@ -65,8 +69,10 @@ class PathPolicy {
   std::string TenantFolder(absl::string_view tenant) const;
 
   // OK when `tenant` may `access` `path` (see the header comment). `field` names the request
-  // field in messages ("spec.checkpoint.directory"). Off: only the path form rules (absolute,
-  // no NUL). REQUIRES: `path` is not empty (empty means a default the caller handles).
+  // field in messages ("spec.checkpoint.directory"). Off: always OK (today's behaviour: the
+  // TrainingService's own validation still asks for absolute paths, JobSpec paths may even be
+  // relative). On: a path that is empty, relative, longer than kMaxCheckedPathBytes or holds a
+  // NUL byte is INVALID_ARGUMENT. REQUIRES: empty paths (a default) are the caller's business.
   absl::Status Check(absl::string_view path, Access access, absl::string_view tenant, absl::string_view field) const;
 
  private:

@@ -119,11 +119,16 @@ TEST_F(PathPolicyTest, MessagesNameTheFieldAndTheRule) {
   EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("/bob/ckpt\"")));  // only the path as given is quoted
 }
 
-TEST(PathPolicyOffTest, AnyAbsolutePathButStillAbsolute) {
+TEST(PathPolicyOffTest, AllowsWhatWasAllowedBefore) {
   PathPolicy off;
   EXPECT_FALSE(off.enabled());
   EXPECT_TRUE(off.Check("/etc/anything", Access::kWrite, "alice", "directory").ok());
-  EXPECT_EQ(off.Check("relative", Access::kRead, "", "directory").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(off.Check("relative/data.bin", Access::kRead, "", "spec.data.path").ok());
+}
+
+TEST_F(PathPolicyTest, RefusesOverlongPaths) {
+  const std::string path = root_ + "/alice/" + std::string(kMaxCheckedPathBytes, 'a');
+  EXPECT_EQ(policy_.Check(path, Access::kWrite, "alice", "directory").code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PathPolicyCreateTest, RefusesBadRoots) {

@@ -19,7 +19,12 @@ in a temporary folder, plus a second, unrelated CA. Checked:
   - SIGHUP reloads the token file (a new tenant works, a removed token stops working), and a
     broken file on SIGHUP keeps the tokens in force;
   - mTLS (--tls-client-ca): a client without a certificate is refused, one with a certificate
-    the CA signed is served.
+    the CA signed is served; that controller (auth, no --path-root) logs the confinement warning;
+  - paths (--path-root, --shared-read-root): a shared root containing the path root is refused
+    at startup; alice's default checkpoints land in <root>/alice; alice exports into her folder,
+    not into bob's nor into the shared root; bob's LoadCheckpoint of alice's export and his
+    CreateJob with model.name = alice's export get PERMISSION_DENIED naming the field; bob may
+    start from a base model in the shared read root.
 Every wait is on a condition with a deadline.
 """
 import argparse
@@ -170,6 +175,15 @@ def run(env):
     if bad.returncode == 0 or f"{broken}:3: token is too short" not in bad.stderr or "short-token" in bad.stderr:
         raise Failure(f"bad token file: exit {bad.returncode}, stderr {bad.stderr!r}")
     print(f"ok: bad token file refused: {bad.stderr.strip()}")
+    path_root, shared_root = env.path("paths"), env.path("shared")
+    os.makedirs(path_root)
+    os.makedirs(shared_root)
+    bad = subprocess.run([env.args.controller, "--listen", "127.0.0.1:0", "--state-dir", env.path("bad-state"),
+                          "--metrics-listen", "", "--path-root", path_root, "--shared-read-root", env.workdir],
+                         capture_output=True, text=True, timeout=30)
+    if bad.returncode == 0 or "--shared-read-root" not in bad.stderr or "must not contain --path-root" not in bad.stderr:
+        raise Failure(f"shared root containing the path root: exit {bad.returncode}, stderr {bad.stderr!r}")
+    print(f"ok: a shared read root containing the path root refused: {bad.stderr.strip()}")
 
     # --- the controller: tokens + TLS ---
     port_file = env.path("controller.port")
@@ -180,7 +194,8 @@ def run(env):
     controller = env.spawn("controller", [
         env.args.controller, "--listen", "127.0.0.1:0", "--port-file", port_file, "--state-dir", env.path("state"),
         "--metrics-listen", "", "--heartbeat-timeout", "4", "--rendezvous-port-base", str(rendezvous_base),
-        "--auth-token-file", token_file, "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"]])
+        "--auth-token-file", token_file, "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"],
+        "--path-root", path_root, "--shared-read-root", shared_root])
     wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip(),
              timeout=DEADLINE_S)
     env.address = f"127.0.0.1:{int(open(port_file).read())}"
@@ -215,7 +230,10 @@ def run(env):
     job = jobs.GetJob(pb.GetJobRequest(name=name), metadata=md("alice"), timeout=10)
     if pb.Job.State.Name(job.state) != "SUCCEEDED" or job.tenant != "alice" or list(job.workers) != ["w1"]:
         raise Failure(f"alice's job: {job}")
-    print(f"ok: alice's {name} SUCCEEDED on w1 over TLS (tenant {job.tenant!r})")
+    alice_dir, bob_dir = os.path.join(path_root, "alice"), os.path.join(path_root, "bob")
+    if not job.last_checkpoint.startswith(os.path.join(alice_dir, "checkpoints", "job-")):
+        raise Failure(f"alice's default checkpoint {job.last_checkpoint!r} is not in {alice_dir}/checkpoints")
+    print(f"ok: alice's {name} SUCCEEDED on w1 over TLS (tenant {job.tenant!r}), checkpoint {job.last_checkpoint}")
     # ODYSSEY_TOKEN works as well as --token-file.
     out = subprocess.run([env.args.cli, *cli_tls, "get", name], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "ODYSSEY_TOKEN": tokens["alice"]})
@@ -290,6 +308,41 @@ def run(env):
                      Code.UNAUTHENTICATED, "missing bearer token")
     if os.path.exists(env.path("bob-export")):
         raise Failure("bob's refused ExportWeights wrote a directory")
+
+    # --- paths: alice writes only into her folder; bob cannot read it; the shared root is read-only ---
+    alice_export = os.path.join(alice_dir, "exports", "rl-1")
+    training.ExportWeights(pb.ExportWeightsRequest(job=session, directory=alice_export), metadata=md("alice"),
+                           timeout=60)
+    if not os.path.exists(os.path.join(alice_export, "config.json")):
+        raise Failure(f"alice's export wrote no {alice_export}/config.json")
+    inside_alice = f"must be inside {alice_dir} (the caller's tenant folder)"
+    for where in (os.path.join(bob_dir, "planted"), os.path.join(shared_root, "planted"),
+                  os.path.join(alice_dir, "..", "bob", "planted")):
+        expect_rpc_error(f"alice ExportWeights into {where}", lambda: training.ExportWeights(
+            pb.ExportWeightsRequest(job=session, directory=where), metadata=md("alice"), timeout=10),
+            Code.PERMISSION_DENIED, f'directory: "{where}" {inside_alice}')
+    if os.path.exists(os.path.join(bob_dir, "planted")) or os.path.exists(os.path.join(shared_root, "planted")):
+        raise Failure("a refused ExportWeights wrote a directory")
+    bob_rl = jobs.CreateJob(pb.CreateJobRequest(spec=pb.JobSpec(
+        kind=pb.RL_SESSION, model=rl_spec.model, data=rl_spec.data)), metadata=md("bob"), timeout=10).name
+    under_bob = f"must be under {bob_dir} (the caller's tenant folder) or {shared_root} (shared, read-only)"
+    expect_rpc_error("bob LoadCheckpoint(alice's export) into his own session", lambda: training.LoadCheckpoint(
+        pb.LoadCheckpointRequest(job=bob_rl, directory=alice_export), metadata=md("bob"), timeout=10),
+        Code.PERMISSION_DENIED, f'directory: "{alice_export}" {under_bob}')
+    jobs.CancelJob(pb.CancelJobRequest(name=bob_rl), metadata=md("bob"), timeout=10)
+    stolen = pb.JobSpec()
+    stolen.CopyFrom(job.spec)
+    stolen.model.name = alice_export
+    expect_rpc_error("bob CreateJob(model.name = alice's export)", lambda: jobs.CreateJob(
+        pb.CreateJobRequest(spec=stolen), metadata=md("bob"), timeout=10),
+        Code.PERMISSION_DENIED, f'spec.model.name: "{alice_export}" {under_bob}')
+    # The operator publishes a base model in the shared read root: every tenant may start from it.
+    shutil.copytree(alice_export, os.path.join(shared_root, "base"))
+    stolen.model.name = os.path.join(shared_root, "base")
+    based = jobs.CreateJob(pb.CreateJobRequest(spec=stolen), metadata=md("bob"), timeout=10)
+    jobs.CancelJob(pb.CancelJobRequest(name=based.name), metadata=md("bob"), timeout=10)
+    print(f"ok: paths: alice exports into {alice_dir} only; bob is refused her export (LoadCheckpoint, "
+          "model.name) and may use the shared base model")
     jobs.CancelJob(pb.CancelJobRequest(name=session), metadata=md("alice"), timeout=10)
     print(f"ok: TrainingService: alice's {session} answers alice; bob gets PERMISSION_DENIED, no token "
           "UNAUTHENTICATED")
@@ -364,6 +417,11 @@ def run(env):
     if out.returncode != 2 or "does not match the certificate in --tls-cert" not in out.stderr:
         raise Failure(f"CLI with a mismatched --tls-key: exit {out.returncode}: {out.stderr}")
     print("ok: mTLS: refused without a client certificate, served with one; a mismatched client key is a usage error")
+    if "auth is on but --path-root is not set" not in env.log("controller-mtls"):
+        raise Failure("a controller with auth and no --path-root did not log the confinement warning")
+    if "--path-root is not set" in env.log("controller"):
+        raise Failure("the controller with --path-root logged the confinement warning")
+    print("ok: auth without --path-root logs the confinement warning")
 
     for t in tokens.values():
         for log in env.logs:
