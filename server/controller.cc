@@ -706,9 +706,19 @@ void Controller::Schedule() {
     if (w.session != 0 && w.job == 0) idle.push_back(&w);
   }
   std::vector<std::pair<int64_t, std::vector<std::string>>> starts;
+  std::vector<std::pair<int64_t, std::string>> refused;  // (id, why)
   for (const v1::Job* job : pending) {
     const size_t need = static_cast<size_t>(WorldSize(job->spec()));
     if (idle.size() < need) break;  // gang: never partial; FIFO: nothing jumps the queue head
+    // Jobs stored before --path-root was set (or under other roots) are judged again when they
+    // start, restarts included: a spec an earlier configuration accepted must not run with
+    // paths the current one refuses. The workers go to the next job.
+    if (options_.paths.enabled()) {
+      if (absl::Status paths = CheckPaths(job->spec(), job->tenant()); !paths.ok()) {
+        refused.emplace_back(ParseJobName(job->name()).value(), std::string(paths.message()));
+        continue;
+      }
+    }
     // Prefer one host: the host with the fewest idle workers that still fits the job.
     std::map<std::string, std::vector<const Worker*>> by_host;
     for (const Worker* w : idle) by_host[w->host].push_back(w);
@@ -732,6 +742,11 @@ void Controller::Schedule() {
       idle.erase(std::find(idle.begin(), idle.end(), w));
     }
     starts.emplace_back(ParseJobName(job->name()).value(), std::move(ids));
+  }
+  for (auto& [id, why] : refused) {
+    v1::Job& job = jobs_.at(id);
+    job.set_error(absl::StrCat("refused when starting (--path-root): ", why));
+    SetState(id, v1::Job::FAILED, job.error());
   }
   for (auto& [id, ids] : starts) Assign(id, ids);
 }

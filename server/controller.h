@@ -17,6 +17,9 @@
 //   (strict FIFO within priority, no partial starts, no backfill).
 // - After a controller restart, RUNNING jobs keep their workers for heartbeat_timeout: the
 //   workers re-attach and report `held`, or the job is restarted as above.
+// - Paths (options.paths on): a job about to start (or restart) whose spec the path policy
+//   refuses (it was stored under another configuration) fails instead, and the scheduler
+//   moves on to the next job.
 //
 // TrainingService (RL_SESSION jobs; Train() below, server/README.md "TrainingService"):
 // - A call is forwarded to the job's rank-0 worker as a TrainingCall with a fresh call_id (ids

@@ -532,6 +532,27 @@ TEST_F(PathConfinementTest, ALinkCannotSteerTheDefaultCheckpointFolder) {
   EXPECT_THAT(s.message(), HasSubstr("resolves (through a symbolic link) outside"));
 }
 
+TEST_F(PathConfinementTest, JobsStoredBeforeThePathRootFailWhenTheyStart) {
+  // Bob's job was accepted by a controller without --path-root; the store keeps it PENDING.
+  paths_ = PathPolicy();
+  Restart();
+  v1::CreateJobRequest r = Request(1);
+  r.mutable_spec()->mutable_model()->set_name(root_ + "/alice/base");
+  const std::string stolen = controller_->CreateJob(r, "bob")->name();
+  const std::string fine = controller_->CreateJob(Request(1), "bob")->name();
+  // The controller restarts with --path-root: the job fails when it would start, and its
+  // worker takes the next one.
+  paths_ = *PathPolicy::Create({.root = root_, .shared_read_roots = {shared_}});
+  Restart();
+  auto w1 = Attach("w1");
+  const v1::Job failed = *controller_->GetJob(*ParseJobName(stolen), "bob");
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("refused when starting (--path-root): spec.model.name: "));
+  EXPECT_EQ(controller_->GetJob(*ParseJobName(fine), "bob")->state(), v1::Job::RUNNING);
+  ASSERT_EQ(w1.conn->Assignments().size(), 1u);
+  EXPECT_EQ(w1.conn->Assignments()[0].job(), fine);
+}
+
 TEST_F(PathConfinementTest, TrainingCallDirectories) {
   auto call = [](int kind, const std::string& dir) {
     v1::TrainingCall c;
