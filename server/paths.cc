@@ -120,6 +120,11 @@ absl::Status PathPolicy::Check(absl::string_view path, Access access, absl::stri
       if (IsUnder(lexical, s.lexical)) {
         return denied(absl::StrCat(s.lexical.string(), " is a shared read-only root"));
       }
+      // The workers replace the folder they write (and prune checkpoints in it): one holding a
+      // shared root would take the shared root with it.
+      if (IsUnder(s.lexical, lexical)) {
+        return denied(absl::StrCat("it contains the shared read-only root ", s.lexical.string()));
+      }
     }
   }
   auto allowed = [&](const fs::path& p, bool resolved) {
@@ -141,8 +146,8 @@ absl::Status PathPolicy::Check(absl::string_view path, Access access, absl::stri
   if (ec) return denied(absl::StrCat("it cannot be resolved (", ec.message(), ")"));
   if (write) {
     for (const Root& s : shared_) {
-      if (IsUnder(resolved, s.resolved)) {
-        return denied(absl::StrCat("it resolves (through a symbolic link) into ", s.lexical.string(),
+      if (IsUnder(resolved, s.resolved) || IsUnder(s.resolved, resolved)) {
+        return denied(absl::StrCat("it resolves (through a symbolic link) into or above ", s.lexical.string(),
                                    ", a shared read-only root"));
       }
     }

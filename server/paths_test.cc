@@ -119,6 +119,25 @@ TEST_F(PathPolicyTest, MessagesNameTheFieldAndTheRule) {
   EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("/bob/ckpt\"")));  // only the path as given is quoted
 }
 
+TEST(PathPolicySharedInsideATenantTest, WritesNeverReachTheSharedRoot) {
+  // An operator put a shared root inside alice's folder: alice may read it, write beside it,
+  // but neither write into it nor write (and so replace) a folder that holds it.
+  const fs::path base = fs::temp_directory_path() / ("odyssey_paths_shared_inside_" + std::to_string(getpid()));
+  fs::remove_all(base);
+  fs::create_directories(base / "root" / "alice" / "pub" / "models");
+  const std::string alice = (base / "root" / "alice").string();
+  auto policy = PathPolicy::Create({.root = (base / "root").string(), .shared_read_roots = {alice + "/pub/models"}});
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EXPECT_TRUE(policy->Check(alice + "/pub/models/m", Access::kRead, "bob", "directory").ok());
+  EXPECT_TRUE(policy->Check(alice + "/pub/other", Access::kWrite, "alice", "directory").ok());
+  EXPECT_EQ(policy->Check(alice + "/pub/models/m", Access::kWrite, "alice", "directory").code(),
+            absl::StatusCode::kPermissionDenied);
+  const absl::Status above = policy->Check(alice + "/pub", Access::kWrite, "alice", "directory");
+  EXPECT_EQ(above.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(above.message(), HasSubstr("it contains the shared read-only root " + alice + "/pub/models"));
+  fs::remove_all(base);
+}
+
 TEST(PathPolicyOffTest, AllowsWhatWasAllowedBefore) {
   PathPolicy off;
   EXPECT_FALSE(off.enabled());
