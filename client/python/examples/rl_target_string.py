@@ -43,13 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1, help="seeds the model's initialization and the sampler")
     p.add_argument("--prompt", default="Q: greet\nA: ", help="the fixed prompt")
     p.add_argument("--target", default="hi!", help="the string the reward asks for (2-4 bytes learn quickly)")
-    p.add_argument("--group-size", type=int, default=32, help="completions sampled per step")
-    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--group-size", type=int, default=64, help="completions sampled per step")
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
     p.add_argument("--loss", choices=["ppo", "importance_sampling"], default="ppo")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (both sides)")
-    p.add_argument("--advantage", choices=["token", "sequence", "fixed"], default="token")
-    p.add_argument("--baseline", type=float, default=0.5)
-    p.add_argument("--reward", choices=["bytes", "prefix"], default="bytes")
+    p.add_argument("--advantage", choices=["token", "sequence"], default="token")
     p.add_argument("--workdir", help="where the exported weights go (default: a temporary directory); it must be "
                    "readable here and writable by the worker")
     p.add_argument("--report", help="write the per-step numbers to this JSON file")
@@ -94,10 +92,8 @@ class HfSampler:
         return seq[0, len(prompt):].tolist()
 
 
-def advantages(match: torch.Tensor, kind: str, baseline: float = 0.5) -> torch.Tensor:
+def advantages(match: torch.Tensor, kind: str) -> torch.Tensor:
     """match (n, L) of 0/1: per-token advantages (n, L)."""
-    if kind == "fixed":
-        return match - baseline
     if kind == "token":
         return match - match.mean(0, keepdim=True)
     reward = match.sum(1, keepdim=True)  # (n, 1)
@@ -132,10 +128,8 @@ def main(argv=None) -> int:
             sampler.load(session.export_weights(weights_dir).result())
             completions, sampler_logp = sampler.sample(prompt, args.group_size, L, gen)  # (n, L) each
             match = (completions == torch.tensor(target).unsqueeze(0)).float()            # (n, L)
-            if args.reward == "prefix":
-                match = match.cumprod(1)
             reward = match.sum(1)                                                           # (n,)
-            adv = advantages(match, args.advantage, args.baseline)
+            adv = advantages(match, args.advantage)
             batch = [Datum.from_completion(prompt, completions[i], sampler_logp[i], adv[i])
                      for i in range(args.group_size)]
             fb_future = session.forward_backward(batch, loss=args.loss, clip_low=args.clip, clip_high=args.clip)
