@@ -25,6 +25,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
+from odyssey_client import _checks
 from odyssey_client._proto import pb, pb_grpc
 from odyssey_client.errors import JobFailedError, OdysseyError, SessionTimeoutError
 from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, ForwardBackwardResult, ForwardResult, JobInfo,
@@ -122,8 +123,8 @@ class TrainingClient:
     def create_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8,
                        idle_timeout_seconds: int = 0, dtype: str = "", attention: str = "", world_size: int = 0,
                        recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
-                       loss_tile_tokens: int = 0, host_budget_bytes: int = 0, lr: float = 1e-5,
-                       weight_decay: float = 0.0, grad_clip: float = 0.0, seed: int = 0, display_name: str = "",
+                       loss_tile_tokens: int = 0, host_budget_bytes: int = 0, grad_clip: float = 0.0,
+                       seed: int = 0, display_name: str = "",
                        checkpoint_directory: str = "", priority: int = 0, request_id: Optional[str] = None,
                        wait: bool = True, wait_timeout: Optional[float] = 300.0) -> "Session":
         """Creates an RL session (a job of kind RL_SESSION) and, with `wait`, waits until it is
@@ -135,8 +136,8 @@ class TrainingClient:
         controller's planner checks). idle_timeout_seconds: the session ends SUCCEEDED after this
         long without calls (0 = the server's default, an hour). recompute/offload/tiles/
         host_budget_bytes: the memory options of JobSpec.memory ("" / 0 = the planner's choice).
-        lr, weight_decay, grad_clip: JobSpec.optimizer (each optim_step carries its own AdamW
-        settings; grad_clip <= 0 disables clipping). seed: model initialization of named shapes.
+        grad_clip: gradient-norm clipping of every optim_step (<= 0: none; each optim_step carries
+        its own AdamW settings). seed: model initialization of named shapes.
         request_id: idempotency key (a retry with the same id returns the same job); a random one
         by default. Raises JobFailedError when the job fails to start, SessionTimeoutError when it
         is not RUNNING after wait_timeout seconds.
@@ -148,13 +149,13 @@ class TrainingClient:
             memory=pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
                                  mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
                                  host_budget_bytes=host_budget_bytes),
-            optimizer=pb.OptimizerSpec(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip),
+            optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
             data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
             checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),
             rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds))
         request = pb.CreateJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
         job = self._call("CreateJob", self.jobs.CreateJob, request)
-        session = Session(self, job.name)
+        session = Session(self, job.name, max_positions=seq_len * max(1, batch_size))
         if wait:
             session.wait_running(wait_timeout)
         return session
@@ -165,7 +166,10 @@ class TrainingClient:
         sequenced: stamp calls with `sequence`, starting at first_sequence (the job's next
         expected number); False sends sequence 0 (unordered: each call runs when it arrives),
         the safe choice when other clients may also be calling the job."""
-        return Session(self, _job_name(name), sequenced=sequenced, first_sequence=first_sequence)
+        name = _job_name(name)
+        spec = self.get_job(name).proto.spec
+        return Session(self, name, sequenced=sequenced, first_sequence=first_sequence,
+                       max_positions=spec.data.seq_len * max(1, spec.data.batch_size))
 
 
 LossLike = Union[str, Loss, dict, None]
@@ -180,10 +184,12 @@ class Session:
     (see the module docstring). Use as a context manager to cancel the job on exit.
     """
 
-    def __init__(self, client: TrainingClient, name: str, sequenced: bool = True, first_sequence: int = 1):
+    def __init__(self, client: TrainingClient, name: str, sequenced: bool = True, first_sequence: int = 1,
+                 max_positions: Optional[int] = None):
         self.client = client
         self.name = name
         self.sequenced = sequenced
+        self.max_positions = max_positions  # seq_len x batch_size: the most token positions per call
         # Re-entrant: a call that fails at once runs its done-callbacks (which untrack it) on the
         # issuing thread, inside _issue's critical section.
         self._lock = threading.RLock()
@@ -325,7 +331,9 @@ class Session:
         if clip_low is not None or clip_high is not None:
             spec = Loss(spec.kind, clip_low if clip_low is not None else spec.clip_low,
                         clip_high if clip_high is not None else spec.clip_high)
+        _checks.check_loss(spec.kind, spec.clip_low, spec.clip_high)
         data = batch_to_proto(batch)
+        _checks.check_batch(data, self.max_positions)
         loss_pb = spec.to_proto()
         req = lambda seq: pb.ForwardBackwardRequest(job=self.name, batch=data, loss=loss_pb, sequence=seq)  # noqa: E731
         return self._issue("ForwardBackward", self._send(self.client.training.ForwardBackward, req),
@@ -335,6 +343,7 @@ class Session:
                    weight_decay: float = 0.0, timeout: Optional[float] = None
                    ) -> "concurrent.futures.Future[OptimStepResult]":
         """Applies one AdamW step with the accumulated gradients and clears them."""
+        _checks.check_adam(lr, beta1, beta2, eps, weight_decay)
         adam = AdamW(lr, beta1, beta2, eps, weight_decay).to_proto()
         req = lambda seq: pb.OptimStepRequest(job=self.name, adam=adam, sequence=seq)  # noqa: E731
         return self._issue("OptimStep", self._send(self.client.training.OptimStep, req),
@@ -344,6 +353,7 @@ class Session:
         """The model's logprob of every target token of `batch` (tokens and target_tokens are
         used; no gradient)."""
         data = batch_to_proto(batch)
+        _checks.check_batch(data, self.max_positions)
         req = lambda seq: pb.ForwardRequest(job=self.name, batch=data, sequence=seq)  # noqa: E731
         return self._issue("Forward", self._send(self.client.training.Forward, req), ForwardResult.from_proto, timeout)
 
@@ -351,6 +361,7 @@ class Session:
                         ) -> "concurrent.futures.Future[CheckpointResult]":
         """Writes weights + optimizer state to `directory` (a path the worker can write; None =
         <the job's checkpoint directory>/step-<N>)."""
+        _checks.check_directory(directory, required=False)
         req = lambda seq: pb.SaveCheckpointRequest(job=self.name, directory=directory or "", sequence=seq)  # noqa: E731
         return self._issue("SaveCheckpoint", self._send(self.client.training.SaveCheckpoint, req),
                            lambda r: CheckpointResult(r.directory, r.step), timeout)
@@ -358,6 +369,7 @@ class Session:
     def load_checkpoint(self, directory: str, timeout: Optional[float] = None
                         ) -> "concurrent.futures.Future[CheckpointResult]":
         """Restores weights + optimizer state from a directory save_checkpoint wrote."""
+        _checks.check_directory(directory, required=True)
         req = lambda seq: pb.LoadCheckpointRequest(job=self.name, directory=directory, sequence=seq)  # noqa: E731
         return self._issue("LoadCheckpoint", self._send(self.client.training.LoadCheckpoint, req),
                            lambda r: CheckpointResult(directory, r.step), timeout)
@@ -367,6 +379,8 @@ class Session:
         """Writes the current weights as a Hugging Face directory (config.json +
         model.safetensors) that transformers / vLLM / SGLang load; dtype: None (the session's),
         "float32" or "bfloat16". Result: the directory written."""
+        _checks.check_directory(directory, required=True)
+        _checks.check_dtype(dtype)
         req = lambda seq: pb.ExportWeightsRequest(job=self.name, directory=directory, dtype=dtype or "",  # noqa: E731
                                                   sequence=seq)
         return self._issue("ExportWeights", self._send(self.client.training.ExportWeights, req),
@@ -388,14 +402,26 @@ class Session:
         fut.set_running_or_notify_cancel()
         timeout = self.client.call_timeout if timeout is None else timeout
 
+        bad_input: List[BaseException] = []  # raised while producing requests (on gRPC's thread)
+
         def requests():
+            try:
+                yield from produce()
+            except Exception as e:
+                bad_input.append(e)
+                raise
+
+        def produce():
             for i, item in enumerate(rollouts):
                 try:
                     batch, loss, adam = item
                 except (TypeError, ValueError):
                     raise TypeError(f"rollouts[{i}] must be a (batch, loss, adam) triple") from None
-                yield pb.RolloutBatch(job=self.name, batch=batch_to_proto(batch), loss=Loss.of(loss).to_proto(),
-                                      adam=AdamW.of(adam).to_proto())
+                spec, opt, data = Loss.of(loss), AdamW.of(adam), batch_to_proto(batch)
+                _checks.check_loss(spec.kind, spec.clip_low, spec.clip_high, f"rollouts[{i}].loss")
+                _checks.check_adam(opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, f"rollouts[{i}].adam")
+                _checks.check_batch(data, self.max_positions, f"rollouts[{i}].batch")
+                yield pb.RolloutBatch(job=self.name, batch=data, loss=spec.to_proto(), adam=opt.to_proto())
 
         def run(before: List[concurrent.futures.Future]) -> None:
             concurrent.futures.wait(before)
@@ -409,7 +435,9 @@ class Session:
                         on_result(res)
                 fut.set_result(results)
             except grpc.RpcError as e:
-                err = OdysseyError.from_rpc_error(e, "PushRollouts", self.name)
+                # A bad rollout from the caller's iterable cancels the stream: report that, not
+                # the cancellation it caused.
+                err = bad_input[0] if bad_input else OdysseyError.from_rpc_error(e, "PushRollouts", self.name)
                 err.partial_results = results  # type: ignore[attr-defined]
                 fut.set_exception(err)
             except Exception as e:  # a bad rollout from the caller's iterable, or on_result raised

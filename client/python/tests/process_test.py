@@ -164,8 +164,10 @@ def case_example(args, cluster, site):
 # ---------------------------------------------------------------------------------------------
 # fuzz
 
+# What bad input may get (server/README.md). Not ABORTED: the session never leaves RUNNING here
+# and no call waits for a missing predecessor; not UNAVAILABLE: the worker never goes away.
 OK_ERROR_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE",
-                  "ALREADY_EXISTS", "PERMISSION_DENIED", "ABORTED"}
+                  "ALREADY_EXISTS"}
 
 NASTY_FLOATS = [float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 1e-45, 3.4e38, -3.4e38, 1e300, -1e300]
 NASTY_INTS = [-1, 256, 257, 1000, 2 ** 31 - 1, -2 ** 31, 65536]
@@ -194,9 +196,9 @@ class Fuzzer:
 
     def sequence(self):
         # 0 (unordered) most of the time; otherwise the number the session expects next, one
-        # already used, or an invalid negative one. A number beyond the next one would make the
-        # call wait for calls that never come (a caller's bug the protocol cannot tell from
-        # slowness), so the fuzz sends none.
+        # already used (ALREADY_EXISTS), or an invalid negative one. A number beyond the next
+        # one waits 30 s for its predecessor and then gets ABORTED (server/README.md): correct,
+        # but too slow to fuzz by the hundred, so the fuzz sends none.
         r = self.rng.random()
         if r < 0.7:
             return 0, False
@@ -410,7 +412,18 @@ def case_fuzz(args, cluster, site):
         codes[code] += 1
         per_method[method][code] += 1
         if follows and job == session.name and method != "PushRollouts":
-            fz.next_sequence += 1  # a sequenced call to the session consumed its number (ok or not)
+            # The controller checks a request's shape and the job before the request takes its
+            # place in the order, so a refused call may or may not have used its number. A
+            # harmless Forward with the same number settles it: OK (it was free, now used) or
+            # ALREADY_EXISTS (the refused call had used it). Either way the next one is n + 1.
+            if code != "OK":
+                probe = pb.ForwardRequest(job=session.name, sequence=seq,
+                                          batch=[pb.Datum(tokens=[1, 2, 3], target_tokens=[2, 3, 4])])
+                pcode, pmsg, _ = call("Forward", probe, deadline)
+                codes[f"probe {pcode}"] += 1
+                if pcode not in ("OK", "ALREADY_EXISTS"):
+                    problems.append(f"#{i} sequence probe {seq} -> {pcode} {pmsg!r}")
+            fz.next_sequence = seq + 1
         if code == "OK" and method == "SaveCheckpoint" and reply.directory:
             saved.append(reply.directory)
         if code != "OK" and (code not in OK_ERROR_CODES or not msg.strip()):
@@ -426,7 +439,7 @@ def case_fuzz(args, cluster, site):
         print("PROBLEM", p)
     if problems:
         raise Failure(f"{len(problems)} of {args.requests} replies were not OK or a well-formed error status")
-    if codes["OK"] == 0 or sum(v for k, v in codes.items() if k != "OK") == 0:
+    if codes["OK"] < args.requests // 20 or sum(v for k, v in codes.items() if k != "OK") == 0:
         raise Failure(f"the fuzz should see both successes and refusals: {dict(codes)}")
 
     # The session is still RUNNING and still trains: cross-entropy on a fixed batch falls.
@@ -436,7 +449,11 @@ def case_fuzz(args, cluster, site):
     check = client.session(session.name, sequenced=False)
     text = b"In the beginning God created the heaven and the earth."
     batch = [oc.Datum.from_sequence(list(text[:seq_len + 1])), oc.Datum.from_sequence(list(text[-(seq_len + 1):]))]
-    check.optim_step(lr=1e-12, timeout=deadline).result()  # drops gradients the fuzz left behind
+    try:  # drops gradients the fuzz left behind (FAILED_PRECONDITION: there were none)
+        check.optim_step(lr=1e-12, timeout=deadline).result()
+    except oc.OdysseyError as e:
+        if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+            raise Failure(f"OptimStep after the fuzz: {e}")
     losses = []
     for _ in range(6):
         fb = check.forward_backward(batch, loss="cross_entropy", timeout=deadline)

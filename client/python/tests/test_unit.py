@@ -201,7 +201,8 @@ class FakeJobs(pb_grpc.JobServiceServicer):
         if states is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"name: {request.name} not found")
         state, error = states.pop(0) if len(states) > 1 else states[0]
-        return pb.Job(name=request.name, state=state, error=error)
+        spec = pb.JobSpec(kind=pb.RL_SESSION, data=pb.DataSpec(seq_len=16, batch_size=4))  # 64 positions a call
+        return pb.Job(name=request.name, state=state, error=error, spec=spec)
 
     def CancelJob(self, request, context):
         return pb.Job(name=request.name, state=pb.Job.CANCELLED)
@@ -217,6 +218,7 @@ class SessionTest(unittest.TestCase):
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.client = oc.TrainingClient(f"127.0.0.1:{port}", token="s3cret", call_timeout=30)
+        self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
 
     def tearDown(self):
         self.client.close()
@@ -316,6 +318,45 @@ class SessionTest(unittest.TestCase):
         self.assertLess(arrivals[("ForwardBackward", 2)], arrivals[("PushRollouts", 0)])
         self.assertGreater(arrivals[("OptimStep", 0.005)], self.training.stream_closed_at)
         self.assertEqual([a[1] for a in self.training.arrivals if a[0] == "OptimStep"], [2])
+
+    def test_requests_the_controller_refuses_before_ordering_fail_at_once(self):
+        # The controller checks these before a call takes its place in the sequence order, so a
+        # stamped number would never be used and later calls would wait for it: the session
+        # refuses them locally, without spending a number.
+        s = self.client.session("jobs/1")
+        self.assertEqual(s.max_positions, 64)
+        cases = [
+            (lambda: s.forward_backward(self.batch(1), loss="grpo"), "loss.kind"),
+            (lambda: s.forward_backward(self.batch(1), loss="ppo", clip_low=1.5), "loss.clip_low"),
+            (lambda: s.forward_backward(self.batch(1), loss="ppo", clip_high=float("inf")), "loss.clip_high"),
+            (lambda: s.forward_backward([]), "batch is empty"),
+            (lambda: s.forward([oc.Datum.from_sequence(list(range(40)))] * 2), "78 token positions exceed"),
+            (lambda: s.optim_step(lr=float("nan")), "adam.lr"),
+            (lambda: s.optim_step(lr=1e-3, beta1=1.0), "adam.beta1"),
+            (lambda: s.optim_step(lr=1e-3, weight_decay=-1), "adam.weight_decay"),
+            (lambda: s.save_checkpoint("relative/dir"), "absolute path"),
+            (lambda: s.load_checkpoint(""), "directory is required"),
+            (lambda: s.export_weights("/tmp/x", dtype="float16"), "dtype"),
+            (lambda: s.export_weights("/tmp/a\0b"), "NUL"),
+        ]
+        for make, what in cases:
+            with self.assertRaisesRegex(ValueError, what):
+                make()
+        self.assertEqual(s.next_sequence, 1)
+        self.assertEqual(self.training.arrivals, [])
+        self.assertEqual(s.optim_step(lr=1e-3).result(timeout=30).step, 1)
+        self.assertEqual(self.training.arrivals[0][1], 1)
+
+    def test_push_rollouts_reports_a_bad_rollout_itself(self):
+        s = self.client.session("jobs/1")
+
+        def rollouts():
+            yield self.batch(4), "ppo", 1e-3
+            yield self.batch(6), "ppo", -1.0  # refused by the client's check of adam.lr
+
+        f = s.push_rollouts(rollouts())
+        with self.assertRaisesRegex(ValueError, r"rollouts\[1\].adam.lr"):
+            f.result(timeout=30)
 
     def test_create_session_waits_for_running(self):
         self.jobs.script["jobs/1"] = [(pb.Job.PENDING, ""), (pb.Job.PENDING, ""), (pb.Job.RUNNING, "")]
