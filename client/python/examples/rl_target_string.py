@@ -137,6 +137,7 @@ def main(argv=None) -> int:
             fb, opt = fb_future.result(), step_future.result()
             row = {"step": opt.step, "reward": reward.mean().item(), "reward_max": reward.max().item(),
                    "loss": fb.loss, "mismatch_mean": fb.mismatch_mean, "mismatch_max": fb.mismatch_max,
+                   "mismatch_tokens": fb.mismatch_tokens,
                    "clipped_tokens": fb.clipped_tokens, "grad_norm": opt.grad_norm,
                    "seconds": time.monotonic() - ts}
             history.append(row)

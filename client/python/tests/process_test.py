@@ -139,6 +139,7 @@ def case_example(args, cluster, site):
     example = os.path.join(args.source_dir, "client", "python", "examples", "rl_target_string.py")
     env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     argv = [sys.executable, example, "--controller", cluster.address, "--seed", "1", "--steps", str(args.steps),
+            "--group-size", str(args.group_size),
             "--workdir", os.path.join(cluster.workdir, "rl"), "--report", report]
     print(" ".join(argv[1:]), flush=True)
     t0 = time.monotonic()
@@ -156,8 +157,10 @@ def case_example(args, cluster, site):
     worst = max(s["mismatch_max"] for s in r["steps"])
     if not worst < 1e-3:
         raise Failure(f"trainer-vs-sampler logprob mismatch up to {worst}")
-    if any(s["mismatch_max"] == 0 and s["mismatch_mean"] == 0 for s in r["steps"][:1]):
-        raise Failure("the first step reports no mismatch at all: were the sampler logprobs sent?")
+    # Every completion token carried its sampler logprob and was counted (the prompt's were not).
+    want = args.group_size * len(r["target"])
+    if any(s["mismatch_tokens"] != want for s in r["steps"]):
+        raise Failure(f"mismatch_tokens {[s['mismatch_tokens'] for s in r['steps']]}, want {want} every step")
     cluster.check_alive()
 
 
@@ -169,12 +172,20 @@ def case_example(args, cluster, site):
 OK_ERROR_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE",
                   "ALREADY_EXISTS"}
 
-NASTY_FLOATS = [float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 1e-45, 3.4e38, -3.4e38, 1e300, -1e300]
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+# Per-token values: non-finite, negative, tiny; 1e300 becomes inf on the float wire. No huge
+# finite values (3.4e38): they pass validation, their gradients overflow, and the server skips
+# that OptimStep with INTERNAL ("the gradient norm is inf"): a numeric limit of valid input,
+# not the malformed input this fuzz is about.
+NASTY_FLOATS = NON_FINITE + [-1.0, -1e-45, 1e-45, 1e300, -1e300]
 NASTY_INTS = [-1, 256, 257, 1000, 2 ** 31 - 1, -2 ** 31, 65536]
 
 
 class Fuzzer:
-    """Random requests built directly as protos (the client's helpers would refuse most of them)."""
+    """Random requests, built directly as protos (the client's helpers would refuse most of
+    them): a clean request (random but valid values) with probability 0.35, otherwise a clean
+    one with one to three random mutations, so that both the controller's edge checks and the
+    worker's per-token checks and compute paths are exercised."""
 
     def __init__(self, pb, rng, session_name, other_names, dirs, max_positions):
         self.pb, self.rng = pb, rng
@@ -184,10 +195,12 @@ class Fuzzer:
         self.max_positions = max_positions
         self.next_sequence = 1  # the session's next expected sequence number, when we follow it
 
+    def mutations(self):
+        return 0 if self.rng.random() < 0.35 else self.rng.choice([1, 1, 1, 2, 3])
+
     # -- pieces ------------------------------------------------------------------------------
     def job(self):
-        r = self.rng.random()
-        if r < 0.8:
+        if self.rng.random() < 0.88:
             return self.session_name
         return self.rng.choice(self.other_names + [
             "", "jobs/", "jobs/0", "jobs/-1", "jobs/99999999999999999999999", "jobs/abc", "jobs/1/../1", "1",
@@ -202,93 +215,142 @@ class Fuzzer:
         r = self.rng.random()
         if r < 0.7:
             return 0, False
-        if r < 0.85:
+        if r < 0.87:
             return self.next_sequence, True
         if r < 0.93:
             return self.rng.choice([-1, -2 ** 63, -self.rng.randrange(1, 1000)]), False
-        return self.rng.randrange(1, self.next_sequence + 1) if self.next_sequence > 1 else -5, False
+        return (self.rng.randrange(1, self.next_sequence), False) if self.next_sequence > 1 else (-5, False)
 
-    def token_ids(self, n, bad_rate):
-        out = []
-        for _ in range(n):
-            if self.rng.random() < bad_rate:
-                out.append(self.rng.choice(NASTY_INTS + [self.rng.randrange(-2 ** 31, 2 ** 31)]))
-            else:
-                out.append(self.rng.randrange(256))
-        return out
-
-    def floats(self, n, lo, hi, bad_rate):
-        out = []
-        for _ in range(n):
-            out.append(self.rng.choice(NASTY_FLOATS) if self.rng.random() < bad_rate else self.rng.uniform(lo, hi))
-        return out
-
-    def length(self):
-        r = self.rng.random()
-        if r < 0.05:
-            return 0
-        if r < 0.08:
-            return self.max_positions + self.rng.randrange(1, 3000)  # one datum over the limit
-        return self.rng.randrange(1, 40)
-
-    def datum(self, rl):
-        pb, rng = self.pb, self.rng
-        n = self.length()
-        bad = rng.choice([0.0, 0.0, 0.0, 0.02, 0.3])  # most datums are clean, some very dirty
-
-        def per_token(kind):
-            m = n if rng.random() < 0.9 else max(0, n + rng.choice([-1, 1, -n, 5]))  # mismatched length
-            if kind == "targets":
-                return self.token_ids(m, bad)
-            if kind == "weights":
-                if rng.random() < 0.05:
-                    return [0.0] * m  # a weight sum of 0
-                return self.floats(m, 0.0, 2.0, bad)
-            if kind == "q":
-                return self.floats(m, -8.0, 0.0, bad)
-            return self.floats(m, -2.0, 2.0, bad)
-
-        d = pb.Datum(tokens=self.token_ids(n, bad), target_tokens=per_token("targets"))
+    def clean_datum(self, n, rl):
+        rng = self.rng
+        d = self.pb.Datum(tokens=[rng.randrange(256) for _ in range(n)],
+                          target_tokens=[rng.randrange(256) for _ in range(n)])
         if rng.random() < 0.7:
-            d.weights.extend(per_token("weights"))
+            d.weights.extend(rng.choice([0.0, 1.0, rng.uniform(0, 2)]) for _ in range(n))
+            d.weights[rng.randrange(n)] = 1.0  # a weight sum > 0
         if rl or rng.random() < 0.2:
-            if rng.random() < 0.9:
-                d.sampler_logprobs.extend(per_token("q"))
-            if rng.random() < 0.9:
-                d.advantages.extend(per_token("adv"))
+            d.sampler_logprobs.extend(rng.uniform(-8, 0) for _ in range(n))
+            d.advantages.extend(rng.uniform(-2, 2) for _ in range(n))
         return d
 
-    def batch(self, rl):
-        r = self.rng.random()
-        if r < 0.05:
-            return []
-        if r < 0.08:  # many datums, together over the session's positions per call
+    def clean_batch(self, rl):
+        budget = self.max_positions
+        batch = []
+        for _ in range(self.rng.randrange(1, 5)):
+            n = min(self.rng.randrange(1, 40), budget)
+            if n <= 0:
+                break
+            batch.append(self.clean_datum(n, rl))
+            budget -= n
+        return batch
+
+    def mutate_batch(self, batch, rl):
+        """One random defect in `batch` (returned, possibly a new list)."""
+        rng, pb = self.rng, self.pb
+        nasty_float = lambda: rng.choice(NASTY_FLOATS)  # noqa: E731
+        d = rng.choice(batch) if batch else None
+        what = rng.randrange(14)
+        if d is None or what == 0:
+            return []  # empty batch
+        n = len(d.tokens)
+        if n == 0 and what in (1, 2, 4, 5, 6, 13):
+            return batch  # an earlier mutation emptied this datum: that is defect enough
+        if what == 1:
+            d.tokens[rng.randrange(n)] = rng.choice(NASTY_INTS + [rng.randrange(-2 ** 31, 2 ** 31)])
+        elif what == 2:
+            d.target_tokens[rng.randrange(n)] = rng.choice(NASTY_INTS)
+        elif what == 3:  # a per-token array of the wrong length
+            field = rng.choice(["target_tokens", "weights", "sampler_logprobs", "advantages"])
+            arr = getattr(d, field)
+            if len(arr) > 0 and rng.random() < 0.5:
+                del arr[-1]
+            else:
+                arr.extend([0] * rng.randrange(1, 4) if field == "target_tokens" else [0.5] * rng.randrange(1, 4))
+        elif what in (4, 5, 6):  # NaN / inf / huge / negative floats
+            field = rng.choice(["weights", "sampler_logprobs", "advantages"])
+            arr = getattr(d, field)
+            if len(arr) == 0:
+                arr.extend([1.0] * n)
+            arr[rng.randrange(n)] = nasty_float()
+        elif what == 7:  # a weight sum of 0
+            for x in batch:
+                del x.weights[:]
+                x.weights.extend([0.0] * len(x.tokens))
+        elif what == 8:  # an empty datum
+            del d.tokens[:]
+            del d.target_tokens[:]
+        elif what == 9:  # together over the session's positions per call
             per = 33
-            return [self.pb.Datum(tokens=[1] * per, target_tokens=[2] * per)
-                    for _ in range(self.max_positions // per + 2)]
-        return [self.datum(rl) for _ in range(self.rng.randrange(1, 6))]
+            return batch + [pb.Datum(tokens=[1] * per, target_tokens=[2] * per)
+                            for _ in range(self.max_positions // per + 1)]
+        elif what == 10:  # one datum longer than the session's positions
+            m = self.max_positions + rng.randrange(1, 3000)
+            return [pb.Datum(tokens=[3] * m, target_tokens=[4] * m)]
+        elif what == 11:  # an RL loss without its inputs
+            del d.sampler_logprobs[:]
+            if rng.random() < 0.5:
+                del d.advantages[:]
+        elif what == 12:  # many tiny datums
+            return [pb.Datum(tokens=[5], target_tokens=[6]) for _ in range(rng.randrange(1, self.max_positions + 1))]
+        else:  # garbage everywhere in one datum
+            d.tokens[:] = [rng.randrange(-2 ** 31, 2 ** 31) for _ in range(n)]
+            d.weights[:] = [nasty_float() for _ in range(n)]
+        return batch
+
+    def batch(self, rl):
+        batch = self.clean_batch(rl)
+        for _ in range(self.mutations()):
+            batch = self.mutate_batch(batch, rl)
+        return batch
 
     def loss(self):
         rng = self.rng
-        kind = rng.choice(["cross_entropy", "importance_sampling", "ppo", "ppo", "", "PPO", "ppo ", "cross-entropy",
-                           "grpo", "\x00", "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(1, 20)))])
-        clip = lambda: rng.choice([0.0, 0.0, rng.uniform(0.05, 0.5), rng.uniform(-1, 3)] + NASTY_FLOATS)  # noqa: E731
-        return self.pb.LossConfig(kind=kind, clip_low=clip(), clip_high=clip())
+        loss = self.pb.LossConfig(kind=rng.choice(["cross_entropy", "importance_sampling", "ppo", "ppo"]),
+                                  clip_low=rng.choice([0.0, rng.uniform(0.05, 0.5)]),
+                                  clip_high=rng.choice([0.0, rng.uniform(0.05, 0.5)]))
+        if rng.random() < 0.25:
+            what = rng.randrange(3)
+            if what == 0:
+                loss.kind = rng.choice(["", "PPO", "ppo ", "cross-entropy", "grpo", "\x00",
+                                        "".join(chr(rng.randrange(32, 127)) for _ in range(rng.randrange(1, 20)))])
+            else:
+                setattr(loss, "clip_low" if what == 1 else "clip_high",
+                        rng.choice([rng.uniform(-1, 3), 1.0, 1e300, -1e-300] + NASTY_FLOATS))
+        return loss
 
     def adam(self):
         rng = self.rng
-        # Valid values stay modest (a huge but valid learning rate legitimately wrecks a model);
-        # invalid ones are anything.
-        pick = lambda good, bads: rng.choice(bads) if rng.random() < 0.25 else good  # noqa: E731
-        return self.pb.AdamWParams(
-            lr=pick(10 ** rng.uniform(-6, -3), [0.0, -1e-3, float("nan"), float("inf"), -float("inf")]),
-            beta1=pick(rng.choice([0.0, 0.9, rng.uniform(0, 0.99)]), [1.0, -0.1, 1.5, float("nan"), float("inf")]),
-            beta2=pick(rng.choice([0.0, 0.95, rng.uniform(0, 0.999)]), [1.0, -0.5, 2.0, float("nan")]),
-            eps=pick(rng.choice([0.0, 1e-8, 1e-6]), [-1e-8, float("nan"), float("inf")]),
-            weight_decay=pick(rng.choice([0.0, 0.01]), [-0.1, float("nan"), float("inf")]))
+        # Valid values stay modest (a huge but valid learning rate legitimately wrecks a model).
+        adam = self.pb.AdamWParams(lr=10 ** rng.uniform(-6, -3), beta1=rng.choice([0.0, 0.9, rng.uniform(0, 0.99)]),
+                                   beta2=rng.choice([0.0, 0.95, rng.uniform(0, 0.999)]),
+                                   eps=rng.choice([0.0, 1e-8, 1e-6]), weight_decay=rng.choice([0.0, 0.01]))
+        # Out-of-range values only: a huge but valid learning rate or weight decay is not bad input,
+        # it legitimately wrecks the model (and the training check after the fuzz).
+        bad = {"lr": [0.0, -1e-3, -1e300] + NON_FINITE,
+               "beta1": [1.0, 1.5, -0.1, 1e300, -1e300] + NON_FINITE,
+               "beta2": [1.0, 2.0, -0.5, 3.4e38] + NON_FINITE,
+               "eps": [-1e-8, -1e300] + NON_FINITE,
+               "weight_decay": [-0.1, -3.4e38] + NON_FINITE}
+        for _ in range(self.mutations()):
+            field = rng.choice(sorted(bad))
+            setattr(adam, field, rng.choice(bad[field]))
+        return adam
 
     def directory(self, for_load=False):
         return self.rng.choice(self.dirs["load" if for_load else "write"])()
+
+
+def _summary(req):
+    """A short description of a request for failure messages: its small fields and batch shape."""
+    if isinstance(req, list):
+        return f"PushRollouts of {len(req)} batch(es): " + "; ".join(_summary(b) for b in req[:3])
+    parts = []
+    for f, v in req.ListFields():
+        if f.name == "batch":
+            parts.append(f"batch of {len(v)} datum(s), {sum(len(d.tokens) for d in v)} positions")
+        else:
+            parts.append(f"{f.name}: {str(v).strip()[:120]}".replace("\n", " "))
+    return ", ".join(parts)
 
 
 def make_dirs(workdir, rng, saved):
@@ -381,6 +443,7 @@ def case_fuzz(args, cluster, site):
     codes = collections.Counter()
     per_method = collections.defaultdict(collections.Counter)
     problems = []
+    samples = collections.defaultdict(list)
     deadline = 60.0
     t0 = time.monotonic()
     for i in range(args.requests):
@@ -411,6 +474,8 @@ def case_fuzz(args, cluster, site):
         took = time.monotonic() - t
         codes[code] += 1
         per_method[method][code] += 1
+        if code != "OK" and len(samples[code]) < 1:
+            samples[code].append(msg)
         if follows and job == session.name and method != "PushRollouts":
             # The controller checks a request's shape and the job before the request takes its
             # place in the order, so a refused call may or may not have used its number. A
@@ -427,7 +492,7 @@ def case_fuzz(args, cluster, site):
         if code == "OK" and method == "SaveCheckpoint" and reply.directory:
             saved.append(reply.directory)
         if code != "OK" and (code not in OK_ERROR_CODES or not msg.strip()):
-            problems.append(f"#{i} {method} -> {code} {msg!r} ({took:.1f}s); request: {str(req)[:300]!r}")
+            problems.append(f"#{i} {method} -> {code} {msg[:300]!r} ({took:.1f}s); request: {_summary(req)!r}")
         if i % 100 == 99:
             cluster.check_alive()
             print(f"{i + 1} requests, {time.monotonic() - t0:.0f}s: {dict(codes)}", flush=True)
@@ -435,12 +500,15 @@ def case_fuzz(args, cluster, site):
     for m in sorted(per_method):
         print(f"  {m:16s} {dict(per_method[m])}")
     cluster.check_alive()
+    for code, examples in sorted(samples.items()):
+        print(f"  e.g. {code}: {examples[0][:160]!r}")
     for p in problems[:25]:
         print("PROBLEM", p)
+    failures = []
     if problems:
-        raise Failure(f"{len(problems)} of {args.requests} replies were not OK or a well-formed error status")
+        failures.append(f"{len(problems)} of {args.requests} replies were not OK or a well-formed error status")
     if codes["OK"] < args.requests // 20 or sum(v for k, v in codes.items() if k != "OK") == 0:
-        raise Failure(f"the fuzz should see both successes and refusals: {dict(codes)}")
+        failures.append(f"the fuzz should see both successes and refusals: {dict(codes)}")
 
     # The session is still RUNNING and still trains: cross-entropy on a fixed batch falls.
     info = session.info()
@@ -462,10 +530,12 @@ def case_fuzz(args, cluster, site):
         st.result()
     print("after the fuzz, cross-entropy on a fixed batch: " + " -> ".join(f"{l:.3f}" for l in losses))
     if not all(math.isfinite(l) for l in losses) or not losses[-1] < losses[0] - 0.3:
-        raise Failure(f"the session does not train after the fuzz: losses {losses}")
+        failures.append(f"the session does not train after the fuzz: losses {losses}")
     client.cancel(pending.name)
     session.cancel()
     cluster.check_alive()
+    if failures:
+        raise Failure("; ".join(failures))
 
 
 def main():
@@ -475,6 +545,7 @@ def main():
     ap.add_argument("--worker", required=True)
     ap.add_argument("--source-dir", required=True)
     ap.add_argument("--steps", type=int, default=30, help="example: RL steps")
+    ap.add_argument("--group-size", type=int, default=64, help="example: completions per step")
     ap.add_argument("--requests", type=int, default=1000, help="fuzz: requests")
     ap.add_argument("--seed", type=int, default=5, help="fuzz: seed of the random requests")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
