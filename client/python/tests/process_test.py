@@ -138,7 +138,7 @@ def case_example(args, cluster, site):
     report = os.path.join(cluster.workdir, "rl_report.json")
     example = os.path.join(args.source_dir, "client", "python", "examples", "rl_target_string.py")
     env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    argv = [sys.executable, example, "--controller", cluster.address, "--seed", "1", "--steps", str(args.steps),
+    argv = [sys.executable, example, "--controller", cluster.address, "--seed", str(args.seed or 1), "--steps", str(args.steps),
             "--group-size", str(args.group_size),
             "--workdir", os.path.join(cluster.workdir, "rl"), "--report", report]
     print(" ".join(argv[1:]), flush=True)
@@ -405,7 +405,7 @@ def case_fuzz(args, cluster, site):
     import odyssey_client as oc
     from odyssey_client import pb, pb_grpc
 
-    rng = random.Random(args.seed)
+    rng = random.Random(5 if args.seed is None else args.seed)
     seq_len, batch_size = 32, 4
     client = oc.TrainingClient(cluster.address, timeout=30)
     session = client.create_session("tiny", dtype="float32", seq_len=seq_len, batch_size=batch_size, seed=3,
@@ -547,7 +547,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30, help="example: RL steps")
     ap.add_argument("--group-size", type=int, default=64, help="example: completions per step")
     ap.add_argument("--requests", type=int, default=1000, help="fuzz: requests")
-    ap.add_argument("--seed", type=int, default=5, help="fuzz: seed of the random requests")
+    ap.add_argument("--seed", type=int, help="seed of the example (default 1) or of the fuzz's requests (default 5)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
     workdir = tempfile.mkdtemp(prefix=f"pyclient_{args.case}_")
