@@ -38,6 +38,16 @@ restart_limit: 2
   EXPECT_EQ(spec->restart_limit(), 2);
 }
 
+// The RL session example parses: kind RL_SESSION and the rl block.
+TEST(SpecTest, RlSessionExample) {
+  auto spec = LoadJobSpec(std::string(ODYSSEY_SOURCE_DIR) + "/client/examples/rl-session.yaml");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->kind(), odyssey::v1::RL_SESSION);
+  EXPECT_EQ(spec->rl().idle_timeout_seconds(), 1800);
+  EXPECT_EQ(spec->data().seq_len() * spec->data().batch_size(), 4096);
+  EXPECT_EQ(spec->steps(), 0);
+}
+
 TEST(SpecTest, JsonMapsOntoJobSpec) {
   auto spec = ParseJobSpec(R"({"model": {"name": "tiny"}, "optimizer": {"lr": 0.001}, "steps": 5,
                                "data": {"seqLen": 64}})", "t.json");

@@ -104,6 +104,32 @@ struct Controller::Metrics {
                     .Help("Jobs put back in the queue after losing a worker")
                     .Register(registry)
                     .Add({});
+    training_calls = &prometheus::BuildCounter()
+                          .Name("odyssey_training_calls_total")
+                          .Help("TrainingService calls by method and final status code")
+                          .Register(registry);
+    mismatch_mean = &prometheus::BuildGauge()
+                         .Name("odyssey_rl_logprob_mismatch_mean")
+                         .Help("Mean |trainer - sampler| logprob over the weighted tokens of the RL session's "
+                               "last ForwardBackward that carried sampler logprobs (nats)")
+                         .Register(registry);
+    mismatch_max = &prometheus::BuildGauge()
+                        .Name("odyssey_rl_logprob_mismatch_max")
+                        .Help("Max |trainer - sampler| logprob over the same tokens (nats)")
+                        .Register(registry);
+    optimizer_step = &prometheus::BuildGauge()
+                          .Name("odyssey_rl_optimizer_step")
+                          .Help("Optimizer steps completed by the RL session (after OptimStep / LoadCheckpoint)")
+                          .Register(registry);
+  }
+  // The per-job gauges of job `name`; created on first use, removed when the job ends.
+  prometheus::Gauge& JobGauge(prometheus::Family<prometheus::Gauge>* family, const std::string& name) {
+    return family->Add({{"job", name}});
+  }
+  void RemoveJob(const std::string& name) {
+    for (auto* family : {mismatch_mean, mismatch_max, optimizer_step}) {
+      if (family->Has({{"job", name}})) family->Remove(&family->Add({{"job", name}}));
+    }
   }
   prometheus::Gauge* jobs_by_state[6] = {};
   prometheus::Gauge* queue_depth;
@@ -114,6 +140,10 @@ struct Controller::Metrics {
   prometheus::Histogram* step_duration;
   prometheus::Counter* jobs_created;
   prometheus::Counter* restarts;
+  prometheus::Family<prometheus::Counter>* training_calls;
+  prometheus::Family<prometheus::Gauge>* mismatch_mean;
+  prometheus::Family<prometheus::Gauge>* mismatch_max;
+  prometheus::Family<prometheus::Gauge>* optimizer_step;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -135,6 +165,9 @@ absl::StatusOr<std::unique_ptr<Controller>> Controller::Create(ControllerOptions
                                                                std::unique_ptr<JobStore> store) {
   std::unique_ptr<Controller> c(new Controller(std::move(options), std::move(store)));
   absl::MutexLock lock(&c->mu_);
+  // Call ids of this process never repeat an earlier process's (replies of calls sent before a
+  // restart may still arrive).
+  c->next_call_id_ = std::max<int64_t>(1, absl::ToUnixMicros(absl::Now()));
   auto jobs = c->store_->LoadJobs();
   if (!jobs.ok()) return jobs.status();
   auto request_ids = c->store_->LoadRequestIds();
@@ -208,7 +241,16 @@ void Controller::SetState(int64_t id, v1::Job::State state, const std::string& m
     note.set_message(message);
     Commit(id, note);
   }
+  const bool was_running = job.state() == v1::Job::RUNNING;
   job.set_state(state);
+  if (was_running && state != v1::Job::RUNNING) {
+    FailPendingCalls(id, "", absl::AbortedError(absl::StrCat(job.name(), " is now ", StateName(state),
+                                                             " (the call was pending: it may or may not have run)")));
+  }
+  if (Terminal(state)) {
+    sequences_.erase(id);
+    if (metrics_) metrics_->RemoveJob(job.name());
+  }
   const absl::Time now = options_.clock();
   if (state == v1::Job::RUNNING && !job.has_start_time()) SetTimestamp(now, job.mutable_start_time());
   if (Terminal(state)) SetTimestamp(now, job.mutable_end_time());
@@ -411,7 +453,12 @@ absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& c
   }
   absl::MutexLock lock(&mu_);
   Worker& w = workers_[capabilities.worker_id()];
-  if (w.connection) w.connection->Close();  // replaced by this newer stream
+  if (w.connection) {
+    w.connection->Close();  // replaced by this newer stream
+    FailPendingCalls(0, w.id, absl::UnavailableError(absl::StrCat(
+                                  "worker ", w.id, " re-attached while the call was pending; it may or may "
+                                  "not have run: check the session (e.g. GetJob's step) before retrying")));
+  }
   w.id = capabilities.worker_id();
   w.capabilities = capabilities;
   w.host = peer_host.empty() ? capabilities.hostname() : peer_host;
@@ -441,6 +488,9 @@ void Controller::OnWorkerMessage(int64_t session, const v1::WorkerMessage& messa
       break;
     case v1::WorkerMessage::kHeld:
       OnHeld(*w, message.held());
+      break;
+    case v1::WorkerMessage::kReply:
+      OnReply(*w, message.reply());
       break;
     default:  // heartbeat, a repeated hello: liveness only
       break;
@@ -549,6 +599,9 @@ void Controller::DetachWorker(int64_t session) {
   w->session = 0;
   w->connection = nullptr;
   w->disconnected_since = options_.clock();
+  FailPendingCalls(0, w->id, absl::UnavailableError(absl::StrCat(
+                                 "worker ", w->id, " disconnected while the call was pending; it may or may not "
+                                 "have run. The session resumes from its last checkpoint if the worker is lost")));
   spdlog::info("worker={} disconnected{}", w->id, w->job ? absl::StrCat(" (holds ", JobName(w->job), ")") : "");
   UpdateGauges();
 }
@@ -668,6 +721,220 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
   SetState(id, v1::Job::RUNNING,
            absl::StrCat("assigned to ", absl::StrJoin(worker_ids, ","),
                         job.last_checkpoint().empty() ? "" : absl::StrCat(", resuming from ", job.last_checkpoint())));
+}
+
+// ---------------------------------------------------------------------------------------------
+// TrainingService
+
+namespace {
+
+const char* MethodName(v1::TrainingCall::CallCase c) {
+  switch (c) {
+    case v1::TrainingCall::kForwardBackward: return "ForwardBackward";
+    case v1::TrainingCall::kOptimStep: return "OptimStep";
+    case v1::TrainingCall::kForward: return "Forward";
+    case v1::TrainingCall::kSaveCheckpoint: return "SaveCheckpoint";
+    case v1::TrainingCall::kLoadCheckpoint: return "LoadCheckpoint";
+    case v1::TrainingCall::kExportWeights: return "ExportWeights";
+    default: return "unknown";
+  }
+}
+
+// Token positions a call's batch runs (0 for calls without a batch).
+int64_t BatchPositions(const v1::TrainingCall& call) {
+  const google::protobuf::RepeatedPtrField<v1::Datum>* batch = nullptr;
+  if (call.has_forward_backward()) batch = &call.forward_backward().batch();
+  if (call.has_forward()) batch = &call.forward().batch();
+  if (!batch) return 0;
+  int64_t n = 0;
+  for (const v1::Datum& d : *batch) n += d.tokens_size();
+  return n;
+}
+
+std::string CodeName(absl::StatusCode code) {
+  std::string name = absl::StatusCodeToString(code);
+  std::transform(name.begin(), name.end(), name.begin(), ::toupper);
+  return name;
+}
+
+}  // namespace
+
+void Controller::CountTrainingCall(const std::string& method, absl::StatusCode code) {
+  if (metrics_) metrics_->training_calls->Add({{"method", method}, {"code", CodeName(code)}}).Increment();
+}
+
+absl::Status Controller::CheckServesTraining(const v1::Job& job) {
+  if (job.spec().kind() != v1::RL_SESSION) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job: ", job.name(), " is of kind ",
+                     job.spec().kind() == v1::JOB_KIND_UNSPECIFIED ? "SFT" : v1::JobKind_Name(job.spec().kind()),
+                     "; TrainingService calls need an RL_SESSION job"));
+  }
+  if (job.state() != v1::Job::RUNNING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job: ", job.name(), " is ", StateName(job.state()),
+                     "; TrainingService calls need a RUNNING session",
+                     job.state() == v1::Job::PENDING ? " (it waits for a worker; retry later)" : ""));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::function<bool()>& cancelled) {
+  SequenceState& seq = sequences_[id];
+  if (sequence < seq.next) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence: ", sequence, " was already received for ", JobName(id),
+                                                 " (the next expected is ", seq.next, ")"));
+  }
+  if (seq.waiting.count(sequence)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("sequence: ", sequence, " is already waiting for its turn on ", JobName(id)));
+  }
+  if (sequence > seq.next) {
+    seq.waiting.insert(sequence);
+    const absl::Time deadline = absl::Now() + options_.sequence_wait;
+    bool client_gone = false;
+    auto turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      const v1::Job* job = FindJob(id);
+      return !job || job->state() != v1::Job::RUNNING || sequences_[id].next >= sequence;
+    };
+    while (!turn() && absl::Now() < deadline) {
+      mu_.AwaitWithDeadline(absl::Condition(&turn), std::min(deadline, absl::Now() + absl::Seconds(1)));
+      if (cancelled && cancelled()) {
+        client_gone = true;
+        break;
+      }
+    }
+    // The session may have ended (and its sequence state been erased) while this call waited.
+    auto it = sequences_.find(id);
+    if (it != sequences_.end()) it->second.waiting.erase(sequence);
+    if (client_gone) return absl::CancelledError("the client cancelled the call while it waited for its turn");
+    if (absl::Status s = CheckServesTraining(*FindJob(id)); !s.ok()) return s;
+    const int64_t next = sequences_[id].next;
+    if (next < sequence) {
+      return absl::AbortedError(absl::StrCat("sequence: call ", sequence, " of ", JobName(id), " waited ",
+                                             absl::FormatDuration(options_.sequence_wait), " for call ", next,
+                                             ", which did not arrive; send the missing calls, then retry this one"));
+    }
+    if (next > sequence) {  // a duplicate of this sequence went first
+      return absl::AlreadyExistsError(absl::StrCat("sequence: ", sequence, " was already received for ", JobName(id)));
+    }
+  }
+  sequences_[id].next = sequence + 1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall call, int64_t sequence,
+                                                    const std::function<bool()>& cancelled) {
+  const std::string method = MethodName(call.call_case());
+  auto finish = [&](absl::StatusOr<v1::TrainingReply> r) {
+    CountTrainingCall(method, r.status().code());
+    return r;
+  };
+  absl::MutexLock lock(&mu_);
+  const v1::Job* job = FindJob(id);
+  if (!job) return finish(absl::NotFoundError(absl::StrCat("job: ", JobName(id), " does not exist")));
+  if (absl::Status s = CheckServesTraining(*job); !s.ok()) return finish(s);
+  const int64_t positions = BatchPositions(call);
+  const int64_t limit = job->spec().data().seq_len() * std::max<int64_t>(1, job->spec().data().batch_size());
+  if (positions > limit) {
+    return finish(absl::InvalidArgumentError(absl::StrCat(
+        "batch: ", positions, " token positions exceed the session's limit of ", limit,
+        " (spec.data.seq_len ", job->spec().data().seq_len(), " x spec.data.batch_size ",
+        std::max<int64_t>(1, job->spec().data().batch_size()), ", the memory the planner checked); split the batch")));
+  }
+  if (sequence > 0) {
+    if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) return finish(s);
+    job = FindJob(id);
+  }
+  const std::string worker_id = job->workers_size() > 0 ? job->workers(0) : "";
+  auto w = workers_.find(worker_id);
+  if (w == workers_.end() || w->second.session == 0) {
+    return finish(absl::UnavailableError(absl::StrCat("job: the worker of ", job->name(), " (", worker_id,
+                                                      ") is disconnected; retry once it is back or the job restarts")));
+  }
+  const int64_t call_id = next_call_id_++;
+  call.set_call_id(call_id);
+  call.set_job(job->name());
+  auto pending = std::make_shared<PendingCall>();
+  pending->job = id;
+  pending->worker = worker_id;
+  pending_calls_[call_id] = pending;
+  v1::ControllerMessage message;
+  *message.mutable_call() = std::move(call);
+  SendTo(worker_id, message);
+  // Waits with mu_ released: the reply, the worker's stream ending or the job ending sets done.
+  bool client_gone = false;
+  while (!pending->done) {
+    mu_.AwaitWithTimeout(absl::Condition(&pending->done), absl::Seconds(1));
+    if (!pending->done && cancelled && cancelled()) {
+      client_gone = true;
+      break;
+    }
+  }
+  pending_calls_.erase(call_id);
+  if (client_gone) {
+    return finish(absl::CancelledError("the client cancelled the call; it may still run on the session's worker"));
+  }
+  if (!pending->status.ok()) return finish(pending->status);
+  if (pending->reply.code() != 0) {
+    return finish(absl::Status(static_cast<absl::StatusCode>(pending->reply.code()), pending->reply.message()));
+  }
+  return finish(std::move(pending->reply));
+}
+
+void Controller::OnReply(Worker& w, const v1::TrainingReply& reply) {
+  auto it = pending_calls_.find(reply.call_id());
+  if (it == pending_calls_.end() || it->second->worker != w.id || it->second->done) return;  // failed already
+  PendingCall& pending = *it->second;
+  pending.reply = reply;
+  pending.done = true;
+  v1::Job* job = FindJob(pending.job);
+  if (reply.code() != 0 || !job) return;
+  switch (reply.reply_case()) {
+    case v1::TrainingReply::kForwardBackward: {
+      const v1::ForwardBackwardResponse& fb = reply.forward_backward();
+      if (metrics_ && fb.mismatch_tokens() > 0) {
+        metrics_->JobGauge(metrics_->mismatch_mean, job->name()).Set(fb.mismatch_mean());
+        metrics_->JobGauge(metrics_->mismatch_max, job->name()).Set(fb.mismatch_max());
+      }
+      break;
+    }
+    case v1::TrainingReply::kOptimStep:
+      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.optim_step().step());
+      break;
+    case v1::TrainingReply::kLoadCheckpoint:
+      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.load_checkpoint().step());
+      break;
+    case v1::TrainingReply::kSaveCheckpoint: {
+      // What a restart after a worker loss resumes from.
+      const v1::SaveCheckpointResponse& save = reply.save_checkpoint();
+      job->set_last_checkpoint(save.directory());
+      if (absl::Status s = store_->AddCheckpoint(pending.job, save.step(), save.directory()); !s.ok()) {
+        spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
+      }
+      spdlog::info("job={} checkpoint step={} dir={}", job->name(), save.step(), save.directory());
+      v1::JobEvent ckpt;
+      ckpt.set_checkpoint(save.directory());
+      Commit(pending.job, ckpt);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Controller::FailPendingCalls(int64_t id, const std::string& worker_id, const absl::Status& status) {
+  for (auto& [call_id, pending] : pending_calls_) {
+    if (pending->done || (id != 0 && pending->job != id) || (!worker_id.empty() && pending->worker != worker_id)) continue;
+    pending->status = status;
+    pending->done = true;
+  }
+}
+
+int Controller::WaitingCalls(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? 0 : static_cast<int>(it->second.waiting.size());
 }
 
 std::vector<WorkerInfo> Controller::Workers() {

@@ -18,8 +18,23 @@
 // - After a controller restart, RUNNING jobs keep their workers for heartbeat_timeout: the
 //   workers re-attach and report `held`, or the job is restarted as above.
 //
+// TrainingService (RL_SESSION jobs; Train() below, server/README.md "TrainingService"):
+// - A call is forwarded to the job's rank-0 worker as a TrainingCall with a fresh call_id (ids
+//   start at the controller's start time in microseconds, so a reply meant for an earlier
+//   controller process never matches) and answered by the worker's TrainingReply. Calls are
+//   handed to the worker's stream in the order they take the mutex; the worker runs them FIFO,
+//   one at a time. So calls of one job execute in the order the controller received them.
+// - sequence > 0: call n of a job is forwarded only after call n-1 was; a call whose
+//   predecessor does not arrive within sequence_wait gets ABORTED; a sequence already received
+//   (or already waiting) gets ALREADY_EXISTS.
+// - Pending calls never hang: the worker's stream ending fails them with UNAVAILABLE, the job
+//   leaving RUNNING (cancel, worker loss, end) with ABORTED.
+// - A session's idle timeout is the worker's (worker/README.md): it ends the run with an ok
+//   result, which makes the job SUCCEEDED here.
+//
 // Thread safety: all public methods may be called from any thread (one mutex). Messages to
 // workers are handed to WorkerConnection::Send under that mutex, so Send must not block.
+// Train() waits for its reply (and a sequenced call for its turn) with the mutex released.
 #pragma once
 
 #include <cstdint>
@@ -84,6 +99,9 @@ struct ControllerOptions {
   std::function<absl::Time()> clock = [] { return absl::Now(); };
   // Where metrics go; null = none.
   std::shared_ptr<prometheus::Registry> registry;
+  // How long a sequenced TrainingService call waits for its predecessor (real time) before it
+  // gets ABORTED.
+  absl::Duration sequence_wait = absl::Seconds(30);
 };
 
 // What the registry holds about a worker (for tests and status).
@@ -122,10 +140,30 @@ class Controller {
   // The worker's stream ended.
   void DetachWorker(int64_t session);
 
+  // TrainingService. Forwards `call` (one of its `call` oneof set; call_id and job are filled
+  // in here) to the worker running RL_SESSION job `id` and waits for the reply. `sequence` is
+  // the request's (0 = unordered). `cancelled` (may be null) is polled about once a second
+  // while waiting: when it returns true (the client went away) the wait ends with CANCELLED
+  // (the call may still run on the worker). Returns the reply when its code is OK, else its
+  // status unchanged (the engine's INVALID_ARGUMENT messages reach the client as written).
+  // Errors of its own: NOT_FOUND (no such job), FAILED_PRECONDITION (not an RL_SESSION, or not
+  // RUNNING: the message names the kind/state), INVALID_ARGUMENT (`batch` holds more token
+  // positions than the session's data.seq_len x data.batch_size), ALREADY_EXISTS / ABORTED
+  // (sequence, see above), UNAVAILABLE / ABORTED (the worker went away, the job ended).
+  // REQUIRES: the request passed validation.h's checks.
+  absl::StatusOr<odyssey::v1::TrainingReply> Train(int64_t id, odyssey::v1::TrainingCall call, int64_t sequence,
+                                                   const std::function<bool()>& cancelled = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a TrainingService call that ended before Train (e.g. rejected by validation) in
+  // odyssey_training_calls_total{method, code}.
+  void CountTrainingCall(const std::string& method, absl::StatusCode code);
+
   // Liveness checks and scheduling; call periodically (the binary: every 100 ms).
   void Tick();
 
   std::vector<WorkerInfo> Workers();
+  // Sequenced TrainingService calls of job `id` waiting for their turn (for tests and status).
+  int WaitingCalls(int64_t id);
 
  private:
   // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
@@ -147,6 +185,19 @@ class Controller {
     int64_t job_at_attach = 0;
   };
   struct Metrics;
+  // A TrainingCall forwarded to a worker, waiting for its reply.
+  struct PendingCall {
+    int64_t job = 0;
+    std::string worker;
+    bool done = false;
+    absl::Status status;  // not OK: failed without a reply (worker gone, job ended)
+    odyssey::v1::TrainingReply reply;
+  };
+  // Ordering state of one RL session's sequenced calls.
+  struct SequenceState {
+    int64_t next = 1;          // the sequence forwarded next
+    std::set<int64_t> waiting;  // sequences waiting for their turn
+  };
 
   Controller(ControllerOptions options, std::unique_ptr<JobStore> store);
 
@@ -168,6 +219,16 @@ class Controller {
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnReply(Worker& worker, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the pending calls of job `id` (all jobs when 0) that went to `worker_id` (any worker
+  // when empty) with `status`.
+  void FailPendingCalls(int64_t id, const std::string& worker_id, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ released) for a sequenced call's turn. OK when it is its turn.
+  absl::Status AwaitSequence(int64_t id, int64_t sequence, const std::function<bool()>& cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless job `id` (which exists) is a RUNNING RL_SESSION.
+  absl::Status CheckServesTraining(const odyssey::v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
@@ -180,6 +241,9 @@ class Controller {
   std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);  // by id
   absl::flat_hash_map<int64_t, std::vector<std::weak_ptr<JobWatch>>> watches_ ABSL_GUARDED_BY(mu_);
   int64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t next_call_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<int64_t, std::shared_ptr<PendingCall>> pending_calls_ ABSL_GUARDED_BY(mu_);  // by call_id
+  std::map<int64_t, SequenceState> sequences_ ABSL_GUARDED_BY(mu_);                     // by job id
 };
 
 }  // namespace odyssey::server

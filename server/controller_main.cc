@@ -42,7 +42,9 @@ int main(int argc, char** argv) {
   std::string metrics_listen = "0.0.0.0:9464";
   std::string metrics_port_file;
   double heartbeat_timeout_s = 10;
-  int64_t max_message_bytes = 16 << 20;
+  // A TrainingService batch of 1M tokens with every per-token array is ~20 MB; 64 MiB leaves
+  // room for ~3M-token batches (and matches the worker's default).
+  int64_t max_message_bytes = 64 << 20;
   int rendezvous_port_base = 29500;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
@@ -57,7 +59,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--max-message-bytes", max_message_bytes,
-                 "Largest gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED")
+                 "Largest gRPC message accepted or sent (also TrainingService batches and their forwarding to "
+                 "workers; keep the workers' --max-message-bytes at least as large); larger ones get "
+                 "RESOURCE_EXHAUSTED")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 30));
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
@@ -99,6 +103,7 @@ int main(int argc, char** argv) {
   }
 
   odyssey::server::JobServiceImpl job_service(controller->get(), registry.get());
+  odyssey::server::TrainingServiceImpl training_service(controller->get());
   odyssey::server::WorkerServiceImpl worker_service(controller->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -108,6 +113,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(&job_service);
+  builder.RegisterService(&training_service);
   builder.RegisterService(&worker_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

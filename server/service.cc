@@ -119,6 +119,124 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const v1::Wa
   return grpc::Status::OK;
 }
 
+// ---------------------------------------------------------------------------------------------
+// TrainingService
+
+absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext* context, const char* method,
+                                                               const absl::Status& valid, const std::string& job,
+                                                               int64_t sequence, v1::TrainingCall call) {
+  if (!valid.ok()) {
+    controller_->CountTrainingCall(method, valid.code());
+    return valid;
+  }
+  const int64_t id = ParseJobName(job, "job").value();  // validated
+  return controller_->Train(id, std::move(call), sequence, [context] { return context->IsCancelled(); });
+}
+
+grpc::Status TrainingServiceImpl::ForwardBackward(grpc::ServerContext* context,
+                                                  const v1::ForwardBackwardRequest* request,
+                                                  v1::ForwardBackwardResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateForwardBackwardRequest(*request);
+  if (valid.ok()) *call.mutable_forward_backward() = *request;
+  auto reply = Route(context, "ForwardBackward", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_forward_backward());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::OptimStep(grpc::ServerContext* context, const v1::OptimStepRequest* request,
+                                            v1::OptimStepResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateOptimStepRequest(*request);
+  if (valid.ok()) *call.mutable_optim_step() = *request;
+  auto reply = Route(context, "OptimStep", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_optim_step());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
+                                          v1::ForwardResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateForwardRequest(*request);
+  if (valid.ok()) *call.mutable_forward() = *request;
+  auto reply = Route(context, "Forward", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_forward());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::SaveCheckpoint(grpc::ServerContext* context,
+                                                 const v1::SaveCheckpointRequest* request,
+                                                 v1::SaveCheckpointResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateSaveCheckpointRequest(*request);
+  if (valid.ok()) *call.mutable_save_checkpoint() = *request;
+  auto reply = Route(context, "SaveCheckpoint", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_save_checkpoint());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::LoadCheckpoint(grpc::ServerContext* context,
+                                                 const v1::LoadCheckpointRequest* request,
+                                                 v1::LoadCheckpointResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateLoadCheckpointRequest(*request);
+  if (valid.ok()) *call.mutable_load_checkpoint() = *request;
+  auto reply = Route(context, "LoadCheckpoint", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_load_checkpoint());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ExportWeights(grpc::ServerContext* context,
+                                                const v1::ExportWeightsRequest* request,
+                                                v1::ExportWeightsResponse* response) {
+  v1::TrainingCall call;
+  const absl::Status valid = ValidateExportWeightsRequest(*request);
+  if (valid.ok()) *call.mutable_export_weights() = *request;
+  auto reply = Route(context, "ExportWeights", valid, request->job(), request->sequence(), std::move(call));
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  *response = std::move(*reply->mutable_export_weights());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::PushRollouts(grpc::ServerContext* context,
+                                               grpc::ServerReaderWriter<v1::RolloutResult, v1::RolloutBatch>* stream) {
+  v1::RolloutBatch batch;
+  for (int64_t index = 0; stream->Read(&batch); ++index) {
+    const absl::Status valid = ValidateRolloutBatch(batch);
+    auto with_index = [index](const absl::Status& s) {
+      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("rollout batch ", index, ": ", s.message())));
+    };
+    v1::TrainingCall fb;
+    if (valid.ok()) {
+      v1::ForwardBackwardRequest* r = fb.mutable_forward_backward();
+      r->set_job(batch.job());
+      *r->mutable_batch() = std::move(*batch.mutable_batch());
+      *r->mutable_loss() = batch.loss();
+    }
+    auto fb_reply = Route(context, "ForwardBackward", valid, batch.job(), 0, std::move(fb));
+    if (!fb_reply.ok()) return with_index(fb_reply.status());
+    v1::TrainingCall os;
+    v1::OptimStepRequest* r = os.mutable_optim_step();
+    r->set_job(batch.job());
+    *r->mutable_adam() = batch.adam();
+    auto os_reply = Route(context, "OptimStep", absl::OkStatus(), batch.job(), 0, std::move(os));
+    if (!os_reply.ok()) return with_index(os_reply.status());
+    v1::RolloutResult result;
+    *result.mutable_forward_backward() = std::move(*fb_reply->mutable_forward_backward());
+    *result.mutable_optim_step() = std::move(*os_reply->mutable_optim_step());
+    if (!stream->Write(result)) break;  // the client went away
+  }
+  return grpc::Status::OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// WorkerService
+
 namespace {
 
 using AttachStream = grpc::ServerReaderWriter<v1::ControllerMessage, v1::WorkerMessage>;

@@ -1,4 +1,4 @@
-// The gRPC edge of odyssey-controller: JobService and WorkerService handlers.
+// The gRPC edge of odyssey-controller: JobService, TrainingService and WorkerService handlers.
 //
 // Handlers are thin: validate the request (validation.h), call the Controller (which knows no
 // gRPC) and convert its absl::Status once, here, with ToGrpcStatus. Every unary call is timed
@@ -45,6 +45,42 @@ class JobServiceImpl final : public odyssey::v1::JobService::Service {
 
   Controller* controller_;
   prometheus::Family<prometheus::Histogram>* rpc_duration_ = nullptr;
+};
+
+// TrainingService: each unary call is validated (validation.h), forwarded by
+// Controller::Train to the session's worker, and its reply unpacked. Rejections before the core
+// are counted in odyssey_training_calls_total as well. A call whose client goes away stops
+// waiting (the call may still run on the worker).
+class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
+ public:
+  explicit TrainingServiceImpl(Controller* controller) : controller_(controller) {}
+
+  grpc::Status ForwardBackward(grpc::ServerContext* context, const odyssey::v1::ForwardBackwardRequest* request,
+                               odyssey::v1::ForwardBackwardResponse* response) override;
+  grpc::Status OptimStep(grpc::ServerContext* context, const odyssey::v1::OptimStepRequest* request,
+                         odyssey::v1::OptimStepResponse* response) override;
+  grpc::Status Forward(grpc::ServerContext* context, const odyssey::v1::ForwardRequest* request,
+                       odyssey::v1::ForwardResponse* response) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* context, const odyssey::v1::SaveCheckpointRequest* request,
+                              odyssey::v1::SaveCheckpointResponse* response) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* context, const odyssey::v1::LoadCheckpointRequest* request,
+                              odyssey::v1::LoadCheckpointResponse* response) override;
+  grpc::Status ExportWeights(grpc::ServerContext* context, const odyssey::v1::ExportWeightsRequest* request,
+                             odyssey::v1::ExportWeightsResponse* response) override;
+  // Batches are taken one at a time: ForwardBackward, then OptimStep, then the result is
+  // written, then the next batch is read. The first failing batch ends the stream with its
+  // status (its ForwardBackward's or OptimStep's); results already written stand.
+  grpc::Status PushRollouts(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<odyssey::v1::RolloutResult, odyssey::v1::RolloutBatch>* stream) override;
+
+ private:
+  // Validation result `valid` for `method`; then forwards `call` for `job` and returns the reply.
+  absl::StatusOr<odyssey::v1::TrainingReply> Route(grpc::ServerContext* context, const char* method,
+                                                     const absl::Status& valid, const std::string& job,
+                                                     int64_t sequence, odyssey::v1::TrainingCall call);
+
+  Controller* controller_;
 };
 
 class WorkerServiceImpl final : public odyssey::v1::WorkerService::Service {

@@ -53,11 +53,8 @@ absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view f
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   const std::string p(f);
-  if (spec.kind() == v1::RL_SESSION) {
-    return absl::UnimplementedError(
-        absl::StrCat(p, ".kind: RL_SESSION jobs are not served yet; use SFT"));
-  }
-  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED) {
+  const bool rl = spec.kind() == v1::RL_SESSION;
+  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED && !rl) {
     return Invalid(p + ".kind", absl::StrCat("unknown kind ", static_cast<int>(spec.kind())));
   }
   if (spec.display_name().size() > kMaxDisplayNameBytes) {
@@ -88,6 +85,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
                    absl::StrCat("(", par.world_size(), ") must be in [0, ", kMaxWorldSize, "] (0 = 1)"));
   }
   const int32_t world = std::max(1, par.world_size());
+  if (rl && world != 1) {
+    return Invalid(p + ".parallel.world_size",
+                   absl::StrCat("(", par.world_size(), ") must be 1 (or 0) for RL_SESSION jobs: RL sessions are "
+                                "single-rank for now (the engine's RL calls run on one rank)"));
+  }
   if (par.context_parallel() < 0) {
     return Invalid(p + ".parallel.context_parallel",
                    absl::StrCat("(", par.context_parallel(), ") must be >= 0 (0 = 1)"));
@@ -126,8 +128,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
 
   // Optimizer.
   const auto& opt = spec.optimizer();
-  if (!(opt.lr() > 0) || !std::isfinite(opt.lr())) {
-    return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be > 0 and finite"));
+  // An RL session's lr comes with each OptimStep: 0 (unset) is fine there.
+  if ((!rl || opt.lr() != 0) && (!(opt.lr() > 0) || !std::isfinite(opt.lr()))) {
+    return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be > 0 and finite",
+                                                     rl ? " (or 0: RL sessions take lr from each OptimStep)" : ""));
   }
   if (!(opt.beta1() >= 0 && opt.beta1() < 1)) {
     return Invalid(p + ".optimizer.beta1", absl::StrCat("(", opt.beta1(), ") must be in [0, 1)"));
@@ -151,10 +155,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
     return Invalid(p + ".optimizer.grad_clip", "must not be NaN (<= 0 disables clipping)");
   }
 
-  // Data.
+  // Data. An RL session reads no dataset (its batches come with the calls): format and path
+  // are unused; seq_len x batch_size is the largest batch one call may carry.
   const auto& data = spec.data();
-  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".data.format", data.format(), {"kjv", "text", "bin", "jsonl"}));
-  if (!data.format().empty() && data.format() != "kjv") {
+  if (!rl) ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".data.format", data.format(), {"kjv", "text", "bin", "jsonl"}));
+  if (!rl && !data.format().empty() && data.format() != "kjv") {
     if (data.path().empty()) {
       return Invalid(p + ".data.path", absl::StrCat("is required for data.format \"", data.format(), "\""));
     }
@@ -177,8 +182,19 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   }
 
   // Run.
-  if (spec.steps() <= 0) {
+  if (!rl && spec.steps() <= 0) {
     return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be > 0"));
+  }
+  if (rl && spec.steps() < 0) {
+    return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be >= 0 (unused by RL_SESSION jobs)"));
+  }
+  if (spec.rl().idle_timeout_seconds() < 0) {
+    return Invalid(p + ".rl.idle_timeout_seconds",
+                   absl::StrCat("(", spec.rl().idle_timeout_seconds(), ") must be >= 0 (0 = ",
+                                kDefaultIdleTimeoutSeconds, ")"));
+  }
+  if (!rl && spec.rl().idle_timeout_seconds() != 0) {
+    return Invalid(p + ".rl.idle_timeout_seconds", "is only for RL_SESSION jobs (spec.kind)");
   }
   const auto& ckpt = spec.checkpoint();
   if (ckpt.every_steps() < 0) {
@@ -199,6 +215,126 @@ absl::Status ValidateCreateJobRequest(const v1::CreateJobRequest& request) {
     return Invalid("request_id", absl::StrCat("length (", request.request_id().size(), ") must be <= 128 bytes"));
   }
   return ValidateJobSpec(request.spec(), "spec");
+}
+
+// ---------------------------------------------------------------------------------------------
+// TrainingService
+
+namespace {
+
+absl::Status CheckSequence(int64_t sequence) {
+  if (sequence < 0) {
+    return Invalid("sequence", absl::StrCat("(", sequence, ") must be >= 0 (0 = unordered, else 1, 2, 3, ... per job)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch, absl::string_view field) {
+  if (batch.empty()) return Invalid(field, "is empty; at least one datum is required");
+  if (batch.size() > kMaxBatchDatums) {
+    return Invalid(field, absl::StrCat("has ", batch.size(), " datums; at most ", kMaxBatchDatums, " per call"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckLoss(const v1::LossConfig& loss, absl::string_view f) {
+  const std::string p(f);
+  if (loss.kind().empty()) {
+    return Invalid(p + ".kind", "is required: cross_entropy | importance_sampling | ppo");
+  }
+  if (loss.kind() != "cross_entropy" && loss.kind() != "importance_sampling" && loss.kind() != "ppo") {
+    return Invalid(p + ".kind", absl::StrCat("\"", loss.kind(), "\" is not a known loss: cross_entropy | "
+                                             "importance_sampling | ppo"));
+  }
+  if (loss.clip_low() != 0 && !(loss.clip_low() > 0 && loss.clip_low() < 1)) {
+    return Invalid(p + ".clip_low", absl::StrCat("(", loss.clip_low(), ") must be in (0, 1) (0 = 0.2)"));
+  }
+  if (loss.clip_high() != 0 && !(loss.clip_high() > 0 && std::isfinite(loss.clip_high()))) {
+    return Invalid(p + ".clip_high", absl::StrCat("(", loss.clip_high(), ") must be > 0 and finite (0 = 0.2)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAdam(const v1::AdamWParams& adam, absl::string_view f) {
+  const std::string p(f);
+  if (!(adam.lr() > 0) || !std::isfinite(adam.lr())) {
+    return Invalid(p + ".lr", absl::StrCat("(", adam.lr(), ") must be > 0 and finite"));
+  }
+  if (!(adam.beta1() >= 0 && adam.beta1() < 1)) {
+    return Invalid(p + ".beta1", absl::StrCat("(", adam.beta1(), ") must be in [0, 1) (0 with beta2 0 = 0.9)"));
+  }
+  if (!(adam.beta2() >= 0 && adam.beta2() < 1)) {
+    return Invalid(p + ".beta2", absl::StrCat("(", adam.beta2(), ") must be in [0, 1) (0 with beta1 0 = 0.95)"));
+  }
+  if (!(adam.eps() >= 0) || !std::isfinite(adam.eps())) {
+    return Invalid(p + ".eps", absl::StrCat("(", adam.eps(), ") must be >= 0 and finite (0 = 1e-8)"));
+  }
+  if (!(adam.weight_decay() >= 0) || !std::isfinite(adam.weight_decay())) {
+    return Invalid(p + ".weight_decay", absl::StrCat("(", adam.weight_decay(), ") must be >= 0 and finite"));
+  }
+  return absl::OkStatus();
+}
+
+// A directory a worker reads or writes: absolute (the worker's working directory is no
+// business of the client's), no NUL, bounded length.
+absl::Status CheckDirectory(const std::string& dir, absl::string_view field, bool required) {
+  if (dir.empty()) {
+    return required ? Invalid(field, "is required (an absolute path readable by the session's worker)")
+                    : absl::OkStatus();
+  }
+  if (dir.size() > kMaxPathBytes) {
+    return Invalid(field, absl::StrCat("length (", dir.size(), ") must be <= ", kMaxPathBytes, " bytes"));
+  }
+  if (dir.find('\0') != std::string::npos) return Invalid(field, "must not contain NUL bytes");
+  if (dir[0] != '/') return Invalid(field, absl::StrCat("\"", dir, "\" must be an absolute path"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateForwardBackwardRequest(const v1::ForwardBackwardRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckBatch(request.batch(), "batch"));
+  ODYSSEY_RETURN_IF_ERROR(CheckLoss(request.loss(), "loss"));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateOptimStepRequest(const v1::OptimStepRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckAdam(request.adam(), "adam"));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateForwardRequest(const v1::ForwardRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckBatch(request.batch(), "batch"));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateSaveCheckpointRequest(const v1::SaveCheckpointRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckDirectory(request.directory(), "directory", /*required=*/false));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateLoadCheckpointRequest(const v1::LoadCheckpointRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckDirectory(request.directory(), "directory", /*required=*/true));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateExportWeightsRequest(const v1::ExportWeightsRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckDirectory(request.directory(), "directory", /*required=*/true));
+  ODYSSEY_RETURN_IF_ERROR(OneOf("dtype", request.dtype(), {"float32", "bfloat16"}));
+  return CheckSequence(request.sequence());
+}
+
+absl::Status ValidateRolloutBatch(const v1::RolloutBatch& batch) {
+  if (auto id = ParseJobName(batch.job(), "job"); !id.ok()) return id.status();
+  ODYSSEY_RETURN_IF_ERROR(CheckBatch(batch.batch(), "batch"));
+  ODYSSEY_RETURN_IF_ERROR(CheckLoss(batch.loss(), "loss"));
+  return CheckAdam(batch.adam(), "adam");
 }
 
 absl::Status ValidateListJobsRequest(const v1::ListJobsRequest& request) {

@@ -2,7 +2,7 @@
 //
 // Each failure is an absl::Status whose message names the field (by its proto path, e.g.
 // "spec.optimizer.lr") and the rule that failed, with the code the API promises:
-// INVALID_ARGUMENT for malformed input, UNIMPLEMENTED for kinds not served yet. Functions are
+// INVALID_ARGUMENT for malformed input. Functions are
 // pure (they read the filesystem only to check that model and dataset paths are readable) and
 // thread-safe.
 #pragma once
@@ -25,6 +25,15 @@ inline constexpr int32_t kMaxWorldSize = 4096;
 inline constexpr int32_t kDefaultPageSize = 50;
 inline constexpr int32_t kMaxPageSize = 1000;
 
+// RL sessions: idle time after which a session with no call ends SUCCEEDED, when
+// spec.rl.idle_timeout_seconds is 0.
+inline constexpr int64_t kDefaultIdleTimeoutSeconds = 3600;
+// Most datums one TrainingService call may carry (a bound on per-call bookkeeping; the token
+// budget is the session's data.seq_len x data.batch_size, checked by the controller).
+inline constexpr int kMaxBatchDatums = 65536;
+// Longest directory path a TrainingService call may name, in bytes.
+inline constexpr size_t kMaxPathBytes = 4096;
+
 // Checks a JobSpec; `field` prefixes field names in messages ("spec").
 // Resolves the model (a named shape or a checkpoint directory with config.json) to check
 // seq_len against max_position_embeddings, and checks the dataset path is a readable file.
@@ -32,6 +41,22 @@ absl::Status ValidateJobSpec(const odyssey::v1::JobSpec& spec, absl::string_view
 
 absl::Status ValidateCreateJobRequest(const odyssey::v1::CreateJobRequest& request);
 absl::Status ValidateListJobsRequest(const odyssey::v1::ListJobsRequest& request);
+
+// TrainingService edge checks: the job name ("job"), a non-empty batch, a known loss kind and
+// its ppo clip range ("loss.kind", "loss.clip_low"), AdamW parameters finite and in range
+// ("adam.lr"), sequence >= 0, and directories (absolute paths; required for LoadCheckpoint and
+// ExportWeights). Per-datum rules (token ids in the vocabulary, array lengths, finite values,
+// the inputs each loss needs) are the engine's (engine/rl_loss.h ValidateBatch), checked on the
+// worker, whose INVALID_ARGUMENT reaches the client unchanged; the batch's size against the
+// session's plan is the controller's (Controller::Train).
+absl::Status ValidateForwardBackwardRequest(const odyssey::v1::ForwardBackwardRequest& request);
+absl::Status ValidateOptimStepRequest(const odyssey::v1::OptimStepRequest& request);
+absl::Status ValidateForwardRequest(const odyssey::v1::ForwardRequest& request);
+absl::Status ValidateSaveCheckpointRequest(const odyssey::v1::SaveCheckpointRequest& request);
+absl::Status ValidateLoadCheckpointRequest(const odyssey::v1::LoadCheckpointRequest& request);
+absl::Status ValidateExportWeightsRequest(const odyssey::v1::ExportWeightsRequest& request);
+// One PushRollouts batch: a ForwardBackward's checks plus an OptimStep's.
+absl::Status ValidateRolloutBatch(const odyssey::v1::RolloutBatch& batch);
 
 // "jobs/{id}" with id a positive decimal number. `field` names the field in messages.
 absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view field = "name");

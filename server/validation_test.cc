@@ -1,7 +1,9 @@
 #include "server/validation.h"
 
 #include <filesystem>
+#include <cmath>
 #include <fstream>
+#include <functional>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -60,7 +62,17 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
       {[](v1::JobSpec& s) { s.mutable_checkpoint()->set_every_steps(-1); }, absl::StatusCode::kInvalidArgument, "spec.checkpoint.every_steps"},
       {[](v1::JobSpec& s) { s.set_restart_limit(-1); }, absl::StatusCode::kInvalidArgument, "spec.restart_limit"},
       {[](v1::JobSpec& s) { s.set_display_name(std::string(1000, 'x')); }, absl::StatusCode::kInvalidArgument, "spec.display_name"},
-      {[](v1::JobSpec& s) { s.set_kind(v1::RL_SESSION); }, absl::StatusCode::kUnimplemented, "spec.kind"},
+      {[](v1::JobSpec& s) { s.set_kind(static_cast<v1::JobKind>(9)); }, absl::StatusCode::kInvalidArgument, "spec.kind"},
+      {[](v1::JobSpec& s) {
+         s.set_kind(v1::RL_SESSION);
+         s.mutable_parallel()->set_world_size(2);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.world_size"},
+      {[](v1::JobSpec& s) {
+         s.set_kind(v1::RL_SESSION);
+         s.mutable_rl()->set_idle_timeout_seconds(-1);
+       }, absl::StatusCode::kInvalidArgument, "spec.rl.idle_timeout_seconds"},
+      {[](v1::JobSpec& s) { s.mutable_rl()->set_idle_timeout_seconds(5); }, absl::StatusCode::kInvalidArgument,
+       "spec.rl.idle_timeout_seconds"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     v1::JobSpec spec = GoodSpec();
@@ -69,6 +81,87 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
     EXPECT_EQ(s.code(), cases[i].code) << "case " << i << ": " << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(cases[i].field + ":")) << "case " << i;
   }
+}
+
+// An RL session needs no steps and no dataset; its batch plan (seq_len x batch_size) is still required.
+TEST(ValidationTest, RlSessionSpec) {
+  v1::JobSpec spec = GoodSpec();
+  spec.set_kind(v1::RL_SESSION);
+  spec.clear_steps();
+  spec.mutable_data()->set_format("jsonl");  // unused: no path needed
+  spec.mutable_rl()->set_idle_timeout_seconds(60);
+  spec.mutable_optimizer()->clear_lr();  // each OptimStep carries its lr
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_world_size(2);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("single-rank for now"));
+}
+
+v1::Datum OneDatum() {
+  v1::Datum d;
+  d.add_tokens(1);
+  d.add_target_tokens(2);
+  return d;
+}
+
+// Each TrainingService request breaks one edge rule: INVALID_ARGUMENT naming the field.
+TEST(ValidationTest, TrainingRequestsNameTheField) {
+  v1::ForwardBackwardRequest fb;
+  fb.set_job("jobs/1");
+  *fb.add_batch() = OneDatum();
+  fb.mutable_loss()->set_kind("cross_entropy");
+  EXPECT_TRUE(ValidateForwardBackwardRequest(fb).ok());
+  struct Case {
+    std::function<void(v1::ForwardBackwardRequest&)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& r) { r.set_job("job/1"); }, "job:"},
+      {[](auto& r) { r.clear_batch(); }, "batch:"},
+      {[](auto& r) { r.mutable_loss()->clear_kind(); }, "loss.kind:"},
+      {[](auto& r) { r.mutable_loss()->set_kind("dpo"); }, "loss.kind:"},
+      {[](auto& r) { r.mutable_loss()->set_clip_low(1.5); }, "loss.clip_low:"},
+      {[](auto& r) { r.mutable_loss()->set_clip_high(-1); }, "loss.clip_high:"},
+      {[](auto& r) { r.set_sequence(-1); }, "sequence:"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    v1::ForwardBackwardRequest r = fb;
+    cases[i].mutate(r);
+    absl::Status s = ValidateForwardBackwardRequest(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "case " << i << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(cases[i].field)) << "case " << i;
+  }
+
+  v1::OptimStepRequest os;
+  os.set_job("jobs/1");
+  os.mutable_adam()->set_lr(1e-3);
+  EXPECT_TRUE(ValidateOptimStepRequest(os).ok());
+  for (auto mutate : std::vector<std::function<void(v1::AdamWParams&)>>{
+           [](auto& a) { a.set_lr(0); }, [](auto& a) { a.set_lr(std::nan("")); },
+           [](auto& a) { a.set_lr(INFINITY); }, [](auto& a) { a.set_beta1(1); },
+           [](auto& a) { a.set_beta2(-0.1); }, [](auto& a) { a.set_eps(-1); },
+           [](auto& a) { a.set_weight_decay(-0.1); }}) {
+    v1::OptimStepRequest r = os;
+    mutate(*r.mutable_adam());
+    absl::Status s = ValidateOptimStepRequest(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("adam.")) << s;
+  }
+
+  v1::SaveCheckpointRequest save;
+  save.set_job("jobs/1");
+  EXPECT_TRUE(ValidateSaveCheckpointRequest(save).ok());  // empty = the job's checkpoint folder
+  save.set_directory("relative/dir");
+  EXPECT_THAT(std::string(ValidateSaveCheckpointRequest(save).message()), HasSubstr("directory:"));
+  v1::LoadCheckpointRequest load;
+  load.set_job("jobs/1");
+  EXPECT_THAT(std::string(ValidateLoadCheckpointRequest(load).message()), HasSubstr("directory: is required"));
+  v1::ExportWeightsRequest ex;
+  ex.set_job("jobs/1");
+  ex.set_directory("/tmp/x");
+  ex.set_dtype("int8");
+  EXPECT_THAT(std::string(ValidateExportWeightsRequest(ex).message()), HasSubstr("dtype:"));
+  ex.set_dtype("float32");
+  EXPECT_TRUE(ValidateExportWeightsRequest(ex).ok());
 }
 
 TEST(ValidationTest, ReadableDatasetPasses) {

@@ -1,4 +1,5 @@
 #include "worker/engine_job.h"
+#include "worker/engine_internal.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -102,7 +103,8 @@ double TrainingFlops(const model::ModelConfig& c, int64_t tokens, int64_t seq_le
   return per_token * static_cast<double>(tokens);
 }
 
-// fsync of a file or folder.
+}  // namespace
+
 absl::Status SyncPath(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::InternalError(absl::StrCat(path, ": open for fsync: ", std::strerror(errno)));
@@ -113,7 +115,6 @@ absl::Status SyncPath(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Writes `trainer`'s checkpoint for its current step atomically and prunes to `keep`.
 absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep) {
   const std::string final_path = CheckpointPath(dir, trainer.step());
   const std::string tmp = (fs::path(dir) / absl::StrFormat(".step-%08d.tmp-%d", trainer.step(), ::getpid())).string();
@@ -142,6 +143,8 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
   }
   return final_path;
 }
+
+namespace {
 
 // Fills o->memory (and the attention head groups) from the job's memory fields; unset ones are
 // the planner's choice on a GPU and "none" on a CPU.
@@ -188,14 +191,10 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   return m.Validate();
 }
 
-EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Duration)>& stop,
-                  const std::function<void(const EngineStep&)>& on_step) {
-  EngineOutcome out;
-  auto fail = [&](absl::Status s) {
-    out.status = std::move(s);
-    return out;
-  };
-  engine::TrainerOptions o;
+}  // namespace
+
+absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptions* out) {
+  engine::TrainerOptions& o = *out;
   o.model = j.model;
   o.device = j.device;
   o.dtype = j.dtype;
@@ -210,12 +209,26 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   o.schedule.warmup_steps = j.warmup_steps;
   o.schedule.min_lr_ratio = j.min_lr_ratio;
   o.grad_clip = j.grad_clip;
-  if (absl::Status s = ChooseMemory(j, &o); !s.ok()) return fail(s);
+  if (absl::Status s = ChooseMemory(j, &o); !s.ok()) return s;
   o.data.format = j.data_format;
   o.data.path = j.data_path;
   o.data.seq_len = j.seq_len;
   o.data.batch_size = j.batch_size;
   o.data.seed = j.seed;
+  return absl::OkStatus();
+}
+
+namespace {
+
+EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Duration)>& stop,
+                  const std::function<void(const EngineStep&)>& on_step) {
+  EngineOutcome out;
+  auto fail = [&](absl::Status s) {
+    out.status = std::move(s);
+    return out;
+  };
+  engine::TrainerOptions o;
+  if (absl::Status s = BuildTrainerOptions(j, &o); !s.ok()) return fail(s);
 
   std::unique_ptr<engine::TcpCommunicator> comm;
   if (j.world_size > 1) {

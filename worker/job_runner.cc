@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "worker/rl_calls.h"
+#include "worker/rl_session.h"
 #include "worker/worker_metrics.h"
 
 namespace odyssey::worker {
@@ -11,10 +13,15 @@ namespace v1 = odyssey::v1;
 
 absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment& a, const std::string& device) {
   const v1::JobSpec& spec = a.spec();
-  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED)
-    return absl::InvalidArgumentError(absl::StrCat("spec.kind (", v1::JobKind_Name(spec.kind()),
-                                                   ") is not supported by this worker: only SFT"));
-  if (spec.steps() <= 0) return absl::InvalidArgumentError(absl::StrCat("spec.steps (", spec.steps(), ") must be > 0"));
+  const bool rl = spec.kind() == v1::RL_SESSION;
+  if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED && !rl)
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind (", static_cast<int>(spec.kind()),
+                                                   ") is not supported by this worker: only SFT and RL_SESSION"));
+  if (!rl && spec.steps() <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("spec.steps (", spec.steps(), ") must be > 0"));
+  if (rl && std::max(1, a.world_size()) != 1)
+    return absl::InvalidArgumentError(absl::StrCat("world_size (", a.world_size(),
+                                                   ") must be 1: RL sessions are single-rank for now"));
   EngineJobOptions o;
   o.job = a.job();
   o.model = spec.model().name().empty() ? "tiny" : spec.model().name();
@@ -57,6 +64,17 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.checkpoint_dir = a.checkpoint_dir().empty() ? spec.checkpoint().directory() : a.checkpoint_dir();
   o.every_steps = spec.checkpoint().every_steps();
   o.keep = spec.checkpoint().keep();
+  if (rl) {
+    // The session's batches come with its calls and each optim_step carries its AdamW
+    // parameters: the trainer's own data source and schedule are never used (random ids need
+    // no file; a placeholder lr passes the optimizer's checks). seq_len x batch_size remains
+    // the batch the memory is planned for.
+    o.data_format = "random";
+    o.data_path.clear();
+    o.steps = 1;
+    if (!(o.lr > 0)) o.lr = 1e-3;
+    o.warmup_steps = 0;
+  }
   return o;
 }
 
@@ -77,8 +95,120 @@ JobRunner::JobRunner(v1::Assignment assignment, JobRunnerOptions options, JobCal
     : assignment_(std::move(assignment)),
       options_(std::move(options)),
       callbacks_(std::move(callbacks)),
-      metrics_(metrics),
-      thread_([this] { Run(); }) {}
+      metrics_(metrics) {
+  {
+    absl::MutexLock lock(&mu_);
+    accepting_calls_ = assignment_.spec().kind() == v1::RL_SESSION;
+  }
+  thread_ = std::thread([this] { Run(); });
+}
+
+bool JobRunner::Submit(const v1::TrainingCall& call) {
+  absl::MutexLock lock(&mu_);
+  if (!accepting_calls_) return false;
+  calls_.push_back(call);
+  return true;
+}
+
+void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
+  const std::string& job = assignment_.job();
+  const int64_t idle_s = assignment_.spec().rl().idle_timeout_seconds() > 0
+                             ? assignment_.spec().rl().idle_timeout_seconds()
+                             : int64_t{3600};
+  const absl::Duration idle = absl::Seconds(idle_s);
+  absl::StatusOr<std::unique_ptr<RlSession>> created = RlSession::Create(options);
+  std::unique_ptr<RlSession> session;
+  if (!created.ok()) {
+    outcome->status = created.status();
+  } else {
+    session = *std::move(created);
+    outcome->step = session->step();
+    outcome->last_checkpoint = options.resume_from;
+    LogInfo(absl::StrCat("job=", job, " RL session ready: ", session->Describe(), ", idle timeout ", idle_s, " s"));
+  }
+  double last_loss = 0;     // of the last forward_backward
+  int64_t tokens = 0;       // forward_backward positions since the last progress
+  double seconds = 0;       // compute time since the last progress
+  absl::Time idle_since = absl::Now();
+  while (session) {
+    v1::TrainingCall call;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cancelled_.load() || !calls_.empty(); };
+      mu_.AwaitWithDeadline(absl::Condition(&ready), idle_since + idle);
+      if (cancelled_.load()) {
+        outcome->stopped = true;
+        break;
+      }
+      if (calls_.empty()) {
+        LogInfo(absl::StrCat("job=", job, " RL session idle for ", idle_s, " s: ending it"));
+        break;
+      }
+      call = std::move(calls_.front());
+      calls_.pop_front();
+    }
+    RlRequest request = ToRlRequest(call);
+    const auto t0 = std::chrono::steady_clock::now();
+    RlResponse response = session->Run(request);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!response.status.ok()) {
+      LogInfo(absl::StrCat("job=", job, " ", CallName(call), " call ", call.call_id(), ": ",
+                           response.status.ToString()));
+    }
+    const bool ok = response.status.ok();
+    bool report = false;
+    std::string checkpoint;
+    if (ok) {
+      switch (call.call_case()) {
+        case v1::TrainingCall::kForwardBackward:
+          last_loss = response.loss;
+          tokens += response.tokens;
+          if (metrics_) metrics_->tokens->Increment(static_cast<double>(response.tokens));
+          break;
+        case v1::TrainingCall::kOptimStep:
+          if (metrics_) metrics_->steps->Increment();
+          report = true;
+          break;
+        case v1::TrainingCall::kLoadCheckpoint:
+          report = true;
+          break;
+        case v1::TrainingCall::kSaveCheckpoint:
+          checkpoint = response.directory;
+          outcome->last_checkpoint = checkpoint;
+          report = true;
+          break;
+        default:
+          break;
+      }
+    }
+    const double grad_norm = response.grad_norm, lr = response.lr;
+    v1::TrainingReply reply = ToTrainingReply(call, std::move(response));
+    outcome->step = session->step();
+    if (report) {
+      v1::JobProgress p;
+      p.set_job(job);
+      p.set_rank(0);
+      p.set_checkpoint(checkpoint);
+      v1::StepMetrics* m = p.mutable_metrics();
+      m->set_step(session->step());
+      m->set_loss(last_loss);
+      m->set_grad_norm(grad_norm);
+      m->set_lr(lr);
+      m->set_tokens(tokens);
+      m->set_step_seconds(seconds);
+      m->set_tokens_per_second(seconds > 0 ? static_cast<double>(tokens) / seconds : 0);
+      m->set_world_size(1);
+      if (metrics_ && call.call_case() == v1::TrainingCall::kOptimStep) metrics_->step_duration->Observe(seconds);
+      tokens = 0;
+      seconds = 0;
+      // Progress before the reply: a client that saw the reply sees the job's step in GetJob
+      // once the controller has read the stream up to it.
+      if (callbacks_.progress) callbacks_.progress(p);
+    }
+    if (callbacks_.reply) callbacks_.reply(reply);
+    idle_since = absl::Now();
+  }
+}
 
 JobRunner::~JobRunner() {
   Cancel("worker shutting down");
@@ -105,6 +235,10 @@ void JobRunner::Run() {
   } else {
     LogInfo(absl::StrCat("job=", job, " rank=", rank, " starting", options->resume_from.empty() ? "" : " from ",
                          options->resume_from));
+  }
+  if (options.ok() && assignment_.spec().kind() == v1::RL_SESSION) {
+    RunRl(*options, &outcome);
+  } else if (options.ok()) {
     auto last_progress = std::chrono::steady_clock::now() - std::chrono::hours(1);  // the run's first step is sent
     const int world_size = options->world_size;
     options->peer_loss_grace = absl::Seconds(options_.peer_loss_grace_seconds);
@@ -169,6 +303,22 @@ void JobRunner::Run() {
     LogInfo(absl::StrCat("job=", job, " rank=", rank, " succeeded at step ", outcome.step,
                          " checkpoint=", outcome.last_checkpoint));
     if (metrics_) metrics_->jobs_succeeded->Increment();
+  }
+  // RL: no more calls: the ones still queued get ABORTED.
+  std::deque<v1::TrainingCall> left;
+  {
+    absl::MutexLock lock(&mu_);
+    accepting_calls_ = false;
+    left.swap(calls_);
+  }
+  const absl::Status ended = absl::AbortedError(
+      absl::StrCat(job, ": the RL session ended before the call ran (",
+                   !outcome.status.ok() ? std::string(outcome.status.message())
+                   : outcome.stopped    ? "cancelled"
+                                         : "idle timeout",
+                   ")"));
+  for (const v1::TrainingCall& call : left) {
+    if (callbacks_.reply) callbacks_.reply(ErrorReply(call, ended));
   }
   if (metrics_) metrics_->busy->Set(0);
   done_.store(true);

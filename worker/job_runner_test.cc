@@ -1,6 +1,7 @@
 #include "worker/job_runner.h"
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -57,7 +58,8 @@ struct Recorder {
             [this](const v1::JobResult& r) {
               absl::MutexLock l(&mu);
               result = r;
-            }};
+            },
+            nullptr};
   }
   v1::JobResult Wait(absl::Duration timeout = absl::Seconds(120)) {
     absl::MutexLock l(&mu);
@@ -186,17 +188,28 @@ TEST_F(JobRunnerTest, CancelStopsBetweenSteps) {
   EXPECT_LT(r.step(), 1000000);
 }
 
+v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds);
+
 TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   JobRunnerOptions opts;
   opts.device = "cpu";
   {
     Recorder rec;
     v1::Assignment a = TinyJob((root_ / "x").string(), 4);
-    a.mutable_spec()->set_kind(v1::RL_SESSION);
+    a.mutable_spec()->set_kind(static_cast<v1::JobKind>(9));
     JobRunner runner(a, opts, rec.Callbacks(), nullptr);
     v1::JobResult r = rec.Wait();
     EXPECT_FALSE(r.ok());
-    EXPECT_NE(r.error().find("spec.kind (RL_SESSION)"), std::string::npos) << r.error();
+    EXPECT_NE(r.error().find("spec.kind (9)"), std::string::npos) << r.error();
+  }
+  {
+    Recorder rec;
+    v1::Assignment a = RlJob((root_ / "x").string(), 0);
+    a.set_world_size(2);
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("RL sessions are single-rank for now"), std::string::npos) << r.error();
   }
   {
     Recorder rec;
@@ -245,6 +258,157 @@ TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
   EXPECT_FALSE(r.ok());
   EXPECT_NE(r.error().find("spec.memory.offload ('sometimes') must be on, off, auto or empty"), std::string::npos)
       << r.error();
+}
+
+// ---------------------------------------------------------------------------------------------
+// RL sessions
+
+v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds) {
+  v1::Assignment a = TinyJob(dir, 0);
+  v1::JobSpec* s = a.mutable_spec();
+  s->set_kind(v1::RL_SESSION);
+  s->clear_steps();
+  s->mutable_data()->clear_format();
+  s->mutable_optimizer()->clear_lr();  // unused: every optim_step carries its own
+  s->mutable_rl()->set_idle_timeout_seconds(idle_timeout_seconds);
+  return a;
+}
+
+// Collects an RL run's replies besides its progress and result.
+struct RlRecorder : Recorder {
+  std::vector<v1::TrainingReply> replies ABSL_GUARDED_BY(mu);
+  JobCallbacks Callbacks() {
+    JobCallbacks c = Recorder::Callbacks();
+    c.reply = [this](const v1::TrainingReply& r) {
+      absl::MutexLock l(&mu);
+      replies.push_back(r);
+    };
+    return c;
+  }
+  // The replies once there are `n` (waits up to 120 s).
+  std::vector<v1::TrainingReply> WaitReplies(size_t n) {
+    absl::MutexLock l(&mu);
+    auto has = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return replies.size() >= n; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&has), absl::Seconds(120))) << "replies: " << replies.size();
+    return replies;
+  }
+};
+
+v1::TrainingCall Call(int64_t id, const std::function<void(v1::TrainingCall&)>& fill) {
+  v1::TrainingCall c;
+  c.set_call_id(id);
+  c.set_job("jobs/7");
+  fill(c);
+  return c;
+}
+
+v1::TrainingCall FbCall(int64_t id, int first_token = 1) {
+  return Call(id, [first_token](v1::TrainingCall& c) {
+    v1::Datum* d = c.mutable_forward_backward()->add_batch();
+    for (int i = 0; i < 12; ++i) {
+      d->add_tokens((first_token + i * 7) % 256);
+      d->add_target_tokens((first_token + i * 7 + 7) % 256);
+    }
+    c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+  });
+}
+
+v1::TrainingCall StepCall(int64_t id) {
+  return Call(id, [](v1::TrainingCall& c) { c.mutable_optim_step()->mutable_adam()->set_lr(1e-2); });
+}
+
+// Calls submitted at once run FIFO; replies carry their call ids; the engine's INVALID_ARGUMENT
+// comes back unchanged and the session keeps working; save/load/export write where they say;
+// progress follows the optimizer steps; the idle timeout ends the run with an ok result.
+TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
+  const std::string dir = (root_ / "ckpt").string();
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  JobRunner runner(RlJob(dir, 2), opts, rec.Callbacks(), nullptr);
+  // Submitted while the model loads: they queue.
+  ASSERT_TRUE(runner.Submit(FbCall(1)));
+  ASSERT_TRUE(runner.Submit(StepCall(2)));
+  ASSERT_TRUE(runner.Submit(Call(3, [](v1::TrainingCall& c) {
+    v1::Datum* d = c.mutable_forward_backward()->add_batch();
+    d->add_tokens(1);
+    d->add_target_tokens(999);
+    c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(4)));
+  ASSERT_TRUE(runner.Submit(StepCall(5)));
+  ASSERT_TRUE(runner.Submit(Call(6, [](v1::TrainingCall& c) { c.mutable_save_checkpoint(); })));
+  ASSERT_TRUE(runner.Submit(Call(7, [&](v1::TrainingCall& c) {
+    c.mutable_export_weights()->set_directory((root_ / "export").string());
+    c.mutable_export_weights()->set_dtype("bfloat16");
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(8)));
+  ASSERT_TRUE(runner.Submit(StepCall(9)));
+  ASSERT_TRUE(runner.Submit(Call(10, [&](v1::TrainingCall& c) {
+    c.mutable_load_checkpoint()->set_directory(CheckpointPath(dir, 2));
+  })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(10);
+  ASSERT_EQ(r.size(), 10u);
+  for (size_t i = 0; i < r.size(); ++i) {
+    EXPECT_EQ(r[i].call_id(), static_cast<int64_t>(i + 1));
+    EXPECT_EQ(r[i].job(), "jobs/7");
+    if (i != 2) {
+      EXPECT_EQ(r[i].code(), 0) << "call " << i + 1 << ": " << r[i].message();
+    }
+  }
+  EXPECT_EQ(r[0].forward_backward().logprobs_size(), 1);
+  EXPECT_EQ(r[0].forward_backward().logprobs(0).values_size(), 12);
+  EXPECT_EQ(r[0].forward_backward().tokens(), 12);
+  EXPECT_EQ(r[1].optim_step().step(), 1);
+  EXPECT_EQ(r[2].code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(r[2].message(), "batch[0].target_tokens[0] (999) must be in [0, 256), the model's vocabulary");
+  EXPECT_EQ(r[4].optim_step().step(), 2);
+  EXPECT_EQ(r[5].save_checkpoint().directory(), CheckpointPath(dir, 2));
+  EXPECT_EQ(r[5].save_checkpoint().step(), 2);
+  EXPECT_TRUE(fs::exists(fs::path(CheckpointPath(dir, 2)) / "optimizer.safetensors"));
+  EXPECT_EQ(r[6].export_weights().directory(), (root_ / "export").string());
+  EXPECT_TRUE(fs::exists(root_ / "export" / "config.json"));
+  EXPECT_NE(ReadFile((root_ / "export" / "config.json").string()).find("bfloat16"), std::string::npos);
+  EXPECT_EQ(r[8].optim_step().step(), 3);
+  EXPECT_EQ(r[9].load_checkpoint().step(), 2);
+  // No call for 2 s: the session ends ok at the loaded step.
+  const v1::JobResult result = rec.Wait();
+  EXPECT_TRUE(result.ok()) << result.error();
+  EXPECT_EQ(result.step(), 2);
+  EXPECT_EQ(result.last_checkpoint(), CheckpointPath(dir, 2));
+  EXPECT_FALSE(runner.Submit(FbCall(11)));  // ended: nothing queues
+  absl::MutexLock l(&rec.mu);
+  // Progress after each optim_step, the save and the load: step and the last loss.
+  std::vector<int64_t> steps;
+  for (const auto& p : rec.progress) steps.push_back(p.metrics().step());
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 2, 3, 2}));
+  EXPECT_EQ(rec.progress[2].checkpoint(), CheckpointPath(dir, 2));
+  EXPECT_DOUBLE_EQ(rec.progress[0].metrics().loss(), r[0].forward_backward().loss());
+}
+
+// A cancel ends the session after the call that runs; the calls still queued get ABORTED.
+TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  JobRunner runner(RlJob((root_ / "c").string(), 0), opts, rec.Callbacks(), nullptr);
+  ASSERT_TRUE(runner.Submit(FbCall(1)));
+  ASSERT_EQ(rec.WaitReplies(1).size(), 1u);
+  for (int i = 2; i <= 20; ++i) ASSERT_TRUE(runner.Submit(FbCall(i, i)));
+  runner.Cancel("test says stop");
+  const v1::JobResult result = rec.Wait(absl::Seconds(60));
+  EXPECT_FALSE(result.ok());
+  EXPECT_EQ(result.cancelled(), "test says stop");
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(20);
+  ASSERT_EQ(r.size(), 20u);
+  int aborted = 0;
+  for (const auto& reply : r) {
+    if (reply.code() == static_cast<int>(absl::StatusCode::kAborted)) {
+      ++aborted;
+      EXPECT_NE(reply.message().find("cancelled"), std::string::npos) << reply.message();
+    }
+  }
+  EXPECT_GT(aborted, 0);
 }
 
 TEST(ProbeCapabilitiesTest, DescribesTheCpu) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "odyssey/v1/odyssey.grpc.pb.h"
+#include "worker/rl_calls.h"
 #include "worker/worker_metrics.h"
 
 namespace odyssey::worker {
@@ -83,6 +84,11 @@ void Worker::Handle(const v1::ControllerMessage& message) {
           *m.mutable_progress() = p;
           Post(std::move(m));
         };
+        callbacks.reply = [this](const v1::TrainingReply& r) {
+          v1::WorkerMessage m;
+          *m.mutable_reply() = r;
+          Post(std::move(m));
+        };
         callbacks.done = [this](const v1::JobResult& r) { OnResult(r); };
         runner_ = std::make_unique<JobRunner>(a, options_.runner, std::move(callbacks), metrics_);
         break;
@@ -96,6 +102,17 @@ void Worker::Handle(const v1::ControllerMessage& message) {
       case v1::ControllerMessage::kRelease:
         unreleased_.erase(message.release());
         break;
+      case v1::ControllerMessage::kCall: {
+        const v1::TrainingCall& call = message.call();
+        if (runner_ && running_job_ == call.job() && runner_->Submit(call)) break;
+        v1::WorkerMessage m;
+        *m.mutable_reply() = ErrorReply(
+            call, absl::FailedPreconditionError(absl::StrCat("job: worker ", options_.capabilities.worker_id(),
+                                                             " runs no RL session for ", call.job(),
+                                                             " (it ended, or the job is not an RL_SESSION)")));
+        if (connected_ && !stream_broken_) outbox_.push_back(std::move(m));
+        break;
+      }
       default:
         break;
     }

@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""Process tests of the TrainingService (RL sessions): a real odyssey-controller and a real
+odyssey-worker (CPU, the `tiny` byte-level model) on loopback ports picked at run time, driven
+through gRPC with Python stubs generated at test time (grpc_tools.protoc from the venv).
+
+Cases (--case):
+  train        (a) forward_backward(cross_entropy) + optim_step repeated on a fixed batch lowers
+               the loss, and GetJob shows the session's step and loss; (c) save_checkpoint, train
+               more, load_checkpoint: forward equals the logprobs at save time and the optimizer
+               step counter is restored (the next optim_step continues from it); (d) pipelined
+               calls, issued as futures without waiting, unsequenced and sequenced (issued in
+               reverse order: the controller forwards by sequence), all succeed, and the
+               sequenced ones run in sequence order (optim_step's step numbers); (g) PushRollouts
+               streams one result per batch, in order.
+  hf_parity    (b) forward's per-token logprobs equal Hugging Face transformers' on the weights
+               ExportWeights(float32) wrote (max |diff| <= 1e-4), which also proves the export
+               loads in transformers; a bfloat16 export is written as bfloat16.
+  bad_input    (e) a table of bad requests, each INVALID_ARGUMENT naming the field (with the datum
+               and token index) and the rule, after which the session still trains; (f) the
+               trainer-vs-sampler mismatch gauges appear on the controller's /metrics after a
+               forward_backward with sampler logprobs, with the values the call returned.
+  cancel       (h) CancelJob ends the session (CANCELLED), a later call gets FAILED_PRECONDITION
+               naming the state; a session with a 2 s idle timeout ends SUCCEEDED on its own.
+
+Every wait is on a condition with a deadline.
+"""
+import argparse
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_test import Cluster, Failure, scrape, wait_for  # noqa: E402
+
+VOCAB = 256  # the tiny model's byte vocabulary
+SEQ_LEN, BATCH_SIZE = 64, 4  # the session's plan: 256 positions per call
+
+
+class RlCluster(Cluster):
+    def start_controller(self):
+        """Starts the controller (like Cluster's) and records its metrics port."""
+        metrics_file = os.path.join(self.workdir, "controller.metrics-port")
+        argv_hook = self._spawn
+
+        def spawn(name, argv):
+            return argv_hook(name, argv + ["--metrics-port-file", metrics_file])
+
+        self._spawn = spawn
+        try:
+            super().start_controller()
+        finally:
+            self._spawn = argv_hook
+        wait_for("the controller's metrics port", lambda: os.path.exists(metrics_file) and open(metrics_file).read().strip())
+        self.metrics_port = int(open(metrics_file).read().strip())
+        self.training = self.pbg.TrainingServiceStub(self.channel)
+
+    def session(self, idle_timeout=0):
+        spec = self.pb.JobSpec(kind=self.pb.RL_SESSION, display_name="rl-test")
+        spec.model.name = "tiny"
+        spec.model.dtype = "float32"
+        spec.data.seq_len = SEQ_LEN
+        spec.data.batch_size = BATCH_SIZE
+        spec.optimizer.grad_clip = 1.0
+        spec.rl.idle_timeout_seconds = idle_timeout
+        name = self.jobs.CreateJob(self.pb.CreateJobRequest(spec=spec), timeout=10).name
+        self.wait_state(name, "RUNNING")
+        return name
+
+    def datum(self, tokens, **arrays):
+        d = self.pb.Datum(tokens=tokens[:-1], target_tokens=tokens[1:])
+        for k, v in arrays.items():
+            getattr(d, k).extend(v)
+        return d
+
+    def batch(self, seed, n=4, length=33):
+        rng = random.Random(seed)
+        return [self.datum([rng.randrange(VOCAB) for _ in range(length)]) for _ in range(n)]
+
+    def fb(self, job, batch, kind="cross_entropy", **kw):
+        return self.training.ForwardBackward(
+            self.pb.ForwardBackwardRequest(job=job, batch=batch, loss=self.pb.LossConfig(kind=kind), **kw), timeout=120)
+
+    def step(self, job, lr=1e-2, **kw):
+        return self.training.OptimStep(self.pb.OptimStepRequest(job=job, adam=self.pb.AdamWParams(lr=lr), **kw),
+                                       timeout=120)
+
+    def forward(self, job, batch):
+        r = self.training.Forward(self.pb.ForwardRequest(job=job, batch=batch), timeout=120)
+        return [list(l.values) for l in r.logprobs]
+
+
+def max_diff(a, b):
+    return max(abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb))
+
+
+def expect_code(c, what, fn, code, *substrings):
+    try:
+        fn()
+    except c.grpc.RpcError as e:
+        if e.code() != code:
+            raise Failure(f"{what}: got {e.code()} ({e.details()}), want {code}")
+        for s in substrings:
+            if s not in e.details():
+                raise Failure(f"{what}: message {e.details()!r} does not name {s!r}")
+        print(f"  {what}: {e.code().name}: {e.details()}")
+        return e.details()
+    raise Failure(f"{what}: succeeded, want {code}")
+
+
+def case_train(c):
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session()
+    batch = c.batch(seed=1)
+    # (a) the loss falls on a fixed batch, and GetJob follows the session.
+    losses = []
+    for i in range(12):
+        r = c.fb(job, batch)
+        losses.append(r.loss)
+        if len(r.logprobs) != 4 or any(len(l.values) != 32 for l in r.logprobs) or r.tokens != 128:
+            raise Failure(f"forward_backward returned {len(r.logprobs)} logprob rows, {r.tokens} tokens")
+        s = c.step(job)
+        if s.step != i + 1:
+            raise Failure(f"optim_step {i + 1} returned step {s.step}")
+    print(f"(a) loss on a fixed batch: {losses[0]:.3f} -> {losses[-1]:.3f} over 12 steps")
+    if not (abs(losses[0] - math.log(VOCAB)) < 0.5 and losses[-1] < losses[0] - 1.0):
+        raise Failure(f"the loss did not fall from chance: {losses}")
+    got = wait_for("GetJob to show step 12", lambda: (lambda j: j if j.step == 12 else None)(c.get(job)), timeout=30)
+    if abs(got.loss - losses[-1]) > 1e-6:
+        raise Failure(f"GetJob loss {got.loss}, want the last forward_backward's {losses[-1]}")
+
+    # (c) save, train more, load: logprobs and step counter come back.
+    probe = c.batch(seed=2, n=2, length=20)
+    at_save = c.forward(job, probe)
+    saved = c.training.SaveCheckpoint(c.pb.SaveCheckpointRequest(job=job), timeout=120)
+    print(f"(c) saved {saved.directory} at step {saved.step}")
+    if saved.step != 12 or not re.search(r"step-0*12$", saved.directory) or not os.path.isdir(saved.directory):
+        raise Failure(f"save_checkpoint returned {saved}")
+    if any(n.startswith(".") for n in os.listdir(os.path.dirname(saved.directory))):
+        raise Failure(f"temp folders left beside {saved.directory}: {os.listdir(os.path.dirname(saved.directory))}")
+    wait_for("last_checkpoint to be the saved one", lambda: c.get(job).last_checkpoint == saved.directory, timeout=10)
+    for _ in range(3):
+        c.fb(job, batch)
+        c.step(job)
+    moved = max_diff(c.forward(job, probe), at_save)
+    if moved < 1e-4:
+        raise Failure(f"training after the save did not change the logprobs ({moved})")
+    loaded = c.training.LoadCheckpoint(c.pb.LoadCheckpointRequest(job=job, directory=saved.directory), timeout=120)
+    back = max_diff(c.forward(job, probe), at_save)
+    print(f"    after 3 more steps the logprobs moved by {moved:.4f}; after load_checkpoint (step {loaded.step}) "
+          f"they differ from save time by {back:.2e}")
+    if loaded.step != 12 or back > 1e-6:
+        raise Failure(f"load_checkpoint: step {loaded.step}, logprob diff {back}")
+    c.fb(job, batch)
+    if c.step(job).step != 13:
+        raise Failure("the optimizer step counter was not restored by load_checkpoint")
+
+    # (d) pipelined calls. Unsequenced: futures issued without waiting all succeed.
+    futures = [c.training.Forward.future(c.pb.ForwardRequest(job=job, batch=probe), timeout=120) for _ in range(3)]
+    futures += [c.training.ForwardBackward.future(
+        c.pb.ForwardBackwardRequest(job=job, batch=batch, loss=c.pb.LossConfig(kind="cross_entropy")), timeout=120)
+        for _ in range(3)]
+    for f in futures:
+        f.result()
+    if c.step(job).step != 14:
+        raise Failure("optim_step after pipelined calls")
+    # Sequenced: forward_backward (odd) and optim_step (even) issued in reverse order; the
+    # controller forwards them 1, 2, 3, ..., so every optim_step finds its gradients.
+    n = 4
+    calls = []
+    for k in range(1, n + 1):
+        calls.append((2 * k - 1, lambda s: c.training.ForwardBackward.future(c.pb.ForwardBackwardRequest(
+            job=job, batch=batch, loss=c.pb.LossConfig(kind="cross_entropy"), sequence=s), timeout=120)))
+        calls.append((2 * k, lambda s: c.training.OptimStep.future(
+            c.pb.OptimStepRequest(job=job, adam=c.pb.AdamWParams(lr=1e-2), sequence=s), timeout=120)))
+    issued = {}
+    for seq, make in reversed(calls):
+        issued[seq] = make(seq)
+    steps = [issued[2 * k].result().step for k in range(1, n + 1)]
+    for k in range(1, n + 1):
+        issued[2 * k - 1].result()
+    print(f"(d) pipelined: 6 unsequenced calls ok; sequenced calls issued in reverse ran in order: steps {steps}")
+    if steps != list(range(15, 15 + n)):
+        raise Failure(f"sequenced optim_steps returned {steps}, want {list(range(15, 15 + n))}")
+    expect_code(c, "a repeated sequence", lambda: c.step(job, sequence=2), c.grpc.StatusCode.ALREADY_EXISTS,
+                "sequence")
+
+    # (g) PushRollouts: one result per batch, in order.
+    def rollouts():
+        for i in range(3):
+            yield c.pb.RolloutBatch(job=job, batch=c.batch(seed=10 + i), loss=c.pb.LossConfig(kind="cross_entropy"),
+                                    adam=c.pb.AdamWParams(lr=1e-2))
+    results = list(c.training.PushRollouts(rollouts(), timeout=120))
+    got = [r.optim_step.step for r in results]
+    print(f"(g) PushRollouts: steps {got}, losses {[round(r.forward_backward.loss, 3) for r in results]}")
+    if got != [19, 20, 21] or any(r.forward_backward.tokens != 128 for r in results):
+        raise Failure(f"PushRollouts results {got}")
+    # A failing batch ends the stream with its status after the good ones' results.
+    bad = c.pb.RolloutBatch(job=job, batch=[c.datum([1, 300])], loss=c.pb.LossConfig(kind="cross_entropy"),
+                            adam=c.pb.AdamWParams(lr=1e-2))
+    good = c.pb.RolloutBatch(job=job, batch=batch, loss=c.pb.LossConfig(kind="cross_entropy"),
+                             adam=c.pb.AdamWParams(lr=1e-2))
+    seen = []
+    try:
+        for r in c.training.PushRollouts(iter([good, bad, good]), timeout=120):
+            seen.append(r.optim_step.step)
+        raise Failure("PushRollouts with a bad batch ended OK")
+    except c.grpc.RpcError as e:
+        if e.code() != c.grpc.StatusCode.INVALID_ARGUMENT or "rollout batch 1" not in e.details() or seen != [22]:
+            raise Failure(f"PushRollouts with a bad second batch: {e.code()} {e.details()}, results {seen}")
+
+
+def case_hf_parity(c):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session()
+    batch = c.batch(seed=3)
+    for _ in range(3):  # trained weights, not the init
+        c.fb(job, batch)
+        c.step(job)
+    probe = c.batch(seed=4, n=3, length=41) + [c.datum([7, 8, 9])]
+    ours = c.forward(job, probe)
+    export = os.path.join(c.workdir, "export-f32")
+    r = c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=export, dtype="float32"), timeout=120)
+    if r.directory != export or not {"config.json", "model.safetensors"} <= set(os.listdir(export)):
+        raise Failure(f"export_weights wrote {r.directory}: {os.listdir(r.directory)}")
+    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    model.eval()
+    worst = 0.0
+    for d, mine in zip(probe, ours):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(d.tokens)])).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(d.target_tokens))[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(mine)).abs().max().item())
+    print(f"(b) forward vs transformers on the exported float32 weights: max |diff| = {worst:.2e}")
+    if worst > 1e-4:
+        raise Failure(f"logprobs differ from transformers by {worst}")
+    bf16 = os.path.join(c.workdir, "export-bf16")
+    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=bf16, dtype="bfloat16"), timeout=120)
+    from safetensors import safe_open
+    with safe_open(os.path.join(bf16, "model.safetensors"), "pt") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    if dtypes != {torch.bfloat16}:
+        raise Failure(f"the bfloat16 export holds {dtypes}")
+    # Exporting again over an earlier export replaces it; over somebody's folder it refuses.
+    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=export, dtype="float32"), timeout=120)
+    foreign = os.path.join(c.workdir, "foreign")
+    os.makedirs(foreign)
+    open(os.path.join(foreign, "notes.txt"), "w").write("keep me")
+    expect_code(c, "export over a foreign folder",
+                lambda: c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=foreign), timeout=60),
+                c.grpc.StatusCode.FAILED_PRECONDITION, "directory")
+
+
+def case_bad_input(c):
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session()
+    pb, INV = c.pb, c.grpc.StatusCode.INVALID_ARGUMENT
+    good = c.batch(seed=5, n=2, length=9)
+    toks = list(good[0].tokens) + [good[0].target_tokens[-1]]
+
+    def fb(batch, kind="cross_entropy", **loss):
+        return lambda: c.training.ForwardBackward(
+            pb.ForwardBackwardRequest(job=job, batch=batch, loss=pb.LossConfig(kind=kind, **loss)), timeout=60)
+
+    n = len(toks) - 1
+    ones = [1.0] * n
+    big = [c.datum([1] * (SEQ_LEN + 1)) for _ in range(BATCH_SIZE)] + [c.datum([1, 2])]
+    table = [
+        ("token id >= vocab", fb([good[0], c.datum([1, 2, 300, 4])]), "batch[1].tokens[2]", "[0, 256)"),
+        ("token id < 0", fb([c.datum([-1, 2, 3])]), "batch[0].tokens[0]", "[0, 256)"),
+        ("target_tokens length", fb([pb.Datum(tokens=[1, 2, 3], target_tokens=[2, 3])]), "batch[0].target_tokens",
+         "length (2) must equal"),
+        ("weights length", fb([c.datum(toks, weights=[1.0, 1.0])]), "batch[0].weights", "must equal"),
+        ("NaN advantage", fb([c.datum(toks, sampler_logprobs=[-5.0] * n,
+                                      advantages=[1.0, float("nan")] + [1.0] * (n - 2))], "importance_sampling"),
+         "batch[0].advantages[1]", "finite"),
+        ("inf sampler logprob", fb([c.datum(toks, sampler_logprobs=[-1.0] * n, advantages=ones),
+                                    c.datum(toks, sampler_logprobs=[-1.0, -2.0, float("inf")] + [-1.0] * (n - 3),
+                                            advantages=ones)], "ppo"),
+         "batch[1].sampler_logprobs[2]", "finite"),
+        ("unknown loss kind", fb(good, "dpo"), "loss.kind", "not a known loss"),
+        ("ppo without sampler logprobs", fb([c.datum(toks, advantages=ones)], "ppo"), "batch[0].sampler_logprobs",
+         "required by loss ppo"),
+        ("ppo clip_low out of range", fb(good, "ppo", clip_low=1.5), "loss.clip_low", "(0, 1)"),
+        ("batch over the planned size", fb(big), "batch:", f"limit of {SEQ_LEN * BATCH_SIZE}"),
+        ("empty batch", fb([]), "batch:", "empty"),
+        ("bad adam.lr", lambda: c.training.OptimStep(pb.OptimStepRequest(job=job, adam=pb.AdamWParams(lr=-1)),
+                                                     timeout=60), "adam.lr", "> 0"),
+        ("NaN adam.beta1", lambda: c.training.OptimStep(
+            pb.OptimStepRequest(job=job, adam=pb.AdamWParams(lr=1e-3, beta1=float("nan"))), timeout=60),
+         "adam.beta1", "[0, 1)"),
+        ("bad job name", lambda: c.training.Forward(pb.ForwardRequest(job="job/1", batch=good), timeout=60), "job:",
+         "jobs/{id}"),
+        ("relative load directory", lambda: c.training.LoadCheckpoint(
+            pb.LoadCheckpointRequest(job=job, directory="ckpt/step-1"), timeout=60), "directory:", "absolute"),
+        ("negative sequence", lambda: c.training.Forward(pb.ForwardRequest(job=job, batch=good, sequence=-3),
+                                                         timeout=60), "sequence:", ">= 0"),
+    ]
+    print(f"(e) {len(table)} bad requests:")
+    for what, call, field, rule in table:
+        expect_code(c, what, call, INV, field, rule)
+    expect_code(c, "optim_step before any forward_backward", lambda: c.step(job),
+                c.grpc.StatusCode.FAILED_PRECONDITION, "forward_backward first")
+    expect_code(c, "unknown job", lambda: c.fb("jobs/999", good), c.grpc.StatusCode.NOT_FOUND, "jobs/999")
+    # The session still trains.
+    first = c.fb(job, good).loss
+    if c.step(job).step != 1:
+        raise Failure("optim_step after the bad requests did not return step 1")
+    second = c.fb(job, good).loss
+    print(f"    the session still trains: loss {first:.3f} -> {second:.3f}")
+
+    # (f) mismatch gauges on the controller's /metrics.
+    logp = c.forward(job, good)
+    shifted = [c.datum(list(d.tokens) + [d.target_tokens[-1]], sampler_logprobs=[x - 0.25 for x in lp],
+                       advantages=[1.0] * len(lp)) for d, lp in zip(good, logp)]
+    r = c.fb(job, shifted, "importance_sampling")
+    if r.mismatch_tokens != 16 or abs(r.mismatch_mean - 0.25) > 1e-3 or abs(r.mismatch_max - 0.25) > 1e-3:
+        raise Failure(f"mismatch of sampler logprobs 0.25 below the trainer's: {r.mismatch_mean} / {r.mismatch_max} "
+                      f"over {r.mismatch_tokens} tokens")
+    m = scrape(c.metrics_port)
+    key = f'odyssey_rl_logprob_mismatch_mean{{job="{job}"}}'
+    print(f"(f) /metrics: {key} = {m.get(key)}, max = {m.get(key.replace('mean', 'max'))}")
+    if abs(m.get(key, -1) - r.mismatch_mean) > 1e-9 or abs(m.get(key.replace("mean", "max"), -1) - r.mismatch_max) > 1e-9:
+        raise Failure(f"the controller's mismatch gauges do not show the last forward_backward's: {m.get(key)}")
+    calls = m.get('odyssey_training_calls_total{code="INVALID_ARGUMENT",method="ForwardBackward"}', 0)
+    if calls < 10:
+        raise Failure(f"odyssey_training_calls_total counted {calls} INVALID_ARGUMENT forward_backward calls")
+
+
+def case_cancel(c):
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session()
+    batch = c.batch(seed=6)
+    c.fb(job, batch)
+    c.step(job)
+    c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
+    c.wait_state(job, "CANCELLED")
+    expect_code(c, "a call after the cancel", lambda: c.fb(job, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
+                "is CANCELLED")
+    # The worker is free again: a session with a short idle timeout ends SUCCEEDED on its own.
+    idle = c.session(idle_timeout=2)
+    c.fb(idle, batch)
+    c.step(idle)
+    t0 = time.monotonic()
+    j = c.wait_state(idle, "SUCCEEDED", timeout=60)
+    print(f"(h) {job} CANCELLED; {idle} idle-timed-out to SUCCEEDED after {time.monotonic() - t0:.1f}s at step {j.step}")
+    if j.step != 1:
+        raise Failure(f"the idle session ended at step {j.step}, want 1")
+    expect_code(c, "a call after the idle end", lambda: c.fb(idle, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
+                "is SUCCEEDED")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel"])
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--source-dir", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args()
+    args.cli = ""
+    workdir = tempfile.mkdtemp(prefix=f"odyssey-rl-{args.case}-")
+    t0 = time.monotonic()
+    ok = False
+    c = None
+    try:
+        c = RlCluster(args, workdir)
+        globals()[f"case_{args.case}"](c)
+        ok = True
+    except Failure as e:
+        print(f"FAILED: {e}")
+    finally:
+        if c:
+            c.stop()
+            if not ok:
+                c.dump_logs()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"rl {args.case}: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+// Conversions between the worker protocol's TrainingCall / TrainingReply (odyssey.v1) and the
+// plain structs RlSession takes (rl_session.h): the protobuf side of the libtorch/protobuf seam.
+// Pure functions; thread-safe.
+#pragma once
+
+#include "odyssey/v1/odyssey.pb.h"
+#include "worker/rl_session.h"
+
+namespace odyssey::worker {
+
+// The call's request as an RlRequest (token ids widened to int64; proto defaults left as 0).
+// REQUIRES: call.call_case() is set.
+RlRequest ToRlRequest(const odyssey::v1::TrainingCall& call);
+
+// The reply to `call`: its call_id and job, the status code and message unchanged, and on
+// success the response message of the call's method.
+odyssey::v1::TrainingReply ToTrainingReply(const odyssey::v1::TrainingCall& call, RlResponse&& response);
+
+// A reply to `call` carrying only an error.
+odyssey::v1::TrainingReply ErrorReply(const odyssey::v1::TrainingCall& call, const absl::Status& status);
+
+// "forward_backward", "optim_step", ... for logs.
+const char* CallName(const odyssey::v1::TrainingCall& call);
+
+}  // namespace odyssey::worker

@@ -1,0 +1,255 @@
+#include "worker/rl_session.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+#include <utility>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "engine/rl_loss.h"
+#include "engine/trainer.h"
+#include "model/weights.h"
+#include "worker/engine_internal.h"
+
+namespace odyssey::worker {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Writes a folder with `write(tmp)` into a hidden temp folder beside `dir`, fsyncs it and renames
+// it onto `dir`: readers see the old folder or the complete new one. An existing `dir` is
+// replaced only when it is empty or holds a config.json (an earlier checkpoint or export):
+// anything else is somebody's data, FAILED_PRECONDITION naming `field`.
+absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const char* field,
+                                                  const std::function<absl::Status(const std::string&)>& write) {
+  fs::path target = fs::path(dir).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();  // a trailing slash
+  const fs::path parent = target.parent_path();
+  std::error_code ec;
+  if (fs::exists(target, ec)) {
+    if (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !fs::exists(target / "config.json", ec)))
+      return absl::FailedPreconditionError(absl::StrCat(field, ": \"", target.string(),
+                                                        "\" exists and is not an odyssey checkpoint or export "
+                                                        "(no config.json); choose a new folder"));
+  }
+  fs::create_directories(parent, ec);
+  if (ec) return absl::InternalError(absl::StrCat(field, ": cannot create \"", parent.string(), "\": ", ec.message()));
+  const fs::path tmp = parent / absl::StrFormat(".%s.tmp-%d", target.filename().string(), ::getpid());
+  fs::remove_all(tmp, ec);
+  if (absl::Status s = write(tmp.string()); !s.ok()) {
+    fs::remove_all(tmp, ec);
+    return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
+  }
+  for (const auto& e : fs::directory_iterator(tmp, ec))
+    if (absl::Status s = SyncPath(e.path().string()); !s.ok()) return s;
+  if (absl::Status s = SyncPath(tmp.string()); !s.ok()) return s;
+  fs::remove_all(target, ec);
+  fs::rename(tmp, target, ec);
+  if (ec) return absl::InternalError(absl::StrCat(field, ": rename onto \"", target.string(), "\" failed: ", ec.message()));
+  if (absl::Status s = SyncPath(parent.string()); !s.ok()) return s;
+  return target.string();
+}
+
+std::vector<engine::Datum> ToEngine(std::vector<RlDatum>& batch) {
+  std::vector<engine::Datum> out(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    out[i].tokens = std::move(batch[i].tokens);
+    out[i].target_tokens = std::move(batch[i].target_tokens);
+    out[i].weights = std::move(batch[i].weights);
+    out[i].sampler_logprobs = std::move(batch[i].sampler_logprobs);
+    out[i].advantages = std::move(batch[i].advantages);
+  }
+  batch.clear();
+  return out;
+}
+
+}  // namespace
+
+struct RlSession::Impl {
+  EngineJobOptions options;
+  engine::TrainerOptions trainer_options;
+  std::unique_ptr<engine::Trainer> trainer;
+
+  RlResponse Run(RlRequest& req) {
+    RlResponse out;
+    engine::Trainer& t = *trainer;
+    switch (req.method) {
+      case RlMethod::kForwardBackward: {
+        engine::LossSpec loss;
+        absl::StatusOr<engine::LossKind> kind = engine::ParseLossKind(req.loss_kind);
+        if (!kind.ok()) {
+          out.status = kind.status();
+          return out;
+        }
+        loss.kind = *kind;
+        if (req.clip_low > 0) loss.clip_low = req.clip_low;
+        if (req.clip_high > 0) loss.clip_high = req.clip_high;
+        absl::StatusOr<engine::ForwardBackwardResult> r = t.ForwardBackward(ToEngine(req.batch), loss);
+        if (!r.ok()) {
+          out.status = r.status();
+          return out;
+        }
+        out.logprobs = std::move(r->logprobs);
+        out.loss = r->loss;
+        out.weight_sum = r->weight_sum;
+        out.mismatch_mean = r->mismatch.mean_abs();
+        out.mismatch_max = r->mismatch.max_abs;
+        out.mismatch_tokens = r->mismatch.tokens;
+        out.clipped_tokens = r->clipped_tokens;
+        out.tokens = r->tokens;
+        out.seconds = r->seconds;
+        out.step = t.step();
+        return out;
+      }
+      case RlMethod::kOptimStep: {
+        engine::AdamWOptions adam = trainer_options.optimizer;  // keeps states_on_host
+        adam.lr = req.lr;
+        if (req.beta1 != 0 || req.beta2 != 0) {
+          adam.beta1 = req.beta1;
+          adam.beta2 = req.beta2;
+        } else {
+          adam.beta1 = 0.9;
+          adam.beta2 = 0.95;
+        }
+        adam.eps = req.eps > 0 ? req.eps : 1e-8;
+        adam.weight_decay = req.weight_decay;
+        absl::StatusOr<engine::OptimStepResult> r = t.OptimStep(adam);
+        if (!r.ok()) {
+          out.status = r.status();
+          return out;
+        }
+        out.step = r->step;
+        out.grad_norm = r->grad_norm;
+        out.lr = r->lr;
+        return out;
+      }
+      case RlMethod::kForward: {
+        absl::StatusOr<std::vector<std::vector<float>>> r = t.Forward(ToEngine(req.batch));
+        if (!r.ok()) {
+          out.status = r.status();
+          return out;
+        }
+        out.logprobs = std::move(*r);
+        for (const auto& l : out.logprobs) out.tokens += static_cast<int64_t>(l.size());
+        return out;
+      }
+      case RlMethod::kSaveCheckpoint: {
+        absl::StatusOr<std::string> path;
+        if (req.directory.empty()) {
+          if (options.checkpoint_dir.empty()) {
+            out.status = absl::FailedPreconditionError(
+                "directory: is required: the session has no checkpoint directory (spec.checkpoint.directory)");
+            return out;
+          }
+          path = WriteCheckpoint(t, options.checkpoint_dir, options.keep);
+        } else {
+          path = WriteFolderAtomically(req.directory, "directory",
+                                       [&t](const std::string& tmp) { return t.SaveCheckpoint(tmp); });
+        }
+        if (!path.ok()) {
+          out.status = path.status();
+          return out;
+        }
+        out.directory = *path;
+        out.step = t.step();
+        return out;
+      }
+      case RlMethod::kLoadCheckpoint: {
+        std::error_code ec;
+        if (!fs::is_directory(req.directory, ec) || !fs::exists(fs::path(req.directory) / "trainer_state.json", ec)) {
+          out.status = absl::NotFoundError(absl::StrCat("directory: \"", req.directory,
+                                                        "\" is not a checkpoint SaveCheckpoint wrote (no "
+                                                        "trainer_state.json) on the session's worker"));
+          return out;
+        }
+        if (absl::Status s = t.LoadCheckpoint(req.directory); !s.ok()) {
+          out.status = absl::Status(s.code(), absl::StrCat("directory \"", req.directory, "\": ", s.message()));
+          return out;
+        }
+        out.step = t.step();
+        return out;
+      }
+      case RlMethod::kExportWeights: {
+        model::SaveOptions save;
+        save.dtype = t.dtype();
+        if (!req.dtype.empty()) {
+          absl::StatusOr<torch::Dtype> d = model::ParseDtype(req.dtype);
+          if (!d.ok()) {
+            out.status = absl::InvalidArgumentError(absl::StrCat("dtype: ", d.status().message()));
+            return out;
+          }
+          save.dtype = *d;
+        }
+        absl::StatusOr<std::string> path =
+            WriteFolderAtomically(req.directory, "directory", [&t, &save](const std::string& tmp) {
+              return model::SaveHfCheckpoint(t.model(), tmp, save);
+            });
+        if (!path.ok()) {
+          out.status = path.status();
+          return out;
+        }
+        out.directory = *path;
+        return out;
+      }
+    }
+    out.status = absl::InternalError("unknown RL method");
+    return out;
+  }
+};
+
+RlSession::RlSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RlSession::~RlSession() = default;
+
+absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOptions& options) {
+  if (options.world_size != 1)
+    return absl::InvalidArgumentError(absl::StrCat("spec.parallel.world_size (", options.world_size,
+                                                   ") must be 1: RL sessions are single-rank for now"));
+  try {
+    auto impl = std::make_unique<Impl>();
+    impl->options = options;
+    if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(impl->trainer_options);
+    if (!created.ok()) return created.status();
+    impl->trainer = *std::move(created);
+    if (!options.resume_from.empty()) {
+      if (absl::Status s = impl->trainer->LoadCheckpoint(options.resume_from); !s.ok())
+        return absl::Status(s.code(), absl::StrCat("resume_from ", options.resume_from, ": ", s.message()));
+    }
+    if (!options.checkpoint_dir.empty()) {  // leftovers of a run that died mid-write
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(options.checkpoint_dir, ec))
+        if (e.path().filename().string().rfind(".step-", 0) == 0) fs::remove_all(e.path(), ec);
+    }
+    return std::unique_ptr<RlSession>(new RlSession(std::move(impl)));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("engine error: ", e.what()));
+  }
+}
+
+RlResponse RlSession::Run(RlRequest& request) {
+  try {
+    return impl_->Run(request);
+  } catch (const std::exception& e) {  // a libtorch error must not kill the worker
+    RlResponse out;
+    out.status = absl::InternalError(absl::StrCat("engine error: ", e.what()));
+    return out;
+  }
+}
+
+int64_t RlSession::step() const { return impl_->trainer->step(); }
+
+std::string RlSession::Describe() const {
+  engine::Trainer& t = *impl_->trainer;
+  return absl::StrFormat("model %s (%.2fM params, %s on %s), memory %s, step %d, batch plan %d x %d positions",
+                         impl_->trainer_options.model,
+                         static_cast<double>(t.model()->config().NumParameters()) / 1e6, c10::toString(t.dtype()),
+                         t.device().str(), impl_->trainer_options.memory.Describe(), t.step(),
+                         impl_->trainer_options.data.batch_size, impl_->trainer_options.data.seq_len);
+}
+
+}  // namespace odyssey::worker

@@ -1,0 +1,89 @@
+// RlSession: the engine half of an RL_SESSION job on its worker — one Trainer serving
+// TrainingService calls — behind a header that includes neither libtorch nor protobuf (the
+// reason is in engine_job.h). The proto side (rl_calls.h) converts TrainingCall <-> RlRequest /
+// RlResponse; JobRunner owns the FIFO of calls, the idle timeout and the cancel.
+//
+// Create() builds the Trainer exactly as an SFT run does (BuildTrainerOptions: the same
+// model, device, dtype, memory strategy / planner choice; data.seq_len x data.batch_size is the
+// per-call batch the memory was planned for) and resumes from `resume_from` when set (weights,
+// optimizer state, step counter).
+//
+// Run() executes one call. Errors come back in RlResponse::status with the engine's codes and
+// messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;
+// FAILED_PRECONDITION for optim_step without gradients; RESOURCE_EXHAUSTED out of memory;
+// INTERNAL otherwise); a libtorch exception never escapes. Checkpoints and exports are written
+// atomically: into a hidden temp folder beside the target, fsynced, then renamed.
+// Thread safety: one thread at a time (the session's run thread).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine_job.h"
+
+namespace odyssey::worker {
+
+// One sequence of a batch (engine/rl_loss.h Datum's fields; empty arrays are absent).
+struct RlDatum {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> target_tokens;
+  std::vector<float> weights;
+  std::vector<float> sampler_logprobs;
+  std::vector<float> advantages;
+};
+
+enum class RlMethod { kForwardBackward, kOptimStep, kForward, kSaveCheckpoint, kLoadCheckpoint, kExportWeights };
+
+// One TrainingService call, with the proto's defaults still unapplied (0 = default).
+struct RlRequest {
+  RlMethod method = RlMethod::kForward;
+  std::vector<RlDatum> batch;  // forward_backward, forward
+  // forward_backward: "cross_entropy" | "importance_sampling" | "ppo"; clip 0 = 0.2.
+  std::string loss_kind;
+  double clip_low = 0, clip_high = 0;
+  // optim_step: AdamW; betas 0/0 = 0.9/0.95, eps 0 = 1e-8.
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  // save_checkpoint (empty = <checkpoint_dir>/step-N), load_checkpoint, export_weights.
+  std::string directory;
+  std::string dtype;  // export_weights: "" = the session's dtype | float32 | bfloat16
+};
+
+struct RlResponse {
+  absl::Status status;
+  // forward_backward, forward: per datum, the logprob of each target token.
+  std::vector<std::vector<float>> logprobs;
+  // forward_backward.
+  double loss = 0, weight_sum = 0, mismatch_mean = 0, mismatch_max = 0;
+  int64_t mismatch_tokens = 0, clipped_tokens = 0, tokens = 0;
+  double seconds = 0;
+  // optim_step, save_checkpoint, load_checkpoint: optimizer steps completed.
+  int64_t step = 0;
+  double grad_norm = 0, lr = 0;  // optim_step
+  std::string directory;         // save_checkpoint, export_weights: what was written
+};
+
+class RlSession {
+ public:
+  // REQUIRES: options.world_size == 1 (RL calls are single-rank).
+  static absl::StatusOr<std::unique_ptr<RlSession>> Create(const EngineJobOptions& options);
+  ~RlSession();
+  RlSession(const RlSession&) = delete;
+  RlSession& operator=(const RlSession&) = delete;
+
+  // Executes one call; `request.batch` is consumed.
+  RlResponse Run(RlRequest& request);
+  int64_t step() const;
+  // "model tiny (0.86M params, float32 on cpu), memory ..." for logs.
+  std::string Describe() const;
+
+ private:
+  struct Impl;
+  explicit RlSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace odyssey::worker
