@@ -66,7 +66,7 @@ class HfSampler:
         self.model = None
 
     def load(self, directory: str) -> None:
-        self.model = self._auto.from_pretrained(directory, torch_dtype=torch.float32)
+        self.model = self._auto.from_pretrained(directory, dtype=torch.float32)
         self.model.eval()
 
     @torch.no_grad()

@@ -161,6 +161,22 @@ def case_example(args, cluster, site):
     want = args.group_size * len(r["target"])
     if any(s["mismatch_tokens"] != want for s in r["steps"]):
         raise Failure(f"mismatch_tokens {[s['mismatch_tokens'] for s in r['steps']]}, want {want} every step")
+    # The example's session ended with it (Session.close cancels the job, freeing the worker).
+    sys.path.insert(0, site)
+    import odyssey_client as oc
+
+    client = oc.TrainingClient(cluster.address)
+    seen = []
+
+    def ended():
+        jobs = client.list_jobs()
+        seen[:] = [(j.name, j.kind, j.state, j.step) for j in jobs]
+        return [(j.kind, j.state, j.step) for j in jobs] == [("RL_SESSION", "CANCELLED", args.steps)]
+
+    try:
+        wait_for("the example's session to be CANCELLED at its last step", ended, timeout=30)
+    except Failure as e:
+        raise Failure(f"{e}; jobs: {seen}") from None
     cluster.check_alive()
 
 
