@@ -16,6 +16,13 @@ Each iteration:
 It prints the mean reward of every step and the trainer-vs-sampler logprob mismatch (the same
 float32 weights in two implementations: expect ~1e-6), and at the end the greedy completion.
 
+What to expect (30 steps, group 64, lr 5e-3, PPO; ~13 s on two CPU cores; deterministic for a
+seed): the mean reward goes from ~0.02-0.09 bytes (chance: 3/256) to 1.98 of 3 with seed 1
+(greedy "h!!"), 2.92 with seed 2 ("hi!") and 1.0 with seed 3 ("iii"). Without an entropy or KL
+term the model tends to settle on one byte for the positions it has not yet told apart, and
+then stops exploring them: a learned byte spreads to the neighbouring positions faster than
+the group's baseline can push it back. More steps or a lower lr do not change seed 1's plateau.
+
     python client/python/examples/rl_target_string.py --controller 127.0.0.1:50051 --steps 30
 
 Needs odyssey_client (pip install ./client/python), torch and transformers.
@@ -52,7 +59,10 @@ def parse_args(argv=None):
                    "readable here and writable by the worker")
     p.add_argument("--report", help="write the per-step numbers to this JSON file")
     p.add_argument("--keep-session", action="store_true", help="leave the session running at the end")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.group_size < 2:
+        p.error("--steps must be >= 1 and --group-size >= 2 (the advantages are relative to the group)")
+    return args
 
 
 class HfSampler:
