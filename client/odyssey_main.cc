@@ -125,7 +125,11 @@ void PrintJob(const v1::Job& job) {
             << "state:           " << v1::Job::State_Name(job.state()) << "\n"
             << "model:           " << job.spec().model().name() << "\n"
             << "world_size:      " << std::max(1, job.spec().parallel().world_size()) << "\n"
-            << "step:            " << job.step() << " / " << job.spec().steps() << "\n"
+            << "kind:            " << (job.spec().kind() == v1::RL_SESSION ? "RL_SESSION" : "SFT") << "\n"
+            << "step:            "
+            << (job.spec().kind() == v1::RL_SESSION ? absl::StrCat(job.step(), " (optimizer steps of the session)")
+                                                     : absl::StrCat(job.step(), " / ", job.spec().steps()))
+            << "\n"
             << "loss:            " << absl::StrFormat("%.4f", job.loss()) << "\n"
             << "tokens/s:        " << FormatRate(job.tokens_per_second()) << "\n"
             << "restarts:        " << job.restarts() << " (limit " << job.spec().restart_limit() << ")\n"
@@ -168,6 +172,7 @@ bool Terminal(v1::Job::State s) {
 int Watch(Client& client, const std::string& name, double reconnect_s) {
   const bool tty = isatty(STDOUT_FILENO);
   int64_t total_steps = 0;
+  bool rl_session = false;  // no step target: no bar, no ETA
   {
     grpc::ClientContext ctx;
     client.Prepare(&ctx);
@@ -177,6 +182,7 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
     grpc::Status s = client.stub()->GetJob(&ctx, req, &job);
     if (!s.ok()) return Fail(client.address(), s);
     total_steps = job.spec().steps();
+    rl_session = job.spec().kind() == v1::RL_SESSION;
   }
   v1::Job::State state = v1::Job::STATE_UNSPECIFIED;
   double step_seconds_ema = 0;
@@ -211,8 +217,11 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
         const int filled = total_steps > 0 ? static_cast<int>(width * m.step() / total_steps) : 0;
         std::string bar(std::clamp(filled, 0, width), '#');
         bar.resize(width, '.');
-        line = absl::StrFormat("%s [%s] step %d/%d  loss %.4f  %s tok/s  ETA %s", name, bar, m.step(), total_steps,
-                               m.loss(), FormatRate(m.tokens_per_second()), FormatDuration(eta));
+        line = rl_session ? absl::StrFormat("%s RL session  step %d  loss %.4f  %s tok/s", name, m.step(), m.loss(),
+                                            FormatRate(m.tokens_per_second()))
+                          : absl::StrFormat("%s [%s] step %d/%d  loss %.4f  %s tok/s  ETA %s", name, bar, m.step(),
+                                            total_steps, m.loss(), FormatRate(m.tokens_per_second()),
+                                            FormatDuration(eta));
         print_line(m.step() == total_steps);
       } else if (event.has_state()) {
         state = event.state();
@@ -368,7 +377,10 @@ int main(int argc, char** argv) {
         }
         std::cout << absl::StrFormat("%-10s %-10s %-13s %-9.4f %-9d %-19s %s\n", job.name(),
                                      v1::Job::State_Name(job.state()),
-                                     absl::StrCat(job.step(), "/", job.spec().steps()), job.loss(),
+                                     job.spec().kind() == v1::RL_SESSION
+                                         ? absl::StrCat(job.step(), " (rl)")
+                                         : absl::StrCat(job.step(), "/", job.spec().steps()),
+                                     job.loss(),
                                      std::max(1, job.spec().parallel().world_size()), FormatTime(job.create_time()),
                                      job.spec().display_name());
       }

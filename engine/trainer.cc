@@ -386,6 +386,10 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
 }
 
 absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
+  // Gradients pending from an RL forward_backward belong to the weights being replaced: an
+  // optim_step after the load must not apply them.
+  optimizer_->ZeroGrad();
+  rl_grads_pending_ = false;
   if (absl::Status s = model::LoadHfWeights(model_, dir); !s.ok()) return s;
   const std::string opt_path = (std::filesystem::path(dir) / "optimizer.safetensors").string();
   absl::StatusOr<std::unique_ptr<model::SafetensorsFile>> file = model::SafetensorsFile::Open(opt_path);

@@ -121,7 +121,8 @@ class Trainer {
   absl::StatusOr<std::vector<std::vector<float>>> Forward(const std::vector<Datum>& batch);
 
   absl::Status SaveCheckpoint(const std::string& dir);
-  // Loads weights, optimizer state and the step counter written by SaveCheckpoint.
+  // Loads weights, optimizer state and the step counter written by SaveCheckpoint. Drops RL
+  // gradients pending since the last OptimStep (they were computed on the replaced weights).
   absl::Status LoadCheckpoint(const std::string& dir);
 
   void set_layer_runner(model::LayerStackRunner runner) { runner_ = std::move(runner); }

@@ -849,6 +849,8 @@ absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall
   const std::string worker_id = job->workers_size() > 0 ? job->workers(0) : "";
   auto w = workers_.find(worker_id);
   if (w == workers_.end() || w->second.session == 0) {
+    // Not forwarded: the sequence stays free for the retry (mu_ was held since AwaitSequence).
+    if (sequence > 0) sequences_[id].next = sequence;
     return finish(absl::UnavailableError(absl::StrCat("job: the worker of ", job->name(), " (", worker_id,
                                                       ") is disconnected; retry once it is back or the job restarts")));
   }

@@ -499,6 +499,7 @@ TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
   for (auto& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
   EXPECT_THAT(bytes, HasSubstr("odyssey.v1.JobService"));
   EXPECT_THAT(bytes, HasSubstr("odyssey.v1.WorkerService"));
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.TrainingService"));
   EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
   call->WritesDone(reinterpret_cast<void*>(4));
   ASSERT_TRUE(next(4));
@@ -511,6 +512,80 @@ TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
   bool ok;
   while (cq.Next(&tag, &ok)) {
   }
+}
+
+// TrainingService through the real binary and a fake worker: a call reaches the worker as a
+// TrainingCall, its TrainingReply answers the client; edge rejections never reach the worker;
+// the worker's stream ending fails a pending call with UNAVAILABLE; the calls are counted.
+TEST_F(ControllerProcessTest, TrainingCallsRouteThroughTheWorkerStream) {
+  StartController();
+  FakeWorker* w1 = AddWorker("w1");
+  v1::JobSpec spec = Spec();
+  spec.set_kind(v1::RL_SESSION);
+  spec.clear_steps();
+  const v1::Job job = MustCreate(spec);
+  ASSERT_TRUE(WaitForState(job.name(), v1::Job::RUNNING));
+  auto training = v1::TrainingService::NewStub(channel_);
+  v1::ForwardBackwardRequest fb;
+  fb.set_job(job.name());
+  v1::Datum* d = fb.add_batch();
+  d->add_tokens(1);
+  d->add_target_tokens(2);
+  fb.mutable_loss()->set_kind("cross_entropy");
+
+  auto call_async = [&](v1::ForwardBackwardResponse* response, grpc::Status* status) {
+    return std::thread([&training, fb, response, status] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      *status = training->ForwardBackward(&ctx, fb, response);
+    });
+  };
+  v1::ForwardBackwardResponse response;
+  grpc::Status status;
+  std::thread first = call_async(&response, &status);
+  auto call = w1->WaitFor([](const v1::ControllerMessage& m) { return m.has_call(); }, kWait);
+  ASSERT_TRUE(call.has_value());
+  EXPECT_EQ(call->call().job(), job.name());
+  EXPECT_EQ(call->call().forward_backward().batch(0).target_tokens(0), 2);
+  v1::WorkerMessage reply;
+  reply.mutable_reply()->set_call_id(call->call().call_id());
+  reply.mutable_reply()->set_job(job.name());
+  reply.mutable_reply()->mutable_forward_backward()->set_loss(1.5);
+  reply.mutable_reply()->mutable_forward_backward()->set_mismatch_mean(0.03);
+  reply.mutable_reply()->mutable_forward_backward()->set_mismatch_tokens(1);
+  ASSERT_TRUE(w1->Send(reply));
+  first.join();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_DOUBLE_EQ(response.loss(), 1.5);
+
+  // Rejected at the edge: never forwarded.
+  {
+    grpc::ClientContext ctx;
+    v1::OptimStepRequest bad;
+    bad.set_job(job.name());
+    bad.mutable_adam()->set_lr(-1);
+    v1::OptimStepResponse out;
+    grpc::Status s = training->OptimStep(&ctx, bad, &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("adam.lr:"));
+  }
+
+  // The worker goes away with a call pending: UNAVAILABLE, not a hang.
+  const int64_t first_id = call->call().call_id();
+  std::thread second = call_async(&response, &status);
+  ASSERT_TRUE(w1->WaitFor([first_id](const v1::ControllerMessage& m) { return m.has_call() && m.call().call_id() != first_id; },
+                          kWait)
+                  .has_value());
+  w1->Close();
+  second.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("worker w1 disconnected"));
+
+  auto m = Scrape(controller_->metrics_port());
+  EXPECT_EQ((m["odyssey_training_calls_total{code=\"OK\",method=\"ForwardBackward\"}"]), 1);
+  EXPECT_EQ((m["odyssey_training_calls_total{code=\"UNAVAILABLE\",method=\"ForwardBackward\"}"]), 1);
+  EXPECT_EQ((m["odyssey_training_calls_total{code=\"INVALID_ARGUMENT\",method=\"OptimStep\"}"]), 1);
+  EXPECT_DOUBLE_EQ((m["odyssey_rl_logprob_mismatch_mean{job=\"" + job.name() + "\"}"]), 0.03);
 }
 
 // 32 concurrent clients x 50 mixed requests: every one answered, no job lost. Prints latency.

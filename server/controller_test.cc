@@ -567,8 +567,11 @@ TEST_F(TrainingRoutingTest, DetachAndCancelFailPendingCalls) {
   auto r = pending.Wait();
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("worker w1 disconnected"));
-  // While the worker is away: UNAVAILABLE at once.
+  // While the worker is away: UNAVAILABLE at once; a sequenced call that was not forwarded
+  // keeps its sequence for the retry.
   EXPECT_EQ(controller_->Train(id_, Fb(), 0).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(controller_->Train(id_, Fb(), 1).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(controller_->Train(id_, Fb(), 1).status().code(), absl::StatusCode::kUnavailable);
 
   // Back, then a cancel with a call pending.
   v1::WorkerCapabilities caps;

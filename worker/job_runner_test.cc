@@ -344,15 +344,17 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   })));
   ASSERT_TRUE(runner.Submit(FbCall(8)));
   ASSERT_TRUE(runner.Submit(StepCall(9)));
-  ASSERT_TRUE(runner.Submit(Call(10, [&](v1::TrainingCall& c) {
+  ASSERT_TRUE(runner.Submit(FbCall(10)));  // pending gradients the load drops
+  ASSERT_TRUE(runner.Submit(Call(11, [&](v1::TrainingCall& c) {
     c.mutable_load_checkpoint()->set_directory(CheckpointPath(dir, 2));
   })));
-  const std::vector<v1::TrainingReply> r = rec.WaitReplies(10);
-  ASSERT_EQ(r.size(), 10u);
+  ASSERT_TRUE(runner.Submit(StepCall(12)));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(12);
+  ASSERT_EQ(r.size(), 12u);
   for (size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].call_id(), static_cast<int64_t>(i + 1));
     EXPECT_EQ(r[i].job(), "jobs/7");
-    if (i != 2) {
+    if (i != 2 && i != 11) {
       EXPECT_EQ(r[i].code(), 0) << "call " << i + 1 << ": " << r[i].message();
     }
   }
@@ -370,13 +372,15 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   EXPECT_TRUE(fs::exists(root_ / "export" / "config.json"));
   EXPECT_NE(ReadFile((root_ / "export" / "config.json").string()).find("bfloat16"), std::string::npos);
   EXPECT_EQ(r[8].optim_step().step(), 3);
-  EXPECT_EQ(r[9].load_checkpoint().step(), 2);
+  EXPECT_EQ(r[10].load_checkpoint().step(), 2);
+  // The load dropped the gradients of call 10 (computed on the replaced weights).
+  EXPECT_EQ(r[11].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[11].message();
   // No call for 2 s: the session ends ok at the loaded step.
   const v1::JobResult result = rec.Wait();
   EXPECT_TRUE(result.ok()) << result.error();
   EXPECT_EQ(result.step(), 2);
   EXPECT_EQ(result.last_checkpoint(), CheckpointPath(dir, 2));
-  EXPECT_FALSE(runner.Submit(FbCall(11)));  // ended: nothing queues
+  EXPECT_FALSE(runner.Submit(FbCall(13)));  // ended: nothing queues
   absl::MutexLock l(&rec.mu);
   // Progress after each optim_step, the save and the load: step and the last loss.
   std::vector<int64_t> steps;

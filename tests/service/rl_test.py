@@ -19,8 +19,14 @@ Cases (--case):
                and token index) and the rule, after which the session still trains; (f) the
                trainer-vs-sampler mismatch gauges appear on the controller's /metrics after a
                forward_backward with sampler logprobs, with the values the call returned.
-  cancel       (h) CancelJob ends the session (CANCELLED), a later call gets FAILED_PRECONDITION
-               naming the state; a session with a 2 s idle timeout ends SUCCEEDED on its own.
+  cancel       (h) the odyssey CLI creates a session from client/examples/rl-session.yaml (when
+               --cli is given) and `odyssey get` shows its step; cancel ends the session
+               (CANCELLED), a later call gets FAILED_PRECONDITION naming the state; a session
+               with a 2 s idle timeout ends SUCCEEDED on its own.
+  worker_loss  SaveCheckpoint sets the job's last_checkpoint; kill -9 of the session's worker
+               requeues the session (calls meanwhile get FAILED_PRECONDITION "is PENDING"), and
+               on a new worker it resumes from that checkpoint: same logprobs, step counter
+               continues from the saved step.
 
 Every wait is on a condition with a deadline.
 """
@@ -30,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +66,7 @@ class RlCluster(Cluster):
         self.metrics_port = int(open(metrics_file).read().strip())
         self.training = self.pbg.TrainingServiceStub(self.channel)
 
-    def session(self, idle_timeout=0):
+    def session(self, idle_timeout=0, restart_limit=0):
         spec = self.pb.JobSpec(kind=self.pb.RL_SESSION, display_name="rl-test")
         spec.model.name = "tiny"
         spec.model.dtype = "float32"
@@ -67,6 +74,7 @@ class RlCluster(Cluster):
         spec.data.batch_size = BATCH_SIZE
         spec.optimizer.grad_clip = 1.0
         spec.rl.idle_timeout_seconds = idle_timeout
+        spec.restart_limit = restart_limit
         name = self.jobs.CreateJob(self.pb.CreateJobRequest(spec=spec), timeout=10).name
         self.wait_state(name, "RUNNING")
         return name
@@ -337,14 +345,38 @@ def case_bad_input(c):
         raise Failure(f"odyssey_training_calls_total counted {calls} INVALID_ARGUMENT forward_backward calls")
 
 
+def cli(c, *argv):
+    out = subprocess.run([c.args.cli, "--controller", c.address, *argv], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise Failure(f"odyssey {' '.join(argv)} failed ({out.returncode}): {out.stdout}{out.stderr}")
+    return out.stdout
+
+
 def case_cancel(c):
     c.start_controller()
     c.start_worker("w1")
-    job = c.session()
     batch = c.batch(seed=6)
+    if c.args.cli:
+        # The CLI creates a session from the example spec file (kind RL_SESSION, the rl block).
+        example = os.path.join(c.args.source_dir, "client", "examples", "rl-session.yaml")
+        job = re.search(r"jobs/\d+", cli(c, "submit", example)).group(0)
+        c.wait_state(job, "RUNNING")
+        spec = c.get(job).spec
+        if spec.kind != c.pb.RL_SESSION or spec.rl.idle_timeout_seconds != 1800:
+            raise Failure(f"the example spec arrived as {spec}")
+    else:
+        job = c.session()
     c.fb(job, batch)
     c.step(job)
-    c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
+    wait_for("GetJob to show step 1", lambda: c.get(job).step == 1, timeout=30)
+    if c.args.cli:
+        got = cli(c, "get", job)
+        print(f"(h) odyssey get {job}:\n{got}")
+        if "RL_SESSION" not in got or "step:            1 (optimizer steps" not in got:
+            raise Failure(f"odyssey get shows {got!r}")
+        cli(c, "cancel", job)
+    else:
+        c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
     c.wait_state(job, "CANCELLED")
     expect_code(c, "a call after the cancel", lambda: c.fb(job, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
                 "is CANCELLED")
@@ -361,15 +393,45 @@ def case_cancel(c):
                 "is SUCCEEDED")
 
 
+def case_worker_loss(c):
+    c.start_controller()
+    c.start_worker("w1")
+    job = c.session(restart_limit=1)
+    batch, probe = c.batch(seed=7), c.batch(seed=8, n=2, length=17)
+    for _ in range(3):
+        c.fb(job, batch)
+        c.step(job)
+    saved = c.training.SaveCheckpoint(c.pb.SaveCheckpointRequest(job=job), timeout=120)
+    at_save = c.forward(job, probe)
+    c.fb(job, batch)
+    if c.step(job).step != 4:
+        raise Failure("optim_step after the save")
+    c.kill_worker("w1")
+    wait_for("the controller to requeue the session", lambda: c.get(job).restarts == 1)
+    expect_code(c, "a call while the session waits for a worker", lambda: c.forward(job, probe),
+                c.grpc.StatusCode.FAILED_PRECONDITION, "is PENDING")
+    c.start_worker("w2")
+    j = c.wait_state(job, "RUNNING")
+    back = max_diff(c.forward(job, probe), at_save)
+    c.fb(job, batch)
+    step = c.step(job).step
+    print(f"(worker loss) killed w1 at step 4; {job} restarted on {list(j.workers)} from {saved.directory}: "
+          f"logprobs differ from save time by {back:.2e}, next optim_step is {step}")
+    if list(j.workers) != ["w2"] or back > 1e-6 or step != saved.step + 1:
+        raise Failure(f"the restarted session is not the saved one: workers {list(j.workers)}, diff {back}, step {step}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel"])
+    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss"])
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--source-dir", required=True)
+    ap.add_argument("--cli", default="", help="the odyssey CLI (the cancel case submits the example spec with it)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
-    args.cli = ""
+    if args.cli and not os.path.exists(args.cli):
+        args.cli = ""
     workdir = tempfile.mkdtemp(prefix=f"odyssey-rl-{args.case}-")
     t0 = time.monotonic()
     ok = False
