@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--token", default=os.environ.get("ODYSSEY_TOKEN"), help="bearer token (default: $ODYSSEY_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate (PEM) of the controller: turns TLS on")
     p.add_argument("--tls-server-name", help="name to check the controller's certificate against")
+    p.add_argument("--tls-cert", help="client certificate (PEM) for a controller that requires mutual TLS")
+    p.add_argument("--tls-key", help="key (PEM) of --tls-cert")
     p.add_argument("--steps", type=int, default=30, help="RL iterations (default 30)")
     p.add_argument("--seed", type=int, default=1, help="seeds the model's initialization and the sampler")
     p.add_argument("--prompt", default="Q: greet\nA: ", help="the fixed prompt")
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
     weights_dir = os.path.join(os.path.abspath(workdir), "weights")
 
     client = TrainingClient(args.controller, token=args.token, tls_ca=args.tls_ca,
-                            tls_server_name=args.tls_server_name)
+                            tls_server_name=args.tls_server_name, tls_cert=args.tls_cert, tls_key=args.tls_key)
     t0 = time.monotonic()
     session = client.create_session(model="tiny", dtype="float32", seq_len=len(prompt) + L,
                                     batch_size=args.group_size, idle_timeout_seconds=600, seed=args.seed,

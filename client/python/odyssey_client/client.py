@@ -34,6 +34,14 @@ from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, ForwardBac
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # replies carry one logprob per token of the batch
 
 
+def _pem(value: Optional[Union[str, bytes]]) -> Optional[bytes]:
+    """PEM bytes from a path or bytes (None stays None)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
 def _job_name(name_or_id: Union[str, int]) -> str:
     s = str(name_or_id)
     return s if s.startswith("jobs/") else f"jobs/{s}"
@@ -45,31 +53,33 @@ class TrainingClient:
     target: "host:port". token: sent as `authorization: Bearer <token>` on every call.
     tls_ca: PEM file (path or bytes) of the CA that signed the controller's certificate; turns on
     TLS. tls_server_name: the name to check the certificate against when it differs from the
-    host in `target` (e.g. connecting by IP). timeout: deadline in seconds of the JobService calls
+    host in `target` (e.g. connecting by IP). tls_cert + tls_key: a client certificate and its
+    key (PEM paths or bytes) for a controller that requires mutual TLS. timeout: deadline in seconds of the JobService calls
     (create/get/list/cancel); call_timeout: default deadline of TrainingService calls, counted
     from the moment a call is issued (so it includes the time it waits behind earlier pipelined
     calls); None = no deadline.
     """
 
     def __init__(self, target: str, token: Optional[str] = None, tls_ca: Optional[Union[str, bytes]] = None,
-                 tls_server_name: Optional[str] = None, *, timeout: float = 30.0,
+                 tls_server_name: Optional[str] = None, *, tls_cert: Optional[Union[str, bytes]] = None,
+                 tls_key: Optional[Union[str, bytes]] = None, timeout: float = 30.0,
                  call_timeout: Optional[float] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.target = target
         self.timeout = timeout
         self.call_timeout = call_timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
         if tls_ca is not None:
-            ca = tls_ca
-            if isinstance(ca, str):
-                with open(ca, "rb") as f:
-                    ca = f.read()
             if tls_server_name:
                 options.append(("grpc.ssl_target_name_override", tls_server_name))
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca), options)
+            creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                                 certificate_chain=_pem(tls_cert))
+            self._channel = grpc.secure_channel(target, creds, options)
         else:
-            if tls_server_name:
-                raise ValueError("tls_server_name needs tls_ca (TLS is off without a CA)")
+            if tls_server_name or tls_cert:
+                raise ValueError("tls_server_name and tls_cert need tls_ca (TLS is off without a CA)")
             self._channel = grpc.insecure_channel(target, options)
         self._metadata: Tuple[Tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.jobs = pb_grpc.JobServiceStub(self._channel)

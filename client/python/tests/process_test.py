@@ -15,6 +15,9 @@ Cases (--case):
            its last steps is above that of its first steps by a clear margin, the trainer and
            the sampler (transformers loading the exported weights) agree on the logprobs, and
            the session is cancelled at the end.
+  auth     bearer tokens and TLS (server name, mutual TLS) from the client's side, against a
+           controller started with --auth-token-file and --tls-*; skipped (exit 77) when the
+           controller lacks those flags.
   fuzz     1,000 TrainingService requests with random field values (garbage job names, huge or
            negative token ids, mismatched array lengths, NaN/inf floats, random loss kinds, clip
            values, AdamW settings and sequence numbers, empty and oversized batches, random
@@ -89,7 +92,8 @@ class Cluster:
 
     def _spawn(self, name, argv):
         path = os.path.join(self.workdir, f"{name}.log")
-        self.logs.append(path)
+        if path not in self.logs:
+            self.logs.append(path)
         cwd = os.path.join(self.workdir, f"{name}-cwd")  # relative paths in requests land here
         os.makedirs(cwd, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
@@ -99,16 +103,25 @@ class Cluster:
         return p
 
     def start(self):
+        self.start_controller()
+        self.start_worker()
+
+    def start_controller(self, extra=()):
+        """Starts the controller (again, on the same state folder, after stop())."""
         port_file = os.path.join(self.workdir, "controller.port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
         with socket.socket() as s:  # a free base for job rendezvous ports (unused by 1-rank jobs)
             s.bind(("127.0.0.1", 0))
             rendezvous = s.getsockname()[1] - 1
         self._spawn("controller", [self.args.controller, "--listen", "127.0.0.1:0", "--port-file", port_file,
                                    "--state-dir", os.path.join(self.workdir, "state"), "--metrics-listen", "",
-                                   "--heartbeat-timeout", "10", "--rendezvous-port-base", str(rendezvous)])
+                                   "--heartbeat-timeout", "10", "--rendezvous-port-base", str(rendezvous), *extra])
         port = wait_for("the controller's port file",
                         lambda: os.path.exists(port_file) and open(port_file).read().strip())
         self.address = f"127.0.0.1:{int(port)}"
+
+    def start_worker(self):
         metrics_file = os.path.join(self.workdir, "worker.metrics-port")
         self._spawn("worker", [self.args.worker, "--controller", self.address, "--worker-id", "w1", "--device", "cpu",
                                "--threads", "1", "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", metrics_file,
@@ -130,6 +143,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.procs = {}
 
     def dump_logs(self):
         for path in self.logs:
@@ -335,6 +349,110 @@ def case_api(args, cluster, site):
         expect(e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and "model" in e.message,
                str(e))
     cluster.check_alive()
+
+
+# ---------------------------------------------------------------------------------------------
+# auth
+
+SKIP = 77  # ctest's SKIP_RETURN_CODE for this script
+
+
+class Skip(Exception):
+    pass
+
+
+def make_pki(workdir):
+    """A CA, a server certificate for "localhost" and a client certificate, with the openssl CLI."""
+    d = os.path.join(workdir, "pki")
+    os.makedirs(d)
+
+    def ssl(*argv):
+        out = subprocess.run(["openssl", *argv], cwd=d, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise Failure(f"openssl {' '.join(argv)}: {out.stderr}")
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=odyssey-test-ca")
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            f"{name}.pem", "-days", "2", *ext)
+    return {"ca": os.path.join(d, "ca.pem"), "server": os.path.join(d, "server.pem"),
+            "server_key": os.path.join(d, "server.key"), "client": os.path.join(d, "client.pem"),
+            "client_key": os.path.join(d, "client.key")}
+
+
+def case_auth(args, cluster, site):
+    """Bearer tokens and TLS from the client's side: a controller with --auth-token-file and
+    --tls-cert/--tls-key (then also --tls-client-ca) answers the client's calls as the token's
+    tenant, refuses missing and unknown tokens (UNAUTHENTICATED, on JobService and
+    TrainingService alike) and other tenants' jobs (PERMISSION_DENIED), checks the server name,
+    and with mutual TLS accepts only a client with a certificate. Skipped (77) when the
+    controller has no --auth-token-file (a build without the auth work)."""
+    help_text = subprocess.run([args.controller, "--help"], capture_output=True, text=True, timeout=30).stdout
+    if "--auth-token-file" not in help_text or "--tls-client-ca" not in help_text:
+        raise Skip("this odyssey-controller has no --auth-token-file / --tls-client-ca")
+    sys.path.insert(0, site)
+    import grpc
+    import odyssey_client as oc
+
+    pki = make_pki(cluster.workdir)
+    alice, bob = "a" * 8 + os.urandom(16).hex(), "b" * 8 + os.urandom(16).hex()
+    tokens = os.path.join(cluster.workdir, "tokens")
+    with open(tokens, "w") as f:
+        f.write(f"{alice} alice\n{bob} bob\n")
+    tls = ["--auth-token-file", tokens, "--tls-cert", pki["server"], "--tls-key", pki["server_key"]]
+
+    def code_of(fn):
+        try:
+            fn()
+            return "OK"
+        except oc.OdysseyError as e:
+            return e.code.name
+
+    def expect(what, got, want):
+        print(f"{what}: {got}")
+        if got != want:
+            raise Failure(f"{what}: got {got}, want {want}")
+
+    cluster.start_controller(extra=tls)
+    secure = dict(tls_ca=pki["ca"], tls_server_name="localhost")
+    a = oc.TrainingClient(cluster.address, token=alice, timeout=10, **secure)
+    session = a.create_session("tiny", seq_len=16, batch_size=1, wait=False)  # no worker: stays PENDING
+    expect("alice's CreateJob over TLS", a.get_job(session.name).state, "PENDING")
+    expect("alice's Forward on her PENDING session", code_of(
+        lambda: session.forward([oc.Datum.from_sequence([1, 2, 3])]).result()), "FAILED_PRECONDITION")
+    nobody = oc.TrainingClient(cluster.address, timeout=10, **secure)
+    expect("no token, ListJobs", code_of(nobody.list_jobs), "UNAUTHENTICATED")
+    expect("no token, Forward", code_of(
+        lambda: oc.Session(nobody, session.name).forward([oc.Datum.from_sequence([1, 2])]).result()),
+        "UNAUTHENTICATED")
+    wrong = oc.TrainingClient(cluster.address, token="c" * 40, timeout=10, **secure)
+    expect("unknown token, GetJob", code_of(lambda: wrong.get_job(session.name)), "UNAUTHENTICATED")
+    b = oc.TrainingClient(cluster.address, token=bob, timeout=10, **secure)
+    expect("bob, GetJob of alice's job", code_of(lambda: b.get_job(session.name)), "PERMISSION_DENIED")
+    expect("bob, Forward on alice's job", code_of(
+        lambda: oc.Session(b, session.name).forward([oc.Datum.from_sequence([1, 2])]).result()), "PERMISSION_DENIED")
+    expect("bob's ListJobs", len(b.list_jobs()), 0)
+    bad_name = oc.TrainingClient(cluster.address, token=alice, timeout=5, tls_ca=pki["ca"], tls_server_name="elsewhere")
+    expect("a server name the certificate lacks", code_of(bad_name.list_jobs), "UNAVAILABLE")
+    plain = oc.TrainingClient(cluster.address, token=alice, timeout=5)
+    expect("plaintext to the TLS port", code_of(plain.list_jobs), "UNAVAILABLE")
+    expect("alice cancels her session", a.cancel(session.name).state, "CANCELLED")
+    for c in (a, nobody, wrong, b, bad_name, plain):
+        c.close()
+    cluster.stop()
+
+    cluster.start_controller(extra=tls + ["--tls-client-ca", pki["ca"]])
+    without = oc.TrainingClient(cluster.address, token=alice, timeout=5, **secure)
+    expect("mutual TLS without a client certificate", code_of(without.list_jobs), "UNAVAILABLE")
+    mtls = oc.TrainingClient(cluster.address, token=alice, timeout=10, tls_cert=pki["client"],
+                             tls_key=pki["client_key"], **secure)
+    expect("mutual TLS with a client certificate: alice's jobs", [j.state for j in mtls.list_jobs()], ["CANCELLED"])
+    without.close()
+    mtls.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,7 +847,7 @@ def case_fuzz(args, cluster, site):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", choices=["example", "api", "fuzz"], required=True)
+    ap.add_argument("--case", choices=["example", "api", "auth", "fuzz"], required=True)
     ap.add_argument("--controller", required=True)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--source-dir", required=True)
@@ -745,22 +863,28 @@ def main():
     args.source_dir = os.path.abspath(args.source_dir)
     workdir = tempfile.mkdtemp(prefix=f"pyclient_{args.case}_")
     cluster = Cluster(args, workdir)
-    ok = False
+    ok = skipped = False
     try:
         site = install_client(args.source_dir, workdir)
-        cluster.start()
-        {"example": case_example, "api": case_api, "fuzz": case_fuzz}[args.case](args, cluster, site)
+        if args.case != "auth":  # auth starts its own controllers
+            cluster.start()
+        {"example": case_example, "api": case_api, "auth": case_auth, "fuzz": case_fuzz}[args.case](args, cluster, site)
         ok = True
+    except Skip as e:
+        print(f"SKIPPED: {e}")
+        skipped = True
     except Failure as e:
         print(f"FAIL: {e}")
     finally:
         cluster.stop()
-        if not ok:
+        if not ok and not skipped:
             cluster.dump_logs()
-        if ok and not args.keep:
+        if (ok or skipped) and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"work folder kept: {workdir}")
+    if skipped:
+        return SKIP
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
 
