@@ -31,7 +31,7 @@ from odyssey_client.errors import JobFailedError, OdysseyError, SessionTimeoutEr
 from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, ForwardBackwardResult, ForwardResult, JobInfo,
                                   Loss, OptimStepResult, RolloutResult, batch_to_proto)
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # replies carry one logprob per token of the batch
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # the controller's default --max-message-bytes
 
 
 def _pem(value: Optional[Union[str, bytes]]) -> Optional[bytes]:
@@ -54,10 +54,11 @@ class TrainingClient:
     tls_ca: PEM file (path or bytes) of the CA that signed the controller's certificate; turns on
     TLS. tls_server_name: the name to check the certificate against when it differs from the
     host in `target` (e.g. connecting by IP). tls_cert + tls_key: a client certificate and its
-    key (PEM paths or bytes) for a controller that requires mutual TLS. timeout: deadline in seconds of the JobService calls
-    (create/get/list/cancel); call_timeout: default deadline of TrainingService calls, counted
-    from the moment a call is issued (so it includes the time it waits behind earlier pipelined
-    calls); None = no deadline.
+    key (PEM paths or bytes) for a controller that requires mutual TLS. timeout: deadline in
+    seconds of the JobService calls (create/get/list/cancel). call_timeout: default deadline of
+    TrainingService calls, counted from the moment a call is issued (so it includes the time it
+    waits behind earlier pipelined calls); None = no deadline. max_message_bytes: the largest
+    message sent or received (replies carry one logprob per token of a batch).
     """
 
     def __init__(self, target: str, token: Optional[str] = None, tls_ca: Optional[Union[str, bytes]] = None,
@@ -204,6 +205,7 @@ class Session:
         # issuing thread, inside _issue's critical section.
         self._lock = threading.RLock()
         self._next_sequence = first_sequence
+        self._issued = 0
         self._pending: "set[concurrent.futures.Future]" = set()
         self._failures: List[concurrent.futures.Future] = []  # failed since the last wait_all
         self._gate: Optional[concurrent.futures.Future] = None  # an unfinished push_rollouts
@@ -264,7 +266,7 @@ class Session:
         with self._lock:
             failures, self._failures = self._failures, []
         if raise_errors and failures:
-            raise min(failures, key=lambda f: getattr(f, "sequence", 0)).exception()
+            raise min(failures, key=lambda f: f.issue_index).exception()
 
     # -- calls ------------------------------------------------------------------------------
     def _issue(self, method: str, send: Callable[[int, Optional[float]], "grpc.Future"],
@@ -311,7 +313,10 @@ class Session:
         return fut
 
     def _track(self, fut: concurrent.futures.Future) -> None:
-        # REQUIRES: self._lock held.
+        # REQUIRES: self._lock held. issue_index: the call's place in issue order (push_rollouts
+        # included, which has no sequence number).
+        fut.issue_index = self._issued  # type: ignore[attr-defined]
+        self._issued += 1
         self._pending.add(fut)
         fut.add_done_callback(self._untrack)
 
