@@ -795,7 +795,8 @@ absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::
     bool client_gone = false;
     auto turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       const v1::Job* job = FindJob(id);
-      return !job || job->state() != v1::Job::RUNNING || sequences_[id].next >= sequence;
+      auto it = sequences_.find(id);  // erased when the job ends
+      return !job || job->state() != v1::Job::RUNNING || it == sequences_.end() || it->second.next >= sequence;
     };
     while (!turn() && absl::Now() < deadline) {
       mu_.AwaitWithDeadline(absl::Condition(&turn), std::min(deadline, absl::Now() + absl::Seconds(1)));

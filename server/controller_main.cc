@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   // room for ~3M-token batches (and matches the worker's default).
   int64_t max_message_bytes = 64 << 20;
   int rendezvous_port_base = 29500;
+  double sequence_wait_s = 30;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound gRPC port here (atomically) once serving");
@@ -64,6 +65,10 @@ int main(int argc, char** argv) {
                  "RESOURCE_EXHAUSTED")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 30));
+  app.add_option("--sequence-wait", sequence_wait_s,
+                 "Seconds a sequenced TrainingService call waits for its predecessor before it gets ABORTED")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
                  "Rank 0 of job N hosts its rendezvous on port base + N % 10000")
       ->capture_default_str();
@@ -95,6 +100,7 @@ int main(int argc, char** argv) {
   options.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   options.checkpoint_root = std::filesystem::absolute(std::filesystem::path(state_dir) / "checkpoints").string();
   options.rendezvous_port_base = rendezvous_port_base;
+  options.sequence_wait = absl::Seconds(sequence_wait_s);
   options.registry = registry;
   auto controller = odyssey::server::Controller::Create(options, std::move(*store));
   if (!controller.ok()) {

@@ -427,8 +427,9 @@ class AsyncTrain {
 
 class TrainingRoutingTest : public ControllerTest {
  protected:
+  virtual absl::Duration SequenceWait() const { return absl::Milliseconds(300); }
   void SetUp() override {
-    sequence_wait_ = absl::Milliseconds(300);
+    sequence_wait_ = SequenceWait();
     ControllerTest::SetUp();
     v1::WorkerCapabilities caps;
     caps.set_worker_id("w1");
@@ -695,6 +696,26 @@ TEST_F(TrainingRoutingTest, RestartResumesFromTheSavedCheckpoint) {
   ASSERT_EQ(conn->Assignments().size(), 1u);
   EXPECT_EQ(conn->Assignments()[0].resume_from(), "/ckpt/step-00000003");
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+}
+
+// A sequenced call waiting for its turn ends as soon as the job does, not after sequence_wait.
+class LongSequenceWaitTest : public TrainingRoutingTest {
+ protected:
+  absl::Duration SequenceWait() const override { return absl::Seconds(60); }
+};
+
+TEST_F(LongSequenceWaitTest, CancelEndsSequencedWaits) {
+  AsyncTrain waiting(controller_.get(), id_, Step(1), 5);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (controller_->WaitingCalls(id_) < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(controller_->WaitingCalls(id_), 1);
+  const absl::Time cancelled = absl::Now();
+  ASSERT_TRUE(controller_->CancelJob(id_).ok());
+  auto r = waiting.Wait();
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(5));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("is CANCELLED"));
+  EXPECT_EQ(controller_->WaitingCalls(id_), 0);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 #include "worker/job_runner.h"
 
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <sstream>
 
@@ -344,17 +346,20 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   })));
   ASSERT_TRUE(runner.Submit(FbCall(8)));
   ASSERT_TRUE(runner.Submit(StepCall(9)));
-  ASSERT_TRUE(runner.Submit(FbCall(10)));  // pending gradients the load drops
-  ASSERT_TRUE(runner.Submit(Call(11, [&](v1::TrainingCall& c) {
+  ASSERT_TRUE(runner.Submit(Call(10, [&](v1::TrainingCall& c) {  // an export is not a checkpoint
+    c.mutable_load_checkpoint()->set_directory((root_ / "export").string());
+  })));
+  ASSERT_TRUE(runner.Submit(FbCall(11)));  // pending gradients the load drops
+  ASSERT_TRUE(runner.Submit(Call(12, [&](v1::TrainingCall& c) {
     c.mutable_load_checkpoint()->set_directory(CheckpointPath(dir, 2));
   })));
-  ASSERT_TRUE(runner.Submit(StepCall(12)));
-  const std::vector<v1::TrainingReply> r = rec.WaitReplies(12);
-  ASSERT_EQ(r.size(), 12u);
+  ASSERT_TRUE(runner.Submit(StepCall(13)));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(13);
+  ASSERT_EQ(r.size(), 13u);
   for (size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].call_id(), static_cast<int64_t>(i + 1));
     EXPECT_EQ(r[i].job(), "jobs/7");
-    if (i != 2 && i != 11) {
+    if (i != 2 && i != 9 && i != 12) {
       EXPECT_EQ(r[i].code(), 0) << "call " << i + 1 << ": " << r[i].message();
     }
   }
@@ -372,15 +377,17 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   EXPECT_TRUE(fs::exists(root_ / "export" / "config.json"));
   EXPECT_NE(ReadFile((root_ / "export" / "config.json").string()).find("bfloat16"), std::string::npos);
   EXPECT_EQ(r[8].optim_step().step(), 3);
-  EXPECT_EQ(r[10].load_checkpoint().step(), 2);
-  // The load dropped the gradients of call 10 (computed on the replaced weights).
-  EXPECT_EQ(r[11].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[11].message();
+  EXPECT_EQ(r[9].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[9].message();
+  EXPECT_NE(r[9].message().find("no trainer_state.json"), std::string::npos) << r[9].message();
+  EXPECT_EQ(r[11].load_checkpoint().step(), 2);
+  // The load dropped the gradients of call 11 (computed on the replaced weights).
+  EXPECT_EQ(r[12].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << r[12].message();
   // No call for 2 s: the session ends ok at the loaded step.
   const v1::JobResult result = rec.Wait();
   EXPECT_TRUE(result.ok()) << result.error();
   EXPECT_EQ(result.step(), 2);
   EXPECT_EQ(result.last_checkpoint(), CheckpointPath(dir, 2));
-  EXPECT_FALSE(runner.Submit(FbCall(13)));  // ended: nothing queues
+  EXPECT_FALSE(runner.Submit(FbCall(14)));  // ended: nothing queues
   absl::MutexLock l(&rec.mu);
   // Progress after each optim_step, the save and the load: step and the last loss.
   std::vector<int64_t> steps;
@@ -413,6 +420,49 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
     }
   }
   EXPECT_GT(aborted, 0);
+}
+
+// On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
+// planner's memory strategy for seq_len x batch_size positions) and trains: the loss of a fixed
+// 4096-token batch falls over 8 forward_backward + optim_step calls, and forward's logprobs are
+// finite. Skips where there is no GPU.
+TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
+  if (!ProbeDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cuda:0";
+  v1::Assignment a = RlJob((root_ / "gpu").string(), 0);
+  a.mutable_spec()->mutable_model()->clear_dtype();
+  a.mutable_spec()->mutable_data()->set_seq_len(8192);
+  a.mutable_spec()->mutable_data()->set_batch_size(1);
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  auto batch = [](v1::Datum* d) {
+    for (int i = 0; i < 4096; ++i) {
+      d->add_tokens((i * 7) % 256);
+      d->add_target_tokens(((i + 1) * 7) % 256);
+    }
+  };
+  int64_t id = 0;
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) {
+      batch(c.mutable_forward_backward()->add_batch());
+      c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+    })));
+    ASSERT_TRUE(runner.Submit(StepCall(++id)));
+  }
+  ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) { batch(c.mutable_forward()->add_batch()); })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(static_cast<size_t>(id));
+  ASSERT_EQ(r.size(), static_cast<size_t>(id));
+  for (const auto& reply : r) ASSERT_EQ(reply.code(), 0) << reply.message();
+  const double first = r[0].forward_backward().loss(), last = r[14].forward_backward().loss();
+  std::cout << "GPU RL session: loss " << first << " -> " << last << ", " << r[0].forward_backward().seconds()
+            << " s for the first forward_backward, " << r[14].forward_backward().seconds() << " s for the last\n";
+  EXPECT_LT(last, first - 1.0);
+  EXPECT_EQ(r[15].optim_step().step(), 8);
+  ASSERT_EQ(r[16].forward().logprobs(0).values_size(), 4096);
+  for (float v : r[16].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);
+  runner.Cancel("done");
+  EXPECT_EQ(rec.Wait(absl::Seconds(60)).cancelled(), "done");
 }
 
 TEST(ProbeCapabilitiesTest, DescribesTheCpu) {

@@ -10,9 +10,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/log.h"
+#include "absl/strings/str_join.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
+#include "model/safetensors.h"
 #include "model/weights.h"
 #include "worker/engine_internal.h"
 
@@ -74,6 +75,36 @@ struct RlSession::Impl {
   EngineJobOptions options;
   engine::TrainerOptions trainer_options;
   std::unique_ptr<engine::Trainer> trainer;
+
+  // Checks, before anything is loaded, that `dir` is a checkpoint SaveCheckpoint wrote for this
+  // session's model: its files exist and every parameter is there with the model's shape. The
+  // loader copies tensor by tensor, so a mismatch found half way would leave the session's
+  // weights half replaced; checked first, a wrong folder changes nothing.
+  absl::Status CheckLoadable(const std::string& dir) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      return absl::NotFoundError(absl::StrCat("directory: \"", dir, "\" does not exist on the session's worker"));
+    for (const char* file : {"trainer_state.json", "optimizer.safetensors"}) {
+      if (!fs::exists(fs::path(dir) / file, ec))
+        return absl::FailedPreconditionError(absl::StrCat("directory: \"", dir, "\" is not a checkpoint SaveCheckpoint "
+                                                          "wrote (no ", file, ")"));
+    }
+    absl::StatusOr<model::SafetensorsCheckpoint> ckpt = model::SafetensorsCheckpoint::Open(dir);
+    if (!ckpt.ok()) return absl::Status(ckpt.status().code(), absl::StrCat("directory: ", ckpt.status().message()));
+    for (const auto& p : trainer->model()->named_parameters()) {
+      const model::SafetensorsFile* file = ckpt->FileOf(p.key());
+      if (file == nullptr)
+        return absl::FailedPreconditionError(absl::StrCat("directory: \"", dir, "\" lacks tensor '", p.key(),
+                                                          "' of the session's model; nothing was loaded"));
+      const std::vector<int64_t>& shape = file->tensors().at(p.key()).shape;
+      if (shape != p.value().sizes().vec())
+        return absl::FailedPreconditionError(
+            absl::StrCat("directory: \"", dir, "\" holds '", p.key(), "' of shape [", absl::StrJoin(shape, ", "),
+                         "], the session's model has [", absl::StrJoin(p.value().sizes().vec(), ", "),
+                         "]; nothing was loaded"));
+    }
+    return absl::OkStatus();
+  }
 
   RlResponse Run(RlRequest& req) {
     RlResponse out;
@@ -160,11 +191,8 @@ struct RlSession::Impl {
         return out;
       }
       case RlMethod::kLoadCheckpoint: {
-        std::error_code ec;
-        if (!fs::is_directory(req.directory, ec) || !fs::exists(fs::path(req.directory) / "trainer_state.json", ec)) {
-          out.status = absl::NotFoundError(absl::StrCat("directory: \"", req.directory,
-                                                        "\" is not a checkpoint SaveCheckpoint wrote (no "
-                                                        "trainer_state.json) on the session's worker"));
+        if (absl::Status s = CheckLoadable(req.directory); !s.ok()) {
+          out.status = s;
           return out;
         }
         if (absl::Status s = t.LoadCheckpoint(req.directory); !s.ok()) {

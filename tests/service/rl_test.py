@@ -14,7 +14,8 @@ Cases (--case):
                streams one result per batch, in order.
   hf_parity    (b) forward's per-token logprobs equal Hugging Face transformers' on the weights
                ExportWeights(float32) wrote (max |diff| <= 1e-4), which also proves the export
-               loads in transformers; a bfloat16 export is written as bfloat16.
+               loads in transformers; a bfloat16 export is written as bfloat16; a checkpoint of
+               another shape is refused before anything is loaded.
   bad_input    (e) a table of bad requests, each INVALID_ARGUMENT naming the field (with the datum
                and token index) and the rule, after which the session still trains; (f) the
                trainer-vs-sampler mismatch gauges appear on the controller's /metrics after a
@@ -258,6 +259,20 @@ def case_hf_parity(c):
         dtypes = {f.get_tensor(k).dtype for k in f.keys()}
     if dtypes != {torch.bfloat16}:
         raise Failure(f"the bfloat16 export holds {dtypes}")
+    # A checkpoint of another shape is refused before anything is loaded: the session is intact.
+    saved = c.training.SaveCheckpoint(c.pb.SaveCheckpointRequest(job=job), timeout=120)
+    other = os.path.join(c.workdir, "other-shape")
+    shutil.copytree(saved.directory, other)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(os.path.join(other, "model.safetensors"))
+    name = sorted(k for k in tensors if k.endswith("mlp.down_proj.weight"))[-1]
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    expect_code(c, "load of a checkpoint of another shape",
+                lambda: c.training.LoadCheckpoint(c.pb.LoadCheckpointRequest(job=job, directory=other), timeout=60),
+                c.grpc.StatusCode.FAILED_PRECONDITION, "directory", name, "nothing was loaded")
+    if max_diff(c.forward(job, probe), ours) > 1e-6:
+        raise Failure("a refused load_checkpoint changed the session's weights")
     # Exporting again over an earlier export replaces it; over somebody's folder it refuses.
     c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=export, dtype="float32"), timeout=120)
     foreign = os.path.join(c.workdir, "foreign")
