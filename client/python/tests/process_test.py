@@ -254,7 +254,8 @@ def case_api(args, cluster, site):
         fb0 = pairs[0][0].result()
         expect(abs(fb0.loss + sum(map(sum, fb0.logprobs)) / fb0.weight_sum) < 1e-4 and fb0.weight_sum == 64,
                f"loss {fb0.loss} is not -sum(logprobs)/weight_sum ({fb0.weight_sum})")
-        expect(fb0.logprobs == f0.logprobs, "the first ForwardBackward's logprobs differ from Forward's on the same weights")
+        gap = max(abs(x - y) for r1, r2 in zip(fb0.logprobs, f0.logprobs) for x, y in zip(r1, r2))
+        expect(gap < 1e-5, f"the first ForwardBackward's logprobs differ from Forward's on the same weights by {gap}")
 
         # RL losses on the trainer's own logprobs: mismatch ~0; PPO with ratio 1 clips nothing.
         cur = s.forward(batch).result().logprobs
