@@ -32,6 +32,7 @@ from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, ForwardBac
                                   Loss, OptimStepResult, RolloutResult, batch_to_proto)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # the controller's default --max-message-bytes
+JOB_CALL_RETRIES = 3  # UNAVAILABLE retries of JobService calls (0.25 + 0.5 + 1 s of backoff)
 
 
 def _pem(value: Optional[Union[str, bytes]]) -> Optional[bytes]:
@@ -92,10 +93,19 @@ class TrainingClient:
         return self._metadata
 
     def _call(self, method: str, fn, request, job: str = "", timeout: Optional[float] = None):
-        try:
-            return fn(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise OdysseyError.from_rpc_error(e, method, job) from None
+        """One JobService call. UNAVAILABLE (controller restarting, connection reset) is retried
+        up to JOB_CALL_RETRIES times with backoff: every JobService call is safe to repeat
+        (CreateJob carries a request id, so a retry returns the job the first attempt made).
+        TrainingService calls are never retried here: they are not idempotent."""
+        delay = 0.25
+        for attempt in range(JOB_CALL_RETRIES + 1):
+            try:
+                return fn(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == JOB_CALL_RETRIES:
+                    raise OdysseyError.from_rpc_error(e, method, job) from None
+            time.sleep(delay)
+            delay *= 2
 
     def close(self) -> None:
         self._channel.close()

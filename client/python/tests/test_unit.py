@@ -190,8 +190,15 @@ class FakeJobs(pb_grpc.JobServiceServicer):
     def __init__(self):
         self.created = []
         self.script = {}
+        self.unavailable = 0  # CreateJob calls to refuse UNAVAILABLE first
+        self.attempts = []    # request ids of every CreateJob attempt
 
     def CreateJob(self, request, context):
+        if self.unavailable > 0:  # as if the controller were restarting
+            self.unavailable -= 1
+            self.attempts.append(request.request_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        self.attempts.append(request.request_id)
         self.created.append(request)
         name = f"jobs/{len(self.created)}"
         return pb.Job(name=name, spec=request.spec, state=pb.Job.PENDING)
@@ -370,6 +377,22 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(req.spec.rl.idle_timeout_seconds, 60)
         self.assertEqual(req.spec.model.name, "tiny")
         self.assertEqual(s.info().state, "RUNNING")
+
+    def test_create_job_retries_unavailable_with_the_same_request_id(self):
+        self.jobs.unavailable = 2
+        self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
+        s = self.client.create_session("tiny", seq_len=8, batch_size=1)
+        self.assertEqual(s.name, "jobs/1")
+        self.assertEqual(len(self.jobs.attempts), 3)
+        self.assertEqual(len(set(self.jobs.attempts)), 1)  # one request id: a retry cannot make a second job
+
+    def test_training_call_to_a_gone_server_is_unavailable(self):
+        self.jobs.unavailable = 0
+        s = self.client.session("jobs/1")
+        self.server.stop(None)
+        with self.assertRaises(oc.OdysseyError) as cm:
+            s.forward(self.batch(1), timeout=5).result(timeout=30)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
 
     def test_create_session_reports_failure(self):
         self.jobs.script["jobs/1"] = [(pb.Job.PENDING, ""), (pb.Job.FAILED, "spec.model.name: no such model")]
