@@ -21,7 +21,7 @@ import concurrent.futures
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 import grpc
 
