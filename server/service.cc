@@ -144,16 +144,22 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
     controller_->CountTrainingCall(method, tenant.status().code());
     return tenant.status();
   }
+  auto id = ParseJobName(job, "job");
   if (!valid.ok()) {
+    // A refused call whose job and sequence are sound still takes its turn (Controller::
+    // RefuseInTurn), so the caller's later sequenced calls do not wait on a number never used.
+    if (id.ok() && sequence > 0 && controller_->CheckJobAccess(*id, *tenant, "job").ok()) {
+      return controller_->RefuseInTurn(*id, sequence, method, valid,
+                                       [context] { return context->IsCancelled(); });
+    }
     controller_->CountTrainingCall(method, valid.code());
     return valid;
   }
-  const int64_t id = ParseJobName(job, "job").value();  // validated
-  if (absl::Status access = controller_->CheckJobAccess(id, *tenant, "job"); !access.ok()) {
+  if (absl::Status access = controller_->CheckJobAccess(*id, *tenant, "job"); !access.ok()) {
     controller_->CountTrainingCall(method, access.code());
     return access;
   }
-  return controller_->Train(id, std::move(call), sequence, [context] { return context->IsCancelled(); });
+  return controller_->Train(*id, std::move(call), sequence, [context] { return context->IsCancelled(); });
 }
 
 grpc::Status TrainingServiceImpl::ForwardBackward(grpc::ServerContext* context,

@@ -15,6 +15,7 @@ from typing import Optional
 
 MAX_BATCH_DATUMS = 65536
 MAX_PATH_BYTES = 4096
+MAX_PATH_COMPONENT_BYTES = 200  # server/validation.h kMaxPathComponentBytes
 DTYPES = ("", "float32", "bfloat16")
 LOSS_KINDS = ("cross_entropy", "importance_sampling", "ppo")
 
@@ -26,8 +27,8 @@ def check_loss(kind: str, clip_low: Optional[float], clip_high: Optional[float],
     hi = clip_high or 0.0
     if lo != 0 and not (0 < lo < 1):
         raise ValueError(f"{field}.clip_low ({lo}) must be in (0, 1) (None = 0.2)")
-    if hi != 0 and not (hi > 0 and math.isfinite(hi)):
-        raise ValueError(f"{field}.clip_high ({hi}) must be > 0 and finite (None = 0.2)")
+    if hi != 0 and not (0 < hi <= 1e6):
+        raise ValueError(f"{field}.clip_high ({hi}) must be in (0, 1e6] (None = 0.2)")
 
 
 def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, field: str = "adam") -> None:
@@ -54,6 +55,10 @@ def check_directory(directory: Optional[str], required: bool, field: str = "dire
         raise ValueError(f"{field} must not contain NUL bytes")
     if not directory.startswith("/"):
         raise ValueError(f"{field} ({directory!r}) must be an absolute path on the session's worker")
+    for part in directory.split("/"):
+        if len(part.encode()) > MAX_PATH_COMPONENT_BYTES:
+            raise ValueError(f"{field}: a path component of {len(part.encode())} bytes must be <= "
+                             f"{MAX_PATH_COMPONENT_BYTES} bytes")
 
 
 def check_dtype(dtype: Optional[str]) -> None:

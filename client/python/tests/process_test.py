@@ -465,11 +465,9 @@ OK_ERROR_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOU
                   "ALREADY_EXISTS"}
 
 NON_FINITE = [float("nan"), float("inf"), float("-inf")]
-# Per-token values: non-finite, negative, tiny; 1e300 becomes inf on the float wire. No huge
-# finite values (3.4e38): they pass validation, their gradients overflow, and the server skips
-# that OptimStep with INTERNAL ("the gradient norm is inf"): a numeric limit of valid input,
-# not the malformed input this fuzz is about.
-NASTY_FLOATS = NON_FINITE + [-1.0, -1e-45, 1e-45, 1e300, -1e300]
+# Per-token values: non-finite, negative, tiny, huge but finite (3.4e38, beyond the servers'
+# 1e6 bound on weights and advantages); 1e300 becomes inf on the float wire.
+NASTY_FLOATS = NON_FINITE + [-1.0, -1e-45, 1e-45, 1e300, -1e300, 3.4e38, -3.4e38, 2e6]
 NASTY_INTS = [-1, 256, 257, 1000, 2 ** 31 - 1, -2 ** 31, 65536]
 
 
