@@ -13,6 +13,9 @@ namespace {
 // broken or mismatched inference engine) would otherwise overflow r to inf and turn the whole
 // gradient into NaN. r stays within [2e-9, 4.9e8]; tokens beyond get no ratio gradient.
 constexpr double kMaxLogRatio = 20.0;
+// Weights and advantages beyond this magnitude are refused: with |log r| <= 20 every per-token
+// term then stays below ~5e20, so neither the fp32 loss nor its gradients can overflow.
+constexpr double kMaxLossInput = 1e6;
 
 std::string Field(size_t datum, const char* field) { return absl::StrCat("batch[", datum, "].", field); }
 
@@ -31,12 +34,16 @@ absl::Status CheckIds(size_t datum, const char* field, const std::vector<int64_t
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(size_t datum, const char* field, const std::vector<float>& values, bool non_negative) {
+absl::Status CheckFinite(size_t datum, const char* field, const std::vector<float>& values, bool non_negative,
+                         bool bounded) {
   for (size_t t = 0; t < values.size(); ++t) {
     if (!std::isfinite(values[t]))
       return absl::InvalidArgumentError(absl::StrCat(Field(datum, field), "[", t, "] (", values[t], ") must be finite"));
     if (non_negative && values[t] < 0)
       return absl::InvalidArgumentError(absl::StrCat(Field(datum, field), "[", t, "] (", values[t], ") must be >= 0"));
+    if (bounded && std::abs(values[t]) > kMaxLossInput)
+      return absl::InvalidArgumentError(absl::StrCat(Field(datum, field), "[", t, "] (", values[t],
+                                                     ") must be within [-1e6, 1e6] (scale the rewards down)"));
   }
   return absl::OkStatus();
 }
@@ -73,8 +80,8 @@ absl::Status LossSpec::Validate() const {
     case LossKind::kPpo:
       if (!(clip_low > 0 && clip_low < 1))
         return absl::InvalidArgumentError(absl::StrCat("loss.clip_low (", clip_low, ") must be in (0, 1)"));
-      if (!(clip_high > 0) || !std::isfinite(clip_high))
-        return absl::InvalidArgumentError(absl::StrCat("loss.clip_high (", clip_high, ") must be > 0 and finite"));
+      if (!(clip_high > 0 && clip_high <= 1e6))
+        return absl::InvalidArgumentError(absl::StrCat("loss.clip_high (", clip_high, ") must be in (0, 1e6]"));
       return absl::OkStatus();
     case LossKind::kUnspecified:
       break;
@@ -107,10 +114,11 @@ absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec
       const std::vector<float>& values;
       bool required;
       bool non_negative;
+      bool bounded;  // |value| <= kMaxLossInput
     };
-    const Optional optional[] = {{"weights", d.weights, false, true},
-                                 {"sampler_logprobs", d.sampler_logprobs, rl, false},
-                                 {"advantages", d.advantages, rl, false}};
+    const Optional optional[] = {{"weights", d.weights, false, true, true},
+                                 {"sampler_logprobs", d.sampler_logprobs, rl, false, false},
+                                 {"advantages", d.advantages, rl, false, true}};
     for (const Optional& o : optional) {
       if (o.values.empty()) {
         if (o.required)
@@ -119,7 +127,7 @@ absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec
         continue;
       }
       if (absl::Status s = CheckLength(i, o.field, o.values.size(), S); !s.ok()) return s;
-      if (absl::Status s = CheckFinite(i, o.field, o.values, o.non_negative); !s.ok()) return s;
+      if (absl::Status s = CheckFinite(i, o.field, o.values, o.non_negative, o.bounded); !s.ok()) return s;
     }
     if (d.weights.empty()) {
       weight_sum += static_cast<double>(S);

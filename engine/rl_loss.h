@@ -23,7 +23,9 @@
 //
 // Validation (ValidateBatch) runs before any compute, so a bad batch changes nothing; its
 // INVALID_ARGUMENT messages name the field with the datum (and token) index and the rule, e.g.
-// "batch[2].advantages[5] (nan) must be finite".
+// "batch[2].advantages[5] (nan) must be finite". Weights and advantages are also bounded to
+// |x| <= 1e6, which with the clamped log ratio keeps every term, the loss and the gradients
+// finite in fp32.
 // Thread safety: free functions over their arguments; no shared state.
 #pragma once
 
@@ -45,12 +47,12 @@ struct Datum {
   // The token each position predicts (usually tokens shifted by one plus the next token):
   // target_tokens[i] is scored against the model's output at position i. Ids in [0, vocab).
   std::vector<int64_t> target_tokens;
-  // Loss weight per token (finite, >= 0; 0 = not in the loss, e.g. prompt tokens). Empty = all 1.
+  // Loss weight per token (finite, in [0, 1e6]; 0 = not in the loss, e.g. prompt tokens). Empty = all 1.
   std::vector<float> weights;
   // The sampler's (inference engine's) logprob of each target token, finite. Empty = absent:
   // allowed for cross_entropy (no mismatch metric for this datum), required by the others.
   std::vector<float> sampler_logprobs;
-  // Advantage per token, finite. Empty = absent: required by importance_sampling and ppo,
+  // Advantage per token, finite, |A| <= 1e6. Empty = absent: required by importance_sampling and ppo,
   // ignored by cross_entropy.
   std::vector<float> advantages;
 };
@@ -71,7 +73,7 @@ struct LossSpec {
   // PPO's clip range around ratio 1: r is clipped to [1 - clip_low, 1 + clip_high]. Asymmetric
   // values (clip_high > clip_low, "clip higher") are allowed. Only ppo reads them.
   double clip_low = 0.2;   // eps_low, in (0, 1)
-  double clip_high = 0.2;  // eps_high, > 0 and finite
+  double clip_high = 0.2;  // eps_high, in (0, 1e6]
   // Checks kind and (for ppo) the clip range; messages name the field ("loss.clip_low (1.5) must
   // be in (0, 1)").
   absl::Status Validate() const;

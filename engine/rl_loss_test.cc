@@ -365,8 +365,13 @@ TEST(RlBadInputTest, TableThenStillTrains) {
        "batch[3].advantages", "required by loss importance_sampling"},
       {"clip_low >= 1", [](auto&, auto& s) { s.clip_low = 1.5; }, "loss.clip_low (1.5)", "must be in (0, 1)"},
       {"clip_low 0", [](auto&, auto& s) { s.clip_low = 0; }, "loss.clip_low (0)", "must be in (0, 1)"},
-      {"clip_high negative", [](auto&, auto& s) { s.clip_high = -0.1; }, "loss.clip_high (-0.1)", "must be > 0"},
-      {"clip_high inf", [inf](auto&, auto& s) { s.clip_high = inf; }, "loss.clip_high (inf)", "must be > 0 and finite"},
+      {"clip_high negative", [](auto&, auto& s) { s.clip_high = -0.1; }, "loss.clip_high (-0.1)", "must be in (0, 1e6]"},
+      {"clip_high inf", [inf](auto&, auto& s) { s.clip_high = inf; }, "loss.clip_high (inf)", "must be in (0, 1e6]"},
+      {"clip_high huge", [](auto&, auto& s) { s.clip_high = 1e300; }, "loss.clip_high (1e+300)", "must be in (0, 1e6]"},
+      {"huge advantage", [](auto& b, auto&) { b[1].advantages[2] = 3e38f; }, "batch[1].advantages[2] (3e+38)",
+       "must be within [-1e6, 1e6]"},
+      {"huge weight", [](auto& b, auto&) { b[0].weights[0] = 2e6f; }, "batch[0].weights[0] (2e+06)",
+       "must be within [-1e6, 1e6]"},
   };
   for (const BadCase& c : cases) {
     std::vector<Datum> batch = good;

@@ -308,6 +308,16 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
     }
     // Metrics after all the compute is queued: the host waits on the device once.
     r.loss = loss_sum.item<double>();
+    if (!std::isfinite(r.loss)) {
+      // Validated inputs keep every term finite (engine/rl_loss.h), so this is the model: its
+      // weights diverged. Gradients that include a non-finite term must not reach OptimStep.
+      optimizer_->ZeroGrad();
+      rl_grads_pending_ = false;
+      return absl::InternalError(absl::StrCat("forward_backward: the loss is ", r.loss,
+                                              " for valid inputs (the weights may have diverged: load a "
+                                              "checkpoint); the gradients pending since the last "
+                                              "optim_step were dropped"));
+    }
     for (size_t i = 0; i < batch.size(); ++i) {
       r.mismatch.Add(logps[i], inputs[i]);
       r.clipped_tokens += PpoClippedTokens(logps[i], inputs[i], loss);

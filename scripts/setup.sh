@@ -4,7 +4,8 @@
 # nlohmann-json, spdlog, yaml-cpp, cpp-httplib, GoogleTest, ccache, the bible-kjv text, OpenSSL
 # headers for the TLS file checks and the openssl CLI for the TLS tests' throwaway CA) and a
 # project-local Python venv (.venv) with torch==2.11.0 (the libtorch the build links) and
-# transformers (parity tests). Idempotent: a second run only checks.
+# transformers (parity tests), grpcio + grpcio-tools + setuptools >= 70.1 (the Python client and
+# its tests). Idempotent: a second run only checks.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -35,5 +36,16 @@ if ! .venv/bin/python -c 'import torch, transformers, safetensors; assert torch.
   echo "setup: installing torch==2.11.0 and transformers into .venv (large download, once)"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.11.0" "transformers>=4.56,<5" safetensors numpy pyyaml grpcio grpcio-tools
+fi
+# The Python client's tests (client/python/tests) build and install the package offline
+# (pip --no-build-isolation): they need grpcio-tools to generate its stubs and a setuptools that
+# builds wheels on its own (>= 70.1; Debian 12's venv bundles 66, which needs `wheel`).
+if ! .venv/bin/python - 2>/dev/null <<'PY'
+import grpc, grpc_tools, google.protobuf, numpy, setuptools
+assert tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (70, 1)
+PY
+then
+  echo "setup: installing grpcio, grpcio-tools, numpy and setuptools>=70.1 into .venv"
+  .venv/bin/pip install -q grpcio grpcio-tools numpy "setuptools>=70.1"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

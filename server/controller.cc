@@ -881,6 +881,20 @@ absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::
   return absl::OkStatus();
 }
 
+absl::Status Controller::RefuseInTurn(int64_t id, int64_t sequence, const std::string& method,
+                                      const absl::Status& refusal, const std::function<bool()>& cancelled) {
+  absl::Status status = refusal;
+  {
+    absl::MutexLock lock(&mu_);
+    const v1::Job* job = FindJob(id);
+    if (sequence > 0 && job != nullptr && CheckServesTraining(*job).ok()) {
+      if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) status = s;
+    }
+  }
+  CountTrainingCall(method, status.code());
+  return status;
+}
+
 absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall call, int64_t sequence,
                                                     const std::function<bool()>& cancelled) {
   const std::string method = MethodName(call.call_case());
@@ -892,6 +906,12 @@ absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall
   const v1::Job* job = FindJob(id);
   if (!job) return finish(absl::NotFoundError(absl::StrCat("job: ", JobName(id), " does not exist")));
   if (absl::Status s = CheckServesTraining(*job); !s.ok()) return finish(s);
+  // A sequenced call takes its turn before anything else can refuse it, so a refusal uses up its
+  // number like an answer from the worker would and never leaves a gap behind it.
+  if (sequence > 0) {
+    if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) return finish(s);
+    job = FindJob(id);
+  }
   const int64_t positions = BatchPositions(call);
   const int64_t limit = job->spec().data().seq_len() * std::max<int64_t>(1, job->spec().data().batch_size());
   if (positions > limit) {
@@ -899,10 +919,6 @@ absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall
         "batch: ", positions, " token positions exceed the session's limit of ", limit,
         " (spec.data.seq_len ", job->spec().data().seq_len(), " x spec.data.batch_size ",
         std::max<int64_t>(1, job->spec().data().batch_size()), ", the memory the planner checked); split the batch")));
-  }
-  if (sequence > 0) {
-    if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) return finish(s);
-    job = FindJob(id);
   }
   const std::string worker_id = job->workers_size() > 0 ? job->workers(0) : "";
   auto w = workers_.find(worker_id);

@@ -189,6 +189,13 @@ class Controller {
   absl::StatusOr<odyssey::v1::TrainingReply> Train(int64_t id, odyssey::v1::TrainingCall call, int64_t sequence,
                                                    const std::function<bool()>& cancelled = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Answers a TrainingService call of job `id` that the edge refused (`refusal`: its request
+  // broke a validation rule) in its turn: a sequenced call of a RUNNING session first waits
+  // for its predecessor like any call (AwaitSequence), so its number is used up and the calls
+  // after it are not held back by a gap. Returns `refusal` (or the sequence's own error) and
+  // counts it. REQUIRES: the caller may access job `id` (CheckJobAccess).
+  absl::Status RefuseInTurn(int64_t id, int64_t sequence, const std::string& method, const absl::Status& refusal,
+                            const std::function<bool()>& cancelled = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Counts a TrainingService call that ended before Train (e.g. rejected by validation) in
   // odyssey_training_calls_total{method, code}.
   void CountTrainingCall(const std::string& method, absl::StatusCode code);

@@ -795,6 +795,33 @@ TEST_F(TrainingRoutingTest, SequenceGapAborts) {
   EXPECT_EQ(two.Wait()->optim_step().step(), 2);
 }
 
+// A sequenced call refused before it reaches the worker (an edge rule, or a batch over the plan)
+// is answered in its turn and uses up its number: the calls after it are not held back by a gap.
+TEST_F(TrainingRoutingTest, ARefusedSequencedCallUsesUpItsNumber) {
+  const absl::Status bad = absl::InvalidArgumentError("adam.lr: (-1) must be > 0 and finite");
+  // Number 2 arrives first and waits for 1, which the edge refuses: 2 then goes through.
+  AsyncTrain two(controller_.get(), id_, Step(1), 2);
+  while (controller_->WaitingCalls(id_) == 0) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(controller_->RefuseInTurn(id_, 1, "OptimStep", bad), bad);
+  auto calls = conn_->WaitForCalls(1);
+  ASSERT_EQ(calls.size(), 1u);
+  Reply(calls[0], [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(1); });
+  EXPECT_EQ(two.Wait()->optim_step().step(), 1);
+  // A used number stays used, refused or not.
+  EXPECT_EQ(controller_->RefuseInTurn(id_, 1, "OptimStep", bad).code(), absl::StatusCode::kAlreadyExists);
+  // Number 3 is a batch over the plan (17 > 16 positions): refused in its turn, 4 is next.
+  auto over = controller_->Train(id_, Fb(17), 3);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("batch: 17 token positions exceed"));
+  AsyncTrain four(controller_.get(), id_, Fb(), 4);
+  calls = conn_->WaitForCalls(2);
+  ASSERT_EQ(calls.size(), 2u);
+  Reply(calls[1], [](v1::TrainingReply& r) { r.mutable_forward_backward()->set_loss(1.5); });
+  EXPECT_TRUE(four.Wait().ok());
+  // Refusals count like other calls.
+  EXPECT_THAT(Metrics(), HasSubstr("odyssey_training_calls_total{code=\"INVALID_ARGUMENT\",method=\"OptimStep\"}"));
+}
+
 // The worker's stream ending fails the pending calls with UNAVAILABLE instead of leaving them
 // hanging; so does a cancel (ABORTED), and later calls get FAILED_PRECONDITION naming the state.
 TEST_F(TrainingRoutingTest, DetachAndCancelFailPendingCalls) {

@@ -147,20 +147,30 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
     controller_->CountTrainingCall(method, tenant.status().code());
     return tenant.status();
   }
+  auto id = ParseJobName(job, "job");
   if (!valid.ok()) {
+    // A refused call whose job and sequence are sound still takes its turn (Controller::
+    // RefuseInTurn), so the caller's later sequenced calls do not wait on a number never used.
+    if (id.ok() && sequence > 0 && controller_->CheckJobAccess(*id, *tenant, "job").ok()) {
+      return controller_->RefuseInTurn(*id, sequence, method, valid,
+                                       [context] { return context->IsCancelled(); });
+    }
     controller_->CountTrainingCall(method, valid.code());
     return valid;
   }
-  const int64_t id = ParseJobName(job, "job").value();  // validated
-  if (absl::Status access = controller_->CheckJobAccess(id, *tenant, "job"); !access.ok()) {
+  if (absl::Status access = controller_->CheckJobAccess(*id, *tenant, "job"); !access.ok()) {
     controller_->CountTrainingCall(method, access.code());
     return access;
   }
   if (absl::Status paths = controller_->CheckPaths(call, *tenant); !paths.ok()) {
+    // Like a request that fails validation: a sequenced call still takes its turn.
+    if (sequence > 0) {
+      return controller_->RefuseInTurn(*id, sequence, method, paths, [context] { return context->IsCancelled(); });
+    }
     controller_->CountTrainingCall(method, paths.code());
     return paths;
   }
-  return controller_->Train(id, std::move(call), sequence, [context] { return context->IsCancelled(); });
+  return controller_->Train(*id, std::move(call), sequence, [context] { return context->IsCancelled(); });
 }
 
 grpc::Status TrainingServiceImpl::ForwardBackward(grpc::ServerContext* context,

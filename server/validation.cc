@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "model/config.h"
 
 namespace odyssey::server {
@@ -250,8 +251,8 @@ absl::Status CheckLoss(const v1::LossConfig& loss, absl::string_view f) {
   if (loss.clip_low() != 0 && !(loss.clip_low() > 0 && loss.clip_low() < 1)) {
     return Invalid(p + ".clip_low", absl::StrCat("(", loss.clip_low(), ") must be in (0, 1) (0 = 0.2)"));
   }
-  if (loss.clip_high() != 0 && !(loss.clip_high() > 0 && std::isfinite(loss.clip_high()))) {
-    return Invalid(p + ".clip_high", absl::StrCat("(", loss.clip_high(), ") must be > 0 and finite (0 = 0.2)"));
+  if (loss.clip_high() != 0 && !(loss.clip_high() > 0 && loss.clip_high() <= 1e6)) {
+    return Invalid(p + ".clip_high", absl::StrCat("(", loss.clip_high(), ") must be in (0, 1e6] (0 = 0.2)"));
   }
   return absl::OkStatus();
 }
@@ -288,6 +289,14 @@ absl::Status CheckDirectory(const std::string& dir, absl::string_view field, boo
   }
   if (dir.find('\0') != std::string::npos) return Invalid(field, "must not contain NUL bytes");
   if (dir[0] != '/') return Invalid(field, absl::StrCat("\"", dir, "\" must be an absolute path"));
+  // The worker writes through a temp folder named after the last component plus a suffix, so
+  // components stay well under the file systems' 255-byte name limit.
+  for (absl::string_view part : absl::StrSplit(dir, '/')) {
+    if (part.size() > kMaxPathComponentBytes) {
+      return Invalid(field, absl::StrCat("a path component of ", part.size(), " bytes must be <= ",
+                                         kMaxPathComponentBytes, " bytes"));
+    }
+  }
   return absl::OkStatus();
 }
 

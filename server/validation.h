@@ -34,6 +34,7 @@ inline constexpr int64_t kDefaultIdleTimeoutSeconds = 3600;
 inline constexpr int kMaxBatchDatums = 65536;
 // Longest directory path a TrainingService call may name, in bytes.
 inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMaxPathComponentBytes = 200;  // per component of such a path
 
 // Checks a JobSpec; `field` prefixes field names in messages ("spec").
 // Resolves the model (a named shape or a checkpoint directory with config.json) to check

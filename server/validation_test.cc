@@ -121,6 +121,7 @@ TEST(ValidationTest, TrainingRequestsNameTheField) {
       {[](auto& r) { r.mutable_loss()->set_kind("dpo"); }, "loss.kind:"},
       {[](auto& r) { r.mutable_loss()->set_clip_low(1.5); }, "loss.clip_low:"},
       {[](auto& r) { r.mutable_loss()->set_clip_high(-1); }, "loss.clip_high:"},
+      {[](auto& r) { r.mutable_loss()->set_clip_high(1e300); }, "loss.clip_high:"},
       {[](auto& r) { r.set_sequence(-1); }, "sequence:"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -152,6 +153,11 @@ TEST(ValidationTest, TrainingRequestsNameTheField) {
   EXPECT_TRUE(ValidateSaveCheckpointRequest(save).ok());  // empty = the job's checkpoint folder
   save.set_directory("relative/dir");
   EXPECT_THAT(std::string(ValidateSaveCheckpointRequest(save).message()), HasSubstr("directory:"));
+  save.set_directory("/tmp/" + std::string(201, 'a') + "/x");  // the temp folder's name would pass 255 bytes
+  EXPECT_THAT(std::string(ValidateSaveCheckpointRequest(save).message()),
+              HasSubstr("directory: a path component of 201 bytes must be <= 200 bytes"));
+  save.set_directory("/tmp/" + std::string(200, 'a'));
+  EXPECT_TRUE(ValidateSaveCheckpointRequest(save).ok());
   v1::LoadCheckpointRequest load;
   load.set_job("jobs/1");
   EXPECT_THAT(std::string(ValidateLoadCheckpointRequest(load).message()), HasSubstr("directory: is required"));

@@ -39,7 +39,12 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
                                                         "(no config.json); choose a new folder"));
   }
   fs::create_directories(parent, ec);
-  if (ec) return absl::InternalError(absl::StrCat(field, ": cannot create \"", parent.string(), "\": ", ec.message()));
+  // The client chose the path: one the worker cannot create (under a regular file, on a
+  // read-only or virtual file system, no permission) is the request's problem, not ours.
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": cannot create \"", parent.string(), "\" on the session's worker: ", ec.message()));
+  }
   const fs::path tmp = parent / absl::StrFormat(".%s.tmp-%d", target.filename().string(), ::getpid());
   fs::remove_all(tmp, ec);
   if (absl::Status s = write(tmp.string()); !s.ok()) {

@@ -23,8 +23,9 @@ in a temporary folder, plus a second, unrelated CA. Checked:
   - paths (--path-root, --shared-read-root): a shared root containing the path root is refused
     at startup; alice's default checkpoints land in <root>/alice; alice exports into her folder,
     not into bob's nor into the shared root; bob's LoadCheckpoint of alice's export and his
-    CreateJob with model.name = alice's export get PERMISSION_DENIED naming the field; bob may
-    start from a base model in the shared read root.
+    CreateJob with model.name = alice's export get PERMISSION_DENIED naming the field; a
+    sequenced call refused for its path uses up its sequence; bob may start from a base model in
+    the shared read root.
 Every wait is on a condition with a deadline.
 """
 import argparse
@@ -323,6 +324,11 @@ def run(env):
             Code.PERMISSION_DENIED, f'directory: "{where}" {inside_alice}')
     if os.path.exists(os.path.join(bob_dir, "planted")) or os.path.exists(os.path.join(shared_root, "planted")):
         raise Failure("a refused ExportWeights wrote a directory")
+    # A sequenced call refused for its path still takes its turn: the next sequence runs at once.
+    expect_rpc_error("alice sequenced ExportWeights into bob's folder", lambda: training.ExportWeights(
+        pb.ExportWeightsRequest(job=session, directory=os.path.join(bob_dir, "planted"), sequence=1),
+        metadata=md("alice"), timeout=10), Code.PERMISSION_DENIED, f"{inside_alice}")
+    training.Forward(pb.ForwardRequest(job=session, batch=[datum], sequence=2), metadata=md("alice"), timeout=10)
     bob_rl = jobs.CreateJob(pb.CreateJobRequest(spec=pb.JobSpec(
         kind=pb.RL_SESSION, model=rl_spec.model, data=rl_spec.data)), metadata=md("bob"), timeout=10).name
     under_bob = f"must be under {bob_dir} (the caller's tenant folder) or {shared_root} (shared, read-only)"

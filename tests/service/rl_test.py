@@ -341,6 +341,20 @@ def case_bad_input(c):
         raise Failure("optim_step after the bad requests did not return step 1")
     second = c.fb(job, good).loss
     print(f"    the session still trains: loss {first:.3f} -> {second:.3f}")
+    # A sequenced call refused at the edge uses up its number: call 2 (sent first, so it waits
+    # for 1) runs as soon as the bad call 1 is answered, not after the sequence wait.
+    fb_good = pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="cross_entropy"), sequence=2)
+    t0 = time.monotonic()
+    second_call = c.training.ForwardBackward.future(fb_good, timeout=60)
+    time.sleep(0.3)
+    expect_code(c, "sequenced call 1 with an unknown loss", lambda: c.training.ForwardBackward(
+        pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="dpo"), sequence=1), timeout=60),
+        INV, "loss.kind", "is not a known loss")
+    second_call.result()
+    waited = time.monotonic() - t0
+    if waited > 10:
+        raise Failure(f"sequenced call 2 waited {waited:.1f} s after the refused call 1")
+    print(f"    a refused sequenced call 1 used up its number: call 2 answered after {waited:.1f} s")
 
     # (f) mismatch gauges on the controller's /metrics.
     logp = c.forward(job, good)
