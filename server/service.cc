@@ -173,74 +173,54 @@ absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext
   return controller_->Train(*id, std::move(call), sequence, [context] { return context->IsCancelled(); });
 }
 
-grpc::Status TrainingServiceImpl::ForwardBackward(grpc::ServerContext* context,
-                                                  const v1::ForwardBackwardRequest* request,
-                                                  v1::ForwardBackwardResponse* response) {
+template <typename Request, typename Response>
+grpc::Status TrainingServiceImpl::Unary(grpc::ServerContext* context, const char* method, const Request& request,
+                                        absl::Status (*validate)(const Request&),
+                                        Request* (v1::TrainingCall::*call_field)(),
+                                        Response* (v1::TrainingReply::*reply_field)(), Response* response) {
   v1::TrainingCall call;
-  const absl::Status valid = ValidateForwardBackwardRequest(*request);
-  if (valid.ok()) *call.mutable_forward_backward() = *request;
-  auto reply = Route(context, "ForwardBackward", valid, request->job(), request->sequence(), std::move(call));
+  const absl::Status valid = validate(request);
+  if (valid.ok()) *(call.*call_field)() = request;
+  auto reply = Route(context, method, valid, request.job(), request.sequence(), std::move(call));
   if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_forward_backward());
+  *response = std::move(*((*reply).*reply_field)());
   return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ForwardBackward(grpc::ServerContext* context, const v1::ForwardBackwardRequest* request,
+                                 v1::ForwardBackwardResponse* response) {
+  return Unary(context, "ForwardBackward", *request, &ValidateForwardBackwardRequest, &v1::TrainingCall::mutable_forward_backward,
+               &v1::TrainingReply::mutable_forward_backward, response);
 }
 
 grpc::Status TrainingServiceImpl::OptimStep(grpc::ServerContext* context, const v1::OptimStepRequest* request,
-                                            v1::OptimStepResponse* response) {
-  v1::TrainingCall call;
-  const absl::Status valid = ValidateOptimStepRequest(*request);
-  if (valid.ok()) *call.mutable_optim_step() = *request;
-  auto reply = Route(context, "OptimStep", valid, request->job(), request->sequence(), std::move(call));
-  if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_optim_step());
-  return grpc::Status::OK;
+                                 v1::OptimStepResponse* response) {
+  return Unary(context, "OptimStep", *request, &ValidateOptimStepRequest, &v1::TrainingCall::mutable_optim_step,
+               &v1::TrainingReply::mutable_optim_step, response);
 }
 
 grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
-                                          v1::ForwardResponse* response) {
-  v1::TrainingCall call;
-  const absl::Status valid = ValidateForwardRequest(*request);
-  if (valid.ok()) *call.mutable_forward() = *request;
-  auto reply = Route(context, "Forward", valid, request->job(), request->sequence(), std::move(call));
-  if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_forward());
-  return grpc::Status::OK;
+                                 v1::ForwardResponse* response) {
+  return Unary(context, "Forward", *request, &ValidateForwardRequest, &v1::TrainingCall::mutable_forward,
+               &v1::TrainingReply::mutable_forward, response);
 }
 
-grpc::Status TrainingServiceImpl::SaveCheckpoint(grpc::ServerContext* context,
-                                                 const v1::SaveCheckpointRequest* request,
-                                                 v1::SaveCheckpointResponse* response) {
-  v1::TrainingCall call;
-  const absl::Status valid = ValidateSaveCheckpointRequest(*request);
-  if (valid.ok()) *call.mutable_save_checkpoint() = *request;
-  auto reply = Route(context, "SaveCheckpoint", valid, request->job(), request->sequence(), std::move(call));
-  if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_save_checkpoint());
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
+                                 v1::SaveCheckpointResponse* response) {
+  return Unary(context, "SaveCheckpoint", *request, &ValidateSaveCheckpointRequest, &v1::TrainingCall::mutable_save_checkpoint,
+               &v1::TrainingReply::mutable_save_checkpoint, response);
 }
 
-grpc::Status TrainingServiceImpl::LoadCheckpoint(grpc::ServerContext* context,
-                                                 const v1::LoadCheckpointRequest* request,
-                                                 v1::LoadCheckpointResponse* response) {
-  v1::TrainingCall call;
-  const absl::Status valid = ValidateLoadCheckpointRequest(*request);
-  if (valid.ok()) *call.mutable_load_checkpoint() = *request;
-  auto reply = Route(context, "LoadCheckpoint", valid, request->job(), request->sequence(), std::move(call));
-  if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_load_checkpoint());
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::LoadCheckpoint(grpc::ServerContext* context, const v1::LoadCheckpointRequest* request,
+                                 v1::LoadCheckpointResponse* response) {
+  return Unary(context, "LoadCheckpoint", *request, &ValidateLoadCheckpointRequest, &v1::TrainingCall::mutable_load_checkpoint,
+               &v1::TrainingReply::mutable_load_checkpoint, response);
 }
 
-grpc::Status TrainingServiceImpl::ExportWeights(grpc::ServerContext* context,
-                                                const v1::ExportWeightsRequest* request,
-                                                v1::ExportWeightsResponse* response) {
-  v1::TrainingCall call;
-  const absl::Status valid = ValidateExportWeightsRequest(*request);
-  if (valid.ok()) *call.mutable_export_weights() = *request;
-  auto reply = Route(context, "ExportWeights", valid, request->job(), request->sequence(), std::move(call));
-  if (!reply.ok()) return ToGrpcStatus(reply.status());
-  *response = std::move(*reply->mutable_export_weights());
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::ExportWeights(grpc::ServerContext* context, const v1::ExportWeightsRequest* request,
+                                 v1::ExportWeightsResponse* response) {
+  return Unary(context, "ExportWeights", *request, &ValidateExportWeightsRequest, &v1::TrainingCall::mutable_export_weights,
+               &v1::TrainingReply::mutable_export_weights, response);
 }
 
 grpc::Status TrainingServiceImpl::PushRollouts(grpc::ServerContext* context,

@@ -77,6 +77,13 @@ class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
       grpc::ServerReaderWriter<odyssey::v1::RolloutResult, odyssey::v1::RolloutBatch>* stream) override;
 
  private:
+  // The six unary calls differ only in their request type, its validator and the oneof fields
+  // of TrainingCall / TrainingReply they fill: validate, Route, copy the reply's field out.
+  template <typename Request, typename Response>
+  grpc::Status Unary(grpc::ServerContext* context, const char* method, const Request& request,
+                     absl::Status (*validate)(const Request&),
+                     Request* (odyssey::v1::TrainingCall::*call_field)(),
+                     Response* (odyssey::v1::TrainingReply::*reply_field)(), Response* response);
   // Validation result `valid` for `method`; then forwards `call` for `job` and returns the reply.
   absl::StatusOr<odyssey::v1::TrainingReply> Route(grpc::ServerContext* context, const char* method,
                                                      const absl::Status& valid, const std::string& job,
