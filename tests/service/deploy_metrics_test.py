@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""Checks deploy/prometheus and deploy/grafana against what the binaries really export.
+
+A real odyssey-controller and a CPU odyssey-worker (the `tiny` model) on loopback ports picked at
+run time run a short SFT job and an RL session (one ForwardBackward with sampler logprobs, one
+OptimStep); while the session still runs (its per-job gauges exist only then), both /metrics
+endpoints are scraped. Then every PromQL expression of deploy/grafana/odyssey.json (panel
+targets, template variable queries) and deploy/prometheus/alerts.yml is parsed for its
+`odyssey_*` series, and each must
+
+  - be served with samples by the controller or the worker (a histogram's name only with
+    `_bucket`, `_sum` or `_count`), by the process its `job="..."` matcher names; a name both
+    processes serve (odyssey_tokens_total, odyssey_step_duration_seconds) must name one;
+  - be used as its type allows: counters and histogram series only as range vectors inside
+    rate/irate/increase (and `_bucket` only under histogram_quantile), gauges never in
+    rate/irate/increase;
+  - name only labels the series carries or the scrape config adds (job, instance, namespace,
+    pod; odyssey_job = the controller's exported `job` label), in matchers and in by (...).
+
+It also checks that the files parse (JSON, YAML), that the dashboard has a current
+schemaVersion, a Prometheus datasource variable used by every panel, and the worker and RL
+session variables, that prometheus.yml's scrape jobs find the pods of deploy/kubernetes (app
+label, prometheus.io/scrape annotation, container port named `metrics`), and that the checker
+itself rejects an unknown metric and a gauge under rate(). promtool, where installed, checks
+alerts.yml and prometheus.yml; without it that part is skipped (and says so).
+
+Every wait is on a condition with a deadline.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_test import Failure, tiny_spec  # noqa: E402
+from rl_test import RlCluster  # noqa: E402
+
+CONTROLLER, WORKER = "odyssey-controller", "odyssey-worker"  # prometheus.yml's job names
+TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape config
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+COUNTER_FUNCS = {"rate", "irate", "increase"}
+GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+# ------------------------------------------------------------------------------------------
+# The exposition format.
+
+def scrape_text(port):
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def parse_exposition(text):
+    """Returns ({family: type}, {sample name: set of label names}) of one /metrics page."""
+    types, samples = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s", line)
+            if not m:
+                raise Failure(f"unparsable /metrics line: {line!r}")
+            labels = set(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', m.group(3) or ""))
+            samples.setdefault(m.group(1), set()).update(labels)
+    return types, samples
+
+
+class Served:
+    """What the two endpoints serve, as Prometheus with prometheus.yml stores it."""
+
+    def __init__(self, pages):
+        self.by_job = {}  # scrape job -> {sample name: (family type, label names)}
+        for job, text in pages.items():
+            types, samples = parse_exposition(text)
+            series = {}
+            for name, labels in samples.items():
+                family = name
+                for suffix in HISTOGRAM_SUFFIXES:
+                    if name.endswith(suffix) and types.get(name[: -len(suffix)]) == "histogram":
+                        family = name[: -len(suffix)]
+                # The exposed `job` label collides with the target label: prometheus.yml stores
+                # it as odyssey_job.
+                labels = {"odyssey_job" if l == "job" else l for l in labels} | TARGET_LABELS
+                series[name] = (types.get(family, "untyped"), labels, family != name)
+            self.by_job[job] = series
+
+    def lookup(self, name, job):
+        """(type, labels, is_histogram_part) of `name` in scrape job `job` (None: either)."""
+        jobs = [job] if job else list(self.by_job)
+        found = [self.by_job[j][name] for j in jobs if j in self.by_job and name in self.by_job[j]]
+        return found[0] if found else None
+
+    def jobs_serving(self, name):
+        return [j for j, s in self.by_job.items() if name in s]
+
+
+# ------------------------------------------------------------------------------------------
+# PromQL: enough of it to find the series an expression selects.
+
+def strip_strings(expr):
+    """The expression with the insides of string literals blanked (same length)."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', lambda m: '"' + " " * (len(m.group(0)) - 2) + '"', expr)
+
+
+def selectors(expr):
+    """Yields (name, {label: value}, has_range, enclosing function, start) per odyssey_* selector."""
+    bare = strip_strings(expr)
+    for m in re.finditer(r"\b(odyssey_[a-zA-Z0-9_]+)\s*(\{[^}]*\})?\s*(\[[^\]]*\])?", bare):
+        before = bare[: m.start()]
+        if before.count("{") > before.count("}"):
+            continue  # a label name inside a matcher (odyssey_job=~...)
+        if re.search(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*$", before):
+            continue  # a label name in a grouping clause
+        matchers = {}
+        if m.group(2):
+            raw = expr[m.start(2): m.end(2)]  # the original text, strings included
+            for lm in re.finditer(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', raw):
+                matchers[lm.group(1)] = (lm.group(2), lm.group(3))
+        func = re.search(r"([a-zA-Z_]+)\s*\(\s*$", before)
+        yield m.group(1), matchers, bool(m.group(3)), func.group(1) if func else "", m.start()
+
+
+def check_expr(where, expr, served, label_arg=None):
+    """Returns the problems of one expression (empty: fine)."""
+    problems = []
+    found = list(selectors(expr))
+    if not found and not re.search(r'\bup\{job="[^"]+"\}', expr):
+        problems.append(f"{where}: no odyssey_* series (nor up{{job=...}}) in {expr!r}")
+    known_labels = set()
+    for name, matchers, has_range, func, _ in found:
+        job = matchers.get("job")
+        if job and (job[0] != "=" or job[1] not in served.by_job):
+            problems.append(f"{where}: {name}{{job{job[0]}\"{job[1]}\"}}: job must be = one of {sorted(served.by_job)}")
+            continue
+        info = served.lookup(name, job[1] if job else None)
+        if info is None:
+            elsewhere = served.jobs_serving(name)
+            problems.append(f"{where}: {name} is not served" + (f" by {job[1]} (only by {elsewhere})" if job and elsewhere else ""))
+            continue
+        if not job and len(served.jobs_serving(name)) > 1:
+            problems.append(f"{where}: {name} is served by both {served.jobs_serving(name)}: name one with job=\"...\"")
+        kind, labels, histogram_part = info
+        known_labels |= labels
+        if kind == "histogram" and not histogram_part:
+            problems.append(f"{where}: {name} is a histogram: use {name}_bucket / _sum / _count")
+        elif kind == "counter" or histogram_part:
+            if not has_range or func not in COUNTER_FUNCS:
+                problems.append(f"{where}: {name} is a {kind}: use it as rate/irate/increase({name}[...]), not {func or 'bare'}")
+            if name.endswith("_bucket") and "histogram_quantile" not in expr:
+                problems.append(f"{where}: {name} outside histogram_quantile")
+        elif kind == "gauge" and (func in COUNTER_FUNCS or (has_range and not func.endswith("_over_time")
+                                                           and func not in ("deriv", "delta", "predict_linear"))):
+            problems.append(f"{where}: {name} is a gauge: {func}() of it means nothing")
+        for label in matchers:
+            if label not in labels:
+                problems.append(f"{where}: {name} has no label {label!r} (it has {sorted(labels)})")
+        if label_arg and label_arg not in labels:
+            problems.append(f"{where}: label_values: {name} has no label {label_arg!r}")
+    for gm in GROUPING.finditer(strip_strings(expr)):
+        for label in filter(None, (l.strip() for l in gm.group(2).split(","))):
+            if label not in known_labels | {"le"}:
+                problems.append(f"{where}: {gm.group(1)} ({label}): no series of the expression has it")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------
+# The files.
+
+def load_files(source_dir):
+    import yaml
+
+    deploy = os.path.join(source_dir, "deploy")
+    with open(os.path.join(deploy, "grafana", "odyssey.json")) as f:
+        dashboard = json.load(f)
+    with open(os.path.join(deploy, "prometheus", "alerts.yml")) as f:
+        alerts = yaml.safe_load(f)
+    with open(os.path.join(deploy, "prometheus", "prometheus.yml")) as f:
+        prometheus = yaml.safe_load(f)
+    manifests = []
+    for name in ("controller.yaml", "workers.yaml"):
+        with open(os.path.join(deploy, "kubernetes", name)) as f:
+            manifests += [d for d in yaml.safe_load_all(f) if d]
+    return dashboard, alerts, prometheus, manifests
+
+
+def expressions(dashboard, alerts):
+    """[(where, expr, label_values label or None)] of the dashboard and the rules."""
+    out = []
+
+    def panels(ps):
+        for p in ps:
+            yield p
+            yield from panels(p.get("panels", []))
+
+    for p in panels(dashboard["panels"]):
+        for t in p.get("targets", []):
+            out.append((f"panel {p['title']!r} {t.get('refId')}", t["expr"], None))
+    for v in dashboard["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        m = re.fullmatch(r"\s*label_values\((.*),\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\)\s*", q)
+        if not m:
+            raise Failure(f"variable {v['name']}: query {q!r} is not label_values(series, label)")
+        out.append((f"variable ${v['name']}", m.group(1), m.group(2)))
+    for group in alerts["groups"]:
+        for rule in group["rules"]:
+            out.append((f"alert {rule.get('alert') or rule.get('record')}", rule["expr"], None))
+    return out
+
+
+def check_dashboard_shape(dashboard):
+    problems = []
+    if dashboard.get("schemaVersion", 0) < 36:
+        problems.append(f"schemaVersion {dashboard.get('schemaVersion')}: want a current Grafana's (>= 36)")
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    ds = variables.get("datasource")
+    if not ds or ds["type"] != "datasource" or ds["query"] != "prometheus":
+        problems.append("no Prometheus datasource variable named `datasource`")
+    for name in ("worker", "odyssey_job"):
+        if name not in variables:
+            problems.append(f"no template variable ${name}")
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    for want in ("Cluster", "Training", "Memory", "RL sessions"):
+        if want not in rows:
+            problems.append(f"no row {want!r} (rows: {rows})")
+    for p in dashboard["panels"]:
+        if p["type"] != "row" and p.get("datasource", {}).get("uid") != "${datasource}":
+            problems.append(f"panel {p['title']!r} does not use the $datasource variable")
+    return problems
+
+
+def check_scrape_config(prometheus, manifests, alerts):
+    """prometheus.yml's jobs keep exactly the pods the manifests make, on their metrics port."""
+    problems = []
+    jobs = {j["job_name"]: j for j in prometheus["scrape_configs"]}
+    if set(jobs) != {CONTROLLER, WORKER}:
+        problems.append(f"scrape jobs {sorted(jobs)}, want {[CONTROLLER, WORKER]}")
+    for rule_file in prometheus.get("rule_files", []):
+        if rule_file != "alerts.yml":
+            problems.append(f"rule_files names {rule_file!r}")
+    for d in manifests:
+        if d["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        app = d["spec"]["template"]["metadata"]["labels"]["app"]
+        annotations = d["spec"]["template"]["metadata"].get("annotations", {})
+        ports = [p for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
+        meta = {"__meta_kubernetes_pod_label_app": app,
+                "__meta_kubernetes_pod_annotation_prometheus_io_scrape": annotations.get("prometheus.io/scrape", "")}
+        kept_by = []
+        for job_name, job in jobs.items():
+            for port in ports:
+                m = dict(meta, __meta_kubernetes_pod_container_port_name=port.get("name", ""))
+                keep = all(re.fullmatch(r["regex"], ";".join(m.get(s, "") for s in r["source_labels"]))
+                           for r in job["relabel_configs"] if r.get("action") == "keep")
+                if keep:
+                    kept_by.append((job_name, port["containerPort"]))
+        if kept_by != [(app, int(annotations.get("prometheus.io/port", -1)))]:
+            problems.append(f"{d['kind']} {d['metadata']['name']}: scraped as {kept_by}, want one target in job "
+                            f"{app} on its metrics port ({annotations.get('prometheus.io/port')})")
+        if d["kind"] == "StatefulSet":
+            svc = [s for s in manifests if s["kind"] == "Service" and s["metadata"]["name"] == d["spec"]["serviceName"]]
+            if not svc or svc[0]["spec"].get("clusterIP") != "None":
+                problems.append(f"StatefulSet {d['metadata']['name']}: no headless Service {d['spec']['serviceName']!r}")
+    for group in alerts["groups"]:
+        for rule in group["rules"]:
+            for job in re.findall(r'\bjob="([^"]*)"', rule["expr"]):
+                if job not in jobs:
+                    problems.append(f"alert {rule['alert']}: job {job!r} is no scrape job")
+            if not rule.get("annotations", {}).get("description"):
+                problems.append(f"alert {rule['alert']}: no description")
+    return problems
+
+
+def promtool(source_dir):
+    tool = shutil.which("promtool")
+    if not tool:
+        print("promtool not installed: skipping `promtool check rules` / `check config`")
+        return []
+    problems = []
+    folder = os.path.join(source_dir, "deploy", "prometheus")
+    for argv in (["check", "rules", "alerts.yml"], ["check", "config", "--syntax-only", "prometheus.yml"]):
+        out = subprocess.run([tool] + argv, cwd=folder, capture_output=True, text=True, timeout=60)
+        print(f"promtool {' '.join(argv)}: exit {out.returncode}")
+        if out.returncode != 0:
+            problems.append(f"promtool {' '.join(argv)}: {out.stdout}{out.stderr}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------
+
+def run_cluster(c):
+    """SFT job to the end, then an RL session left RUNNING; returns both /metrics pages."""
+    c.start_controller()
+    worker_port = c.start_worker("w1")
+    sft = c.submit(tiny_spec(steps=6, every=3))
+    job = c.wait_state(sft, "SUCCEEDED")
+    print(f"SFT {sft}: SUCCEEDED at step {job.step}, loss {job.loss:.3f}")
+
+    rl = c.session()
+    batch = c.batch(seed=1, n=2, length=17)
+    logp = c.forward(rl, batch)
+    # Sampler logprobs 0.25 nats below the trainer's: the mismatch gauges get a known value.
+    sampled = [c.datum(list(d.tokens) + [d.target_tokens[-1]], sampler_logprobs=[x - 0.25 for x in lp],
+                       advantages=[1.0] * len(lp)) for d, lp in zip(batch, logp)]
+    r = c.fb(rl, sampled, "importance_sampling")
+    s = c.step(rl)
+    print(f"RL {rl}: ForwardBackward mismatch mean {r.mismatch_mean:.3f} max {r.mismatch_max:.3f} over "
+          f"{r.mismatch_tokens} tokens; OptimStep -> step {s.step}")
+    if r.mismatch_tokens == 0 or s.step != 1:
+        raise Failure(f"the RL session did not report a mismatch ({r.mismatch_tokens} tokens) or step {s.step}")
+    c.jobs.ListJobs(c.pb.ListJobsRequest(), timeout=10)  # a JobService call for the latency histogram
+    pages = {CONTROLLER: scrape_text(c.metrics_port), WORKER: scrape_text(worker_port)}
+    if f'odyssey_rl_optimizer_step{{job="{rl}"}} 1' not in pages[CONTROLLER]:
+        raise Failure(f"the controller does not show {rl}'s optimizer step: {pages[CONTROLLER]}")
+    return pages
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--source-dir", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args()
+    args.cli = ""  # submit through gRPC
+    t0 = time.monotonic()
+    problems = []
+    dashboard, alerts, prometheus, manifests = load_files(args.source_dir)
+    exprs = expressions(dashboard, alerts)
+    print(f"parsed odyssey.json ({len(exprs)} expressions with the rules), alerts.yml "
+          f"({sum(len(g['rules']) for g in alerts['groups'])} rules), prometheus.yml, {len(manifests)} manifests")
+    problems += check_dashboard_shape(dashboard)
+    problems += check_scrape_config(prometheus, manifests, alerts)
+    problems += promtool(args.source_dir)
+
+    workdir = tempfile.mkdtemp(prefix="odyssey-deploy-metrics-")
+    c = None
+    ok = False
+    try:
+        c = RlCluster(args, workdir)
+        served = Served(run_cluster(c))
+        for job, series in served.by_job.items():
+            print(f"{job} serves {len(series)} series names")
+        # The checker must be able to fail: an unknown series and a gauge under rate().
+        for bad in ('rate(odyssey_no_such_total[5m])', 'rate(odyssey_worker_busy{job="odyssey-worker"}[5m])',
+                    'odyssey_tokens_total', 'odyssey_step_duration_seconds{job="odyssey-worker"}',
+                    'sum by (method) (odyssey_queue_depth)'):
+            if not check_expr("self-check", bad, served):
+                problems.append(f"the checker accepts {bad!r}")
+        used = set()
+        for where, expr, label in exprs:
+            problems += check_expr(where, expr, served, label)
+            used |= {s[0] for s in selectors(expr)}
+        print(f"{len(used)} odyssey series used: {', '.join(sorted(used))}")
+        ok = not problems
+    except Failure as e:
+        problems.append(str(e))
+    finally:
+        if c:
+            c.stop()
+            if not ok:
+                c.dump_logs()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    for p in problems:
+        print(f"FAILED: {p}")
+    print(f"deploy_metrics: {'ok' if not problems else 'FAILED'} in {time.monotonic() - t0:.1f}s")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
