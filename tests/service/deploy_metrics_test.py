@@ -21,12 +21,16 @@ It also checks that the files parse (JSON, YAML), that the dashboard has a curre
 schemaVersion, a Prometheus datasource variable used by every panel, and the worker and RL
 session variables, that prometheus.yml's scrape jobs find the pods of deploy/kubernetes (app
 label, prometheus.io/scrape annotation, container port named `metrics`), and that the checker
-itself rejects an unknown metric and a gauge under rate(). promtool, where installed, checks
-alerts.yml and prometheus.yml; without it that part is skipped (and says so).
+itself rejects an unknown metric and a gauge under rate(). Where promtool is installed,
+`promtool check rules` checks alerts.yml and `promtool test rules` makes each alert fire on
+synthetic series (ALERT_CASES: quiet before its window and `for`, firing with the expected
+labels after); without promtool that part is skipped (and says so). Not `promtool check config`:
+Debian's promtool is built without Kubernetes service discovery and refuses prometheus.yml.
 
 Every wait is on a condition with a deadline.
 """
 import argparse
+import copy
 import json
 import os
 import re
@@ -278,18 +282,71 @@ def check_scrape_config(prometheus, manifests, alerts):
     return problems
 
 
-def promtool(source_dir):
+# Synthetic series (one a minute) per alert: it must fire with these labels at `fires`, and
+# not at `quiet` (before its `for` or its window has passed, or on healthy values).
+C, W = 'job="odyssey-controller", pod="c"', 'job="odyssey-worker", pod="w0"'
+ALERT_CASES = {
+    "OdysseyControllerDown": ([("up{%s}" % C, "1 1 0x20")], "10m", "3m", {}),
+    "OdysseyWorkerDown": ([("up{%s}" % W, "1 1 0x20")], "10m", "3m", {"job": WORKER, "pod": "w0"}),
+    "OdysseyWorkerDisconnected": ([("odyssey_worker_connected{%s}" % W, "1 1 0x20")], "10m", "3m",
+                                  {"job": WORKER, "pod": "w0"}),
+    "OdysseyJobRestartsClimbing": ([("odyssey_job_restarts_total{%s}" % C, "0 0 0 1 2 3 4 5 6")], "8m", "4m",
+                                   {"job": CONTROLLER, "pod": "c"}),
+    # Steps and tokens move for 10 minutes, then stop while the worker stays busy.
+    "OdysseyJobStalled": ([("odyssey_worker_busy{%s}" % W, "1x40"), ("odyssey_steps_total{%s}" % W, "0+1x10 10x30"),
+                           ("odyssey_tokens_total{%s}" % W, "0+100x10 1000x30")], "35m", "20m",
+                          {"job": WORKER, "pod": "w0"}),
+    "OdysseyRlLogprobMismatchHigh": ([('odyssey_rl_logprob_mismatch_max{%s, odyssey_job="jobs/3"}' % C, "0.5 0.5 3x20")],
+                                     "15m", "5m", {"job": CONTROLLER, "pod": "c", "odyssey_job": "jobs/3"}),
+    "OdysseyGpuMemoryNearCapacity": ([("odyssey_gpu_memory_peak_bytes{%s}" % W, "40e9 40e9 80e9")], "2m", "1m",
+                                     {"job": WORKER, "pod": "w0"}),
+    "OdysseyTrainingCallErrors": ([('odyssey_training_calls_total{%s, method="OptimStep", code="OK"}' % C, "0+10x40"),
+                                   ('odyssey_training_calls_total{%s, method="OptimStep", code="INVALID_ARGUMENT"}' % C,
+                                    "0x10 0+5x30")], "30m", "12m", {}),
+}
+
+
+def promtool(source_dir, alerts, workdir):
+    """`promtool check rules alerts.yml`, and each alert fires on its ALERT_CASES series."""
     tool = shutil.which("promtool")
     if not tool:
-        print("promtool not installed: skipping `promtool check rules` / `check config`")
+        print("promtool not installed: skipping `promtool check rules` and the alert firing tests")
         return []
+    import yaml
+
     problems = []
-    folder = os.path.join(source_dir, "deploy", "prometheus")
-    for argv in (["check", "rules", "alerts.yml"], ["check", "config", "--syntax-only", "prometheus.yml"]):
-        out = subprocess.run([tool] + argv, cwd=folder, capture_output=True, text=True, timeout=60)
-        print(f"promtool {' '.join(argv)}: exit {out.returncode}")
-        if out.returncode != 0:
-            problems.append(f"promtool {' '.join(argv)}: {out.stdout}{out.stderr}")
+    rules = os.path.join(source_dir, "deploy", "prometheus", "alerts.yml")
+    out = subprocess.run([tool, "check", "rules", rules], capture_output=True, text=True, timeout=60)
+    print(f"promtool check rules alerts.yml: exit {out.returncode}")
+    if out.returncode != 0:
+        problems.append(f"promtool check rules: {out.stdout}{out.stderr}")
+    # promtool compares annotations verbatim: test a copy without them.
+    alerts = copy.deepcopy(alerts)
+    names = [r["alert"] for g in alerts["groups"] for r in g["rules"]]
+    for g in alerts["groups"]:
+        for r in g["rules"]:
+            r.pop("annotations", None)
+    with open(os.path.join(workdir, "alerts.yml"), "w") as f:
+        yaml.safe_dump(alerts, f)
+    tests = []
+    for name in names:
+        if name not in ALERT_CASES:
+            problems.append(f"alert {name} has no firing test in ALERT_CASES")
+            continue
+        series, fires, quiet, labels = ALERT_CASES[name]
+        severity = next(r["labels"]["severity"] for g in alerts["groups"] for r in g["rules"] if r["alert"] == name)
+        tests.append({"interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series],
+                      "alert_rule_test": [
+                          {"eval_time": quiet, "alertname": name, "exp_alerts": []},
+                          {"eval_time": fires, "alertname": name,
+                           "exp_alerts": [{"exp_labels": dict(labels, severity=severity)}]}]})
+    with open(os.path.join(workdir, "alerts_test.yml"), "w") as f:
+        yaml.safe_dump({"rule_files": ["alerts.yml"], "evaluation_interval": "1m", "tests": tests}, f)
+    out = subprocess.run([tool, "test", "rules", "alerts_test.yml"], cwd=workdir, capture_output=True, text=True,
+                         timeout=60)
+    print(f"promtool test rules ({len(tests)} alerts, each quiet then firing): exit {out.returncode}")
+    if out.returncode != 0:
+        problems.append(f"promtool test rules: {out.stdout}{out.stderr}")
     return problems
 
 
@@ -338,9 +395,9 @@ def main():
           f"({sum(len(g['rules']) for g in alerts['groups'])} rules), prometheus.yml, {len(manifests)} manifests")
     problems += check_dashboard_shape(dashboard)
     problems += check_scrape_config(prometheus, manifests, alerts)
-    problems += promtool(args.source_dir)
-
     workdir = tempfile.mkdtemp(prefix="odyssey-deploy-metrics-")
+    os.makedirs(os.path.join(workdir, "promtool"))
+    problems += promtool(args.source_dir, alerts, os.path.join(workdir, "promtool"))
     c = None
     ok = False
     try:
