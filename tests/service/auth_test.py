@@ -28,7 +28,6 @@ in a temporary folder, plus a second, unrelated CA. Checked:
     the shared read root.
 Every wait is on a condition with a deadline.
 """
-import argparse
 import json
 import os
 import re
@@ -37,19 +36,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_test import Failure, tiny_spec, wait_for  # noqa: E402
+from e2e_test import tiny_spec  # noqa: E402
+from harness import (Failure, Processes, arg_parser, expect_rpc_error, free_port_base, generate_stubs,  # noqa: E402
+                     openssl, run_test, wait_for, wait_for_port_file)
 
 DEADLINE_S = 60
-
-
-def openssl(workdir, *argv):
-    out = subprocess.run(["openssl", *argv], cwd=workdir, capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise Failure(f"openssl {' '.join(argv)} failed: {out.stderr}")
 
 
 def make_pki(workdir):
@@ -68,25 +61,11 @@ def make_pki(workdir):
             ("ca.pem", "ca.key", "other-ca.pem", "other-ca.key", "server.pem", "server.key")}
 
 
-class Env:
+class Env(Processes):
     def __init__(self, args, workdir):
-        self.args, self.workdir = args, workdir
-        self.procs, self.logs = [], []
-        gen = os.path.join(workdir, "gen")
-        os.makedirs(gen)
-        import grpc_tools
-        from grpc_tools import protoc
-
-        proto_root = os.path.join(args.source_dir, "proto")
-        well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-        if protoc.main(["protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={gen}",
-                        f"--grpc_python_out={gen}", os.path.join(proto_root, "odyssey/v1/odyssey.proto")]) != 0:
-            raise Failure("protoc failed on odyssey.proto")
-        sys.path.insert(0, gen)
-        import grpc
-        from odyssey.v1 import odyssey_pb2, odyssey_pb2_grpc
-
-        self.grpc, self.pb, self.pbg = grpc, odyssey_pb2, odyssey_pb2_grpc
+        super().__init__(workdir)
+        self.args = args
+        self.grpc, self.pb, self.pbg = generate_stubs(args.source_dir, workdir)
 
     def path(self, name):
         return os.path.join(self.workdir, name)
@@ -96,55 +75,12 @@ class Env:
             f.write(text)
         return self.path(name)
 
-    def spawn(self, name, argv):
-        log_path = self.path(f"{name}.log")
-        self.logs.append(log_path)
-        p = subprocess.Popen(argv, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def log(self, name):
-        with open(self.path(f"{name}.log"), errors="replace") as f:
-            return f.read()
-
     def channel(self, ca=None, plaintext=False):
         if plaintext:
             return self.grpc.insecure_channel(self.address)
         creds = self.grpc.ssl_channel_credentials(root_certificates=open(ca, "rb").read())
         # The certificate names localhost; the address is 127.0.0.1 (as --tls-server-name does).
         return self.grpc.secure_channel(self.address, creds, options=[("grpc.ssl_target_name_override", "localhost")])
-
-    def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def dump_logs(self):
-        for path in self.logs:
-            print(f"----- {path} (last 40 lines)")
-            with open(path, errors="replace") as f:
-                print("".join(f.readlines()[-40:]))
-
-
-def expect_rpc_error(what, call, code, message=None):
-    """Runs call(); it must fail with `code` (a code or a tuple of codes) and, when given, a
-    message containing `message`."""
-    import grpc
-    codes = code if isinstance(code, tuple) else (code,)
-    try:
-        call()
-    except grpc.RpcError as e:
-        if e.code() not in codes or (message is not None and message not in (e.details() or "")):
-            raise Failure(f"{what}: got {e.code()} {e.details()!r}, want {code} {message!r}")
-        print(f"ok: {what}: {e.code().name} {e.details()!r}")
-        return e
-    raise Failure(f"{what}: succeeded, want {code}")
 
 
 def run(env):
@@ -188,18 +124,14 @@ def run(env):
 
     # --- the controller: tokens + TLS ---
     port_file = env.path("controller.port")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rendezvous_base = s.getsockname()[1] - 1
+    rendezvous_base = free_port_base()
     controller = env.spawn("controller", [
         env.args.controller, "--listen", "127.0.0.1:0", "--port-file", port_file, "--state-dir", env.path("state"),
         "--metrics-listen", "", "--heartbeat-timeout", "4", "--rendezvous-port-base", str(rendezvous_base),
         "--auth-token-file", token_file, "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"],
         "--path-root", path_root, "--shared-read-root", shared_root])
-    wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip(),
-             timeout=DEADLINE_S)
-    env.address = f"127.0.0.1:{int(open(port_file).read())}"
+    port = wait_for_port_file(port_file, "the controller's port file", DEADLINE_S)
+    env.address = f"127.0.0.1:{port}"
     channel = env.channel(pki["ca.pem"])
     jobs = pbg.JobServiceStub(channel)
 
@@ -407,9 +339,8 @@ def run(env):
         env.args.controller, "--listen", "127.0.0.1:0", "--port-file", mtls_port_file, "--state-dir",
         env.path("state-mtls"), "--metrics-listen", "", "--auth-token-file", mtls_tokens,
         "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-client-ca", pki["ca.pem"]])
-    wait_for("the mTLS controller's port file",
-             lambda: os.path.exists(mtls_port_file) and open(mtls_port_file).read().strip(), timeout=DEADLINE_S)
-    mtls = ["--controller", f"127.0.0.1:{int(open(mtls_port_file).read())}", "--tls-ca", pki["ca.pem"],
+    mtls_port = wait_for_port_file(mtls_port_file, "the mTLS controller's port file", DEADLINE_S)
+    mtls = ["--controller", f"127.0.0.1:{mtls_port}", "--tls-ca", pki["ca.pem"],
             "--tls-server-name", "localhost", "--token-file", env.path("alice.token"), "--timeout", "5"]
     out = subprocess.run([env.args.cli, *mtls, "list"], capture_output=True, text=True, timeout=60)
     if out.returncode != 4:
@@ -436,35 +367,12 @@ def run(env):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--controller", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--cli", required=True)
-    ap.add_argument("--source-dir", required=True)
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = ap.parse_args()
+    args = arg_parser(cli="required").parse_args()
     if not shutil.which("openssl"):
         print("FAILED: the openssl CLI is missing (scripts/setup.sh installs it)")
         return 1
-    workdir = tempfile.mkdtemp(prefix="odyssey-auth-")
-    t0 = time.monotonic()
-    ok = False
-    env = None
-    try:
-        env = Env(args, workdir)
-        run(env)
-        ok = True
-    except Failure as e:
-        print(f"FAILED: {e}")
-    finally:
-        if env:
-            env.stop()
-            if not ok:
-                env.dump_logs()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(f"auth: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
-    return 0 if ok else 1
+    outcome = run_test("auth", "odyssey-auth-", args.keep, lambda workdir: Env(args, workdir), run)
+    return 0 if outcome == "ok" else 1
 
 
 if __name__ == "__main__":

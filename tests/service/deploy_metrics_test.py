@@ -29,7 +29,6 @@ Debian's promtool is built without Kubernetes service discovery and refuses prom
 
 Every wait is on a condition with a deadline.
 """
-import argparse
 import copy
 import json
 import os
@@ -37,12 +36,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_test import Failure, tiny_spec  # noqa: E402
+from e2e_test import tiny_spec  # noqa: E402
+from harness import Failure, arg_parser, parse_args, run_test  # noqa: E402
 from rl_test import RlCluster  # noqa: E402
 
 CONTROLLER, WORKER = "odyssey-controller", "odyssey-worker"  # prometheus.yml's job names
@@ -379,57 +377,44 @@ def run_cluster(c):
     return pages
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--controller", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--source-dir", required=True)
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = ap.parse_args()
-    args.cli = ""  # submit through gRPC
-    t0 = time.monotonic()
+def check_all(c):
+    """The whole test on RlCluster c; Failure listing every problem found."""
+    source_dir = c.args.source_dir
     problems = []
-    dashboard, alerts, prometheus, manifests = load_files(args.source_dir)
+    dashboard, alerts, prometheus, manifests = load_files(source_dir)
     exprs = expressions(dashboard, alerts)
     print(f"parsed odyssey.json ({len(exprs)} expressions with the rules), alerts.yml "
           f"({sum(len(g['rules']) for g in alerts['groups'])} rules), prometheus.yml, {len(manifests)} manifests")
     problems += check_dashboard_shape(dashboard)
     problems += check_scrape_config(prometheus, manifests, alerts)
-    workdir = tempfile.mkdtemp(prefix="odyssey-deploy-metrics-")
-    os.makedirs(os.path.join(workdir, "promtool"))
-    problems += promtool(args.source_dir, alerts, os.path.join(workdir, "promtool"))
-    c = None
-    ok = False
-    try:
-        c = RlCluster(args, workdir)
-        served = Served(run_cluster(c))
-        for job, series in served.by_job.items():
-            print(f"{job} serves {len(series)} series names")
-        # The checker must be able to fail: an unknown series and a gauge under rate().
-        for bad in ('rate(odyssey_no_such_total[5m])', 'rate(odyssey_worker_busy{job="odyssey-worker"}[5m])',
-                    'odyssey_tokens_total', 'odyssey_step_duration_seconds{job="odyssey-worker"}',
-                    'sum by (method) (odyssey_queue_depth)'):
-            if not check_expr("self-check", bad, served):
-                problems.append(f"the checker accepts {bad!r}")
-        used = set()
-        for where, expr, label in exprs:
-            problems += check_expr(where, expr, served, label)
-            used |= {s[0] for s in selectors(expr)}
-        print(f"{len(used)} odyssey series used: {', '.join(sorted(used))}")
-        ok = not problems
-    except Failure as e:
-        problems.append(str(e))
-    finally:
-        if c:
-            c.stop()
-            if not ok:
-                c.dump_logs()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    for p in problems:
-        print(f"FAILED: {p}")
-    print(f"deploy_metrics: {'ok' if not problems else 'FAILED'} in {time.monotonic() - t0:.1f}s")
-    return 0 if not problems else 1
+    os.makedirs(os.path.join(c.workdir, "promtool"))
+    problems += promtool(source_dir, alerts, os.path.join(c.workdir, "promtool"))
+
+    served = Served(run_cluster(c))
+    for job, series in served.by_job.items():
+        print(f"{job} serves {len(series)} series names")
+    # The checker must be able to fail: an unknown series, a gauge under rate(), a name both
+    # processes serve without job="...", a bare histogram, a label the series lacks.
+    for bad in ('rate(odyssey_no_such_total[5m])', 'rate(odyssey_worker_busy{job="odyssey-worker"}[5m])',
+                'odyssey_tokens_total', 'odyssey_step_duration_seconds{job="odyssey-worker"}',
+                'sum by (method) (odyssey_queue_depth)'):
+        if not check_expr("self-check", bad, served):
+            problems.append(f"the checker accepts {bad!r}")
+    used = set()
+    for where, expr, label in exprs:
+        problems += check_expr(where, expr, served, label)
+        used |= {sel[0] for sel in selectors(expr)}
+    print(f"{len(used)} odyssey series used: {', '.join(sorted(used))}")
+    if problems:
+        raise Failure(f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def main():
+    args = parse_args(arg_parser())
+    args.cli = ""  # Cluster.submit: through gRPC
+    outcome = run_test("deploy_metrics", "odyssey-deploy-metrics-", args.keep, lambda workdir: RlCluster(args, workdir),
+                       check_all)
+    return 0 if outcome == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -22,90 +22,44 @@ Cases (--case):
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
-import argparse
 import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 
-DEADLINE_S = 180  # generous: CI runs tests two at a time on two cores
-
-
-class Failure(Exception):
-    pass
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (DEADLINE_S, Failure, Processes, arg_parser, free_port_base, generate_stubs,  # noqa: E402
+                     parse_args, run_test, scrape, wait_for, wait_for_port_file)
 
 
-def wait_for(what, cond, timeout=DEADLINE_S, poll=0.05):
-    """Polls cond() until it returns a truthy value or the deadline passes."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise Failure(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-class Cluster:
+class Cluster(Processes):
     def __init__(self, args, workdir):
+        super().__init__(workdir)
         self.args = args
-        self.workdir = workdir
         self.state_dir = os.path.join(workdir, "state")
         self.controller = None
         self.port = 0
         self.workers = {}
-        self.logs = []
-        gen = os.path.join(workdir, "gen")
-        os.makedirs(gen, exist_ok=True)
-        import grpc_tools
-        from grpc_tools import protoc  # the venv's grpcio-tools
+        self.grpc, self.pb, self.pbg = generate_stubs(args.source_dir, workdir)
 
-        proto_root = os.path.join(args.source_dir, "proto")
-        well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-        rc = protoc.main(["protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={gen}", f"--grpc_python_out={gen}",
-                          os.path.join(proto_root, "odyssey/v1/odyssey.proto")])
-        if rc != 0:
-            raise Failure("protoc failed on odyssey.proto")
-        sys.path.insert(0, gen)
-        import grpc
-        from odyssey.v1 import odyssey_pb2, odyssey_pb2_grpc
-
-        self.grpc, self.pb, self.pbg = grpc, odyssey_pb2, odyssey_pb2_grpc
-
-    def _spawn(self, name, argv):
-        log_path = os.path.join(self.workdir, f"{name}.log")
-        self.logs.append(log_path)
-        log = open(log_path, "ab")
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def start_controller(self):
-        """Starts (or restarts, on the same port and state) the controller."""
+    def start_controller(self, extra=()):
+        """Starts (or restarts, on the same port and state) the controller; `extra`: more flags."""
         port_file = os.path.join(self.workdir, "controller.port")
         if os.path.exists(port_file):
             os.remove(port_file)
         listen = f"127.0.0.1:{self.port}"
         if not hasattr(self, "rendezvous_base"):
-            # Job N's rank 0 listens on base + N: a port free now, so that tests running at the
-            # same time do not collide on the controller's default base.
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.rendezvous_base = s.getsockname()[1] - 1
-        self.controller = self._spawn("controller", [
+            self.rendezvous_base = free_port_base()
+        self.controller = self.spawn("controller", [
             self.args.controller, "--listen", listen, "--port-file", port_file, "--state-dir", self.state_dir,
             "--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout", "4",
-            "--rendezvous-port-base", str(self.rendezvous_base)])
-        wait_for("the controller's port file", lambda: os.path.exists(port_file) and open(port_file).read().strip())
-        self.port = int(open(port_file).read().strip())
+            "--rendezvous-port-base", str(self.rendezvous_base), *extra])
+        self.port = wait_for_port_file(port_file, "the controller's port file")
         self.address = f"127.0.0.1:{self.port}"
         self.channel = self.grpc.insecure_channel(self.address)
         self.jobs = self.pbg.JobServiceStub(self.channel)
@@ -117,13 +71,12 @@ class Cluster:
 
     def start_worker(self, worker_id):
         port_file = os.path.join(self.workdir, f"{worker_id}.metrics-port")
-        p = self._spawn(worker_id, [
+        p = self.spawn(worker_id, [
             self.args.worker, "--controller", self.address, "--worker-id", worker_id, "--device", "cpu",
             "--threads", "1", "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", port_file,
             "--heartbeat-interval", "0.5", "--max-backoff", "0.5", "--progress-interval", "0"])
         self.workers[worker_id] = p
-        wait_for(f"{worker_id}'s metrics port", lambda: os.path.exists(port_file) and open(port_file).read().strip())
-        return int(open(port_file).read().strip())
+        return wait_for_port_file(port_file, f"{worker_id}'s metrics port")
 
     def kill_worker(self, worker_id):
         p = self.workers.pop(worker_id)
@@ -180,33 +133,6 @@ class Cluster:
 
         threading.Thread(target=run, daemon=True).start()
         return steps
-
-    def stop(self):
-        for p in list(self.workers.values()) + ([self.controller] if self.controller else []):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in list(self.workers.values()) + ([self.controller] if self.controller else []):
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def dump_logs(self):
-        for path in self.logs:
-            print(f"----- {path} (last 40 lines)")
-            with open(path, errors="replace") as f:
-                print("".join(f.readlines()[-40:]))
-
-
-def scrape(port):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
 
 
 def requeued(c, name):
@@ -412,36 +338,13 @@ def case_result_while_controller_down(c):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
     ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
                                                   "cancel", "result_while_controller_down"])
-    ap.add_argument("--controller", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--cli", default="", help="the odyssey CLI (empty: submit through gRPC)")
-    ap.add_argument("--source-dir", required=True)
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = ap.parse_args()
-    if args.cli and not os.path.exists(args.cli):
-        args.cli = ""
-    workdir = tempfile.mkdtemp(prefix=f"odyssey-e2e-{args.case}-")
-    t0 = time.monotonic()
-    ok = False
-    c = None
-    try:
-        c = Cluster(args, workdir)
-        globals()[f"case_{args.case}"](c)
-        ok = True
-    except Failure as e:
-        print(f"FAILED: {e}")
-    finally:
-        if c:
-            c.stop()
-            if not ok:
-                c.dump_logs()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(f"{args.case}: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
-    return 0 if ok else 1
+    args = parse_args(ap)
+    outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
+                       lambda c: globals()[f"case_{args.case}"](c))
+    return 0 if outcome == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Cases (--case):
 
 Every wait is on a condition with a deadline.
 """
-import argparse
 import math
 import os
 import random
@@ -39,11 +38,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_test import Cluster, Failure, scrape, wait_for  # noqa: E402
+from e2e_test import Cluster  # noqa: E402
+from harness import (Failure, arg_parser, expect_rpc_error, parse_args, run_test, scrape, wait_for,  # noqa: E402
+                     wait_for_port_file)
 
 VOCAB = 256  # the tiny model's byte vocabulary
 SEQ_LEN, BATCH_SIZE = 64, 4  # the session's plan: 256 positions per call
@@ -53,18 +53,8 @@ class RlCluster(Cluster):
     def start_controller(self):
         """Starts the controller (like Cluster's) and records its metrics port."""
         metrics_file = os.path.join(self.workdir, "controller.metrics-port")
-        argv_hook = self._spawn
-
-        def spawn(name, argv):
-            return argv_hook(name, argv + ["--metrics-port-file", metrics_file])
-
-        self._spawn = spawn
-        try:
-            super().start_controller()
-        finally:
-            self._spawn = argv_hook
-        wait_for("the controller's metrics port", lambda: os.path.exists(metrics_file) and open(metrics_file).read().strip())
-        self.metrics_port = int(open(metrics_file).read().strip())
+        super().start_controller(extra=["--metrics-port-file", metrics_file])
+        self.metrics_port = wait_for_port_file(metrics_file, "the controller's metrics port")
         self.training = self.pbg.TrainingServiceStub(self.channel)
 
     def session(self, idle_timeout=0, restart_limit=0):
@@ -107,18 +97,9 @@ def max_diff(a, b):
     return max(abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb))
 
 
-def expect_code(c, what, fn, code, *substrings):
-    try:
-        fn()
-    except c.grpc.RpcError as e:
-        if e.code() != code:
-            raise Failure(f"{what}: got {e.code()} ({e.details()}), want {code}")
-        for s in substrings:
-            if s not in e.details():
-                raise Failure(f"{what}: message {e.details()!r} does not name {s!r}")
-        print(f"  {what}: {e.code().name}: {e.details()}")
-        return e.details()
-    raise Failure(f"{what}: succeeded, want {code}")
+def expect_code(what, fn, code, *substrings):
+    """fn() must fail with `code` and a message naming every substring; returns the message."""
+    return expect_rpc_error(what, fn, code, *substrings, show="  {what}: {code}: {details}").details()
 
 
 def case_train(c):
@@ -196,7 +177,7 @@ def case_train(c):
     print(f"(d) pipelined: 6 unsequenced calls ok; sequenced calls issued in reverse ran in order: steps {steps}")
     if steps != list(range(15, 15 + n)):
         raise Failure(f"sequenced optim_steps returned {steps}, want {list(range(15, 15 + n))}")
-    expect_code(c, "a repeated sequence", lambda: c.step(job, sequence=2), c.grpc.StatusCode.ALREADY_EXISTS,
+    expect_code("a repeated sequence", lambda: c.step(job, sequence=2), c.grpc.StatusCode.ALREADY_EXISTS,
                 "sequence")
 
     # (g) PushRollouts: one result per batch, in order.
@@ -268,7 +249,7 @@ def case_hf_parity(c):
     name = sorted(k for k in tensors if k.endswith("mlp.down_proj.weight"))[-1]
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
-    expect_code(c, "load of a checkpoint of another shape",
+    expect_code("load of a checkpoint of another shape",
                 lambda: c.training.LoadCheckpoint(c.pb.LoadCheckpointRequest(job=job, directory=other), timeout=60),
                 c.grpc.StatusCode.FAILED_PRECONDITION, "directory", name, "nothing was loaded")
     if max_diff(c.forward(job, probe), ours) > 1e-6:
@@ -278,7 +259,7 @@ def case_hf_parity(c):
     foreign = os.path.join(c.workdir, "foreign")
     os.makedirs(foreign)
     open(os.path.join(foreign, "notes.txt"), "w").write("keep me")
-    expect_code(c, "export over a foreign folder",
+    expect_code("export over a foreign folder",
                 lambda: c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=foreign), timeout=60),
                 c.grpc.StatusCode.FAILED_PRECONDITION, "directory")
 
@@ -331,10 +312,10 @@ def case_bad_input(c):
     ]
     print(f"(e) {len(table)} bad requests:")
     for what, call, field, rule in table:
-        expect_code(c, what, call, INV, field, rule)
-    expect_code(c, "optim_step before any forward_backward", lambda: c.step(job),
+        expect_code(what, call, INV, field, rule)
+    expect_code("optim_step before any forward_backward", lambda: c.step(job),
                 c.grpc.StatusCode.FAILED_PRECONDITION, "forward_backward first")
-    expect_code(c, "unknown job", lambda: c.fb("jobs/999", good), c.grpc.StatusCode.NOT_FOUND, "jobs/999")
+    expect_code("unknown job", lambda: c.fb("jobs/999", good), c.grpc.StatusCode.NOT_FOUND, "jobs/999")
     # The session still trains.
     first = c.fb(job, good).loss
     if c.step(job).step != 1:
@@ -347,7 +328,7 @@ def case_bad_input(c):
     t0 = time.monotonic()
     second_call = c.training.ForwardBackward.future(fb_good, timeout=60)
     time.sleep(0.3)
-    expect_code(c, "sequenced call 1 with an unknown loss", lambda: c.training.ForwardBackward(
+    expect_code("sequenced call 1 with an unknown loss", lambda: c.training.ForwardBackward(
         pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="dpo"), sequence=1), timeout=60),
         INV, "loss.kind", "is not a known loss")
     second_call.result()
@@ -407,7 +388,7 @@ def case_cancel(c):
     else:
         c.jobs.CancelJob(c.pb.CancelJobRequest(name=job), timeout=10)
     c.wait_state(job, "CANCELLED")
-    expect_code(c, "a call after the cancel", lambda: c.fb(job, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
+    expect_code("a call after the cancel", lambda: c.fb(job, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
                 "is CANCELLED")
     # The worker is free again: a session with a short idle timeout ends SUCCEEDED on its own.
     idle = c.session(idle_timeout=2)
@@ -418,7 +399,7 @@ def case_cancel(c):
     print(f"(h) {job} CANCELLED; {idle} idle-timed-out to SUCCEEDED after {time.monotonic() - t0:.1f}s at step {j.step}")
     if j.step != 1:
         raise Failure(f"the idle session ended at step {j.step}, want 1")
-    expect_code(c, "a call after the idle end", lambda: c.fb(idle, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
+    expect_code("a call after the idle end", lambda: c.fb(idle, batch), c.grpc.StatusCode.FAILED_PRECONDITION,
                 "is SUCCEEDED")
 
 
@@ -437,7 +418,7 @@ def case_worker_loss(c):
         raise Failure("optim_step after the save")
     c.kill_worker("w1")
     wait_for("the controller to requeue the session", lambda: c.get(job).restarts == 1)
-    expect_code(c, "a call while the session waits for a worker", lambda: c.forward(job, probe),
+    expect_code("a call while the session waits for a worker", lambda: c.forward(job, probe),
                 c.grpc.StatusCode.FAILED_PRECONDITION, "is PENDING")
     c.start_worker("w2")
     j = c.wait_state(job, "RUNNING")
@@ -451,35 +432,12 @@ def case_worker_loss(c):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = arg_parser(cli="the odyssey CLI (the cancel case submits the example spec with it)")
     ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss"])
-    ap.add_argument("--controller", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--source-dir", required=True)
-    ap.add_argument("--cli", default="", help="the odyssey CLI (the cancel case submits the example spec with it)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = ap.parse_args()
-    if args.cli and not os.path.exists(args.cli):
-        args.cli = ""
-    workdir = tempfile.mkdtemp(prefix=f"odyssey-rl-{args.case}-")
-    t0 = time.monotonic()
-    ok = False
-    c = None
-    try:
-        c = RlCluster(args, workdir)
-        globals()[f"case_{args.case}"](c)
-        ok = True
-    except Failure as e:
-        print(f"FAILED: {e}")
-    finally:
-        if c:
-            c.stop()
-            if not ok:
-                c.dump_logs()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(f"rl {args.case}: {'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.1f}s")
-    return 0 if ok else 1
+    args = parse_args(ap)
+    outcome = run_test(f"rl {args.case}", f"odyssey-rl-{args.case}-", args.keep, lambda workdir: RlCluster(args, workdir),
+                       lambda c: globals()[f"case_{args.case}"](c))
+    return 0 if outcome == "ok" else 1
 
 
 if __name__ == "__main__":

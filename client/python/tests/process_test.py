@@ -36,30 +36,17 @@ import math
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
+# The process-test harness lives with the service tests: <checkout>/tests/service.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "service"))
+from harness import (SKIP, Failure, Processes, Skip, arg_parser, free_port_base, openssl, run_test,  # noqa: E402
+                     wait_for, wait_for_port_file)
+
 DEADLINE_S = 120
-
-
-class Failure(Exception):
-    pass
-
-
-def wait_for(what, cond, timeout=DEADLINE_S, poll=0.05):
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise Failure(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
 
 
 def install_client(source_dir, workdir):
@@ -83,24 +70,18 @@ def install_client(source_dir, workdir):
     return site
 
 
-class Cluster:
+class Cluster(Processes):
     """One controller and one CPU worker, each a real process with its own log."""
 
     def __init__(self, args, workdir):
-        self.args, self.workdir = args, workdir
-        self.procs, self.logs = {}, []
+        super().__init__(workdir)
+        self.args = args
 
     def _spawn(self, name, argv):
-        path = os.path.join(self.workdir, f"{name}.log")
-        if path not in self.logs:
-            self.logs.append(path)
         cwd = os.path.join(self.workdir, f"{name}-cwd")  # relative paths in requests land here
         os.makedirs(cwd, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-        p = subprocess.Popen(argv, stdout=open(path, "ab"), stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                             start_new_session=True)
-        self.procs[name] = p
-        return p
+        return self.spawn(name, argv, cwd=cwd, env=env)
 
     def start(self):
         self.start_controller()
@@ -111,45 +92,19 @@ class Cluster:
         port_file = os.path.join(self.workdir, "controller.port")
         if os.path.exists(port_file):
             os.remove(port_file)
-        with socket.socket() as s:  # a free base for job rendezvous ports (unused by 1-rank jobs)
-            s.bind(("127.0.0.1", 0))
-            rendezvous = s.getsockname()[1] - 1
+        rendezvous = free_port_base()  # a free base for job rendezvous ports (unused by 1-rank jobs)
         self._spawn("controller", [self.args.controller, "--listen", "127.0.0.1:0", "--port-file", port_file,
                                    "--state-dir", os.path.join(self.workdir, "state"), "--metrics-listen", "",
                                    "--heartbeat-timeout", "10", "--rendezvous-port-base", str(rendezvous), *extra])
-        port = wait_for("the controller's port file",
-                        lambda: os.path.exists(port_file) and open(port_file).read().strip())
-        self.address = f"127.0.0.1:{int(port)}"
+        port = wait_for_port_file(port_file, "the controller's port file", DEADLINE_S)
+        self.address = f"127.0.0.1:{port}"
 
     def start_worker(self):
         metrics_file = os.path.join(self.workdir, "worker.metrics-port")
         self._spawn("worker", [self.args.worker, "--controller", self.address, "--worker-id", "w1", "--device", "cpu",
                                "--threads", "1", "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", metrics_file,
                                "--heartbeat-interval", "0.5", "--max-backoff", "0.5"])
-        wait_for("the worker's metrics port", lambda: os.path.exists(metrics_file) and open(metrics_file).read().strip())
-
-    def check_alive(self):
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise Failure(f"{name} exited with {p.returncode}")
-
-    def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = {}
-
-    def dump_logs(self):
-        for path in self.logs:
-            print(f"----- {path} (last 40 lines)")
-            with open(path, errors="replace") as f:
-                print("".join(f.readlines()[-40:]))
+        wait_for_port_file(metrics_file, "the worker's metrics port", DEADLINE_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,22 +310,13 @@ def case_api(args, cluster, site):
 # ---------------------------------------------------------------------------------------------
 # auth
 
-SKIP = 77  # ctest's SKIP_RETURN_CODE for this script
-
-
-class Skip(Exception):
-    pass
-
-
 def make_pki(workdir):
     """A CA, a server certificate for "localhost" and a client certificate, with the openssl CLI."""
     d = os.path.join(workdir, "pki")
     os.makedirs(d)
 
     def ssl(*argv):
-        out = subprocess.run(["openssl", *argv], cwd=d, capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise Failure(f"openssl {' '.join(argv)}: {out.stderr}")
+        openssl(d, *argv)
 
     ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
         "-subj", "/CN=odyssey-test-ca")
@@ -845,47 +791,30 @@ def case_fuzz(args, cluster, site):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=["example", "api", "auth", "fuzz"], required=True)
-    ap.add_argument("--controller", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--source-dir", required=True)
     ap.add_argument("--steps", type=int, default=30, help="example: RL steps")
     ap.add_argument("--group-size", type=int, default=64, help="example: completions per step")
     ap.add_argument("--example-args", default="", help="example: extra flags for rl_target_string.py")
     ap.add_argument("--requests", type=int, default=1000, help="fuzz: requests")
     ap.add_argument("--seed", type=int, help="seed of the example (default 1) or of the fuzz's requests (default 5)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
     # The processes run in their own folders: resolve the binaries here.
     args.controller, args.worker = os.path.abspath(args.controller), os.path.abspath(args.worker)
     args.source_dir = os.path.abspath(args.source_dir)
-    workdir = tempfile.mkdtemp(prefix=f"pyclient_{args.case}_")
-    cluster = Cluster(args, workdir)
-    ok = skipped = False
-    try:
-        site = install_client(args.source_dir, workdir)
+
+    def run(cluster):
+        site = install_client(args.source_dir, cluster.workdir)
         if args.case != "auth":  # auth starts its own controllers
             cluster.start()
         {"example": case_example, "api": case_api, "auth": case_auth, "fuzz": case_fuzz}[args.case](args, cluster, site)
-        ok = True
-    except Skip as e:
-        print(f"SKIPPED: {e}")
-        skipped = True
-    except Failure as e:
-        print(f"FAIL: {e}")
-    finally:
-        cluster.stop()
-        if not ok and not skipped:
-            cluster.dump_logs()
-        if (ok or skipped) and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"work folder kept: {workdir}")
-    if skipped:
+
+    outcome = run_test(None, f"pyclient_{args.case}_", args.keep, lambda workdir: Cluster(args, workdir), run,
+                       keep_failed=True, fail_word="FAIL")
+    if outcome == "skipped":
         return SKIP
-    print("PASS" if ok else "FAILED")
-    return 0 if ok else 1
+    print("PASS" if outcome == "ok" else "FAILED")
+    return 0 if outcome == "ok" else 1
 
 
 if __name__ == "__main__":
