@@ -296,7 +296,9 @@ ALERT_CASES = {
                           {"job": WORKER, "pod": "w0"}),
     "OdysseyRlLogprobMismatchHigh": ([('odyssey_rl_logprob_mismatch_max{%s, odyssey_job="jobs/3"}' % C, "0.5 0.5 3x20")],
                                      "15m", "5m", {"job": CONTROLLER, "pod": "c", "odyssey_job": "jobs/3"}),
-    "OdysseyGpuMemoryNearCapacity": ([("odyssey_gpu_memory_peak_bytes{%s}" % W, "40e9 40e9 80e9")], "2m", "1m",
+    # 80e9 bytes while busy (fires), then the job ends and the gauge keeps its value (quiet).
+    "OdysseyGpuMemoryNearCapacity": ([("odyssey_gpu_memory_peak_bytes{%s}" % W, "40e9 40e9 80e9x5"),
+                                      ("odyssey_worker_busy{%s}" % W, "1 1 1 1 0 0")], "2m", "5m",
                                      {"job": WORKER, "pod": "w0"}),
     "OdysseyTrainingCallErrors": ([('odyssey_training_calls_total{%s, method="OptimStep", code="OK"}' % C, "0+10x40"),
                                    ('odyssey_training_calls_total{%s, method="OptimStep", code="INVALID_ARGUMENT"}' % C,
