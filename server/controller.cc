@@ -1,7 +1,9 @@
 #include "server/controller.h"
 
 #include <algorithm>
+#include <cmath>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -808,6 +810,61 @@ int64_t BatchPositions(const v1::TrainingCall& call) {
   return n;
 }
 
+// W of a batch: the sum of its weights, a datum without weights counting 1 per token
+// (engine/rl_loss.h BatchWeightSum on the whole batch).
+double WeightSum(const google::protobuf::RepeatedPtrField<v1::Datum>& batch) {
+  double w = 0;
+  for (const v1::Datum& d : batch) {
+    if (d.weights_size() == 0) {
+      w += static_cast<double>(d.tokens_size());
+    } else {
+      for (float x : d.weights()) w += x;
+    }
+  }
+  return w;
+}
+
+// The engine's errors on the ranks whose own slice was fine, when another rank's was not or
+// failed ("batch: refused on another rank ...", "forward_backward failed on another rank ...").
+bool IsAnotherRanksEcho(const v1::TrainingReply& reply) {
+  return absl::StrContains(reply.message(), "on another rank");
+}
+
+// The error of a multi-rank call that failed on some rank: the first non-OK reply in rank order
+// that names its own cause; the first echo of another rank's failure when every error is one.
+const v1::TrainingReply* FirstError(const std::vector<v1::TrainingReply>& replies) {
+  const v1::TrainingReply* echo = nullptr;
+  for (const v1::TrainingReply& r : replies) {
+    if (r.code() == 0) continue;
+    if (!IsAnotherRanksEcho(r)) return &r;
+    if (!echo) echo = &r;
+  }
+  return echo;
+}
+
+// One reply out of the ranks' forward_backward replies (all OK), for a batch of weight sum `w`.
+v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& replies, double w) {
+  v1::TrainingReply out;
+  out.set_call_id(replies[0].call_id());
+  out.set_job(replies[0].job());
+  v1::ForwardBackwardResponse* fb = out.mutable_forward_backward();
+  double mismatch_sum = 0;  // sum over ranks of mean x tokens
+  for (const v1::TrainingReply& r : replies) {
+    const v1::ForwardBackwardResponse& p = r.forward_backward();
+    for (const v1::TokenLogprobs& l : p.logprobs()) *fb->add_logprobs() = l;
+    fb->set_loss(fb->loss() + p.loss());  // each rank's share is already normalized by W
+    mismatch_sum += p.mismatch_mean() * static_cast<double>(p.mismatch_tokens());
+    fb->set_mismatch_tokens(fb->mismatch_tokens() + p.mismatch_tokens());
+    fb->set_mismatch_max(std::max(fb->mismatch_max(), p.mismatch_max()));
+    fb->set_clipped_tokens(fb->clipped_tokens() + p.clipped_tokens());
+    fb->set_tokens(fb->tokens() + p.tokens());
+    fb->set_seconds(std::max(fb->seconds(), p.seconds()));  // the ranks run side by side
+  }
+  fb->set_weight_sum(w);
+  if (fb->mismatch_tokens() > 0) fb->set_mismatch_mean(mismatch_sum / static_cast<double>(fb->mismatch_tokens()));
+  return out;
+}
+
 std::string CodeName(absl::StatusCode code) {
   std::string name = absl::StatusCodeToString(code);
   std::transform(name.begin(), name.end(), name.begin(), ::toupper);
@@ -815,6 +872,30 @@ std::string CodeName(absl::StatusCode code) {
 }
 
 }  // namespace
+
+std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch, int ranks) {
+  const int n = batch.size();
+  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);  // prefix[i]: tokens of datums [0, i)
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + batch[i].tokens_size();
+  const double total = static_cast<double>(prefix[n]);
+  std::vector<std::pair<int, int>> out;
+  int begin = 0;
+  for (int r = 1; r <= ranks; ++r) {
+    int end = n;
+    if (r < ranks) {
+      // The first cut in [begin, n] at or past the target, or the one before it when that is
+      // strictly nearer: ties go to the later cut, so empty ranges fall on the last ranks.
+      const double target = total * r / ranks;
+      end = begin;
+      while (end < n && static_cast<double>(prefix[end]) < target) ++end;
+      if (end > begin && target - static_cast<double>(prefix[end - 1]) < static_cast<double>(prefix[end]) - target)
+        --end;
+    }
+    out.emplace_back(begin, end);
+    begin = end;
+  }
+  return out;
+}
 
 void Controller::CountTrainingCall(const std::string& method, absl::StatusCode code) {
   if (metrics_) metrics_->training_calls->Add({{"method", method}, {"code", CodeName(code)}}).Increment();
@@ -912,6 +993,10 @@ absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall
     if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) return finish(s);
     job = FindJob(id);
   }
+  // The shard fields are the controller's to set (TrainingCall is internal; clear them anyway).
+  call.clear_weight_sum();
+  call.clear_datum_offset();
+  if (job->workers_size() > 1) return finish(TrainRanks(id, std::move(call), sequence, cancelled));
   const int64_t positions = BatchPositions(call);
   const int64_t limit = job->spec().data().seq_len() * std::max<int64_t>(1, job->spec().data().batch_size());
   if (positions > limit) {
@@ -964,7 +1049,11 @@ void Controller::OnReply(Worker& w, const v1::TrainingReply& reply) {
   PendingCall& pending = *it->second;
   pending.reply = reply;
   pending.done = true;
-  v1::Job* job = FindJob(pending.job);
+  if (!pending.part) ApplyReply(pending.job, reply);
+}
+
+void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
+  v1::Job* job = FindJob(id);
   if (reply.code() != 0 || !job) return;
   switch (reply.reply_case()) {
     case v1::TrainingReply::kForwardBackward: {
@@ -985,18 +1074,149 @@ void Controller::OnReply(Worker& w, const v1::TrainingReply& reply) {
       // What a restart after a worker loss resumes from.
       const v1::SaveCheckpointResponse& save = reply.save_checkpoint();
       job->set_last_checkpoint(save.directory());
-      if (absl::Status s = store_->AddCheckpoint(pending.job, save.step(), save.directory()); !s.ok()) {
+      if (absl::Status s = store_->AddCheckpoint(id, save.step(), save.directory()); !s.ok()) {
         spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
       }
       spdlog::info("job={} checkpoint step={} dir={}", job->name(), save.step(), save.directory());
       v1::JobEvent ckpt;
       ckpt.set_checkpoint(save.directory());
-      Commit(pending.job, ckpt);
+      Commit(id, ckpt);
       break;
     }
     default:
       break;
   }
+}
+
+absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::TrainingCall call, int64_t sequence,
+                                                         const std::function<bool()>& cancelled) {
+  const v1::Job& job = *FindJob(id);
+  const int world = job.workers_size();
+  const int64_t limit = job.spec().data().seq_len() * std::max<int64_t>(1, job.spec().data().batch_size());
+  const std::string limit_why =
+      absl::StrCat("spec.data.seq_len ", job.spec().data().seq_len(), " x spec.data.batch_size ",
+                   std::max<int64_t>(1, job.spec().data().batch_size()), ", the memory the planner checked per rank");
+  // The ranks this call goes to, with their calls (rank order).
+  std::vector<std::pair<int, v1::TrainingCall>> targets;
+  double weight_sum = 0;
+  const bool split = call.has_forward_backward() || call.has_forward();
+  if (split) {
+    google::protobuf::RepeatedPtrField<v1::Datum> batch;
+    batch.Swap(call.has_forward_backward() ? call.mutable_forward_backward()->mutable_batch()
+                                           : call.mutable_forward()->mutable_batch());
+    const int64_t positions = [&] {
+      int64_t n = 0;
+      for (const v1::Datum& d : batch) n += d.tokens_size();
+      return n;
+    }();
+    if (positions > limit * world) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch: ", positions, " token positions exceed the session's limit of ", limit * world, " (",
+          world, " ranks x ", limit, ": ", limit_why, "); split the batch"));
+    }
+    if (call.has_forward_backward()) weight_sum = WeightSum(batch);
+    const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, world);
+    for (int r = 0; r < world; ++r) {
+      const auto [begin, end] = ranges[static_cast<size_t>(r)];
+      int64_t slice = 0;
+      for (int i = begin; i < end; ++i) slice += batch[i].tokens_size();
+      if (slice > limit) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "batch: rank ", r, "'s slice (batch[", begin, "..", end - 1, "]) holds ", slice,
+            " token positions, over the per-rank limit of ", limit, " (", limit_why,
+            "); the batch is split between the session's ", world,
+            " ranks in datum order, balanced by tokens: split the batch or shorten its longest datums"));
+      }
+      v1::TrainingCall rc = call;  // the call without its batch
+      google::protobuf::RepeatedPtrField<v1::Datum>* out =
+          rc.has_forward_backward() ? rc.mutable_forward_backward()->mutable_batch() : rc.mutable_forward()->mutable_batch();
+      out->Reserve(end - begin);
+      for (int i = begin; i < end; ++i) *out->Add() = batch[i];
+      rc.set_datum_offset(begin);
+      if (rc.has_forward_backward()) rc.set_weight_sum(weight_sum);
+      targets.emplace_back(r, std::move(rc));
+    }
+  } else if (call.has_optim_step() || call.has_load_checkpoint()) {
+    // The engine's OptimStep all-reduces the gradients; LoadCheckpoint must reach every rank's
+    // copy of the weights and optimizer state.
+    for (int r = 0; r < world; ++r) targets.emplace_back(r, call);
+  } else {
+    // save_checkpoint, export_weights: the ranks' weights are identical; rank 0 writes.
+    targets.emplace_back(0, std::move(call));
+  }
+  for (const auto& [rank, rc] : targets) {
+    auto w = workers_.find(job.workers(rank));
+    if (w == workers_.end() || w->second.session == 0) {
+      // Not forwarded to any rank: the sequence stays free for the retry.
+      if (sequence > 0) sequences_[id].next = sequence;
+      return absl::UnavailableError(absl::StrCat("job: the worker of rank ", rank, " of ", job.name(), " (",
+                                                 job.workers(rank),
+                                                 ") is disconnected; retry once it is back or the job restarts"));
+    }
+  }
+  // Every rank's message is handed to its stream here, in one section under mu_: the ranks'
+  // FIFOs see the session's calls in the same order, which the engine's collectives rely on.
+  std::vector<int64_t> call_ids;
+  std::vector<std::shared_ptr<PendingCall>> pendings;
+  for (auto& [rank, rc] : targets) {
+    const int64_t call_id = next_call_id_++;
+    rc.set_call_id(call_id);
+    rc.set_job(job.name());
+    auto pending = std::make_shared<PendingCall>();
+    pending->job = id;
+    pending->worker = job.workers(rank);
+    pending->part = true;
+    pending_calls_[call_id] = pending;
+    call_ids.push_back(call_id);
+    pendings.push_back(pending);
+    v1::ControllerMessage message;
+    *message.mutable_call() = std::move(rc);
+    SendTo(pending->worker, message);
+  }
+  // Waits with mu_ released for every reply, or for a rank failing without one (its stream
+  // ended, the job ended): then the others' replies no longer matter.
+  auto settled = [&pendings]() {
+    bool all = true;
+    for (const auto& p : pendings) {
+      if (p->done && !p->status.ok()) return true;
+      all = all && p->done;
+    }
+    return all;
+  };
+  bool client_gone = false;
+  while (!settled()) {
+    mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(1));
+    if (!settled() && cancelled && cancelled()) {
+      client_gone = true;
+      break;
+    }
+  }
+  for (int64_t call_id : call_ids) pending_calls_.erase(call_id);
+  if (client_gone) {
+    return absl::CancelledError("the client cancelled the call; it may still run on the session's workers");
+  }
+  std::vector<v1::TrainingReply> replies;
+  for (const auto& p : pendings) {
+    if (p->done && !p->status.ok()) return p->status;
+    replies.push_back(std::move(p->reply));
+  }
+  if (const v1::TrainingReply* error = FirstError(replies)) {
+    return absl::Status(static_cast<absl::StatusCode>(error->code()), error->message());
+  }
+  v1::TrainingReply merged;
+  if (targets.size() == 1 || !split) {
+    merged = std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
+  } else if (replies[0].has_forward_backward()) {
+    merged = MergeForwardBackward(replies, weight_sum);
+  } else {
+    merged = std::move(replies[0]);
+    v1::ForwardResponse* f = merged.mutable_forward();
+    for (size_t r = 1; r < replies.size(); ++r) {
+      for (v1::TokenLogprobs& l : *replies[r].mutable_forward()->mutable_logprobs()) *f->add_logprobs() = std::move(l);
+    }
+  }
+  ApplyReply(id, merged);
+  return merged;
 }
 
 void Controller::FailPendingCalls(int64_t id, const std::string& worker_id, const absl::Status& status) {

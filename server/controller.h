@@ -22,11 +22,18 @@
 //   moves on to the next job.
 //
 // TrainingService (RL_SESSION jobs; Train() below, server/README.md "TrainingService"):
-// - A call is forwarded to the job's rank-0 worker as a TrainingCall with a fresh call_id (ids
+// - A call is forwarded to the job's worker as a TrainingCall with a fresh call_id (ids
 //   start at the controller's start time in microseconds, so a reply meant for an earlier
 //   controller process never matches) and answered by the worker's TrainingReply. Calls are
 //   handed to the worker's stream in the order they take the mutex; the worker runs them FIFO,
 //   one at a time. So calls of one job execute in the order the controller received them.
+// - A session of N > 1 ranks (data parallel): forward_backward and forward are split into N
+//   contiguous datum ranges balanced by token count (SplitBatch), each rank getting its slice,
+//   the slice's whole-batch datum offset and, for forward_backward, W of the whole batch;
+//   optim_step and load_checkpoint go to every rank; save_checkpoint and export_weights to rank
+//   0 only (the ranks' weights are identical). The messages of one call reach every rank's
+//   stream in one mutex section, so all ranks' FIFOs hold the calls in the same order (the
+//   engine's collectives pair them up by order). The replies are merged into one (Train below).
 // - sequence > 0: call n of a job is forwarded only after call n-1 was; a call whose
 //   predecessor does not arrive within sequence_wait gets ABORTED; a sequence already received
 //   (or already waiting) gets ALREADY_EXISTS.
@@ -110,6 +117,13 @@ struct ControllerOptions {
   absl::Duration sequence_wait = absl::Seconds(30);
 };
 
+// The ranges [begin, end) of datums that the ranks of an N-rank session run: N contiguous
+// ranges in datum order, cut where the running token count comes nearest to k/N of the batch's
+// tokens (ties: the later cut, so that empty ranges fall on the last ranks). A range may be
+// empty (fewer datums than ranks, or one long datum). REQUIRES: ranks >= 1.
+std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<odyssey::v1::Datum>& batch,
+                                            int ranks);
+
 // What the registry holds about a worker (for tests and status).
 struct WorkerInfo {
   std::string id;
@@ -181,10 +195,16 @@ class Controller {
   // while waiting: when it returns true (the client went away) the wait ends with CANCELLED
   // (the call may still run on the worker). Returns the reply when its code is OK, else its
   // status unchanged (the engine's INVALID_ARGUMENT messages reach the client as written).
+  // N ranks: the reply merges the ranks' (logprobs concatenated in datum order, loss summed,
+  // weight_sum = W of the whole batch, mismatch token-weighted, counts summed, seconds the
+  // slowest rank's; other calls: rank 0's reply); when a rank fails, the most specific error
+  // (not the engine's "... on another rank" echoes; else the first in rank order).
   // Errors of its own: NOT_FOUND (no such job), FAILED_PRECONDITION (not an RL_SESSION, or not
   // RUNNING: the message names the kind/state), INVALID_ARGUMENT (`batch` holds more token
-  // positions than the session's data.seq_len x data.batch_size), ALREADY_EXISTS / ABORTED
-  // (sequence, see above), UNAVAILABLE / ABORTED (the worker went away, the job ended).
+  // positions than the session's data.seq_len x data.batch_size per rank: the whole batch
+  // more than N times that, or one rank's slice more than that), ALREADY_EXISTS / ABORTED
+  // (sequence, see above), UNAVAILABLE / ABORTED (a worker of the session went away, the job
+  // ended).
   // REQUIRES: the request passed validation.h's checks.
   absl::StatusOr<odyssey::v1::TrainingReply> Train(int64_t id, odyssey::v1::TrainingCall call, int64_t sequence,
                                                    const std::function<bool()>& cancelled = nullptr)
@@ -231,6 +251,9 @@ class Controller {
   struct PendingCall {
     int64_t job = 0;
     std::string worker;
+    // One rank's part of a multi-rank call: the reply's effects on the job (metrics, the last
+    // checkpoint) wait for the merged reply (Train applies them).
+    bool part = false;
     bool done = false;
     absl::Status status;  // not OK: failed without a reply (worker gone, job ended)
     odyssey::v1::TrainingReply reply;
@@ -266,6 +289,14 @@ class Controller {
   void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReply(Worker& worker, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a successful reply of job `id` changes on the controller: mismatch and step gauges, the
+  // last checkpoint (what a restart resumes from).
+  void ApplyReply(int64_t id, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Train() for a session of job.workers_size() > 1 ranks, after the sequence took its turn:
+  // splits, forwards to the ranks, waits for every reply and merges them (see Train).
+  absl::StatusOr<odyssey::v1::TrainingReply> TrainRanks(int64_t id, odyssey::v1::TrainingCall call, int64_t sequence,
+                                                        const std::function<bool()>& cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the pending calls of job `id` (all jobs when 0) that went to `worker_id` (any worker
   // when empty) with `status`.
   void FailPendingCalls(int64_t id, const std::string& worker_id, const absl::Status& status)

@@ -983,5 +983,312 @@ TEST_F(LongSequenceWaitTest, CancelEndsSequencedWaits) {
 }
 
 
+// ---------------------------------------------------------------------------------------------
+// Multi-rank RL sessions: Controller::Train over two recording worker connections.
+
+v1::Datum MakeDatum(int tokens, float weight = 0) {
+  v1::Datum d;
+  for (int i = 0; i < tokens; ++i) {
+    d.add_tokens(1);
+    d.add_target_tokens(2);
+    if (weight != 0) d.add_weights(weight);
+  }
+  return d;
+}
+
+google::protobuf::RepeatedPtrField<v1::Datum> Batch(const std::vector<int>& lengths) {
+  google::protobuf::RepeatedPtrField<v1::Datum> b;
+  for (int n : lengths) *b.Add() = MakeDatum(n);
+  return b;
+}
+
+// Contiguous ranges cut nearest to the token quantiles; empty ranges when datums run out.
+TEST(SplitBatchTest, BalancesTokensInDatumOrder) {
+  using Ranges = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(SplitBatch(Batch({4, 4, 4, 4, 4}), 2), (Ranges{{0, 3}, {3, 5}}));  // 12 | 8 (a tie: the later cut)
+  EXPECT_EQ(SplitBatch(Batch({4, 4, 4, 4, 5}), 2), (Ranges{{0, 3}, {3, 5}}));  // 12 | 9: 10.5 is nearer 12 than 8
+  EXPECT_EQ(SplitBatch(Batch({2, 2, 2, 2, 9}), 2), (Ranges{{0, 4}, {4, 5}}));
+  EXPECT_EQ(SplitBatch(Batch({10, 1, 1, 1, 1}), 2), (Ranges{{0, 1}, {1, 5}}));
+  EXPECT_EQ(SplitBatch(Batch({1, 1, 1, 1}), 3), (Ranges{{0, 1}, {1, 3}, {3, 4}}));
+  EXPECT_EQ(SplitBatch(Batch({5}), 2), (Ranges{{0, 1}, {1, 1}}));
+  EXPECT_EQ(SplitBatch(Batch({}), 2), (Ranges{{0, 0}, {0, 0}}));
+  EXPECT_EQ(SplitBatch(Batch({3, 3}), 1), (Ranges{{0, 2}}));
+}
+
+class TrainingRanksTest : public ControllerTest {
+ protected:
+  void SetUp() override {
+    ControllerTest::SetUp();
+    for (const char* id : {"w1", "w2"}) {
+      v1::WorkerCapabilities caps;
+      caps.set_worker_id(id);
+      caps.set_device("cpu");
+      conns_.push_back(std::make_shared<CallConnection>());
+      sessions_.push_back(*controller_->AttachWorker(caps, "127.0.0.1", conns_.back()));
+    }
+    v1::CreateJobRequest r = Request(2);
+    r.mutable_spec()->set_kind(v1::RL_SESSION);
+    r.mutable_spec()->clear_steps();
+    r.mutable_spec()->mutable_data()->set_seq_len(8);
+    r.mutable_spec()->mutable_data()->set_batch_size(2);  // 16 positions per rank, 32 per call
+    job_ = *controller_->CreateJob(r, kAnon);
+    id_ = *ParseJobName(job_.name());
+    const v1::Job job = Get(job_.name());
+    ASSERT_EQ(job.state(), v1::Job::RUNNING);
+    ASSERT_EQ(job.workers_size(), 2);
+    ASSERT_EQ(job.workers(0), "w1");  // rank 0 = conns_[0]
+  }
+  static v1::TrainingCall Fb(const std::vector<v1::Datum>& batch) {
+    v1::TrainingCall c;
+    for (const v1::Datum& d : batch) *c.mutable_forward_backward()->add_batch() = d;
+    c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
+    return c;
+  }
+  static v1::TrainingCall Step(double lr) {
+    v1::TrainingCall c;
+    c.mutable_optim_step()->mutable_adam()->set_lr(lr);
+    return c;
+  }
+  void Reply(int rank, const v1::TrainingCall& call, const std::function<void(v1::TrainingReply&)>& fill = nullptr,
+             absl::StatusCode code = absl::StatusCode::kOk, const std::string& message = "") {
+    v1::WorkerMessage m;
+    v1::TrainingReply* r = m.mutable_reply();
+    r->set_call_id(call.call_id());
+    r->set_job(call.job());
+    r->set_code(static_cast<int>(code));
+    r->set_message(message);
+    if (fill) fill(*r);
+    controller_->OnWorkerMessage(sessions_[static_cast<size_t>(rank)], m);
+  }
+  // Logprobs of `n` tokens, each `value`.
+  static void AddLogprobs(v1::TokenLogprobs* l, int n, float value) {
+    for (int i = 0; i < n; ++i) l->add_values(value);
+  }
+
+  std::vector<std::shared_ptr<CallConnection>> conns_;
+  std::vector<int64_t> sessions_;
+  v1::Job job_;
+  int64_t id_ = 0;
+};
+
+// ForwardBackward: each rank gets its token-balanced slice with its whole-batch offset and W of
+// the whole batch; the reply merges the ranks' in datum order.
+TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
+  // 6 + 2 + 2 + 2 tokens: rank 0 runs datum 0, rank 1 datums 1..3. W = 6 x 0.5 + 6 x 1 = 9.
+  AsyncTrain call(controller_.get(), id_, Fb({MakeDatum(6, 0.5f), MakeDatum(2), MakeDatum(2), MakeDatum(2)}), 0);
+  const auto c0 = conns_[0]->WaitForCalls(1);
+  const auto c1 = conns_[1]->WaitForCalls(1);
+  ASSERT_EQ(c0.size(), 1u);
+  ASSERT_EQ(c1.size(), 1u);
+  ASSERT_EQ(c0[0].forward_backward().batch_size(), 1);
+  ASSERT_EQ(c1[0].forward_backward().batch_size(), 3);
+  EXPECT_EQ(c0[0].forward_backward().batch(0).tokens_size(), 6);
+  EXPECT_EQ(c0[0].datum_offset(), 0);
+  EXPECT_EQ(c1[0].datum_offset(), 1);
+  EXPECT_DOUBLE_EQ(c0[0].weight_sum(), 9);
+  EXPECT_DOUBLE_EQ(c1[0].weight_sum(), 9);
+  EXPECT_EQ(c1[0].forward_backward().loss().kind(), "cross_entropy");
+  EXPECT_EQ(c0[0].job(), job_.name());
+  EXPECT_NE(c0[0].call_id(), c1[0].call_id());
+  EXPECT_FALSE(call.done());
+  // Replies in either order.
+  Reply(1, c1[0], [](v1::TrainingReply& r) {
+    auto* fb = r.mutable_forward_backward();
+    for (int d = 0; d < 3; ++d) AddLogprobs(fb->add_logprobs(), 2, -1.0f - d);
+    fb->set_loss(0.5);
+    fb->set_weight_sum(9);
+    fb->set_mismatch_mean(0.3);
+    fb->set_mismatch_max(0.9);
+    fb->set_mismatch_tokens(6);
+    fb->set_clipped_tokens(1);
+    fb->set_tokens(6);
+    fb->set_seconds(2.0);
+  });
+  EXPECT_FALSE(call.done());  // rank 0 still runs
+  Reply(0, c0[0], [](v1::TrainingReply& r) {
+    auto* fb = r.mutable_forward_backward();
+    AddLogprobs(fb->add_logprobs(), 6, -0.5f);
+    fb->set_loss(1.25);
+    fb->set_weight_sum(9);
+    fb->set_mismatch_mean(0.1);
+    fb->set_mismatch_max(0.2);
+    fb->set_mismatch_tokens(2);
+    fb->set_clipped_tokens(2);
+    fb->set_tokens(6);
+    fb->set_seconds(3.0);
+  });
+  auto r = call.Wait();
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::ForwardBackwardResponse& fb = r->forward_backward();
+  ASSERT_EQ(fb.logprobs_size(), 4);
+  EXPECT_EQ(fb.logprobs(0).values_size(), 6);
+  EXPECT_FLOAT_EQ(fb.logprobs(0).values(0), -0.5f);
+  EXPECT_FLOAT_EQ(fb.logprobs(1).values(0), -1.0f);
+  EXPECT_FLOAT_EQ(fb.logprobs(3).values(1), -3.0f);
+  EXPECT_DOUBLE_EQ(fb.loss(), 1.75);
+  EXPECT_DOUBLE_EQ(fb.weight_sum(), 9);
+  EXPECT_EQ(fb.mismatch_tokens(), 8);
+  EXPECT_DOUBLE_EQ(fb.mismatch_mean(), (0.1 * 2 + 0.3 * 6) / 8);
+  EXPECT_DOUBLE_EQ(fb.mismatch_max(), 0.9);
+  EXPECT_EQ(fb.clipped_tokens(), 3);
+  EXPECT_EQ(fb.tokens(), 12);
+  EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
+}
+
+// Fewer datums than ranks: rank 1 gets an empty slice (it still joins the engine's collectives).
+TEST_F(TrainingRanksTest, ForwardGivesAnEmptySliceWhenDatumsRunOut) {
+  v1::TrainingCall c;
+  *c.mutable_forward()->add_batch() = MakeDatum(5);
+  AsyncTrain call(controller_.get(), id_, c, 0);
+  const auto c0 = conns_[0]->WaitForCalls(1);
+  const auto c1 = conns_[1]->WaitForCalls(1);
+  ASSERT_EQ(c0.size(), 1u);
+  ASSERT_EQ(c1.size(), 1u);
+  ASSERT_TRUE(c1[0].has_forward());
+  EXPECT_EQ(c0[0].forward().batch_size(), 1);
+  EXPECT_EQ(c1[0].forward().batch_size(), 0);
+  EXPECT_EQ(c1[0].datum_offset(), 1);
+  EXPECT_EQ(c0[0].weight_sum(), 0);  // forward has no loss
+  Reply(0, c0[0], [](v1::TrainingReply& r) { AddLogprobs(r.mutable_forward()->add_logprobs(), 5, -2.0f); });
+  Reply(1, c1[0], [](v1::TrainingReply& r) { r.mutable_forward(); });
+  auto r = call.Wait();
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->forward().logprobs_size(), 1);
+  EXPECT_EQ(r->forward().logprobs(0).values_size(), 5);
+}
+
+// Concurrent calls reach both ranks' streams in the same order (the collectives pair them up).
+TEST_F(TrainingRanksTest, EveryRankSeesTheCallsInTheSameOrder) {
+  std::vector<std::unique_ptr<AsyncTrain>> calls;
+  for (int i = 1; i <= 8; ++i) calls.push_back(std::make_unique<AsyncTrain>(controller_.get(), id_, Step(i), 0));
+  const auto c0 = conns_[0]->WaitForCalls(8);
+  const auto c1 = conns_[1]->WaitForCalls(8);
+  ASSERT_EQ(c0.size(), 8u);
+  ASSERT_EQ(c1.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(c0[i].optim_step().adam().lr(), c1[i].optim_step().adam().lr()) << i;
+    Reply(0, c0[i], [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(7); });
+    Reply(1, c1[i], [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(7); });
+  }
+  for (auto& c : calls) {
+    auto r = c->Wait();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->optim_step().step(), 7);
+  }
+}
+
+// SaveCheckpoint and ExportWeights go to rank 0 only; LoadCheckpoint to every rank.
+TEST_F(TrainingRanksTest, SaveAndExportGoToRankZeroOnly) {
+  v1::TrainingCall save;
+  save.mutable_save_checkpoint()->set_directory("/ckpt/a");
+  AsyncTrain saving(controller_.get(), id_, save, 0);
+  auto c0 = conns_[0]->WaitForCalls(1);
+  ASSERT_EQ(c0.size(), 1u);
+  Reply(0, c0[0], [](v1::TrainingReply& r) {
+    r.mutable_save_checkpoint()->set_directory("/ckpt/a");
+    r.mutable_save_checkpoint()->set_step(3);
+  });
+  auto r = saving.Wait();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->save_checkpoint().step(), 3);
+  EXPECT_EQ(Get(job_.name()).last_checkpoint(), "/ckpt/a");  // what a restart resumes from
+
+  v1::TrainingCall exp;
+  exp.mutable_export_weights()->set_directory("/export/a");
+  AsyncTrain exporting(controller_.get(), id_, exp, 0);
+  c0 = conns_[0]->WaitForCalls(2);
+  ASSERT_EQ(c0.size(), 2u);
+  ASSERT_TRUE(c0[1].has_export_weights());
+  Reply(0, c0[1], [](v1::TrainingReply& r) { r.mutable_export_weights()->set_directory("/export/a"); });
+  ASSERT_TRUE(exporting.Wait().ok());
+
+  v1::TrainingCall load;
+  load.mutable_load_checkpoint()->set_directory("/ckpt/a");
+  AsyncTrain loading(controller_.get(), id_, load, 0);
+  c0 = conns_[0]->WaitForCalls(3);
+  const auto c1 = conns_[1]->WaitForCalls(1);
+  ASSERT_EQ(c0.size(), 3u);
+  ASSERT_EQ(c1.size(), 1u);  // neither the save nor the export reached rank 1
+  ASSERT_TRUE(c1[0].has_load_checkpoint());
+  Reply(1, c1[0], [](v1::TrainingReply& r) { r.mutable_load_checkpoint()->set_step(3); });
+  Reply(0, c0[2], [](v1::TrainingReply& r) { r.mutable_load_checkpoint()->set_step(3); });
+  r = loading.Wait();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->load_checkpoint().step(), 3);
+}
+
+// A failed call comes back with the rank's own error, not another rank's echo of it, whichever
+// rank holds it; with only echoes, the first in rank order.
+TEST_F(TrainingRanksTest, TheSpecificErrorWins) {
+  AsyncTrain bad(controller_.get(), id_, Fb({MakeDatum(4), MakeDatum(4), MakeDatum(4), MakeDatum(4)}), 0);
+  auto c0 = conns_[0]->WaitForCalls(1);
+  auto c1 = conns_[1]->WaitForCalls(1);
+  ASSERT_EQ(c1.size(), 1u);
+  EXPECT_EQ(c1[0].datum_offset(), 2);
+  Reply(0, c0[0], nullptr, absl::StatusCode::kInvalidArgument,
+        "batch: refused on another rank (its slice of the batch is invalid); nothing ran");
+  Reply(1, c1[0], nullptr, absl::StatusCode::kInvalidArgument, "batch[3].target_tokens[1] (999) must be in [0, 256)");
+  auto r = bad.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(), "batch[3].target_tokens[1] (999) must be in [0, 256)");
+
+  AsyncTrain step(controller_.get(), id_, Step(1), 0);
+  c0 = conns_[0]->WaitForCalls(2);
+  c1 = conns_[1]->WaitForCalls(2);
+  ASSERT_EQ(c1.size(), 2u);
+  Reply(0, c0[1], nullptr, absl::StatusCode::kInternal, "optim_step failed on another rank; gradients dropped");
+  Reply(1, c1[1], nullptr, absl::StatusCode::kInternal, "optim_step failed on another rank; gradients dropped");
+  r = step.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("on another rank"));
+
+  // One rank OK, the other not: the error.
+  AsyncTrain step2(controller_.get(), id_, Step(1), 0);
+  c0 = conns_[0]->WaitForCalls(3);
+  c1 = conns_[1]->WaitForCalls(3);
+  ASSERT_EQ(c1.size(), 3u);
+  Reply(0, c0[2], [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(1); });
+  Reply(1, c1[2], nullptr, absl::StatusCode::kFailedPrecondition, "no gradients");
+  r = step2.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// The batch limit is per rank: the whole batch may hold 2 x 16 positions, no slice more than 16.
+TEST_F(TrainingRanksTest, BatchLimitIsPerRank) {
+  auto r = controller_->Train(id_, Fb({MakeDatum(16), MakeDatum(16), MakeDatum(1)}), 0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("33 token positions exceed the session's limit of 32"));
+  r = controller_->Train(id_, Fb({MakeDatum(20), MakeDatum(2)}), 0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("rank 0's slice (batch[0..0]) holds 20 token positions"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("per-rank limit of 16"));
+  EXPECT_EQ(conns_[0]->WaitForCalls(0).size(), 0u);  // nothing was forwarded
+  // 32 positions, 16 per rank: forwarded.
+  AsyncTrain ok(controller_.get(), id_, Fb({MakeDatum(16), MakeDatum(16)}), 0);
+  ASSERT_EQ(conns_[1]->WaitForCalls(1).size(), 1u);
+  ASSERT_EQ(conns_[0]->WaitForCalls(1).size(), 1u);
+  Reply(0, conns_[0]->WaitForCalls(1)[0], [](v1::TrainingReply& r) { r.mutable_forward_backward()->set_loss(1); });
+  Reply(1, conns_[1]->WaitForCalls(1)[0], [](v1::TrainingReply& r) { r.mutable_forward_backward()->set_loss(1); });
+  ASSERT_TRUE(ok.Wait().ok());
+}
+
+// Rank 1's stream ending fails the pending call at once (rank 0's reply no longer matters);
+// while it is away, calls get UNAVAILABLE naming it.
+TEST_F(TrainingRanksTest, DetachOfAnyRankFailsThePendingCall) {
+  AsyncTrain pending(controller_.get(), id_, Fb({MakeDatum(4), MakeDatum(4)}), 0);
+  const auto c0 = conns_[0]->WaitForCalls(1);
+  ASSERT_EQ(conns_[1]->WaitForCalls(1).size(), 1u);
+  controller_->DetachWorker(sessions_[1]);
+  auto r = pending.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("worker w2 disconnected"));
+  Reply(0, c0[0], [](v1::TrainingReply& r) { r.mutable_forward_backward()->set_loss(1); });  // late: ignored
+  r = controller_->Train(id_, Step(1), 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("rank 1"));
+  EXPECT_EQ(conns_[0]->WaitForCalls(0).size(), 1u);  // not forwarded to rank 0 either
+}
+
+
 }  // namespace
 }  // namespace odyssey::server
