@@ -17,15 +17,16 @@ constexpr double kMaxLogRatio = 20.0;
 // term then stays below ~5e20, so neither the fp32 loss nor its gradients can overflow.
 constexpr double kMaxLossInput = 1e6;
 
-std::string Field(size_t datum, const char* field) { return absl::StrCat("batch[", datum, "].", field); }
+// `datum` is the index in the whole batch (a rank's offset included).
+std::string Field(int64_t datum, const char* field) { return absl::StrCat("batch[", datum, "].", field); }
 
-absl::Status CheckLength(size_t datum, const char* field, size_t n, size_t tokens) {
+absl::Status CheckLength(int64_t datum, const char* field, size_t n, size_t tokens) {
   if (n == tokens) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(Field(datum, field), ": length (", n, ") must equal the length of tokens (", tokens, ")"));
 }
 
-absl::Status CheckIds(size_t datum, const char* field, const std::vector<int64_t>& ids, int64_t vocab_size) {
+absl::Status CheckIds(int64_t datum, const char* field, const std::vector<int64_t>& ids, int64_t vocab_size) {
   for (size_t t = 0; t < ids.size(); ++t) {
     if (ids[t] < 0 || ids[t] >= vocab_size)
       return absl::InvalidArgumentError(absl::StrCat(Field(datum, field), "[", t, "] (", ids[t],
@@ -34,7 +35,7 @@ absl::Status CheckIds(size_t datum, const char* field, const std::vector<int64_t
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(size_t datum, const char* field, const std::vector<float>& values, bool non_negative,
+absl::Status CheckFinite(int64_t datum, const char* field, const std::vector<float>& values, bool non_negative,
                          bool bounded) {
   for (size_t t = 0; t < values.size(); ++t) {
     if (!std::isfinite(values[t]))
@@ -90,16 +91,15 @@ absl::Status LossSpec::Validate() const {
                                                  ") is not a known loss: cross_entropy | importance_sampling | ppo"));
 }
 
-absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec, int64_t vocab_size,
-                           int64_t max_tokens) {
+absl::Status ValidateDatums(const std::vector<Datum>& batch, const LossSpec* spec, int64_t vocab_size,
+                            int64_t max_tokens, int64_t datum_offset) {
   if (spec != nullptr) {
     if (absl::Status s = spec->Validate(); !s.ok()) return s;
   }
-  if (batch.empty()) return absl::InvalidArgumentError("batch: empty; at least one datum is required");
   const bool rl = spec != nullptr && spec->kind != LossKind::kCrossEntropy;
-  double weight_sum = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const Datum& d = batch[i];
+  for (size_t j = 0; j < batch.size(); ++j) {
+    const Datum& d = batch[j];
+    const int64_t i = datum_offset + static_cast<int64_t>(j);  // the datum's index in the whole batch
     const size_t S = d.tokens.size();
     if (S == 0) return absl::InvalidArgumentError(absl::StrCat(Field(i, "tokens"), ": empty; a datum needs >= 1 token"));
     if (static_cast<int64_t>(S) > max_tokens)
@@ -129,13 +129,18 @@ absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec
       if (absl::Status s = CheckLength(i, o.field, o.values.size(), S); !s.ok()) return s;
       if (absl::Status s = CheckFinite(i, o.field, o.values, o.non_negative, o.bounded); !s.ok()) return s;
     }
-    if (d.weights.empty()) {
-      weight_sum += static_cast<double>(S);
-    } else {
-      for (float w : d.weights) weight_sum += w;
-    }
   }
-  if (spec != nullptr && !(weight_sum > 0))
+  return absl::OkStatus();
+}
+
+absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec, int64_t vocab_size,
+                           int64_t max_tokens, int64_t datum_offset) {
+  if (spec != nullptr) {
+    if (absl::Status s = spec->Validate(); !s.ok()) return s;
+  }
+  if (batch.empty()) return absl::InvalidArgumentError("batch: empty; at least one datum is required");
+  if (absl::Status s = ValidateDatums(batch, spec, vocab_size, max_tokens, datum_offset); !s.ok()) return s;
+  if (spec != nullptr && !(BatchWeightSum(batch) > 0))
     return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
   return absl::OkStatus();
 }

@@ -15,7 +15,9 @@
 // gradient), and tokens of weight 0 are selected out, never multiplied. Normalization, the same for every loss: W is the sum
 // of the weights over the whole batch (every datum, every token), so a batch's loss is a weighted
 // mean over its tokens and does not depend on how the batch is split into datums. Gradients of
-// successive ForwardBackward calls add up, each call normalized by its own W.
+// successive ForwardBackward calls add up, each call normalized by its own W. A data-parallel
+// rank holds a slice of the batch and normalizes by the whole batch's W (engine/trainer.h
+// RlShard), so the ranks' terms add up to the batch loss.
 //
 // The trainer-vs-sampler mismatch (mean and max |logp - q| over the tokens with w > 0 of the
 // datums that carry sampler logprobs) says how far the inference engine's numerics are from the
@@ -83,9 +85,17 @@ struct LossSpec {
 // `max_tokens`), ids in [0, vocab_size), per-token arrays of the tokens' length, finite values,
 // weights >= 0 summing to > 0 over the batch (when `spec` is given), and the inputs the loss
 // needs. `spec` == nullptr validates for Forward (tokens and target_tokens only; the other
-// arrays are checked only when present).
+// arrays are checked only when present). `datum_offset` is the index of batch[0] in the whole
+// batch when `batch` is one data-parallel rank's slice: messages name datum i as
+// "batch[datum_offset + i]", its index in the request the user sent.
 absl::Status ValidateBatch(const std::vector<Datum>& batch, const LossSpec* spec, int64_t vocab_size,
-                           int64_t max_tokens);
+                           int64_t max_tokens, int64_t datum_offset = 0);
+
+// ValidateBatch without its two whole-batch rules (non-empty, weights summing to > 0): `spec`
+// and every datum. For a data-parallel rank's slice, which may be empty or weigh 0 while the
+// whole batch does not; the caller checks the whole batch's W.
+absl::Status ValidateDatums(const std::vector<Datum>& batch, const LossSpec* spec, int64_t vocab_size,
+                            int64_t max_tokens, int64_t datum_offset = 0);
 
 // Sum of the weights over the batch (W above). REQUIRES: a validated batch.
 double BatchWeightSum(const std::vector<Datum>& batch);

@@ -203,11 +203,24 @@ double Trainer::EvalLoss(const Batch& batch) {
   return Loss(batch, &targets).item<double>();
 }
 
-absl::Status Trainer::PrepareRl(const std::vector<Datum>& batch, const LossSpec* loss) {
-  if (options_.communicator != nullptr && options_.communicator->world_size() > 1)
-    return absl::UnimplementedError("RL calls (forward_backward, forward, optim_step) are single-rank for now");
+absl::Status Trainer::ValidateRl(const std::vector<Datum>& batch, const LossSpec* loss, const RlShard& shard,
+                                bool allow_empty) const {
+  if (!std::isfinite(shard.weight_sum) || shard.weight_sum < 0)
+    return absl::InvalidArgumentError(absl::StrCat("shard.weight_sum (", shard.weight_sum,
+                                                   ") must be finite and >= 0 (0: the batch's own sum)"));
+  if (shard.datum_offset < 0)
+    return absl::InvalidArgumentError(absl::StrCat("shard.datum_offset (", shard.datum_offset, ") must be >= 0"));
+  if (batch.empty() && !allow_empty) {
+    if (loss != nullptr) {
+      if (absl::Status s = loss->Validate(); !s.ok()) return s;  // ValidateBatch's order
+    }
+    return absl::InvalidArgumentError("batch: empty; at least one datum is required");
+  }
   const model::ModelConfig& config = model_->config();
-  if (absl::Status s = ValidateBatch(batch, loss, config.vocab_size, config.max_position_embeddings); !s.ok()) return s;
+  return ValidateDatums(batch, loss, config.vocab_size, config.max_position_embeddings, shard.datum_offset);
+}
+
+absl::Status Trainer::PrepareRlMemory(const std::vector<Datum>& batch) {
   // The host pool (offload) must hold the largest group's padded rows.
   int64_t positions = 0;
   for (const auto& [begin, end] : RlGroups(batch)) {
@@ -215,13 +228,20 @@ absl::Status Trainer::PrepareRl(const std::vector<Datum>& batch, const LossSpec*
     for (size_t i = begin; i < end; ++i) longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()));
     positions = std::max<int64_t>(positions, longest * static_cast<int64_t>(end - begin));
   }
-  return memory_->Prepare(1, positions, config.hidden_size, dtype_);
+  if (positions == 0) return absl::OkStatus();  // nothing runs
+  return memory_->Prepare(1, positions, model_->config().hidden_size, dtype_);
+}
+
+void Trainer::DropRlGradients() {
+  optimizer_->ZeroGrad();
+  rl_grads_pending_ = false;
 }
 
 std::vector<std::pair<size_t, size_t>> Trainer::RlGroups(const std::vector<Datum>& batch) const {
   const int64_t budget = options_.rl_group_tokens > 0 ? options_.rl_group_tokens
                                                       : options_.data.batch_size * options_.data.seq_len;
   std::vector<std::pair<size_t, size_t>> groups;
+  if (batch.empty()) return groups;
   size_t begin = 0;
   int64_t longest = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -280,25 +300,24 @@ absl::Status ComputeError(const char* call, const c10::Error& e) {
 
 }  // namespace
 
-absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss) {
-  if (absl::Status s = PrepareRl(batch, &loss); !s.ok()) return s;
-  const auto t0 = std::chrono::steady_clock::now();
+absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss, double W,
+                                        ForwardBackwardResult& r) {
+  if (batch.empty()) return absl::OkStatus();  // a data-parallel rank with an empty slice
   model_->train();
-  ForwardBackwardResult r;
-  r.weight_sum = BatchWeightSum(batch);
   try {
     std::vector<torch::Tensor> logps;  // per datum (S,) fp32, detached
     std::vector<DatumTensors> inputs;
     torch::Tensor loss_sum = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
     for (const auto& [begin, end] : RlGroups(batch)) {
       std::vector<torch::Tensor> group = GroupLogprobs(batch, begin, end);  // per datum (S_i,)
-      // Each datum's term is divided by the whole batch's W, so the summed gradients are those
-      // of the batch loss; the group's backward frees its activations before the next runs.
+      // Each datum's term is divided by the whole batch's W (every rank's slice), so the summed
+      // gradients are those of the batch loss; the group's backward frees its activations
+      // before the next runs.
       torch::Tensor term = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
       for (size_t i = begin; i < end; ++i) {
         DatumTensors in = ToTensors(batch[i], device_);
         const torch::Tensor& logp = group[i - begin];
-        term = term + DatumLossSum(logp, in, loss) / r.weight_sum;
+        term = term + DatumLossSum(logp, in, loss) / W;
         logps.push_back(logp.detach());
         inputs.push_back(std::move(in));
         r.tokens += static_cast<int64_t>(batch[i].tokens.size());
@@ -311,8 +330,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
     if (!std::isfinite(r.loss)) {
       // Validated inputs keep every term finite (engine/rl_loss.h), so this is the model: its
       // weights diverged. Gradients that include a non-finite term must not reach OptimStep.
-      optimizer_->ZeroGrad();
-      rl_grads_pending_ = false;
       return absl::InternalError(absl::StrCat("forward_backward: the loss is ", r.loss,
                                               " for valid inputs (the weights may have diverged: load a "
                                               "checkpoint); the gradients pending since the last "
@@ -324,21 +341,83 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
       r.logprobs.push_back(ToVector(logps[i]));
     }
   } catch (const c10::Error& e) {
-    optimizer_->ZeroGrad();
-    rl_grads_pending_ = false;
     return ComputeError("forward_backward", e);
+  } catch (const std::exception& e) {
+    // Not only torch's errors: a data-parallel rank must reach the collective after this.
+    return absl::InternalError(absl::StrCat(
+        "forward_backward failed; gradients pending since the last optim_step were dropped: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
+                                                               const RlShard& shard) {
+  if (DataParallel()) return DataParallelForwardBackward(batch, loss, shard);
+  if (absl::Status s = ValidateRl(batch, &loss, shard, /*allow_empty=*/false); !s.ok()) return s;
+  const auto t0 = std::chrono::steady_clock::now();
+  ForwardBackwardResult r;
+  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : BatchWeightSum(batch);
+  if (!(r.weight_sum > 0))
+    return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
+  if (absl::Status s = PrepareRlMemory(batch); !s.ok()) return s;  // nothing ran: the gradients stay
+  if (absl::Status s = RunForwardBackward(batch, loss, r.weight_sum, r); !s.ok()) {
+    DropRlGradients();
+    return s;
   }
   rl_grads_pending_ = true;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
 
-absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
-  if (options_.communicator != nullptr && options_.communicator->world_size() > 1)
-    return absl::UnimplementedError("RL calls (forward_backward, forward, optim_step) are single-rank for now");
-  if (absl::Status s = adam.Validate(); !s.ok()) return s;
-  if (!rl_grads_pending_)
-    return absl::FailedPreconditionError("optim_step: no gradients since the last optim_step; call forward_backward first");
+absl::StatusOr<ForwardBackwardResult> Trainer::DataParallelForwardBackward(const std::vector<Datum>& batch,
+                                                                           const LossSpec& loss,
+                                                                           const RlShard& shard) {
+  Communicator& comm = *options_.communicator;
+  const auto t0 = std::chrono::steady_clock::now();
+  // Validation, then one all-reduce of (ranks refusing their slice, the slices' weight sums):
+  // every rank learns whether any refused, and the whole batch's W when the shard lacks it.
+  const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/true);
+  const double local_w = valid.ok() ? BatchWeightSum(batch) : 0.0;
+  std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, local_w}, torch::kFloat64)};  // (2,)
+  if (absl::Status s = comm.AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+    DropRlGradients();
+    return s;
+  }
+  if (!valid.ok()) return valid;
+  if (agreed[0][0].item<double>() > 0)
+    return absl::InvalidArgumentError(
+        "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
+  ForwardBackwardResult r;
+  // Every rank sees the same all-reduced sum, so they agree on W and on this check.
+  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : agreed[0][1].item<double>();
+  if (!(r.weight_sum > 0))
+    return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
+
+  absl::Status computed = PrepareRlMemory(batch);
+  if (computed.ok()) computed = RunForwardBackward(batch, loss, r.weight_sum, r);
+  // Every rank learns whether any failed: gradients are kept only where all succeeded, so a
+  // later OptimStep never sums a partial batch.
+  std::vector<torch::Tensor> failed = {torch::tensor({computed.ok() ? 0.0 : 1.0}, torch::kFloat64)};  // (1,)
+  if (absl::Status s = comm.AllReduce(failed, ReduceOp::kSum); !s.ok()) {
+    DropRlGradients();
+    return s;
+  }
+  if (!computed.ok()) {
+    DropRlGradients();
+    return computed;
+  }
+  if (failed[0][0].item<double>() > 0) {
+    DropRlGradients();
+    return absl::InternalError(
+        "forward_backward failed on another rank; the gradients pending since the last optim_step were dropped on "
+        "every rank");
+  }
+  if (!batch.empty()) rl_grads_pending_ = true;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOptions& adam) {
   OptimStepResult r;
   r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
   rl_grads_pending_ = false;
@@ -355,11 +434,67 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
   return r;
 }
 
-absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vector<Datum>& batch) {
-  if (absl::Status s = PrepareRl(batch, nullptr); !s.ok()) return s;
+absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
+  if (DataParallel()) return DataParallelOptimStep(adam);
+  if (absl::Status s = adam.Validate(); !s.ok()) return s;
+  if (!rl_grads_pending_)
+    return absl::FailedPreconditionError("optim_step: no gradients since the last optim_step; call forward_backward first");
+  return ApplyPendingGradients(adam);
+}
+
+absl::StatusOr<OptimStepResult> Trainer::DataParallelOptimStep(const AdamWOptions& adam) {
+  Communicator& comm = *options_.communicator;
+  // One all-reduce of (ranks refusing `adam`, ranks with pending gradients) decides for all.
+  const absl::Status valid = adam.Validate();
+  std::vector<torch::Tensor> agreed = {
+      torch::tensor({valid.ok() ? 0.0 : 1.0, rl_grads_pending_ ? 1.0 : 0.0}, torch::kFloat64)};  // (2,)
+  if (absl::Status s = comm.AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+    DropRlGradients();
+    return s;
+  }
+  if (!valid.ok()) return valid;
+  if (agreed[0][0].item<double>() > 0)
+    return absl::InvalidArgumentError(
+        "optim_step: refused on another rank (invalid AdamW hyperparameters there); nothing was updated");
+  if (agreed[0][1].item<double>() == 0)
+    return absl::FailedPreconditionError(
+        "optim_step: no gradients since the last optim_step on any rank; call forward_backward first");
+  // Gradients summed over the ranks (each already divided by the whole batch's W), plus which
+  // ranks had one per parameter: a parameter no rank has a gradient for stays without one, as
+  // on a single rank (AdamW skips it), instead of decaying as if its gradient were zero.
+  std::vector<torch::Tensor> reduce;
+  reduce.reserve(params_.size() + 1);
+  torch::Tensor has_grad = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kFloat32);  // (P,)
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor& p = params_[i];
+    if (p.grad().defined()) {
+      has_grad[static_cast<int64_t>(i)] = 1.0f;
+    } else {
+      p.mutable_grad() = torch::zeros_like(p);
+    }
+    reduce.push_back(p.grad());
+  }
+  reduce.push_back(has_grad);
+  if (absl::Status s = comm.AllReduce(reduce, ReduceOp::kSum); !s.ok()) {
+    DropRlGradients();
+    return s;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (reduce.back()[static_cast<int64_t>(i)].item<float>() == 0) params_[i].mutable_grad() = torch::Tensor();
+  }
+  // The same reduced gradients on every rank: the same norm, the same clip and update (or the
+  // same non-finite error everywhere).
+  return ApplyPendingGradients(adam);
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vector<Datum>& batch,
+                                                                 const RlShard& shard) {
+  if (absl::Status s = ValidateRl(batch, nullptr, shard, /*allow_empty=*/DataParallel()); !s.ok()) return s;
+  std::vector<std::vector<float>> out;
+  if (batch.empty()) return out;
+  if (absl::Status s = PrepareRlMemory(batch); !s.ok()) return s;
   torch::NoGradGuard no_grad;
   model_->eval();
-  std::vector<std::vector<float>> out;
   try {
     std::vector<torch::Tensor> logps;  // per datum (S,) fp32
     for (const auto& [begin, end] : RlGroups(batch)) {

@@ -21,7 +21,18 @@
 // longer datum runs alone); padding is causal-invisible to the real positions and never in the
 // loss, and each group's backward frees its activations before the next group runs. Do not
 // interleave Step/TrainStep with a ForwardBackward whose gradients are still pending: Step would
-// fold them into its own update. RL calls are single-rank for now (UNIMPLEMENTED with a communicator).
+// fold them into its own update.
+//
+// RL calls are data parallel too (communicator with world_size > 1): the controller splits a
+// batch into contiguous datum ranges, one per rank, and sends each rank its slice with an
+// RlShard (the whole batch's W and the slice's offset). ForwardBackward normalizes by the whole
+// batch's W, so the ranks' gradients sum to the whole batch's and their losses sum to its loss;
+// OptimStep all-reduces the pending gradients and applies the same update on every rank (the
+// ranks stay bitwise identical, as for Step). Either every rank computes or none does: a slice
+// refused by validation, or a failure while computing on any rank, fails the call on every rank
+// (see ForwardBackward). Forward is local (no collectives); checkpoints are local files (the
+// controller saves from rank 0 and loads on every rank). Every rank must make the same
+// ForwardBackward and OptimStep calls in the same order, as for Step.
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -77,15 +88,32 @@ struct StepResult {
   absl::Status status;
 };
 
-// What ForwardBackward returns.
+// Where a data-parallel rank's slice sits in the whole batch the controller split (contiguous
+// datum ranges, one per rank). The default ({0, 0}) is a whole batch on one rank.
+struct RlShard {
+  // > 0: W, the sum of the weights over the WHOLE batch (every rank's slice); the loss terms are
+  // normalized by it instead of by the slice's own sum, so the ranks' gradients and losses add
+  // up to the whole batch's. 0: not given; the slices' sums are all-reduced (data parallel) or
+  // the local batch's sum is used (one rank). Must be finite and >= 0.
+  double weight_sum = 0;
+  // Index of this rank's first datum in the whole batch (>= 0): validation messages name datum
+  // i of the slice as batch[datum_offset + i], its index in the request the user sent.
+  int64_t datum_offset = 0;
+};
+
+// What ForwardBackward returns. Data parallel: each rank reports its slice; the controller
+// combines the ranks' results as each field says.
 struct ForwardBackwardResult {
-  // Per datum, the model's logprob of each target token (fp32, before this call's update).
+  // Per datum of the local batch, the model's logprob of each target token (fp32, before this
+  // call's update). Ranks: concatenate in rank order.
   std::vector<std::vector<float>> logprobs;
-  double loss = 0;            // the batch loss, normalized by weight_sum (engine/rl_loss.h)
-  double weight_sum = 0;      // W: sum of the batch's weights
-  Mismatch mismatch;          // trainer-vs-sampler |logp - q| over weighted tokens
-  int64_t clipped_tokens = 0; // ppo: weighted tokens whose gradient the clip removed
-  int64_t tokens = 0;         // positions run (sum of the datums' lengths)
+  // The sum of the local datums' loss terms / W (engine/rl_loss.h): the batch loss on one rank,
+  // this rank's share of it with data parallel (ranks: sum).
+  double loss = 0;
+  double weight_sum = 0;      // W the loss was normalized by: the whole batch's (ranks: all equal)
+  Mismatch mismatch;          // trainer-vs-sampler |logp - q| over weighted tokens (ranks: Mismatch fields' sum / max)
+  int64_t clipped_tokens = 0; // ppo: weighted tokens whose gradient the clip removed (ranks: sum)
+  int64_t tokens = 0;         // positions run (sum of the local datums' lengths) (ranks: sum)
   double seconds = 0;
 };
 
@@ -108,17 +136,35 @@ class Trainer {
 
   // RL: runs every datum forward and backward with `loss`; gradients add to those pending since
   // the last OptimStep (nothing is updated). The batch is validated first (INVALID_ARGUMENT
-  // naming field, datum index and rule; nothing runs). A failure while computing (INTERNAL, or
-  // RESOURCE_EXHAUSTED when the device is out of memory) drops the pending gradients.
-  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss);
+  // naming field, datum index (shard.datum_offset + i) and rule; nothing runs). A failure while
+  // computing (INTERNAL, or RESOURCE_EXHAUSTED when the device is out of memory) drops the
+  // pending gradients.
+  // Data parallel (world_size > 1): `batch` is this rank's slice of the whole batch and may be
+  // empty (the rank computes nothing but joins the collectives). Every rank must call together.
+  // If any rank's slice is invalid, every rank returns INVALID_ARGUMENT and nothing runs
+  // anywhere: the invalid rank with its own message, the others with one starting "batch:
+  // refused on another rank". If computing fails on any rank, every rank drops its pending
+  // gradients and returns an error: the failing rank its own, the others INTERNAL starting
+  // "forward_backward failed on another rank". A failed collective (UNAVAILABLE,
+  // DEADLINE_EXCEEDED, INTERNAL) also drops the pending gradients; the group is then broken.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
+                                                        const RlShard& shard = {});
   // RL: clips the pending gradients (TrainerOptions::grad_clip), applies AdamW with `adam`'s
   // hyperparameters and lr as given (the orchestrator owns the schedule), and zeroes them.
   // FAILED_PRECONDITION when no ForwardBackward ran since the last OptimStep; a non-finite
   // gradient norm skips the update and drops the gradients (INTERNAL).
+  // Data parallel: every rank must call together. The pending gradients are summed over the
+  // ranks (a rank without any contributes zeros) and every rank applies the same update;
+  // FAILED_PRECONDITION on every rank when no rank has pending gradients; INVALID_ARGUMENT on
+  // every rank when any rank's `adam` is invalid (the others' message starts "optim_step:
+  // refused on another rank"); a non-finite norm fails every rank alike.
   absl::StatusOr<OptimStepResult> OptimStep(const AdamWOptions& adam);
   // RL: per datum, the model's logprob of each target token (fp32), without gradients.
   // Weights, sampler logprobs and advantages are not needed (checked only when present).
-  absl::StatusOr<std::vector<std::vector<float>>> Forward(const std::vector<Datum>& batch);
+  // Local to the rank (no collectives): with data parallel an empty batch is allowed (returns
+  // no logprobs), and validation names datums by shard.datum_offset + i (shard.weight_sum is
+  // not read).
+  absl::StatusOr<std::vector<std::vector<float>>> Forward(const std::vector<Datum>& batch, const RlShard& shard = {});
 
   absl::Status SaveCheckpoint(const std::string& dir);
   // Loads weights, optimizer state and the step counter written by SaveCheckpoint. Drops RL
@@ -139,10 +185,28 @@ class Trainer {
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
   StepResult DataParallelStep(const Batch& batch);
-  // Checks that RL calls can run, validates the batch, and prepares the memory stack (host pool)
-  // for the batch's largest padded group.
-  absl::Status PrepareRl(const std::vector<Datum>& batch, const LossSpec* loss);
-  // Groups of consecutive datums, [begin, end), that run as one padded batch.
+  bool DataParallel() const { return options_.communicator != nullptr && options_.communicator->world_size() > 1; }
+  // Validates `shard`, `loss` (when given) and the batch's datums; an empty batch only when
+  // `allow_empty`. The whole-batch weight rule is the caller's (it needs the whole batch's W).
+  absl::Status ValidateRl(const std::vector<Datum>& batch, const LossSpec* loss, const RlShard& shard,
+                          bool allow_empty) const;
+  // Prepares the memory stack (host pool) for the batch's largest padded group.
+  absl::Status PrepareRlMemory(const std::vector<Datum>& batch);
+  // The compute of ForwardBackward on the local batch, each datum's term divided by `W`
+  // (REQUIRES: PrepareRlMemory(batch) succeeded). Fills
+  // r's per-datum fields, loss and tokens. Leaves the gradients as they are on failure (the
+  // caller drops them). Catches every exception.
+  absl::Status RunForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss, double W,
+                                  ForwardBackwardResult& r);
+  absl::StatusOr<ForwardBackwardResult> DataParallelForwardBackward(const std::vector<Datum>& batch,
+                                                                    const LossSpec& loss, const RlShard& shard);
+  absl::StatusOr<OptimStepResult> DataParallelOptimStep(const AdamWOptions& adam);
+  // Clips the (reduced) pending gradients, applies AdamW and zeroes them; drops them when the
+  // norm is not finite (INTERNAL).
+  absl::StatusOr<OptimStepResult> ApplyPendingGradients(const AdamWOptions& adam);
+  // Drops the gradients pending since the last OptimStep.
+  void DropRlGradients();
+  // Groups of consecutive datums, [begin, end), that run as one padded batch (none when empty).
   std::vector<std::pair<size_t, size_t>> RlGroups(const std::vector<Datum>& batch) const;
   // The model's logprobs of the target tokens of datums [begin, end), one (S_i,) fp32 tensor per
   // datum (differentiable under grad mode).
