@@ -87,16 +87,18 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
                    absl::StrCat("(", par.world_size(), ") must be in [0, ", kMaxWorldSize, "] (0 = 1)"));
   }
   const int32_t world = std::max(1, par.world_size());
-  if (rl && world != 1) {
-    return Invalid(p + ".parallel.world_size",
-                   absl::StrCat("(", par.world_size(), ") must be 1 (or 0) for RL_SESSION jobs: RL sessions are "
-                                "single-rank for now (the engine's RL calls run on one rank)"));
-  }
   if (par.context_parallel() < 0) {
     return Invalid(p + ".parallel.context_parallel",
                    absl::StrCat("(", par.context_parallel(), ") must be >= 0 (0 = 1)"));
   }
   const int32_t cp = std::max(1, par.context_parallel());
+  // An RL session's ranks are data parallel only: the controller splits each batch between them
+  // by datums, and the engine's RL calls have no sequence-sharded path.
+  if (rl && cp != 1) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", par.context_parallel(), ") must be 1 (or 0) for RL_SESSION jobs: their ranks "
+                                "are data parallel only (each runs whole datums)"));
+  }
   if (world % cp != 0) {
     return Invalid(p + ".parallel.context_parallel",
                    absl::StrCat("(", cp, ") must divide parallel.world_size (", world, ")"));

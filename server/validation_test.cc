@@ -66,7 +66,8 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
       {[](v1::JobSpec& s) {
          s.set_kind(v1::RL_SESSION);
          s.mutable_parallel()->set_world_size(2);
-       }, absl::StatusCode::kInvalidArgument, "spec.parallel.world_size"},
+         s.mutable_parallel()->set_context_parallel(2);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
       {[](v1::JobSpec& s) {
          s.set_kind(v1::RL_SESSION);
          s.mutable_rl()->set_idle_timeout_seconds(-1);
@@ -92,8 +93,12 @@ TEST(ValidationTest, RlSessionSpec) {
   spec.mutable_rl()->set_idle_timeout_seconds(60);
   spec.mutable_optimizer()->clear_lr();  // each OptimStep carries its lr
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  // Data parallel over several workers; context parallel is refused.
   spec.mutable_parallel()->set_world_size(2);
-  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("single-rank for now"));
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_context_parallel(2);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("context_parallel: (2) must be 1 (or 0) for RL_SESSION jobs"));
 }
 
 v1::Datum OneDatum() {

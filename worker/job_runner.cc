@@ -19,9 +19,6 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
                                                    ") is not supported by this worker: only SFT and RL_SESSION"));
   if (!rl && spec.steps() <= 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.steps (", spec.steps(), ") must be > 0"));
-  if (rl && std::max(1, a.world_size()) != 1)
-    return absl::InvalidArgumentError(absl::StrCat("world_size (", a.world_size(),
-                                                   ") must be 1: RL sessions are single-rank for now"));
   EngineJobOptions o;
   o.job = a.job();
   o.model = spec.model().name().empty() ? "tiny" : spec.model().name();
@@ -116,7 +113,13 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
                              ? assignment_.spec().rl().idle_timeout_seconds()
                              : int64_t{3600};
   const absl::Duration idle = absl::Seconds(idle_s);
-  absl::StatusOr<std::unique_ptr<RlSession>> created = RlSession::Create(options);
+  // A multi-rank session waits for its peers at the rendezvous; a cancel meanwhile ends the wait.
+  absl::StatusOr<std::unique_ptr<RlSession>> created =
+      RlSession::Create(options, [this] { return cancelled_.load(); });
+  if (absl::IsCancelled(created.status()) && cancelled_.load()) {
+    outcome->stopped = true;
+    return;
+  }
   std::unique_ptr<RlSession> session;
   if (!created.ok()) {
     outcome->status = created.status();
@@ -187,7 +190,7 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
     if (report) {
       v1::JobProgress p;
       p.set_job(job);
-      p.set_rank(0);
+      p.set_rank(assignment_.rank());
       p.set_checkpoint(checkpoint);
       v1::StepMetrics* m = p.mutable_metrics();
       m->set_step(session->step());
@@ -197,7 +200,7 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
       m->set_tokens(tokens);
       m->set_step_seconds(seconds);
       m->set_tokens_per_second(seconds > 0 ? static_cast<double>(tokens) / seconds : 0);
-      m->set_world_size(1);
+      m->set_world_size(options.world_size);
       if (metrics_ && call.call_case() == v1::TrainingCall::kOptimStep) metrics_->step_duration->Observe(seconds);
       tokens = 0;
       seconds = 0;

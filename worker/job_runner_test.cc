@@ -208,11 +208,32 @@ TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
     Recorder rec;
     v1::Assignment a = RlJob((root_ / "x").string(), 0);
     a.set_world_size(2);
+    a.set_rank(2);
     JobRunner runner(a, opts, rec.Callbacks(), nullptr);
     v1::JobResult r = rec.Wait();
     EXPECT_FALSE(r.ok());
-    EXPECT_NE(r.error().find("RL sessions are single-rank for now"), std::string::npos) << r.error();
+    EXPECT_NE(r.error().find("rank (2) must be in [0, world_size (2))"), std::string::npos) << r.error();
   }
+}
+
+// A multi-rank RL session waits for its peers at the rendezvous; a cancel meanwhile ends the
+// wait at once (not after the 120 s connect timeout) with a cancelled result.
+TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  Recorder rec;
+  v1::Assignment a = RlJob((root_ / "x").string(), 0);
+  a.set_world_size(2);
+  a.set_rank(0);
+  a.set_rendezvous("127.0.0.1:0");  // rank 0 listens; rank 1 never comes
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  absl::SleepFor(absl::Milliseconds(300));  // let it reach the rendezvous (a cancel before it is fine too)
+  const absl::Time cancelled = absl::Now();
+  runner.Cancel("test says stop");
+  v1::JobResult r = rec.Wait(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(10));
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.cancelled(), "test says stop") << r.error();
   {
     Recorder rec;
     v1::Assignment a = TinyJob((root_ / "x").string(), 4);

@@ -43,6 +43,8 @@ const char* CallName(const v1::TrainingCall& call) {
 
 RlRequest ToRlRequest(const v1::TrainingCall& call) {
   RlRequest r;
+  r.weight_sum = call.weight_sum();
+  r.datum_offset = call.datum_offset();
   switch (call.call_case()) {
     case v1::TrainingCall::kForwardBackward: {
       const v1::ForwardBackwardRequest& fb = call.forward_backward();

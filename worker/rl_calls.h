@@ -8,7 +8,8 @@
 
 namespace odyssey::worker {
 
-// The call's request as an RlRequest (token ids widened to int64; proto defaults left as 0).
+// The call's request as an RlRequest (token ids widened to int64; proto defaults left as 0; the
+// controller's shard fields weight_sum and datum_offset carried over).
 // REQUIRES: call.call_case() is set.
 RlRequest ToRlRequest(const odyssey::v1::TrainingCall& call);
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/parallel/communicator.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
 #include "model/safetensors.h"
@@ -79,7 +80,16 @@ std::vector<engine::Datum> ToEngine(std::vector<RlDatum>& batch) {
 struct RlSession::Impl {
   EngineJobOptions options;
   engine::TrainerOptions trainer_options;
+  // world_size > 1: the ranks' group; declared before the trainer, which uses it until destroyed.
+  std::unique_ptr<engine::TcpCommunicator> comm;
   std::unique_ptr<engine::Trainer> trainer;
+
+  engine::RlShard Shard(const RlRequest& req) const {
+    engine::RlShard shard;
+    shard.weight_sum = req.weight_sum;
+    shard.datum_offset = req.datum_offset;
+    return shard;
+  }
 
   // Checks, before anything is loaded, that `dir` is a checkpoint SaveCheckpoint wrote for this
   // session's model: its files exist and every parameter is there with the model's shape. The
@@ -125,7 +135,7 @@ struct RlSession::Impl {
         loss.kind = *kind;
         if (req.clip_low > 0) loss.clip_low = req.clip_low;
         if (req.clip_high > 0) loss.clip_high = req.clip_high;
-        absl::StatusOr<engine::ForwardBackwardResult> r = t.ForwardBackward(ToEngine(req.batch), loss);
+        absl::StatusOr<engine::ForwardBackwardResult> r = t.ForwardBackward(ToEngine(req.batch), loss, Shard(req));
         if (!r.ok()) {
           out.status = r.status();
           return out;
@@ -165,7 +175,7 @@ struct RlSession::Impl {
         return out;
       }
       case RlMethod::kForward: {
-        absl::StatusOr<std::vector<std::vector<float>>> r = t.Forward(ToEngine(req.batch));
+        absl::StatusOr<std::vector<std::vector<float>>> r = t.Forward(ToEngine(req.batch), Shard(req));
         if (!r.ok()) {
           out.status = r.status();
           return out;
@@ -238,14 +248,24 @@ struct RlSession::Impl {
 RlSession::RlSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RlSession::~RlSession() = default;
 
-absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOptions& options) {
-  if (options.world_size != 1)
-    return absl::InvalidArgumentError(absl::StrCat("spec.parallel.world_size (", options.world_size,
-                                                   ") must be 1: RL sessions are single-rank for now"));
+absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOptions& options,
+                                                             const std::function<bool()>& abort) {
   try {
     auto impl = std::make_unique<Impl>();
     impl->options = options;
     if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
+    if (options.world_size > 1) {  // as an SFT data-parallel run (engine_job.cc)
+      engine::TcpCommunicatorOptions co;
+      co.rendezvous = options.rendezvous;
+      co.rank = options.rank;
+      co.world_size = options.world_size;
+      co.connect_timeout = absl::Seconds(120);
+      if (abort) co.abort = abort;
+      absl::StatusOr<std::unique_ptr<engine::TcpCommunicator>> c = engine::TcpCommunicator::Create(co);
+      if (!c.ok()) return c.status();
+      impl->comm = *std::move(c);
+      impl->trainer_options.communicator = impl->comm.get();
+    }
     absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(impl->trainer_options);
     if (!created.ok()) return created.status();
     impl->trainer = *std::move(created);
@@ -253,7 +273,7 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
       if (absl::Status s = impl->trainer->LoadCheckpoint(options.resume_from); !s.ok())
         return absl::Status(s.code(), absl::StrCat("resume_from ", options.resume_from, ": ", s.message()));
     }
-    if (!options.checkpoint_dir.empty()) {  // leftovers of a run that died mid-write
+    if (!options.checkpoint_dir.empty() && options.rank == 0) {  // leftovers of a run that died mid-write
       std::error_code ec;
       for (const auto& e : fs::directory_iterator(options.checkpoint_dir, ec))
         if (e.path().filename().string().rfind(".step-", 0) == 0) fs::remove_all(e.path(), ec);

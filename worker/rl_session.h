@@ -8,6 +8,13 @@
 // per-call batch the memory was planned for) and resumes from `resume_from` when set (weights,
 // optimizer state, step counter).
 //
+// Several ranks (world_size > 1, data parallel): like an SFT data-parallel run, Create joins the
+// TcpCommunicator rendezvous at options.rendezvous (rank 0 hosts it) and the Trainer broadcasts
+// rank 0's weights; every rank resumes from the same `resume_from`. The controller sends each
+// rank its slice of every forward_backward / forward (RlRequest::weight_sum, datum_offset) and
+// every optim_step / load_checkpoint, in the same order on every rank: the engine's collectives
+// (inside ForwardBackward and OptimStep) pair up the ranks' calls by their order.
+//
 // Run() executes one call. Errors come back in RlResponse::status with the engine's codes and
 // messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;
 // FAILED_PRECONDITION for optim_step without gradients; RESOURCE_EXHAUSTED out of memory;
@@ -20,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +61,10 @@ struct RlRequest {
   // save_checkpoint (empty = <checkpoint_dir>/step-N), load_checkpoint, export_weights.
   std::string directory;
   std::string dtype;  // export_weights: "" = the session's dtype | float32 | bfloat16
+  // A multi-rank session's slice (engine RlShard): forward_backward: W of the whole batch (0 = the
+  // slice's own, single rank); forward_backward, forward: whole-batch index of batch[0].
+  double weight_sum = 0;
+  int64_t datum_offset = 0;
 };
 
 struct RlResponse {
@@ -71,8 +83,10 @@ struct RlResponse {
 
 class RlSession {
  public:
-  // REQUIRES: options.world_size == 1 (RL calls are single-rank).
-  static absl::StatusOr<std::unique_ptr<RlSession>> Create(const EngineJobOptions& options);
+  // `abort` (may be empty) is asked while a multi-rank session waits for its peers at the
+  // rendezvous: true gives up with CANCELLED (the job was cancelled meanwhile).
+  static absl::StatusOr<std::unique_ptr<RlSession>> Create(const EngineJobOptions& options,
+                                                           const std::function<bool()>& abort = nullptr);
   ~RlSession();
   RlSession(const RlSession&) = delete;
   RlSession& operator=(const RlSession&) = delete;

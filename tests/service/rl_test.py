@@ -28,6 +28,15 @@ Cases (--case):
                requeues the session (calls meanwhile get FAILED_PRECONDITION "is PENDING"), and
                on a new worker it resumes from that checkpoint: same logprobs, step counter
                continues from the saved step.
+  data_parallel
+               a session of parallel.world_size 2 on two CPU workers (its ranks meet at the
+               controller's rendezvous) against a 1-worker session of the same seed and model: on
+               one batch of 5 datums of different lengths (one with weights) the logprobs agree
+               within 1e-5 and the loss (the ranks' shares summed) within 1e-5; after 3
+               forward_backward + optim_step rounds forward's logprobs still agree within 1e-4;
+               ExportWeights of the 2-rank session loads in transformers and matches its forward
+               (<= 1e-4); a bad datum at whole-batch index 3 (in rank 1's slice) comes back
+               INVALID_ARGUMENT naming batch[3], and the session still trains.
 
 Every wait is on a condition with a deadline.
 """
@@ -57,8 +66,9 @@ class RlCluster(Cluster):
         self.metrics_port = wait_for_port_file(metrics_file, "the controller's metrics port")
         self.training = self.pbg.TrainingServiceStub(self.channel)
 
-    def session(self, idle_timeout=0, restart_limit=0):
+    def session(self, idle_timeout=0, restart_limit=0, world_size=1):
         spec = self.pb.JobSpec(kind=self.pb.RL_SESSION, display_name="rl-test")
+        spec.parallel.world_size = world_size
         spec.model.name = "tiny"
         spec.model.dtype = "float32"
         spec.data.seq_len = SEQ_LEN
@@ -431,9 +441,78 @@ def case_worker_loss(c):
         raise Failure(f"the restarted session is not the saved one: workers {list(j.workers)}, diff {back}, step {step}")
 
 
+def case_data_parallel(c):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c.start_controller()
+    for w in ("w1", "w2", "w3"):
+        c.start_worker(w)
+    single = c.session()
+    dp = c.session(world_size=2)
+    workers = list(c.get(dp).workers)
+    print(f"1-rank session {single} on {list(c.get(single).workers)}; 2-rank session {dp} on {workers}")
+    if len(workers) != 2:
+        raise Failure(f"the 2-rank session runs on {workers}")
+    # 5 datums of 32, 19, 40, 11 and 26 tokens: the controller cuts after datum 1 (51 of 128 tokens),
+    # so rank 1 runs datums 2..4. Datum 1 carries weights (W = 32 + 19 x 0.5 + 40 + 11 + 26).
+    rng = random.Random(11)
+    batch = [c.datum([rng.randrange(VOCAB) for _ in range(n + 1)]) for n in (32, 19, 40, 11, 26)]
+    batch[1].weights.extend([0.5] * 19)
+    a, b = c.fb(single, batch), c.fb(dp, batch)
+    lp_diff = max_diff([l.values for l in a.logprobs], [l.values for l in b.logprobs])
+    print(f"forward_backward: loss {a.loss:.6f} (1 rank) vs {b.loss:.6f} (2 ranks), W {a.weight_sum} vs "
+          f"{b.weight_sum}, logprobs max |diff| {lp_diff:.2e}")
+    if len(b.logprobs) != 5 or [len(l.values) for l in b.logprobs] != [32, 19, 40, 11, 26]:
+        raise Failure(f"the 2-rank reply holds logprob rows of {[len(l.values) for l in b.logprobs]} tokens")
+    if lp_diff > 1e-5 or abs(a.loss - b.loss) > 1e-5 or abs(a.weight_sum - b.weight_sum) > 1e-9 or b.tokens != 128:
+        raise Failure(f"the 2-rank forward_backward differs: loss {b.loss} vs {a.loss}, W {b.weight_sum} vs "
+                      f"{a.weight_sum}, tokens {b.tokens}, logprobs {lp_diff}")
+    for i in range(3):
+        if i > 0:
+            c.fb(single, batch)
+            c.fb(dp, batch)
+        s1, s2 = c.step(single), c.step(dp)
+        if s1.step != i + 1 or s2.step != i + 1 or abs(s1.grad_norm - s2.grad_norm) > 1e-4 * max(1.0, s1.grad_norm):
+            raise Failure(f"optim_step {i + 1}: step {s1.step} / {s2.step}, grad_norm {s1.grad_norm} / {s2.grad_norm}")
+    probe = c.batch(seed=12, n=3, length=41) + [c.datum([7, 8, 9])]
+    ours, theirs = c.forward(dp, probe), c.forward(single, probe)
+    trained = max_diff(ours, theirs)
+    print(f"after 3 rounds: forward max |diff| {trained:.2e} (grad_norm {s1.grad_norm:.4f} / {s2.grad_norm:.4f})")
+    if trained > 1e-4:
+        raise Failure(f"after 3 rounds the 2-rank session's logprobs differ by {trained}")
+
+    export = os.path.join(c.workdir, "export-dp")
+    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=dp, directory=export, dtype="float32"), timeout=120)
+    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    model.eval()
+    worst = 0.0
+    for d, mine in zip(probe, ours):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(d.tokens)])).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(d.target_tokens))[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(mine)).abs().max().item())
+    print(f"ExportWeights of the 2-rank session vs its forward, in transformers: max |diff| {worst:.2e}")
+    if worst > 1e-4:
+        raise Failure(f"the 2-rank session's export differs from its forward by {worst}")
+
+    bad = list(batch)
+    bad[3] = c.datum([1, 2, 300, 4] + [5] * 8)  # 11 tokens like the datum it replaces: still rank 1's
+    msg = expect_code("a bad datum in rank 1's slice", lambda: c.fb(dp, bad), c.grpc.StatusCode.INVALID_ARGUMENT,
+                      "batch[3].tokens[2]", "[0, 256)")
+    if "another rank" in msg:
+        raise Failure(f"the error is another rank's echo, not the bad datum's: {msg}")
+    c.fb(dp, batch)
+    step = c.step(dp).step
+    print(f"the 2-rank session still trains after the refused batch: optim_step {step}")
+    if step != 4:
+        raise Failure(f"optim_step after the refused batch returned step {step}, want 4")
+
+
 def main():
     ap = arg_parser(cli="the odyssey CLI (the cancel case submits the example spec with it)")
-    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss"])
+    ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss",
+                                                          "data_parallel"])
     args = parse_args(ap)
     outcome = run_test(f"rl {args.case}", f"odyssey-rl-{args.case}-", args.keep, lambda workdir: RlCluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))
