@@ -842,8 +842,9 @@ const v1::TrainingReply* FirstError(const std::vector<v1::TrainingReply>& replie
   return echo;
 }
 
-// One reply out of the ranks' forward_backward replies (all OK), for a batch of weight sum `w`.
-v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& replies, double w) {
+// One reply out of the ranks' forward_backward replies (all OK). weight_sum: the W every rank
+// normalized by (the whole batch's; the same on every rank).
+v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& replies) {
   v1::TrainingReply out;
   out.set_call_id(replies[0].call_id());
   out.set_job(replies[0].job());
@@ -860,7 +861,7 @@ v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& rep
     fb->set_tokens(fb->tokens() + p.tokens());
     fb->set_seconds(std::max(fb->seconds(), p.seconds()));  // the ranks run side by side
   }
-  fb->set_weight_sum(w);
+  fb->set_weight_sum(replies[0].forward_backward().weight_sum());
   if (fb->mismatch_tokens() > 0) fb->set_mismatch_mean(mismatch_sum / static_cast<double>(fb->mismatch_tokens()));
   return out;
 }
@@ -1114,7 +1115,13 @@ absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::Trainin
           "batch: ", positions, " token positions exceed the session's limit of ", limit * world, " (",
           world, " ranks x ", limit, ": ", limit_why, "); split the batch"));
     }
-    if (call.has_forward_backward()) weight_sum = WeightSum(batch);
+    // A W that is not a positive finite number (a NaN or infinite weight, all weights 0) is not
+    // sent: the engine then sums the slices' weights itself, and its validation names the bad
+    // datum, or refuses a weightless batch, as on one rank.
+    if (call.has_forward_backward()) {
+      weight_sum = WeightSum(batch);
+      if (!(std::isfinite(weight_sum) && weight_sum > 0)) weight_sum = 0;
+    }
     const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, world);
     for (int r = 0; r < world; ++r) {
       const auto [begin, end] = ranges[static_cast<size_t>(r)];
@@ -1207,7 +1214,7 @@ absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::Trainin
   if (targets.size() == 1 || !split) {
     merged = std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
   } else if (replies[0].has_forward_backward()) {
-    merged = MergeForwardBackward(replies, weight_sum);
+    merged = MergeForwardBackward(replies);
   } else {
     merged = std::move(replies[0]);
     v1::ForwardResponse* f = merged.mutable_forward();

@@ -1097,7 +1097,7 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
     for (int d = 0; d < 3; ++d) AddLogprobs(fb->add_logprobs(), 2, -1.0f - d);
     fb->set_loss(0.5);
     fb->set_weight_sum(9);
-    fb->set_mismatch_mean(0.3);
+    fb->set_mismatch_mean(0.375);
     fb->set_mismatch_max(0.9);
     fb->set_mismatch_tokens(6);
     fb->set_clipped_tokens(1);
@@ -1110,7 +1110,7 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
     AddLogprobs(fb->add_logprobs(), 6, -0.5f);
     fb->set_loss(1.25);
     fb->set_weight_sum(9);
-    fb->set_mismatch_mean(0.1);
+    fb->set_mismatch_mean(0.125);
     fb->set_mismatch_max(0.2);
     fb->set_mismatch_tokens(2);
     fb->set_clipped_tokens(2);
@@ -1128,8 +1128,12 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
   EXPECT_DOUBLE_EQ(fb.loss(), 1.75);
   EXPECT_DOUBLE_EQ(fb.weight_sum(), 9);
   EXPECT_EQ(fb.mismatch_tokens(), 8);
-  EXPECT_DOUBLE_EQ(fb.mismatch_mean(), (0.1 * 2 + 0.3 * 6) / 8);
+  EXPECT_DOUBLE_EQ(fb.mismatch_mean(), (0.125 * 2 + 0.375 * 6) / 8);
   EXPECT_DOUBLE_EQ(fb.mismatch_max(), 0.9);
+  // The controller's mismatch gauges show the merged figures, not one rank's.
+  const std::string m = prometheus::TextSerializer().Serialize(registry_->Collect());
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job=\"" + job_.name() + "\"} 0.3125"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job=\"" + job_.name() + "\"} 0.9"));
   EXPECT_EQ(fb.clipped_tokens(), 3);
   EXPECT_EQ(fb.tokens(), 12);
   EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
@@ -1287,6 +1291,39 @@ TEST_F(TrainingRanksTest, DetachOfAnyRankFailsThePendingCall) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("rank 1"));
   EXPECT_EQ(conns_[0]->WaitForCalls(0).size(), 1u);  // not forwarded to rank 0 either
+}
+
+
+// Sequences order a multi-rank session's calls on every rank; a cancel aborts a call pending on
+// both ranks.
+TEST_F(TrainingRanksTest, SequencesAndCancelSpanTheRanks) {
+  AsyncTrain second(controller_.get(), id_, Step(2), 2);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (controller_->WaitingCalls(id_) < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(controller_->WaitingCalls(id_), 1);
+  AsyncTrain first(controller_.get(), id_, Step(1), 1);
+  for (const auto& conn : conns_) {
+    const auto calls = conn->WaitForCalls(2);
+    ASSERT_EQ(calls.size(), 2u);
+    EXPECT_EQ(calls[0].optim_step().adam().lr(), 1);
+    EXPECT_EQ(calls[1].optim_step().adam().lr(), 2);
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto calls = conns_[static_cast<size_t>(rank)]->WaitForCalls(2);
+    for (int i = 0; i < 2; ++i)
+      Reply(rank, calls[static_cast<size_t>(i)], [i](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(i + 1); });
+  }
+  ASSERT_EQ(first.Wait()->optim_step().step(), 1);
+  ASSERT_EQ(second.Wait()->optim_step().step(), 2);
+
+  AsyncTrain pending(controller_.get(), id_, Fb({MakeDatum(4), MakeDatum(4)}), 0);
+  const auto c0 = conns_[0]->WaitForCalls(3);
+  ASSERT_EQ(conns_[1]->WaitForCalls(3).size(), 3u);
+  Reply(0, c0[2], [](v1::TrainingReply& r) { r.mutable_forward_backward()->set_loss(1); });  // rank 1 still runs
+  ASSERT_TRUE(controller_->CancelJob(id_, kAnon).ok());
+  auto r = pending.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("CANCELLED"));
 }
 
 

@@ -502,6 +502,11 @@ def case_data_parallel(c):
                       "batch[3].tokens[2]", "[0, 256)")
     if "another rank" in msg:
         raise Failure(f"the error is another rank's echo, not the bad datum's: {msg}")
+    # A NaN weight makes W NaN: the controller leaves W to the engine, which names the weight.
+    bad[3] = c.datum(list(batch[3].tokens) + [batch[3].target_tokens[-1]],
+                     weights=[1.0, float("nan")] + [1.0] * (len(batch[3].tokens) - 2))
+    expect_code("a NaN weight in rank 1's slice", lambda: c.fb(dp, bad), c.grpc.StatusCode.INVALID_ARGUMENT,
+                "batch[3].weights[1]")
     c.fb(dp, batch)
     step = c.step(dp).step
     print(f"the 2-rank session still trains after the refused batch: optim_step {step}")
