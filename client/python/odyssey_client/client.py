@@ -158,7 +158,10 @@ class TrainingClient:
         long without calls (0 = the server's default, an hour). recompute/offload/tiles/
         host_budget_bytes: the memory options of JobSpec.memory ("" / 0 = the planner's choice).
         grad_clip: gradient-norm clipping of every optim_step (<= 0: none; each optim_step carries
-        its own AdamW settings). seed: model initialization of named shapes.
+        its own AdamW settings). seed: model initialization of named shapes. world_size: workers
+        the session runs on, data parallel (0 = 1); the controller splits each batch between them
+        by datums, so seq_len x batch_size then bounds each worker's share and a batch may hold
+        world_size times as many positions.
         request_id: idempotency key (a retry with the same id returns the same job); a random one
         by default. Raises JobFailedError when the job fails to start, SessionTimeoutError when it
         is not RUNNING after wait_timeout seconds.
