@@ -555,7 +555,10 @@ void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
     return;
   }
   if (progress.rank() != 0) return;
-  const v1::StepMetrics& m = progress.metrics();
+  v1::StepMetrics m = progress.metrics();
+  // An RL session's loss is its last ForwardBackward's batch loss, taken from the (merged)
+  // reply in ApplyReply: rank 0 of a multi-rank session only knows its own share.
+  if (job->spec().kind() == v1::RL_SESSION) m.set_loss(job->loss());
   job->set_step(m.step());
   job->set_loss(m.loss());
   job->set_tokens_per_second(m.tokens_per_second());
@@ -1059,6 +1062,7 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
   switch (reply.reply_case()) {
     case v1::TrainingReply::kForwardBackward: {
       const v1::ForwardBackwardResponse& fb = reply.forward_backward();
+      job->set_loss(fb.loss());  // the whole batch's (OnProgress keeps it)
       if (metrics_ && fb.mismatch_tokens() > 0) {
         metrics_->JobGauge(metrics_->mismatch_mean, job->name()).Set(fb.mismatch_mean());
         metrics_->JobGauge(metrics_->mismatch_max, job->name()).Set(fb.mismatch_max());

@@ -1134,6 +1134,16 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
   const std::string m = prometheus::TextSerializer().Serialize(registry_->Collect());
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job=\"" + job_.name() + "\"} 0.3125"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job=\"" + job_.name() + "\"} 0.9"));
+  // The job's loss is the batch's, also after rank 0 reports progress with its share.
+  EXPECT_DOUBLE_EQ(Get(job_.name()).loss(), 1.75);
+  v1::WorkerMessage progress;
+  progress.mutable_progress()->set_job(job_.name());
+  progress.mutable_progress()->set_rank(0);
+  progress.mutable_progress()->mutable_metrics()->set_step(1);
+  progress.mutable_progress()->mutable_metrics()->set_loss(1.25);
+  controller_->OnWorkerMessage(sessions_[0], progress);
+  EXPECT_EQ(Get(job_.name()).step(), 1);
+  EXPECT_DOUBLE_EQ(Get(job_.name()).loss(), 1.75);
   EXPECT_EQ(fb.clipped_tokens(), 3);
   EXPECT_EQ(fb.tokens(), 12);
   EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
