@@ -563,7 +563,10 @@ void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
   job->set_loss(m.loss());
   job->set_tokens_per_second(m.tokens_per_second());
   if (metrics_) {
-    if (m.tokens() > 0) metrics_->tokens->Increment(static_cast<double>(m.tokens()));
+    // RL sessions count their positions from the (merged) ForwardBackward replies instead.
+    if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) {
+      metrics_->tokens->Increment(static_cast<double>(m.tokens()));
+    }
     if (m.step_seconds() > 0) metrics_->step_duration->Observe(m.step_seconds());
   }
   v1::JobEvent event;
@@ -1063,6 +1066,7 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
     case v1::TrainingReply::kForwardBackward: {
       const v1::ForwardBackwardResponse& fb = reply.forward_backward();
       job->set_loss(fb.loss());  // the whole batch's (OnProgress keeps it)
+      if (metrics_ && fb.tokens() > 0) metrics_->tokens->Increment(static_cast<double>(fb.tokens()));
       if (metrics_ && fb.mismatch_tokens() > 0) {
         metrics_->JobGauge(metrics_->mismatch_mean, job->name()).Set(fb.mismatch_mean());
         metrics_->JobGauge(metrics_->mismatch_max, job->name()).Set(fb.mismatch_max());

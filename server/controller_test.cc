@@ -1144,6 +1144,10 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
   controller_->OnWorkerMessage(sessions_[0], progress);
   EXPECT_EQ(Get(job_.name()).step(), 1);
   EXPECT_DOUBLE_EQ(Get(job_.name()).loss(), 1.75);
+  // Positions count every rank's, once (from the merged reply, not rank 0's progress).
+  progress.mutable_progress()->mutable_metrics()->set_tokens(6);
+  controller_->OnWorkerMessage(sessions_[0], progress);
+  EXPECT_THAT(prometheus::TextSerializer().Serialize(registry_->Collect()), HasSubstr("odyssey_tokens_total 12"));
   EXPECT_EQ(fb.clipped_tokens(), 3);
   EXPECT_EQ(fb.tokens(), 12);
   EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
