@@ -13,6 +13,7 @@
 
 #include "engine/parallel/communicator.h"
 #include "engine/rl_loss.h"
+#include "engine/rl_test_batch.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
@@ -86,37 +87,11 @@ World MakeWorld() {
   return w;
 }
 
-std::vector<float> ToFloats(const torch::Tensor& t) {
-  torch::Tensor c = t.detach().to(torch::kFloat32).contiguous();
-  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
-}
+using rl_testing::ToFloats;
 
-// Five datums of awkward lengths: random tokens, targets shifted by one, weights in [0, 2) with a
-// zero-weight "prompt", advantages N(0, 1), sampler logprobs = the model's own + N(0, 0.3) noise
-// (so PPO's clip is active for some tokens).
+// Five datums of awkward lengths (engine/rl_test_batch.h says what each holds).
 std::vector<Datum> RandomBatch(Trainer& trainer, uint64_t seed) {
-  torch::manual_seed(seed);
-  const std::vector<int64_t> lengths = {7, 12, 5, 9, 11};
-  std::vector<Datum> batch;
-  for (int64_t S : lengths) {
-    torch::Tensor seq = torch::randint(0, kVocab, {S + 1}, torch::kInt64);  // (S + 1,)
-    Datum d;
-    d.tokens.assign(seq.data_ptr<int64_t>(), seq.data_ptr<int64_t>() + S);
-    d.target_tokens.assign(seq.data_ptr<int64_t>() + 1, seq.data_ptr<int64_t>() + S + 1);
-    torch::Tensor w = torch::rand({S}) * 2;  // (S,)
-    w.slice(0, 0, 2).zero_();
-    d.weights = ToFloats(w);
-    d.advantages = ToFloats(torch::randn({S}));
-    batch.push_back(std::move(d));
-  }
-  absl::StatusOr<std::vector<std::vector<float>>> logp = trainer.Forward(batch);
-  EXPECT_TRUE(logp.ok()) << logp.status();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    torch::Tensor q = torch::tensor(torch::ArrayRef<float>((*logp)[i])) +
-                      0.3 * torch::randn({static_cast<int64_t>(batch[i].tokens.size())});  // (S,)
-    batch[i].sampler_logprobs = ToFloats(q);
-  }
-  return batch;
+  return rl_testing::RandomBatch(trainer, seed, /*lengths=*/{7, 12, 5, 9, 11}, kVocab);
 }
 
 std::vector<Datum> Slice(const std::vector<Datum>& batch, size_t begin, size_t end) {

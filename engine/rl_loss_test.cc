@@ -3,6 +3,7 @@
 // table (and the trainer still trains afterwards), and REINFORCE with PPO raising the reward of
 // completions the tiny model samples itself.
 #include "engine/rl_loss.h"
+#include "engine/rl_test_batch.h"
 
 #include <cmath>
 #include <functional>
@@ -40,38 +41,11 @@ std::unique_ptr<Trainer> MakeTrainer(uint64_t seed, const std::string& recompute
   return t.ok() ? *std::move(t) : nullptr;
 }
 
-std::vector<float> ToFloats(const torch::Tensor& t) {
-  torch::Tensor c = t.detach().to(torch::kFloat32).contiguous();
-  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
-}
+using rl_testing::FromFloats;
+using rl_testing::ToFloats;
 
-torch::Tensor FromFloats(const std::vector<float>& v) { return torch::tensor(torch::ArrayRef<float>(v)); }
-
-// A batch of datums of awkward lengths: random tokens, targets = tokens shifted by one, weights
-// in [0, 2) with the first positions (a "prompt") at 0, advantages N(0, 1), and sampler logprobs
-// = the model's own + N(0, 0.3) noise, so that PPO's clip is active for some tokens.
 std::vector<Datum> RandomBatch(Trainer& trainer, uint64_t seed) {
-  torch::manual_seed(seed);
-  const std::vector<int64_t> lengths = {7, 12, 5, 9};
-  std::vector<Datum> batch;
-  for (int64_t S : lengths) {
-    torch::Tensor seq = torch::randint(0, 256, {S + 1}, torch::kInt64);  // (S + 1,)
-    Datum d;
-    d.tokens.assign(seq.data_ptr<int64_t>(), seq.data_ptr<int64_t>() + S);
-    d.target_tokens.assign(seq.data_ptr<int64_t>() + 1, seq.data_ptr<int64_t>() + S + 1);
-    torch::Tensor w = torch::rand({S}) * 2;  // (S,)
-    w.slice(0, 0, 2).zero_();
-    d.weights = ToFloats(w);
-    d.advantages = ToFloats(torch::randn({S}));
-    batch.push_back(std::move(d));
-  }
-  absl::StatusOr<std::vector<std::vector<float>>> logp = trainer.Forward(batch);
-  EXPECT_TRUE(logp.ok()) << logp.status();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    torch::Tensor q = FromFloats((*logp)[i]) + 0.3 * torch::randn({static_cast<int64_t>(batch[i].tokens.size())});
-    batch[i].sampler_logprobs = ToFloats(q);
-  }
-  return batch;
+  return rl_testing::RandomBatch(trainer, seed, /*lengths=*/{7, 12, 5, 9});
 }
 
 std::vector<torch::Tensor> TakeGrads(Trainer& trainer) {

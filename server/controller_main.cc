@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -19,24 +18,8 @@
 #include "server/controller.h"
 #include "server/paths.h"
 #include "server/service.h"
+#include "common/files.h"
 #include "spdlog/spdlog.h"
-
-namespace {
-
-// Writes `text` to `path` atomically (write then rename), so a reader never sees a partial file.
-bool WriteFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text << "\n";
-    if (!out.good()) return false;
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  return !ec;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"odyssey-controller: schedules training jobs onto attached odyssey-worker daemons"};
@@ -191,11 +174,11 @@ int main(int argc, char** argv) {
     }
     metrics = std::move(*endpoint);
   }
-  if (!port_file.empty() && !WriteFileAtomically(port_file, std::to_string(port))) {
+  if (!port_file.empty() && !odyssey::WriteFileAtomically(port_file, std::to_string(port) + "\n")) {
     std::cerr << "odyssey-controller: cannot write --port-file " << port_file << "\n";
     return 1;
   }
-  if (metrics && !metrics_port_file.empty() && !WriteFileAtomically(metrics_port_file, std::to_string(metrics->port()))) {
+  if (metrics && !metrics_port_file.empty() && !odyssey::WriteFileAtomically(metrics_port_file, std::to_string(metrics->port()) + "\n")) {
     std::cerr << "odyssey-controller: cannot write --metrics-port-file " << metrics_port_file << "\n";
     return 1;
   }

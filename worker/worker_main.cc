@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <thread>
 
@@ -17,26 +15,10 @@
 #include "common/tls.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "worker/engine_job.h"
+#include "common/files.h"
 #include "worker/job_runner.h"
 #include "worker/worker.h"
 #include "worker/worker_metrics.h"
-
-namespace {
-
-// Writes `text` to `path` atomically (temp file + rename), so a reader never sees half of it.
-bool WriteFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    if (!out.good()) return false;
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  return !ec;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string controller = "127.0.0.1:50051";
@@ -133,7 +115,7 @@ int main(int argc, char** argv) {
     odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " metrics at http://",
                                   metrics_listen.substr(0, metrics_listen.rfind(':')), ":", endpoint->port(),
                                   "/metrics"));
-    if (!metrics_port_file.empty() && !WriteFileAtomically(metrics_port_file, absl::StrCat(endpoint->port(), "\n"))) {
+    if (!metrics_port_file.empty() && !odyssey::WriteFileAtomically(metrics_port_file, absl::StrCat(endpoint->port(), "\n"))) {
       std::fprintf(stderr, "odyssey-worker: --metrics-port-file: cannot write %s\n", metrics_port_file.c_str());
       return 2;
     }

@@ -107,6 +107,23 @@ def max_diff(a, b):
     return max(abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb))
 
 
+def transformers_max_diff(export, probe, ours):
+    """Largest |difference| between `ours` (per-datum logprobs of the session) and transformers'
+    logprobs of the same target tokens, with the model loaded from the exported folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    model.eval()
+    worst = 0.0
+    for d, mine in zip(probe, ours):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(d.tokens)])).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(d.target_tokens))[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(mine)).abs().max().item())
+    return worst
+
+
 def expect_code(what, fn, code, *substrings):
     """fn() must fail with `code` and a message naming every substring; returns the message."""
     return expect_rpc_error(what, fn, code, *substrings, show="  {what}: {code}: {details}").details()
@@ -217,7 +234,6 @@ def case_train(c):
 
 def case_hf_parity(c):
     import torch
-    from transformers import AutoModelForCausalLM
 
     c.start_controller()
     c.start_worker("w1")
@@ -232,14 +248,7 @@ def case_hf_parity(c):
     r = c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=export, dtype="float32"), timeout=120)
     if r.directory != export or not {"config.json", "model.safetensors"} <= set(os.listdir(export)):
         raise Failure(f"export_weights wrote {r.directory}: {os.listdir(r.directory)}")
-    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
-    model.eval()
-    worst = 0.0
-    for d, mine in zip(probe, ours):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([list(d.tokens)])).logits[0].float()
-        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(d.target_tokens))[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(mine)).abs().max().item())
+    worst = transformers_max_diff(export, probe, ours)
     print(f"(b) forward vs transformers on the exported float32 weights: max |diff| = {worst:.2e}")
     if worst > 1e-4:
         raise Failure(f"logprobs differ from transformers by {worst}")
@@ -442,9 +451,6 @@ def case_worker_loss(c):
 
 
 def case_data_parallel(c):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     c.start_controller()
     for w in ("w1", "w2", "w3"):
         c.start_worker(w)
@@ -484,14 +490,7 @@ def case_data_parallel(c):
 
     export = os.path.join(c.workdir, "export-dp")
     c.training.ExportWeights(c.pb.ExportWeightsRequest(job=dp, directory=export, dtype="float32"), timeout=120)
-    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
-    model.eval()
-    worst = 0.0
-    for d, mine in zip(probe, ours):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([list(d.tokens)])).logits[0].float()
-        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(d.target_tokens))[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(mine)).abs().max().item())
+    worst = transformers_max_diff(export, probe, ours)
     print(f"ExportWeights of the 2-rank session vs its forward, in transformers: max |diff| {worst:.2e}")
     if worst > 1e-4:
         raise Failure(f"the 2-rank session's export differs from its forward by {worst}")
