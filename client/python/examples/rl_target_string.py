@@ -57,6 +57,11 @@ def parse_args(argv=None):
     p.add_argument("--loss", choices=["ppo", "importance_sampling"], default="ppo")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (both sides)")
     p.add_argument("--advantage", choices=["token", "sequence"], default="token")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the session's dtype (the sampler always runs float32 on the CPU; bfloat16 shows a larger "
+                        "trainer-vs-sampler mismatch)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="workers the session runs on, data parallel (the controller needs that many free workers)")
     p.add_argument("--workdir", help="where the exported weights go (default: a temporary directory); it must be "
                    "readable here and writable by the worker")
     p.add_argument("--report", help="write the per-step numbers to this JSON file")
@@ -119,6 +124,8 @@ def main(argv=None) -> int:
     L = len(target)
     if not prompt or not target:
         sys.exit("--prompt and --target must be non-empty")
+    if args.world_size < 1:
+        sys.exit("--world-size must be >= 1")
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     workdir = args.workdir or tempfile.mkdtemp(prefix="odyssey-rl-")
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
     client = TrainingClient(args.controller, token=args.token, tls_ca=args.tls_ca,
                             tls_server_name=args.tls_server_name, tls_cert=args.tls_cert, tls_key=args.tls_key)
     t0 = time.monotonic()
-    session = client.create_session(model="tiny", dtype="float32", seq_len=len(prompt) + L,
+    session = client.create_session(model="tiny", dtype=args.dtype, world_size=args.world_size, seq_len=len(prompt) + L,
                                     batch_size=args.group_size, idle_timeout_seconds=600, seed=args.seed,
                                     display_name="rl_target_string")
     print(f"{session.name} RUNNING after {time.monotonic() - t0:.1f}s; prompt {args.prompt!r}, target {args.target!r}, "
