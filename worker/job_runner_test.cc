@@ -444,7 +444,7 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
 }
 
 // On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
-// planner's memory strategy for seq_len x batch_size positions) and trains: the loss of a fixed
+// planner's memory strategy for seq_len x batch_size = 8192 positions) and trains: the loss of a fixed
 // 4096-token batch falls over 8 forward_backward + optim_step calls, and forward's logprobs are
 // finite. Skips where there is no GPU.
 TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
@@ -454,8 +454,8 @@ TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
   opts.device = "cuda:0";
   v1::Assignment a = RlJob((root_ / "gpu").string(), 0);
   a.mutable_spec()->mutable_model()->clear_dtype();
-  a.mutable_spec()->mutable_data()->set_seq_len(8192);
-  a.mutable_spec()->mutable_data()->set_batch_size(1);
+  a.mutable_spec()->mutable_data()->set_seq_len(4096);  // the tiny model's max_position_embeddings
+  a.mutable_spec()->mutable_data()->set_batch_size(2);
   JobRunner runner(a, opts, rec.Callbacks(), nullptr);
   auto batch = [](v1::Datum* d) {
     for (int i = 0; i < 4096; ++i) {

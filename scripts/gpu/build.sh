@@ -16,8 +16,14 @@ if [ ! -f "$prefix/.unpacked" ] || [ -n "$(find .deps/debs -name '*.deb' -newer 
   for d in .deps/debs/*.deb; do dpkg -x "$d" "$prefix"; done
   touch "$prefix/.unpacked"
 fi
+# `bible` (the kjv dataset) looks for its text in /usr/lib; this one reads the prefix's copy.
+if [ -x "$prefix/usr/bin/bible" ]; then
+  mkdir -p "$prefix/bin"
+  printf '#!/bin/sh\nexec "%s" -p "%s" "$@"\n' "$prefix/usr/bin/bible" "$prefix/usr/lib" >"$prefix/bin/bible"
+  chmod +x "$prefix/bin/bible"
+fi
 lib="$prefix/usr/lib/x86_64-linux-gnu"
-export PATH="$prefix/usr/bin:$PATH"
+export PATH="$prefix/bin:$prefix/usr/bin:$PATH"
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 py="${PYTHON:-python3}"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -25,6 +31,6 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DODYSSEY_SERVICE="${ODYSSEY_SERVICE:-ON}" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 \
   -DCMAKE_PREFIX_PATH="$prefix/usr" -DCMAKE_INCLUDE_PATH="$prefix/usr/include" -DCMAKE_LIBRARY_PATH="$lib" \
-  -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$lib -Wl,-rpath,$lib" \
-  -DCMAKE_SHARED_LINKER_FLAGS="-Wl,-rpath-link,$lib" >/dev/null
+  -DCMAKE_EXE_LINKER_FLAGS="-L$lib -Wl,--disable-new-dtags -Wl,-rpath-link,$lib -Wl,-rpath,$lib" \
+  -DCMAKE_SHARED_LINKER_FLAGS="-L$lib -Wl,-rpath-link,$lib" >/dev/null
 ninja -C build-gpu -j "$(nproc)" "$@"

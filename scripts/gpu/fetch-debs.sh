@@ -19,6 +19,9 @@ pkgs=(
   # TLS: OpenSSL headers for common/tls.cc, and libssl3 so that libssl-dev's libcrypto.so
   # symlink resolves inside the private prefix (Debian's 3.0.x, which libgrpc was built against)
   libssl3 libssl-dev
+  # the 'kjv' dataset (the tiny model's default text) reads the `bible` program's output;
+  # build.sh puts a `bible` in .deps/prefix/bin that finds the text inside the prefix
+  bible-kjv bible-kjv-text
 )
 missing=()
 for p in "${pkgs[@]}"; do

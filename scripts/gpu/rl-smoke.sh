@@ -15,6 +15,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export LD_LIBRARY_PATH="$root/.deps/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$root/.deps/prefix/bin:$PATH"  # `bible` for the kjv dataset (scripts/gpu/build.sh)
 bin="$root/${BUILD_DIR:-build-gpu}"
 device="${DEVICE:-cuda}"
 world="${WORLD_SIZE:-1}"
@@ -25,9 +26,13 @@ work="$(mktemp -d)"
 tag="rl-$world-$dtype"
 pids=()
 cleanup() {
+  local rc=$?
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait || true
   cp "$work"/*.log "$out/" 2>/dev/null || true
+  if [ "$rc" -ne 0 ]; then
+    for f in "$work"/*.log; do echo "----- $(basename "$f") (last 30 lines)"; tail -n 30 "$f"; done
+  fi
 }
 trap cleanup EXIT
 wait_file() { for _ in $(seq 600); do [ -s "$1" ] && { cat "$1"; return 0; }; sleep 0.1; done; echo "no $1" >&2; return 1; }
