@@ -1,6 +1,7 @@
 #include "engine/device_stats.h"
 
 #ifdef ODYSSEY_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,11 +9,26 @@
 #endif
 
 namespace odyssey::engine {
+namespace {
+
+#ifdef ODYSSEY_WITH_CUDA
+// libtorch sizes the caching allocator's per-device state when CUDA is first used (lazily, by
+// the first CUDA tensor); asking it for statistics before that throws "Invalid device argument".
+// A worker probes its device's memory before it has made a tensor, so initialize first.
+// Returns false for a device index this process cannot use.
+bool CudaReady(torch::Device device) {
+  if (device.index() < 0 || device.index() >= c10::cuda::device_count()) return false;
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  return true;
+}
+#endif
+
+}  // namespace
 
 DeviceMemory ReadDeviceMemory(torch::Device device) {
   DeviceMemory m;
 #ifdef ODYSSEY_WITH_CUDA
-  if (device.is_cuda()) {
+  if (device.is_cuda() && CudaReady(device)) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     m.allocated = stats.allocated_bytes[all].current;
@@ -29,7 +45,7 @@ DeviceMemory ReadDeviceMemory(torch::Device device) {
 
 void ResetPeakMemory(torch::Device device) {
 #ifdef ODYSSEY_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda() && CudaReady(device)) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #endif
 }
 

@@ -444,9 +444,10 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
 }
 
 // On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
-// planner's memory strategy for seq_len x batch_size = 8192 positions) and trains: the loss of a fixed
-// 4096-token batch falls over 8 forward_backward + optim_step calls, and forward's logprobs are
-// finite. Skips where there is no GPU.
+// planner's memory strategy for seq_len x batch_size = 8192 positions) and trains: the loss of a
+// fixed 4096-token batch (each token followed by itself + 7) falls by more than 1.5 nats over 16
+// forward_backward + optim_step calls at lr 1e-3 (fp32 on a CPU: 5.58 -> 3.23), and forward's
+// logprobs are finite. Skips where there is no GPU.
 TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
   if (!ProbeDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
   RlRecorder rec;
@@ -463,25 +464,27 @@ TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
       d->add_target_tokens(((i + 1) * 7) % 256);
     }
   };
+  constexpr int kSteps = 16;
   int64_t id = 0;
-  for (int step = 0; step < 8; ++step) {
+  for (int step = 0; step < kSteps; ++step) {
     ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) {
       batch(c.mutable_forward_backward()->add_batch());
       c.mutable_forward_backward()->mutable_loss()->set_kind("cross_entropy");
     })));
-    ASSERT_TRUE(runner.Submit(StepCall(++id)));
+    ASSERT_TRUE(runner.Submit(Call(++id, [](v1::TrainingCall& c) { c.mutable_optim_step()->mutable_adam()->set_lr(1e-3); })));
   }
   ASSERT_TRUE(runner.Submit(Call(++id, [&](v1::TrainingCall& c) { batch(c.mutable_forward()->add_batch()); })));
   const std::vector<v1::TrainingReply> r = rec.WaitReplies(static_cast<size_t>(id));
   ASSERT_EQ(r.size(), static_cast<size_t>(id));
   for (const auto& reply : r) ASSERT_EQ(reply.code(), 0) << reply.message();
-  const double first = r[0].forward_backward().loss(), last = r[14].forward_backward().loss();
-  std::cout << "GPU RL session: loss " << first << " -> " << last << ", " << r[0].forward_backward().seconds()
-            << " s for the first forward_backward, " << r[14].forward_backward().seconds() << " s for the last\n";
-  EXPECT_LT(last, first - 1.0);
-  EXPECT_EQ(r[15].optim_step().step(), 8);
-  ASSERT_EQ(r[16].forward().logprobs(0).values_size(), 4096);
-  for (float v : r[16].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);
+  const auto& first_fb = r[0].forward_backward();
+  const auto& last_fb = r[2 * kSteps - 2].forward_backward();
+  std::cout << "GPU RL session: loss " << first_fb.loss() << " -> " << last_fb.loss() << ", " << first_fb.seconds()
+            << " s for the first forward_backward, " << last_fb.seconds() << " s for the last\n";
+  EXPECT_LT(last_fb.loss(), first_fb.loss() - 1.5);
+  EXPECT_EQ(r[2 * kSteps - 1].optim_step().step(), kSteps);
+  ASSERT_EQ(r[2 * kSteps].forward().logprobs(0).values_size(), 4096);
+  for (float v : r[2 * kSteps].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);
   runner.Cancel("done");
   EXPECT_EQ(rec.Wait(absl::Seconds(60)).cancelled(), "done");
 }
