@@ -1,5 +1,6 @@
 #include "worker/job_runner.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -132,6 +133,7 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
   double last_loss = 0;     // of the last forward_backward
   int64_t tokens = 0;       // forward_backward positions since the last progress
   double seconds = 0;       // compute time since the last progress
+  int64_t gpu_peak = 0;     // the device's peak allocated bytes over the calls since then
   absl::Time idle_since = absl::Now();
   while (session) {
     v1::TrainingCall call;
@@ -154,6 +156,8 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
     const auto t0 = std::chrono::steady_clock::now();
     RlResponse response = session->Run(request);
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    gpu_peak = std::max(gpu_peak, response.gpu_memory_peak_bytes);
+    const int64_t host_offload = response.host_offload_bytes;
     if (!response.status.ok()) {
       LogInfo(absl::StrCat("job=", job, " ", CallName(call), " call ", call.call_id(), ": ",
                            response.status.ToString()));
@@ -201,9 +205,16 @@ void JobRunner::RunRl(const EngineJobOptions& options, EngineOutcome* outcome) {
       m->set_step_seconds(seconds);
       m->set_tokens_per_second(seconds > 0 ? static_cast<double>(tokens) / seconds : 0);
       m->set_world_size(options.world_size);
-      if (metrics_ && call.call_case() == v1::TrainingCall::kOptimStep) metrics_->step_duration->Observe(seconds);
+      m->set_gpu_memory_peak_bytes(gpu_peak);
+      m->set_host_offload_bytes(host_offload);
+      if (metrics_) {
+        if (call.call_case() == v1::TrainingCall::kOptimStep) metrics_->step_duration->Observe(seconds);
+        metrics_->gpu_memory_peak->Set(static_cast<double>(gpu_peak));
+        metrics_->host_offload->Set(static_cast<double>(host_offload));
+      }
       tokens = 0;
       seconds = 0;
+      gpu_peak = 0;
       // Progress before the reply: a client that saw the reply sees the job's step in GetJob
       // once the controller has read the stream up to it.
       if (callbacks_.progress) callbacks_.progress(p);

@@ -446,8 +446,8 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
 // On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the
 // planner's memory strategy for seq_len x batch_size = 8192 positions) and trains: the loss of a
 // fixed 4096-token batch (each token followed by itself + 7) falls by more than 1.5 nats over 16
-// forward_backward + optim_step calls at lr 1e-3 (fp32 on a CPU: 5.58 -> 3.23), and forward's
-// logprobs are finite. Skips where there is no GPU.
+// forward_backward + optim_step calls at lr 1e-3 (fp32 on a CPU: 5.58 -> 3.23), each step's
+// progress reports the GPU's peak memory, and forward's logprobs are finite. Skips where there is no GPU.
 TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
   if (!ProbeDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
   RlRecorder rec;
@@ -482,6 +482,13 @@ TEST_F(JobRunnerTest, RlSessionTrainsOnTheGpu) {
   std::cout << "GPU RL session: loss " << first_fb.loss() << " -> " << last_fb.loss() << ", " << first_fb.seconds()
             << " s for the first forward_backward, " << last_fb.seconds() << " s for the last\n";
   EXPECT_LT(last_fb.loss(), first_fb.loss() - 1.5);
+  {  // every optim_step's progress carries the device's peak over the step's calls
+    absl::MutexLock l(&rec.mu);
+    ASSERT_EQ(rec.progress.size(), static_cast<size_t>(kSteps));
+    const int64_t peak = rec.progress.back().metrics().gpu_memory_peak_bytes();
+    std::cout << "GPU RL session: peak allocated " << peak / (1 << 20) << " MiB over the last step's calls\n";
+    EXPECT_GT(peak, int64_t{1} << 20);
+  }
   EXPECT_EQ(r[2 * kSteps - 1].optim_step().step(), kSteps);
   ASSERT_EQ(r[2 * kSteps].forward().logprobs(0).values_size(), 4096);
   for (float v : r[2 * kSteps].forward().logprobs(0).values()) ASSERT_TRUE(std::isfinite(v) && v <= 0);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
@@ -285,13 +286,18 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
 }
 
 RlResponse RlSession::Run(RlRequest& request) {
+  engine::Trainer& t = *impl_->trainer;
+  engine::ResetPeakMemory(t.device());  // the peak reported is this call's
+  RlResponse out;
   try {
-    return impl_->Run(request);
+    out = impl_->Run(request);
   } catch (const std::exception& e) {  // a libtorch error must not kill the worker
-    RlResponse out;
+    out = RlResponse{};
     out.status = absl::InternalError(absl::StrCat("engine error: ", e.what()));
-    return out;
   }
+  out.gpu_memory_peak_bytes = engine::ReadDeviceMemory(t.device()).peak_allocated;
+  out.host_offload_bytes = t.memory().host_pool_bytes();
+  return out;
 }
 
 int64_t RlSession::step() const { return impl_->trainer->step(); }

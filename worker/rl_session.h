@@ -79,6 +79,10 @@ struct RlResponse {
   int64_t step = 0;
   double grad_norm = 0, lr = 0;  // optim_step
   std::string directory;         // save_checkpoint, export_weights: what was written
+  // Every call: the device's peak allocated bytes during it (0 on CPU), and the pinned host
+  // bytes the memory strategy holds (offloaded layer inputs, host optimizer state).
+  int64_t gpu_memory_peak_bytes = 0;
+  int64_t host_offload_bytes = 0;
 };
 
 class RlSession {
