@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/metrics_endpoint.h"
@@ -104,6 +105,8 @@ int main(int argc, char** argv) {
   options.max_message_bytes = max_message_bytes;
 
   odyssey::worker::WorkerMetrics metrics;
+  if (absl::StartsWith(caps->device(), "cuda"))
+    metrics.gpu_memory_capacity->Set(static_cast<double>(caps->device_memory_bytes()));
   std::unique_ptr<odyssey::MetricsEndpoint> endpoint;
   if (!metrics_listen.empty()) {
     auto e = odyssey::MetricsEndpoint::Create(metrics_listen, metrics.registry());

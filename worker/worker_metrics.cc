@@ -21,6 +21,11 @@ WorkerMetrics::WorkerMetrics() : registry_(std::make_shared<prometheus::Registry
                          .Help("Peak GPU memory allocated by the current job (0 on a CPU worker)")
                          .Register(r)
                          .Add({});
+  gpu_memory_capacity = &prometheus::BuildGauge()
+                             .Name("odyssey_gpu_memory_capacity_bytes")
+                             .Help("Memory of the worker's GPU, as the driver reports it (0 on a CPU worker)")
+                             .Register(r)
+                             .Add({});
   host_offload = &prometheus::BuildGauge()
                       .Name("odyssey_host_offload_bytes")
                       .Help("Pinned host memory held by the current job's offload pool")

@@ -21,6 +21,7 @@ class WorkerMetrics {
   prometheus::Counter* tokens;           // odyssey_tokens_total (this rank's positions)
   prometheus::Counter* steps;            // odyssey_steps_total
   prometheus::Gauge* gpu_memory_peak;    // odyssey_gpu_memory_peak_bytes (0 on CPU)
+  prometheus::Gauge* gpu_memory_capacity;  // odyssey_gpu_memory_capacity_bytes (0 on CPU)
   prometheus::Gauge* host_offload;       // odyssey_host_offload_bytes
   prometheus::Gauge* host_memory_peak;   // odyssey_host_memory_peak_bytes
   prometheus::Gauge* mfu;                // odyssey_model_flops_utilization_ratio (GPU only)
