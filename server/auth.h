@@ -104,5 +104,11 @@ absl::StatusOr<std::string> CallerTenant(const grpc::ServerContext& context);
 // OK when the caller may call WorkerService.Attach: auth off, or a kWorkerTenant token.
 // UNAUTHENTICATED without a valid token; PERMISSION_DENIED for a tenant token.
 absl::Status AuthorizeWorker(const grpc::ServerContext& context);
+// For long-lived streams (WatchJob, Attach), asked again while they run: OK while the stream's
+// token still maps to `tenant` under the installed table (a SIGHUP may have replaced it);
+// UNAUTHENTICATED once the token is no longer recognized, PERMISSION_DENIED when it now maps
+// to another tenant. Messages say the token changed while the stream was open. PushRollouts
+// needs no such call: each of its batches is authenticated as a call of its own.
+absl::Status StillAuthorized(const grpc::ServerContext& context, const std::string& tenant);
 
 }  // namespace odyssey::server

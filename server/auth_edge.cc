@@ -53,4 +53,19 @@ absl::Status AuthorizeWorker(const grpc::ServerContext& context) {
   return absl::OkStatus();
 }
 
+absl::Status StillAuthorized(const grpc::ServerContext& context, const std::string& tenant) {
+  absl::StatusOr<std::string> now = Authenticated(context);
+  if (!now.ok()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("the bearer token of this stream stopped working while it was open (the controller's token "
+                     "file changed): ", now.status().message()));
+  }
+  if (*now != tenant) {
+    spdlog::warn("auth: ended a stream from {}: its token moved from tenant {} to {}", context.peer(), tenant, *now);
+    return absl::PermissionDeniedError(absl::StrCat("the bearer token of this stream now belongs to tenant \"", *now,
+                                                    "\", not \"", tenant, "\" (the controller's token file changed)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace odyssey::server

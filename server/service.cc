@@ -124,6 +124,8 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const v1::Wa
   if (!watch.ok()) return ToGrpcStatus(watch.status());
   while (!context->IsCancelled()) {
     std::optional<v1::JobEvent> event = (*watch)->Next(absl::Milliseconds(250));
+    // A token revoked (or moved to another tenant) by a reload ends the watch within 250 ms.
+    if (absl::Status s = StillAuthorized(*context, *tenant); !s.ok()) return ToGrpcStatus(s);
     if (event) {
       if (!writer->Write(*event)) break;
     } else if ((*watch)->done()) {
@@ -334,10 +336,21 @@ grpc::Status WorkerServiceImpl::Attach(grpc::ServerContext* context, AttachStrea
     return ToGrpcStatus(session.status());
   }
   v1::WorkerMessage message;
-  while (stream->Read(&message)) controller_->OnWorkerMessage(*session, message);
+  grpc::Status status = grpc::Status::OK;
+  while (stream->Read(&message)) {
+    // A worker token revoked by a reload detaches the worker at its next message (heartbeats
+    // come every few seconds); its jobs are then handled as after any worker loss.
+    if (AuthEnabled()) {
+      if (absl::Status s = StillAuthorized(*context, kWorkerTenant); !s.ok()) {
+        status = ToGrpcStatus(s);
+        break;
+      }
+    }
+    controller_->OnWorkerMessage(*session, message);
+  }
   controller_->DetachWorker(*session);
   connection->Shutdown();
-  return grpc::Status::OK;
+  return status;
 }
 
 }  // namespace odyssey::server

@@ -16,8 +16,9 @@ in a temporary folder, plus a second, unrelated CA. Checked:
     bob's own; a worker token cannot call JobService;
   - a plaintext client against the TLS port fails, a client trusting another CA fails;
   - a worker with a tenant token cannot attach (PERMISSION_DENIED, logged);
-  - SIGHUP reloads the token file (a new tenant works, a removed token stops working), and a
-    broken file on SIGHUP keeps the tokens in force;
+  - SIGHUP reloads the token file (a new tenant works, a removed token stops working, also on
+    a WatchJob stream it holds open: UNAUTHENTICATED), a broken file on SIGHUP keeps the tokens
+    in force, and removing the worker token detaches the worker;
   - mTLS (--tls-client-ca): a client without a certificate is refused, one with a certificate
     the CA signed is served; that controller (auth, no --path-root) logs the confinement warning;
   - paths (--path-root, --shared-read-root): a shared root containing the path root is refused
@@ -36,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_test import tiny_spec  # noqa: E402
@@ -310,6 +312,25 @@ def run(env):
     # --- SIGHUP reloads the token file; a broken file keeps the tokens in force ---
     expect_rpc_error("carol before the reload", lambda: jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"),
                                                                      timeout=10), Code.UNAUTHENTICATED)
+    # bob watches a job that stays PENDING (2 ranks, one worker) while his token is removed.
+    pending_spec = pb.JobSpec()
+    pending_spec.CopyFrom(long_spec)
+    pending_spec.parallel.world_size = 2
+    pending = jobs.CreateJob(pb.CreateJobRequest(spec=pending_spec), metadata=md("bob"), timeout=10).name
+    watch_outcome = {}
+
+    def watch_bobs_job():
+        try:
+            for _ in jobs.WatchJob(pb.WatchJobRequest(name=pending), metadata=md("bob"), timeout=DEADLINE_S):
+                watch_outcome.setdefault("events", 0)
+                watch_outcome["events"] += 1
+            watch_outcome["end"] = "ended without an error"
+        except grpc.RpcError as e:
+            watch_outcome["end"] = (e.code(), e.details())
+    watcher = threading.Thread(target=watch_bobs_job, daemon=True)
+    watcher.start()
+    wait_for("bob's watch to deliver the job's first event", lambda: watch_outcome.get("events", 0) > 0,
+             timeout=DEADLINE_S)
     env.write("tokens.txt", f"{tokens['alice']} alice\n{tokens['worker']} @worker\n{tokens['carol']} carol\n")
     controller.send_signal(signal.SIGHUP)
 
@@ -322,12 +343,26 @@ def run(env):
     wait_for("carol's token to work after SIGHUP", reloaded, timeout=DEADLINE_S)
     expect_rpc_error("bob after his token was removed", lambda: jobs.ListJobs(
         pb.ListJobsRequest(), metadata=md("bob"), timeout=10), Code.UNAUTHENTICATED, "bearer token not recognized")
+    watcher.join(timeout=10)
+    end = watch_outcome.get("end")
+    if watcher.is_alive() or not isinstance(end, tuple) or end[0] != Code.UNAUTHENTICATED \
+            or "stopped working while it was open" not in end[1]:
+        raise Failure(f"bob's open WatchJob stream after his token was removed: {end if end else 'still open'}")
+    print(f"ok: bob's open WatchJob stream ended when his token was removed: {end[0].name} {end[1]!r}")
     env.write("tokens.txt", "garbage\n")
     controller.send_signal(signal.SIGHUP)
     wait_for("the controller to log the broken reload", lambda: "keeping the current tokens" in env.log("controller"),
              timeout=DEADLINE_S)
     jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"), timeout=10)  # still works
     print("ok: SIGHUP reload (carol in, bob out); a broken file keeps the tokens")
+    # Revoking the worker token detaches w1 at its next heartbeat; it is refused from then on.
+    env.write("tokens.txt", f"{tokens['alice']} alice\n{tokens['carol']} carol\n")
+    controller.send_signal(signal.SIGHUP)
+    wait_for("w1 to be detached after its token was revoked", lambda: "worker=w1 disconnected" in env.log("controller"),
+             timeout=DEADLINE_S)
+    wait_for("w1 to log the refusal", lambda: "stopped working while it was open" in env.log("w1")
+             or "bearer token not recognized" in env.log("w1"), timeout=DEADLINE_S)
+    print("ok: revoking the worker token detached w1; it is refused from then on")
     # --- mTLS: a controller with --tls-client-ca takes only clients with a certificate it signed ---
     openssl(env.workdir, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
             "client.key", "-out", "client.csr", "-subj", "/CN=odyssey client")
