@@ -10,6 +10,12 @@
 //                          causal attention: forward 4*S^2*Hq*D per layer (QK^T and PV),
 //                          backward twice that (12 in all), halved for causality
 // MFU = FLOPs / step time / 989e12 (H100/H200 dense bf16 peak).
+//
+// --rl-loss KIND times an RL session's calls instead: each step is ForwardBackward(batch-size
+// datums of seq-len tokens, KIND) + OptimStep, as the worker runs them for TrainingService. The
+// datums' sampler logprobs are the model's own (one Forward before the timed steps, so PPO's
+// ratios start near 1, as with a well-matched inference engine) and the advantages are +-1. The
+// Forward's time is reported too (forward_seconds). Same FLOP accounting.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +27,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "engine/device_stats.h"
+#include "engine/rl_loss.h"
 #include "engine/trainer.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -83,7 +90,20 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
+  std::string rl_loss;
+  app.add_option("--rl-loss", rl_loss,
+                 "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
+                 "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
   CLI11_PARSE(app, argc, argv);
+  odyssey::engine::LossSpec rl_spec;
+  if (!rl_loss.empty()) {
+    absl::StatusOr<odyssey::engine::LossKind> kind = odyssey::engine::ParseLossKind(rl_loss);
+    if (!kind.ok()) {
+      std::fprintf(stderr, "odyssey-bench: --rl-loss: %s\n", std::string(kind.status().message()).c_str());
+      return 2;
+    }
+    rl_spec.kind = *kind;
+  }
 
   auto created = odyssey::engine::Trainer::Create(o);
   if (!created.ok()) {
@@ -106,17 +126,60 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attention kernel: %s\n", kernel.c_str());
   }
 
+  // RL mode: the batch's rows as datums, with the model's own logprobs as the sampler's.
+  std::vector<odyssey::engine::Datum> datums;
+  double forward_seconds = 0;
+  if (!rl_loss.empty()) {
+    const torch::Tensor ids = batch.input_ids.to(torch::kCPU).contiguous(), labels = batch.labels.to(torch::kCPU).contiguous();
+    torch::Generator gen = at::detail::createCPUGenerator(1);
+    for (int64_t b = 0; b < B; ++b) {
+      odyssey::engine::Datum d;
+      d.tokens.assign(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + S);
+      d.target_tokens.assign(labels[b].data_ptr<int64_t>(), labels[b].data_ptr<int64_t>() + S);
+      const torch::Tensor sign = torch::randint(0, 2, {S}, gen, torch::kFloat32) * 2 - 1;
+      d.advantages.assign(sign.data_ptr<float>(), sign.data_ptr<float>() + S);
+      datums.push_back(std::move(d));
+    }
+    odyssey::engine::SynchronizeDevice(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto logprobs = t.Forward(datums);
+    odyssey::engine::SynchronizeDevice(dev);
+    forward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!logprobs.ok()) {
+      std::fprintf(stderr, "odyssey-bench: forward: %s\n", std::string(logprobs.status().message()).c_str());
+      return 1;
+    }
+    for (int64_t b = 0; b < B; ++b) datums[b].sampler_logprobs = (*logprobs)[b];
+    std::fprintf(stderr, "forward (sampler logprobs): %.3f s\n", forward_seconds);
+  }
+  odyssey::engine::AdamWOptions adam = o.optimizer;
+  auto rl_step = [&]() -> absl::StatusOr<double> {
+    auto fb = t.ForwardBackward(datums, rl_spec);
+    if (!fb.ok()) return fb.status();
+    auto os = t.OptimStep(adam);
+    if (!os.ok()) return os.status();
+    return fb->loss;
+  };
+
   std::vector<double> times;
   double loss = 0;
   for (int i = 0; i < warmup + steps; ++i) {
     if (i == warmup) odyssey::engine::ResetPeakMemory(dev);
     odyssey::engine::SynchronizeDevice(dev);
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = t.Step(batch);
+    if (rl_loss.empty()) {
+      loss = t.Step(batch).loss;
+    } else {
+      absl::StatusOr<double> l = rl_step();
+      if (!l.ok()) {
+        std::fprintf(stderr, "odyssey-bench: RL step %d: %s\n", i, std::string(l.status().message()).c_str());
+        return 1;
+      }
+      loss = *l;
+    }
     odyssey::engine::SynchronizeDevice(dev);
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    loss = r.loss;
-    std::fprintf(stderr, "%s step %d: %.3f s, loss %.4f\n", i < warmup ? "warmup" : "timed", i, sec, r.loss);
+    std::fprintf(stderr, "%s step %d: %.3f s, loss %.4f\n", i < warmup ? "warmup" : "timed", i, sec, loss);
     if (i >= warmup) times.push_back(sec);
   }
   std::sort(times.begin(), times.end());
@@ -131,6 +194,10 @@ int main(int argc, char** argv) {
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
       {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()}};
+  if (!rl_loss.empty()) {
+    j["rl_loss"] = rl_loss;
+    j["forward_seconds"] = forward_seconds;
+  }
   if (plan) {
     odyssey::planner::Request req;
     req.model = odyssey::planner::ShapeOf(cfg);
