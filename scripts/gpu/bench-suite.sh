@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
-# subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | all (= tests, 64k,
-# 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes) and hf run only when named.
+# subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | all (= tests,
+# 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b, hf and rl (an SFT
+# step and a PPO step of 16 x 2048 tokens, ~1 minute) run only when named.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -15,7 +16,7 @@ has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
 only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
 ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test rl_loss_test odyssey-bench odyssey-plan >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
-export LD_LIBRARY_PATH="$root/.deps/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$root/scripts/gpu/env.sh"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
 run() { echo "+ $*" >&2; "$@" 2>&1 | grep -E '^\||error|what\(\)|kernel' | tail -2; }
 has tests && { build-gpu/engine/memory_test 2>&1 | tail -4; build-gpu/engine/rl_loss_test --gtest_filter="*Gpu*" 2>&1 | tail -4; }
@@ -29,6 +30,11 @@ if only 1b; then
   B1="${B/llama-3.2-3b/llama-3.2-1b}"
   run $B1 --seq-len 65536 --recompute layer --keep-attention --steps 2
   run $B1 --seq-len 262144 --recompute layer --keep-attention --offload --steps 1
+fi
+if only rl; then
+  R="build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len 2048 --batch-size 16 --recompute layer --mlp-tile 8192 --loss-tile 4096 --steps 2 --json $out/bench.jsonl"
+  run $R
+  run $R --rl-loss ppo
 fi
 only hf && python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl"
 # 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.

@@ -13,9 +13,7 @@
 # Needs python3 with torch, transformers, grpcio, grpcio-tools and protobuf (the client's stubs
 # are generated from proto/ into client/python/odyssey_client/_pb, as the package build does).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-export LD_LIBRARY_PATH="$root/.deps/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="$root/.deps/prefix/bin:$PATH"  # `bible` for the kjv dataset (scripts/gpu/build.sh)
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 bin="$root/${BUILD_DIR:-build-gpu}"
 device="${DEVICE:-cuda}"
 world="${WORLD_SIZE:-1}"
@@ -35,7 +33,6 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
-wait_file() { for _ in $(seq 600); do [ -s "$1" ] && { cat "$1"; return 0; }; sleep 0.1; done; echo "no $1" >&2; return 1; }
 
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$device" = cuda ] && [ "$gpus" -lt "$world" ]; then

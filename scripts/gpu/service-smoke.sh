@@ -3,22 +3,19 @@
 # service end to end on one GPU: a controller and a worker on cuda:0 (loopback ports picked at
 # run time), the tiny SFT job submitted with the CLI and watched to the end, then the worker's
 # /metrics (GPU peak memory and MFU must be reported). Exit status 0 when the job succeeded.
-#   STEPS=N (default 200)
+#   STEPS=N (default 200); DEVICE=cpu BUILD_DIR=build: the same on a CPU worker (a dry run)
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-export LD_LIBRARY_PATH="$root/.deps/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="$root/.deps/prefix/bin:$PATH"  # `bible` for the kjv dataset (scripts/gpu/build.sh)
-bin="$root/build-gpu"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+bin="$root/${BUILD_DIR:-build-gpu}"
 work="$(mktemp -d)"
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true' EXIT
-wait_file() { for _ in $(seq 600); do [ -s "$1" ] && { cat "$1"; return 0; }; sleep 0.1; done; echo "no $1" >&2; return 1; }
 
 "$bin/server/odyssey-controller" --listen 127.0.0.1:0 --port-file "$work/port" --state-dir "$work/state" \
   --metrics-listen 127.0.0.1:0 >"$work/controller.log" 2>&1 &
 pids+=($!)
 controller="127.0.0.1:$(wait_file "$work/port")"
-"$bin/worker/odyssey-worker" --controller "$controller" --device cuda:0 --worker-id gpu0 \
+"$bin/worker/odyssey-worker" --controller "$controller" --device "${DEVICE:-cuda:0}" --worker-id gpu0 \
   --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/wport" >"$work/worker.log" 2>&1 &
 pids+=($!)
 wport=$(wait_file "$work/wport")
