@@ -56,6 +56,21 @@ Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload,
   return s;
 }
 
+bool MemoryFields::AllSet() const {
+  return !recompute.empty() && !offload.empty() && offload != "auto" && mlp_tile > 0 && loss_tile > 0;
+}
+
+Strategy ApplyMemoryFields(Strategy s, const MemoryFields& f) {
+  if (!f.recompute.empty()) s.recompute = f.recompute;
+  if (f.every_k > 0) s.every_k = f.every_k;
+  if (f.offload == "on") s.offload = true;
+  if (f.offload == "off") s.offload = false;
+  if (f.mlp_tile > 0) s.mlp_tile = f.mlp_tile;
+  if (f.loss_tile > 0) s.loss_tile = f.loss_tile;
+  if (!s.offload) s.device_resident = 0;
+  return s;
+}
+
 Prediction Predict(const Request& r) {
   const ModelShape& m = r.model;
   const Strategy& st = r.strategy;

@@ -50,6 +50,19 @@ struct Strategy {
 Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
                     int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host = false);
 
+// A job's memory fields (JobSpec.memory) over a strategy, the way workers apply them: what is
+// set wins; recompute "", offload "" or "auto", every_k 0 and tiles 0 are unset. Offload off
+// also drops the GPU-resident checkpoints.
+struct MemoryFields {
+  std::string recompute;
+  int64_t every_k = 0;
+  std::string offload;
+  int64_t mlp_tile = 0, loss_tile = 0;
+  // True when no field is left to the planner (recompute, offload and both tiles set).
+  bool AllSet() const;
+};
+Strategy ApplyMemoryFields(Strategy base, const MemoryFields& fields);
+
 struct Hardware {
   int64_t gpu_bytes = int64_t{136} << 30;   // what the allocator may use (H200: 139 GiB less context)
   int64_t host_bytes = int64_t{110} << 30;  // pinned memory the pool may take (128 GiB host)

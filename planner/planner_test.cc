@@ -121,6 +121,35 @@ TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
 // (30% for the 1B shape at 64K, where the resident-gradient term weighs most)
 // above it (it counts every gradient as resident while backward allocates them layer by layer);
 // the run cut to 2 layers, where that term is small, within 5%. Pinned bytes are exact.
+// A job's memory fields over the planner's choice, as a worker applies them.
+TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
+  const Strategy chosen = StrategyOf("layer", 2, true, 10, 8192, 2048, 4);
+  MemoryFields none;
+  EXPECT_FALSE(none.AllSet());
+  EXPECT_EQ(ApplyMemoryFields(chosen, none).Describe(), chosen.Describe());
+  MemoryFields f;
+  f.recompute = "every_k";
+  f.every_k = 3;
+  f.loss_tile = 1024;
+  f.offload = "auto";  // unset
+  Strategy s = ApplyMemoryFields(chosen, f);
+  EXPECT_EQ(s.recompute, "every_k");
+  EXPECT_EQ(s.every_k, 3);
+  EXPECT_TRUE(s.offload);
+  EXPECT_EQ(s.device_resident, 10);
+  EXPECT_EQ(s.mlp_tile, 8192);
+  EXPECT_EQ(s.loss_tile, 1024);
+  EXPECT_EQ(s.head_groups, 4);
+  EXPECT_FALSE(f.AllSet());
+  f.offload = "off";
+  f.mlp_tile = 4096;
+  EXPECT_TRUE(f.AllSet());
+  s = ApplyMemoryFields(chosen, f);
+  EXPECT_FALSE(s.offload);
+  EXPECT_EQ(s.device_resident, 0);  // nothing is offloaded, so nothing is "kept on the GPU"
+  EXPECT_EQ(s.mlp_tile, 4096);
+}
+
 TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
   struct Row {
     const char* shape;

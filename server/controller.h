@@ -223,6 +223,13 @@ class Controller {
   // Liveness checks and scheduling; call periodically (the binary: every 100 ms).
   void Tick();
 
+  // PlannerService.Plan: the planner's answer for `request.spec` (REQUIRES: validated, paths
+  // checked) on the hardware CreateJob's check would use, or the request's: the strategy (the
+  // spec's memory fields over the planner's choice, as a worker applies them), its predicted
+  // peaks term by term, and with max_seq_len the longest length that fits. Never an error for
+  // a spec that does not fit: fits = false and the message say by how much.
+  absl::StatusOr<odyssey::v1::PlanResponse> Plan(const odyssey::v1::PlanRequest& request);
+
   std::vector<WorkerInfo> Workers();
   // Sequenced TrainingService calls of job `id` waiting for their turn (for tests and status).
   int WaitingCalls(int64_t id);
@@ -231,6 +238,15 @@ class Controller {
   // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
   // FAILED_PRECONDITION saying by how much when nothing fits.
   absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The machine one rank is planned for: the largest GPU among the attached workers (less 3 GiB
+  // for the CUDA context) with 85% of that worker's host memory; an H200 host when no GPU
+  // worker is attached. `source` says which; `gpu_worker` is false when none is attached.
+  struct PlanMachine {
+    int64_t gpu_bytes = 0, host_bytes = 0;
+    bool any_worker = false, gpu_worker = false;
+    std::string source;
+  };
+  PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Worker {
     std::string id;

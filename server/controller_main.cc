@@ -149,6 +149,7 @@ int main(int argc, char** argv) {
   odyssey::server::JobServiceImpl job_service(controller->get(), registry.get());
   odyssey::server::TrainingServiceImpl training_service(controller->get());
   odyssey::server::WorkerServiceImpl worker_service(controller->get());
+  odyssey::server::PlannerServiceImpl planner_service(controller->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -159,6 +160,7 @@ int main(int argc, char** argv) {
   builder.RegisterService(&job_service);
   builder.RegisterService(&training_service);
   builder.RegisterService(&worker_service);
+  builder.RegisterService(&planner_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     std::cerr << "odyssey-controller: cannot listen on --listen " << listen << "\n";

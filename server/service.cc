@@ -257,6 +257,22 @@ grpc::Status TrainingServiceImpl::PushRollouts(grpc::ServerContext* context,
 }
 
 // ---------------------------------------------------------------------------------------------
+// PlannerService
+
+grpc::Status PlannerServiceImpl::Plan(grpc::ServerContext* context, const v1::PlanRequest* request,
+                                      v1::PlanResponse* response) {
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+  // Paths before validation, as for CreateJob: validation reads the files the spec names.
+  if (absl::Status s = controller_->CheckPaths(request->spec(), *tenant); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = ValidatePlanRequest(*request); !s.ok()) return ToGrpcStatus(s);
+  auto plan = controller_->Plan(*request);
+  if (!plan.ok()) return ToGrpcStatus(plan.status());
+  *response = std::move(*plan);
+  return grpc::Status::OK;
+}
+
+// ---------------------------------------------------------------------------------------------
 // WorkerService
 
 namespace {

@@ -92,6 +92,19 @@ class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
   Controller* controller_;
 };
 
+// PlannerService: any tenant may ask (auth as for JobService; the spec's paths under the same
+// rules as CreateJob, since planning reads the model's config.json).
+class PlannerServiceImpl final : public odyssey::v1::PlannerService::Service {
+ public:
+  explicit PlannerServiceImpl(Controller* controller) : controller_(controller) {}
+
+  grpc::Status Plan(grpc::ServerContext* context, const odyssey::v1::PlanRequest* request,
+                    odyssey::v1::PlanResponse* response) override;
+
+ private:
+  Controller* controller_;
+};
+
 class WorkerServiceImpl final : public odyssey::v1::WorkerService::Service {
  public:
   explicit WorkerServiceImpl(Controller* controller) : controller_(controller) {}

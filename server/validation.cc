@@ -221,6 +221,15 @@ absl::Status ValidateCreateJobRequest(const v1::CreateJobRequest& request) {
   return ValidateJobSpec(request.spec(), "spec");
 }
 
+absl::Status ValidatePlanRequest(const v1::PlanRequest& request) {
+  if (!request.has_spec()) return Invalid("spec", "is required");
+  if (request.gpu_bytes() < 0) return Invalid("gpu_bytes", absl::StrCat("(", request.gpu_bytes(), ") must be >= 0"));
+  if (request.host_bytes() < 0) {
+    return Invalid("host_bytes", absl::StrCat("(", request.host_bytes(), ") must be >= 0"));
+  }
+  return ValidateJobSpec(request.spec(), "spec");
+}
+
 // ---------------------------------------------------------------------------------------------
 // TrainingService
 

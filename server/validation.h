@@ -42,6 +42,8 @@ inline constexpr size_t kMaxPathComponentBytes = 200;  // per component of such 
 absl::Status ValidateJobSpec(const odyssey::v1::JobSpec& spec, absl::string_view field = "spec");
 
 absl::Status ValidateCreateJobRequest(const odyssey::v1::CreateJobRequest& request);
+// PlannerService.Plan: spec as for CreateJob; gpu_bytes and host_bytes >= 0 (0 = the workers').
+absl::Status ValidatePlanRequest(const odyssey::v1::PlanRequest& request);
 absl::Status ValidateListJobsRequest(const odyssey::v1::ListJobsRequest& request);
 
 // TrainingService edge checks: the job name ("job"), a non-empty batch, a known loss kind and
