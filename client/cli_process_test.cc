@@ -127,6 +127,47 @@ TEST_F(CliProcessTest, SubmitListGetAndErrorsExitAsAShellExpects) {
   EXPECT_THAT(r.err, HasSubstr("unavailable"));
 }
 
+// `odyssey plan`: the controller's planner without a job (no GPU worker attached: an H200 host).
+TEST_F(CliProcessTest, PlanShowsTheStrategyAndExitsOneWhenNothingFits) {
+  auto spec = [&](const std::string& name, int64_t seq, const std::string& extra = "") {
+    return WriteSpec(name, absl::StrCat("model: {name: llama-3.2-3b}\noptimizer: {lr: 1e-4}\n",
+                                        "data: {format: kjv, seq_len: ", seq, ", batch_size: 1}\nsteps: 1\n", extra));
+  };
+  CliRun r = Cli({"plan", spec("512k.yaml", 524288), "--max-seq-len"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("model llama-3.2-3b, 524288 tokens x 1 per step, on an H200 host"));
+  EXPECT_THAT(r.out, HasSubstr("\nfits\n"));
+  EXPECT_THAT(r.out, HasSubstr("strategy: recompute=layer offload=on"));
+  EXPECT_THAT(r.out, HasSubstr("static (params, grads, fp32 master and moments)"));
+  EXPECT_THAT(r.out, HasSubstr("longest sequence that fits (one per step): 1409024 tokens"));
+
+  r = Cli({"plan", spec("8m.yaml", int64_t{8} << 20)});
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("does not fit: 8388608 tokens x 1 needs at least"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("strategy:")));
+
+  r = Cli({"plan", spec("none.yaml", 131072,
+                        "memory: {recompute: none, offload: \"off\", mlp_tile_tokens: 4096, loss_tile_tokens: 2048}\n")});
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("does not fit: the strategy needs"));
+  EXPECT_THAT(r.out, HasSubstr("strategy: recompute=none offload=off mlp_tile=4096 loss_tile=2048"));
+
+  r = Cli({"--json", "plan", spec("64k.yaml", 65536), "--gpu-bytes", "85899345920"});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"hardware\": \"the request\""));
+  EXPECT_THAT(r.out, HasSubstr("\"planned_gpu_bytes\": \"85899345920\""));
+
+  r = Cli({"plan", spec("64k.yaml", 65536), "--gpu-bytes", "-5"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("gpu_bytes"));
+  r = Cli({"plan", WriteSpec("bad.yaml", "model: {name: llama-3.2-3b}\noptimizer: {lr: 1e-4}\ndata: {seq_len: 0}\nsteps: 1\n")});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("spec.data.seq_len"));
+  r = Cli({"list"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("jobs/")));  // planning creates nothing
+}
+
 TEST_F(CliProcessTest, WatchFollowsProgressAndExitsWithTheJobsOutcome) {
   worker_ = std::make_unique<FakeWorker>(controller_->address(), "w1");
   const std::string spec = WriteSpec("good.yaml", GoodSpec(10));

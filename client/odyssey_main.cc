@@ -3,6 +3,11 @@
 //   odyssey [--controller HOST:PORT] [--tls-ca PEM] [--token-file PATH] submit SPEC.yaml [--request-id ID] [--watch]
 //   odyssey list [--state RUNNING] [--page-size N] [--all]
 //   odyssey get JOB        odyssey watch JOB        odyssey cancel JOB
+//   odyssey plan SPEC.yaml [--gpu-bytes N] [--host-bytes N] [--max-seq-len]
+//
+// `plan` asks the controller's planner what the spec would need per GPU rank (the strategy,
+// the predicted GPU and pinned host peaks term by term, on the attached workers' largest GPU
+// unless --gpu-bytes says otherwise) without creating a job; exit 0 when it fits, 1 when not.
 //
 // JOB is "jobs/N" or N. Exit codes: 0 ok; 1 the job FAILED or was CANCELLED (watch, submit
 // --watch) or another error; 2 usage or invalid argument (bad flags, bad spec file,
@@ -164,10 +169,13 @@ class Client {
          grpc::ChannelArguments args, std::string token)
       : address_(std::move(address)), timeout_s_(timeout_s), token_(std::move(token)) {
     args.SetMaxReceiveMessageSize(64 << 20);
-    stub_ = v1::JobService::NewStub(grpc::CreateCustomChannel(address_, credentials, args));
+    auto channel = grpc::CreateCustomChannel(address_, credentials, args);
+    stub_ = v1::JobService::NewStub(channel);
+    planner_ = v1::PlannerService::NewStub(channel);
   }
   const std::string& address() const { return address_; }
   v1::JobService::Stub* stub() { return stub_.get(); }
+  v1::PlannerService::Stub* planner() { return planner_.get(); }
   // A unary call: deadline and token.
   void Prepare(grpc::ClientContext* ctx) {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -182,7 +190,38 @@ class Client {
   double timeout_s_;
   std::string token_;
   std::unique_ptr<v1::JobService::Stub> stub_;
+  std::unique_ptr<v1::PlannerService::Stub> planner_;
 };
+
+std::string GiB(int64_t bytes) { return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+void PrintStrategy(const v1::PlanResponse& p);
+
+// The plan as a person reads it: verdict, strategy, peaks against the machine, the terms.
+void PrintPlan(const v1::JobSpec& spec, const v1::PlanResponse& p) {
+  std::cout << absl::StrFormat("model %s, %d tokens x %d per step, on %s\n", spec.model().name(), spec.data().seq_len(),
+                               std::max<int64_t>(1, spec.data().batch_size()), p.hardware());
+  std::cout << (p.fits() ? std::string("fits") : p.message()) << "\n";
+  if (p.has_memory()) {
+    PrintStrategy(p);
+  }
+  if (p.max_seq_len() > 0) std::cout << "longest sequence that fits (one per step): " << p.max_seq_len() << " tokens\n";
+}
+
+void PrintStrategy(const v1::PlanResponse& p) {
+  const v1::MemorySpec& m = p.memory();
+  std::string strategy = absl::StrCat("recompute=", m.recompute());
+  if (m.recompute() == "every_k") absl::StrAppend(&strategy, " (every ", m.recompute_every_k(), " layers)");
+  absl::StrAppend(&strategy, " offload=", m.offload());
+  if (m.offload() == "on") absl::StrAppend(&strategy, " (", p.device_resident(), " inputs kept on the GPU)");
+  absl::StrAppend(&strategy, " mlp_tile=", m.mlp_tile_tokens(), " loss_tile=", m.loss_tile_tokens(),
+                  " head_groups=", p.attention_head_groups());
+  if (p.optimizer_on_host()) absl::StrAppend(&strategy, " optimizer_on_host");
+  std::cout << "strategy: " << strategy << "\n";
+  std::cout << "GPU peak " << GiB(p.gpu_peak_bytes()) << " of " << GiB(p.planned_gpu_bytes()) << "; pinned host "
+            << GiB(p.host_bytes()) << " of " << GiB(p.planned_host_bytes()) << "\n";
+  for (const v1::PlanTerm& t : p.terms()) std::cout << absl::StrFormat("  %-10s %s\n", GiB(t.bytes()), t.name());
+}
 
 bool Terminal(v1::Job::State s) {
   return s == v1::Job::SUCCEEDED || s == v1::Job::FAILED || s == v1::Job::CANCELLED;
@@ -340,6 +379,13 @@ int main(int argc, char** argv) {
   watch->add_option("--reconnect", reconnect_s, "Seconds to keep reconnecting to a lost controller")->capture_default_str();
   auto* cancel = app.add_subcommand("cancel", "Cancel a PENDING or RUNNING job");
   cancel->add_option("job", job_arg, "jobs/N or N")->required();
+  int64_t plan_gpu_bytes = 0, plan_host_bytes = 0;
+  bool plan_max = false;
+  auto* plan = app.add_subcommand("plan", "What a spec needs per GPU rank, from the controller's planner (exit 0 fits, 1 not)");
+  plan->add_option("spec", spec_path, "Spec file (.yaml or .json)")->required();
+  plan->add_option("--gpu-bytes", plan_gpu_bytes, "GPU memory to plan for (default: the attached workers' largest GPU)");
+  plan->add_option("--host-bytes", plan_host_bytes, "Pinned host memory per rank (default: that worker's)");
+  plan->add_flag("--max-seq-len", plan_max, "Also find the longest sequence that fits");
 
   try {
     app.parse(argc, argv);
@@ -393,6 +439,29 @@ int main(int argc, char** argv) {
     }
     std::cout << std::flush;
     return submit_watch ? Watch(client, job.name(), reconnect_s) : kExitOk;
+  }
+  if (plan->parsed()) {
+    auto spec = odyssey::client::LoadJobSpec(spec_path);
+    if (!spec.ok()) {
+      std::cerr << "odyssey: " << spec.status().message() << "\n";
+      return kExitUsage;
+    }
+    v1::PlanRequest req;
+    *req.mutable_spec() = *spec;
+    req.set_gpu_bytes(plan_gpu_bytes);
+    req.set_host_bytes(plan_host_bytes);
+    req.set_max_seq_len(plan_max);
+    grpc::ClientContext ctx;
+    client.Prepare(&ctx);
+    v1::PlanResponse resp;
+    grpc::Status s = client.planner()->Plan(&ctx, req, &resp);
+    if (!s.ok()) return Fail(controller, s);
+    if (json) {
+      std::cout << ToJson(resp) << "\n";
+    } else {
+      PrintPlan(*spec, resp);
+    }
+    return resp.fits() ? kExitOk : kExitJobFailed;
   }
   if (list->parsed()) {
     v1::ListJobsRequest req;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "model/config.h"
@@ -383,15 +384,19 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
   fields.loss_tile = spec.memory().loss_tile_tokens();
 
   v1::PlanResponse out;
+  out.set_planned_gpu_bytes(hardware.gpu_bytes);
+  out.set_planned_host_bytes(hardware.host_bytes);
+  out.set_hardware(source);
+  if (request.max_seq_len()) out.set_max_seq_len(planner::MaxSeqLen(shape, hardware));
   planner::Strategy strategy;  // every field set by the spec: its defaults are what a worker runs
-  std::string miss;
   if (!fields.AllSet()) {
     auto choice = planner::Choose(shape, spec.data().seq_len(), batch, hardware);
-    if (choice.ok()) {
-      strategy = choice->strategy;
-    } else {
-      miss = std::string(choice.status().message());
+    if (!choice.ok()) {  // no strategy: the planner's message says by how much the best one misses
+      out.set_fits(false);
+      out.set_message(std::string(choice.status().message()));
+      return out;
     }
+    strategy = choice->strategy;
   }
   planner::Request r;
   r.model = shape;
@@ -401,12 +406,12 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
   r.hardware = hardware;
   r.param_bytes = spec.model().dtype() == "float32" ? 4 : 2;
   const planner::Prediction p = planner::Predict(r);
-  out.set_fits(miss.empty() && p.fits);
-  if (!miss.empty()) {
-    out.set_message(miss);
-  } else if (!p.fits) {
-    out.set_message(absl::StrCat("the strategy needs ", p.Describe(), "; the machine has ", hardware.gpu_bytes >> 20,
-                                 " MiB for the GPU allocator and ", hardware.host_bytes >> 20, " MiB of pinned host"));
+  out.set_fits(p.fits);
+  if (!p.fits) {
+    auto gib = [](int64_t b) { return absl::StrFormat("%.1f GiB", static_cast<double>(b) / (int64_t{1} << 30)); };
+    out.set_message(absl::StrCat("does not fit: the strategy needs ", gib(p.gpu_peak_bytes), " of GPU memory and ",
+                                 gib(p.host_bytes), " of pinned host memory; the machine has ", gib(hardware.gpu_bytes),
+                                 " / ", gib(hardware.host_bytes)));
   }
   v1::MemorySpec* m = out.mutable_memory();
   m->set_recompute(r.strategy.recompute);
@@ -425,10 +430,6 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
     t->set_name(name);
     t->set_bytes(bytes);
   }
-  out.set_planned_gpu_bytes(hardware.gpu_bytes);
-  out.set_planned_host_bytes(hardware.host_bytes);
-  out.set_hardware(source);
-  if (request.max_seq_len()) out.set_max_seq_len(planner::MaxSeqLen(shape, hardware));
   return out;
 }
 

@@ -227,7 +227,8 @@ class Controller {
   // checked) on the hardware CreateJob's check would use, or the request's: the strategy (the
   // spec's memory fields over the planner's choice, as a worker applies them), its predicted
   // peaks term by term, and with max_seq_len the longest length that fits. Never an error for
-  // a spec that does not fit: fits = false and the message say by how much.
+  // a spec that does not fit: fits = false and the message say by how much (no strategy, peaks
+  // or terms when the planner finds none).
   absl::StatusOr<odyssey::v1::PlanResponse> Plan(const odyssey::v1::PlanRequest& request);
 
   std::vector<WorkerInfo> Workers();

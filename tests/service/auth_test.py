@@ -276,9 +276,21 @@ def run(env):
     expect_rpc_error("bob CreateJob(model.name = alice's export)", lambda: jobs.CreateJob(
         pb.CreateJobRequest(spec=stolen), metadata=md("bob"), timeout=10),
         Code.PERMISSION_DENIED, f'spec.model.name: "{alice_export}" {under_bob}')
+    planner = pbg.PlannerServiceStub(channel)
+    expect_rpc_error("bob Plan(model.name = alice's export)", lambda: planner.Plan(
+        pb.PlanRequest(spec=stolen), metadata=md("bob"), timeout=10),
+        Code.PERMISSION_DENIED, f'spec.model.name: "{alice_export}" {under_bob}')
+    expect_rpc_error("Plan without a token", lambda: planner.Plan(pb.PlanRequest(spec=job.spec), timeout=10),
+                     Code.UNAUTHENTICATED, "missing bearer token")
+    expect_rpc_error("Plan with a worker token", lambda: planner.Plan(
+        pb.PlanRequest(spec=job.spec), metadata=md("worker"), timeout=10), Code.PERMISSION_DENIED, "worker tokens")
     # The operator publishes a base model in the shared read root: every tenant may start from it.
     shutil.copytree(alice_export, os.path.join(shared_root, "base"))
     stolen.model.name = os.path.join(shared_root, "base")
+    plan = planner.Plan(pb.PlanRequest(spec=stolen), metadata=md("bob"), timeout=10)
+    if not plan.fits or plan.message:
+        raise Failure(f"bob's Plan of the shared base model: fits {plan.fits}, {plan.message!r}")
+    print(f"ok: bob's Plan of the shared base model: fits, {plan.memory.recompute} on {plan.hardware}")
     based = jobs.CreateJob(pb.CreateJobRequest(spec=stolen), metadata=md("bob"), timeout=10)
     jobs.CancelJob(pb.CancelJobRequest(name=based.name), metadata=md("bob"), timeout=10)
     print(f"ok: paths: alice exports into {alice_dir} only; bob is refused her export (LoadCheckpoint, "
