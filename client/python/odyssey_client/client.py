@@ -86,6 +86,7 @@ class TrainingClient:
         self._metadata: Tuple[Tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.jobs = pb_grpc.JobServiceStub(self._channel)
         self.training = pb_grpc.TrainingServiceStub(self._channel)
+        self.planner = pb_grpc.PlannerServiceStub(self._channel)
 
     # -- plumbing ---------------------------------------------------------------------------
     @property
@@ -166,23 +167,35 @@ class TrainingClient:
         by default. Raises JobFailedError when the job fails to start, SessionTimeoutError when it
         is not RUNNING after wait_timeout seconds.
         """
-        spec = pb.JobSpec(
-            kind=pb.RL_SESSION, display_name=display_name, priority=priority,
-            model=pb.ModelSpec(name=model, dtype=dtype, attention=attention),
-            parallel=pb.ParallelSpec(world_size=world_size),
-            memory=pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
-                                 mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
-                                 host_budget_bytes=host_budget_bytes),
-            optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
-            data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
-            checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),
-            rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds))
+        spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, idle_timeout_seconds=idle_timeout_seconds,
+                             dtype=dtype, attention=attention, world_size=world_size, recompute=recompute,
+                             recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
+                             loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
+                             grad_clip=grad_clip, seed=seed, display_name=display_name,
+                             checkpoint_directory=checkpoint_directory, priority=priority)
         request = pb.CreateJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
         job = self._call("CreateJob", self.jobs.CreateJob, request)
         session = Session(self, job.name, max_positions=seq_len * max(1, batch_size))
         if wait:
             session.wait_running(wait_timeout)
         return session
+
+    def plan_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8, dtype: str = "",
+                     recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
+                     loss_tile_tokens: int = 0, host_budget_bytes: int = 0, gpu_bytes: int = 0, host_bytes: int = 0,
+                     max_seq_len: bool = False) -> "pb.PlanResponse":
+        """What create_session with these arguments would need per GPU rank, from the
+        controller's planner, creating nothing (PlannerService.Plan; server/README.md): `fits`,
+        `message` (why not), the strategy (`memory`, `device_resident`, `attention_head_groups`,
+        `optimizer_on_host`), `gpu_peak_bytes` with its `terms`, `host_bytes`, the machine planned
+        for (`hardware`, `planned_gpu_bytes`, `planned_host_bytes`: the attached workers' largest
+        GPU unless gpu_bytes / host_bytes say otherwise) and, with max_seq_len, the longest
+        sequence that fits."""
+        spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype, recompute=recompute,
+                             recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
+                             loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes)
+        return self._call("Plan", self.planner.Plan, pb.PlanRequest(spec=spec, gpu_bytes=gpu_bytes,
+                                                                    host_bytes=host_bytes, max_seq_len=max_seq_len))
 
     def session(self, name: Union[str, int], sequenced: bool = True, first_sequence: int = 1) -> "Session":
         """A Session for an existing RL session job (e.g. one created by another process).
@@ -194,6 +207,25 @@ class TrainingClient:
         spec = self.get_job(name).proto.spec
         return Session(self, name, sequenced=sequenced, first_sequence=first_sequence,
                        max_positions=spec.data.seq_len * max(1, spec.data.batch_size))
+
+
+def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_seconds: int = 0, dtype: str = "",
+                  attention: str = "", world_size: int = 0, recompute: str = "", recompute_every_k: int = 0,
+                  offload: str = "", mlp_tile_tokens: int = 0, loss_tile_tokens: int = 0, host_budget_bytes: int = 0,
+                  grad_clip: float = 0.0, seed: int = 0, display_name: str = "", checkpoint_directory: str = "",
+                  priority: int = 0) -> "pb.JobSpec":
+    """The JobSpec of an RL session (create_session's and plan_session's arguments)."""
+    return pb.JobSpec(
+        kind=pb.RL_SESSION, display_name=display_name, priority=priority,
+        model=pb.ModelSpec(name=model, dtype=dtype, attention=attention),
+        parallel=pb.ParallelSpec(world_size=world_size),
+        memory=pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
+                             mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
+                             host_budget_bytes=host_budget_bytes),
+        optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
+        data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
+        checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),
+        rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds))
 
 
 LossLike = Union[str, Loss, dict, None]

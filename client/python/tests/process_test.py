@@ -178,6 +178,23 @@ def case_api(args, cluster, site):
         if not cond:
             raise Failure(what)
 
+    # The planner before a session: a 3B session of 64 x 4096 positions fits an H200 (no GPU
+    # worker is attached); 4M positions fit nothing; planning creates no job.
+    plan = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=64, max_seq_len=True)
+    expect(plan.fits and plan.memory.recompute == "layer" and plan.gpu_peak_bytes > 0 and len(plan.terms) > 3
+           and plan.max_seq_len > 1_000_000 and "H200" in plan.hardware, f"plan_session: {plan}")
+    big = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=1024)
+    expect(not big.fits and "does not fit" in big.message, f"plan_session of 4M positions: {big}")
+    try:
+        client.plan_session("llama-3.2-3b", seq_len=0)
+        raise Failure("plan_session(seq_len=0) was accepted")
+    except oc.OdysseyError as e:
+        expect(e.code == grpc.StatusCode.INVALID_ARGUMENT and "spec.data.seq_len" in e.message,
+               f"plan_session(seq_len=0): {e}")
+    expect(not client.list_jobs(), "plan_session created a job")
+    print(f"ok: plan_session: 64 x 4096 fits ({plan.memory.recompute}, GPU peak {plan.gpu_peak_bytes / 2**30:.1f} GiB); "
+          f"4M positions: {big.message[:60]}...")
+
     with client.create_session("tiny", dtype="float32", seq_len=32, batch_size=4, seed=7,
                                idle_timeout_seconds=300, display_name="api") as s:
         info = s.info()
