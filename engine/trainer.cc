@@ -369,27 +369,33 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
   return r;
 }
 
+absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, double value,
+                                                 absl::string_view refused_elsewhere) {
+  std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, value}, torch::kFloat64)};  // (2,)
+  if (absl::Status s = options_.communicator->AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+    DropRlGradients();
+    return s;
+  }
+  if (!valid.ok()) return valid;
+  if (agreed[0][0].item<double>() > 0) return absl::InvalidArgumentError(refused_elsewhere);
+  return agreed[0][1].item<double>();
+}
+
 absl::StatusOr<ForwardBackwardResult> Trainer::DataParallelForwardBackward(const std::vector<Datum>& batch,
                                                                            const LossSpec& loss,
                                                                            const RlShard& shard) {
   Communicator& comm = *options_.communicator;
   const auto t0 = std::chrono::steady_clock::now();
-  // Validation, then one all-reduce of (ranks refusing their slice, the slices' weight sums):
-  // every rank learns whether any refused, and the whole batch's W when the shard lacks it.
+  // Validation, then every rank learns whether any refused its slice, and the whole batch's W
+  // (the sum of the slices' weight sums) when the shard lacks it.
   const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/true);
-  const double local_w = valid.ok() ? BatchWeightSum(batch) : 0.0;
-  std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, local_w}, torch::kFloat64)};  // (2,)
-  if (absl::Status s = comm.AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
-    DropRlGradients();
-    return s;
-  }
-  if (!valid.ok()) return valid;
-  if (agreed[0][0].item<double>() > 0)
-    return absl::InvalidArgumentError(
-        "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
+  absl::StatusOr<double> summed_w = AgreeAcrossRanks(
+      valid, valid.ok() ? BatchWeightSum(batch) : 0.0,
+      "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
+  if (!summed_w.ok()) return summed_w.status();
   ForwardBackwardResult r;
   // Every rank sees the same all-reduced sum, so they agree on W and on this check.
-  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : agreed[0][1].item<double>();
+  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : *summed_w;
   if (!(r.weight_sum > 0))
     return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
 
@@ -444,19 +450,12 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
 
 absl::StatusOr<OptimStepResult> Trainer::DataParallelOptimStep(const AdamWOptions& adam) {
   Communicator& comm = *options_.communicator;
-  // One all-reduce of (ranks refusing `adam`, ranks with pending gradients) decides for all.
-  const absl::Status valid = adam.Validate();
-  std::vector<torch::Tensor> agreed = {
-      torch::tensor({valid.ok() ? 0.0 : 1.0, rl_grads_pending_ ? 1.0 : 0.0}, torch::kFloat64)};  // (2,)
-  if (absl::Status s = comm.AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
-    DropRlGradients();
-    return s;
-  }
-  if (!valid.ok()) return valid;
-  if (agreed[0][0].item<double>() > 0)
-    return absl::InvalidArgumentError(
-        "optim_step: refused on another rank (invalid AdamW hyperparameters there); nothing was updated");
-  if (agreed[0][1].item<double>() == 0)
+  // Every rank learns whether any refused `adam`, and how many ranks have pending gradients.
+  absl::StatusOr<double> ranks_with_grads = AgreeAcrossRanks(
+      adam.Validate(), rl_grads_pending_ ? 1.0 : 0.0,
+      "optim_step: refused on another rank (invalid AdamW hyperparameters there); nothing was updated");
+  if (!ranks_with_grads.ok()) return ranks_with_grads.status();
+  if (*ranks_with_grads == 0)
     return absl::FailedPreconditionError(
         "optim_step: no gradients since the last optim_step on any rank; call forward_backward first");
   // Gradients summed over the ranks (each already divided by the whole batch's W), plus which

@@ -42,6 +42,7 @@
 #include <torch/types.h>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/data.h"
 #include "engine/memory/strategy.h"
 #include "engine/optimizer.h"
@@ -201,6 +202,11 @@ class Trainer {
   absl::StatusOr<ForwardBackwardResult> DataParallelForwardBackward(const std::vector<Datum>& batch,
                                                                     const LossSpec& loss, const RlShard& shard);
   absl::StatusOr<OptimStepResult> DataParallelOptimStep(const AdamWOptions& adam);
+  // One all-reduce of (1 if this rank refuses, `value`) so that every rank decides alike:
+  // returns the sum of `value` over the ranks; this rank's `valid` when it refuses;
+  // INVALID_ARGUMENT `refused_elsewhere` when another rank does; a collective's failure (the
+  // pending gradients dropped).
+  absl::StatusOr<double> AgreeAcrossRanks(const absl::Status& valid, double value, absl::string_view refused_elsewhere);
   // Clips the (reduced) pending gradients, applies AdamW and zeroes them; drops them when the
   // norm is not finite (INTERNAL).
   absl::StatusOr<OptimStepResult> ApplyPendingGradients(const AdamWOptions& adam);

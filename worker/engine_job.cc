@@ -146,16 +146,23 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
 
 namespace {
 
-// Fills o->memory (and the attention head groups) from the job's memory fields; unset ones are
-// the planner's choice on a GPU and "none" on a CPU.
+// Fills o->memory (and the attention head groups) from the job's memory fields; unset ones
+// are the planner's choice on a GPU and MemoryOptions' defaults (no strategy) on a CPU. The
+// spec's fields win by planner::ApplyMemoryFields, the rule PlannerService.Plan applies too.
 absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) {
   engine::memory::MemoryOptions& m = o->memory;
   m.host_budget_bytes = j.host_budget_bytes;
-  const bool unset = j.recompute.empty() || j.offload.empty() || j.offload == "auto" || j.mlp_tile == 0 ||
-                     j.loss_tile == 0;
+  planner::MemoryFields fields;
+  fields.recompute = j.recompute;
+  fields.every_k = j.every_k;
+  fields.offload = j.offload;
+  fields.mlp_tile = j.mlp_tile;
+  fields.loss_tile = j.loss_tile;
   absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
   if (!device.ok()) return device.status();
-  if (unset && device->is_cuda()) {
+  planner::Strategy st = planner::StrategyOf(m.recompute, m.every_k, m.offload, m.device_resident, m.mlp_tile,
+                                             m.loss_tile, o->attention_head_groups);
+  if (!fields.AllSet() && device->is_cuda()) {
     absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(j.model);
     if (!config.ok()) return config.status();
     planner::Hardware hw;
@@ -166,28 +173,20 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
         planner::Choose(planner::ShapeOf(*config), j.seq_len, j.batch_size, hw);
     if (!choice.ok())
       return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", choice.status().message()));
-    const planner::Strategy& st = choice->strategy;
-    m.recompute = st.recompute;
-    m.every_k = st.every_k;
-    m.offload = st.offload;
-    m.device_resident = st.device_resident;
-    m.mlp_tile = st.mlp_tile;
-    m.loss_tile = st.loss_tile;
+    st = choice->strategy;
     o->attention_head_groups = st.head_groups;
     o->optimizer.states_on_host = st.optimizer_on_host;
     LogInfo(absl::StrCat("job=", j.job, " memory: planner chose ", st.Describe(), " (predicted GPU peak ",
                          choice->prediction.gpu_peak_bytes >> 20, " MiB, host ", choice->prediction.host_bytes >> 20,
                          " MiB)"));
   }
-  // What the spec sets wins over the planner.
-  if (!j.recompute.empty()) m.recompute = j.recompute;
-  if (j.every_k > 0) m.every_k = j.every_k;
-  if (j.offload == "on") m.offload = true;
-  if (j.offload == "off" || (!device->is_cuda() && (j.offload.empty() || j.offload == "auto"))) m.offload = false;
-  if (j.mlp_tile > 0) m.mlp_tile = j.mlp_tile;
-  if (j.loss_tile > 0) m.loss_tile = j.loss_tile;
-  if (m.recompute.empty()) m.recompute = "none";
-  if (!m.offload) m.device_resident = 0;
+  st = planner::ApplyMemoryFields(st, fields);
+  m.recompute = st.recompute;
+  m.every_k = st.every_k;
+  m.offload = st.offload;
+  m.device_resident = st.device_resident;
+  m.mlp_tile = st.mlp_tile;
+  m.loss_tile = st.loss_tile;
   return m.Validate();
 }
 
