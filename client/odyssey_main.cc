@@ -412,12 +412,16 @@ int main(int argc, char** argv) {
     token = std::string(absl::StripAsciiWhitespace(env_token));
   }
   Client client(controller, timeout_s, *credentials, channel_args, token);
-  if (submit->parsed()) {
-    auto spec = odyssey::client::LoadJobSpec(spec_path);
+  // submit and plan: the spec file, or a usage error naming the file and the field.
+  absl::StatusOr<v1::JobSpec> spec;
+  if (submit->parsed() || plan->parsed()) {
+    spec = odyssey::client::LoadJobSpec(spec_path);
     if (!spec.ok()) {
       std::cerr << "odyssey: " << spec.status().message() << "\n";
       return kExitUsage;
     }
+  }
+  if (submit->parsed()) {
     v1::CreateJobRequest req;
     *req.mutable_spec() = *spec;
     req.set_request_id(request_id.empty() ? RandomRequestId() : request_id);
@@ -441,11 +445,6 @@ int main(int argc, char** argv) {
     return submit_watch ? Watch(client, job.name(), reconnect_s) : kExitOk;
   }
   if (plan->parsed()) {
-    auto spec = odyssey::client::LoadJobSpec(spec_path);
-    if (!spec.ok()) {
-      std::cerr << "odyssey: " << spec.status().message() << "\n";
-      return kExitUsage;
-    }
     v1::PlanRequest req;
     *req.mutable_spec() = *spec;
     req.set_gpu_bytes(plan_gpu_bytes);

@@ -104,7 +104,8 @@ absl::StatusOr<std::string> CallerTenant(const grpc::ServerContext& context);
 // OK when the caller may call WorkerService.Attach: auth off, or a kWorkerTenant token.
 // UNAUTHENTICATED without a valid token; PERMISSION_DENIED for a tenant token.
 absl::Status AuthorizeWorker(const grpc::ServerContext& context);
-// For long-lived streams (WatchJob, Attach), asked again while they run: OK while the stream's
+// For long-lived streams (WatchJob, Attach), asked again while they run: OK when auth is off
+// or while the stream's
 // token still maps to `tenant` under the installed table (a SIGHUP may have replaced it);
 // UNAUTHENTICATED once the token is no longer recognized, PERMISSION_DENIED when it now maps
 // to another tenant. Messages say the token changed while the stream was open. PushRollouts

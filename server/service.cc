@@ -356,11 +356,9 @@ grpc::Status WorkerServiceImpl::Attach(grpc::ServerContext* context, AttachStrea
   while (stream->Read(&message)) {
     // A worker token revoked by a reload detaches the worker at its next message (heartbeats
     // come every few seconds); its jobs are then handled as after any worker loss.
-    if (AuthEnabled()) {
-      if (absl::Status s = StillAuthorized(*context, kWorkerTenant); !s.ok()) {
-        status = ToGrpcStatus(s);
-        break;
-      }
+    if (absl::Status s = StillAuthorized(*context, kWorkerTenant); !s.ok()) {
+      status = ToGrpcStatus(s);
+      break;
     }
     controller_->OnWorkerMessage(*session, message);
   }
