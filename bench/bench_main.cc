@@ -75,8 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "auto | cpu | cuda:N")->capture_default_str();
   app.add_option("--dtype", o.dtype, "auto | bfloat16 | float32")->capture_default_str();
   app.add_option("--attention", o.attention, "auto | cudnn | sdpa | math")->capture_default_str();
-  app.add_option("--head-groups", o.attention_head_groups, "KV-head groups run one after another")->capture_default_str();
-  app.add_option("--recompute", o.memory.recompute, "none | layer | every_k")->capture_default_str();
+  app.add_option("--head-groups", o.memory.head_groups, "KV-head groups run one after another")->capture_default_str();
+  std::string recompute = "none";
+  app.add_option("--recompute", recompute, "none | layer | every_k")->capture_default_str();
   app.add_option("--every-k", o.memory.every_k, "layers per checkpoint group (every_k)")->capture_default_str();
   app.add_flag("--offload", o.memory.offload, "offload checkpointed inputs to pinned host memory");
   app.add_option("--device-resident", o.memory.device_resident, "with --offload: checkpoints kept on the GPU")
@@ -85,7 +86,7 @@ int main(int argc, char** argv) {
   app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
   app.add_flag("--keep-attention", o.memory.keep_attention,
                "keep each layer's attention output + LSE; the recompute skips the attention forward");
-  app.add_flag("--optimizer-on-host", o.optimizer.states_on_host, "fp32 master weights and moments in pinned host memory");
+  app.add_flag("--optimizer-on-host", o.memory.optimizer_on_host, "fp32 master weights and moments in pinned host memory");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
@@ -95,6 +96,13 @@ int main(int argc, char** argv) {
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
   CLI11_PARSE(app, argc, argv);
+  if (absl::StatusOr<odyssey::planner::Recompute> r = odyssey::planner::ParseRecompute(recompute, "--recompute");
+      r.ok()) {
+    o.memory.recompute = *r;
+  } else {
+    std::fprintf(stderr, "odyssey-bench: %s\n", std::string(r.status().message()).c_str());
+    return 2;
+  }
   odyssey::engine::LossSpec rl_spec;
   if (!rl_loss.empty()) {
     absl::StatusOr<odyssey::engine::LossKind> kind = odyssey::engine::ParseLossKind(rl_loss);
@@ -120,8 +128,8 @@ int main(int argc, char** argv) {
   if (dev.is_cuda()) {
     auto opts = torch::TensorOptions().dtype(t.dtype()).device(dev);
     const int64_t D = cfg.HeadDim();
-    torch::Tensor q = torch::randn({1, S, cfg.num_attention_heads / o.attention_head_groups, D}, opts).transpose(1, 2);
-    torch::Tensor k = torch::randn({1, S, cfg.num_key_value_heads / o.attention_head_groups, D}, opts).transpose(1, 2);
+    torch::Tensor q = torch::randn({1, S, cfg.num_attention_heads / o.memory.head_groups, D}, opts).transpose(1, 2);
+    torch::Tensor k = torch::randn({1, S, cfg.num_key_value_heads / o.memory.head_groups, D}, opts).transpose(1, 2);
     kernel = odyssey::model::SdpaKernelFor(q, k, k, o.attention != "sdpa");
     std::fprintf(stderr, "attention kernel: %s\n", kernel.c_str());
   }
@@ -189,7 +197,7 @@ int main(int argc, char** argv) {
   nlohmann::json j = {
       {"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
       {"memory", o.memory.Describe()}, {"attention", t.model()->attention_backend().name()},
-      {"head_groups", o.attention_head_groups}, {"attention_kernel", kernel}, {"seconds_per_step", sec},
+      {"head_groups", o.memory.head_groups}, {"attention_kernel", kernel}, {"seconds_per_step", sec},
       {"tokens_per_second", sec > 0 ? static_cast<double>(B * S) / sec : 0.0},
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
@@ -203,10 +211,7 @@ int main(int argc, char** argv) {
     req.model = odyssey::planner::ShapeOf(cfg);
     req.seq_len = S;
     req.batch_size = B;
-    req.strategy = odyssey::planner::StrategyOf(o.memory.recompute, o.memory.every_k, o.memory.offload,
-                                                 o.memory.device_resident, o.memory.mlp_tile, o.memory.loss_tile,
-                                                 o.attention_head_groups, o.optimizer.states_on_host);
-    req.strategy.keep_attention = o.memory.keep_attention;
+    req.strategy = o.memory;  // the strategy the run used, as the planner sees it
     const auto p = odyssey::planner::Predict(req);
     j["planned_gpu_peak_bytes"] = p.gpu_peak_bytes;
     j["planned_host_bytes"] = p.host_bytes;
@@ -215,7 +220,7 @@ int main(int argc, char** argv) {
   std::printf("| model | layers | seq | memory | GPU peak alloc / reserved GiB | pinned GiB | s/step | tok/s | MFU |\n");
   std::printf("| %s | %lld | %lld | %s%s | %s / %s | %s | %.2f | %.0f | %.1f%% |\n", o.model.c_str(),
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(S), o.memory.Describe().c_str(),
-              o.attention_head_groups > 1 ? absl::StrFormat(" heads/%d", o.attention_head_groups).c_str() : "",
+              o.memory.head_groups > 1 ? absl::StrFormat(" heads/%d", o.memory.head_groups).c_str() : "",
               GiB(mem.peak_allocated).c_str(), GiB(mem.peak_reserved).c_str(), GiB(t.memory().host_pool_bytes()).c_str(),
               sec, sec > 0 ? static_cast<double>(B * S) / sec : 0.0, sec > 0 ? 100.0 * flops / sec / kPeakFlops : 0.0);
   if (!json_path.empty()) {

@@ -53,10 +53,11 @@ double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
   return total;
 }
 
-AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options)
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
+             bool states_on_host)
     : options_(options) {
   torch::NoGradGuard no_grad;
-  if (options_.states_on_host) {
+  if (states_on_host) {
     const bool cuda = !named_params.empty() && named_params.front().second.is_cuda();
     host_pool_ = std::make_unique<memory::HostPool>(/*budget_bytes=*/0, /*pinned=*/cuda);
   }

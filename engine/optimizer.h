@@ -25,10 +25,6 @@ struct AdamWOptions {
   double beta2 = 0.95;         // in [0, 1)
   double eps = 1e-8;           // > 0
   double weight_decay = 0.1;   // >= 0; 0 disables; never applied to 1-D params (norms, biases)
-  // Keep the fp32 master weights and both moments in (pinned) host memory: 12 bytes per
-  // parameter off the GPU. Each step streams a parameter's state to the device, updates it
-  // there and streams it back (about 24 bytes per parameter over PCIe per step).
-  bool states_on_host = false;
   absl::Status Validate() const;
 };
 
@@ -48,7 +44,12 @@ double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm);
 
 class AdamW {
  public:
-  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options);
+  // states_on_host (planner::MemoryStrategy::optimizer_on_host): keep the fp32 master weights
+  // and both moments in (pinned) host memory, 12 bytes per parameter off the GPU. Each step
+  // streams a parameter's state to the device, updates it there and streams it back (about 24
+  // bytes per parameter over PCIe per step). Fixed for the optimizer's life.
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
+        bool states_on_host = false);
 
   // One update with learning rate `lr` from the parameters' .grad(); params without a grad are
   // skipped (their state does not advance).
@@ -57,13 +58,10 @@ class AdamW {
   int64_t steps() const { return steps_; }
   const AdamWOptions& options() const { return options_; }
   // Replaces beta1, beta2, eps, weight_decay and lr for the following steps (RL sessions send
-  // them with every optim_step). states_on_host is fixed at construction and is not changed.
+  // them with every optim_step).
   // REQUIRES: options.Validate() is OK.
-  void set_hyperparameters(const AdamWOptions& options) {
-    const bool on_host = options_.states_on_host;
-    options_ = options;
-    options_.states_on_host = on_host;
-  }
+  void set_hyperparameters(const AdamWOptions& options) { options_ = options; }
+  bool states_on_host() const { return host_pool_ != nullptr; }
 
   // Optimizer state by name for checkpoints: "exp_avg.<param>", "exp_avg_sq.<param>",
   // "master.<param>" (only for non-fp32 params), "step" (int64 scalar).

@@ -99,8 +99,7 @@ TEST(AdamWTest, StatesOnHostMatchStatesOnDevice) {
   torch::Tensor d = c.detach().clone().requires_grad_(true);
   AdamWOptions o;
   AdamW dev({{"w", a}, {"n", c}}, o);
-  o.states_on_host = true;
-  AdamW host({{"w", b}, {"n", d}}, o);
+  AdamW host({{"w", b}, {"n", d}}, o, /*states_on_host=*/true);
   for (int i = 0; i < 5; ++i) {
     torch::Tensor g = torch::randn({6, 5}).to(torch::kBFloat16), h = torch::randn({5});
     a.mutable_grad() = g.clone();

@@ -33,7 +33,7 @@ TrainerOptions TinyCpu(uint64_t seed) {
 // group_tokens: RL datums run in padded groups of at most this many positions (1: one at a time).
 std::unique_ptr<Trainer> MakeTrainer(uint64_t seed, const std::string& recompute = "none", int64_t group_tokens = 64) {
   TrainerOptions o = TinyCpu(seed);
-  o.memory.recompute = recompute;
+  o.memory.recompute = *planner::ParseRecompute(recompute);
   if (recompute == "layer") o.memory.loss_tile = 5;  // the recompute variant also tiles the logprobs
   o.rl_group_tokens = group_tokens;
   absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o);

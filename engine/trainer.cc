@@ -53,7 +53,7 @@ Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<
     named.emplace_back(p.key(), p.value());
     params_.push_back(p.value());
   }
-  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer);
+  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host);
   if (options_.schedule.total_steps == 0) options_.schedule.total_steps = options_.steps;
 }
 
@@ -67,16 +67,16 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     if (!d.ok()) return d.status();
     dtype = *d;
   }
-  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend =
-      model::MakeAttentionBackend(options.attention, options.attention_head_groups);
-  if (!backend.ok()) return backend.status();
+  const int64_t head_groups = options.memory.head_groups;
   absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model);
   if (!resolved.ok()) return resolved.status();
   if (options.num_layers > 0) resolved->num_hidden_layers = options.num_layers;
-  if (resolved->num_key_value_heads % options.attention_head_groups != 0)
-    return absl::InvalidArgumentError(absl::StrCat("attention_head_groups (", options.attention_head_groups,
-                                                   ") must divide num_key_value_heads (",
-                                                   resolved->num_key_value_heads, ")"));
+  if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);
+      !s.ok())
+    return s;
+  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend =
+      model::MakeAttentionBackend(options.attention, head_groups);
+  if (!backend.ok()) return backend.status();
   absl::StatusOr<std::unique_ptr<memory::MemoryStack>> memory =
       memory::MemoryStack::Create(options.memory, resolved->num_hidden_layers);
   if (!memory.ok()) return memory.status();
@@ -93,8 +93,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
                                                      "statistics and backward run separately (math, or cudnn/auto on "
                                                      "CUDA); '", options.attention, "' on ", device->str(), " has none"));
     backend = model::WrapHeadGroups(
-        std::make_shared<const memory::StashingAttention>(*kernel, (*memory)->attention_stash()),
-        options.attention_head_groups);
+        std::make_shared<const memory::StashingAttention>(*kernel, (*memory)->attention_stash()), head_groups);
   }
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();

@@ -58,8 +58,9 @@ struct TrainerOptions {
   std::string device = "auto";    // auto (cuda if present, else cpu) | cpu | cuda | cuda:N
   std::string dtype = "auto";     // auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16
   std::string attention = "auto"; // attention backend: auto | math | sdpa | cudnn
-  int64_t attention_head_groups = 1;  // KV-head groups run one after another (divides KV heads)
-  memory::MemoryOptions memory;   // recompute, offload, tiling (default: none of them)
+  // Every memory knob (recompute, offload, tiles, head groups, kept attention, optimizer state
+  // on the host); the default is plain autograd. See planner/memory_strategy.h.
+  planner::MemoryStrategy memory;
   uint64_t seed = 0;              // model init (named shapes) and data sampling
   int64_t steps = 300;            // training steps (> 0)
   double grad_clip = 1.0;         // max global grad norm; <= 0 disables

@@ -115,6 +115,44 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& text, const std::st
     return absl::InvalidArgumentError(absl::StrCat(source, ": model_type '", model_type,
                                                    "' is not supported (llama, qwen2, qwen3)"));
   }
+  // Accepted means computed: a field whose value changes the math of a layer this model does not
+  // implement is refused, naming the field, its value and what is supported, rather than loaded
+  // and computed as something else.
+  for (const char* act_key : {"hidden_act", "hidden_activation"}) {
+    if (auto it = j.find(act_key); it != j.end() && !it->is_null()) {
+      const std::string act = it->is_string() ? it->get<std::string>() : it->dump();
+      if (act != "silu" && act != "swish")
+        return absl::InvalidArgumentError(absl::StrCat(source, ": ", act_key, " '", act,
+                                                       "' is not supported: the MLP is SwiGLU (silu)"));
+    }
+  }
+  if (auto it = j.find("use_sliding_window"); it != j.end() && it->is_boolean() && it->get<bool>())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": use_sliding_window true is not supported: attention is "
+                                                   "full causal (set it false, or use a model without sliding "
+                                                   "windows)"));
+  if (auto it = j.find("layer_types"); it != j.end() && it->is_array()) {
+    for (const auto& t : *it) {
+      if (!t.is_string() || t.get<std::string>() != "full_attention")
+        return absl::InvalidArgumentError(absl::StrCat(source, ": layer_types entry ", t.dump(),
+                                                       " is not supported: every layer is full_attention"));
+    }
+  }
+  if (model_type == "llama") {
+    if (auto it = j.find("sliding_window"); it != j.end() && it->is_number())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": sliding_window (", it->dump(),
+                                                     ") is not supported: attention is full causal"));
+  }
+  if (auto it = j.find("attention_dropout"); it != j.end() && it->is_number() && it->get<double>() != 0)
+    return absl::InvalidArgumentError(absl::StrCat(source, ": attention_dropout (", it->dump(),
+                                                   ") is not supported: training runs without dropout (0)"));
+  if (auto it = j.find("partial_rotary_factor"); it != j.end() && it->is_number() && it->get<double>() != 1)
+    return absl::InvalidArgumentError(absl::StrCat(source, ": partial_rotary_factor (", it->dump(),
+                                                   ") is not supported: RoPE rotates the whole head (1)"));
+  for (const char* cap : {"attn_logit_softcapping", "final_logit_softcapping"}) {
+    if (auto it = j.find(cap); it != j.end() && !it->is_null())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", cap, " (", it->dump(),
+                                                     ") is not supported: logits are not soft-capped (null)"));
+  }
   RETURN_IF_ERROR_CFG(GetInt(j, "vocab_size", &c.vocab_size, source, true));
   RETURN_IF_ERROR_CFG(GetInt(j, "hidden_size", &c.hidden_size, source, true));
   RETURN_IF_ERROR_CFG(GetInt(j, "intermediate_size", &c.intermediate_size, source, true));

@@ -33,7 +33,9 @@ int main(int argc, char** argv) {
     std::printf("longest sequence that fits: %lld tokens\n",
                 static_cast<long long>(odyssey::planner::MaxSeqLen(shape, hw)));
   }
-  auto choice = odyssey::planner::Choose(shape, seq_len, 1, hw, keep);
+  odyssey::planner::ChooseOptions options;
+  options.allow_keep_attention = keep;
+  auto choice = odyssey::planner::Choose(shape, seq_len, 1, hw, options);
   if (!choice.ok()) {
     std::printf("%s\n", std::string(choice.status().message()).c_str());
     return 1;

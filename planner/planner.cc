@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -12,6 +13,24 @@ std::string GiB(int64_t b) { return absl::StrFormat("%.1f GiB", static_cast<doub
 
 // Fixed allocator-visible overhead: cuBLAS/cuDNN workspaces, RoPE tables, small buffers.
 constexpr int64_t kOverhead = int64_t{1} << 30;
+
+struct Search {
+  Choice best;           // the first candidate that fits, else the one that misses by least
+  bool fits = false;
+  bool any_valid = false;  // some candidate was valid with the fixed fields on this model
+  int64_t over = -1;     // by how much `best` misses (bytes; -1 when it fits)
+};
+
+// "does not fit: 131072 tokens x 1: the strategy needs ... (its description, `whose`), over the
+// machine's ... by ...": one wording for Choose, PlanJob and so CreateJob and Plan.
+std::string Misses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s, const Prediction& p,
+                   const Hardware& hw, absl::string_view whose) {
+  const int64_t over = std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
+  return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, ": the strategy needs ",
+                      GiB(p.gpu_peak_bytes), " of GPU memory and ", GiB(p.host_bytes), " of pinned host memory (",
+                      s.Describe(), "; ", whose, "), over the machine's ", GiB(hw.gpu_bytes), " GPU / ",
+                      GiB(hw.host_bytes), " host by ", GiB(over));
+}
 
 }  // namespace
 
@@ -31,49 +50,9 @@ ModelShape ShapeOf(const model::ModelConfig& c) {
   return m;
 }
 
-std::string Strategy::Describe() const {
-  std::string s = absl::StrCat("recompute=", recompute);
-  if (recompute == "every_k") absl::StrAppend(&s, "(k=", every_k, ")");
-  absl::StrAppend(&s, " offload=", offload ? "on" : "off");
-  if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
-  absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile, " head_groups=", head_groups);
-  if (optimizer_on_host) absl::StrAppend(&s, " optimizer_on_host");
-  if (keep_attention) absl::StrAppend(&s, " keep_attention");
-  return s;
-}
-
-Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
-                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host) {
-  Strategy s;
-  s.recompute = recompute;
-  s.every_k = every_k;
-  s.offload = offload;
-  s.device_resident = device_resident;
-  s.mlp_tile = mlp_tile;
-  s.loss_tile = loss_tile;
-  s.head_groups = std::max<int64_t>(1, head_groups);
-  s.optimizer_on_host = optimizer_on_host;
-  return s;
-}
-
-bool MemoryFields::AllSet() const {
-  return !recompute.empty() && !offload.empty() && offload != "auto" && mlp_tile > 0 && loss_tile > 0;
-}
-
-Strategy ApplyMemoryFields(Strategy s, const MemoryFields& f) {
-  if (!f.recompute.empty()) s.recompute = f.recompute;
-  if (f.every_k > 0) s.every_k = f.every_k;
-  if (f.offload == "on") s.offload = true;
-  if (f.offload == "off") s.offload = false;
-  if (f.mlp_tile > 0) s.mlp_tile = f.mlp_tile;
-  if (f.loss_tile > 0) s.loss_tile = f.loss_tile;
-  if (!s.offload) s.device_resident = 0;
-  return s;
-}
-
 Prediction Predict(const Request& r) {
   const ModelShape& m = r.model;
-  const Strategy& st = r.strategy;
+  const MemoryStrategy& st = r.strategy;
   const int64_t e = r.param_bytes;
   const int64_t T = r.seq_len * r.batch_size;
   const int64_t H = m.hidden, I = m.intermediate, qd = m.heads * m.head_dim, kvd = m.kv_heads * m.head_dim;
@@ -87,9 +66,8 @@ Prediction Predict(const Request& r) {
       m.params * static_per_param);
   const int64_t act = T * H * e;  // one (T, hidden) activation
   int64_t checkpoints = 0, on_gpu = 0;
-  if (st.recompute == "layer") checkpoints = m.layers;
-  if (st.recompute == "every_k") checkpoints = (m.layers + st.every_k - 1) / st.every_k;
-  if (st.recompute != "none") {
+  checkpoints = st.NumCheckpoints(m.layers);
+  if (st.recompute != Recompute::kNone) {
     on_gpu = st.offload ? std::min(st.device_resident, checkpoints) : checkpoints;
     add("checkpointed layer inputs on the GPU", on_gpu * act);
     p.host_bytes = st.offload ? (checkpoints - on_gpu) * act : 0;
@@ -109,13 +87,13 @@ Prediction Predict(const Request& r) {
   } else {
     layer += T * I * e * 6;
   }
-  if (st.recompute == "none") {
+  if (st.recompute == Recompute::kNone) {
     // Every layer's autograd state stays until backward reaches it.
     layer += (m.layers - 1) * (saved_attention + T * (e * (2 * H) + (st.mlp_tile > 0 ? 0 : I * e * 4)));
   }
   add("one layer's activations and gradients", layer);
-  if (st.recompute == "every_k") add("inputs of the group being recomputed", (st.every_k - 1) * act);
-  if (st.keep_attention && st.recompute == "layer") {
+  if (st.recompute == Recompute::kEveryK) add("inputs of the group being recomputed", (st.every_k - 1) * act);
+  if (st.keep_attention && st.recompute == Recompute::kLayer) {
     add("kept attention outputs and log-sum-exp", m.layers * T * (qd * e + 4 * m.heads));
   }
   const int64_t loss_rows = st.loss_tile > 0 ? std::min(st.loss_tile, T) : T;
@@ -141,14 +119,17 @@ std::string Prediction::Describe() const {
   return s + ")";
 }
 
-absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
-                              bool allow_keep_attention) {
+// The candidates in order of speed; the first that fits, else the one that misses by least.
+Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
+                        const ChooseOptions& options) {
   const int64_t T = seq_len * batch_size;
   Request base;
   base.model = model;
   base.seq_len = seq_len;
   base.batch_size = batch_size;
   base.hardware = hw;
+  base.param_bytes = options.param_bytes;
+  const MemoryFields& fixed = options.fixed;
   // Tiles: ~1 GiB of MLP intermediates, ~1.5 GiB of fp32 logits per tile.
   const int64_t mlp_tile = std::max<int64_t>(1024, (int64_t{1} << 30) / (model.intermediate * 2 * 6));
   const int64_t loss_tile = std::max<int64_t>(256, (int64_t{3} << 29) / (model.vocab * 4 * 3));
@@ -156,58 +137,142 @@ absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t 
   for (int64_t g = 1; g <= model.kv_heads; ++g) {
     if (model.kv_heads % g == 0) group_options.push_back(g);
   }
-  Choice best_miss;
-  int64_t best_over = -1;
-  auto consider = [&](Strategy s) -> bool {
+  if (fixed.head_groups || group_options.empty()) group_options = {fixed.head_groups.value_or(1)};
+  Search out;
+  Choice& best_miss = out.best;
+  int64_t& best_over = out.over;
+  auto consider = [&](MemoryStrategy s) -> bool {
     s.mlp_tile = T > mlp_tile ? mlp_tile : 0;
     s.loss_tile = T > loss_tile ? loss_tile : 0;
+    s.host_budget_bytes = hw.host_bytes;
     for (int64_t g : group_options) {
       s.head_groups = g;
       Request r = base;
-      r.strategy = s;
+      r.strategy = fixed.ApplyTo(s);
+      if (!r.strategy.ValidateForModel(model.layers, model.kv_heads).ok()) continue;
       Prediction p = Predict(r);
+      out.any_valid = true;
       if (p.fits) {
-        best_miss = {s, p};
+        best_miss = {r.strategy, p};
+        out.fits = true;
         return true;
       }
       const int64_t over = std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
       if (best_over < 0 || over < best_over) {
         best_over = over;
-        best_miss = {s, p};
+        best_miss = {r.strategy, p};
       }
     }
     return false;
   };
+  auto candidate = [](Recompute recompute, int64_t every_k, bool offload, int64_t device_resident,
+                      bool optimizer_on_host) {
+    MemoryStrategy s;
+    s.recompute = recompute;
+    s.every_k = every_k;
+    s.offload = offload;
+    s.device_resident = device_resident;
+    s.optimizer_on_host = optimizer_on_host;
+    return s;
+  };
+  // 0. Keeping attention outputs (no attention re-forward), everything else on the GPU.
   // 1. Recompute every layer, everything on the GPU.
   // 2. Offload, keeping as many checkpoints on the GPU as fit (more resident = fewer copies).
   // 3. Nested groups of k layers when the host cannot hold one input per layer.
   // 4. All of that again with the optimizer state on the host (costs ~24 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
-  // 0. Keeping attention outputs (no attention re-forward), everything else on the GPU.
-  if (allow_keep_attention) {
-    Strategy keep = StrategyOf("layer", 2, false, 0, 0, 0, 1);
+  if (options.allow_keep_attention) {
+    MemoryStrategy keep = candidate(Recompute::kLayer, 2, false, 0, false);
     keep.keep_attention = true;
-    if (consider(keep)) return best_miss;
+    if (consider(keep)) return out;
     keep.offload = true;
-    if (consider(keep)) return best_miss;
+    if (consider(keep)) return out;
   }
   for (bool host_optimizer : {false, true}) {
-    if (consider(StrategyOf("layer", 2, false, 0, 0, 0, 1, host_optimizer))) return best_miss;
+    if (consider(candidate(Recompute::kLayer, 2, false, 0, host_optimizer))) return out;
     for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {
-      const std::string mode = k == 1 ? "layer" : "every_k";
+      const Recompute mode = k == 1 ? Recompute::kLayer : Recompute::kEveryK;
       const int64_t checkpoints = (model.layers + k - 1) / k;
       for (int64_t resident = checkpoints - 1; resident >= 0; --resident) {
-        if (consider(StrategyOf(mode, std::max<int64_t>(k, 2), true, resident, 0, 0, 1, host_optimizer))) {
-          return best_miss;
-        }
+        if (consider(candidate(mode, std::max<int64_t>(k, 2), true, resident, host_optimizer))) return out;
       }
     }
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "does not fit: ", seq_len, " tokens x ", batch_size, " needs at least ", GiB(best_miss.prediction.gpu_peak_bytes),
-      " of GPU memory and ", GiB(best_miss.prediction.host_bytes), " of pinned host memory with the best strategy (",
-      best_miss.strategy.Describe(), "), over the machine's ", GiB(hw.gpu_bytes), " GPU / ", GiB(hw.host_bytes),
-      " host by ", GiB(best_over)));
+  return out;
+}
+
+absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
+                              const ChooseOptions& options) {
+  const Search found = SearchStrategies(model, seq_len, batch_size, hw, options);
+  if (!found.any_valid) {
+    return absl::InvalidArgumentError(absl::StrCat("no strategy is valid with the job's memory fields for this model (",
+                                                   options.fixed.ApplyTo({}).Describe(), ")"));
+  }
+  if (!found.fits) {
+    return absl::ResourceExhaustedError(
+        Misses(seq_len, batch_size, found.best.strategy, found.best.prediction, hw, "the best strategy"));
+  }
+  return found.best;
+}
+
+absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
+  JobPlan plan;
+  absl::string_view whose = "the spec's fields";
+  if (q.fields.AllSet()) {
+    plan.strategy = q.fields.ApplyTo(MemoryStrategy{});
+    if (plan.strategy.host_budget_bytes == 0) plan.strategy.host_budget_bytes = q.hardware.host_bytes;
+    if (absl::Status s = plan.strategy.ValidateForModel(q.model.layers, q.model.kv_heads); !s.ok()) return s;
+  } else {
+    ChooseOptions options;
+    options.fixed = q.fields;
+    options.param_bytes = q.param_bytes;
+    options.allow_keep_attention = q.allow_keep_attention;
+    const Search found = SearchStrategies(q.model, q.seq_len, q.batch_size, q.hardware, options);
+    if (!found.any_valid) {
+      // Every candidate was refused by the fields: say why for the one the fields make of none.
+      if (absl::Status s = q.fields.ApplyTo(MemoryStrategy{}).ValidateForModel(q.model.layers, q.model.kv_heads);
+          !s.ok())
+        return s;
+      return absl::InvalidArgumentError("memory: no strategy is valid with the job's memory fields for this model");
+    }
+    plan.strategy = found.best.strategy;
+    whose = found.fits ? "the planner's choice" : "the least-bad strategy with the spec's fields";
+  }
+  Request r;
+  r.model = q.model;
+  r.seq_len = q.seq_len;
+  r.batch_size = q.batch_size;
+  r.strategy = plan.strategy;
+  r.hardware = q.hardware;
+  r.param_bytes = q.param_bytes;
+  plan.prediction = Predict(r);
+  plan.fits = plan.prediction.fits;
+  if (!plan.fits) plan.message = Misses(q.seq_len, q.batch_size, plan.strategy, plan.prediction, q.hardware, whose);
+  return plan;
+}
+
+absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+  absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
+  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
+  if (fields.head_groups && config->num_key_value_heads % *fields.head_groups != 0)
+    return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
+                                                   ") must divide the model's num_key_value_heads (",
+                                                   config->num_key_value_heads, ")"));
+  if (fields.every_k && fields.recompute == Recompute::kEveryK && *fields.every_k > config->num_hidden_layers)
+    return absl::InvalidArgumentError(absl::StrCat("spec.memory.recompute_every_k: (", *fields.every_k,
+                                                   ") must be <= the model's num_hidden_layers (",
+                                                   config->num_hidden_layers, ")"));
+  JobPlanRequest q;
+  q.model = ShapeOf(*config);
+  q.seq_len = seq_len;
+  q.batch_size = std::max<int64_t>(1, batch_size);
+  q.param_bytes = dtype == "float32" ? 4 : 2;
+  q.fields = fields;
+  q.hardware = hardware;
+  absl::StatusOr<JobPlan> plan = PlanJob(q);
+  if (!plan.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", plan.status().message()));
+  return plan;
 }
 
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hw, int64_t granularity) {

@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "model/config.h"
+#include "planner/memory_strategy.h"
 
 namespace odyssey::planner {
 
@@ -35,34 +36,6 @@ struct ModelShape {
 };
 ModelShape ShapeOf(const model::ModelConfig& config);
 
-struct Strategy {
-  std::string recompute = "layer";  // none | layer | every_k
-  int64_t every_k = 2;
-  bool offload = false;
-  int64_t device_resident = 0;  // with offload: checkpoints kept on the GPU
-  int64_t mlp_tile = 0;         // 0 = untiled
-  int64_t loss_tile = 0;        // 0 = untiled
-  int64_t head_groups = 1;
-  bool optimizer_on_host = false;  // fp32 master + moments in pinned host memory
-  bool keep_attention = false;     // each layer's attention output + LSE kept on the GPU
-  std::string Describe() const;
-};
-Strategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
-                    int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host = false);
-
-// A job's memory fields (JobSpec.memory) over a strategy, the way workers apply them: what is
-// set wins; recompute "", offload "" or "auto", every_k 0 and tiles 0 are unset. Offload off
-// also drops the GPU-resident checkpoints.
-struct MemoryFields {
-  std::string recompute;
-  int64_t every_k = 0;
-  std::string offload;
-  int64_t mlp_tile = 0, loss_tile = 0;
-  // True when no field is left to the planner (recompute, offload and both tiles set).
-  bool AllSet() const;
-};
-Strategy ApplyMemoryFields(Strategy base, const MemoryFields& fields);
-
 struct Hardware {
   int64_t gpu_bytes = int64_t{136} << 30;   // what the allocator may use (H200: 139 GiB less context)
   int64_t host_bytes = int64_t{110} << 30;  // pinned memory the pool may take (128 GiB host)
@@ -72,7 +45,7 @@ struct Request {
   ModelShape model;
   int64_t seq_len = 0;
   int64_t batch_size = 1;
-  Strategy strategy;
+  MemoryStrategy strategy;
   Hardware hardware;
   int64_t param_bytes = 2;  // 2: bf16 params and activations; 4: fp32
 };
@@ -88,14 +61,52 @@ Prediction Predict(const Request& request);
 
 // The fastest strategy that fits (recompute every layer, offload only when needed, checkpoints
 // kept on the GPU where room allows, nested groups only when host memory is short), with tile
-// sizes and head groups chosen. An error says by how much the least-bad candidate misses.
+// sizes and head groups chosen. Only the fields `fixed` leaves unset are chosen: every candidate
+// is `fixed.ApplyTo(candidate)`. An error (RESOURCE_EXHAUSTED) says by how much the least-bad
+// candidate misses.
 struct Choice {
-  Strategy strategy;
+  MemoryStrategy strategy;
   Prediction prediction;
 };
-// allow_keep_attention: consider keeping attention outputs (fastest where it fits).
+struct ChooseOptions {
+  MemoryFields fixed;                 // the job's own fields (they win)
+  int64_t param_bytes = 2;            // 2: bf16; 4: fp32
+  bool allow_keep_attention = false;  // consider keeping attention outputs (fastest where it fits)
+};
 absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hardware,
-                              bool allow_keep_attention = false);
+                              const ChooseOptions& options = {});
+
+// The one planning rule (CreateJob, PlannerService.Plan and the worker alike): the job's fields
+// over the planner's choice for the rest, predicted on `hardware`. The host budget a strategy
+// may use is hardware.host_bytes (see HostBudget()). INVALID_ARGUMENT when the fields cannot run
+// on this model (they name the field); otherwise a plan, which may not fit (fits false, the
+// least-bad strategy, and a message saying by how much it misses).
+struct JobPlanRequest {
+  ModelShape model;
+  int64_t seq_len = 0;
+  int64_t batch_size = 1;
+  int64_t param_bytes = 2;  // 2: bf16; 4: fp32
+  MemoryFields fields;
+  Hardware hardware;
+  bool allow_keep_attention = false;
+};
+struct JobPlan {
+  // What a worker runs (host_budget_bytes = hardware.host_bytes); when nothing fits, the
+  // candidate that misses by least.
+  MemoryStrategy strategy;
+  Prediction prediction;    // of `strategy`
+  bool fits = false;
+  std::string message;      // why it does not fit; empty when it does
+};
+absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
+
+// PlanJob for a job's model (a named shape or an HF checkpoint folder), dtype ("float32" plans
+// fp32; "auto", "bfloat16" and "" plan bf16: the planner models GPU ranks), seq_len x batch_size
+// positions and memory fields: the rule CreateJob, PlannerService.Plan (through
+// planner/memory_spec.h) and the worker all apply. INVALID_ARGUMENT naming the JobSpec field
+// ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
+absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);

@@ -9,6 +9,27 @@ namespace {
 
 ModelShape Llama3B() { return ShapeOf(*model::NamedShape("llama-3.2-3b")); }
 
+// A strategy from its fields in the order the tests list them.
+MemoryStrategy StrategyOf(const std::string& recompute, int64_t every_k, bool offload, int64_t device_resident,
+                          int64_t mlp_tile, int64_t loss_tile, int64_t head_groups, bool optimizer_on_host = false) {
+  MemoryStrategy s;
+  s.recompute = *ParseRecompute(recompute);
+  s.every_k = every_k;
+  s.offload = offload;
+  s.device_resident = device_resident;
+  s.mlp_tile = mlp_tile;
+  s.loss_tile = loss_tile;
+  s.head_groups = head_groups;
+  s.optimizer_on_host = optimizer_on_host;
+  return s;
+}
+
+ChooseOptions KeepAttention() {
+  ChooseOptions o;
+  o.allow_keep_attention = true;
+  return o;
+}
+
 int64_t Term(const Prediction& p, const std::string& prefix) {
   for (const auto& [name, bytes] : p.terms) {
     if (name.rfind(prefix, 0) == 0) return bytes;
@@ -96,12 +117,12 @@ TEST(PlannerTest, OptimizerOnHostMovesTwelveBytesPerParameter) {
 
 TEST(PlannerTest, KeptAttentionOutputsAreChosenOnlyWhereTheyFitAndAllowed) {
   Hardware h200;
-  auto c = Choose(Llama3B(), 65536, 1, h200, /*allow_keep_attention=*/true);
+  auto c = Choose(Llama3B(), 65536, 1, h200, KeepAttention());
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(c->strategy.keep_attention);
   EXPECT_EQ(Term(c->prediction, "kept attention"), int64_t{28} * 65536 * (3072 * 2 + 4 * 24));
   EXPECT_FALSE(Choose(Llama3B(), 65536, 1, h200)->strategy.keep_attention);
-  auto long_seq = Choose(Llama3B(), 1 << 20, 1, h200, true);
+  auto long_seq = Choose(Llama3B(), 1 << 20, 1, h200, KeepAttention());
   ASSERT_TRUE(long_seq.ok());
   EXPECT_FALSE(long_seq->strategy.keep_attention);  // 28 x 6 GiB of outputs cannot stay
 }
@@ -123,17 +144,16 @@ TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
 // the run cut to 2 layers, where that term is small, within 5%. Pinned bytes are exact.
 // A job's memory fields over the planner's choice, as a worker applies them.
 TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
-  const Strategy chosen = StrategyOf("layer", 2, true, 10, 8192, 2048, 4);
+  const MemoryStrategy chosen = StrategyOf("layer", 2, true, 10, 8192, 2048, 4);
   MemoryFields none;
   EXPECT_FALSE(none.AllSet());
-  EXPECT_EQ(ApplyMemoryFields(chosen, none).Describe(), chosen.Describe());
+  EXPECT_EQ(none.ApplyTo(chosen).Describe(), chosen.Describe());
   MemoryFields f;
-  f.recompute = "every_k";
+  f.recompute = Recompute::kEveryK;
   f.every_k = 3;
-  f.loss_tile = 1024;
-  f.offload = "auto";  // unset
-  Strategy s = ApplyMemoryFields(chosen, f);
-  EXPECT_EQ(s.recompute, "every_k");
+  f.loss_tile = 1024;  // offload unset ("auto")
+  MemoryStrategy s = f.ApplyTo(chosen);
+  EXPECT_EQ(s.recompute, Recompute::kEveryK);
   EXPECT_EQ(s.every_k, 3);
   EXPECT_TRUE(s.offload);
   EXPECT_EQ(s.device_resident, 10);
@@ -141,29 +161,122 @@ TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
   EXPECT_EQ(s.loss_tile, 1024);
   EXPECT_EQ(s.head_groups, 4);
   EXPECT_FALSE(f.AllSet());
-  f.offload = "off";
+  f.offload = false;
   f.mlp_tile = 4096;
-  EXPECT_TRUE(f.AllSet());
-  s = ApplyMemoryFields(chosen, f);
+  s = f.ApplyTo(chosen);
   EXPECT_FALSE(s.offload);
   EXPECT_EQ(s.device_resident, 0);  // nothing is offloaded, so nothing is "kept on the GPU"
   EXPECT_EQ(s.mlp_tile, 4096);
+  f.device_resident = 0;
+  f.head_groups = 1;
+  f.keep_attention = false;
+  f.optimizer_on_host = false;
+  EXPECT_TRUE(f.AllSet());
+  // A choice the spec's fields made meaningless is dropped: the planner's offload under the
+  // spec's recompute "none", its kept attention under the spec's nested groups.
+  MemoryStrategy keep = chosen;
+  keep.keep_attention = true;
+  MemoryFields no_recompute;
+  no_recompute.recompute = Recompute::kNone;
+  EXPECT_FALSE(no_recompute.ApplyTo(keep).offload);
+  EXPECT_FALSE(no_recompute.ApplyTo(keep).keep_attention);
+  EXPECT_TRUE(no_recompute.ApplyTo(keep).Validate().ok());
+}
+
+// The planner fills only what the spec leaves unset, and its choice is one a worker can run.
+TEST(PlannerTest, ChoiceRespectsTheFixedFields) {
+  ChooseOptions o;
+  o.fixed.recompute = Recompute::kLayer;
+  o.fixed.head_groups = 2;
+  // 512K on an H200 needs offload and (left free) 4 head groups; with 2 fixed it still fits.
+  auto c = Choose(Llama3B(), 524288, 1, Hardware{}, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->strategy.recompute, Recompute::kLayer);
+  EXPECT_EQ(c->strategy.head_groups, 2);
+  EXPECT_TRUE(c->strategy.offload);
+  // Head groups that do not divide the KV heads (8) leave nothing valid to choose.
+  o.fixed.head_groups = 3;
+  c = Choose(Llama3B(), 65536, 1, Hardware{}, o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  // fp32 doubles the activations: the choice at 512K costs more (or nothing fits).
+  ChooseOptions fp32;
+  fp32.param_bytes = 4;
+  auto bf16 = Choose(Llama3B(), 524288, 1, Hardware{});
+  auto f32 = Choose(Llama3B(), 524288, 1, Hardware{}, fp32);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  if (f32.ok()) {
+    EXPECT_NE(f32->strategy.Describe(), bf16->strategy.Describe());
+  } else {
+    EXPECT_EQ(f32.status().code(), absl::StatusCode::kResourceExhausted);
+  }
+}
+
+// PlanJob: the spec's fields over the planner's choice, predicted; fits exactly when Predict
+// says the strategy it returns fits.
+TEST(PlannerTest, PlanJobAgreesWithPredict) {
+  for (int64_t seq : {int64_t{65536}, int64_t{524288}, int64_t{4} << 20}) {
+    for (bool fix_recompute : {false, true}) {
+      JobPlanRequest q;
+      q.model = Llama3B();
+      q.seq_len = seq;
+      if (fix_recompute) q.fields.recompute = Recompute::kLayer;
+      auto plan = PlanJob(q);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      SCOPED_TRACE(testing::Message() << seq << " " << plan->strategy.Describe() << " " << plan->message);
+      if (seq == (int64_t{4} << 20)) {
+        EXPECT_FALSE(plan->fits);
+        EXPECT_NE(plan->message.find("does not fit"), std::string::npos);
+        continue;
+      }
+      ASSERT_TRUE(plan->fits);
+      EXPECT_TRUE(plan->message.empty());
+      Request r;
+      r.model = q.model;
+      r.seq_len = seq;
+      r.strategy = plan->strategy;
+      EXPECT_TRUE(Predict(r).fits);
+      EXPECT_EQ(Predict(r).gpu_peak_bytes, plan->prediction.gpu_peak_bytes);
+      EXPECT_EQ(plan->strategy.host_budget_bytes, q.hardware.host_bytes);
+    }
+  }
+  // Every field set: no choice, the fields as given (and a verdict on them).
+  JobPlanRequest q;
+  q.model = Llama3B();
+  q.seq_len = 262144;
+  q.fields.recompute = Recompute::kNone;
+  q.fields.every_k = 2;
+  q.fields.offload = false;
+  q.fields.device_resident = 0;
+  q.fields.mlp_tile = 0;
+  q.fields.loss_tile = 0;
+  q.fields.head_groups = 1;
+  q.fields.keep_attention = false;
+  q.fields.optimizer_on_host = false;
+  auto plan = PlanJob(q);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->strategy.recompute, Recompute::kNone);
+  EXPECT_FALSE(plan->fits);
+  EXPECT_NE(plan->message.find("the strategy needs"), std::string::npos) << plan->message;
+  // Fields that cannot run on the model are refused, naming the field.
+  q.fields.head_groups = 5;
+  EXPECT_NE(PlanJob(q).status().message().find("memory.head_groups (5) must divide"), std::string::npos)
+      << PlanJob(q).status();
 }
 
 TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
   struct Row {
     const char* shape;
     int64_t layers, seq;
-    Strategy strategy;
+    MemoryStrategy strategy;
     int64_t measured_gpu, measured_host;
     double max_over;
     int64_t batch = 1;
   };
-  auto keep = [](Strategy s) {
+  auto keep = [](MemoryStrategy s) {
     s.keep_attention = true;
     return s;
   };
-  Strategy host_optimizer = StrategyOf("none", 2, false, 0, 0, 0, 1, /*optimizer_on_host=*/true);
+  MemoryStrategy host_optimizer = StrategyOf("none", 2, false, 0, 0, 0, 1, /*optimizer_on_host=*/true);
   const std::vector<Row> rows = {
       {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, false, 0, 8192, 2048, 1)), 74674474496, 0, 1.2},
       {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 64205491712, 11274289152, 1.2},

@@ -64,6 +64,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "odyssey/v1/odyssey.pb.h"
+#include "planner/planner.h"
 #include "prometheus/registry.h"
 #include "server/job_store.h"
 #include "server/paths.h"
@@ -236,18 +237,23 @@ class Controller {
   int WaitingCalls(int64_t id);
 
  private:
-  // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
-  // FAILED_PRECONDITION saying by how much when nothing fits.
+  // CreateJob's admission: the one planning rule (planner::PlanJobSpec, as Plan applies it) for
+  // one rank of `spec` on MachineToPlanFor(); FAILED_PRECONDITION saying by how much when it
+  // does not fit, INVALID_ARGUMENT when the memory fields cannot run on the model. Not checked
+  // when only CPU workers are attached (the planner models GPU ranks).
   absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The machine one rank is planned for: the largest GPU among the attached workers (less 3 GiB
-  // for the CUDA context) with 85% of that worker's host memory; an H200 host when no GPU
-  // worker is attached. `source` says which; `gpu_worker` is false when none is attached.
+  // The machine one rank is planned for: the largest GPU among the attached workers, with that
+  // worker's host memory (raw sizes; PlanHardware applies planner::MachineHardware's rule); an
+  // H200 host when no GPU worker is attached. `source` says which; `gpu_worker` is false when
+  // none is attached.
   struct PlanMachine {
-    int64_t gpu_bytes = 0, host_bytes = 0;
+    int64_t device_memory_bytes = 0, host_memory_bytes = 0;  // 0: an H200 host (planner::Hardware{})
     bool any_worker = false, gpu_worker = false;
     std::string source;
   };
   PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The planner's hardware for `machine` under the job's host budget (> 0 wins).
+  static planner::Hardware PlanHardware(const PlanMachine& machine, int64_t spec_host_budget_bytes);
 
   struct Worker {
     std::string id;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "model/config.h"
+#include "planner/memory_spec.h"
 
 namespace odyssey::server {
 namespace {
@@ -70,6 +71,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
     return Invalid(p + ".model.name", "is required (a named shape such as \"tiny\" or a Hugging Face checkpoint directory)");
   }
   auto config = odyssey::model::ResolveModelConfig(model.name());
+  std::error_code dir_ec;
+  if (!config.ok() && std::filesystem::is_directory(model.name(), dir_ec)) {
+    // A checkpoint folder whose config cannot be loaded: its own reason first.
+    return Invalid(p + ".model.name", absl::StrCat("the checkpoint directory's config cannot be used: ",
+                                                   config.status().message()));
+  }
   if (!config.ok()) {
     return Invalid(p + ".model.name",
                    absl::StrCat("unknown model \"", model.name(), "\": must be a named shape (",
@@ -108,26 +115,23 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
                    absl::StrCat("(", cp, ") must divide the model's num_attention_heads (",
                                 config->num_attention_heads, ")"));
   }
+  // Accepted means acted on: until the engine has them, these are refused, not ignored.
+  if (cp > 1) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", cp, ") > 1 is not implemented yet: context parallelism (Ulysses) is planned; "
+                                "set 1 (or 0); parallel.world_size > 1 runs data parallel"));
+  }
+  if (par.shard_params()) {
+    return Invalid(p + ".parallel.shard_params",
+                   "is not implemented yet: sharded parameters/gradients/optimizer state are planned; every rank "
+                   "holds the whole model (set false)");
+  }
 
-  // Memory.
-  const auto& mem = spec.memory();
-  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".memory.recompute", mem.recompute(), {"none", "layer", "every_k"}));
-  if (mem.recompute() == "every_k" && mem.recompute_every_k() <= 0) {
-    return Invalid(p + ".memory.recompute_every_k",
-                   absl::StrCat("(", mem.recompute_every_k(), ") must be > 0 when memory.recompute is \"every_k\""));
-  }
-  if (mem.recompute_every_k() < 0) {
-    return Invalid(p + ".memory.recompute_every_k", absl::StrCat("(", mem.recompute_every_k(), ") must be >= 0"));
-  }
-  ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".memory.offload", mem.offload(), {"off", "on", "auto"}));
-  if (mem.mlp_tile_tokens() < 0) {
-    return Invalid(p + ".memory.mlp_tile_tokens", absl::StrCat("(", mem.mlp_tile_tokens(), ") must be >= 0"));
-  }
-  if (mem.loss_tile_tokens() < 0) {
-    return Invalid(p + ".memory.loss_tile_tokens", absl::StrCat("(", mem.loss_tile_tokens(), ") must be >= 0"));
-  }
-  if (mem.host_budget_bytes() < 0) {
-    return Invalid(p + ".memory.host_budget_bytes", absl::StrCat("(", mem.host_budget_bytes(), ") must be >= 0"));
+  // Memory: the converter the worker uses too (planner/memory_spec.h), so both read a spec alike.
+  if (absl::StatusOr<odyssey::planner::MemoryFields> memory =
+          odyssey::planner::MemoryFieldsFromProto(spec.memory(), p + ".memory");
+      !memory.ok()) {
+    return memory.status();
   }
 
   // Optimizer.

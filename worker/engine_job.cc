@@ -146,48 +146,33 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
 
 namespace {
 
-// Fills o->memory (and the attention head groups) from the job's memory fields; unset ones
-// are the planner's choice on a GPU and MemoryOptions' defaults (no strategy) on a CPU. The
-// spec's fields win by planner::ApplyMemoryFields, the rule PlannerService.Plan applies too.
+// Fills o->memory from the job's memory fields: on a GPU by planner::PlanModelJob, the rule the
+// controller's admission and PlannerService.Plan apply (the set fields fixed, the planner's
+// choice for the rest, this device's memory and the one host-budget rule); on a CPU the unset
+// fields are MemoryStrategy's defaults (off). Either way the strategy is validated whole.
 absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) {
-  engine::memory::MemoryOptions& m = o->memory;
-  m.host_budget_bytes = j.host_budget_bytes;
-  planner::MemoryFields fields;
-  fields.recompute = j.recompute;
-  fields.every_k = j.every_k;
-  fields.offload = j.offload;
-  fields.mlp_tile = j.mlp_tile;
-  fields.loss_tile = j.loss_tile;
   absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
   if (!device.ok()) return device.status();
-  planner::Strategy st = planner::StrategyOf(m.recompute, m.every_k, m.offload, m.device_resident, m.mlp_tile,
-                                             m.loss_tile, o->attention_head_groups);
-  if (!fields.AllSet() && device->is_cuda()) {
-    absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(j.model);
-    if (!config.ok()) return config.status();
-    planner::Hardware hw;
-    const engine::DeviceMemory mem = engine::ReadDeviceMemory(*device);
-    if (mem.total > 0) hw.gpu_bytes = mem.total - (int64_t{3} << 30);  // CUDA context and slack
-    hw.host_bytes = j.host_budget_bytes > 0 ? j.host_budget_bytes : HostMemoryBytes() / 8 * 7;
-    absl::StatusOr<planner::Choice> choice =
-        planner::Choose(planner::ShapeOf(*config), j.seq_len, j.batch_size, hw);
-    if (!choice.ok())
-      return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", choice.status().message()));
-    st = choice->strategy;
-    o->attention_head_groups = st.head_groups;
-    o->optimizer.states_on_host = st.optimizer_on_host;
-    LogInfo(absl::StrCat("job=", j.job, " memory: planner chose ", st.Describe(), " (predicted GPU peak ",
-                         choice->prediction.gpu_peak_bytes >> 20, " MiB, host ", choice->prediction.host_bytes >> 20,
-                         " MiB)"));
+  const int64_t host_budget = planner::HostBudget(HostMemoryBytes(), j.memory.host_budget_bytes);
+  if (!device->is_cuda()) {
+    o->memory = j.memory.ApplyTo(planner::MemoryStrategy{});
+    o->memory.host_budget_bytes = host_budget;
+    return o->memory.Validate();
   }
-  st = planner::ApplyMemoryFields(st, fields);
-  m.recompute = st.recompute;
-  m.every_k = st.every_k;
-  m.offload = st.offload;
-  m.device_resident = st.device_resident;
-  m.mlp_tile = st.mlp_tile;
-  m.loss_tile = st.loss_tile;
-  return m.Validate();
+  const engine::DeviceMemory mem = engine::ReadDeviceMemory(*device);
+  planner::Hardware hw;  // an H200's when the device does not say
+  if (mem.total > 0) hw.gpu_bytes = planner::UsableGpuBytes(mem.total);
+  hw.host_bytes = host_budget;
+  absl::StatusOr<planner::JobPlan> plan =
+      planner::PlanModelJob(j.model, j.dtype, j.seq_len, j.batch_size, j.memory, hw);
+  if (!plan.ok()) return plan.status();
+  if (!plan->fits)
+    return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
+  o->memory = plan->strategy;
+  LogInfo(absl::StrCat("job=", j.job, " memory: ", j.memory.AllSet() ? "the spec's " : "planner chose ",
+                       o->memory.Describe(), " (predicted GPU peak ", plan->prediction.gpu_peak_bytes >> 20,
+                       " MiB, host ", plan->prediction.host_bytes >> 20, " MiB)"));
+  return o->memory.Validate();
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "planner/memory_strategy.h"
 
 namespace odyssey::worker {
 
@@ -48,14 +49,10 @@ struct EngineJobOptions {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0, min_lr_ratio = 0;
   int64_t warmup_steps = 0;
   double grad_clip = 0;  // <= 0 disables
-  // Memory strategy (JobSpec.memory). Unset fields are the planner's choice on a GPU (the
-  // fastest strategy that fits the device and host memory); on a CPU unset means none.
-  std::string recompute;     // "" (planner) | none | layer | every_k
-  int64_t every_k = 0;       // 0 = planner's / 2
-  std::string offload;       // "" or "auto" (planner) | on | off
-  int64_t mlp_tile = 0;      // 0 = planner's choice (GPU) / untiled (CPU)
-  int64_t loss_tile = 0;     // 0 = planner's choice (GPU) / untiled (CPU)
-  int64_t host_budget_bytes = 0;  // 0 = the worker's limit
+  // Memory strategy (JobSpec.memory, converted by planner::MemoryFieldsFromProto). Unset fields
+  // are the planner's choice on a GPU (planner::PlanModelJob: the fastest strategy that fits the
+  // device and host memory with the set fields fixed); on a CPU unset means off.
+  planner::MemoryFields memory;
   std::string data_format = "kjv";
   std::string data_path;
   int64_t seq_len = 256;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "planner/memory_spec.h"
 #include "worker/rl_calls.h"
 #include "worker/rl_session.h"
 #include "worker/worker_metrics.h"
@@ -38,16 +39,9 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.warmup_steps = opt.warmup_steps();
   o.min_lr_ratio = opt.min_lr_ratio();
   o.grad_clip = opt.grad_clip();
-  const v1::MemorySpec& mem = spec.memory();
-  o.recompute = mem.recompute();
-  o.every_k = mem.recompute_every_k();
-  o.offload = mem.offload();
-  if (!o.offload.empty() && o.offload != "on" && o.offload != "off" && o.offload != "auto")
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.memory.offload ('", o.offload, "') must be on, off, auto or empty"));
-  o.mlp_tile = mem.mlp_tile_tokens();
-  o.loss_tile = mem.loss_tile_tokens();
-  o.host_budget_bytes = mem.host_budget_bytes();
+  absl::StatusOr<planner::MemoryFields> memory = planner::MemoryFieldsFromProto(spec.memory());
+  if (!memory.ok()) return memory.status();
+  o.memory = *memory;
   o.data_format = spec.data().format().empty() ? "kjv" : spec.data().format();
   o.data_path = spec.data().path();
   o.seq_len = spec.data().seq_len();

@@ -279,7 +279,7 @@ TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
   JobRunner runner(bad, opts, rec.Callbacks(), nullptr);
   v1::JobResult r = rec.Wait();
   EXPECT_FALSE(r.ok());
-  EXPECT_NE(r.error().find("spec.memory.offload ('sometimes') must be on, off, auto or empty"), std::string::npos)
+  EXPECT_NE(r.error().find("spec.memory.offload: ('sometimes') must be on, off, auto or empty"), std::string::npos)
       << r.error();
 }
 

@@ -154,7 +154,7 @@ struct RlSession::Impl {
         return out;
       }
       case RlMethod::kOptimStep: {
-        engine::AdamWOptions adam = trainer_options.optimizer;  // keeps states_on_host
+        engine::AdamWOptions adam = trainer_options.optimizer;
         adam.lr = req.lr;
         if (req.beta1 != 0 || req.beta2 != 0) {
           adam.beta1 = req.beta1;

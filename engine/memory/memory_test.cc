@@ -39,7 +39,7 @@ struct RunSetup {
   std::vector<std::vector<int64_t>> doc_lens;  // packed documents per row; empty = none
 };
 
-Result RunStrategy(const MemoryOptions& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
+Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
   const model::ModelConfig& c = setup.config;
   model::CausalLM m(c);
   m->InitRandom(11, 0.1);
@@ -97,7 +97,7 @@ void ExpectSameGradients(const Result& got, const Result& want) {
 
 class MemoryStrategyTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(MemoryOptions{})); }
+  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(planner::MemoryStrategy{})); }
   static Result* plain_;
 };
 Result* MemoryStrategyTest::plain_ = nullptr;
@@ -107,42 +107,42 @@ TEST_F(MemoryStrategyTest, PlainGradientsAreNonTrivial) {
 }
 
 TEST_F(MemoryStrategyTest, LayerRecompute) {
-  MemoryOptions o;
-  o.recompute = "layer";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
 TEST_F(MemoryStrategyTest, NestedEveryTwoLayers) {
-  MemoryOptions o;
-  o.recompute = "every_k";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kEveryK;
   o.every_k = 2;
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
 TEST_F(MemoryStrategyTest, OffloadToHostPool) {
-  MemoryOptions o;
-  o.recompute = "layer";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   o.offload = true;
   o.device_resident = 1;
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
 TEST_F(MemoryStrategyTest, TiledMlp) {
-  MemoryOptions o;
+  planner::MemoryStrategy o;
   o.mlp_tile = 7;  // does not divide B*S = 100
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
 TEST_F(MemoryStrategyTest, LayerRecomputeWithTiledMlpSkipsTheUnusedForward) {
-  MemoryOptions o;
-  o.recompute = "layer";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   o.mlp_tile = 9;
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
 TEST_F(MemoryStrategyTest, KeptAttentionOutputsSkipTheAttentionReforward) {
-  MemoryOptions o;
-  o.recompute = "layer";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   o.keep_attention = true;
   ExpectSameGradients(RunStrategy(o), *plain_);
   o.mlp_tile = 9;
@@ -153,16 +153,16 @@ TEST_F(MemoryStrategyTest, KeptAttentionOutputsSkipTheAttentionReforward) {
 TEST(MemoryStrategyPackedTest, KeptAttentionOutputsWithPackedDocuments) {
   RunSetup setup;
   setup.doc_lens = {{20, 30}, {50}};
-  const Result plain = RunStrategy(MemoryOptions{}, 1, 1, setup);
-  MemoryOptions o;
-  o.recompute = "layer";
+  const Result plain = RunStrategy(planner::MemoryStrategy{}, 1, 1, setup);
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   o.keep_attention = true;
   o.offload = true;
   ExpectSameGradients(RunStrategy(o, 2, 1, setup), plain);
 }
 
 TEST_F(MemoryStrategyTest, TiledLoss) {
-  MemoryOptions o;
+  planner::MemoryStrategy o;
   o.loss_tile = 13;
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
@@ -186,11 +186,11 @@ TEST(TiledLogprobTest, MatchesUntiledWithArbitraryUpstreamGradients) {
   EXPECT_LT((grads[1] - rw).norm().item<double>() / rw.norm().item<double>(), 1e-5);
 }
 
-TEST_F(MemoryStrategyTest, HeadChunkedAttention) { ExpectSameGradients(RunStrategy(MemoryOptions{}, /*head_groups=*/2), *plain_); }
+TEST_F(MemoryStrategyTest, HeadChunkedAttention) { ExpectSameGradients(RunStrategy(planner::MemoryStrategy{}, /*head_groups=*/2), *plain_); }
 
 TEST_F(MemoryStrategyTest, EverythingTogetherOverSeveralSteps) {
-  MemoryOptions o;
-  o.recompute = "every_k";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kEveryK;
   o.every_k = 3;
   o.offload = true;
   o.mlp_tile = 16;
@@ -199,26 +199,26 @@ TEST_F(MemoryStrategyTest, EverythingTogetherOverSeveralSteps) {
   ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2), *plain_);
 }
 
-TEST(MemoryOptionsTest, ValidationNamesFieldAndRule) {
-  MemoryOptions o;
-  o.recompute = "sometimes";
-  EXPECT_NE(o.Validate().message().find("memory.recompute 'sometimes'"), std::string::npos);
-  o = MemoryOptions{};
+TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
+  planner::MemoryStrategy o;
+  EXPECT_NE(planner::ParseRecompute("sometimes").status().message().find("memory.recompute 'sometimes'"),
+            std::string::npos);
+  o = planner::MemoryStrategy{};
   o.offload = true;
   EXPECT_NE(o.Validate().message().find("memory.offload needs memory.recompute"), std::string::npos);
-  o = MemoryOptions{};
-  o.recompute = "every_k";
+  o = planner::MemoryStrategy{};
+  o.recompute = planner::Recompute::kEveryK;
   o.every_k = 1;
   EXPECT_NE(o.Validate().message().find("memory.every_k (1) must be >= 2"), std::string::npos);
-  o = MemoryOptions{};
+  o = planner::MemoryStrategy{};
   o.keep_attention = true;
   EXPECT_NE(o.Validate().message().find("memory.keep_attention needs memory.recompute 'layer'"), std::string::npos);
   EXPECT_FALSE(model::MakeAttentionBackend("math", 0).ok());
 }
 
-TEST(MemoryOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
-  MemoryOptions o;
-  o.recompute = "layer";
+TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   o.offload = true;
   o.host_budget_bytes = 3 * 2 * 50 * 64 * 4;  // room for 3 of the 5 layer inputs
   auto stack = MemoryStack::Create(o, 5);
@@ -253,40 +253,40 @@ TEST(MemoryStrategyGpuTest, Bf16StrategiesAreAsAccurateAsPlainAutograd) {
   setup.attention = "auto";
   RunSetup fp32 = setup;
   fp32.dtype = torch::kFloat32;
-  const Result ref = RunStrategy(MemoryOptions{}, 1, 1, fp32);
+  const Result ref = RunStrategy(planner::MemoryStrategy{}, 1, 1, fp32);
   setup.dtype = torch::kBFloat16;
-  const Result plain = RunStrategy(MemoryOptions{}, 1, 1, setup);
+  const Result plain = RunStrategy(planner::MemoryStrategy{}, 1, 1, setup);
   auto error = [&](const Result& r, const std::string& name) {
     return (r.grads.at(name) - ref.grads.at(name)).norm().item<double>() / ref.grads.at(name).norm().item<double>();
   };
   struct Case {
     const char* what;
-    MemoryOptions o;
+    planner::MemoryStrategy o;
     int64_t groups;
   };
   std::vector<Case> cases;
-  MemoryOptions o;
-  o.recompute = "layer";
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
   cases.push_back({"layer recompute", o, 1});
   o.offload = true;
   o.device_resident = 1;
   cases.push_back({"offload", o, 1});
-  o = MemoryOptions{};
-  o.recompute = "every_k";
+  o = planner::MemoryStrategy{};
+  o.recompute = planner::Recompute::kEveryK;
   o.every_k = 2;
   o.offload = true;
   cases.push_back({"nested + offload", o, 1});
-  o = MemoryOptions{};
+  o = planner::MemoryStrategy{};
   o.mlp_tile = 300;
   o.loss_tile = 500;
   cases.push_back({"tiled mlp + loss", o, 1});
-  cases.push_back({"head groups", MemoryOptions{}, 2});
-  o = MemoryOptions{};
-  o.recompute = "layer";
+  cases.push_back({"head groups", planner::MemoryStrategy{}, 2});
+  o = planner::MemoryStrategy{};
+  o.recompute = planner::Recompute::kLayer;
   o.keep_attention = true;
   o.mlp_tile = 300;
   cases.push_back({"kept attention outputs (cuDNN backward alone)", o, 2});
-  o.recompute = "layer";
+  o.recompute = planner::Recompute::kLayer;
   o.offload = true;
   cases.push_back({"all", o, 4});
   for (const Case& c : cases) {

@@ -8,54 +8,23 @@
 
 namespace odyssey::engine::memory {
 
-absl::Status MemoryOptions::Validate() const {
-  if (recompute != "none" && recompute != "layer" && recompute != "every_k")
-    return absl::InvalidArgumentError(absl::StrCat("memory.recompute '", recompute, "' is not one of none, layer, every_k"));
-  if (recompute == "every_k" && every_k < 2)
-    return absl::InvalidArgumentError(absl::StrCat("memory.every_k (", every_k, ") must be >= 2"));
-  if (offload && recompute == "none")
-    return absl::InvalidArgumentError("memory.offload needs memory.recompute 'layer' or 'every_k': it offloads the checkpointed inputs");
-  if (device_resident < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", device_resident, ") must be >= 0"));
-  if (mlp_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.mlp_tile (", mlp_tile, ") must be >= 0"));
-  if (loss_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.loss_tile (", loss_tile, ") must be >= 0"));
-  if (keep_attention && recompute != "layer")
-    return absl::InvalidArgumentError("memory.keep_attention needs memory.recompute 'layer'");
-  if (host_budget_bytes < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
-  return absl::OkStatus();
+MemoryStack::MemoryStack(const planner::MemoryStrategy& strategy, int64_t num_layers)
+    : strategy_(strategy), num_layers_(num_layers) {
+  if (strategy_.offload) pool_ = std::make_unique<HostPool>(strategy_.host_budget_bytes, /*pinned=*/true);
+  saved_ = std::make_unique<SavedInputs>(pool_.get(), strategy_.device_resident);
 }
 
-std::string MemoryOptions::Describe() const {
-  std::string s = absl::StrCat("recompute=", recompute);
-  if (recompute == "every_k") absl::StrAppend(&s, "(k=", every_k, ")");
-  absl::StrAppend(&s, " offload=", offload ? "on" : "off");
-  if (offload) absl::StrAppend(&s, "(device_resident=", device_resident, ")");
-  absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile);
-  if (keep_attention) absl::StrAppend(&s, " keep_attention");
-  return s;
+absl::StatusOr<std::unique_ptr<MemoryStack>> MemoryStack::Create(const planner::MemoryStrategy& strategy,
+                                                                 int64_t num_layers) {
+  if (absl::Status s = strategy.Validate(); !s.ok()) return s;
+  return std::unique_ptr<MemoryStack>(new MemoryStack(strategy, num_layers));
 }
 
-MemoryStack::MemoryStack(const MemoryOptions& options, int64_t num_layers)
-    : options_(options), num_layers_(num_layers) {
-  if (options_.offload) pool_ = std::make_unique<HostPool>(options_.host_budget_bytes, /*pinned=*/true);
-  saved_ = std::make_unique<SavedInputs>(pool_.get(), options_.device_resident);
-}
-
-absl::StatusOr<std::unique_ptr<MemoryStack>> MemoryStack::Create(const MemoryOptions& options, int64_t num_layers) {
-  if (absl::Status s = options.Validate(); !s.ok()) return s;
-  return std::unique_ptr<MemoryStack>(new MemoryStack(options, num_layers));
-}
-
-int64_t MemoryStack::NumCheckpoints() const {
-  if (options_.recompute == "layer") return num_layers_;
-  if (options_.recompute == "every_k") return (num_layers_ + options_.every_k - 1) / options_.every_k;
-  return 0;
-}
+int64_t MemoryStack::NumCheckpoints() const { return strategy_.NumCheckpoints(num_layers_); }
 
 absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::Dtype dtype) {
   if (!pool_) return absl::OkStatus();
-  const int64_t offloaded = std::max<int64_t>(0, NumCheckpoints() - options_.device_resident);
+  const int64_t offloaded = std::max<int64_t>(0, NumCheckpoints() - strategy_.device_resident);
   for (int64_t slot = 0; slot < offloaded; ++slot) {
     absl::StatusOr<torch::Tensor> t = pool_->Slot(slot, B * S * hidden, dtype);
     if (!t.ok()) return t.status();
@@ -66,7 +35,7 @@ absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::D
 torch::Tensor MemoryStack::RunLayer(model::DecoderLayer layer, const torch::Tensor& h,
                                     const model::LayerContext& ctx, bool output_unused) {
   torch::Tensor a = layer->AttentionBlock(h, ctx);  // (B, S, H)
-  return options_.mlp_tile > 0 ? TiledMlpBlock(layer, a, options_.mlp_tile, output_unused) : layer->MlpBlock(a);
+  return strategy_.mlp_tile > 0 ? TiledMlpBlock(layer, a, strategy_.mlp_tile, output_unused) : layer->MlpBlock(a);
 }
 
 model::LayerStackRunner MemoryStack::Runner() {
@@ -74,11 +43,11 @@ model::LayerStackRunner MemoryStack::Runner() {
                 const model::LayerContext& ctx) -> torch::Tensor {
     torch::Tensor h = h0;
     const int64_t L = static_cast<int64_t>(layers.size());
-    if (options_.recompute == "none" || !torch::GradMode::is_enabled()) {
+    if (strategy_.recompute == planner::Recompute::kNone || !torch::GradMode::is_enabled()) {
       for (const auto& layer : layers) h = RunLayer(layer, h, ctx);
       return h;
     }
-    const int64_t k = options_.recompute == "layer" ? 1 : options_.every_k;
+    const int64_t k = strategy_.recompute == planner::Recompute::kLayer ? 1 : strategy_.every_k;
     const int64_t groups = (L + k - 1) / k;
     saved_->BeginStep(groups);
     for (int64_t g = 0; g < groups; ++g) {
@@ -86,7 +55,7 @@ model::LayerStackRunner MemoryStack::Runner() {
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
       BlockBody body = [this, group, ctx, first](const torch::Tensor& x, bool recompute) {
         torch::Tensor y = x;
-        if (options_.keep_attention) {  // recompute == "layer": one layer per group
+        if (strategy_.keep_attention) {  // recompute == "layer": one layer per group
           stash_.Begin(first, recompute ? AttentionStash::Mode::kReplay : AttentionStash::Mode::kRecord);
           y = RunLayer(group[0], y, ctx, /*output_unused=*/recompute);
           stash_.End();
@@ -122,13 +91,13 @@ model::LayerStackRunner MemoryStack::Runner() {
 
 torch::Tensor MemoryStack::LossSum(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                                    const torch::Tensor& labels, const torch::Tensor& mask) {
-  if (options_.loss_tile > 0) return TiledCrossEntropySum(hidden, head_weight, labels, mask, options_.loss_tile);
+  if (strategy_.loss_tile > 0) return TiledCrossEntropySum(hidden, head_weight, labels, mask, strategy_.loss_tile);
   return MaskedCrossEntropySum(hidden, head_weight, labels, mask);
 }
 
 torch::Tensor MemoryStack::TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                                          const torch::Tensor& labels) {
-  if (options_.loss_tile > 0) return TiledTokenLogprobs(hidden, head_weight, labels, options_.loss_tile);
+  if (strategy_.loss_tile > 0) return TiledTokenLogprobs(hidden, head_weight, labels, strategy_.loss_tile);
   return engine::TokenLogprobs(hidden, head_weight, labels);
 }
 

@@ -1,18 +1,22 @@
-// MemoryStack: the memory strategies of one job, chosen by MemoryOptions and applied to a
-// model as a LayerStackRunner plus a loss function. Each strategy is separate and switched
-// by config; any combination is valid except offload without recompute.
+// MemoryStack: the memory strategies of one job, chosen by one planner::MemoryStrategy (the
+// torch-free value every component shares; planner/memory_strategy.h documents each knob and its
+// default) and applied to a model as a LayerStackRunner plus a loss function. Each strategy is
+// separate and switched by config; MemoryStrategy::Validate() says which combinations are
+// refused (offload without recompute, kept attention without per-layer recompute).
 //
 //   recompute  none | layer | every_k: save only each layer's (or each group of k layers')
 //              input; backward recomputes. every_k nests per-layer checkpoints inside each
 //              group (inputs of the group's layers stay on the device only while that group's
 //              backward runs), trading one more forward for k times fewer saved inputs.
 //   offload    the saved inputs go to a pinned host pool (see SavedInputs), except the last
-//              `device_resident` ones.
+//              `device_resident` ones; the pool holds at most host_budget_bytes.
 //   mlp_tile   the MLP half of every layer runs over tiles of this many positions.
 //   loss_tile  the LM head + cross-entropy runs over tiles of this many positions.
 //   keep_attention  (with recompute=layer) each layer's attention output and log-sum-exp from
 //              the first forward are kept on the device; the recompute runs only the
 //              attention backward (see attention_stash.h).
+//   head_groups and optimizer_on_host are applied by the trainer (the attention backend and
+//              AdamW), which reads them from the same strategy.
 // Thread safety: one thread at a time (the training thread).
 #pragma once
 
@@ -26,26 +30,15 @@
 #include "engine/memory/host_pool.h"
 #include "engine/memory/saved_inputs.h"
 #include "model/causal_lm.h"
+#include "planner/memory_strategy.h"
 
 namespace odyssey::engine::memory {
 
-struct MemoryOptions {
-  std::string recompute = "none";  // none | layer | every_k
-  int64_t every_k = 2;             // layers per checkpoint group (every_k only; >= 2)
-  bool offload = false;            // saved inputs to pinned host memory (needs recompute)
-  int64_t device_resident = 0;     // with offload: the last N checkpoints stay on the device
-  int64_t mlp_tile = 0;            // positions per MLP tile; 0 = untiled
-  int64_t loss_tile = 0;           // positions per loss tile; 0 = untiled (full logits)
-  int64_t host_budget_bytes = 0;   // pinned host bytes the pool may hold; 0 = no limit
-  bool keep_attention = false;     // keep attention outputs + LSE (needs recompute=layer)
-  // Checks the options; messages name the field ("memory.every_k (1) must be >= 2").
-  absl::Status Validate() const;
-  std::string Describe() const;
-};
-
 class MemoryStack {
  public:
-  static absl::StatusOr<std::unique_ptr<MemoryStack>> Create(const MemoryOptions& options, int64_t num_layers);
+  // REQUIRES nothing: an invalid strategy is refused (INVALID_ARGUMENT naming the field).
+  static absl::StatusOr<std::unique_ptr<MemoryStack>> Create(const planner::MemoryStrategy& strategy,
+                                                             int64_t num_layers);
 
   // Allocates the host pool for batches of B x S (once per job; again only for a larger
   // batch). Errors if the pool would exceed the host budget, saying by how much.
@@ -59,19 +52,19 @@ class MemoryStack {
   torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                               const torch::Tensor& labels);
 
-  const MemoryOptions& options() const { return options_; }
+  const planner::MemoryStrategy& strategy() const { return strategy_; }
   // Where StashingAttention records (used only with keep_attention).
   AttentionStash* attention_stash() { return &stash_; }
   int64_t host_pool_bytes() const { return pool_ ? pool_->allocated_bytes() : 0; }
   int64_t NumCheckpoints() const;
 
  private:
-  MemoryStack(const MemoryOptions& options, int64_t num_layers);
+  MemoryStack(const planner::MemoryStrategy& strategy, int64_t num_layers);
   // output_unused: only back-propagated through (see TiledMlpBlock).
   torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx,
                          bool output_unused = false);
 
-  MemoryOptions options_;
+  planner::MemoryStrategy strategy_;
   int64_t num_layers_;
   std::unique_ptr<HostPool> pool_;
   std::unique_ptr<SavedInputs> saved_;

@@ -1,0 +1,154 @@
+#include "planner/memory_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace odyssey::planner {
+namespace {
+
+// Every MemorySpec field reaches the fields, set or unset as the proto documents.
+TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
+  v1::MemorySpec m;
+  absl::StatusOr<MemoryFields> none = MemoryFieldsFromProto(m);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->recompute || none->every_k || none->offload || none->device_resident || none->mlp_tile ||
+               none->loss_tile || none->head_groups || none->keep_attention || none->optimizer_on_host);
+  EXPECT_EQ(none->ApplyTo(MemoryStrategy{}), MemoryStrategy{});
+  m.set_offload("auto");
+  EXPECT_FALSE(MemoryFieldsFromProto(m)->offload);
+
+  m.set_recompute("layer");
+  m.set_offload("on");
+  m.set_mlp_tile_tokens(4096);
+  m.set_loss_tile_tokens(1024);
+  m.set_host_budget_bytes(int64_t{5} << 30);
+  m.set_device_resident(3);
+  m.set_attention_head_groups(2);
+  m.set_keep_attention(true);
+  m.set_optimizer_on_host(true);
+  m.set_recompute_every_k(4);
+  absl::StatusOr<MemoryFields> f = MemoryFieldsFromProto(m);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->AllSet());
+  const MemoryStrategy s = f->ApplyTo(MemoryStrategy{});
+  EXPECT_EQ(s.recompute, Recompute::kLayer);
+  EXPECT_EQ(s.every_k, 4);
+  EXPECT_TRUE(s.offload);
+  EXPECT_EQ(s.device_resident, 3);
+  EXPECT_EQ(s.mlp_tile, 4096);
+  EXPECT_EQ(s.loss_tile, 1024);
+  EXPECT_EQ(s.host_budget_bytes, int64_t{5} << 30);
+  EXPECT_EQ(s.head_groups, 2);
+  EXPECT_TRUE(s.keep_attention);
+  EXPECT_TRUE(s.optimizer_on_host);
+
+  // The proto written back from the strategy reads as the same strategy.
+  v1::MemorySpec back;
+  MemoryStrategyToProto(s, &back);
+  EXPECT_EQ(MemoryFieldsFromProto(back)->ApplyTo(MemoryStrategy{}), s);
+}
+
+// Bad values are refused naming the field (by its proto name) and the rule.
+TEST(MemorySpecTest, RefusalsNameTheFieldAndTheRule) {
+  struct Case {
+    std::function<void(v1::MemorySpec&)> set;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::MemorySpec& m) { m.set_recompute("sometimes"); }, "spec.memory.recompute: 'sometimes' is not one of"},
+      {[](v1::MemorySpec& m) { m.set_recompute("every_k"); }, "spec.memory.recompute_every_k: (0) must be > 0"},
+      {[](v1::MemorySpec& m) { m.set_recompute_every_k(1); }, "spec.memory.recompute_every_k: (1) must be >= 2"},
+      {[](v1::MemorySpec& m) { m.set_offload("sometimes"); },
+       "spec.memory.offload: ('sometimes') must be on, off, auto or empty"},
+      {[](v1::MemorySpec& m) { m.set_mlp_tile_tokens(-1); }, "spec.memory.mlp_tile_tokens: (-1) must be >= 0"},
+      {[](v1::MemorySpec& m) { m.set_loss_tile_tokens(-2); }, "spec.memory.loss_tile_tokens: (-2) must be >= 0"},
+      {[](v1::MemorySpec& m) { m.set_host_budget_bytes(-3); }, "spec.memory.host_budget_bytes: (-3) must be >= 0"},
+      {[](v1::MemorySpec& m) { m.set_device_resident(-1); }, "spec.memory.device_resident: (-1) must be >= 0"},
+      {[](v1::MemorySpec& m) {
+         m.set_offload("off");
+         m.set_device_resident(2);
+       },
+       "spec.memory.device_resident: is set but memory.offload is \"off\""},
+      {[](v1::MemorySpec& m) { m.set_attention_head_groups(-1); }, "spec.memory.attention_head_groups: (-1) must be >= 0"},
+      {[](v1::MemorySpec& m) {
+         m.set_recompute("every_k");
+         m.set_recompute_every_k(2);
+         m.set_keep_attention(true);
+       },
+       "spec.memory.keep_attention: needs memory.recompute \"layer\""},
+      {[](v1::MemorySpec& m) {
+         m.set_recompute("none");
+         m.set_offload("on");
+       },
+       "spec.memory.offload: \"on\" needs memory.recompute"},
+  };
+  for (const Case& c : cases) {
+    v1::MemorySpec m;
+    c.set(m);
+    absl::StatusOr<MemoryFields> f = MemoryFieldsFromProto(m);
+    ASSERT_FALSE(f.ok()) << c.message;
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(f.status().message().find(c.message), std::string::npos) << f.status();
+  }
+}
+
+v1::JobSpec Spec3B(int64_t seq_len) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_name("llama-3.2-3b");
+  spec.mutable_data()->set_seq_len(seq_len);
+  spec.mutable_data()->set_batch_size(1);
+  return spec;
+}
+
+// PlanJobSpec reads the spec's model, dtype, length and memory; the model's limits on the
+// fields are refused naming the JobSpec field.
+TEST(MemorySpecTest, PlanJobSpecReadsTheSpec) {
+  const Hardware h200;
+  absl::StatusOr<JobPlan> bf16 = PlanJobSpec(Spec3B(262144), h200);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_TRUE(bf16->fits);
+  v1::JobSpec fp32 = Spec3B(262144);
+  fp32.mutable_model()->set_dtype("float32");
+  fp32.mutable_memory()->set_recompute("layer");
+  fp32.mutable_memory()->set_offload("off");
+  v1::JobSpec bf16_fixed = fp32;
+  bf16_fixed.mutable_model()->set_dtype("bfloat16");
+  EXPECT_GT(PlanJobSpec(fp32, h200)->prediction.gpu_peak_bytes, PlanJobSpec(bf16_fixed, h200)->prediction.gpu_peak_bytes);
+
+  v1::JobSpec groups = Spec3B(65536);
+  groups.mutable_memory()->set_attention_head_groups(3);
+  absl::StatusOr<JobPlan> bad = PlanJobSpec(groups, h200);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("spec.memory.attention_head_groups: (3) must divide the model's "
+                                        "num_key_value_heads (8)"),
+            std::string::npos)
+      << bad.status();
+  v1::JobSpec deep = Spec3B(65536);
+  deep.mutable_memory()->set_recompute("every_k");
+  deep.mutable_memory()->set_recompute_every_k(29);
+  EXPECT_NE(PlanJobSpec(deep, h200).status().message().find("spec.memory.recompute_every_k: (29) must be <= the "
+                                                            "model's num_hidden_layers (28)"),
+            std::string::npos);
+  v1::JobSpec missing = Spec3B(65536);
+  missing.mutable_model()->set_name("/nowhere/model");
+  EXPECT_EQ(PlanJobSpec(missing, h200).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // The host budget rule: the spec's budget wins, else 85% of the host.
+  EXPECT_EQ(MachineHardware(int64_t{80} << 30, int64_t{100} << 30, 0).host_bytes, int64_t{85} << 30);
+  EXPECT_EQ(MachineHardware(int64_t{80} << 30, int64_t{100} << 30, int64_t{7} << 30).host_bytes, int64_t{7} << 30);
+  EXPECT_EQ(MachineHardware(int64_t{80} << 30, int64_t{100} << 30, 0).gpu_bytes, int64_t{77} << 30);
+  // A host budget too small for the offloaded inputs: the planner keeps them on the GPU or
+  // nests the checkpoints, and the plan's strategy carries the budget.
+  v1::JobSpec small_host = Spec3B(524288);
+  small_host.mutable_memory()->set_host_budget_bytes(int64_t{8} << 30);
+  absl::StatusOr<JobPlan> p = PlanJobSpec(small_host, MachineHardware(int64_t{139} << 30, int64_t{128} << 30, int64_t{8} << 30));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_LE(p->prediction.host_bytes, int64_t{8} << 30);
+  EXPECT_EQ(p->strategy.host_budget_bytes, int64_t{8} << 30);
+}
+
+}  // namespace
+}  // namespace odyssey::planner
