@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 
 namespace odyssey::engine {
 namespace {
@@ -419,24 +420,6 @@ absl::StatusOr<std::string> RunBible() {
   return text;
 }
 
-// Writes `data` to `path` through a temporary file and rename(), so that a concurrent reader
-// (another worker on the same host) sees either no cache or the whole text, never a prefix.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& data) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  auto fail = [&](const char* op) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InvalidArgumentError(
-        absl::StrCat("kjv cache '", path, "': cannot ", op, " (", ErrnoText(err), ")"));
-  };
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return fail("create");
-  const bool written = std::fwrite(data.data(), 1, data.size(), f) == data.size();
-  if (std::fclose(f) != 0 || !written) return fail("write");
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename");
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 int64_t Batch::NumTargets() const {
@@ -451,7 +434,10 @@ absl::StatusOr<std::string> LoadKjvText(const std::string& cache_path) {
   if (!ec && cached_size > 0) return ReadFile(cache_path, "kjv cache");
   absl::StatusOr<std::string> text = RunBible();
   if (!text.ok()) return text.status();
-  if (absl::Status s = WriteFileAtomically(cache_path, *text); !s.ok()) return s;
+  // Atomic, so that a concurrent reader (another worker on the same host) sees either no cache
+  // or the whole text, never a prefix.
+  if (absl::Status s = WriteFileAtomically(cache_path, *text); !s.ok())
+    return absl::InvalidArgumentError(absl::StrCat("kjv cache ", s.message()));
   return text;
 }
 

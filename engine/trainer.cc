@@ -4,12 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
+#include "common/files.h"
 #include "engine/loss.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -516,16 +516,7 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
       !s.ok())
     return s;
   nlohmann::json state = {{"step", optimizer_->steps()}, {"model", options_.model}, {"seed", options_.seed}};
-  const std::string path = (root / "trainer_state.json").string();
-  {
-    std::ofstream out(path + ".tmp", std::ios::trunc);
-    out << state.dump(2) << "\n";
-    if (!out.good()) return absl::InternalError(absl::StrCat(path, ".tmp: write failed"));
-  }
-  std::error_code ec;
-  std::filesystem::rename(path + ".tmp", path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": rename failed (", ec.message(), ")"));
-  return absl::OkStatus();
+  return WriteFileAtomically((root / "trainer_state.json").string(), state.dump(2) + "\n");
 }
 
 absl::Status Trainer::LoadCheckpoint(const std::string& dir) {

@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "nlohmann/json.hpp"
 
 namespace odyssey::model {
@@ -179,52 +180,6 @@ class FdCloser {
  private:
   int fd_;
 };
-
-absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat(path, ": write failed"));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-// Writes the file through `fill` to path + ".tmp", fsyncs it and renames it over `path`, so a
-// reader (or a crash) sees either the old file or the complete new one.
-template <typename Fill>
-absl::Status WriteFileAtomically(const std::string& path, Fill fill) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot create ", tmp));
-  FdCloser closer(fd);
-  absl::Status s = fill(fd, tmp);
-  if (s.ok() && ::fsync(fd) != 0) s = absl::ErrnoToStatus(errno, absl::StrCat(path, ": fsync of ", tmp, " failed"));
-  if (s.ok() && closer.Close() != 0) s = absl::ErrnoToStatus(errno, absl::StrCat(path, ": close of ", tmp, " failed"));
-  if (s.ok()) {
-    std::error_code ec;
-    fs::rename(tmp, path, ec);
-    if (ec) s = absl::InternalError(absl::StrCat(path, ": cannot rename ", tmp, " into place: ", ec.message()));
-  }
-  if (!s.ok()) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    return s;
-  }
-  // Best effort: make the rename itself durable. A failure here leaves a complete file that a
-  // crash might roll back to the old one, which is not worth failing the save for.
-  const fs::path parent = fs::path(path).parent_path();
-  const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return absl::OkStatus();
-}
 
 // "model-00002-of-00005.safetensors", as transformers' save_pretrained names shards.
 std::string ShardName(size_t i, size_t n) {
@@ -428,10 +383,10 @@ absl::Status WriteSafetensors(const std::string& path,
   // readers (ours included) can then view multi-byte elements in place.
   header_str.append((8 - header_str.size() % 8) % 8, ' ');
 
-  return WriteFileAtomically(path, [&](int fd, const std::string& tmp) -> absl::Status {
+  return WriteFileAtomically(path, [&](FileSink& out) -> absl::Status {
     const uint64_t header_len = header_str.size();
-    ODYSSEY_ST_RETURN_IF_ERROR(WriteAll(fd, &header_len, 8, tmp));
-    ODYSSEY_ST_RETURN_IF_ERROR(WriteAll(fd, header_str.data(), header_str.size(), tmp));
+    ODYSSEY_ST_RETURN_IF_ERROR(out.Append(&header_len, 8));
+    ODYSSEY_ST_RETURN_IF_ERROR(out.Append(header_str));
     for (const auto& [name, t] : tensors) {
       torch::Tensor cpu;  // t's shape, contiguous on the CPU
       try {
@@ -440,7 +395,7 @@ absl::Status WriteSafetensors(const std::string& path,
         return absl::InternalError(
             absl::StrCat(path, ": tensor '", name, "': cannot copy to the CPU: ", e.what_without_backtrace()));
       }
-      if (cpu.numel() > 0) ODYSSEY_ST_RETURN_IF_ERROR(WriteAll(fd, cpu.data_ptr(), cpu.nbytes(), tmp));
+      if (cpu.numel() > 0) ODYSSEY_ST_RETURN_IF_ERROR(out.Append(cpu.data_ptr(), cpu.nbytes()));
     }
     return absl::OkStatus();
   });
@@ -508,9 +463,7 @@ absl::Status WriteSafetensorsCheckpoint(const std::string& dir,
   const json index = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
   const std::string index_str = index.dump(2) + "\n";
   const std::string index_path = (d / kIndexFile).string();
-  ODYSSEY_ST_RETURN_IF_ERROR(WriteFileAtomically(index_path, [&](int fd, const std::string& tmp) {
-    return WriteAll(fd, index_str.data(), index_str.size(), tmp);
-  }));
+  ODYSSEY_ST_RETURN_IF_ERROR(WriteFileAtomically(index_path, index_str));
   fs::remove(d / kSingleFile, ec);
   RemoveStaleShards(d, written);
   return absl::OkStatus();

@@ -66,7 +66,7 @@ class SafetensorsFile {
 };
 
 // Writes `tensors` (any device/dtype among F32/F16/BF16/I64/I32/U8/...; written as they are)
-// to `path` atomically: to path + ".tmp", then rename.
+// to `path` atomically (common/files.h: a temporary beside it, fsynced, renamed over it).
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
                               const std::map<std::string, std::string>& metadata = {{"format", "pt"}});

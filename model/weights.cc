@@ -1,12 +1,12 @@
 #include "model/weights.h"
 
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/files.h"
 #include "model/safetensors.h"
 #include "common/log.h"
 
@@ -72,16 +72,8 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
     for (auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach().to(options.dtype));
   }
   if (absl::Status s = WriteSafetensorsCheckpoint(dir, tensors, options.max_shard_bytes); !s.ok()) return s;
-  const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << ToHfConfigJson(model->config(), DtypeName(options.dtype));
-    if (!out.good()) return absl::InternalError(absl::StrCat(tmp, ": write failed"));
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": rename failed (", ec.message(), ")"));
-  return absl::OkStatus();
+  return WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(),
+                             ToHfConfigJson(model->config(), DtypeName(options.dtype)));
 }
 
 absl::StatusOr<torch::Dtype> ParseDtype(const std::string& name) {

@@ -176,13 +176,18 @@ int main(int argc, char** argv) {
     }
     metrics = std::move(*endpoint);
   }
-  if (!port_file.empty() && !odyssey::WriteFileAtomically(port_file, std::to_string(port) + "\n")) {
-    std::cerr << "odyssey-controller: cannot write --port-file " << port_file << "\n";
-    return 1;
+  if (!port_file.empty()) {
+    if (absl::Status s = odyssey::WriteFileAtomically(port_file, std::to_string(port) + "\n"); !s.ok()) {
+      std::cerr << "odyssey-controller: --port-file: " << s.message() << "\n";
+      return 1;
+    }
   }
-  if (metrics && !metrics_port_file.empty() && !odyssey::WriteFileAtomically(metrics_port_file, std::to_string(metrics->port()) + "\n")) {
-    std::cerr << "odyssey-controller: cannot write --metrics-port-file " << metrics_port_file << "\n";
-    return 1;
+  if (metrics && !metrics_port_file.empty()) {
+    if (absl::Status s = odyssey::WriteFileAtomically(metrics_port_file, std::to_string(metrics->port()) + "\n");
+        !s.ok()) {
+      std::cerr << "odyssey-controller: --metrics-port-file: " << s.message() << "\n";
+      return 1;
+    }
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
   spdlog::info("odyssey-controller: serving gRPC ({}, auth {}) on {}:{}, metrics {}, state {}",

@@ -17,11 +17,9 @@ namespace odyssey::worker {
 // leaves unset), data. No communicator.
 absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptions* out);
 
-// Writes `trainer`'s checkpoint for its current step to <dir>/step-NNNNNNNN atomically (hidden
-// temp folder, fsynced, renamed) and prunes to the newest `keep` (0 = all). Returns the path.
+// Writes `trainer`'s checkpoint for its current step to <dir>/step-NNNNNNNN atomically (a
+// common/files.h StagedFolder: hidden staging folder, fsynced, renamed) and prunes to the newest
+// `keep` (0 = all). Returns the path.
 absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep);
-
-// fsync of a file or folder.
-absl::Status SyncPath(const std::string& path);
 
 }  // namespace odyssey::worker

@@ -1,12 +1,8 @@
 #include "worker/engine_job.h"
 #include "worker/engine_internal.h"
 
-#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
@@ -105,39 +102,18 @@ double TrainingFlops(const model::ModelConfig& c, int64_t tokens, int64_t seq_le
 
 }  // namespace
 
-absl::Status SyncPath(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError(absl::StrCat(path, ": open for fsync: ", std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return absl::InternalError(absl::StrCat(path, ": fsync: ", std::strerror(err)));
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep) {
+  // Staged beside the step folder and published by a rename: a machine crash leaves the old
+  // checkpoint or the new one, never a torn one. A previous run of this job may have left the
+  // same step (it died after writing it and was resumed from an older one): the new one
+  // replaces it.
   const std::string final_path = CheckpointPath(dir, trainer.step());
-  const std::string tmp = (fs::path(dir) / absl::StrFormat(".step-%08d.tmp-%d", trainer.step(), ::getpid())).string();
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("checkpoint dir ", dir, ": ", ec.message()));
-  fs::remove_all(tmp, ec);
-  if (absl::Status s = trainer.SaveCheckpoint(tmp); !s.ok()) {
-    fs::remove_all(tmp, ec);
-    return s;
-  }
-  // The files reach the disk before the rename publishes them, and the rename before anyone is
-  // told: a machine crash leaves the old checkpoint or the new one, never a torn one.
-  for (const auto& e : fs::directory_iterator(tmp, ec))
-    if (absl::Status s = SyncPath(e.path().string()); !s.ok()) return s;
-  if (absl::Status s = SyncPath(tmp); !s.ok()) return s;
-  // A previous run of this job may have left the same step (it died after writing it and was
-  // resumed from an older one): the new one replaces it.
-  fs::remove_all(final_path, ec);
-  fs::rename(tmp, final_path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("checkpoint ", final_path, ": rename failed: ", ec.message()));
-  if (absl::Status s = SyncPath(dir); !s.ok()) return s;
+  absl::StatusOr<StagedFolder> staged = StagedFolder::Create(final_path);
+  if (!staged.ok()) return staged.status();
+  if (absl::Status s = trainer.SaveCheckpoint(staged->path()); !s.ok()) return s;
+  if (absl::Status s = staged->Publish(); !s.ok()) return s;
   if (keep > 0) {
+    std::error_code ec;
     std::vector<std::string> all = ListCheckpoints(dir);
     for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
   }

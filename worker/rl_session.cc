@@ -1,7 +1,5 @@
 #include "worker/rl_session.h"
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <functional>
 #include <utility>
@@ -11,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
 #include "engine/rl_loss.h"
@@ -24,8 +23,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Writes a folder with `write(tmp)` into a hidden temp folder beside `dir`, fsyncs it and renames
-// it onto `dir`: readers see the old folder or the complete new one. An existing `dir` is
+// Writes a folder with `write(staging)` into a StagedFolder beside `dir` (common/files.h) and
+// publishes it onto `dir`: readers see the old folder or the complete new one. An existing `dir` is
 // replaced only when it is empty or holds a config.json (an earlier checkpoint or export):
 // anything else is somebody's data, FAILED_PRECONDITION naming `field`.
 absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const char* field,
@@ -47,19 +46,12 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
     return absl::FailedPreconditionError(
         absl::StrCat(field, ": cannot create \"", parent.string(), "\" on the session's worker: ", ec.message()));
   }
-  const fs::path tmp = parent / absl::StrFormat(".%s.tmp-%d", target.filename().string(), ::getpid());
-  fs::remove_all(tmp, ec);
-  if (absl::Status s = write(tmp.string()); !s.ok()) {
-    fs::remove_all(tmp, ec);
+  // Not creating the staging folder there is the same problem as not creating the parent.
+  absl::StatusOr<StagedFolder> staged = StagedFolder::Create(target.string());
+  if (!staged.ok()) return absl::FailedPreconditionError(absl::StrCat(field, ": ", staged.status().message()));
+  if (absl::Status s = write(staged->path()); !s.ok())
     return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
-  }
-  for (const auto& e : fs::directory_iterator(tmp, ec))
-    if (absl::Status s = SyncPath(e.path().string()); !s.ok()) return s;
-  if (absl::Status s = SyncPath(tmp.string()); !s.ok()) return s;
-  fs::remove_all(target, ec);
-  fs::rename(tmp, target, ec);
-  if (ec) return absl::InternalError(absl::StrCat(field, ": rename onto \"", target.string(), "\" failed: ", ec.message()));
-  if (absl::Status s = SyncPath(parent.string()); !s.ok()) return s;
+  if (absl::Status s = staged->Publish(); !s.ok()) return absl::InternalError(absl::StrCat(field, ": ", s.message()));
   return target.string();
 }
 

@@ -118,9 +118,12 @@ int main(int argc, char** argv) {
     odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " metrics at http://",
                                   metrics_listen.substr(0, metrics_listen.rfind(':')), ":", endpoint->port(),
                                   "/metrics"));
-    if (!metrics_port_file.empty() && !odyssey::WriteFileAtomically(metrics_port_file, absl::StrCat(endpoint->port(), "\n"))) {
-      std::fprintf(stderr, "odyssey-worker: --metrics-port-file: cannot write %s\n", metrics_port_file.c_str());
-      return 2;
+    if (!metrics_port_file.empty()) {
+      if (absl::Status s = odyssey::WriteFileAtomically(metrics_port_file, absl::StrCat(endpoint->port(), "\n"));
+          !s.ok()) {
+        std::fprintf(stderr, "odyssey-worker: --metrics-port-file: %s\n", std::string(s.message()).c_str());
+        return 2;
+      }
     }
   }
   odyssey::LogInfo(absl::StrCat("worker=", options.capabilities.worker_id(), " device ", options.capabilities.device(),
