@@ -29,6 +29,7 @@
 #include "engine/device_stats.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
+#include "kernels/attention.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
 
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
     const int64_t D = cfg.HeadDim();
     torch::Tensor q = torch::randn({1, S, cfg.num_attention_heads / o.memory.head_groups, D}, opts).transpose(1, 2);
     torch::Tensor k = torch::randn({1, S, cfg.num_key_value_heads / o.memory.head_groups, D}, opts).transpose(1, 2);
-    kernel = odyssey::model::SdpaKernelFor(q, k, k, o.attention != "sdpa");
+    kernel = odyssey::kernels::SdpaKernelFor(q, k, k, o.attention != "sdpa");
     std::fprintf(stderr, "attention kernel: %s\n", kernel.c_str());
   }
 

@@ -38,7 +38,7 @@ int64_t AttentionStash::bytes() const {
 namespace {
 
 struct ReplayState : torch::CustomClassHolder {
-  std::shared_ptr<const model::AttentionBackend> kernel;
+  std::shared_ptr<const kernels::AttentionBackend> kernel;
   AttentionStash::Entry entry;
   double scale = 0;
 };

@@ -15,7 +15,7 @@
 #include <memory>
 #include <vector>
 
-#include "model/attention.h"
+#include "kernels/attention.h"
 
 namespace odyssey::engine::memory {
 
@@ -24,7 +24,7 @@ class AttentionStash {
   enum class Mode { kOff, kRecord, kReplay };
   struct Entry {
     torch::Tensor out;  // (B, Hq, S, D)
-    model::AttentionStats stats;
+    kernels::AttentionStats stats;
   };
 
   // Sets what the next attention calls do for decoder layer `layer`; resets the call cursor.
@@ -44,16 +44,16 @@ class AttentionStash {
   std::vector<std::vector<Entry>> layers_;
 };
 
-class StashingAttention final : public model::AttentionBackend {
+class StashingAttention final : public kernels::AttentionBackend {
  public:
-  StashingAttention(std::shared_ptr<const model::AttentionBackend> inner, AttentionStash* stash)
+  StashingAttention(std::shared_ptr<const kernels::AttentionBackend> inner, AttentionStash* stash)
       : inner_(std::move(inner)), stash_(stash) {}
   std::string name() const override { return inner_->name() + "+kept-outputs"; }
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override;
 
  private:
-  std::shared_ptr<const model::AttentionBackend> inner_;
+  std::shared_ptr<const kernels::AttentionBackend> inner_;
   AttentionStash* stash_;  // owned by the MemoryStack
 };
 

@@ -1,15 +1,17 @@
-#include "model/attention.h"
+#include "kernels/attention.h"
 
 #include <cmath>
 
+#include <algorithm>
 #include <array>
+#include <limits>
 #include <optional>
 
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 
-namespace odyssey::model {
+namespace odyssey::kernels {
 
 torch::Tensor AttentionBackend::Forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         const AttentionMeta& meta) const {
@@ -290,4 +292,4 @@ std::shared_ptr<const AttentionBackend> WrapHeadGroups(std::shared_ptr<const Att
   return std::make_shared<const HeadChunkedAttention>(std::move(inner), groups);
 }
 
-}  // namespace odyssey::model
+}  // namespace odyssey::kernels
