@@ -145,7 +145,9 @@ class TrainingClient:
     def create_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8,
                        idle_timeout_seconds: int = 0, dtype: str = "", attention: str = "", world_size: int = 0,
                        recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
-                       loss_tile_tokens: int = 0, host_budget_bytes: int = 0, grad_clip: float = 0.0,
+                       loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
+                       attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
+                       optimizer_on_host: Optional[bool] = None, grad_clip: float = 0.0,
                        seed: int = 0, display_name: str = "",
                        checkpoint_directory: str = "", priority: int = 0, request_id: Optional[str] = None,
                        wait: bool = True, wait_timeout: Optional[float] = 300.0) -> "Session":
@@ -157,7 +159,8 @@ class TrainingClient:
         largest batch, in token positions, one forward_backward/forward may carry (the memory the
         controller's planner checks). idle_timeout_seconds: the session ends SUCCEEDED after this
         long without calls (0 = the server's default, an hour). recompute/offload/tiles/
-        host_budget_bytes: the memory options of JobSpec.memory ("" / 0 = the planner's choice).
+        host_budget_bytes/device_resident/attention_head_groups/keep_attention/optimizer_on_host:
+        the fields of JobSpec.memory ("" / 0 / None = the planner's choice).
         grad_clip: gradient-norm clipping of every optim_step (<= 0: none; each optim_step carries
         its own AdamW settings). seed: model initialization of named shapes. world_size: workers
         the session runs on, data parallel (0 = 1); the controller splits each batch between them
@@ -171,6 +174,8 @@ class TrainingClient:
                              dtype=dtype, attention=attention, world_size=world_size, recompute=recompute,
                              recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
+                             device_resident=device_resident, attention_head_groups=attention_head_groups,
+                             keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
                              grad_clip=grad_clip, seed=seed, display_name=display_name,
                              checkpoint_directory=checkpoint_directory, priority=priority)
         request = pb.CreateJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
@@ -182,7 +187,9 @@ class TrainingClient:
 
     def plan_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8, dtype: str = "",
                      recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
-                     loss_tile_tokens: int = 0, host_budget_bytes: int = 0, gpu_bytes: int = 0, host_bytes: int = 0,
+                     loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
+                     attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
+                     optimizer_on_host: Optional[bool] = None, gpu_bytes: int = 0, host_bytes: int = 0,
                      max_seq_len: bool = False) -> "pb.PlanResponse":
         """What create_session with these arguments would need per GPU rank, from the
         controller's planner, creating nothing (PlannerService.Plan; server/README.md): `fits`,
@@ -193,7 +200,9 @@ class TrainingClient:
         sequence that fits."""
         spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype, recompute=recompute,
                              recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
-                             loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes)
+                             loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
+                             device_resident=device_resident, attention_head_groups=attention_head_groups,
+                             keep_attention=keep_attention, optimizer_on_host=optimizer_on_host)
         return self._call("Plan", self.planner.Plan, pb.PlanRequest(spec=spec, gpu_bytes=gpu_bytes,
                                                                     host_bytes=host_bytes, max_seq_len=max_seq_len))
 
@@ -212,16 +221,26 @@ class TrainingClient:
 def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_seconds: int = 0, dtype: str = "",
                   attention: str = "", world_size: int = 0, recompute: str = "", recompute_every_k: int = 0,
                   offload: str = "", mlp_tile_tokens: int = 0, loss_tile_tokens: int = 0, host_budget_bytes: int = 0,
+                  device_resident: Optional[int] = None, attention_head_groups: int = 0,
+                  keep_attention: Optional[bool] = None, optimizer_on_host: Optional[bool] = None,
                   grad_clip: float = 0.0, seed: int = 0, display_name: str = "", checkpoint_directory: str = "",
                   priority: int = 0) -> "pb.JobSpec":
     """The JobSpec of an RL session (create_session's and plan_session's arguments)."""
+    memory = pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
+                           mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
+                           host_budget_bytes=host_budget_bytes, attention_head_groups=attention_head_groups)
+    # Optional fields: None leaves them unset (the planner's choice), a value sets them.
+    if device_resident is not None:
+        memory.device_resident = device_resident
+    if keep_attention is not None:
+        memory.keep_attention = keep_attention
+    if optimizer_on_host is not None:
+        memory.optimizer_on_host = optimizer_on_host
     return pb.JobSpec(
         kind=pb.RL_SESSION, display_name=display_name, priority=priority,
         model=pb.ModelSpec(name=model, dtype=dtype, attention=attention),
         parallel=pb.ParallelSpec(world_size=world_size),
-        memory=pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
-                             mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
-                             host_budget_bytes=host_budget_bytes),
+        memory=memory,
         optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
         data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
         checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),

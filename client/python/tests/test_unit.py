@@ -378,6 +378,20 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(req.spec.model.name, "tiny")
         self.assertEqual(s.info().state, "RUNNING")
 
+    def test_create_session_memory_fields_set_only_when_given(self):
+        self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
+        self.jobs.script["jobs/2"] = [(pb.Job.RUNNING, "")]
+        self.client.create_session("tiny", seq_len=8, batch_size=1)
+        self.client.create_session("tiny", seq_len=8, batch_size=1, recompute="layer", offload="on",
+                                   device_resident=0, attention_head_groups=2, keep_attention=False,
+                                   optimizer_on_host=True)
+        unset, given = self.jobs.created[0].spec.memory, self.jobs.created[1].spec.memory
+        for field in ("device_resident", "keep_attention", "optimizer_on_host"):
+            self.assertFalse(unset.HasField(field), field)  # left to the planner
+            self.assertTrue(given.HasField(field), field)
+        self.assertEqual((given.device_resident, given.attention_head_groups, given.keep_attention,
+                          given.optimizer_on_host), (0, 2, False, True))
+
     def test_create_job_retries_unavailable_with_the_same_request_id(self):
         self.jobs.unavailable = 2
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
