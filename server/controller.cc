@@ -1,18 +1,15 @@
 #include "server/controller.h"
 
 #include <algorithm>
-#include <cmath>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "model/config.h"
 #include "planner/planner.h"
-#include "prometheus/counter.h"
-#include "prometheus/gauge.h"
-#include "prometheus/histogram.h"
+#include "server/rl_batch.h"
+#include "server/scheduler.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -67,95 +64,10 @@ void JobWatch::Finish() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Metrics (DESIGN.md section 6 names).
-
-struct Controller::Metrics {
-  explicit Metrics(prometheus::Registry& registry) {
-    auto& jobs = prometheus::BuildGauge().Name("odyssey_jobs").Help("Jobs by state").Register(registry);
-    for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) {
-      std::string label = StateName(static_cast<v1::Job::State>(s));
-      std::transform(label.begin(), label.end(), label.begin(), ::tolower);
-      jobs_by_state[s] = &jobs.Add({{"state", label}});
-    }
-    queue_depth = &prometheus::BuildGauge()
-                       .Name("odyssey_queue_depth")
-                       .Help("Jobs waiting for workers (PENDING)")
-                       .Register(registry)
-                       .Add({});
-    auto& workers = prometheus::BuildGauge().Name("odyssey_workers").Help("Workers by state").Register(registry);
-    workers_idle = &workers.Add({{"state", "idle"}});
-    workers_busy = &workers.Add({{"state", "busy"}});
-    workers_disconnected = &workers.Add({{"state", "disconnected"}});
-    tokens = &prometheus::BuildCounter()
-                  .Name("odyssey_tokens_total")
-                  .Help("Tokens trained, as reported by rank 0 of each job")
-                  .Register(registry)
-                  .Add({});
-    step_duration = &prometheus::BuildHistogram()
-                         .Name("odyssey_step_duration_seconds")
-                         .Help("Training step wall time, as reported by rank 0 of each job")
-                         .Register(registry)
-                         .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30,
-                                                                          100, 300, 1000, 3000});
-    auto& created = prometheus::BuildCounter()
-                        .Name("odyssey_jobs_created_total")
-                        .Help("Jobs created (idempotent retries not counted)")
-                        .Register(registry);
-    jobs_created = &created.Add({});
-    restarts = &prometheus::BuildCounter()
-                    .Name("odyssey_job_restarts_total")
-                    .Help("Jobs put back in the queue after losing a worker")
-                    .Register(registry)
-                    .Add({});
-    training_calls = &prometheus::BuildCounter()
-                          .Name("odyssey_training_calls_total")
-                          .Help("TrainingService calls by method and final status code")
-                          .Register(registry);
-    mismatch_mean = &prometheus::BuildGauge()
-                         .Name("odyssey_rl_logprob_mismatch_mean")
-                         .Help("Mean |trainer - sampler| logprob over the weighted tokens of the RL session's "
-                               "last ForwardBackward that carried sampler logprobs (nats)")
-                         .Register(registry);
-    mismatch_max = &prometheus::BuildGauge()
-                        .Name("odyssey_rl_logprob_mismatch_max")
-                        .Help("Max |trainer - sampler| logprob over the same tokens (nats)")
-                        .Register(registry);
-    optimizer_step = &prometheus::BuildGauge()
-                          .Name("odyssey_rl_optimizer_step")
-                          .Help("Optimizer steps completed by the RL session (after OptimStep / LoadCheckpoint)")
-                          .Register(registry);
-  }
-  // The per-job gauges of job `name`; created on first use, removed when the job ends.
-  prometheus::Gauge& JobGauge(prometheus::Family<prometheus::Gauge>* family, const std::string& name) {
-    return family->Add({{"job", name}});
-  }
-  void RemoveJob(const std::string& name) {
-    for (auto* family : {mismatch_mean, mismatch_max, optimizer_step}) {
-      if (family->Has({{"job", name}})) family->Remove(&family->Add({{"job", name}}));
-    }
-  }
-  prometheus::Gauge* jobs_by_state[6] = {};
-  prometheus::Gauge* queue_depth;
-  prometheus::Gauge* workers_idle;
-  prometheus::Gauge* workers_busy;
-  prometheus::Gauge* workers_disconnected;
-  prometheus::Counter* tokens;
-  prometheus::Histogram* step_duration;
-  prometheus::Counter* jobs_created;
-  prometheus::Counter* restarts;
-  prometheus::Family<prometheus::Counter>* training_calls;
-  prometheus::Family<prometheus::Gauge>* mismatch_mean;
-  prometheus::Family<prometheus::Gauge>* mismatch_max;
-  prometheus::Family<prometheus::Gauge>* optimizer_step;
-};
-
-// ---------------------------------------------------------------------------------------------
 // Controller
 
 Controller::Controller(ControllerOptions options, std::unique_ptr<JobStore> store)
-    : options_(std::move(options)), store_(std::move(store)) {
-  if (options_.registry) metrics_ = std::make_unique<Metrics>(*options_.registry);
-}
+    : options_(std::move(options)), metrics_(options_.registry.get()), store_(std::move(store)) {}
 
 Controller::~Controller() {
   absl::MutexLock lock(&mu_);
@@ -263,7 +175,7 @@ void Controller::SetState(int64_t id, v1::Job::State state, const std::string& m
   }
   if (Terminal(state)) {
     sequences_.erase(id);
-    if (metrics_) metrics_->RemoveJob(job.name());
+    metrics_.RemoveJob(job.name());
   }
   const absl::Time now = options_.clock();
   if (state == v1::Job::RUNNING && !job.has_start_time()) SetTimestamp(now, job.mutable_start_time());
@@ -290,13 +202,11 @@ void Controller::CancelRanks(int64_t id, const std::string& except) {
 }
 
 void Controller::UpdateGauges() {
-  if (!metrics_) return;
-  int64_t counts[6] = {};
+  ControllerMetrics::JobCounts counts = {};
   for (const auto& [id, job] : jobs_) {
-    if (job.state() >= 0 && job.state() < 6) ++counts[job.state()];
+    if (job.state() >= 0 && job.state() < 6) ++counts[static_cast<size_t>(job.state())];
   }
-  for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) metrics_->jobs_by_state[s]->Set(counts[s]);
-  metrics_->queue_depth->Set(counts[v1::Job::PENDING]);
+  metrics_.SetJobs(counts);
   int idle = 0, busy = 0, disconnected = 0;
   for (const auto& [wid, w] : workers_) {
     if (w.session == 0) {
@@ -307,9 +217,7 @@ void Controller::UpdateGauges() {
       ++busy;
     }
   }
-  metrics_->workers_idle->Set(idle);
-  metrics_->workers_busy->Set(busy);
-  metrics_->workers_disconnected->Set(disconnected);
+  metrics_.SetWorkers(idle, busy, disconnected);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,7 +389,7 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
   job.set_name(JobName(*id));
   jobs_.emplace(*id, std::move(job));
   if (!request.request_id().empty()) request_ids_[{tenant, request.request_id()}] = *id;
-  if (metrics_) metrics_->jobs_created->Increment();
+  metrics_.JobCreated();
   spdlog::info("job={} created (tenant \"{}\", world_size {}, {} steps, model {})", JobName(*id), tenant,
                WorldSize(request.spec()), request.spec().steps(), request.spec().model().name());
   v1::JobEvent event;
@@ -653,13 +561,9 @@ void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
   job->set_step(m.step());
   job->set_loss(m.loss());
   job->set_tokens_per_second(m.tokens_per_second());
-  if (metrics_) {
-    // RL sessions count their positions from the (merged) ForwardBackward replies instead.
-    if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) {
-      metrics_->tokens->Increment(static_cast<double>(m.tokens()));
-    }
-    if (m.step_seconds() > 0) metrics_->step_duration->Observe(m.step_seconds());
-  }
+  // RL sessions count their positions from the (merged) ForwardBackward replies instead.
+  if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) metrics_.AddTokens(m.tokens());
+  if (m.step_seconds() > 0) metrics_.ObserveStep(m.step_seconds());
   v1::JobEvent event;
   *event.mutable_step() = m;
   Commit(*id, event);
@@ -754,7 +658,7 @@ void Controller::RankLost(int64_t id, const std::string& worker_id, const std::s
   if (job->restarts() < job->spec().restart_limit()) {
     job->set_restarts(job->restarts() + 1);
     job->clear_workers();
-    if (metrics_) metrics_->restarts->Increment();
+    metrics_.JobRestarted();
     SetState(id, v1::Job::PENDING,
              absl::StrCat(why, "; restart ", job->restarts(), " of ", job->spec().restart_limit(), " from ",
                           job->last_checkpoint().empty() ? "the start" : job->last_checkpoint()));
@@ -791,63 +695,30 @@ void Controller::Tick() {
 }
 
 void Controller::Schedule() {
-  std::vector<const v1::Job*> pending;
+  std::vector<QueuedJob> queue;
   for (const auto& [id, job] : jobs_) {
-    if (job.state() == v1::Job::PENDING) pending.push_back(&job);
+    if (job.state() == v1::Job::PENDING) queue.push_back({id, job.spec().priority(), WorldSize(job.spec())});
   }
-  if (pending.empty()) return;
-  // Highest priority first, then oldest (ids grow with creation time).
-  std::stable_sort(pending.begin(), pending.end(), [](const v1::Job* a, const v1::Job* b) {
-    return a->spec().priority() > b->spec().priority();
-  });
-  std::vector<const Worker*> idle;
+  if (queue.empty()) return;
+  std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.session != 0 && w.job == 0) idle.push_back(&w);
+    if (w.session != 0 && w.job == 0) idle.push_back({w.id, w.host});
   }
-  std::vector<std::pair<int64_t, std::vector<std::string>>> starts;
-  std::vector<std::pair<int64_t, std::string>> refused;  // (id, why)
-  for (const v1::Job* job : pending) {
-    const size_t need = static_cast<size_t>(WorldSize(job->spec()));
-    if (idle.size() < need) break;  // gang: never partial; FIFO: nothing jumps the queue head
-    // Jobs stored before --path-root was set (or under other roots) are judged again when they
-    // start, restarts included: a spec an earlier configuration accepted must not run with
-    // paths the current one refuses. The workers go to the next job.
-    if (options_.paths.enabled()) {
-      if (absl::Status paths = CheckPaths(job->spec(), job->tenant()); !paths.ok()) {
-        refused.emplace_back(ParseJobName(job->name()).value(), std::string(paths.message()));
-        continue;
-      }
-    }
-    // Prefer one host: the host with the fewest idle workers that still fits the job.
-    std::map<std::string, std::vector<const Worker*>> by_host;
-    for (const Worker* w : idle) by_host[w->host].push_back(w);
-    const std::vector<const Worker*>* best = nullptr;
-    for (const auto& [host, ws] : by_host) {
-      if (ws.size() >= need && (!best || ws.size() < best->size())) best = &ws;
-    }
-    std::vector<const Worker*> chosen;
-    if (best) {
-      chosen.assign(best->begin(), best->begin() + need);
-    } else {
-      for (const auto& [host, ws] : by_host) {
-        for (const Worker* w : ws) {
-          if (chosen.size() < need) chosen.push_back(w);
-        }
-      }
-    }
-    std::vector<std::string> ids;
-    for (const Worker* w : chosen) {
-      ids.push_back(w->id);
-      idle.erase(std::find(idle.begin(), idle.end(), w));
-    }
-    starts.emplace_back(ParseJobName(job->name()).value(), std::move(ids));
+  // Jobs stored before --path-root was set (or under other roots) are judged again when they
+  // start, restarts included: a spec an earlier configuration accepted must not run with
+  // paths the current one refuses. The workers go to the next job.
+  auto admit = [this](int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!options_.paths.enabled()) return absl::OkStatus();
+    const v1::Job& job = jobs_.at(id);
+    return CheckPaths(job.spec(), job.tenant());
+  };
+  const ScheduleDecision decision = ScheduleGangs(std::move(queue), std::move(idle), admit);
+  for (const GangRefusal& r : decision.refused) {
+    v1::Job& job = jobs_.at(r.job);
+    job.set_error(absl::StrCat("refused when starting (--path-root): ", r.why));
+    SetState(r.job, v1::Job::FAILED, job.error());
   }
-  for (auto& [id, why] : refused) {
-    v1::Job& job = jobs_.at(id);
-    job.set_error(absl::StrCat("refused when starting (--path-root): ", why));
-    SetState(id, v1::Job::FAILED, job.error());
-  }
-  for (auto& [id, ids] : starts) Assign(id, ids);
+  for (const GangStart& start : decision.starts) Assign(start.job, start.workers);
 }
 
 void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) {
@@ -896,107 +767,10 @@ const char* MethodName(v1::TrainingCall::CallCase c) {
   }
 }
 
-// Token positions a call's batch runs (0 for calls without a batch).
-int64_t BatchPositions(const v1::TrainingCall& call) {
-  const google::protobuf::RepeatedPtrField<v1::Datum>* batch = nullptr;
-  if (call.has_forward_backward()) batch = &call.forward_backward().batch();
-  if (call.has_forward()) batch = &call.forward().batch();
-  if (!batch) return 0;
-  int64_t n = 0;
-  for (const v1::Datum& d : *batch) n += d.tokens_size();
-  return n;
-}
-
-// W of a batch: the sum of its weights, a datum without weights counting 1 per token
-// (engine/rl_loss.h BatchWeightSum on the whole batch).
-double WeightSum(const google::protobuf::RepeatedPtrField<v1::Datum>& batch) {
-  double w = 0;
-  for (const v1::Datum& d : batch) {
-    if (d.weights_size() == 0) {
-      w += static_cast<double>(d.tokens_size());
-    } else {
-      for (float x : d.weights()) w += x;
-    }
-  }
-  return w;
-}
-
-// The engine's errors on the ranks whose own slice was fine, when another rank's was not or
-// failed ("batch: refused on another rank ...", "forward_backward failed on another rank ...").
-bool IsAnotherRanksEcho(const v1::TrainingReply& reply) {
-  return absl::StrContains(reply.message(), "on another rank");
-}
-
-// The error of a multi-rank call that failed on some rank: the first non-OK reply in rank order
-// that names its own cause; the first echo of another rank's failure when every error is one.
-const v1::TrainingReply* FirstError(const std::vector<v1::TrainingReply>& replies) {
-  const v1::TrainingReply* echo = nullptr;
-  for (const v1::TrainingReply& r : replies) {
-    if (r.code() == 0) continue;
-    if (!IsAnotherRanksEcho(r)) return &r;
-    if (!echo) echo = &r;
-  }
-  return echo;
-}
-
-// One reply out of the ranks' forward_backward replies (all OK). weight_sum: the W every rank
-// normalized by (the whole batch's; the same on every rank).
-v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& replies) {
-  v1::TrainingReply out;
-  out.set_call_id(replies[0].call_id());
-  out.set_job(replies[0].job());
-  v1::ForwardBackwardResponse* fb = out.mutable_forward_backward();
-  double mismatch_sum = 0;  // sum over ranks of mean x tokens
-  for (const v1::TrainingReply& r : replies) {
-    const v1::ForwardBackwardResponse& p = r.forward_backward();
-    for (const v1::TokenLogprobs& l : p.logprobs()) *fb->add_logprobs() = l;
-    fb->set_loss(fb->loss() + p.loss());  // each rank's share is already normalized by W
-    mismatch_sum += p.mismatch_mean() * static_cast<double>(p.mismatch_tokens());
-    fb->set_mismatch_tokens(fb->mismatch_tokens() + p.mismatch_tokens());
-    fb->set_mismatch_max(std::max(fb->mismatch_max(), p.mismatch_max()));
-    fb->set_clipped_tokens(fb->clipped_tokens() + p.clipped_tokens());
-    fb->set_tokens(fb->tokens() + p.tokens());
-    fb->set_seconds(std::max(fb->seconds(), p.seconds()));  // the ranks run side by side
-  }
-  fb->set_weight_sum(replies[0].forward_backward().weight_sum());
-  if (fb->mismatch_tokens() > 0) fb->set_mismatch_mean(mismatch_sum / static_cast<double>(fb->mismatch_tokens()));
-  return out;
-}
-
-std::string CodeName(absl::StatusCode code) {
-  std::string name = absl::StatusCodeToString(code);
-  std::transform(name.begin(), name.end(), name.begin(), ::toupper);
-  return name;
-}
-
 }  // namespace
 
-std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch, int ranks) {
-  const int n = batch.size();
-  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);  // prefix[i]: tokens of datums [0, i)
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + batch[i].tokens_size();
-  const double total = static_cast<double>(prefix[n]);
-  std::vector<std::pair<int, int>> out;
-  int begin = 0;
-  for (int r = 1; r <= ranks; ++r) {
-    int end = n;
-    if (r < ranks) {
-      // The first cut in [begin, n] at or past the target, or the one before it when that is
-      // strictly nearer: ties go to the later cut, so empty ranges fall on the last ranks.
-      const double target = total * r / ranks;
-      end = begin;
-      while (end < n && static_cast<double>(prefix[end]) < target) ++end;
-      if (end > begin && target - static_cast<double>(prefix[end - 1]) < static_cast<double>(prefix[end]) - target)
-        --end;
-    }
-    out.emplace_back(begin, end);
-    begin = end;
-  }
-  return out;
-}
-
 void Controller::CountTrainingCall(const std::string& method, absl::StatusCode code) {
-  if (metrics_) metrics_->training_calls->Add({{"method", method}, {"code", CodeName(code)}}).Increment();
+  metrics_.CountTrainingCall(method, code);
 }
 
 absl::Status Controller::CheckServesTraining(const v1::Job& job) {
@@ -1096,7 +870,7 @@ absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall
   call.clear_datum_offset();
   if (job->workers_size() > 1) return finish(TrainRanks(id, std::move(call), sequence, cancelled));
   const int64_t positions = BatchPositions(call);
-  const int64_t limit = job->spec().data().seq_len() * std::max<int64_t>(1, job->spec().data().batch_size());
+  const int64_t limit = RankPositionLimit(job->spec());
   if (positions > limit) {
     return finish(absl::InvalidArgumentError(absl::StrCat(
         "batch: ", positions, " token positions exceed the session's limit of ", limit,
@@ -1157,18 +931,15 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
     case v1::TrainingReply::kForwardBackward: {
       const v1::ForwardBackwardResponse& fb = reply.forward_backward();
       job->set_loss(fb.loss());  // the whole batch's (OnProgress keeps it)
-      if (metrics_ && fb.tokens() > 0) metrics_->tokens->Increment(static_cast<double>(fb.tokens()));
-      if (metrics_ && fb.mismatch_tokens() > 0) {
-        metrics_->JobGauge(metrics_->mismatch_mean, job->name()).Set(fb.mismatch_mean());
-        metrics_->JobGauge(metrics_->mismatch_max, job->name()).Set(fb.mismatch_max());
-      }
+      if (fb.tokens() > 0) metrics_.AddTokens(fb.tokens());
+      if (fb.mismatch_tokens() > 0) metrics_.SetMismatch(job->name(), fb.mismatch_mean(), fb.mismatch_max());
       break;
     }
     case v1::TrainingReply::kOptimStep:
-      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.optim_step().step());
+      metrics_.SetOptimizerStep(job->name(), reply.optim_step().step());
       break;
     case v1::TrainingReply::kLoadCheckpoint:
-      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.load_checkpoint().step());
+      metrics_.SetOptimizerStep(job->name(), reply.load_checkpoint().step());
       break;
     case v1::TrainingReply::kSaveCheckpoint: {
       // What a restart after a worker loss resumes from.
@@ -1191,65 +962,11 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
 absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::TrainingCall call, int64_t sequence,
                                                          const std::function<bool()>& cancelled) {
   const v1::Job& job = *FindJob(id);
-  const int world = job.workers_size();
-  const int64_t limit = job.spec().data().seq_len() * std::max<int64_t>(1, job.spec().data().batch_size());
-  const std::string limit_why =
-      absl::StrCat("spec.data.seq_len ", job.spec().data().seq_len(), " x spec.data.batch_size ",
-                   std::max<int64_t>(1, job.spec().data().batch_size()), ", the memory the planner checked per rank");
+  const v1::TrainingCall::CallCase kind = call.call_case();
   // The ranks this call goes to, with their calls (rank order).
-  std::vector<std::pair<int, v1::TrainingCall>> targets;
-  double weight_sum = 0;
-  const bool split = call.has_forward_backward() || call.has_forward();
-  if (split) {
-    google::protobuf::RepeatedPtrField<v1::Datum> batch;
-    batch.Swap(call.has_forward_backward() ? call.mutable_forward_backward()->mutable_batch()
-                                           : call.mutable_forward()->mutable_batch());
-    const int64_t positions = [&] {
-      int64_t n = 0;
-      for (const v1::Datum& d : batch) n += d.tokens_size();
-      return n;
-    }();
-    if (positions > limit * world) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch: ", positions, " token positions exceed the session's limit of ", limit * world, " (",
-          world, " ranks x ", limit, ": ", limit_why, "); split the batch"));
-    }
-    // A W that is not a positive finite number (a NaN or infinite weight, all weights 0) is not
-    // sent: the engine then sums the slices' weights itself, and its validation names the bad
-    // datum, or refuses a weightless batch, as on one rank.
-    if (call.has_forward_backward()) {
-      weight_sum = WeightSum(batch);
-      if (!(std::isfinite(weight_sum) && weight_sum > 0)) weight_sum = 0;
-    }
-    const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, world);
-    for (int r = 0; r < world; ++r) {
-      const auto [begin, end] = ranges[static_cast<size_t>(r)];
-      int64_t slice = 0;
-      for (int i = begin; i < end; ++i) slice += batch[i].tokens_size();
-      if (slice > limit) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "batch: rank ", r, "'s slice (batch[", begin, "..", end - 1, "]) holds ", slice,
-            " token positions, over the per-rank limit of ", limit, " (", limit_why,
-            "); the batch is split between the session's ", world,
-            " ranks in datum order, balanced by tokens: split the batch or shorten its longest datums"));
-      }
-      v1::TrainingCall rc = call;  // the call without its batch
-      google::protobuf::RepeatedPtrField<v1::Datum>* out =
-          rc.has_forward_backward() ? rc.mutable_forward_backward()->mutable_batch() : rc.mutable_forward()->mutable_batch();
-      out->Reserve(end - begin);
-      for (int i = begin; i < end; ++i) *out->Add() = batch[i];
-      rc.set_datum_offset(begin);
-      if (rc.has_forward_backward()) rc.set_weight_sum(weight_sum);
-      targets.emplace_back(r, std::move(rc));
-    }
-  } else if (call.has_optim_step() || call.has_load_checkpoint()) {
-    // The engine's OptimStep all-reduces the gradients; LoadCheckpoint must reach every rank's
-    // copy of the weights and optimizer state.
-    for (int r = 0; r < world; ++r) targets.emplace_back(r, call);
-  } else {
-    // save_checkpoint, export_weights: the ranks' weights are identical; rank 0 writes.
-    targets.emplace_back(0, std::move(call));
-  }
+  absl::StatusOr<std::vector<RankCall>> split = SplitCall(std::move(call), job.workers_size(), job.spec());
+  if (!split.ok()) return split.status();
+  std::vector<RankCall>& targets = *split;
   for (const auto& [rank, rc] : targets) {
     auto w = workers_.find(job.workers(rank));
     if (w == workers_.end() || w->second.session == 0) {
@@ -1306,22 +1023,9 @@ absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::Trainin
     if (p->done && !p->status.ok()) return p->status;
     replies.push_back(std::move(p->reply));
   }
-  if (const v1::TrainingReply* error = FirstError(replies)) {
-    return absl::Status(static_cast<absl::StatusCode>(error->code()), error->message());
-  }
-  v1::TrainingReply merged;
-  if (targets.size() == 1 || !split) {
-    merged = std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
-  } else if (replies[0].has_forward_backward()) {
-    merged = MergeForwardBackward(replies);
-  } else {
-    merged = std::move(replies[0]);
-    v1::ForwardResponse* f = merged.mutable_forward();
-    for (size_t r = 1; r < replies.size(); ++r) {
-      for (v1::TokenLogprobs& l : *replies[r].mutable_forward()->mutable_logprobs()) *f->add_logprobs() = std::move(l);
-    }
-  }
-  ApplyReply(id, merged);
+  absl::StatusOr<v1::TrainingReply> merged = MergeReplies(kind, std::move(replies));
+  if (!merged.ok()) return merged.status();
+  ApplyReply(id, *merged);
   return merged;
 }
 

@@ -12,9 +12,9 @@
 //   disconnected worker that does not re-attach within heartbeat_timeout is dead: its job is
 //   put back in the queue (resume_from = last checkpoint, restarts + 1) while
 //   restarts < restart_limit, else FAILED. Other ranks of that job get `cancel`.
-// - Gang scheduling: the first queued job (highest priority, then oldest) that needs W
-//   workers starts only when W idle workers exist (one host preferred); jobs behind it wait
-//   (strict FIFO within priority, no partial starts, no backfill).
+// - Gang scheduling (scheduler.h): the first queued job (highest priority, then oldest) that
+//   needs W workers starts only when W idle workers exist (one host preferred); jobs behind it
+//   wait (strict FIFO within priority, no partial starts, no backfill).
 // - After a controller restart, RUNNING jobs keep their workers for heartbeat_timeout: the
 //   workers re-attach and report `held`, or the job is restarted as above.
 // - Paths (options.paths on): a job about to start (or restart) whose spec the path policy
@@ -28,12 +28,13 @@
 //   handed to the worker's stream in the order they take the mutex; the worker runs them FIFO,
 //   one at a time. So calls of one job execute in the order the controller received them.
 // - A session of N > 1 ranks (data parallel): forward_backward and forward are split into N
-//   contiguous datum ranges balanced by token count (SplitBatch), each rank getting its slice,
-//   the slice's whole-batch datum offset and, for forward_backward, W of the whole batch;
-//   optim_step and load_checkpoint go to every rank; save_checkpoint and export_weights to rank
-//   0 only (the ranks' weights are identical). The messages of one call reach every rank's
-//   stream in one mutex section, so all ranks' FIFOs hold the calls in the same order (the
-//   engine's collectives pair them up by order). The replies are merged into one (Train below).
+//   contiguous datum ranges balanced by token count (rl_batch.h SplitBatch), each rank getting
+//   its slice, the slice's whole-batch datum offset and, for forward_backward, W of the whole
+//   batch; optim_step and load_checkpoint go to every rank; save_checkpoint and export_weights
+//   to rank 0 only (the ranks' weights are identical). The messages of one call reach every
+//   rank's stream in one mutex section, so all ranks' FIFOs hold the calls in the same order
+//   (the engine's collectives pair them up by order). The replies are merged into one
+//   (rl_batch.h MergeReplies).
 // - sequence > 0: call n of a job is forwarded only after call n-1 was; a call whose
 //   predecessor does not arrive within sequence_wait gets ABORTED; a sequence already received
 //   (or already waiting) gets ALREADY_EXISTS.
@@ -65,6 +66,7 @@
 #include "absl/time/time.h"
 #include "odyssey/v1/odyssey.pb.h"
 #include "prometheus/registry.h"
+#include "server/controller_metrics.h"
 #include "server/job_store.h"
 #include "server/paths.h"
 
@@ -116,13 +118,6 @@ struct ControllerOptions {
   // gets ABORTED.
   absl::Duration sequence_wait = absl::Seconds(30);
 };
-
-// The ranges [begin, end) of datums that the ranks of an N-rank session run: N contiguous
-// ranges in datum order, cut where the running token count comes nearest to k/N of the batch's
-// tokens (ties: the later cut, so that empty ranges fall on the last ranks). A range may be
-// empty (fewer datums than ranks, or one long datum). REQUIRES: ranks >= 1.
-std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<odyssey::v1::Datum>& batch,
-                                            int ranks);
 
 // What the registry holds about a worker (for tests and status).
 struct WorkerInfo {
@@ -263,7 +258,6 @@ class Controller {
     // worker wrote before it saw them.)
     int64_t job_at_attach = 0;
   };
-  struct Metrics;
   // A TrainingCall forwarded to a worker, waiting for its reply.
   struct PendingCall {
     int64_t job = 0;
@@ -302,8 +296,11 @@ class Controller {
   // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
   void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts what the gang scheduler (scheduler.h) picks from the PENDING jobs and idle workers;
+  // fails the jobs the path policy now refuses.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the jobs-by-state and workers-by-state gauges from jobs_ and workers_.
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReply(Worker& worker, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a successful reply of job `id` changes on the controller: mismatch and step gauges, the
@@ -326,7 +323,7 @@ class Controller {
   Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
-  std::unique_ptr<Metrics> metrics_;
+  ControllerMetrics metrics_;  // no-ops without options_.registry
 
   absl::Mutex mu_;
   std::unique_ptr<JobStore> store_ ABSL_GUARDED_BY(mu_);

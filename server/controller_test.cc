@@ -1079,25 +1079,6 @@ v1::Datum MakeDatum(int tokens, float weight = 0) {
   return d;
 }
 
-google::protobuf::RepeatedPtrField<v1::Datum> Batch(const std::vector<int>& lengths) {
-  google::protobuf::RepeatedPtrField<v1::Datum> b;
-  for (int n : lengths) *b.Add() = MakeDatum(n);
-  return b;
-}
-
-// Contiguous ranges cut nearest to the token quantiles; empty ranges when datums run out.
-TEST(SplitBatchTest, BalancesTokensInDatumOrder) {
-  using Ranges = std::vector<std::pair<int, int>>;
-  EXPECT_EQ(SplitBatch(Batch({4, 4, 4, 4, 4}), 2), (Ranges{{0, 3}, {3, 5}}));  // 12 | 8 (a tie: the later cut)
-  EXPECT_EQ(SplitBatch(Batch({4, 4, 4, 4, 5}), 2), (Ranges{{0, 3}, {3, 5}}));  // 12 | 9: 10.5 is nearer 12 than 8
-  EXPECT_EQ(SplitBatch(Batch({2, 2, 2, 2, 9}), 2), (Ranges{{0, 4}, {4, 5}}));
-  EXPECT_EQ(SplitBatch(Batch({10, 1, 1, 1, 1}), 2), (Ranges{{0, 1}, {1, 5}}));
-  EXPECT_EQ(SplitBatch(Batch({1, 1, 1, 1}), 3), (Ranges{{0, 1}, {1, 3}, {3, 4}}));
-  EXPECT_EQ(SplitBatch(Batch({5}), 2), (Ranges{{0, 1}, {1, 1}}));
-  EXPECT_EQ(SplitBatch(Batch({}), 2), (Ranges{{0, 0}, {0, 0}}));
-  EXPECT_EQ(SplitBatch(Batch({3, 3}), 1), (Ranges{{0, 2}}));
-}
-
 class TrainingRanksTest : public ControllerTest {
  protected:
   void SetUp() override {
