@@ -3,6 +3,19 @@
 // the service layer (service.h) validates requests, calls these methods and converts the
 // absl::Status once at the edge; workers are reached through the WorkerConnection interface.
 //
+// The class holds the state (jobs, workers, the store, the one mutex) and the API; each concern
+// lives in its own file (as tensorflow/serving's ServerCore hands each API to its own unit):
+// - controller.cc: construction, persistence (Commit, SetState), JobService (CreateJob ...
+//   WatchJob), paths, and Schedule/Assign, which apply the gang scheduler's decision.
+// - workers.cc: the worker registry (WorkerService: attach, messages, detach), liveness (Tick)
+//   and what losing a rank does to its job (restart or fail).
+// - planning.cc: the planner's verdicts (CheckFits for CreateJob, PlannerService.Plan).
+// - session_router.cc: the TrainingService (Train): pending calls, sequences, routing to the
+//   workers' streams, replies.
+// - Units of plain data with their own tests: scheduler.h (which PENDING jobs start on which idle
+//   workers), rl_batch.h (a multi-rank call's split and merge), controller_metrics.h (the
+//   Prometheus families).
+//
 // Worker protocol, as the controller reads it (see server/README.md):
 // - A worker attaches with its capabilities, then sends `held` (the jobs it still runs; empty
 //   on a fresh start), heartbeats, progress and results. Any message counts as liveness.
@@ -231,19 +244,6 @@ class Controller {
   int WaitingCalls(int64_t id);
 
  private:
-  // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
-  // FAILED_PRECONDITION saying by how much when nothing fits.
-  absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The machine one rank is planned for: the largest GPU among the attached workers (less 3 GiB
-  // for the CUDA context) with 85% of that worker's host memory; an H200 host when no GPU
-  // worker is attached. `source` says which; `gpu_worker` is false when none is attached.
-  struct PlanMachine {
-    int64_t gpu_bytes = 0, host_bytes = 0;
-    bool any_worker = false, gpu_worker = false;
-    std::string source;
-  };
-  PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   struct Worker {
     std::string id;
     odyssey::v1::WorkerCapabilities capabilities;
@@ -277,6 +277,7 @@ class Controller {
 
   Controller(ControllerOptions options, std::unique_ptr<JobStore> store);
 
+  // controller.cc: jobs, persistence, scheduling.
   odyssey::v1::Job* FindJob(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Job `id` when it exists and belongs to `tenant`; else NOT_FOUND / PERMISSION_DENIED.
   absl::StatusOr<odyssey::v1::Job*> FindTenantJob(int64_t id, const std::string& tenant,
@@ -290,18 +291,37 @@ class Controller {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends `cancel` to every worker of job `id` other than `except`.
   void CancelRanks(int64_t id, const std::string& except) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnProgress(Worker& worker, const odyssey::v1::JobProgress& progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnResult(Worker& worker, const odyssey::v1::JobResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnHeld(Worker& worker, const odyssey::v1::HeldJobs& held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
-  void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts what the gang scheduler (scheduler.h) picks from the PENDING jobs and idle workers;
   // fails the jobs the path policy now refuses.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the jobs-by-state and workers-by-state gauges from jobs_ and workers_.
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // workers.cc: the worker registry.
+  Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnProgress(Worker& worker, const odyssey::v1::JobProgress& progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnResult(Worker& worker, const odyssey::v1::JobResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnHeld(Worker& worker, const odyssey::v1::HeldJobs& held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
+  void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // planning.cc.
+  // The planner's verdict for one rank of `spec` on the attached workers' GPUs (see .cc);
+  // FAILED_PRECONDITION saying by how much when nothing fits.
+  absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The machine one rank is planned for: the largest GPU among the attached workers (less 3 GiB
+  // for the CUDA context) with 85% of that worker's host memory; an H200 host when no GPU
+  // worker is attached. `source` says which; `gpu_worker` is false when none is attached.
+  struct PlanMachine {
+    int64_t gpu_bytes = 0, host_bytes = 0;
+    bool any_worker = false, gpu_worker = false;
+    std::string source;
+  };
+  PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // session_router.cc: the TrainingService.
   void OnReply(Worker& worker, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a successful reply of job `id` changes on the controller: mismatch and step gauges, the
   // last checkpoint (what a restart resumes from).
@@ -320,7 +340,6 @@ class Controller {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless job `id` (which exists) is a RUNNING RL_SESSION.
   absl::Status CheckServesTraining(const odyssey::v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
   ControllerMetrics metrics_;  // no-ops without options_.registry
