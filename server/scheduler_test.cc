@@ -1,17 +1,28 @@
-// The gang scheduler (scheduler.h): ScheduleGangs on plain data.
+// The gang scheduler (scheduler.h): ScheduleGangs on plain data, and through the Controller
+// (whole gangs only, priority then FIFO).
 #include "server/scheduler.h"
 
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "absl/status/status.h"
+#include "server/controller.h"
+#include "server/testing/controller_fixture.h"
+#include "server/validation.h"
 
 namespace odyssey::server {
 namespace {
 
-// The rules of scheduler.h, one per test.
+namespace v1 = odyssey::v1;
+using testing::ControllerTest;
+using testing::kAnon;
+
+// ---------------------------------------------------------------------------------------------
+// ScheduleGangs on plain data: the rules of scheduler.h, one per test.
 
 std::vector<int64_t> Started(const ScheduleDecision& d) {
   std::vector<int64_t> out;
@@ -102,6 +113,59 @@ TEST(ScheduleGangsTest, ARefusedJobTakesNoWorkers) {
   ASSERT_EQ(d.starts.size(), 1u);
   EXPECT_EQ(d.starts[0].job, 2);
   EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w1"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scheduler through the Controller.
+
+TEST_F(ControllerTest, GangSchedulingStartsWholeGangsOnly) {
+  auto w1 = Attach("w1"), w2 = Attach("w2"), w3 = Attach("w3");
+  auto j1 = *controller_->CreateJob(Request(2), kAnon);
+  auto j2 = *controller_->CreateJob(Request(2), kAnon);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::PENDING);
+  // Still one idle worker only: no partial start.
+  now_ += absl::Seconds(1);
+  controller_->Tick();
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::PENDING);
+  const v1::Job running = Get(j1.name());
+  ASSERT_EQ(running.workers_size(), 2);
+  int assigned = 0;
+  std::set<int> ranks;
+  for (auto* w : {&w1, &w2, &w3}) {
+    for (const auto& a : w->conn->Assignments()) {
+      ++assigned;
+      EXPECT_EQ(a.job(), j1.name());
+      EXPECT_EQ(a.world_size(), 2);
+      EXPECT_EQ(a.resume_from(), "");
+      EXPECT_EQ(a.rendezvous(), "127.0.0.1:" + std::to_string(29500 + 1));
+      ranks.insert(a.rank());
+    }
+  }
+  EXPECT_EQ(assigned, 2);
+  EXPECT_EQ(ranks, (std::set<int>{0, 1}));
+
+  // j1 finishes: rank 0's ok decides; each rank's result frees its worker.
+  std::map<std::string, Attached*> by_id = {{"w1", &w1}, {"w2", &w2}, {"w3", &w3}};
+  Progress(*by_id[running.workers(0)], j1.name(), 0, 10);
+  Result(*by_id[running.workers(0)], j1.name(), 0, true);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::SUCCEEDED);
+  // Rank 0's worker and w3 are idle now; rank 1's worker is busy until it reports.
+  const v1::Job second = Get(j2.name());
+  EXPECT_EQ(second.state(), v1::Job::RUNNING);
+  EXPECT_THAT(second.workers(), ::testing::Not(::testing::Contains(running.workers(1))));
+  Result(*by_id[running.workers(1)], j1.name(), 1, true);
+  EXPECT_EQ(by_id[running.workers(1)]->conn->Count(v1::ControllerMessage::kRelease), 1);
+}
+
+TEST_F(ControllerTest, PriorityFirstThenFifo) {
+  auto j1 = *controller_->CreateJob(Request(1, 10, "", 0), kAnon);
+  auto j2 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
+  auto j3 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
+  auto w1 = Attach("w1");
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(j3.name()).state(), v1::Job::PENDING);
 }
 
 }  // namespace
