@@ -1,19 +1,14 @@
+// The Controller's jobs: construction from the store, persistence (Commit, SetState), the
+// JobService calls, path confinement, and Schedule/Assign, which apply the gang scheduler's
+// decision (scheduler.h). The other parts of the class: controller.h.
 #include "server/controller.h"
 
 #include <algorithm>
-#include <cmath>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "model/config.h"
-#include "planner/memory_spec.h"
-#include "planner/planner.h"
-#include "prometheus/counter.h"
-#include "prometheus/gauge.h"
-#include "prometheus/histogram.h"
+#include "server/scheduler.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -68,95 +63,10 @@ void JobWatch::Finish() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Metrics (DESIGN.md section 6 names).
-
-struct Controller::Metrics {
-  explicit Metrics(prometheus::Registry& registry) {
-    auto& jobs = prometheus::BuildGauge().Name("odyssey_jobs").Help("Jobs by state").Register(registry);
-    for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) {
-      std::string label = StateName(static_cast<v1::Job::State>(s));
-      std::transform(label.begin(), label.end(), label.begin(), ::tolower);
-      jobs_by_state[s] = &jobs.Add({{"state", label}});
-    }
-    queue_depth = &prometheus::BuildGauge()
-                       .Name("odyssey_queue_depth")
-                       .Help("Jobs waiting for workers (PENDING)")
-                       .Register(registry)
-                       .Add({});
-    auto& workers = prometheus::BuildGauge().Name("odyssey_workers").Help("Workers by state").Register(registry);
-    workers_idle = &workers.Add({{"state", "idle"}});
-    workers_busy = &workers.Add({{"state", "busy"}});
-    workers_disconnected = &workers.Add({{"state", "disconnected"}});
-    tokens = &prometheus::BuildCounter()
-                  .Name("odyssey_tokens_total")
-                  .Help("Tokens trained, as reported by rank 0 of each job")
-                  .Register(registry)
-                  .Add({});
-    step_duration = &prometheus::BuildHistogram()
-                         .Name("odyssey_step_duration_seconds")
-                         .Help("Training step wall time, as reported by rank 0 of each job")
-                         .Register(registry)
-                         .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30,
-                                                                          100, 300, 1000, 3000});
-    auto& created = prometheus::BuildCounter()
-                        .Name("odyssey_jobs_created_total")
-                        .Help("Jobs created (idempotent retries not counted)")
-                        .Register(registry);
-    jobs_created = &created.Add({});
-    restarts = &prometheus::BuildCounter()
-                    .Name("odyssey_job_restarts_total")
-                    .Help("Jobs put back in the queue after losing a worker")
-                    .Register(registry)
-                    .Add({});
-    training_calls = &prometheus::BuildCounter()
-                          .Name("odyssey_training_calls_total")
-                          .Help("TrainingService calls by method and final status code")
-                          .Register(registry);
-    mismatch_mean = &prometheus::BuildGauge()
-                         .Name("odyssey_rl_logprob_mismatch_mean")
-                         .Help("Mean |trainer - sampler| logprob over the weighted tokens of the RL session's "
-                               "last ForwardBackward that carried sampler logprobs (nats)")
-                         .Register(registry);
-    mismatch_max = &prometheus::BuildGauge()
-                        .Name("odyssey_rl_logprob_mismatch_max")
-                        .Help("Max |trainer - sampler| logprob over the same tokens (nats)")
-                        .Register(registry);
-    optimizer_step = &prometheus::BuildGauge()
-                          .Name("odyssey_rl_optimizer_step")
-                          .Help("Optimizer steps completed by the RL session (after OptimStep / LoadCheckpoint)")
-                          .Register(registry);
-  }
-  // The per-job gauges of job `name`; created on first use, removed when the job ends.
-  prometheus::Gauge& JobGauge(prometheus::Family<prometheus::Gauge>* family, const std::string& name) {
-    return family->Add({{"job", name}});
-  }
-  void RemoveJob(const std::string& name) {
-    for (auto* family : {mismatch_mean, mismatch_max, optimizer_step}) {
-      if (family->Has({{"job", name}})) family->Remove(&family->Add({{"job", name}}));
-    }
-  }
-  prometheus::Gauge* jobs_by_state[6] = {};
-  prometheus::Gauge* queue_depth;
-  prometheus::Gauge* workers_idle;
-  prometheus::Gauge* workers_busy;
-  prometheus::Gauge* workers_disconnected;
-  prometheus::Counter* tokens;
-  prometheus::Histogram* step_duration;
-  prometheus::Counter* jobs_created;
-  prometheus::Counter* restarts;
-  prometheus::Family<prometheus::Counter>* training_calls;
-  prometheus::Family<prometheus::Gauge>* mismatch_mean;
-  prometheus::Family<prometheus::Gauge>* mismatch_max;
-  prometheus::Family<prometheus::Gauge>* optimizer_step;
-};
-
-// ---------------------------------------------------------------------------------------------
 // Controller
 
 Controller::Controller(ControllerOptions options, std::unique_ptr<JobStore> store)
-    : options_(std::move(options)), store_(std::move(store)) {
-  if (options_.registry) metrics_ = std::make_unique<Metrics>(*options_.registry);
-}
+    : options_(std::move(options)), metrics_(options_.registry.get()), store_(std::move(store)) {}
 
 Controller::~Controller() {
   absl::MutexLock lock(&mu_);
@@ -214,14 +124,6 @@ absl::StatusOr<v1::Job*> Controller::FindTenantJob(int64_t id, const std::string
   return job;
 }
 
-Controller::Worker* Controller::WorkerBySession(int64_t session) {
-  if (session == 0) return nullptr;
-  for (auto& [id, w] : workers_) {
-    if (w.session == session) return &w;
-  }
-  return nullptr;
-}
-
 void Controller::Commit(int64_t id, std::optional<v1::JobEvent> event) {
   v1::Job& job = jobs_.at(id);
   if (absl::Status s = store_->UpdateJob(id, job); !s.ok()) {
@@ -264,7 +166,7 @@ void Controller::SetState(int64_t id, v1::Job::State state, const std::string& m
   }
   if (Terminal(state)) {
     sequences_.erase(id);
-    if (metrics_) metrics_->RemoveJob(job.name());
+    metrics_.RemoveJob(job.name());
   }
   const absl::Time now = options_.clock();
   if (state == v1::Job::RUNNING && !job.has_start_time()) SetTimestamp(now, job.mutable_start_time());
@@ -291,13 +193,11 @@ void Controller::CancelRanks(int64_t id, const std::string& except) {
 }
 
 void Controller::UpdateGauges() {
-  if (!metrics_) return;
-  int64_t counts[6] = {};
+  ControllerMetrics::JobCounts counts = {};
   for (const auto& [id, job] : jobs_) {
-    if (job.state() >= 0 && job.state() < 6) ++counts[job.state()];
+    if (job.state() >= 0 && job.state() < 6) ++counts[static_cast<size_t>(job.state())];
   }
-  for (int s = v1::Job::PENDING; s <= v1::Job::CANCELLED; ++s) metrics_->jobs_by_state[s]->Set(counts[s]);
-  metrics_->queue_depth->Set(counts[v1::Job::PENDING]);
+  metrics_.SetJobs(counts);
   int idle = 0, busy = 0, disconnected = 0;
   for (const auto& [wid, w] : workers_) {
     if (w.session == 0) {
@@ -308,97 +208,11 @@ void Controller::UpdateGauges() {
       ++busy;
     }
   }
-  metrics_->workers_idle->Set(idle);
-  metrics_->workers_busy->Set(busy);
-  metrics_->workers_disconnected->Set(disconnected);
+  metrics_.SetWorkers(idle, busy, disconnected);
 }
 
 // ---------------------------------------------------------------------------------------------
 // JobService
-
-Controller::PlanMachine Controller::MachineToPlanFor() const {
-  PlanMachine m;
-  m.source = "an H200 host (no GPU worker is attached)";
-  for (const auto& [id, w] : workers_) {
-    m.any_worker = true;
-    if (w.capabilities.device().rfind("cuda", 0) != 0 || w.capabilities.device_memory_bytes() <= 0) continue;
-    if (!m.gpu_worker || w.capabilities.device_memory_bytes() > m.device_memory_bytes) {
-      m.device_memory_bytes = w.capabilities.device_memory_bytes();
-      m.host_memory_bytes = w.capabilities.host_memory_bytes();
-      m.source = absl::StrCat("worker ", id, " (", w.capabilities.device_name().empty() ? w.capabilities.device()
-                                                                                        : w.capabilities.device_name(),
-                              ", the largest GPU attached)");
-    }
-    m.gpu_worker = true;
-  }
-  return m;
-}
-
-planner::Hardware Controller::PlanHardware(const PlanMachine& machine, int64_t spec_host_budget_bytes) {
-  planner::Hardware h;  // an H200 host's when no GPU worker is attached
-  if (machine.gpu_worker) {
-    h = planner::MachineHardware(machine.device_memory_bytes, machine.host_memory_bytes, spec_host_budget_bytes);
-  } else if (spec_host_budget_bytes > 0) {
-    h.host_bytes = spec_host_budget_bytes;
-  }
-  return h;
-}
-
-absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
-  const PlanMachine machine = MachineToPlanFor();
-  if (machine.any_worker && !machine.gpu_worker) return absl::OkStatus();
-  // A model that does not resolve is validation's to name (ValidateJobSpec runs at the edge).
-  if (!model::ResolveModelConfig(spec.model().name()).ok()) return absl::OkStatus();
-  absl::StatusOr<planner::JobPlan> plan =
-      planner::PlanJobSpec(spec, PlanHardware(machine, spec.memory().host_budget_bytes()));
-  if (!plan.ok()) return plan.status();
-  if (!plan->fits) return absl::FailedPreconditionError(absl::StrCat("spec.data.seq_len: ", plan->message));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request) {
-  const v1::JobSpec& spec = request.spec();
-  auto config = model::ResolveModelConfig(spec.model().name());
-  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  const int64_t spec_budget = spec.memory().host_budget_bytes();
-  planner::Hardware hardware;
-  std::string source;
-  {
-    absl::MutexLock lock(&mu_);
-    const PlanMachine machine = MachineToPlanFor();
-    hardware = PlanHardware(machine, spec_budget);
-    source = machine.source;
-    if (machine.any_worker && !machine.gpu_worker) {
-      source = "an H200 host (only CPU workers are attached: CreateJob does not check their memory)";
-    }
-  }
-  if (request.gpu_bytes() > 0 || request.host_bytes() > 0) source = "the request";
-  if (request.gpu_bytes() > 0) hardware.gpu_bytes = request.gpu_bytes();
-  if (request.host_bytes() > 0 && spec_budget <= 0) hardware.host_bytes = request.host_bytes();
-
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(spec, hardware);
-  if (!plan.ok()) return plan.status();
-  v1::PlanResponse out;
-  out.set_planned_gpu_bytes(hardware.gpu_bytes);
-  out.set_planned_host_bytes(hardware.host_bytes);
-  out.set_hardware(source);
-  if (request.max_seq_len()) out.set_max_seq_len(planner::MaxSeqLen(planner::ShapeOf(*config), hardware));
-  out.set_fits(plan->fits);
-  out.set_message(plan->message);
-  const planner::MemoryStrategy& st = plan->strategy;
-  planner::MemoryStrategyToProto(st, out.mutable_memory());
-  out.set_device_resident(st.device_resident);
-  out.set_attention_head_groups(static_cast<int32_t>(st.head_groups));
-  out.set_optimizer_on_host(st.optimizer_on_host);
-  out.set_gpu_peak_bytes(plan->prediction.gpu_peak_bytes);
-  out.set_host_bytes(plan->prediction.host_bytes);
-  for (const auto& [name, bytes] : plan->prediction.terms) {
-    v1::PlanTerm* t = out.add_terms();
-    t->set_name(name);
-    t->set_bytes(bytes);
-  }
-  return out;
-}
 
 absl::Status Controller::CheckPaths(const v1::JobSpec& spec, const std::string& tenant) const {
   if (absl::Status s = CheckJobSpecPaths(spec, options_.paths, tenant, "spec"); !s.ok()) return s;
@@ -448,7 +262,7 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
   job.set_name(JobName(*id));
   jobs_.emplace(*id, std::move(job));
   if (!request.request_id().empty()) request_ids_[{tenant, request.request_id()}] = *id;
-  if (metrics_) metrics_->jobs_created->Increment();
+  metrics_.JobCreated();
   spdlog::info("job={} created (tenant \"{}\", world_size {}, {} steps, model {})", JobName(*id), tenant,
                WorldSize(request.spec()), request.spec().steps(), request.spec().model().name());
   v1::JobEvent event;
@@ -545,276 +359,33 @@ absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// WorkerService
-
-absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& capabilities,
-                                                 const std::string& peer_host,
-                                                 std::shared_ptr<WorkerConnection> connection) {
-  if (capabilities.worker_id().empty()) {
-    return absl::InvalidArgumentError("hello.worker_id: is required (stable across reconnects)");
-  }
-  absl::MutexLock lock(&mu_);
-  Worker& w = workers_[capabilities.worker_id()];
-  if (w.connection) {
-    w.connection->Close();  // replaced by this newer stream
-    FailPendingCalls(0, w.id, absl::UnavailableError(absl::StrCat(
-                                  "worker ", w.id, " re-attached while the call was pending; it may or may "
-                                  "not have run: check the session (e.g. GetJob's step) before retrying")));
-  }
-  w.id = capabilities.worker_id();
-  w.capabilities = capabilities;
-  w.host = peer_host.empty() ? capabilities.hostname() : peer_host;
-  w.session = next_session_++;
-  w.connection = std::move(connection);
-  w.last_seen = options_.clock();
-  w.job_at_attach = w.job;
-  spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
-               w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
-  const int64_t session = w.session;
-  UpdateGauges();
-  Schedule();
-  return session;
-}
-
-void Controller::OnWorkerMessage(int64_t session, const v1::WorkerMessage& message) {
-  absl::MutexLock lock(&mu_);
-  Worker* w = WorkerBySession(session);
-  if (!w) return;
-  w->last_seen = options_.clock();
-  switch (message.msg_case()) {
-    case v1::WorkerMessage::kProgress:
-      OnProgress(*w, message.progress());
-      break;
-    case v1::WorkerMessage::kResult:
-      OnResult(*w, message.result());
-      break;
-    case v1::WorkerMessage::kHeld:
-      OnHeld(*w, message.held());
-      break;
-    case v1::WorkerMessage::kReply:
-      OnReply(*w, message.reply());
-      break;
-    default:  // heartbeat, a repeated hello: liveness only
-      break;
-  }
-}
-
-void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
-  auto id = ParseJobName(progress.job());
-  v1::Job* job = id.ok() ? FindJob(*id) : nullptr;
-  if (!job || job->state() != v1::Job::RUNNING || progress.rank() < 0 ||
-      progress.rank() >= job->workers_size() || job->workers(progress.rank()) != w.id) {
-    if (id.ok() && w.job != *id) {
-      // A run the controller no longer wants (cancelled, restarted elsewhere): stop it.
-      v1::ControllerMessage cancel;
-      cancel.set_cancel(progress.job());
-      SendTo(w.id, cancel);
-    }
-    return;
-  }
-  if (progress.rank() != 0) return;
-  v1::StepMetrics m = progress.metrics();
-  // An RL session's loss is its last ForwardBackward's batch loss, taken from the (merged)
-  // reply in ApplyReply: rank 0 of a multi-rank session only knows its own share.
-  if (job->spec().kind() == v1::RL_SESSION) m.set_loss(job->loss());
-  job->set_step(m.step());
-  job->set_loss(m.loss());
-  job->set_tokens_per_second(m.tokens_per_second());
-  if (metrics_) {
-    // RL sessions count their positions from the (merged) ForwardBackward replies instead.
-    if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) {
-      metrics_->tokens->Increment(static_cast<double>(m.tokens()));
-    }
-    if (m.step_seconds() > 0) metrics_->step_duration->Observe(m.step_seconds());
-  }
-  v1::JobEvent event;
-  *event.mutable_step() = m;
-  Commit(*id, event);
-  if (!progress.checkpoint().empty()) {
-    job->set_last_checkpoint(progress.checkpoint());
-    if (absl::Status s = store_->AddCheckpoint(*id, m.step(), progress.checkpoint()); !s.ok()) {
-      spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
-    }
-    spdlog::info("job={} checkpoint step={} dir={}", job->name(), m.step(), progress.checkpoint());
-    v1::JobEvent ckpt;
-    ckpt.set_checkpoint(progress.checkpoint());
-    Commit(*id, ckpt);
-  }
-}
-
-void Controller::OnResult(Worker& w, const v1::JobResult& result) {
-  auto id = ParseJobName(result.job());
-  if (!id.ok()) return;
-  if (w.job == *id) w.job = 0;
-  v1::ControllerMessage release;
-  release.set_release(result.job());
-  SendTo(w.id, release);
-
-  v1::Job* job = FindJob(*id);
-  if (job && job->state() == v1::Job::RUNNING && result.rank() >= 0 &&
-      result.rank() < job->workers_size() && job->workers(result.rank()) == w.id) {
-    if (result.ok()) {
-      if (result.rank() == 0) {
-        job->set_step(std::max(job->step(), result.step()));
-        if (!result.last_checkpoint().empty()) job->set_last_checkpoint(result.last_checkpoint());
-        SetState(*id, v1::Job::SUCCEEDED, "");
-      }
-    } else {
-      const std::string why = result.cancelled().empty() ? result.error()
-                                                         : absl::StrCat("stopped: ", result.cancelled());
-      job->set_error(absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why));
-      CancelRanks(*id, w.id);
-      SetState(*id, v1::Job::FAILED, job->error());
-    }
-  }
-  UpdateGauges();
-  Schedule();
-}
-
-void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
-  const int64_t expected = w.job_at_attach;
-  w.job_at_attach = 0;
-  bool holds_expected = false;
-  for (const std::string& name : held.jobs()) {
-    auto id = ParseJobName(name);
-    if (!id.ok()) continue;
-    const v1::Job* job = FindJob(*id);
-    const bool listed = job && job->state() == v1::Job::RUNNING &&
-                        std::find(job->workers().begin(), job->workers().end(), w.id) != job->workers().end();
-    if (listed && (w.job == 0 || w.job == *id)) {
-      w.job = *id;
-      if (*id == expected) holds_expected = true;
-      spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
-    } else if (w.job != *id) {
-      v1::ControllerMessage cancel;
-      cancel.set_cancel(name);
-      SendTo(w.id, cancel);
-    }
-  }
-  if (expected != 0 && !holds_expected && w.job == expected) {
-    // The worker came back without its job (e.g. it restarted): that rank is lost.
-    w.job = 0;
-    RankLost(expected, w.id, absl::StrCat("worker ", w.id, " re-attached without the job"));
-  }
-  UpdateGauges();
-  Schedule();
-}
-
-void Controller::DetachWorker(int64_t session) {
-  absl::MutexLock lock(&mu_);
-  Worker* w = WorkerBySession(session);
-  if (!w) return;
-  w->session = 0;
-  w->connection = nullptr;
-  w->disconnected_since = options_.clock();
-  FailPendingCalls(0, w->id, absl::UnavailableError(absl::StrCat(
-                                 "worker ", w->id, " disconnected while the call was pending; it may or may not "
-                                 "have run. The session resumes from its last checkpoint if the worker is lost")));
-  spdlog::info("worker={} disconnected{}", w->id, w->job ? absl::StrCat(" (holds ", JobName(w->job), ")") : "");
-  UpdateGauges();
-}
-
-void Controller::RankLost(int64_t id, const std::string& worker_id, const std::string& why) {
-  v1::Job* job = FindJob(id);
-  if (!job || job->state() != v1::Job::RUNNING) return;
-  CancelRanks(id, worker_id);
-  if (job->restarts() < job->spec().restart_limit()) {
-    job->set_restarts(job->restarts() + 1);
-    job->clear_workers();
-    if (metrics_) metrics_->restarts->Increment();
-    SetState(id, v1::Job::PENDING,
-             absl::StrCat(why, "; restart ", job->restarts(), " of ", job->spec().restart_limit(), " from ",
-                          job->last_checkpoint().empty() ? "the start" : job->last_checkpoint()));
-  } else {
-    job->set_error(absl::StrCat(why, "; restart_limit (", job->spec().restart_limit(), ") reached"));
-    SetState(id, v1::Job::FAILED, job->error());
-  }
-}
-
-void Controller::WorkerDead(const std::string& worker_id, const std::string& why) {
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end()) return;
-  if (it->second.connection) it->second.connection->Close();
-  const int64_t job = it->second.job;
-  workers_.erase(it);
-  spdlog::warn("worker={} dead: {}", worker_id, why);
-  if (job != 0) RankLost(job, worker_id, absl::StrCat("worker ", worker_id, " lost (", why, ")"));
-}
-
-void Controller::Tick() {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = options_.clock();
-  std::vector<std::pair<std::string, std::string>> dead;
-  for (const auto& [id, w] : workers_) {
-    if (w.session != 0 && now - w.last_seen > options_.heartbeat_timeout) {
-      dead.emplace_back(id, absl::StrCat("no message for ", absl::FormatDuration(now - w.last_seen)));
-    } else if (w.session == 0 && now - w.disconnected_since > options_.heartbeat_timeout) {
-      dead.emplace_back(id, absl::StrCat("did not re-attach within ", absl::FormatDuration(options_.heartbeat_timeout)));
-    }
-  }
-  for (const auto& [id, why] : dead) WorkerDead(id, why);
-  if (!dead.empty()) UpdateGauges();
-  Schedule();
-}
+// Scheduling: the decision is scheduler.h's; here it is applied.
 
 void Controller::Schedule() {
-  std::vector<const v1::Job*> pending;
+  std::vector<QueuedJob> queue;
   for (const auto& [id, job] : jobs_) {
-    if (job.state() == v1::Job::PENDING) pending.push_back(&job);
+    if (job.state() == v1::Job::PENDING) queue.push_back({id, job.spec().priority(), WorldSize(job.spec())});
   }
-  if (pending.empty()) return;
-  // Highest priority first, then oldest (ids grow with creation time).
-  std::stable_sort(pending.begin(), pending.end(), [](const v1::Job* a, const v1::Job* b) {
-    return a->spec().priority() > b->spec().priority();
-  });
-  std::vector<const Worker*> idle;
+  if (queue.empty()) return;
+  std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.session != 0 && w.job == 0) idle.push_back(&w);
+    if (w.session != 0 && w.job == 0) idle.push_back({w.id, w.host});
   }
-  std::vector<std::pair<int64_t, std::vector<std::string>>> starts;
-  std::vector<std::pair<int64_t, std::string>> refused;  // (id, why)
-  for (const v1::Job* job : pending) {
-    const size_t need = static_cast<size_t>(WorldSize(job->spec()));
-    if (idle.size() < need) break;  // gang: never partial; FIFO: nothing jumps the queue head
-    // Jobs stored before --path-root was set (or under other roots) are judged again when they
-    // start, restarts included: a spec an earlier configuration accepted must not run with
-    // paths the current one refuses. The workers go to the next job.
-    if (options_.paths.enabled()) {
-      if (absl::Status paths = CheckPaths(job->spec(), job->tenant()); !paths.ok()) {
-        refused.emplace_back(ParseJobName(job->name()).value(), std::string(paths.message()));
-        continue;
-      }
-    }
-    // Prefer one host: the host with the fewest idle workers that still fits the job.
-    std::map<std::string, std::vector<const Worker*>> by_host;
-    for (const Worker* w : idle) by_host[w->host].push_back(w);
-    const std::vector<const Worker*>* best = nullptr;
-    for (const auto& [host, ws] : by_host) {
-      if (ws.size() >= need && (!best || ws.size() < best->size())) best = &ws;
-    }
-    std::vector<const Worker*> chosen;
-    if (best) {
-      chosen.assign(best->begin(), best->begin() + need);
-    } else {
-      for (const auto& [host, ws] : by_host) {
-        for (const Worker* w : ws) {
-          if (chosen.size() < need) chosen.push_back(w);
-        }
-      }
-    }
-    std::vector<std::string> ids;
-    for (const Worker* w : chosen) {
-      ids.push_back(w->id);
-      idle.erase(std::find(idle.begin(), idle.end(), w));
-    }
-    starts.emplace_back(ParseJobName(job->name()).value(), std::move(ids));
+  // Jobs stored before --path-root was set (or under other roots) are judged again when they
+  // start, restarts included: a spec an earlier configuration accepted must not run with
+  // paths the current one refuses. The workers go to the next job.
+  auto admit = [this](int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!options_.paths.enabled()) return absl::OkStatus();
+    const v1::Job& job = jobs_.at(id);
+    return CheckPaths(job.spec(), job.tenant());
+  };
+  const ScheduleDecision decision = ScheduleGangs(std::move(queue), std::move(idle), admit);
+  for (const GangRefusal& r : decision.refused) {
+    v1::Job& job = jobs_.at(r.job);
+    job.set_error(absl::StrCat("refused when starting (--path-root): ", r.why));
+    SetState(r.job, v1::Job::FAILED, job.error());
   }
-  for (auto& [id, why] : refused) {
-    v1::Job& job = jobs_.at(id);
-    job.set_error(absl::StrCat("refused when starting (--path-root): ", why));
-    SetState(id, v1::Job::FAILED, job.error());
-  }
-  for (auto& [id, ids] : starts) Assign(id, ids);
+  for (const GangStart& start : decision.starts) Assign(start.job, start.workers);
 }
 
 void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) {
@@ -844,475 +415,6 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
   SetState(id, v1::Job::RUNNING,
            absl::StrCat("assigned to ", absl::StrJoin(worker_ids, ","),
                         job.last_checkpoint().empty() ? "" : absl::StrCat(", resuming from ", job.last_checkpoint())));
-}
-
-// ---------------------------------------------------------------------------------------------
-// TrainingService
-
-namespace {
-
-const char* MethodName(v1::TrainingCall::CallCase c) {
-  switch (c) {
-    case v1::TrainingCall::kForwardBackward: return "ForwardBackward";
-    case v1::TrainingCall::kOptimStep: return "OptimStep";
-    case v1::TrainingCall::kForward: return "Forward";
-    case v1::TrainingCall::kSaveCheckpoint: return "SaveCheckpoint";
-    case v1::TrainingCall::kLoadCheckpoint: return "LoadCheckpoint";
-    case v1::TrainingCall::kExportWeights: return "ExportWeights";
-    default: return "unknown";
-  }
-}
-
-// Token positions a call's batch runs (0 for calls without a batch).
-int64_t BatchPositions(const v1::TrainingCall& call) {
-  const google::protobuf::RepeatedPtrField<v1::Datum>* batch = nullptr;
-  if (call.has_forward_backward()) batch = &call.forward_backward().batch();
-  if (call.has_forward()) batch = &call.forward().batch();
-  if (!batch) return 0;
-  int64_t n = 0;
-  for (const v1::Datum& d : *batch) n += d.tokens_size();
-  return n;
-}
-
-// W of a batch: the sum of its weights, a datum without weights counting 1 per token
-// (engine/rl_loss.h BatchWeightSum on the whole batch).
-double WeightSum(const google::protobuf::RepeatedPtrField<v1::Datum>& batch) {
-  double w = 0;
-  for (const v1::Datum& d : batch) {
-    if (d.weights_size() == 0) {
-      w += static_cast<double>(d.tokens_size());
-    } else {
-      for (float x : d.weights()) w += x;
-    }
-  }
-  return w;
-}
-
-// The engine's errors on the ranks whose own slice was fine, when another rank's was not or
-// failed ("batch: refused on another rank ...", "forward_backward failed on another rank ...").
-bool IsAnotherRanksEcho(const v1::TrainingReply& reply) {
-  return absl::StrContains(reply.message(), "on another rank");
-}
-
-// The error of a multi-rank call that failed on some rank: the first non-OK reply in rank order
-// that names its own cause; the first echo of another rank's failure when every error is one.
-const v1::TrainingReply* FirstError(const std::vector<v1::TrainingReply>& replies) {
-  const v1::TrainingReply* echo = nullptr;
-  for (const v1::TrainingReply& r : replies) {
-    if (r.code() == 0) continue;
-    if (!IsAnotherRanksEcho(r)) return &r;
-    if (!echo) echo = &r;
-  }
-  return echo;
-}
-
-// One reply out of the ranks' forward_backward replies (all OK). weight_sum: the W every rank
-// normalized by (the whole batch's; the same on every rank).
-v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& replies) {
-  v1::TrainingReply out;
-  out.set_call_id(replies[0].call_id());
-  out.set_job(replies[0].job());
-  v1::ForwardBackwardResponse* fb = out.mutable_forward_backward();
-  double mismatch_sum = 0;  // sum over ranks of mean x tokens
-  for (const v1::TrainingReply& r : replies) {
-    const v1::ForwardBackwardResponse& p = r.forward_backward();
-    for (const v1::TokenLogprobs& l : p.logprobs()) *fb->add_logprobs() = l;
-    fb->set_loss(fb->loss() + p.loss());  // each rank's share is already normalized by W
-    mismatch_sum += p.mismatch_mean() * static_cast<double>(p.mismatch_tokens());
-    fb->set_mismatch_tokens(fb->mismatch_tokens() + p.mismatch_tokens());
-    fb->set_mismatch_max(std::max(fb->mismatch_max(), p.mismatch_max()));
-    fb->set_clipped_tokens(fb->clipped_tokens() + p.clipped_tokens());
-    fb->set_tokens(fb->tokens() + p.tokens());
-    fb->set_seconds(std::max(fb->seconds(), p.seconds()));  // the ranks run side by side
-  }
-  fb->set_weight_sum(replies[0].forward_backward().weight_sum());
-  if (fb->mismatch_tokens() > 0) fb->set_mismatch_mean(mismatch_sum / static_cast<double>(fb->mismatch_tokens()));
-  return out;
-}
-
-std::string CodeName(absl::StatusCode code) {
-  std::string name = absl::StatusCodeToString(code);
-  std::transform(name.begin(), name.end(), name.begin(), ::toupper);
-  return name;
-}
-
-}  // namespace
-
-std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch, int ranks) {
-  const int n = batch.size();
-  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);  // prefix[i]: tokens of datums [0, i)
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + batch[i].tokens_size();
-  const double total = static_cast<double>(prefix[n]);
-  std::vector<std::pair<int, int>> out;
-  int begin = 0;
-  for (int r = 1; r <= ranks; ++r) {
-    int end = n;
-    if (r < ranks) {
-      // The first cut in [begin, n] at or past the target, or the one before it when that is
-      // strictly nearer: ties go to the later cut, so empty ranges fall on the last ranks.
-      const double target = total * r / ranks;
-      end = begin;
-      while (end < n && static_cast<double>(prefix[end]) < target) ++end;
-      if (end > begin && target - static_cast<double>(prefix[end - 1]) < static_cast<double>(prefix[end]) - target)
-        --end;
-    }
-    out.emplace_back(begin, end);
-    begin = end;
-  }
-  return out;
-}
-
-void Controller::CountTrainingCall(const std::string& method, absl::StatusCode code) {
-  if (metrics_) metrics_->training_calls->Add({{"method", method}, {"code", CodeName(code)}}).Increment();
-}
-
-absl::Status Controller::CheckServesTraining(const v1::Job& job) {
-  if (job.spec().kind() != v1::RL_SESSION) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job: ", job.name(), " is of kind ",
-                     job.spec().kind() == v1::JOB_KIND_UNSPECIFIED ? "SFT" : v1::JobKind_Name(job.spec().kind()),
-                     "; TrainingService calls need an RL_SESSION job"));
-  }
-  if (job.state() != v1::Job::RUNNING) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job: ", job.name(), " is ", StateName(job.state()),
-                     "; TrainingService calls need a RUNNING session",
-                     job.state() == v1::Job::PENDING ? " (it waits for a worker; retry later)" : ""));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::function<bool()>& cancelled) {
-  SequenceState& seq = sequences_[id];
-  if (sequence < seq.next) {
-    return absl::AlreadyExistsError(absl::StrCat("sequence: ", sequence, " was already received for ", JobName(id),
-                                                 " (the next expected is ", seq.next, ")"));
-  }
-  if (seq.waiting.count(sequence)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("sequence: ", sequence, " is already waiting for its turn on ", JobName(id)));
-  }
-  if (sequence > seq.next) {
-    seq.waiting.insert(sequence);
-    const absl::Time deadline = absl::Now() + options_.sequence_wait;
-    bool client_gone = false;
-    auto turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      const v1::Job* job = FindJob(id);
-      auto it = sequences_.find(id);  // erased when the job ends
-      return !job || job->state() != v1::Job::RUNNING || it == sequences_.end() || it->second.next >= sequence;
-    };
-    while (!turn() && absl::Now() < deadline) {
-      mu_.AwaitWithDeadline(absl::Condition(&turn), std::min(deadline, absl::Now() + absl::Seconds(1)));
-      if (cancelled && cancelled()) {
-        client_gone = true;
-        break;
-      }
-    }
-    // The session may have ended (and its sequence state been erased) while this call waited.
-    auto it = sequences_.find(id);
-    if (it != sequences_.end()) it->second.waiting.erase(sequence);
-    if (client_gone) return absl::CancelledError("the client cancelled the call while it waited for its turn");
-    if (absl::Status s = CheckServesTraining(*FindJob(id)); !s.ok()) return s;
-    const int64_t next = sequences_[id].next;
-    if (next < sequence) {
-      return absl::AbortedError(absl::StrCat("sequence: call ", sequence, " of ", JobName(id), " waited ",
-                                             absl::FormatDuration(options_.sequence_wait), " for call ", next,
-                                             ", which did not arrive; send the missing calls, then retry this one"));
-    }
-    if (next > sequence) {  // a duplicate of this sequence went first
-      return absl::AlreadyExistsError(absl::StrCat("sequence: ", sequence, " was already received for ", JobName(id)));
-    }
-  }
-  sequences_[id].next = sequence + 1;
-  return absl::OkStatus();
-}
-
-absl::Status Controller::RefuseInTurn(int64_t id, int64_t sequence, const std::string& method,
-                                      const absl::Status& refusal, const std::function<bool()>& cancelled) {
-  absl::Status status = refusal;
-  {
-    absl::MutexLock lock(&mu_);
-    const v1::Job* job = FindJob(id);
-    if (sequence > 0 && job != nullptr && CheckServesTraining(*job).ok()) {
-      if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) status = s;
-    }
-  }
-  CountTrainingCall(method, status.code());
-  return status;
-}
-
-absl::StatusOr<v1::TrainingReply> Controller::Train(int64_t id, v1::TrainingCall call, int64_t sequence,
-                                                    const std::function<bool()>& cancelled) {
-  const std::string method = MethodName(call.call_case());
-  auto finish = [&](absl::StatusOr<v1::TrainingReply> r) {
-    CountTrainingCall(method, r.status().code());
-    return r;
-  };
-  absl::MutexLock lock(&mu_);
-  const v1::Job* job = FindJob(id);
-  if (!job) return finish(absl::NotFoundError(absl::StrCat("job: ", JobName(id), " does not exist")));
-  if (absl::Status s = CheckServesTraining(*job); !s.ok()) return finish(s);
-  // A sequenced call takes its turn before anything else can refuse it, so a refusal uses up its
-  // number like an answer from the worker would and never leaves a gap behind it.
-  if (sequence > 0) {
-    if (absl::Status s = AwaitSequence(id, sequence, cancelled); !s.ok()) return finish(s);
-    job = FindJob(id);
-  }
-  // The shard fields are the controller's to set (TrainingCall is internal; clear them anyway).
-  call.clear_weight_sum();
-  call.clear_datum_offset();
-  if (job->workers_size() > 1) return finish(TrainRanks(id, std::move(call), sequence, cancelled));
-  const int64_t positions = BatchPositions(call);
-  const int64_t limit = job->spec().data().seq_len() * std::max<int64_t>(1, job->spec().data().batch_size());
-  if (positions > limit) {
-    return finish(absl::InvalidArgumentError(absl::StrCat(
-        "batch: ", positions, " token positions exceed the session's limit of ", limit,
-        " (spec.data.seq_len ", job->spec().data().seq_len(), " x spec.data.batch_size ",
-        std::max<int64_t>(1, job->spec().data().batch_size()), ", the memory the planner checked); split the batch")));
-  }
-  const std::string worker_id = job->workers_size() > 0 ? job->workers(0) : "";
-  auto w = workers_.find(worker_id);
-  if (w == workers_.end() || w->second.session == 0) {
-    // Not forwarded: the sequence stays free for the retry (mu_ was held since AwaitSequence).
-    if (sequence > 0) sequences_[id].next = sequence;
-    return finish(absl::UnavailableError(absl::StrCat("job: the worker of ", job->name(), " (", worker_id,
-                                                      ") is disconnected; retry once it is back or the job restarts")));
-  }
-  const int64_t call_id = next_call_id_++;
-  call.set_call_id(call_id);
-  call.set_job(job->name());
-  auto pending = std::make_shared<PendingCall>();
-  pending->job = id;
-  pending->worker = worker_id;
-  pending_calls_[call_id] = pending;
-  v1::ControllerMessage message;
-  *message.mutable_call() = std::move(call);
-  SendTo(worker_id, message);
-  // Waits with mu_ released: the reply, the worker's stream ending or the job ending sets done.
-  bool client_gone = false;
-  while (!pending->done) {
-    mu_.AwaitWithTimeout(absl::Condition(&pending->done), absl::Seconds(1));
-    if (!pending->done && cancelled && cancelled()) {
-      client_gone = true;
-      break;
-    }
-  }
-  pending_calls_.erase(call_id);
-  if (client_gone) {
-    return finish(absl::CancelledError("the client cancelled the call; it may still run on the session's worker"));
-  }
-  if (!pending->status.ok()) return finish(pending->status);
-  if (pending->reply.code() != 0) {
-    return finish(absl::Status(static_cast<absl::StatusCode>(pending->reply.code()), pending->reply.message()));
-  }
-  return finish(std::move(pending->reply));
-}
-
-void Controller::OnReply(Worker& w, const v1::TrainingReply& reply) {
-  auto it = pending_calls_.find(reply.call_id());
-  if (it == pending_calls_.end() || it->second->worker != w.id || it->second->done) return;  // failed already
-  PendingCall& pending = *it->second;
-  pending.reply = reply;
-  pending.done = true;
-  if (!pending.part) ApplyReply(pending.job, reply);
-}
-
-void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
-  v1::Job* job = FindJob(id);
-  if (reply.code() != 0 || !job) return;
-  switch (reply.reply_case()) {
-    case v1::TrainingReply::kForwardBackward: {
-      const v1::ForwardBackwardResponse& fb = reply.forward_backward();
-      job->set_loss(fb.loss());  // the whole batch's (OnProgress keeps it)
-      if (metrics_ && fb.tokens() > 0) metrics_->tokens->Increment(static_cast<double>(fb.tokens()));
-      if (metrics_ && fb.mismatch_tokens() > 0) {
-        metrics_->JobGauge(metrics_->mismatch_mean, job->name()).Set(fb.mismatch_mean());
-        metrics_->JobGauge(metrics_->mismatch_max, job->name()).Set(fb.mismatch_max());
-      }
-      break;
-    }
-    case v1::TrainingReply::kOptimStep:
-      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.optim_step().step());
-      break;
-    case v1::TrainingReply::kLoadCheckpoint:
-      if (metrics_) metrics_->JobGauge(metrics_->optimizer_step, job->name()).Set(reply.load_checkpoint().step());
-      break;
-    case v1::TrainingReply::kSaveCheckpoint: {
-      // What a restart after a worker loss resumes from.
-      const v1::SaveCheckpointResponse& save = reply.save_checkpoint();
-      job->set_last_checkpoint(save.directory());
-      if (absl::Status s = store_->AddCheckpoint(id, save.step(), save.directory()); !s.ok()) {
-        spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
-      }
-      spdlog::info("job={} checkpoint step={} dir={}", job->name(), save.step(), save.directory());
-      v1::JobEvent ckpt;
-      ckpt.set_checkpoint(save.directory());
-      Commit(id, ckpt);
-      break;
-    }
-    default:
-      break;
-  }
-}
-
-absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::TrainingCall call, int64_t sequence,
-                                                         const std::function<bool()>& cancelled) {
-  const v1::Job& job = *FindJob(id);
-  const int world = job.workers_size();
-  const int64_t limit = job.spec().data().seq_len() * std::max<int64_t>(1, job.spec().data().batch_size());
-  const std::string limit_why =
-      absl::StrCat("spec.data.seq_len ", job.spec().data().seq_len(), " x spec.data.batch_size ",
-                   std::max<int64_t>(1, job.spec().data().batch_size()), ", the memory the planner checked per rank");
-  // The ranks this call goes to, with their calls (rank order).
-  std::vector<std::pair<int, v1::TrainingCall>> targets;
-  double weight_sum = 0;
-  const bool split = call.has_forward_backward() || call.has_forward();
-  if (split) {
-    google::protobuf::RepeatedPtrField<v1::Datum> batch;
-    batch.Swap(call.has_forward_backward() ? call.mutable_forward_backward()->mutable_batch()
-                                           : call.mutable_forward()->mutable_batch());
-    const int64_t positions = [&] {
-      int64_t n = 0;
-      for (const v1::Datum& d : batch) n += d.tokens_size();
-      return n;
-    }();
-    if (positions > limit * world) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch: ", positions, " token positions exceed the session's limit of ", limit * world, " (",
-          world, " ranks x ", limit, ": ", limit_why, "); split the batch"));
-    }
-    // A W that is not a positive finite number (a NaN or infinite weight, all weights 0) is not
-    // sent: the engine then sums the slices' weights itself, and its validation names the bad
-    // datum, or refuses a weightless batch, as on one rank.
-    if (call.has_forward_backward()) {
-      weight_sum = WeightSum(batch);
-      if (!(std::isfinite(weight_sum) && weight_sum > 0)) weight_sum = 0;
-    }
-    const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, world);
-    for (int r = 0; r < world; ++r) {
-      const auto [begin, end] = ranges[static_cast<size_t>(r)];
-      int64_t slice = 0;
-      for (int i = begin; i < end; ++i) slice += batch[i].tokens_size();
-      if (slice > limit) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "batch: rank ", r, "'s slice (batch[", begin, "..", end - 1, "]) holds ", slice,
-            " token positions, over the per-rank limit of ", limit, " (", limit_why,
-            "); the batch is split between the session's ", world,
-            " ranks in datum order, balanced by tokens: split the batch or shorten its longest datums"));
-      }
-      v1::TrainingCall rc = call;  // the call without its batch
-      google::protobuf::RepeatedPtrField<v1::Datum>* out =
-          rc.has_forward_backward() ? rc.mutable_forward_backward()->mutable_batch() : rc.mutable_forward()->mutable_batch();
-      out->Reserve(end - begin);
-      for (int i = begin; i < end; ++i) *out->Add() = batch[i];
-      rc.set_datum_offset(begin);
-      if (rc.has_forward_backward()) rc.set_weight_sum(weight_sum);
-      targets.emplace_back(r, std::move(rc));
-    }
-  } else if (call.has_optim_step() || call.has_load_checkpoint()) {
-    // The engine's OptimStep all-reduces the gradients; LoadCheckpoint must reach every rank's
-    // copy of the weights and optimizer state.
-    for (int r = 0; r < world; ++r) targets.emplace_back(r, call);
-  } else {
-    // save_checkpoint, export_weights: the ranks' weights are identical; rank 0 writes.
-    targets.emplace_back(0, std::move(call));
-  }
-  for (const auto& [rank, rc] : targets) {
-    auto w = workers_.find(job.workers(rank));
-    if (w == workers_.end() || w->second.session == 0) {
-      // Not forwarded to any rank: the sequence stays free for the retry.
-      if (sequence > 0) sequences_[id].next = sequence;
-      return absl::UnavailableError(absl::StrCat("job: the worker of rank ", rank, " of ", job.name(), " (",
-                                                 job.workers(rank),
-                                                 ") is disconnected; retry once it is back or the job restarts"));
-    }
-  }
-  // Every rank's message is handed to its stream here, in one section under mu_: the ranks'
-  // FIFOs see the session's calls in the same order, which the engine's collectives rely on.
-  std::vector<int64_t> call_ids;
-  std::vector<std::shared_ptr<PendingCall>> pendings;
-  for (auto& [rank, rc] : targets) {
-    const int64_t call_id = next_call_id_++;
-    rc.set_call_id(call_id);
-    rc.set_job(job.name());
-    auto pending = std::make_shared<PendingCall>();
-    pending->job = id;
-    pending->worker = job.workers(rank);
-    pending->part = true;
-    pending_calls_[call_id] = pending;
-    call_ids.push_back(call_id);
-    pendings.push_back(pending);
-    v1::ControllerMessage message;
-    *message.mutable_call() = std::move(rc);
-    SendTo(pending->worker, message);
-  }
-  // Waits with mu_ released for every reply, or for a rank failing without one (its stream
-  // ended, the job ended): then the others' replies no longer matter.
-  auto settled = [&pendings]() {
-    bool all = true;
-    for (const auto& p : pendings) {
-      if (p->done && !p->status.ok()) return true;
-      all = all && p->done;
-    }
-    return all;
-  };
-  bool client_gone = false;
-  while (!settled()) {
-    mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(1));
-    if (!settled() && cancelled && cancelled()) {
-      client_gone = true;
-      break;
-    }
-  }
-  for (int64_t call_id : call_ids) pending_calls_.erase(call_id);
-  if (client_gone) {
-    return absl::CancelledError("the client cancelled the call; it may still run on the session's workers");
-  }
-  std::vector<v1::TrainingReply> replies;
-  for (const auto& p : pendings) {
-    if (p->done && !p->status.ok()) return p->status;
-    replies.push_back(std::move(p->reply));
-  }
-  if (const v1::TrainingReply* error = FirstError(replies)) {
-    return absl::Status(static_cast<absl::StatusCode>(error->code()), error->message());
-  }
-  v1::TrainingReply merged;
-  if (targets.size() == 1 || !split) {
-    merged = std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
-  } else if (replies[0].has_forward_backward()) {
-    merged = MergeForwardBackward(replies);
-  } else {
-    merged = std::move(replies[0]);
-    v1::ForwardResponse* f = merged.mutable_forward();
-    for (size_t r = 1; r < replies.size(); ++r) {
-      for (v1::TokenLogprobs& l : *replies[r].mutable_forward()->mutable_logprobs()) *f->add_logprobs() = std::move(l);
-    }
-  }
-  ApplyReply(id, merged);
-  return merged;
-}
-
-void Controller::FailPendingCalls(int64_t id, const std::string& worker_id, const absl::Status& status) {
-  for (auto& [call_id, pending] : pending_calls_) {
-    if (pending->done || (id != 0 && pending->job != id) || (!worker_id.empty() && pending->worker != worker_id)) continue;
-    pending->status = status;
-    pending->done = true;
-  }
-}
-
-int Controller::WaitingCalls(int64_t id) {
-  absl::MutexLock lock(&mu_);
-  auto it = sequences_.find(id);
-  return it == sequences_.end() ? 0 : static_cast<int>(it->second.waiting.size());
-}
-
-std::vector<WorkerInfo> Controller::Workers() {
-  absl::MutexLock lock(&mu_);
-  std::vector<WorkerInfo> out;
-  for (const auto& [id, w] : workers_) {
-    out.push_back({id, w.session != 0, w.job ? JobName(w.job) : ""});
-  }
-  return out;
 }
 
 }  // namespace odyssey::server

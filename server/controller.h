@@ -3,6 +3,19 @@
 // the service layer (service.h) validates requests, calls these methods and converts the
 // absl::Status once at the edge; workers are reached through the WorkerConnection interface.
 //
+// The class holds the state (jobs, workers, the store, the one mutex) and the API; each concern
+// lives in its own file (as tensorflow/serving's ServerCore hands each API to its own unit):
+// - controller.cc: construction, persistence (Commit, SetState), JobService (CreateJob ...
+//   WatchJob), paths, and Schedule/Assign, which apply the gang scheduler's decision.
+// - workers.cc: the worker registry (WorkerService: attach, messages, detach), liveness (Tick)
+//   and what losing a rank does to its job (restart or fail).
+// - planning.cc: the planner's verdicts (CheckFits for CreateJob, PlannerService.Plan).
+// - session_router.cc: the TrainingService (Train): pending calls, sequences, routing to the
+//   workers' streams, replies.
+// - Units of plain data with their own tests: scheduler.h (which PENDING jobs start on which idle
+//   workers), rl_batch.h (a multi-rank call's split and merge), controller_metrics.h (the
+//   Prometheus families).
+//
 // Worker protocol, as the controller reads it (see server/README.md):
 // - A worker attaches with its capabilities, then sends `held` (the jobs it still runs; empty
 //   on a fresh start), heartbeats, progress and results. Any message counts as liveness.
@@ -12,9 +25,9 @@
 //   disconnected worker that does not re-attach within heartbeat_timeout is dead: its job is
 //   put back in the queue (resume_from = last checkpoint, restarts + 1) while
 //   restarts < restart_limit, else FAILED. Other ranks of that job get `cancel`.
-// - Gang scheduling: the first queued job (highest priority, then oldest) that needs W
-//   workers starts only when W idle workers exist (one host preferred); jobs behind it wait
-//   (strict FIFO within priority, no partial starts, no backfill).
+// - Gang scheduling (scheduler.h): the first queued job (highest priority, then oldest) that
+//   needs W workers starts only when W idle workers exist (one host preferred); jobs behind it
+//   wait (strict FIFO within priority, no partial starts, no backfill).
 // - After a controller restart, RUNNING jobs keep their workers for heartbeat_timeout: the
 //   workers re-attach and report `held`, or the job is restarted as above.
 // - Paths (options.paths on): a job about to start (or restart) whose spec the path policy
@@ -28,12 +41,13 @@
 //   handed to the worker's stream in the order they take the mutex; the worker runs them FIFO,
 //   one at a time. So calls of one job execute in the order the controller received them.
 // - A session of N > 1 ranks (data parallel): forward_backward and forward are split into N
-//   contiguous datum ranges balanced by token count (SplitBatch), each rank getting its slice,
-//   the slice's whole-batch datum offset and, for forward_backward, W of the whole batch;
-//   optim_step and load_checkpoint go to every rank; save_checkpoint and export_weights to rank
-//   0 only (the ranks' weights are identical). The messages of one call reach every rank's
-//   stream in one mutex section, so all ranks' FIFOs hold the calls in the same order (the
-//   engine's collectives pair them up by order). The replies are merged into one (Train below).
+//   contiguous datum ranges balanced by token count (rl_batch.h SplitBatch), each rank getting
+//   its slice, the slice's whole-batch datum offset and, for forward_backward, W of the whole
+//   batch; optim_step and load_checkpoint go to every rank; save_checkpoint and export_weights
+//   to rank 0 only (the ranks' weights are identical). The messages of one call reach every
+//   rank's stream in one mutex section, so all ranks' FIFOs hold the calls in the same order
+//   (the engine's collectives pair them up by order). The replies are merged into one
+//   (rl_batch.h MergeReplies).
 // - sequence > 0: call n of a job is forwarded only after call n-1 was; a call whose
 //   predecessor does not arrive within sequence_wait gets ABORTED; a sequence already received
 //   (or already waiting) gets ALREADY_EXISTS.
@@ -66,6 +80,7 @@
 #include "odyssey/v1/odyssey.pb.h"
 #include "planner/planner.h"
 #include "prometheus/registry.h"
+#include "server/controller_metrics.h"
 #include "server/job_store.h"
 #include "server/paths.h"
 
@@ -117,13 +132,6 @@ struct ControllerOptions {
   // gets ABORTED.
   absl::Duration sequence_wait = absl::Seconds(30);
 };
-
-// The ranges [begin, end) of datums that the ranks of an N-rank session run: N contiguous
-// ranges in datum order, cut where the running token count comes nearest to k/N of the batch's
-// tokens (ties: the later cut, so that empty ranges fall on the last ranks). A range may be
-// empty (fewer datums than ranks, or one long datum). REQUIRES: ranks >= 1.
-std::vector<std::pair<int, int>> SplitBatch(const google::protobuf::RepeatedPtrField<odyssey::v1::Datum>& batch,
-                                            int ranks);
 
 // What the registry holds about a worker (for tests and status).
 struct WorkerInfo {
@@ -228,8 +236,8 @@ class Controller {
   // checked) on the hardware CreateJob's check would use, or the request's: the strategy (the
   // spec's memory fields over the planner's choice, as a worker applies them), its predicted
   // peaks term by term, and with max_seq_len the longest length that fits. Never an error for
-  // a spec that does not fit: fits = false and the message say by how much (no strategy, peaks
-  // or terms when the planner finds none).
+  // a spec that does not fit: fits = false and the message say by how much (the strategy is then
+  // the least-bad one). CreateJob accepts exactly the specs this says fit (server/admission_test).
   absl::StatusOr<odyssey::v1::PlanResponse> Plan(const odyssey::v1::PlanRequest& request);
 
   std::vector<WorkerInfo> Workers();
@@ -237,24 +245,6 @@ class Controller {
   int WaitingCalls(int64_t id);
 
  private:
-  // CreateJob's admission: the one planning rule (planner::PlanJobSpec, as Plan applies it) for
-  // one rank of `spec` on MachineToPlanFor(); FAILED_PRECONDITION saying by how much when it
-  // does not fit, INVALID_ARGUMENT when the memory fields cannot run on the model. Not checked
-  // when only CPU workers are attached (the planner models GPU ranks).
-  absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The machine one rank is planned for: the largest GPU among the attached workers, with that
-  // worker's host memory (raw sizes; PlanHardware applies planner::MachineHardware's rule); an
-  // H200 host when no GPU worker is attached. `source` says which; `gpu_worker` is false when
-  // none is attached.
-  struct PlanMachine {
-    int64_t device_memory_bytes = 0, host_memory_bytes = 0;  // 0: an H200 host (planner::Hardware{})
-    bool any_worker = false, gpu_worker = false;
-    std::string source;
-  };
-  PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The planner's hardware for `machine` under the job's host budget (> 0 wins).
-  static planner::Hardware PlanHardware(const PlanMachine& machine, int64_t spec_host_budget_bytes);
-
   struct Worker {
     std::string id;
     odyssey::v1::WorkerCapabilities capabilities;
@@ -269,7 +259,6 @@ class Controller {
     // worker wrote before it saw them.)
     int64_t job_at_attach = 0;
   };
-  struct Metrics;
   // A TrainingCall forwarded to a worker, waiting for its reply.
   struct PendingCall {
     int64_t job = 0;
@@ -289,6 +278,7 @@ class Controller {
 
   Controller(ControllerOptions options, std::unique_ptr<JobStore> store);
 
+  // controller.cc: jobs, persistence, scheduling.
   odyssey::v1::Job* FindJob(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Job `id` when it exists and belongs to `tenant`; else NOT_FOUND / PERMISSION_DENIED.
   absl::StatusOr<odyssey::v1::Job*> FindTenantJob(int64_t id, const std::string& tenant,
@@ -302,15 +292,42 @@ class Controller {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends `cancel` to every worker of job `id` other than `except`.
   void CancelRanks(int64_t id, const std::string& except) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts what the gang scheduler (scheduler.h) picks from the PENDING jobs and idle workers;
+  // fails the jobs the path policy now refuses.
+  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the jobs-by-state and workers-by-state gauges from jobs_ and workers_.
+  void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // workers.cc: the worker registry.
+  Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnProgress(Worker& worker, const odyssey::v1::JobProgress& progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnResult(Worker& worker, const odyssey::v1::JobResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnHeld(Worker& worker, const odyssey::v1::HeldJobs& held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
   void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // planning.cc.
+  // CreateJob's admission: the one planning rule (planner::PlanJobSpec, as Plan applies it) for
+  // one rank of `spec` on MachineToPlanFor(); FAILED_PRECONDITION saying by how much when it
+  // does not fit, INVALID_ARGUMENT when the memory fields cannot run on the model. Not checked
+  // when only CPU workers are attached (the planner models GPU ranks).
+  absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The machine one rank is planned for: the largest GPU among the attached workers, with that
+  // worker's host memory (raw sizes; PlanHardware applies planner::MachineHardware's rule); an
+  // H200 host when no GPU worker is attached. `source` says which; `gpu_worker` is false when
+  // none is attached.
+  struct PlanMachine {
+    int64_t device_memory_bytes = 0, host_memory_bytes = 0;  // 0: an H200 host (planner::Hardware{})
+    bool any_worker = false, gpu_worker = false;
+    std::string source;
+  };
+  PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The planner's hardware for `machine` under the job's host budget (> 0 wins).
+  static planner::Hardware PlanHardware(const PlanMachine& machine, int64_t spec_host_budget_bytes);
+
+  // session_router.cc: the TrainingService.
   void OnReply(Worker& worker, const odyssey::v1::TrainingReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a successful reply of job `id` changes on the controller: mismatch and step gauges, the
   // last checkpoint (what a restart resumes from).
@@ -329,10 +346,9 @@ class Controller {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless job `id` (which exists) is a RUNNING RL_SESSION.
   absl::Status CheckServesTraining(const odyssey::v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Worker* WorkerBySession(int64_t session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
-  std::unique_ptr<Metrics> metrics_;
+  ControllerMetrics metrics_;  // no-ops without options_.registry
 
   absl::Mutex mu_;
   std::unique_ptr<JobStore> store_ ABSL_GUARDED_BY(mu_);

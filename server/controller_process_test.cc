@@ -1,6 +1,8 @@
 // Cross-process tests of odyssey-controller: the real binary on a loopback port picked at run
 // time, driven over gRPC by clients and by fake workers that speak the Attach protocol.
 // Every wait is on a condition with a deadline.
+// Over 600 lines on purpose: one concern (the binary end to end) whose tests share one
+// fixture (the child process, its clients and fake workers); splitting it would copy the fixture.
 #include <httplib.h>
 
 #include <algorithm>

@@ -1,0 +1,144 @@
+// Planning (planning.cc): CreateJob's memory check and PlannerService.Plan over the attached
+// workers' GPUs.
+#include "server/controller.h"
+
+#include <memory>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/testing/controller_fixture.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+using ::testing::HasSubstr;
+using testing::ControllerTest;
+using testing::FakeConnection;
+using testing::kAnon;
+
+// CreateJob runs the planner before anything is stored or allocated: a 3B model at 8M tokens
+// fits no H200 (the machine assumed while no worker is attached), nor an attached 80 GB GPU;
+// 64K fits. Only CPU workers attached: no GPU verdict.
+TEST_F(ControllerTest, PlannerRefusesJobsThatCannotFit) {
+  v1::CreateJobRequest big = Request(1);
+  big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
+  auto r = controller_->CreateJob(big, kAnon);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("spec.data.seq_len: does not fit: 8388608 tokens"), std::string::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find(" by "), std::string::npos) << r.status();
+  EXPECT_TRUE(controller_->ListJobs(v1::ListJobsRequest(), kAnon)->jobs().empty());
+
+  v1::CreateJobRequest fits = big;
+  fits.mutable_spec()->mutable_data()->set_seq_len(65536);
+  EXPECT_TRUE(controller_->CreateJob(fits, kAnon).ok());
+
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("gpu-0");
+  caps.set_device("cuda:0");
+  caps.set_device_memory_bytes(int64_t{80} << 30);
+  caps.set_host_memory_bytes(int64_t{64} << 30);
+  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
+  v1::CreateJobRequest mid = big;
+  mid.mutable_spec()->mutable_data()->set_seq_len(int64_t{1} << 20);  // fits an H200, not 80 GB
+  r = controller_->CreateJob(mid, kAnon);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// PlannerService.Plan: the same verdicts as CreateJob's check, with the strategy and its
+// peaks, on the hardware it names; the spec's memory fields win over the planner's choice;
+// nothing is created.
+TEST_F(ControllerTest, PlanAnswersWhatCreateJobWouldDecide) {
+  constexpr int64_t kH200GpuBytes = int64_t{136} << 30;  // planner::Hardware's default
+  v1::PlanRequest req;
+  *req.mutable_spec() = Request(1).spec();
+  req.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  req.mutable_spec()->mutable_data()->set_seq_len(65536);
+  req.set_max_seq_len(true);
+  auto p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->fits()) << p->message();
+  EXPECT_EQ(p->memory().recompute(), "layer");
+  EXPECT_EQ(p->hardware(), "an H200 host (no GPU worker is attached)");
+  EXPECT_EQ(p->planned_gpu_bytes(), kH200GpuBytes);
+  EXPECT_GT(p->gpu_peak_bytes(), int64_t{20} << 30);
+  EXPECT_LE(p->gpu_peak_bytes(), p->planned_gpu_bytes());
+  int64_t sum = 0;
+  for (const auto& t : p->terms()) sum += t.bytes();
+  EXPECT_GE(sum, p->gpu_peak_bytes());  // the peak is the larger of two phases' sums
+  EXPECT_GE(p->max_seq_len(), int64_t{1} << 20);  // the planner's longest for 3B on an H200: 1.41M
+
+  // Every memory field set: that strategy, whether or not it fits (no recompute at 128K).
+  req.mutable_spec()->mutable_data()->set_seq_len(131072);
+  v1::MemorySpec* m = req.mutable_spec()->mutable_memory();
+  m->set_recompute("none");
+  m->set_offload("off");
+  m->set_mlp_tile_tokens(4096);
+  m->set_loss_tile_tokens(2048);
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->fits());
+  EXPECT_EQ(p->memory().recompute(), "none");
+  EXPECT_EQ(p->memory().mlp_tile_tokens(), 4096);
+  EXPECT_THAT(p->message(), HasSubstr("the strategy needs"));
+  EXPECT_GT(p->gpu_peak_bytes(), p->planned_gpu_bytes());
+
+  // One field set: the planner's choice for the rest.
+  req.mutable_spec()->mutable_data()->set_seq_len(65536);
+  req.mutable_spec()->clear_memory();
+  req.mutable_spec()->mutable_memory()->set_loss_tile_tokens(1024);
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->fits());
+  EXPECT_EQ(p->memory().recompute(), "layer");
+  EXPECT_EQ(p->memory().loss_tile_tokens(), 1024);
+
+  // Too long for any strategy: not an error, fits = false with the planner's message.
+  req.mutable_spec()->clear_memory();
+  req.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->fits());
+  EXPECT_THAT(p->message(), HasSubstr("does not fit: 8388608 tokens"));
+
+  // An attached GPU worker is the machine; the request's bytes override it.
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("gpu-0");
+  caps.set_device("cuda:0");
+  caps.set_device_name("NVIDIA H100 80GB HBM3");
+  caps.set_device_memory_bytes(int64_t{80} << 30);
+  caps.set_host_memory_bytes(int64_t{64} << 30);
+  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
+  req.mutable_spec()->mutable_data()->set_seq_len(int64_t{1} << 20);
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->fits());  // fits an H200, not 80 GB (as CreateJob decides)
+  EXPECT_EQ(p->planned_gpu_bytes(), (int64_t{80} << 30) - (int64_t{3} << 30));
+  EXPECT_THAT(p->hardware(), HasSubstr("worker gpu-0 (NVIDIA H100 80GB HBM3"));
+  EXPECT_LT(p->max_seq_len(), int64_t{1} << 20);
+  req.set_gpu_bytes(kH200GpuBytes);
+  req.set_host_bytes(int64_t{110} << 30);
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->fits()) << p->message();
+  EXPECT_EQ(p->hardware(), "the request");
+  EXPECT_TRUE(controller_->ListJobs(v1::ListJobsRequest(), kAnon)->jobs().empty());
+
+  req.mutable_spec()->mutable_model()->set_name("/nowhere/model");
+  EXPECT_EQ(controller_->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ControllerTest, PlannerDoesNotJudgeCpuWorkers) {
+  Attach("cpu-0");
+  v1::CreateJobRequest big = Request(1);
+  big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
+  EXPECT_TRUE(controller_->CreateJob(big, kAnon).ok());
+}
+
+}  // namespace
+}  // namespace odyssey::server

@@ -1,0 +1,172 @@
+// The gang scheduler (scheduler.h): ScheduleGangs on plain data, and through the Controller
+// (whole gangs only, priority then FIFO).
+#include "server/scheduler.h"
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "absl/status/status.h"
+#include "server/controller.h"
+#include "server/testing/controller_fixture.h"
+#include "server/validation.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+using testing::ControllerTest;
+using testing::kAnon;
+
+// ---------------------------------------------------------------------------------------------
+// ScheduleGangs on plain data: the rules of scheduler.h, one per test.
+
+std::vector<int64_t> Started(const ScheduleDecision& d) {
+  std::vector<int64_t> out;
+  for (const GangStart& s : d.starts) out.push_back(s.job);
+  return out;
+}
+
+// A 1-worker job behind a waiting 2-worker job does not jump it, and is not even judged.
+TEST(ScheduleGangsTest, ASmallerJobNeverJumpsTheWaitingHead) {
+  std::vector<int64_t> asked;
+  auto admit = [&](int64_t id) {
+    asked.push_back(id);
+    return absl::OkStatus();
+  };
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 2}, {2, 0, 1}}, {{"w1", "h1"}}, admit);
+  EXPECT_TRUE(d.starts.empty());
+  EXPECT_TRUE(d.refused.empty());
+  EXPECT_TRUE(asked.empty());
+  // The same holds across priorities: the head is the highest priority job.
+  EXPECT_TRUE(ScheduleGangs({{1, 0, 1}, {2, 9, 2}}, {{"w1", "h1"}}).starts.empty());
+}
+
+// Never a partial gang: a 3-worker job with 2 idle workers waits.
+TEST(ScheduleGangsTest, NoPartialStarts) {
+  EXPECT_TRUE(ScheduleGangs({{1, 0, 3}}, {{"w1", "h1"}, {"w2", "h1"}}).starts.empty());
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 3}}, {{"w1", "h1"}, {"w2", "h1"}, {"w3", "h2"}});
+  ASSERT_EQ(d.starts.size(), 1u);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w1", "w2", "w3"}));
+}
+
+// Highest priority first, then the oldest (lowest id), whatever order the queue comes in.
+TEST(ScheduleGangsTest, PriorityThenOldest) {
+  const std::vector<QueuedJob> queue = {{3, 5, 1}, {1, 0, 1}, {2, 5, 1}, {4, 7, 1}};
+  EXPECT_EQ(Started(ScheduleGangs(queue, {{"w1", "h1"}})), (std::vector<int64_t>{4}));
+  EXPECT_EQ(Started(ScheduleGangs(queue, {{"w1", "h1"}, {"w2", "h1"}, {"w3", "h1"}})),
+            (std::vector<int64_t>{4, 2, 3}));
+  EXPECT_EQ(Started(ScheduleGangs(queue, {{"w1", "h1"}, {"w2", "h1"}, {"w3", "h1"}, {"w4", "h1"}, {"w5", "h1"}})),
+            (std::vector<int64_t>{4, 2, 3, 1}));
+}
+
+// One host preferred over the first workers by id when hosts differ.
+TEST(ScheduleGangsTest, PrefersWorkersOnOneHost) {
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 2}}, {{"w1", "h1"}, {"w2", "h2"}, {"w3", "h2"}});
+  ASSERT_EQ(d.starts.size(), 1u);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w2", "w3"}));
+}
+
+// Best fit: the host with the fewest idle workers that holds the gang, which keeps the larger
+// host whole for the next, larger gang.
+TEST(ScheduleGangsTest, BestFitKeepsLargerHostsWhole) {
+  const ScheduleDecision d = ScheduleGangs(
+      {{1, 0, 2}, {2, 0, 3}}, {{"w1", "h1"}, {"w2", "h1"}, {"w3", "h1"}, {"w4", "h2"}, {"w5", "h2"}});
+  ASSERT_EQ(d.starts.size(), 2u);
+  EXPECT_EQ(d.starts[0].job, 1);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w4", "w5"}));
+  EXPECT_EQ(d.starts[1].job, 2);
+  EXPECT_EQ(d.starts[1].workers, (std::vector<std::string>{"w1", "w2", "w3"}));
+}
+
+// No host holds the gang: workers of every host, hosts in name order, ids in order per host;
+// the ranks follow that order.
+TEST(ScheduleGangsTest, SpreadsAcrossHostsWhenNoneHoldsTheGang) {
+  const ScheduleDecision d =
+      ScheduleGangs({{1, 0, 3}}, {{"w4", "h1"}, {"w1", "h2"}, {"w2", "h2"}, {"w3", "h1"}});
+  ASSERT_EQ(d.starts.size(), 1u);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w3", "w4", "w1"}));
+}
+
+// One pass starts every job that fits in order; each worker goes to one job only.
+TEST(ScheduleGangsTest, StartsSeveralJobsWithoutSharingWorkers) {
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 1}, {2, 0, 1}, {3, 0, 1}}, {{"w2", "h1"}, {"w1", "h1"}});
+  ASSERT_EQ(d.starts.size(), 2u);
+  EXPECT_EQ(d.starts[0].job, 1);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(d.starts[1].job, 2);
+  EXPECT_EQ(d.starts[1].workers, (std::vector<std::string>{"w2"}));
+}
+
+// A refused job takes no workers: the next job gets them, and the refusal carries admit's message.
+TEST(ScheduleGangsTest, ARefusedJobTakesNoWorkers) {
+  auto admit = [](int64_t id) {
+    return id == 1 ? absl::PermissionDeniedError("spec.model.name: outside") : absl::OkStatus();
+  };
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 1}, {2, 0, 1}}, {{"w1", "h1"}}, admit);
+  ASSERT_EQ(d.refused.size(), 1u);
+  EXPECT_EQ(d.refused[0].job, 1);
+  EXPECT_EQ(d.refused[0].why, "spec.model.name: outside");
+  ASSERT_EQ(d.starts.size(), 1u);
+  EXPECT_EQ(d.starts[0].job, 2);
+  EXPECT_EQ(d.starts[0].workers, (std::vector<std::string>{"w1"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scheduler through the Controller.
+
+TEST_F(ControllerTest, GangSchedulingStartsWholeGangsOnly) {
+  auto w1 = Attach("w1"), w2 = Attach("w2"), w3 = Attach("w3");
+  auto j1 = *controller_->CreateJob(Request(2), kAnon);
+  auto j2 = *controller_->CreateJob(Request(2), kAnon);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::PENDING);
+  // Still one idle worker only: no partial start.
+  now_ += absl::Seconds(1);
+  controller_->Tick();
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::PENDING);
+  const v1::Job running = Get(j1.name());
+  ASSERT_EQ(running.workers_size(), 2);
+  int assigned = 0;
+  std::set<int> ranks;
+  for (auto* w : {&w1, &w2, &w3}) {
+    for (const auto& a : w->conn->Assignments()) {
+      ++assigned;
+      EXPECT_EQ(a.job(), j1.name());
+      EXPECT_EQ(a.world_size(), 2);
+      EXPECT_EQ(a.resume_from(), "");
+      EXPECT_EQ(a.rendezvous(), "127.0.0.1:" + std::to_string(29500 + 1));
+      ranks.insert(a.rank());
+    }
+  }
+  EXPECT_EQ(assigned, 2);
+  EXPECT_EQ(ranks, (std::set<int>{0, 1}));
+
+  // j1 finishes: rank 0's ok decides; each rank's result frees its worker.
+  std::map<std::string, Attached*> by_id = {{"w1", &w1}, {"w2", &w2}, {"w3", &w3}};
+  Progress(*by_id[running.workers(0)], j1.name(), 0, 10);
+  Result(*by_id[running.workers(0)], j1.name(), 0, true);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::SUCCEEDED);
+  // Rank 0's worker and w3 are idle now; rank 1's worker is busy until it reports.
+  const v1::Job second = Get(j2.name());
+  EXPECT_EQ(second.state(), v1::Job::RUNNING);
+  EXPECT_THAT(second.workers(), ::testing::Not(::testing::Contains(running.workers(1))));
+  Result(*by_id[running.workers(1)], j1.name(), 1, true);
+  EXPECT_EQ(by_id[running.workers(1)]->conn->Count(v1::ControllerMessage::kRelease), 1);
+}
+
+TEST_F(ControllerTest, PriorityFirstThenFifo) {
+  auto j1 = *controller_->CreateJob(Request(1, 10, "", 0), kAnon);
+  auto j2 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
+  auto j3 = *controller_->CreateJob(Request(1, 10, "", 5), kAnon);
+  auto w1 = Attach("w1");
+  EXPECT_EQ(Get(j2.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(j1.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(j3.name()).state(), v1::Job::PENDING);
+}
+
+}  // namespace
+}  // namespace odyssey::server

@@ -1,0 +1,239 @@
+// The worker registry: WorkerService (attach, a worker's messages, detach), liveness (Tick), and
+// what losing a rank does to its job (RankLost: restart from the last checkpoint, or fail).
+// Controller member functions over workers_ and jobs_ (controller.h).
+#include "server/controller.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/validation.h"
+#include "spdlog/spdlog.h"
+
+namespace odyssey::server {
+
+namespace v1 = odyssey::v1;
+
+Controller::Worker* Controller::WorkerBySession(int64_t session) {
+  if (session == 0) return nullptr;
+  for (auto& [id, w] : workers_) {
+    if (w.session == session) return &w;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& capabilities,
+                                                 const std::string& peer_host,
+                                                 std::shared_ptr<WorkerConnection> connection) {
+  if (capabilities.worker_id().empty()) {
+    return absl::InvalidArgumentError("hello.worker_id: is required (stable across reconnects)");
+  }
+  absl::MutexLock lock(&mu_);
+  Worker& w = workers_[capabilities.worker_id()];
+  if (w.connection) {
+    w.connection->Close();  // replaced by this newer stream
+    FailPendingCalls(0, w.id, absl::UnavailableError(absl::StrCat(
+                                  "worker ", w.id, " re-attached while the call was pending; it may or may "
+                                  "not have run: check the session (e.g. GetJob's step) before retrying")));
+  }
+  w.id = capabilities.worker_id();
+  w.capabilities = capabilities;
+  w.host = peer_host.empty() ? capabilities.hostname() : peer_host;
+  w.session = next_session_++;
+  w.connection = std::move(connection);
+  w.last_seen = options_.clock();
+  w.job_at_attach = w.job;
+  spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
+               w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
+  const int64_t session = w.session;
+  UpdateGauges();
+  Schedule();
+  return session;
+}
+
+void Controller::OnWorkerMessage(int64_t session, const v1::WorkerMessage& message) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = WorkerBySession(session);
+  if (!w) return;
+  w->last_seen = options_.clock();
+  switch (message.msg_case()) {
+    case v1::WorkerMessage::kProgress:
+      OnProgress(*w, message.progress());
+      break;
+    case v1::WorkerMessage::kResult:
+      OnResult(*w, message.result());
+      break;
+    case v1::WorkerMessage::kHeld:
+      OnHeld(*w, message.held());
+      break;
+    case v1::WorkerMessage::kReply:
+      OnReply(*w, message.reply());
+      break;
+    default:  // heartbeat, a repeated hello: liveness only
+      break;
+  }
+}
+
+void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
+  auto id = ParseJobName(progress.job());
+  v1::Job* job = id.ok() ? FindJob(*id) : nullptr;
+  if (!job || job->state() != v1::Job::RUNNING || progress.rank() < 0 ||
+      progress.rank() >= job->workers_size() || job->workers(progress.rank()) != w.id) {
+    if (id.ok() && w.job != *id) {
+      // A run the controller no longer wants (cancelled, restarted elsewhere): stop it.
+      v1::ControllerMessage cancel;
+      cancel.set_cancel(progress.job());
+      SendTo(w.id, cancel);
+    }
+    return;
+  }
+  if (progress.rank() != 0) return;
+  v1::StepMetrics m = progress.metrics();
+  // An RL session's loss is its last ForwardBackward's batch loss, taken from the (merged)
+  // reply in ApplyReply: rank 0 of a multi-rank session only knows its own share.
+  if (job->spec().kind() == v1::RL_SESSION) m.set_loss(job->loss());
+  job->set_step(m.step());
+  job->set_loss(m.loss());
+  job->set_tokens_per_second(m.tokens_per_second());
+  // RL sessions count their positions from the (merged) ForwardBackward replies instead.
+  if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) metrics_.AddTokens(m.tokens());
+  if (m.step_seconds() > 0) metrics_.ObserveStep(m.step_seconds());
+  v1::JobEvent event;
+  *event.mutable_step() = m;
+  Commit(*id, event);
+  if (!progress.checkpoint().empty()) {
+    job->set_last_checkpoint(progress.checkpoint());
+    if (absl::Status s = store_->AddCheckpoint(*id, m.step(), progress.checkpoint()); !s.ok()) {
+      spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
+    }
+    spdlog::info("job={} checkpoint step={} dir={}", job->name(), m.step(), progress.checkpoint());
+    v1::JobEvent ckpt;
+    ckpt.set_checkpoint(progress.checkpoint());
+    Commit(*id, ckpt);
+  }
+}
+
+void Controller::OnResult(Worker& w, const v1::JobResult& result) {
+  auto id = ParseJobName(result.job());
+  if (!id.ok()) return;
+  if (w.job == *id) w.job = 0;
+  v1::ControllerMessage release;
+  release.set_release(result.job());
+  SendTo(w.id, release);
+
+  v1::Job* job = FindJob(*id);
+  if (job && job->state() == v1::Job::RUNNING && result.rank() >= 0 &&
+      result.rank() < job->workers_size() && job->workers(result.rank()) == w.id) {
+    if (result.ok()) {
+      if (result.rank() == 0) {
+        job->set_step(std::max(job->step(), result.step()));
+        if (!result.last_checkpoint().empty()) job->set_last_checkpoint(result.last_checkpoint());
+        SetState(*id, v1::Job::SUCCEEDED, "");
+      }
+    } else {
+      const std::string why = result.cancelled().empty() ? result.error()
+                                                         : absl::StrCat("stopped: ", result.cancelled());
+      job->set_error(absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why));
+      CancelRanks(*id, w.id);
+      SetState(*id, v1::Job::FAILED, job->error());
+    }
+  }
+  UpdateGauges();
+  Schedule();
+}
+
+void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
+  const int64_t expected = w.job_at_attach;
+  w.job_at_attach = 0;
+  bool holds_expected = false;
+  for (const std::string& name : held.jobs()) {
+    auto id = ParseJobName(name);
+    if (!id.ok()) continue;
+    const v1::Job* job = FindJob(*id);
+    const bool listed = job && job->state() == v1::Job::RUNNING &&
+                        std::find(job->workers().begin(), job->workers().end(), w.id) != job->workers().end();
+    if (listed && (w.job == 0 || w.job == *id)) {
+      w.job = *id;
+      if (*id == expected) holds_expected = true;
+      spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
+    } else if (w.job != *id) {
+      v1::ControllerMessage cancel;
+      cancel.set_cancel(name);
+      SendTo(w.id, cancel);
+    }
+  }
+  if (expected != 0 && !holds_expected && w.job == expected) {
+    // The worker came back without its job (e.g. it restarted): that rank is lost.
+    w.job = 0;
+    RankLost(expected, w.id, absl::StrCat("worker ", w.id, " re-attached without the job"));
+  }
+  UpdateGauges();
+  Schedule();
+}
+
+void Controller::DetachWorker(int64_t session) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = WorkerBySession(session);
+  if (!w) return;
+  w->session = 0;
+  w->connection = nullptr;
+  w->disconnected_since = options_.clock();
+  FailPendingCalls(0, w->id, absl::UnavailableError(absl::StrCat(
+                                 "worker ", w->id, " disconnected while the call was pending; it may or may not "
+                                 "have run. The session resumes from its last checkpoint if the worker is lost")));
+  spdlog::info("worker={} disconnected{}", w->id, w->job ? absl::StrCat(" (holds ", JobName(w->job), ")") : "");
+  UpdateGauges();
+}
+
+void Controller::RankLost(int64_t id, const std::string& worker_id, const std::string& why) {
+  v1::Job* job = FindJob(id);
+  if (!job || job->state() != v1::Job::RUNNING) return;
+  CancelRanks(id, worker_id);
+  if (job->restarts() < job->spec().restart_limit()) {
+    job->set_restarts(job->restarts() + 1);
+    job->clear_workers();
+    metrics_.JobRestarted();
+    SetState(id, v1::Job::PENDING,
+             absl::StrCat(why, "; restart ", job->restarts(), " of ", job->spec().restart_limit(), " from ",
+                          job->last_checkpoint().empty() ? "the start" : job->last_checkpoint()));
+  } else {
+    job->set_error(absl::StrCat(why, "; restart_limit (", job->spec().restart_limit(), ") reached"));
+    SetState(id, v1::Job::FAILED, job->error());
+  }
+}
+
+void Controller::WorkerDead(const std::string& worker_id, const std::string& why) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return;
+  if (it->second.connection) it->second.connection->Close();
+  const int64_t job = it->second.job;
+  workers_.erase(it);
+  spdlog::warn("worker={} dead: {}", worker_id, why);
+  if (job != 0) RankLost(job, worker_id, absl::StrCat("worker ", worker_id, " lost (", why, ")"));
+}
+
+void Controller::Tick() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = options_.clock();
+  std::vector<std::pair<std::string, std::string>> dead;
+  for (const auto& [id, w] : workers_) {
+    if (w.session != 0 && now - w.last_seen > options_.heartbeat_timeout) {
+      dead.emplace_back(id, absl::StrCat("no message for ", absl::FormatDuration(now - w.last_seen)));
+    } else if (w.session == 0 && now - w.disconnected_since > options_.heartbeat_timeout) {
+      dead.emplace_back(id, absl::StrCat("did not re-attach within ", absl::FormatDuration(options_.heartbeat_timeout)));
+    }
+  }
+  for (const auto& [id, why] : dead) WorkerDead(id, why);
+  if (!dead.empty()) UpdateGauges();
+  Schedule();
+}
+
+std::vector<WorkerInfo> Controller::Workers() {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerInfo> out;
+  for (const auto& [id, w] : workers_) {
+    out.push_back({id, w.session != 0, w.job ? JobName(w.job) : ""});
+  }
+  return out;
+}
+
+}  // namespace odyssey::server

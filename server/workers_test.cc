@@ -1,0 +1,102 @@
+// The worker registry (workers.cc): a lost worker restarts its job from the last checkpoint
+// up to restart_limit, a failed rank fails its job and cancels the others, and after a
+// controller restart RUNNING jobs wait for their workers to re-attach.
+#include "server/controller.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/testing/controller_fixture.h"
+#include "server/validation.h"
+
+namespace odyssey::server {
+namespace {
+
+namespace v1 = odyssey::v1;
+using ::testing::HasSubstr;
+using testing::ControllerTest;
+using testing::kAnon;
+
+TEST_F(ControllerTest, DeadWorkerRestartsFromCheckpointThenFailsAtLimit) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1, 10, "", 0, /*restart_limit=*/1), kAnon);
+  Progress(w1, job.name(), 0, 4, "/ckpt/step-4");
+  EXPECT_EQ(Get(job.name()).last_checkpoint(), "/ckpt/step-4");
+  controller_->DetachWorker(w1.session);
+  now_ += absl::Seconds(5);
+  controller_->Tick();
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);  // within the timeout: may come back
+  now_ += absl::Seconds(6);
+  controller_->Tick();
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(job.name()).restarts(), 1);
+
+  auto w2 = Attach("w2");
+  auto assigns = w2.conn->Assignments();
+  ASSERT_EQ(assigns.size(), 1u);
+  EXPECT_EQ(assigns[0].resume_from(), "/ckpt/step-4");
+  // A silent (hung) worker is dead after the timeout too; the limit is reached: FAILED.
+  now_ += absl::Seconds(11);
+  controller_->Tick();
+  const v1::Job failed = Get(job.name());
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("restart_limit (1) reached"));
+  EXPECT_TRUE(w2.conn->closed);
+}
+
+TEST_F(ControllerTest, RankErrorFailsJobAndCancelsOtherRanks) {
+  auto w1 = Attach("w1"), w2 = Attach("w2");
+  auto job = *controller_->CreateJob(Request(2), kAnon);
+  const v1::Job running = Get(job.name());
+  Attached& rank1 = running.workers(1) == "w1" ? w1 : w2;
+  Attached& rank0 = running.workers(0) == "w1" ? w1 : w2;
+  Result(rank1, job.name(), 1, false);
+  const v1::Job failed = Get(job.name());
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("boom"));
+  EXPECT_EQ(rank0.conn->Count(v1::ControllerMessage::kCancel), 1);
+}
+
+TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1), kAnon);
+  Progress(w1, job.name(), 0, 3);
+  Restart();
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(job.name()).step(), 3);
+  auto again = Attach("w1");
+  v1::WorkerMessage held;
+  held.mutable_held()->add_jobs(job.name());
+  controller_->OnWorkerMessage(again.session, held);
+  now_ += absl::Seconds(30);
+  Progress(again, job.name(), 0, 4);  // keeps it alive
+  controller_->Tick();
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(again.conn->Assignments().size(), 0u);
+  Result(again, job.name(), 0, true);
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::SUCCEEDED);
+}
+
+TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1, 10, "", 0, 2), kAnon);
+  Restart();
+  now_ += absl::Seconds(11);
+  controller_->Tick();
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(job.name()).restarts(), 1);
+  // A worker that re-attaches without the job loses it too.
+  auto w2 = Attach("w2");
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  Restart();
+  auto w2b = Attach("w2");
+  v1::WorkerMessage held;
+  held.mutable_held();
+  controller_->OnWorkerMessage(w2b.session, held);
+  // Lost, restarted, and immediately placed on w2 again (it is idle now).
+  EXPECT_EQ(Get(job.name()).restarts(), 2);
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(w2b.conn->Assignments().size(), 1u);
+}
+
+}  // namespace
+}  // namespace odyssey::server
