@@ -34,7 +34,7 @@ struct AttentionMeta {
 // lse (B, Hq, S) fp32 (natural log of the sum over keys of exp(scale * q.k)), and
 // kernel-specific extras (cuDNN: cumulative sequence lengths, RNG seed and offset).
 struct AttentionStats {
-  torch::Tensor lse;  // (B, Hq, S) fp32
+  torch::Tensor lse;  // (B, Hq, S) fp32; the cuDNN kernels keep it as (B, Hq, S, 1)
   std::vector<torch::Tensor> extra;
   int64_t max_q = 0, max_k = 0;
 };
