@@ -103,20 +103,31 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
                                                    ") must be <= the model's max_position_embeddings (",
                                                    config.max_position_embeddings, ")"));
+  std::unique_ptr<Communicator> alone;
+  Communicator* comm = options.communicator;
+  if (comm == nullptr) {
+    alone = std::make_unique<SingleRankCommunicator>();
+    comm = alone.get();
+  }
   DataOptions data_options = options.data;
   data_options.vocab_size = config.vocab_size;
-  Communicator* comm = options.communicator;
-  if (comm != nullptr) data_options.seed += static_cast<uint64_t>(comm->rank());  // each rank its own batches
+  data_options.seed += static_cast<uint64_t>(comm->rank());  // each rank its own batches
   absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
   if (!data.ok()) return data.status();
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
   trainer->memory_ = *std::move(memory);
   trainer->runner_ = trainer->memory_->Runner();
-  if (comm != nullptr && comm->world_size() > 1) {
+  // Data parallel, applied to the plain model from outside its steps: every rank starts from
+  // rank 0's weights, and the steps sum the ranks' gradients through one reducer (identities
+  // on one rank).
+  trainer->alone_ = std::move(alone);
+  trainer->comm_ = comm;
+  {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> params = trainer->params_;
     if (absl::Status s = comm->Broadcast(params, 0); !s.ok()) return s;
   }
+  trainer->gradients_ = std::make_unique<GradientReducer>(*comm, trainer->params_);
   return trainer;
 }
 
@@ -133,61 +144,33 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
 }
 
 StepResult Trainer::Step(const Batch& batch) {
-  if (options_.communicator != nullptr && options_.communicator->world_size() > 1) return DataParallelStep(batch);
   const auto t0 = std::chrono::steady_clock::now();
-  model_->train();
-  StepResult r;
-  torch::Tensor loss = Loss(batch, &r.target_tokens);
-  loss.backward();
-  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
-  r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
-  optimizer_->Step(r.lr);
-  optimizer_->ZeroGrad();
-  r.loss = loss.item<double>();  // synchronizes the device
-  r.step = optimizer_->steps();
-  r.tokens = batch.input_ids.numel();
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
-  return r;
-}
-
-StepResult Trainer::DataParallelStep(const Batch& batch) {
-  const auto t0 = std::chrono::steady_clock::now();
-  Communicator& comm = *options_.communicator;
   model_->train();
   StepResult r;
   // Target and position counts over all ranks first: each rank's loss is scaled by its share of
   // the global targets, so the summed gradients are those of the mean over the global batch.
-  std::vector<torch::Tensor> counts = {
-      torch::tensor({static_cast<double>(batch.NumTargets()), static_cast<double>(batch.input_ids.numel())},
-                    torch::kFloat64)};
-  if (r.status = comm.AllReduce(counts, ReduceOp::kSum); !r.status.ok()) return r;
-  const double global_targets = counts[0][0].item<double>();
-  int64_t local_targets = 0;
-  torch::Tensor loss = Loss(batch, &local_targets);  // sets local_targets
-  loss = loss * (static_cast<double>(std::max<int64_t>(1, local_targets)) / std::max(1.0, global_targets));
-  loss.backward();
-  // Gradients (a parameter without one contributes zeros, so every rank sends the same list)
-  // and the loss share travel in one all-reduce.
-  std::vector<torch::Tensor> reduce;
-  reduce.reserve(params_.size() + 1);
-  for (torch::Tensor& p : params_) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    reduce.push_back(p.grad());
+  absl::StatusOr<TokenShare> share = gradients_->ShareTokens(batch.NumTargets(), batch.input_ids.numel());
+  if (!share.ok()) {
+    r.status = share.status();
+    return r;
   }
-  reduce.push_back(loss.detach().to(torch::kFloat32).reshape({1}));
-  if (r.status = comm.AllReduce(reduce, ReduceOp::kSum); !r.status.ok()) {
+  int64_t local_targets = 0;
+  torch::Tensor loss = Loss(batch, &local_targets) * share->loss_scale;  // () this rank's share
+  loss.backward();
+  // The loss shares ride the gradients' all-reduce: their sum is the global batch's mean.
+  std::vector<torch::Tensor> riders = {loss.detach().to(torch::kFloat32).reshape({1})};  // (1,)
+  if (r.status = gradients_->Reduce(riders); !r.status.ok()) {
     optimizer_->ZeroGrad();
     return r;
   }
-  r.target_tokens = static_cast<int64_t>(global_targets);
+  r.target_tokens = share->targets;
   r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
   r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
   optimizer_->Step(r.lr);
   optimizer_->ZeroGrad();
-  r.loss = reduce.back().item<double>();
+  r.loss = riders[0].item<double>();  // synchronizes the device
   r.step = optimizer_->steps();
-  r.tokens = counts[0][1].item<int64_t>();
+  r.tokens = share->positions;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
   return r;
@@ -349,29 +332,10 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
   return absl::OkStatus();
 }
 
-absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
-                                                               const RlShard& shard) {
-  if (DataParallel()) return DataParallelForwardBackward(batch, loss, shard);
-  if (absl::Status s = ValidateRl(batch, &loss, shard, /*allow_empty=*/false); !s.ok()) return s;
-  const auto t0 = std::chrono::steady_clock::now();
-  ForwardBackwardResult r;
-  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : BatchWeightSum(batch);
-  if (!(r.weight_sum > 0))
-    return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
-  if (absl::Status s = PrepareRlMemory(batch); !s.ok()) return s;  // nothing ran: the gradients stay
-  if (absl::Status s = RunForwardBackward(batch, loss, r.weight_sum, r); !s.ok()) {
-    DropRlGradients();
-    return s;
-  }
-  rl_grads_pending_ = true;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
-
 absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, double value,
                                                  absl::string_view refused_elsewhere) {
   std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, value}, torch::kFloat64)};  // (2,)
-  if (absl::Status s = options_.communicator->AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+  if (absl::Status s = comm_->AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
     DropRlGradients();
     return s;
   }
@@ -380,14 +344,12 @@ absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, doub
   return agreed[0][1].item<double>();
 }
 
-absl::StatusOr<ForwardBackwardResult> Trainer::DataParallelForwardBackward(const std::vector<Datum>& batch,
-                                                                           const LossSpec& loss,
-                                                                           const RlShard& shard) {
-  Communicator& comm = *options_.communicator;
+absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
+                                                               const RlShard& shard) {
   const auto t0 = std::chrono::steady_clock::now();
   // Validation, then every rank learns whether any refused its slice, and the whole batch's W
   // (the sum of the slices' weight sums) when the shard lacks it.
-  const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/true);
+  const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/DataParallel());
   absl::StatusOr<double> summed_w = AgreeAcrossRanks(
       valid, valid.ok() ? BatchWeightSum(batch) : 0.0,
       "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
@@ -399,25 +361,31 @@ absl::StatusOr<ForwardBackwardResult> Trainer::DataParallelForwardBackward(const
     return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
 
   absl::Status computed = PrepareRlMemory(batch);
-  if (computed.ok()) computed = RunForwardBackward(batch, loss, r.weight_sum, r);
-  // Every rank learns whether any failed: gradients are kept only where all succeeded, so a
-  // later OptimStep never sums a partial batch.
-  std::vector<torch::Tensor> failed = {torch::tensor({computed.ok() ? 0.0 : 1.0}, torch::kFloat64)};  // (1,)
-  if (absl::Status s = comm.AllReduce(failed, ReduceOp::kSum); !s.ok()) {
+  const bool ran = computed.ok() && !batch.empty();  // this rank's gradients may have changed
+  if (ran) computed = RunForwardBackward(batch, loss, r.weight_sum, r);
+  // Every rank learns whether any failed, and whether any ran: gradients are kept only where
+  // all succeeded, so a later OptimStep never sums a partial batch; where nothing ran anywhere
+  // (the host pool could not be prepared) the pending gradients are still whole and stay.
+  std::vector<torch::Tensor> outcome = {
+      torch::tensor({computed.ok() ? 0.0 : 1.0, ran ? 1.0 : 0.0}, torch::kFloat64)};  // (2,) failed, ran
+  if (absl::Status s = comm_->AllReduce(outcome, ReduceOp::kSum); !s.ok()) {
     DropRlGradients();
     return s;
   }
-  if (!computed.ok()) {
-    DropRlGradients();
-    return computed;
-  }
-  if (failed[0][0].item<double>() > 0) {
-    DropRlGradients();
+  const bool any_failed = outcome[0][0].item<double>() > 0;
+  const bool any_ran = outcome[0][1].item<double>() > 0;
+  if (any_failed && any_ran) DropRlGradients();
+  if (!computed.ok()) return computed;
+  if (any_failed) {
+    if (!any_ran)
+      return absl::InternalError(
+          "forward_backward failed on another rank; nothing ran on any rank, the gradients pending since the last "
+          "optim_step were kept");
     return absl::InternalError(
         "forward_backward failed on another rank; the gradients pending since the last optim_step were dropped on "
         "every rank");
   }
-  if (!batch.empty()) rl_grads_pending_ = true;
+  if (ran) rl_grads_pending_ = true;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
@@ -440,45 +408,21 @@ absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOption
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
-  if (DataParallel()) return DataParallelOptimStep(adam);
-  if (absl::Status s = adam.Validate(); !s.ok()) return s;
-  if (!rl_grads_pending_)
-    return absl::FailedPreconditionError("optim_step: no gradients since the last optim_step; call forward_backward first");
-  return ApplyPendingGradients(adam);
-}
-
-absl::StatusOr<OptimStepResult> Trainer::DataParallelOptimStep(const AdamWOptions& adam) {
-  Communicator& comm = *options_.communicator;
   // Every rank learns whether any refused `adam`, and how many ranks have pending gradients.
   absl::StatusOr<double> ranks_with_grads = AgreeAcrossRanks(
       adam.Validate(), rl_grads_pending_ ? 1.0 : 0.0,
       "optim_step: refused on another rank (invalid AdamW hyperparameters there); nothing was updated");
   if (!ranks_with_grads.ok()) return ranks_with_grads.status();
   if (*ranks_with_grads == 0)
-    return absl::FailedPreconditionError(
-        "optim_step: no gradients since the last optim_step on any rank; call forward_backward first");
-  // Gradients summed over the ranks (each already divided by the whole batch's W), plus which
-  // ranks had one per parameter: a parameter no rank has a gradient for stays without one, as
-  // on a single rank (AdamW skips it), instead of decaying as if its gradient were zero.
-  std::vector<torch::Tensor> reduce;
-  reduce.reserve(params_.size() + 1);
-  torch::Tensor has_grad = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kFloat32);  // (P,)
-  for (size_t i = 0; i < params_.size(); ++i) {
-    torch::Tensor& p = params_[i];
-    if (p.grad().defined()) {
-      has_grad[static_cast<int64_t>(i)] = 1.0f;
-    } else {
-      p.mutable_grad() = torch::zeros_like(p);
-    }
-    reduce.push_back(p.grad());
-  }
-  reduce.push_back(has_grad);
-  if (absl::Status s = comm.AllReduce(reduce, ReduceOp::kSum); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("optim_step: no gradients since the last optim_step",
+                                                      DataParallel() ? " on any rank" : "",
+                                                      "; call forward_backward first"));
+  // Gradients summed over the ranks (each already divided by the whole batch's W; a rank
+  // without any contributes zeros, a parameter no rank has one for stays without).
+  std::vector<torch::Tensor> no_riders;
+  if (absl::Status s = gradients_->Reduce(no_riders); !s.ok()) {
     DropRlGradients();
     return s;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (reduce.back()[static_cast<int64_t>(i)].item<float>() == 0) params_[i].mutable_grad() = torch::Tensor();
   }
   // The same reduced gradients on every rank: the same norm, the same clip and update (or the
   // same non-finite error everywhere).

@@ -5,7 +5,11 @@
 // before clipping, weighted so that the update equals one rank's step on the ranks' batches
 // concatenated (the loss is the mean over all ranks' target tokens). Parameters are broadcast
 // from rank 0 at creation, and every rank applies the same reduced gradients, so the ranks stay
-// bitwise identical. Every rank must call Create and each step together.
+// bitwise identical. Every rank must call Create and each step together. There is one code
+// path: a trainer alone runs over a SingleRankCommunicator, whose collectives are identities.
+// Parallelism is applied from outside the step (engine/parallel/data_parallel.h): the step
+// calls GradientReducer::Reduce between backward and the clip, the one seam a sharding or
+// context-parallel pass plugs into.
 //
 // A step is forward + backward + clip + AdamW for one batch (one sequence or a packed batch),
 // with the loss averaged over the batch's masked target tokens. Memory strategies plug in
@@ -47,6 +51,7 @@
 #include "engine/memory/strategy.h"
 #include "engine/optimizer.h"
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/data_parallel.h"
 #include "engine/rl_loss.h"
 #include "model/causal_lm.h"
 
@@ -70,8 +75,8 @@ struct TrainerOptions {
   // RL calls: positions (rows x longest datum) run in one padded forward; 0 = data.batch_size x
   // data.seq_len, the shape the job's memory was planned for.
   int64_t rl_group_tokens = 0;
-  // Data parallel over the communicator's ranks when its world_size > 1; nullptr (or a world
-  // of 1) trains alone. Not owned: it must outlive the trainer.
+  // Data parallel over the communicator's ranks when its world_size > 1. nullptr trains alone
+  // (over a SingleRankCommunicator the trainer owns). Not owned: it must outlive the trainer.
   Communicator* communicator = nullptr;
   absl::Status Validate() const;
 };
@@ -140,14 +145,16 @@ class Trainer {
   // the last OptimStep (nothing is updated). The batch is validated first (INVALID_ARGUMENT
   // naming field, datum index (shard.datum_offset + i) and rule; nothing runs). A failure while
   // computing (INTERNAL, or RESOURCE_EXHAUSTED when the device is out of memory) drops the
-  // pending gradients.
+  // pending gradients; a memory strategy that cannot prepare its host pool for the batch runs
+  // nothing and keeps them.
   // Data parallel (world_size > 1): `batch` is this rank's slice of the whole batch and may be
   // empty (the rank computes nothing but joins the collectives). Every rank must call together.
   // If any rank's slice is invalid, every rank returns INVALID_ARGUMENT and nothing runs
   // anywhere: the invalid rank with its own message, the others with one starting "batch:
   // refused on another rank". If computing fails on any rank, every rank drops its pending
   // gradients and returns an error: the failing rank its own, the others INTERNAL starting
-  // "forward_backward failed on another rank". A failed collective (UNAVAILABLE,
+  // "forward_backward failed on another rank" (when nothing ran on any rank, every rank keeps
+  // its pending gradients, as one rank does). A failed collective (UNAVAILABLE,
   // DEADLINE_EXCEEDED, INTERNAL) also drops the pending gradients; the group is then broken.
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
                                                         const RlShard& shard = {});
@@ -186,8 +193,8 @@ class Trainer {
   Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data, torch::Device device,
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
-  StepResult DataParallelStep(const Batch& batch);
-  bool DataParallel() const { return options_.communicator != nullptr && options_.communicator->world_size() > 1; }
+  // More than one rank: a rank's RL slice may then be empty (the whole batch is the controller's).
+  bool DataParallel() const { return comm_->world_size() > 1; }
   // Validates `shard`, `loss` (when given) and the batch's datums; an empty batch only when
   // `allow_empty`. The whole-batch weight rule is the caller's (it needs the whole batch's W).
   absl::Status ValidateRl(const std::vector<Datum>& batch, const LossSpec* loss, const RlShard& shard,
@@ -200,13 +207,10 @@ class Trainer {
   // caller drops them). Catches every exception.
   absl::Status RunForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss, double W,
                                   ForwardBackwardResult& r);
-  absl::StatusOr<ForwardBackwardResult> DataParallelForwardBackward(const std::vector<Datum>& batch,
-                                                                    const LossSpec& loss, const RlShard& shard);
-  absl::StatusOr<OptimStepResult> DataParallelOptimStep(const AdamWOptions& adam);
   // One all-reduce of (1 if this rank refuses, `value`) so that every rank decides alike:
   // returns the sum of `value` over the ranks; this rank's `valid` when it refuses;
   // INVALID_ARGUMENT `refused_elsewhere` when another rank does; a collective's failure (the
-  // pending gradients dropped).
+  // pending gradients dropped). One rank: `valid`, else `value`.
   absl::StatusOr<double> AgreeAcrossRanks(const absl::Status& valid, double value, absl::string_view refused_elsewhere);
   // Clips the (reduced) pending gradients, applies AdamW and zeroes them; drops them when the
   // norm is not finite (INTERNAL).
@@ -220,6 +224,9 @@ class Trainer {
   std::vector<torch::Tensor> GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end);
 
   TrainerOptions options_;
+  std::unique_ptr<Communicator> alone_;  // when options_.communicator is null
+  Communicator* comm_ = nullptr;         // options_.communicator or alone_
+  std::unique_ptr<GradientReducer> gradients_;
   model::CausalLM model_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<AdamW> optimizer_;

@@ -115,6 +115,15 @@ torch::Tensor ReduceInOrder(const std::vector<torch::Tensor>& inputs, ReduceOp o
 }
 
 // ---------------------------------------------------------------------------------------------
+// One rank.
+
+absl::Status SingleRankCommunicator::AllReduceFlat(torch::Tensor& /*flat*/, ReduceOp /*op*/) {
+  return absl::OkStatus();  // the sum and the mean over one rank are the tensor itself
+}
+
+absl::Status SingleRankCommunicator::BroadcastFlat(torch::Tensor& /*flat*/, int /*root*/) { return absl::OkStatus(); }
+
+// ---------------------------------------------------------------------------------------------
 // In-process group.
 
 class InProcessCommunicator : public Communicator {

@@ -2,6 +2,9 @@
 // behind one small interface so the engine's parallel math does not care how ranks talk.
 //
 // Implementations:
+//   SingleRankCommunicator  a world of one rank: every collective is the identity (the
+//                   trainer's communicator when it trains alone, so that its one-rank case runs
+//                   the same code as the P-rank case).
 //   InProcessGroup  every rank is a thread of one process (tests of the parallel math).
 //   TcpCommunicator every rank is a process; rank 0 hosts a rendezvous at host:port and the
 //                   collectives run over a star of TCP connections through rank 0 (CPU jobs on
@@ -57,6 +60,20 @@ class Communicator {
   // The primitives the grouping above is built on. `flat` is a contiguous CPU tensor, 1-D.
   virtual absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) = 0;
   virtual absl::Status BroadcastFlat(torch::Tensor& flat, int root) = 0;
+};
+
+// A world of one rank: rank 0 of 1. AllReduce (sum or mean), Broadcast (root 0) and Barrier
+// leave the tensors as they are and never fail; Broadcast from another root is INVALID_ARGUMENT,
+// as for every communicator.
+class SingleRankCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+
+ protected:
+  // Never reached: Communicator's collectives return before staging when world_size() is 1.
+  absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) override;
+  absl::Status BroadcastFlat(torch::Tensor& flat, int root) override;
 };
 
 // The reference reduction: sum (or mean) of `inputs` in index order, accumulated in fp32 for

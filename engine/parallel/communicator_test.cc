@@ -204,6 +204,27 @@ TEST(TcpCommunicatorTest, AbortEndsTheRendezvous) {
   EXPECT_EQ(peer.status().code(), absl::StatusCode::kCancelled) << peer.status();
 }
 
+// One rank: every collective leaves the tensors bitwise as they were, in place (no staging
+// copy), bf16 and empty tensors included; a broadcast root other than 0 is refused.
+TEST(SingleRankCommunicatorTest, CollectivesAreIdentities) {
+  SingleRankCommunicator c;
+  EXPECT_EQ(c.rank(), 0);
+  EXPECT_EQ(c.world_size(), 1);
+  const std::vector<torch::Tensor> want = RankTensors(0);
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    std::vector<torch::Tensor> t = RankTensors(0);
+    const void* storage = t[0].data_ptr();
+    ASSERT_TRUE(c.AllReduce(t, op).ok());
+    ExpectEqualLists(t, want, 0);
+    EXPECT_EQ(t[0].data_ptr(), storage);
+  }
+  std::vector<torch::Tensor> t = RankTensors(0);
+  ASSERT_TRUE(c.Broadcast(t, 0).ok());
+  ExpectEqualLists(t, want, 0);
+  EXPECT_EQ(c.Broadcast(t, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c.Barrier().ok());
+}
+
 TEST(InProcessGroupTest, MissingRankTimesOut) {
   auto group = InProcessGroup::Create(2, absl::Milliseconds(100));
   auto c0 = group->Rank(0);

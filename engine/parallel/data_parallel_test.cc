@@ -1,15 +1,74 @@
-// Data-parallel training through the Trainer: ranks stay identical, and their step equals one
-// rank's step on the concatenated batch.
+// Data-parallel training: GradientReducer's sums, and through the Trainer: ranks stay
+// identical, and their step equals one rank's step on the concatenated batch.
 #include <thread>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/data_parallel.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
 namespace {
+
+// Parameters a (a gradient on every rank), b (only on rank 1) and c (on none), and a rider.
+TEST(GradientReducerTest, SumsGradientsAndKeepsAbsentOnesAbsent) {
+  auto group = InProcessGroup::Create(2, absl::Seconds(60));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
+  std::vector<std::vector<torch::Tensor>> grads(2);
+  std::vector<torch::Tensor> riders(2);
+  std::vector<absl::StatusOr<TokenShare>> shares(2, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const auto leaf = torch::requires_grad();
+      std::vector<torch::Tensor> params = {torch::zeros({3}, leaf), torch::zeros({2, 2}, leaf), torch::zeros({5}, leaf)};
+      params[0].mutable_grad() = torch::full({3}, static_cast<float>(r + 1));
+      if (r == 1) params[1].mutable_grad() = torch::full({2, 2}, 0.5f);
+      GradientReducer reducer(*comms[static_cast<size_t>(r)], params);
+      shares[static_cast<size_t>(r)] = reducer.ShareTokens(/*local_targets=*/r == 0 ? 30 : 10, /*local_positions=*/64);
+      std::vector<torch::Tensor> rider = {torch::full({1}, 0.25f * static_cast<float>(r + 1))};
+      ASSERT_TRUE(reducer.Reduce(rider).ok());
+      for (const torch::Tensor& p : params) grads[static_cast<size_t>(r)].push_back(p.grad());
+      riders[static_cast<size_t>(r)] = rider[0];
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(grads[r].size(), 3u);
+    EXPECT_TRUE(torch::equal(grads[r][0], torch::full({3}, 3.0f))) << "rank " << r;
+    EXPECT_TRUE(torch::equal(grads[r][1], torch::full({2, 2}, 0.5f))) << "rank " << r;
+    EXPECT_FALSE(grads[r][2].defined()) << "rank " << r << ": no rank had a gradient for c";
+    EXPECT_TRUE(torch::equal(riders[r], torch::full({1}, 0.75f))) << "rank " << r;
+    ASSERT_TRUE(shares[r].ok()) << shares[r].status();
+    EXPECT_EQ(shares[r]->targets, 40);
+    EXPECT_EQ(shares[r]->positions, 128);
+  }
+  EXPECT_EQ(shares[0]->loss_scale, 30.0 / 40.0);
+  EXPECT_EQ(shares[1]->loss_scale, 10.0 / 40.0);
+}
+
+// One rank: Reduce leaves every gradient as it was (bitwise, absent ones absent) and the share
+// of the mean loss is exactly 1.
+TEST(GradientReducerTest, OneRankIsTheIdentity) {
+  SingleRankCommunicator alone;
+  std::vector<torch::Tensor> params = {torch::zeros({4}, torch::requires_grad()), torch::zeros({2}, torch::requires_grad())};
+  const torch::Tensor g = torch::randn({4}).to(torch::kBFloat16).to(torch::kFloat32);
+  params[0].mutable_grad() = g.clone();
+  GradientReducer reducer(alone, params);
+  absl::StatusOr<TokenShare> share = reducer.ShareTokens(/*local_targets=*/0, /*local_positions=*/8);
+  ASSERT_TRUE(share.ok()) << share.status();
+  EXPECT_EQ(share->loss_scale, 1.0);
+  EXPECT_EQ(share->targets, 0);
+  EXPECT_EQ(share->positions, 8);
+  std::vector<torch::Tensor> riders = {torch::full({1}, 1.5f)};
+  ASSERT_TRUE(reducer.Reduce(riders).ok());
+  EXPECT_TRUE(torch::equal(params[0].grad(), g));
+  EXPECT_FALSE(params[1].grad().defined());
+  EXPECT_EQ(riders[0].item<float>(), 1.5f);
+}
 
 TrainerOptions Tiny() {
   TrainerOptions o;
