@@ -32,6 +32,17 @@ std::string Misses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s,
                       GiB(hw.host_bytes), " host by ", GiB(over));
 }
 
+Request RequestFor(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
+                   int64_t param_bytes) {
+  Request r;
+  r.model = model;
+  r.seq_len = seq_len;
+  r.batch_size = batch_size;
+  r.hardware = hw;
+  r.param_bytes = param_bytes;
+  return r;
+}
+
 }  // namespace
 
 ModelShape ShapeOf(const model::ModelConfig& c) {
@@ -119,16 +130,13 @@ std::string Prediction::Describe() const {
   return s + ")";
 }
 
+namespace {
+
 // The candidates in order of speed; the first that fits, else the one that misses by least.
 Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
                         const ChooseOptions& options) {
   const int64_t T = seq_len * batch_size;
-  Request base;
-  base.model = model;
-  base.seq_len = seq_len;
-  base.batch_size = batch_size;
-  base.hardware = hw;
-  base.param_bytes = options.param_bytes;
+  const Request base = RequestFor(model, seq_len, batch_size, hw, options.param_bytes);
   const MemoryFields& fixed = options.fixed;
   // Tiles: ~1 GiB of MLP intermediates, ~1.5 GiB of fp32 logits per tile.
   const int64_t mlp_tile = std::max<int64_t>(1024, (int64_t{1} << 30) / (model.intermediate * 2 * 6));
@@ -201,6 +209,8 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   return out;
 }
 
+}  // namespace
+
 absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
                               const ChooseOptions& options) {
   const Search found = SearchStrategies(model, seq_len, batch_size, hw, options);
@@ -238,13 +248,8 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
     plan.strategy = found.best.strategy;
     whose = found.fits ? "the planner's choice" : "the least-bad strategy with the spec's fields";
   }
-  Request r;
-  r.model = q.model;
-  r.seq_len = q.seq_len;
-  r.batch_size = q.batch_size;
+  Request r = RequestFor(q.model, q.seq_len, q.batch_size, q.hardware, q.param_bytes);
   r.strategy = plan.strategy;
-  r.hardware = q.hardware;
-  r.param_bytes = q.param_bytes;
   plan.prediction = Predict(r);
   plan.fits = plan.prediction.fits;
   if (!plan.fits) plan.message = Misses(q.seq_len, q.batch_size, plan.strategy, plan.prediction, q.hardware, whose);
