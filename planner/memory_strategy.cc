@@ -82,6 +82,11 @@ bool MemoryFields::AllSet() const {
          keep_attention && optimizer_on_host;
 }
 
+bool MemoryFields::AnySet() const {
+  return recompute || every_k || offload || device_resident || mlp_tile || loss_tile || head_groups ||
+         keep_attention || optimizer_on_host;
+}
+
 MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
   if (recompute) s.recompute = *recompute;
   if (every_k) s.every_k = *every_k;

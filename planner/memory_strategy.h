@@ -72,6 +72,8 @@ struct MemoryFields {
 
   // True when no field is left to the planner.
   bool AllSet() const;
+  // True when any field is set (host_budget_bytes does not count: it is not a choice).
+  bool AnySet() const;
   // `base` with every set field replacing base's. Offload off also drops the GPU-resident
   // count (it only means something with offload); keep_attention is dropped when the result
   // does not recompute every layer unless the spec set it (then Validate() refuses it).

@@ -21,15 +21,21 @@ struct Search {
   int64_t over = -1;     // by how much `best` misses (bytes; -1 when it fits)
 };
 
-// "does not fit: 131072 tokens x 1: the strategy needs ... (its description, `whose`), over the
-// machine's ... by ...": one wording for Choose, PlanJob and so CreateJob and Plan.
-std::string Misses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s, const Prediction& p,
-                   const Hardware& hw, absl::string_view whose) {
-  const int64_t over = std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
-  return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, ": the strategy needs ",
-                      GiB(p.gpu_peak_bytes), " of GPU memory and ", GiB(p.host_bytes), " of pinned host memory (",
-                      s.Describe(), "; ", whose, "), over the machine's ", GiB(hw.gpu_bytes), " GPU / ",
-                      GiB(hw.host_bytes), " host by ", GiB(over));
+// Why nothing fits when the planner was free: the least-bad candidate and by how much it misses.
+std::string NothingFits(int64_t seq_len, int64_t batch_size, const Search& found, const Hardware& hw) {
+  return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, " needs at least ",
+                      GiB(found.best.prediction.gpu_peak_bytes), " of GPU memory and ",
+                      GiB(found.best.prediction.host_bytes), " of pinned host memory with the best strategy (",
+                      found.best.strategy.Describe(), "), over the machine's ", GiB(hw.gpu_bytes), " GPU / ",
+                      GiB(hw.host_bytes), " host by ", GiB(found.over));
+}
+
+// Why a strategy the job's fields decided (wholly or in part) does not fit.
+std::string StrategyMisses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s, const Prediction& p,
+                           const Hardware& hw) {
+  return absl::StrCat("does not fit: the strategy needs ", GiB(p.gpu_peak_bytes), " of GPU memory and ",
+                      GiB(p.host_bytes), " of pinned host memory; the machine has ", GiB(hw.gpu_bytes), " / ",
+                      GiB(hw.host_bytes), " (", seq_len, " tokens x ", batch_size, ", ", s.Describe(), ")");
 }
 
 Request RequestFor(const ModelShape& model, int64_t seq_len, int64_t batch_size, const Hardware& hw,
@@ -219,15 +225,13 @@ absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t 
                                                    options.fixed.ApplyTo({}).Describe(), ")"));
   }
   if (!found.fits) {
-    return absl::ResourceExhaustedError(
-        Misses(seq_len, batch_size, found.best.strategy, found.best.prediction, hw, "the best strategy"));
+    return absl::ResourceExhaustedError(NothingFits(seq_len, batch_size, found, hw));
   }
   return found.best;
 }
 
 absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
   JobPlan plan;
-  absl::string_view whose = "the spec's fields";
   if (q.fields.AllSet()) {
     plan.strategy = q.fields.ApplyTo(MemoryStrategy{});
     if (plan.strategy.host_budget_bytes == 0) plan.strategy.host_budget_bytes = q.hardware.host_bytes;
@@ -245,14 +249,18 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
         return s;
       return absl::InvalidArgumentError("memory: no strategy is valid with the job's memory fields for this model");
     }
+    if (!found.fits && !q.fields.AnySet()) {  // free to choose, and nothing fits
+      plan.found = false;
+      plan.message = NothingFits(q.seq_len, q.batch_size, found, q.hardware);
+      return plan;
+    }
     plan.strategy = found.best.strategy;
-    whose = found.fits ? "the planner's choice" : "the least-bad strategy with the spec's fields";
   }
   Request r = RequestFor(q.model, q.seq_len, q.batch_size, q.hardware, q.param_bytes);
   r.strategy = plan.strategy;
   plan.prediction = Predict(r);
   plan.fits = plan.prediction.fits;
-  if (!plan.fits) plan.message = Misses(q.seq_len, q.batch_size, plan.strategy, plan.prediction, q.hardware, whose);
+  if (!plan.fits) plan.message = StrategyMisses(q.seq_len, q.batch_size, plan.strategy, plan.prediction, q.hardware);
   return plan;
 }
 

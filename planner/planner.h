@@ -79,8 +79,8 @@ absl::StatusOr<Choice> Choose(const ModelShape& model, int64_t seq_len, int64_t 
 // The one planning rule (CreateJob, PlannerService.Plan and the worker alike): the job's fields
 // over the planner's choice for the rest, predicted on `hardware`. The host budget a strategy
 // may use is hardware.host_bytes (see HostBudget()). INVALID_ARGUMENT when the fields cannot run
-// on this model (they name the field); otherwise a plan, which may not fit (fits false, the
-// least-bad strategy, and a message saying by how much it misses).
+// on this model (they name the field); otherwise a plan, which may not fit (fits false and a
+// message saying by how much; see JobPlan::found).
 struct JobPlanRequest {
   ModelShape model;
   int64_t seq_len = 0;
@@ -91,9 +91,11 @@ struct JobPlanRequest {
   bool allow_keep_attention = false;
 };
 struct JobPlan {
-  // What a worker runs (host_budget_bytes = hardware.host_bytes); when nothing fits, the
-  // candidate that misses by least.
-  MemoryStrategy strategy;
+  // False when the job left every field to the planner and no strategy fits: strategy and
+  // prediction are then unset and the message names the least-bad candidate and by how much it
+  // misses. When the job set fields and nothing fits, the strategy is the least-bad one with them.
+  bool found = true;
+  MemoryStrategy strategy;  // what a worker runs (host_budget_bytes = hardware.host_bytes)
   Prediction prediction;    // of `strategy`
   bool fits = false;
   std::string message;      // why it does not fit; empty when it does

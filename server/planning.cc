@@ -86,6 +86,7 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
   if (request.max_seq_len()) out.set_max_seq_len(planner::MaxSeqLen(planner::ShapeOf(*config), hardware));
   out.set_fits(plan->fits);
   out.set_message(plan->message);
+  if (!plan->found) return out;  // no strategy: the message says by how much the best one misses
   const planner::MemoryStrategy& st = plan->strategy;
   planner::MemoryStrategyToProto(st, out.mutable_memory());
   out.set_device_resident(st.device_resident);
