@@ -192,14 +192,9 @@ absl::Status Trainer::ValidateRl(const std::vector<Datum>& batch, const LossSpec
                                                    ") must be finite and >= 0 (0: the batch's own sum)"));
   if (shard.datum_offset < 0)
     return absl::InvalidArgumentError(absl::StrCat("shard.datum_offset (", shard.datum_offset, ") must be >= 0"));
-  if (batch.empty() && !allow_empty) {
-    if (loss != nullptr) {
-      if (absl::Status s = loss->Validate(); !s.ok()) return s;  // ValidateBatch's order
-    }
-    return absl::InvalidArgumentError("batch: empty; at least one datum is required");
-  }
   const model::ModelConfig& config = model_->config();
-  return ValidateDatums(batch, loss, config.vocab_size, config.max_position_embeddings, shard.datum_offset);
+  return ValidateDatums(batch, loss, config.vocab_size, config.max_position_embeddings, shard.datum_offset,
+                        allow_empty);
 }
 
 absl::Status Trainer::PrepareRlMemory(const std::vector<Datum>& batch) {

@@ -195,8 +195,9 @@ class Trainer {
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
   // More than one rank: a rank's RL slice may then be empty (the whole batch is the controller's).
   bool DataParallel() const { return comm_->world_size() > 1; }
-  // Validates `shard`, `loss` (when given) and the batch's datums; an empty batch only when
-  // `allow_empty`. The whole-batch weight rule is the caller's (it needs the whole batch's W).
+  // The RL batch's one validation: `shard`, then `loss` (when given) and the batch's datums
+  // (ValidateDatums); an empty batch only when `allow_empty`. The whole-batch weight rule is
+  // ForwardBackward's (it needs the whole batch's W, agreed across the ranks).
   absl::Status ValidateRl(const std::vector<Datum>& batch, const LossSpec* loss, const RlShard& shard,
                           bool allow_empty) const;
   // Prepares the memory stack (host pool) for the batch's largest padded group.

@@ -7,11 +7,12 @@ namespace v1 = odyssey::v1;
 
 namespace {
 
-std::vector<RlDatum> ToBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch) {
-  std::vector<RlDatum> out(static_cast<size_t>(batch.size()));
+// The one copy of a batch across the seam: straight into the structs the engine reads.
+std::vector<engine::Datum> ToBatch(const google::protobuf::RepeatedPtrField<v1::Datum>& batch) {
+  std::vector<engine::Datum> out(static_cast<size_t>(batch.size()));
   for (int i = 0; i < batch.size(); ++i) {
     const v1::Datum& d = batch[i];
-    RlDatum& o = out[static_cast<size_t>(i)];
+    engine::Datum& o = out[static_cast<size_t>(i)];
     o.tokens.assign(d.tokens().begin(), d.tokens().end());
     o.target_tokens.assign(d.target_tokens().begin(), d.target_tokens().end());
     o.weights.assign(d.weights().begin(), d.weights().end());

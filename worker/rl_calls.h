@@ -1,5 +1,7 @@
 // Conversions between the worker protocol's TrainingCall / TrainingReply (odyssey.v1) and the
-// plain structs RlSession takes (rl_session.h): the protobuf side of the libtorch/protobuf seam.
+// plain structs RlSession takes (rl_session.h; the batch as engine::Datum, engine/rl_datum.h):
+// the protobuf side of the libtorch/protobuf seam. Nothing is validated here: the engine does it
+// once (Trainer::ValidateRl), with messages naming field, datum index and rule.
 // Pure functions; thread-safe.
 #pragma once
 

@@ -55,19 +55,6 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
   return target.string();
 }
 
-std::vector<engine::Datum> ToEngine(std::vector<RlDatum>& batch) {
-  std::vector<engine::Datum> out(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    out[i].tokens = std::move(batch[i].tokens);
-    out[i].target_tokens = std::move(batch[i].target_tokens);
-    out[i].weights = std::move(batch[i].weights);
-    out[i].sampler_logprobs = std::move(batch[i].sampler_logprobs);
-    out[i].advantages = std::move(batch[i].advantages);
-  }
-  batch.clear();
-  return out;
-}
-
 }  // namespace
 
 struct RlSession::Impl {
@@ -114,7 +101,7 @@ struct RlSession::Impl {
     return absl::OkStatus();
   }
 
-  RlResponse Run(RlRequest& req) {
+  RlResponse Run(const RlRequest& req) {
     RlResponse out;
     engine::Trainer& t = *trainer;
     switch (req.method) {
@@ -128,7 +115,7 @@ struct RlSession::Impl {
         loss.kind = *kind;
         if (req.clip_low > 0) loss.clip_low = req.clip_low;
         if (req.clip_high > 0) loss.clip_high = req.clip_high;
-        absl::StatusOr<engine::ForwardBackwardResult> r = t.ForwardBackward(ToEngine(req.batch), loss, Shard(req));
+        absl::StatusOr<engine::ForwardBackwardResult> r = t.ForwardBackward(req.batch, loss, Shard(req));
         if (!r.ok()) {
           out.status = r.status();
           return out;
@@ -168,7 +155,7 @@ struct RlSession::Impl {
         return out;
       }
       case RlMethod::kForward: {
-        absl::StatusOr<std::vector<std::vector<float>>> r = t.Forward(ToEngine(req.batch), Shard(req));
+        absl::StatusOr<std::vector<std::vector<float>>> r = t.Forward(req.batch, Shard(req));
         if (!r.ok()) {
           out.status = r.status();
           return out;
@@ -277,7 +264,7 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
   }
 }
 
-RlResponse RlSession::Run(RlRequest& request) {
+RlResponse RlSession::Run(const RlRequest& request) {
   engine::Trainer& t = *impl_->trainer;
   engine::ResetPeakMemory(t.device());  // the peak reported is this call's
   RlResponse out;

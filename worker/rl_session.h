@@ -1,7 +1,9 @@
 // RlSession: the engine half of an RL_SESSION job on its worker — one Trainer serving
 // TrainingService calls — behind a header that includes neither libtorch nor protobuf (the
 // reason is in engine_job.h). The proto side (rl_calls.h) converts TrainingCall <-> RlRequest /
-// RlResponse; JobRunner owns the FIFO of calls, the idle timeout and the cancel.
+// RlResponse, filling the batch's engine::Datum structs (engine/rl_datum.h, torch-free) once:
+// the engine reads them as they are, and validates them once (Trainer::ValidateRl). JobRunner
+// owns the FIFO of calls, the idle timeout and the cancel.
 //
 // Create() builds the Trainer exactly as an SFT run does (BuildTrainerOptions: the same
 // model, device, dtype, memory strategy / planner choice; data.seq_len x data.batch_size is the
@@ -34,25 +36,17 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/rl_datum.h"
 #include "worker/engine_job.h"
 
 namespace odyssey::worker {
-
-// One sequence of a batch (engine/rl_loss.h Datum's fields; empty arrays are absent).
-struct RlDatum {
-  std::vector<int64_t> tokens;
-  std::vector<int64_t> target_tokens;
-  std::vector<float> weights;
-  std::vector<float> sampler_logprobs;
-  std::vector<float> advantages;
-};
 
 enum class RlMethod { kForwardBackward, kOptimStep, kForward, kSaveCheckpoint, kLoadCheckpoint, kExportWeights };
 
 // One TrainingService call, with the proto's defaults still unapplied (0 = default).
 struct RlRequest {
   RlMethod method = RlMethod::kForward;
-  std::vector<RlDatum> batch;  // forward_backward, forward
+  std::vector<engine::Datum> batch;  // forward_backward, forward (empty arrays are absent)
   // forward_backward: "cross_entropy" | "importance_sampling" | "ppo"; clip 0 = 0.2.
   std::string loss_kind;
   double clip_low = 0, clip_high = 0;
@@ -95,8 +89,8 @@ class RlSession {
   RlSession(const RlSession&) = delete;
   RlSession& operator=(const RlSession&) = delete;
 
-  // Executes one call; `request.batch` is consumed.
-  RlResponse Run(RlRequest& request);
+  // Executes one call.
+  RlResponse Run(const RlRequest& request);
   int64_t step() const;
   // "model tiny (0.86M params, float32 on cpu), memory ..." for logs.
   std::string Describe() const;
