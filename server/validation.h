@@ -50,7 +50,7 @@ absl::Status ValidateListJobsRequest(const odyssey::v1::ListJobsRequest& request
 // its ppo clip range ("loss.kind", "loss.clip_low"), AdamW parameters finite and in range
 // ("adam.lr"), sequence >= 0, and directories (absolute paths; required for LoadCheckpoint and
 // ExportWeights). Per-datum rules (token ids in the vocabulary, array lengths, finite values,
-// the inputs each loss needs) are the engine's (engine/rl_loss.h ValidateBatch), checked on the
+// the inputs each loss needs) are the engine's (engine/rl_datum.h ValidateBatch), checked on the
 // worker, whose INVALID_ARGUMENT reaches the client unchanged; the batch's size against the
 // session's plan is the controller's (Controller::Train).
 absl::Status ValidateForwardBackwardRequest(const odyssey::v1::ForwardBackwardRequest& request);
