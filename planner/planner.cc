@@ -1,10 +1,10 @@
 #include "planner/planner.h"
 
 #include <algorithm>
-#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace odyssey::planner {
 namespace {
