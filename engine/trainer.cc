@@ -74,8 +74,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);
       !s.ok())
     return s;
-  absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> backend =
-      model::MakeAttentionBackend(options.attention, head_groups);
+  absl::StatusOr<std::shared_ptr<const kernels::AttentionBackend>> backend =
+      kernels::MakeAttentionBackend(options.attention, head_groups);
   if (!backend.ok()) return backend.status();
   absl::StatusOr<std::unique_ptr<memory::MemoryStack>> memory =
       memory::MemoryStack::Create(options.memory, resolved->num_hidden_layers);
@@ -86,13 +86,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     return s;
   if (options.memory.keep_attention) {
     // Head groups wrap the stashing backend, which wraps the kernel: one record per group.
-    absl::StatusOr<std::shared_ptr<const model::AttentionBackend>> kernel = model::MakeAttentionBackend(options.attention);
+    absl::StatusOr<std::shared_ptr<const kernels::AttentionBackend>> kernel = kernels::MakeAttentionBackend(options.attention);
     if (!kernel.ok()) return kernel.status();
     if (!(*kernel)->SupportsStats(*device))
       return absl::InvalidArgumentError(absl::StrCat("memory.keep_attention needs an attention backend whose forward "
                                                      "statistics and backward run separately (math, or cudnn/auto on "
                                                      "CUDA); '", options.attention, "' on ", device->str(), " has none"));
-    backend = model::WrapHeadGroups(
+    backend = kernels::WrapHeadGroups(
         std::make_shared<const memory::StashingAttention>(*kernel, (*memory)->attention_stash()), head_groups);
   }
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);

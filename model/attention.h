@@ -3,7 +3,7 @@
 // cuDNN, head-grouped, context-parallel, sparse) slot in without touching the layer math.
 // The backends and their contract (shapes, causality, packed rows) live in kernels/attention.h;
 // the model's API (CausalLMImpl::set_attention_backend, LayerContext) names them through these
-// declarations, as do the callers that build a model and pick its backend.
+// declarations; callers that pick a backend call kernels:: (MakeAttentionBackend, WrapHeadGroups).
 #pragma once
 
 #include "kernels/attention.h"
@@ -12,7 +12,5 @@ namespace odyssey::model {
 
 using kernels::AttentionBackend;
 using kernels::AttentionMeta;
-using kernels::MakeAttentionBackend;
-using kernels::WrapHeadGroups;
 
 }  // namespace odyssey::model

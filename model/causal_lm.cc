@@ -20,7 +20,7 @@ CausalLMImpl::CausalLMImpl(const ModelConfig& c) : config_(c) {
   if (!c.tie_word_embeddings) {
     lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
   }
-  backend_ = MakeAttentionBackend("auto").value();
+  backend_ = kernels::MakeAttentionBackend("auto").value();
   inv_freq_cpu_ = RopeInvFreq(c, torch::kCPU);
 }
 

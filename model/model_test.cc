@@ -75,12 +75,12 @@ TEST(ModelTest, MathAndSdpaBackendsAgree) {
   m->InitRandom(5, 0.1);
   ForwardInputs in;
   in.input_ids = torch::randint(0, 97, {2, 33}, torch::kInt64);
-  m->set_attention_backend(MakeAttentionBackend("math").value());
+  m->set_attention_backend(kernels::MakeAttentionBackend("math").value());
   torch::Tensor a = m->Logits(in);
-  m->set_attention_backend(MakeAttentionBackend("sdpa").value());
+  m->set_attention_backend(kernels::MakeAttentionBackend("sdpa").value());
   torch::Tensor b = m->Logits(in);
   EXPECT_LT((a - b).abs().max().item<double>(), 1e-4);
-  EXPECT_FALSE(MakeAttentionBackend("flash9").ok());
+  EXPECT_FALSE(kernels::MakeAttentionBackend("flash9").ok());
 }
 
 TEST(ModelTest, OutputIsCausal) {

@@ -47,12 +47,12 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   auto stack = MemoryStack::Create(options, c.num_hidden_layers);
   EXPECT_TRUE(stack.ok()) << stack.status();
   if (options.keep_attention) {
-    m->set_attention_backend(model::WrapHeadGroups(
-        std::make_shared<const StashingAttention>(model::MakeAttentionBackend(setup.attention).value(),
+    m->set_attention_backend(kernels::WrapHeadGroups(
+        std::make_shared<const StashingAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
                                                   (*stack)->attention_stash()),
         head_groups));
   } else {
-    m->set_attention_backend(model::MakeAttentionBackend(setup.attention, head_groups).value());
+    m->set_attention_backend(kernels::MakeAttentionBackend(setup.attention, head_groups).value());
   }
   torch::manual_seed(5);
   const int64_t B = setup.B, S = setup.S;
@@ -213,7 +213,7 @@ TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
   o = planner::MemoryStrategy{};
   o.keep_attention = true;
   EXPECT_NE(o.Validate().message().find("memory.keep_attention needs memory.recompute 'layer'"), std::string::npos);
-  EXPECT_FALSE(model::MakeAttentionBackend("math", 0).ok());
+  EXPECT_FALSE(kernels::MakeAttentionBackend("math", 0).ok());
 }
 
 TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {

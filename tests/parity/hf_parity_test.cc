@@ -36,7 +36,7 @@ TEST(HfParity, LogprobsGradientsAndRoundTrip) {
     const std::string dir = (root / c).string();
     auto model = model::LoadPretrained(dir, torch::kFloat32, torch::kCPU);
     ASSERT_TRUE(model.ok()) << model.status();
-    (*model)->set_attention_backend(model::MakeAttentionBackend("math").value());
+    (*model)->set_attention_backend(kernels::MakeAttentionBackend("math").value());
     auto refs = model::SafetensorsFile::Open((root / c / "refs.safetensors").string());
     ASSERT_TRUE(refs.ok()) << refs.status();
     torch::Tensor tokens = (*refs)->Read("tokens").value();    // (2, S+1)
