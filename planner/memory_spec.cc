@@ -86,4 +86,12 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& har
                       *fields, hardware);
 }
 
+absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,
+                                    const Hardware& hardware) {
+  absl::StatusOr<MemoryFields> fields = MemoryFieldsFromProto(spec.memory());
+  if (!fields.ok()) return fields.status();
+  return PlanModelJob(config, spec.model().dtype(), spec.data().seq_len(), spec.data().batch_size(), *fields,
+                      hardware);
+}
+
 }  // namespace odyssey::planner

@@ -31,5 +31,8 @@ Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes,
 // INVALID_ARGUMENT for a model that does not resolve or fields that cannot run on it (naming
 // the field).
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware);
+// The same for spec.model.name already resolved to `config`.
+absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,
+                                    const Hardware& hardware);
 
 }  // namespace odyssey::planner

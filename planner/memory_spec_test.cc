@@ -95,6 +95,23 @@ TEST(MemorySpecTest, RefusalsNameTheFieldAndTheRule) {
   }
 }
 
+v1::JobSpec Spec3B(int64_t seq_len);
+
+// A field set alone acts: device_resident without offload makes the planner offload (it counts
+// offloaded inputs kept on the GPU), and where nothing chooses (a CPU worker applies the fields
+// over the defaults) it is refused, naming the field, rather than ignored.
+TEST(MemorySpecTest, DeviceResidentAloneActsOrIsRefused) {
+  v1::JobSpec spec = Spec3B(65536);
+  spec.mutable_memory()->set_device_resident(2);
+  absl::StatusOr<JobPlan> plan = PlanJobSpec(spec, Hardware{});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->strategy.offload);
+  EXPECT_EQ(plan->strategy.device_resident, 2);
+  const absl::Status cpu = MemoryFieldsFromProto(spec.memory())->ApplyTo(MemoryStrategy{}).Validate();
+  EXPECT_EQ(cpu.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cpu.message().find("memory.device_resident (2) needs memory.offload on"), std::string::npos) << cpu;
+}
+
 v1::JobSpec Spec3B(int64_t seq_len) {
   v1::JobSpec spec;
   spec.mutable_model()->set_name("llama-3.2-3b");

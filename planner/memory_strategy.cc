@@ -31,6 +31,10 @@ absl::Status MemoryStrategy::Validate() const {
         "memory.offload needs memory.recompute 'layer' or 'every_k': it offloads the checkpointed inputs");
   if (device_resident < 0)
     return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", device_resident, ") must be >= 0"));
+  if (device_resident > 0 && !offload)
+    return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", device_resident,
+                                                   ") needs memory.offload on: it counts offloaded inputs kept on "
+                                                   "the GPU"));
   if (mlp_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.mlp_tile (", mlp_tile, ") must be >= 0"));
   if (loss_tile < 0) return absl::InvalidArgumentError(absl::StrCat("memory.loss_tile (", loss_tile, ") must be >= 0"));
   if (head_groups < 1)
@@ -105,22 +109,6 @@ MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
   if (!keep_attention && s.recompute != Recompute::kLayer) s.keep_attention = false;
   if (!s.offload && !device_resident) s.device_resident = 0;
   return s;
-}
-
-absl::Status MemoryFields::Validate() const {
-  if (every_k && *every_k < 2)
-    return absl::InvalidArgumentError(absl::StrCat("memory.every_k (", *every_k, ") must be >= 2"));
-  if (device_resident && *device_resident < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.device_resident (", *device_resident, ") must be >= 0"));
-  if (mlp_tile && *mlp_tile < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.mlp_tile (", *mlp_tile, ") must be >= 0"));
-  if (loss_tile && *loss_tile < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.loss_tile (", *loss_tile, ") must be >= 0"));
-  if (head_groups && *head_groups < 1)
-    return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", *head_groups, ") must be >= 1"));
-  if (host_budget_bytes < 0)
-    return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
-  return absl::OkStatus();
 }
 
 int64_t HostBudget(int64_t host_memory_bytes, int64_t spec_budget_bytes) {

@@ -78,8 +78,6 @@ struct MemoryFields {
   // count (it only means something with offload); keep_attention is dropped when the result
   // does not recompute every layer unless the spec set it (then Validate() refuses it).
   MemoryStrategy ApplyTo(MemoryStrategy base) const;
-  // Range checks of the set fields alone (names "memory.<field>").
-  absl::Status Validate() const;
 };
 
 // The one host-budget rule: the pinned host memory a job may use on a machine with

@@ -268,16 +268,21 @@ absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::s
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  if (fields.head_groups && config->num_key_value_heads % *fields.head_groups != 0)
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware);
+}
+
+absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+  if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
                                                    ") must divide the model's num_key_value_heads (",
-                                                   config->num_key_value_heads, ")"));
-  if (fields.every_k && fields.recompute == Recompute::kEveryK && *fields.every_k > config->num_hidden_layers)
+                                                   config.num_key_value_heads, ")"));
+  if (fields.every_k && fields.recompute == Recompute::kEveryK && *fields.every_k > config.num_hidden_layers)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.recompute_every_k: (", *fields.every_k,
                                                    ") must be <= the model's num_hidden_layers (",
-                                                   config->num_hidden_layers, ")"));
+                                                   config.num_hidden_layers, ")"));
   JobPlanRequest q;
-  q.model = ShapeOf(*config);
+  q.model = ShapeOf(config);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

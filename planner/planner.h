@@ -109,6 +109,9 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
 // ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware);
+// The same for a model already resolved (callers that need its config anyway resolve it once).
+absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);

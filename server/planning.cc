@@ -49,9 +49,10 @@ absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
   const PlanMachine machine = MachineToPlanFor();
   if (machine.any_worker && !machine.gpu_worker) return absl::OkStatus();
   // A model that does not resolve is validation's to name (ValidateJobSpec runs at the edge).
-  if (!model::ResolveModelConfig(spec.model().name()).ok()) return absl::OkStatus();
+  absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(spec.model().name());
+  if (!config.ok()) return absl::OkStatus();
   absl::StatusOr<planner::JobPlan> plan =
-      planner::PlanJobSpec(spec, PlanHardware(machine, spec.memory().host_budget_bytes()));
+      planner::PlanJobSpec(spec, *config, PlanHardware(machine, spec.memory().host_budget_bytes()));
   if (!plan.ok()) return plan.status();
   if (!plan->fits) return absl::FailedPreconditionError(absl::StrCat("spec.data.seq_len: ", plan->message));
   return absl::OkStatus();
@@ -77,7 +78,7 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
   if (request.gpu_bytes() > 0) hardware.gpu_bytes = request.gpu_bytes();
   if (request.host_bytes() > 0 && spec_budget <= 0) hardware.host_bytes = request.host_bytes();
 
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(spec, hardware);
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(spec, *config, hardware);
   if (!plan.ok()) return plan.status();
   v1::PlanResponse out;
   out.set_planned_gpu_bytes(hardware.gpu_bytes);

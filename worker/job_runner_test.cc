@@ -245,6 +245,36 @@ TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
   }
 }
 
+// Every MemorySpec field reaches the engine's options, set or unset as the spec says (the
+// converter is planner::MemoryFieldsFromProto, the one CreateJob's validation uses).
+TEST(AssignmentToEngineOptionsTest, EveryMemoryFieldArrives) {
+  v1::Assignment a;
+  a.set_job("jobs/1");
+  a.mutable_spec()->set_steps(1);
+  v1::MemorySpec* m = a.mutable_spec()->mutable_memory();
+  absl::StatusOr<EngineJobOptions> unset = AssignmentToEngineOptions(a, "cpu");
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_FALSE(unset->memory.AnySet());
+  m->set_recompute("layer");
+  m->set_offload("on");
+  m->set_device_resident(1);
+  m->set_attention_head_groups(2);
+  m->set_keep_attention(true);
+  m->set_optimizer_on_host(true);
+  m->set_host_budget_bytes(int64_t{1} << 30);
+  absl::StatusOr<EngineJobOptions> set = AssignmentToEngineOptions(a, "cpu");
+  ASSERT_TRUE(set.ok()) << set.status();
+  const planner::MemoryStrategy s = set->memory.ApplyTo(planner::MemoryStrategy{});
+  EXPECT_EQ(s.recompute, planner::Recompute::kLayer);
+  EXPECT_TRUE(s.offload);
+  EXPECT_EQ(s.device_resident, 1);
+  EXPECT_EQ(s.head_groups, 2);
+  EXPECT_TRUE(s.keep_attention);
+  EXPECT_TRUE(s.optimizer_on_host);
+  EXPECT_EQ(s.host_budget_bytes, int64_t{1} << 30);
+  EXPECT_TRUE(s.Validate().ok()) << s.Validate();
+}
+
 // The spec's memory strategy reaches the engine: layer recompute with tiled MLP and loss trains
 // the same model as the plain step (fp32 on CPU: equal up to rounding).
 TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
