@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/wire_text.h"
 #include "server/auth.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
@@ -14,8 +15,14 @@ namespace v1 = odyssey::v1;
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
+  // Valid UTF-8, bounded, no stack traces (common/wire_text.h); the full text goes to the log.
+  std::string text = WireText(status.message());
+  if (text != status.message()) {
+    spdlog::info("status shortened for the caller ({} of {} bytes); full text: {}", text.size(),
+                 status.message().size(), ValidUtf8(status.message()));
+  }
   // absl and gRPC share the canonical code numbers.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::move(text));
 }
 
 std::string PeerHost(const std::string& peer) {

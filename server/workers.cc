@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/wire_text.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -130,8 +131,9 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
         SetState(*id, v1::Job::SUCCEEDED, "");
       }
     } else {
-      const std::string why = result.cancelled().empty() ? result.error()
-                                                         : absl::StrCat("stopped: ", result.cancelled());
+      // Bounded and valid whatever the worker sent (common/wire_text.h): it is stored and shown.
+      const std::string why = WireText(result.cancelled().empty() ? result.error()
+                                                                  : absl::StrCat("stopped: ", result.cancelled()));
       job->set_error(absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why));
       CancelRanks(*id, w.id);
       SetState(*id, v1::Job::FAILED, job->error());

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/wire_text.h"
 #include "planner/memory_spec.h"
 #include "worker/rl_calls.h"
 #include "worker/rl_session.h"
@@ -297,8 +298,10 @@ void JobRunner::Run() {
   result.set_last_checkpoint(outcome.last_checkpoint);
   if (!outcome.status.ok()) {
     result.set_ok(false);
-    result.set_error(std::string(outcome.status.message()));
-    LogWarning(absl::StrCat("job=", job, " rank=", rank, " failed at step ", outcome.step, ": ", result.error()));
+    // The controller gets the part a person reads (common/wire_text.h); the log keeps it all.
+    result.set_error(WireText(outcome.status.message()));
+    LogWarning(absl::StrCat("job=", job, " rank=", rank, " failed at step ", outcome.step, ": ",
+                            ValidUtf8(outcome.status.message())));
     if (metrics_) metrics_->jobs_failed->Increment();
   } else if (outcome.stopped) {
     absl::MutexLock lock(&mu_);

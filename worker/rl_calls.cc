@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "common/wire_text.h"
+
 namespace odyssey::worker {
 namespace v1 = odyssey::v1;
 
@@ -94,7 +96,7 @@ v1::TrainingReply ErrorReply(const v1::TrainingCall& call, const absl::Status& s
   reply.set_call_id(call.call_id());
   reply.set_job(call.job());
   reply.set_code(static_cast<int32_t>(status.code()));
-  reply.set_message(std::string(status.message()));
+  reply.set_message(WireText(status.message()));  // common/wire_text.h
   return reply;
 }
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/wire_proto.h"
 #include "odyssey/v1/odyssey.grpc.pb.h"
 #include "worker/rl_calls.h"
 #include "worker/worker_metrics.h"
@@ -225,7 +226,10 @@ bool Worker::Serve() {
       next_heartbeat = now + options_.heartbeat_interval;
     }
     bool ok = true;
-    for (const v1::WorkerMessage& m : batch) {
+    for (v1::WorkerMessage& m : batch) {
+      // A string that is not UTF-8 (a job's error quoting a dataset's bytes) would make the
+      // controller's parser drop the whole stream, on every attempt to report it.
+      if (MakeWireSafe(&m) > 0) LogWarning(absl::StrCat("worker=", id, " escaped non-UTF-8 text in a message"));
       if (!stream->Write(m)) {
         ok = false;
         break;

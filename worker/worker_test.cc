@@ -3,6 +3,7 @@
 // result is re-sent on every new stream until released, and reconnects follow a dropped stream.
 #include "worker/worker.h"
 
+#include <cstdio>
 #include <deque>
 #include <thread>
 
@@ -195,6 +196,58 @@ TEST(WorkerTest, AttachProtocol) {
   ASSERT_GE(third.size(), 2u);
   ASSERT_EQ(third[1].held().jobs_size(), 1);
   EXPECT_EQ(third[1].held().jobs(0), "jobs/3");
+
+  worker.Shutdown();
+  run.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A job whose error is not UTF-8 (a "jsonl" file that is gzip: the parse error quotes byte
+// 0x8b, the first byte here) is reported on the same stream, its bytes escaped; the stream survives (the next job
+// runs on it), where it used to drop on every attempt to send the result.
+TEST(WorkerTest, AnErrorThatIsNotUtf8IsReportedAndTheStreamSurvives) {
+  SetTorchThreads(1);
+  const std::string path = ::testing::TempDir() + "/gzip-named-jsonl.jsonl";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    const unsigned char gzip[] = {0x8b, 0x1f, 0x08, 0x00, 0x8b, 0xff, 0x0a};  // first byte 0x8b
+    std::fwrite(gzip, 1, sizeof(gzip), f);
+    std::fclose(f);
+  }
+  FakeController fake;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  WorkerOptions o;
+  o.controller = "127.0.0.1:" + std::to_string(port);
+  o.capabilities.set_worker_id("t2");
+  o.capabilities.set_device("cpu");
+  o.runner.device = "cpu";
+  o.heartbeat_interval = absl::Milliseconds(50);
+  o.initial_backoff = absl::Milliseconds(10);
+  Worker worker(o, nullptr);
+  std::thread run([&] { EXPECT_TRUE(worker.Run().ok()); });
+  ASSERT_TRUE(fake.WaitFor(0, [](const v1::WorkerMessage& m) { return m.has_held(); }));
+
+  v1::ControllerMessage bad = Assign("jobs/1", 5);
+  bad.mutable_assign()->mutable_spec()->mutable_data()->set_format("jsonl");
+  bad.mutable_assign()->mutable_spec()->mutable_data()->set_path(path);
+  fake.Send(bad);
+  auto failed = fake.WaitFor(0, IsResult("jobs/1"));
+  ASSERT_TRUE(failed);
+  EXPECT_FALSE(failed->result().ok());
+  EXPECT_TRUE(absl::StrContains(failed->result().error(), "\\x8b")) << failed->result().error();
+  v1::ControllerMessage release;
+  release.set_release("jobs/1");
+  fake.Send(release);
+  fake.Send(Assign("jobs/2", 2));
+  auto next = fake.WaitFor(0, IsResult("jobs/2"));  // stream 0: it never dropped
+  ASSERT_TRUE(next);
+  EXPECT_TRUE(next->result().ok()) << next->result().error();
 
   worker.Shutdown();
   run.join();
