@@ -15,6 +15,76 @@
 #include "absl/strings/str_cat.h"
 
 namespace odyssey {
+
+namespace {
+
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+// An fd of the regular file `path`, opened without blocking; -1 with `error` set otherwise.
+int OpenRegular(const std::string& path, absl::Status* error) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int e = errno;
+    const std::string why = std::generic_category().message(e);
+    const std::string text = absl::StrCat(path, ": cannot open (", why, ")");
+    *error = e == ENOENT   ? absl::NotFoundError(text)
+             : e == EACCES ? absl::PermissionDeniedError(text)
+                           : absl::FailedPreconditionError(text);
+    return -1;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const char* kind = FileKind(st.st_mode);
+    ::close(fd);
+    *error = absl::FailedPreconditionError(absl::StrCat(path, ": is ", kind, ", not a regular file"));
+    return -1;
+  }
+  // Regular files never block; clear the flag for ordinary reads.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+}  // namespace
+
+absl::Status CheckRegularFile(const std::string& path) {
+  absl::Status error;
+  const int fd = OpenRegular(path, &error);
+  if (fd < 0) return error;
+  ::close(fd);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path, size_t max_bytes) {
+  absl::Status error;
+  const int fd = OpenRegular(path, &error);
+  if (fd < 0) return error;
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      return absl::UnavailableError(absl::StrCat(path, ": read failed (", std::generic_category().message(e), ")"));
+    }
+    if (n == 0) break;
+    if (out.size() + static_cast<size_t>(n) > max_bytes) {
+      ::close(fd);
+      return absl::OutOfRangeError(absl::StrCat(path, ": larger than ", max_bytes, " bytes"));
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
 namespace {
 
 namespace fs = std::filesystem;

@@ -57,6 +57,14 @@ class FileSink {
   const std::string temp_path_;
 };
 
+// Reading files a request names without blocking a thread: the file is opened with O_NONBLOCK
+// (so a FIFO or a device returns at once instead of waiting for a writer) and must then be a
+// regular file. FAILED_PRECONDITION "<path>: is a FIFO, not a regular file" (or a directory,
+// socket, device); "<path>: cannot open (<OS reason>)" as NOT_FOUND / PERMISSION_DENIED / FAILED_PRECONDITION.
+absl::Status CheckRegularFile(const std::string& path);
+// CheckRegularFile, then its contents; OUT_OF_RANGE when larger than `max_bytes`.
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path, size_t max_bytes);
+
 // Writes `contents` to `path` atomically (see the top of this file).
 // REQUIRES: the folder of `path` exists.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);

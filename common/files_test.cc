@@ -315,5 +315,24 @@ TEST_F(FilesTest, ParentThatIsAFileIsAnError) {
   EXPECT_EQ(ReadFile(dir_ / "file"), "x");
 }
 
+TEST_F(FilesTest, ReadingAFifoNeverBlocks) {
+  const std::string fifo = (dir_ / "pipe").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // No writer ever opens it: a blocking open would wait forever (the test's deadline is ctest's).
+  const absl::Status s = CheckRegularFile(fifo);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr(fifo + ": is a FIFO, not a regular file"));
+  EXPECT_EQ(ReadRegularFile(fifo, 100).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(CheckRegularFile(dir_.string()).message(), HasSubstr("is a directory"));
+  EXPECT_EQ(CheckRegularFile((dir_ / "missing").string()).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(FilesTest, ReadRegularFileReadsAndBoundsTheSize) {
+  WriteFile(dir_ / "f", "hello");
+  EXPECT_EQ(*ReadRegularFile((dir_ / "f").string(), 5), "hello");
+  EXPECT_EQ(ReadRegularFile((dir_ / "f").string(), 4).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(CheckRegularFile((dir_ / "f").string()).ok());
+}
+
 }  // namespace
 }  // namespace odyssey

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "nlohmann/json.hpp"
 
 namespace odyssey::model {
@@ -198,11 +199,10 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& text, const std::st
 
 absl::StatusOr<ModelConfig> LoadHfConfig(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ParseHfConfig(ss.str(), path);
+  // Never blocks (a FIFO is refused), and a config is small.
+  absl::StatusOr<std::string> text = ReadRegularFile(path, 16 << 20);
+  if (!text.ok()) return text.status();
+  return ParseHfConfig(*text, path);
 }
 
 std::string ToHfConfigJson(const ModelConfig& c, const std::string& torch_dtype) {
@@ -301,7 +301,9 @@ absl::StatusOr<ModelConfig> NamedShape(const std::string& name) {
 }
 
 absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir) {
-  if (std::filesystem::is_directory(name_or_dir)) return LoadHfConfig(name_or_dir);
+  // The error_code form: a name too long for a path (or with a NUL) is just not a folder.
+  std::error_code ec;
+  if (std::filesystem::is_directory(name_or_dir, ec)) return LoadHfConfig(name_or_dir);
   return NamedShape(name_or_dir);
 }
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/files.h"
 
 namespace odyssey::server {
 namespace {
@@ -120,12 +121,11 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
 }
 
 absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the token file"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::UnavailableError(absl::StrCat(path, ": cannot read the token file"));
-  return Parse(text.str(), path);
+  absl::StatusOr<std::string> text = ReadRegularFile(path, 64 << 20);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(), absl::StrCat(text.status().message(), " (the token file)"));
+  }
+  return Parse(*text, path);
 }
 
 absl::StatusOr<std::string> TokenTable::TenantOfToken(absl::string_view token) const {

@@ -6,10 +6,13 @@
 #include <filesystem>
 #include <initializer_list>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/files.h"
+#include "common/wire_text.h"
 #include "model/config.h"
 #include "planner/memory_spec.h"
 
@@ -17,6 +20,8 @@ namespace odyssey::server {
 namespace {
 
 namespace v1 = odyssey::v1;
+
+std::string Quote(absl::string_view text);
 
 absl::Status Invalid(absl::string_view field, absl::string_view rule) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
@@ -29,7 +34,7 @@ absl::Status OneOf(absl::string_view field, const std::string& value,
   for (absl::string_view a : allowed) {
     if (value == a) return absl::OkStatus();
   }
-  return Invalid(field, absl::StrCat("\"", value, "\" must be one of: ", absl::StrJoin(allowed, ", "),
+  return Invalid(field, absl::StrCat(Quote(value), " must be one of: ", absl::StrJoin(allowed, ", "),
                                      " (or empty for the default)"));
 }
 
@@ -43,13 +48,28 @@ absl::Status OneOf(absl::string_view field, const std::string& value,
 
 std::string JobName(int64_t id) { return absl::StrCat("jobs/", id); }
 
+namespace {
+// `text` quoted for an error message: valid UTF-8, at most kMaxQuotedBytes of it.
+std::string Quote(absl::string_view text) {
+  if (text.size() <= kMaxQuotedBytes) return absl::StrCat("\"", ValidUtf8(text), "\"");
+  // A character cut in two at the bound shows as \xNN escapes (still valid UTF-8).
+  std::string valid = ValidUtf8(text.substr(0, kMaxQuotedBytes));
+  return absl::StrCat("\"", valid, "\"... (", text.size(), " bytes)");
+}
+}  // namespace
+
 absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view field) {
   if (name.empty()) return Invalid(field, "is required (\"jobs/{id}\")");
   constexpr absl::string_view kPrefix = "jobs/";
+  // Canonical names only: "jobs/" then the decimal id as JobName writes it (no sign, spaces or
+  // leading zeros), so one job has exactly one name.
+  const absl::string_view digits = absl::StartsWith(name, kPrefix) ? name.substr(kPrefix.size()) : "";
+  const bool canonical = !digits.empty() && digits.size() <= 18 && digits[0] != '0' &&
+                         std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
   int64_t id = 0;
-  if (name.substr(0, kPrefix.size()) != kPrefix ||
-      !absl::SimpleAtoi(name.substr(kPrefix.size()), &id) || id <= 0) {
-    return Invalid(field, absl::StrCat("\"", name, "\" must be \"jobs/{id}\" with a positive number id"));
+  if (!canonical || !absl::SimpleAtoi(digits, &id) || id <= 0) {
+    return Invalid(field, absl::StrCat(Quote(name), " must be \"jobs/{id}\" with a positive decimal id (no sign, "
+                                       "spaces or leading zeros)"));
   }
   return id;
 }
@@ -70,6 +90,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   if (model.name().empty()) {
     return Invalid(p + ".model.name", "is required (a named shape such as \"tiny\" or a Hugging Face checkpoint directory)");
   }
+  if (model.name().size() > kMaxPathBytes) {
+    return Invalid(p + ".model.name", absl::StrCat("length (", model.name().size(), ") must be <= ", kMaxPathBytes,
+                                                   " bytes (a named shape or a checkpoint directory)"));
+  }
   auto config = odyssey::model::ResolveModelConfig(model.name());
   std::error_code dir_ec;
   if (!config.ok() && std::filesystem::is_directory(model.name(), dir_ec)) {
@@ -79,7 +103,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   }
   if (!config.ok()) {
     return Invalid(p + ".model.name",
-                   absl::StrCat("unknown model \"", model.name(), "\": must be a named shape (",
+                   absl::StrCat("unknown model ", Quote(model.name()), ": must be a named shape (",
                                 absl::StrJoin(odyssey::model::NamedShapeNames(), ", "),
                                 ") or a checkpoint directory with a readable config.json (",
                                 config.status().message(), ")"));
@@ -137,8 +161,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   // Optimizer.
   const auto& opt = spec.optimizer();
   // An RL session's lr comes with each OptimStep: 0 (unset) is fine there.
-  if ((!rl || opt.lr() != 0) && (!(opt.lr() > 0) || !std::isfinite(opt.lr()))) {
-    return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be > 0 and finite",
+  if ((!rl || opt.lr() != 0) && !(opt.lr() > 0 && opt.lr() <= kMaxLearningRate)) {
+    return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be in (0, ", kMaxLearningRate, "]",
                                                      rl ? " (or 0: RL sessions take lr from each OptimStep)" : ""));
   }
   if (!(opt.beta1() >= 0 && opt.beta1() < 1)) {
@@ -171,10 +195,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
     if (data.path().empty()) {
       return Invalid(p + ".data.path", absl::StrCat("is required for data.format \"", data.format(), "\""));
     }
-    std::error_code ec;
-    std::ifstream in(data.path(), std::ios::binary);
-    if (!std::filesystem::is_regular_file(data.path(), ec) || !in.good()) {
-      return Invalid(p + ".data.path", absl::StrCat("\"", data.path(), "\" must be a readable file"));
+    // Opened without blocking (a FIFO there would hold this thread until someone wrote to it).
+    if (absl::Status s = CheckRegularFile(data.path()); !s.ok()) {
+      return Invalid(p + ".data.path", absl::StrCat("must be a readable regular file: ", s.message()));
     }
   }
   if (data.seq_len() <= 0) {
@@ -185,8 +208,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
                    absl::StrCat("(", data.seq_len(), ") must be <= the model's max_position_embeddings (",
                                 config->max_position_embeddings, ")"));
   }
-  if (data.batch_size() <= 0) {
-    return Invalid(p + ".data.batch_size", absl::StrCat("(", data.batch_size(), ") must be > 0"));
+  if (data.batch_size() <= 0 || data.batch_size() > kMaxBatchSize) {
+    return Invalid(p + ".data.batch_size",
+                   absl::StrCat("(", data.batch_size(), ") must be in [1, ", kMaxBatchSize, "]"));
+  }
+  // Both are bounded now (seq_len by max_position_embeddings, an int32 in every config), so
+  // the product cannot overflow.
+  if (data.seq_len() > kMaxTokensPerStep / data.batch_size()) {
+    return Invalid(p + ".data.batch_size",
+                   absl::StrCat("data.seq_len x data.batch_size (", data.seq_len(), " x ", data.batch_size(),
+                                ") must be <= ", kMaxTokensPerStep, " token positions per rank"));
   }
 
   // Run.
@@ -260,7 +291,7 @@ absl::Status CheckLoss(const v1::LossConfig& loss, absl::string_view f) {
     return Invalid(p + ".kind", "is required: cross_entropy | importance_sampling | ppo");
   }
   if (loss.kind() != "cross_entropy" && loss.kind() != "importance_sampling" && loss.kind() != "ppo") {
-    return Invalid(p + ".kind", absl::StrCat("\"", loss.kind(), "\" is not a known loss: cross_entropy | "
+    return Invalid(p + ".kind", absl::StrCat(Quote(loss.kind()), " is not a known loss: cross_entropy | "
                                              "importance_sampling | ppo"));
   }
   if (loss.clip_low() != 0 && !(loss.clip_low() > 0 && loss.clip_low() < 1)) {
@@ -274,8 +305,8 @@ absl::Status CheckLoss(const v1::LossConfig& loss, absl::string_view f) {
 
 absl::Status CheckAdam(const v1::AdamWParams& adam, absl::string_view f) {
   const std::string p(f);
-  if (!(adam.lr() > 0) || !std::isfinite(adam.lr())) {
-    return Invalid(p + ".lr", absl::StrCat("(", adam.lr(), ") must be > 0 and finite"));
+  if (!(adam.lr() > 0 && adam.lr() <= kMaxLearningRate)) {
+    return Invalid(p + ".lr", absl::StrCat("(", adam.lr(), ") must be in (0, ", kMaxLearningRate, "]"));
   }
   if (!(adam.beta1() >= 0 && adam.beta1() < 1)) {
     return Invalid(p + ".beta1", absl::StrCat("(", adam.beta1(), ") must be in [0, 1) (0 with beta2 0 = 0.9)"));
@@ -303,7 +334,7 @@ absl::Status CheckDirectory(const std::string& dir, absl::string_view field, boo
     return Invalid(field, absl::StrCat("length (", dir.size(), ") must be <= ", kMaxPathBytes, " bytes"));
   }
   if (dir.find('\0') != std::string::npos) return Invalid(field, "must not contain NUL bytes");
-  if (dir[0] != '/') return Invalid(field, absl::StrCat("\"", dir, "\" must be an absolute path"));
+  if (dir[0] != '/') return Invalid(field, absl::StrCat(Quote(dir), " must be an absolute path"));
   // The worker writes through a temp folder named after the last component plus a suffix, so
   // components stay well under the file systems' 255-byte name limit.
   for (absl::string_view part : absl::StrSplit(dir, '/')) {
@@ -377,7 +408,7 @@ absl::Status CheckJobSpecPaths(const v1::JobSpec& spec, const PathPolicy& policy
     // latter is not confinable.
     const std::vector<std::string> shapes = odyssey::model::NamedShapeNames();
     if (std::find(shapes.begin(), shapes.end(), model) == shapes.end()) {
-      return Invalid(p + ".model.name", absl::StrCat("\"", model, "\" must be a named shape (", absl::StrJoin(shapes, ", "),
+      return Invalid(p + ".model.name", absl::StrCat(Quote(model), " must be a named shape (", absl::StrJoin(shapes, ", "),
                                                      ") or an absolute checkpoint directory"));
     }
   }
@@ -415,8 +446,7 @@ absl::Status ValidateListJobsRequest(const v1::ListJobsRequest& request) {
   if (!request.page_token().empty()) {
     int64_t id = 0;
     if (!absl::SimpleAtoi(request.page_token(), &id) || id <= 0) {
-      return Invalid("page_token", absl::StrCat("\"", request.page_token(),
-                                                "\" is not a token returned by ListJobs"));
+      return Invalid("page_token", absl::StrCat(Quote(request.page_token()), " is not a token returned by ListJobs"));
     }
   }
   if (!v1::Job::State_IsValid(request.state())) {

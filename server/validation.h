@@ -26,6 +26,17 @@ inline constexpr int32_t kMaxWorldSize = 4096;
 inline constexpr int32_t kDefaultPageSize = 50;
 inline constexpr int32_t kMaxPageSize = 1000;
 
+// Sizes are bounded before any arithmetic on them, so no product of them overflows int64 (the
+// planner multiplies tokens by widths up to the vocabulary and by bytes per element):
+// data.batch_size <= kMaxBatchSize and data.seq_len x data.batch_size <= kMaxTokensPerStep.
+inline constexpr int64_t kMaxBatchSize = int64_t{1} << 20;
+inline constexpr int64_t kMaxTokensPerStep = int64_t{1} << 34;  // 16Gi token positions per rank
+// Learning rates above this are refused naming the field (AdamW steps of 1e300 overflow the
+// weights to inf: the engine would fail with an error that names nothing the caller set).
+inline constexpr double kMaxLearningRate = 10.0;
+// How much of a request's text an error message quotes back (the rest is elided).
+inline constexpr size_t kMaxQuotedBytes = 128;
+
 // RL sessions: idle time after which a session with no call ends SUCCEEDED, when
 // spec.rl.idle_timeout_seconds is 0.
 inline constexpr int64_t kDefaultIdleTimeoutSeconds = 3600;

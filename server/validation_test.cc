@@ -1,5 +1,7 @@
 #include "server/validation.h"
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <cmath>
 #include <fstream>
@@ -27,6 +29,57 @@ v1::JobSpec GoodSpec() {
 
 TEST(ValidationTest, GoodSpecPasses) { EXPECT_TRUE(ValidateJobSpec(GoodSpec()).ok()); }
 
+TEST(ValidationTest, JobNamesAreCanonical) {
+  EXPECT_EQ(*ParseJobName("jobs/31"), 31);
+  EXPECT_EQ(*ParseJobName("jobs/999999999999999999"), 999999999999999999);
+  for (const char* bad : {"jobs/ 1", "jobs/+1", "jobs/31 ", "jobs/01", "jobs/0", "jobs/-3", "jobs/1e3", "jobs/",
+                          "job/1", " jobs/1", "jobs/1/", "jobs/9999999999999999999", "jobs/0x10"}) {
+    absl::StatusOr<int64_t> id = ParseJobName(bad);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(id.status().message(), HasSubstr("name: ")) << bad;
+  }
+}
+
+TEST(ValidationTest, ErrorsQuoteABoundedValidPartOfTheInput) {
+  const std::string huge = "jobs/" + std::string(10000, 'x') + "\xff";
+  absl::StatusOr<int64_t> id = ParseJobName(huge);
+  ASSERT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(id.status().message().size(), 400u);
+  EXPECT_THAT(id.status().message(), HasSubstr("(10006 bytes)"));
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_model()->set_name(std::string(5000, 'm') + "\xc3");
+  const absl::Status s = ValidateJobSpec(spec);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("spec.model.name"));
+  EXPECT_LT(s.message().size(), 1024u);
+  EXPECT_EQ(ParseJobName("jobs/\x8b").status().message().find('\x8b'), std::string::npos);
+}
+
+TEST(ValidationTest, AFifoAsDataPathIsRefusedWithoutBlocking) {
+  const std::string fifo = ::testing::TempDir() + "/odyssey-validation-fifo";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_data()->set_format("text");
+  spec.mutable_data()->set_path(fifo);
+  const absl::Status s = ValidateJobSpec(spec);  // a blocking open would never return
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("spec.data.path: must be a readable regular file: "));
+  EXPECT_THAT(s.message(), HasSubstr("is a FIFO"));
+  std::filesystem::remove(fifo);
+}
+
+TEST(ValidationTest, OptimStepLearningRateIsBoundedNamingTheField) {
+  v1::OptimStepRequest r;
+  r.set_job("jobs/1");
+  r.mutable_adam()->set_lr(1e300);
+  const absl::Status s = ValidateOptimStepRequest(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("adam.lr: (1e+300) must be in (0, 10]"));
+  r.mutable_adam()->set_lr(1e-4);
+  EXPECT_TRUE(ValidateOptimStepRequest(r).ok());
+}
+
 // Each case breaks one rule; the status must carry the code and name the field.
 TEST(ValidationTest, EachBrokenRuleNamesItsField) {
   struct Case {
@@ -46,6 +99,21 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
       {[](v1::JobSpec& s) { s.mutable_data()->set_seq_len(1 << 30); }, absl::StatusCode::kInvalidArgument, "spec.data.seq_len"},
       {[](v1::JobSpec& s) { s.mutable_data()->set_seq_len(0); }, absl::StatusCode::kInvalidArgument, "spec.data.seq_len"},
       {[](v1::JobSpec& s) { s.mutable_data()->set_batch_size(0); }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      // Sizes bounded before any product is formed (2^62 used to overflow the planner's arithmetic).
+      {[](v1::JobSpec& s) { s.mutable_data()->set_batch_size(int64_t{1} << 62); }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      {[](v1::JobSpec& s) { s.mutable_data()->set_batch_size(int64_t{1} << 25); }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      {[](v1::JobSpec& s) {
+         s.set_kind(v1::RL_SESSION);
+         s.set_steps(0);
+         s.mutable_data()->set_seq_len(64);
+         s.mutable_data()->set_batch_size(int64_t{1} << 57);
+       }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      {[](v1::JobSpec& s) {
+         s.mutable_model()->set_name("llama-3.2-1b");
+         s.mutable_data()->set_seq_len(131072);
+         s.mutable_data()->set_batch_size(int64_t{1} << 18);  // 2^35 positions
+       }, absl::StatusCode::kInvalidArgument, "spec.data.batch_size"},
+      {[](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(1e300); }, absl::StatusCode::kInvalidArgument, "spec.optimizer.lr"},
       {[](v1::JobSpec& s) { s.mutable_data()->set_format("csv"); }, absl::StatusCode::kInvalidArgument, "spec.data.format"},
       {[](v1::JobSpec& s) {
          s.mutable_data()->set_format("text");
