@@ -97,7 +97,11 @@ class AdmissionTest : public ::testing::Test {
     caps.set_device("cuda:0");
     caps.set_device_memory_bytes(device_bytes);
     caps.set_host_memory_bytes(host_bytes);
-    ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<NullConnection>()).ok());
+    absl::StatusOr<int64_t> session = controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<NullConnection>());
+    ASSERT_TRUE(session.ok());
+    v1::WorkerMessage held;  // a fresh worker's empty `held`
+    held.mutable_held();
+    controller_->OnWorkerMessage(*session, held);
   }
   // Runs the table; returns how many rows fit (so a caller can check the table is not one-sided).
   int CheckTable(const std::string& machine) {

@@ -202,7 +202,7 @@ void Controller::UpdateGauges() {
   for (const auto& [wid, w] : workers_) {
     if (w.session == 0) {
       ++disconnected;
-    } else if (w.job == 0) {
+    } else if (w.Idle()) {
       ++idle;
     } else {
       ++busy;
@@ -369,7 +369,7 @@ void Controller::Schedule() {
   if (queue.empty()) return;
   std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.session != 0 && w.job == 0) idle.push_back({w.id, w.host});
+    if (w.Idle()) idle.push_back({w.id, w.host});
   }
   // Jobs stored before --path-root was set (or under other roots) are judged again when they
   // start, restarts included: a spec an earlier configuration accepted must not run with

@@ -19,8 +19,15 @@
 // Worker protocol, as the controller reads it (see server/README.md):
 // - A worker attaches with its capabilities, then sends `held` (the jobs it still runs; empty
 //   on a fresh start), heartbeats, progress and results. Any message counts as liveness.
-// - A worker is idle (no job) or busy (bound to one job) and is bound from assignment until
-//   it reports a JobResult for the job (also after a cancel) or is declared dead.
+// - A worker's states (workers.cc): returning (attached, its `held` not read yet), idle, busy
+//   (bound to one job, from assignment until it reports a JobResult for it, also after a
+//   cancel), stopping (it came back still running jobs the controller no longer wants: each
+//   got `cancel`; busy until each one's JobResult), disconnected (no stream) and dead (erased).
+//   Only an idle worker gets assignments. On re-attach `held` reconciles: a job the
+//   controller still runs on this worker continues, any other held job is told to stop.
+// - A worker_id attached on a live stream is refused (ALREADY_EXISTS) until that stream ends
+//   or is declared dead; it never replaces the stream (a second process with the same id
+//   would take over the first one's job).
 // - A worker whose stream ends or that is silent for heartbeat_timeout is disconnected; a
 //   disconnected worker that does not re-attach within heartbeat_timeout is dead: its job is
 //   put back in the queue (resume_from = last checkpoint, restarts + 1) while
@@ -138,6 +145,8 @@ struct WorkerInfo {
   std::string id;
   bool connected = false;
   std::string job;  // "jobs/{id}" when busy
+  // "returning", "idle", "busy", "stopping" (told to stop jobs it came back with), "disconnected".
+  std::string state;
 };
 
 class Controller {
@@ -258,6 +267,15 @@ class Controller {
     // is lost. (Jobs assigned after the attach may be missing from that `held`, which the
     // worker wrote before it saw them.)
     int64_t job_at_attach = 0;
+    // Returning: attached, its `held` not read yet. Nothing is assigned to it until then (it
+    // may still run a job the controller gave up on while it was silent).
+    bool awaiting_held = false;
+    // Jobs it still runs that the controller told it to stop (it came back holding a job that
+    // was restarted elsewhere, cancelled or ended): busy until each one's JobResult arrives.
+    std::set<int64_t> stopping;
+    absl::Time attached_at;
+    // Idle: attached, held read, bound to no job, stopping nothing.
+    bool Idle() const { return session != 0 && !awaiting_held && job == 0 && stopping.empty(); }
   };
   // A TrainingCall forwarded to a worker, waiting for its reply.
   struct PendingCall {

@@ -37,7 +37,7 @@ class TrainingRanksTest : public ControllerTest {
       caps.set_worker_id(id);
       caps.set_device("cpu");
       conns_.push_back(std::make_shared<CallConnection>());
-      sessions_.push_back(*controller_->AttachWorker(caps, "127.0.0.1", conns_.back()));
+      sessions_.push_back(*odyssey::server::testing::AttachFresh(controller_.get(), caps, "127.0.0.1", conns_.back()));
     }
     v1::CreateJobRequest r = Request(2);
     r.mutable_spec()->set_kind(v1::RL_SESSION);

@@ -36,7 +36,7 @@ class TrainingRoutingTest : public ControllerTest {
     caps.set_worker_id("w1");
     caps.set_device("cpu");
     conn_ = std::make_shared<CallConnection>();
-    session_ = *controller_->AttachWorker(caps, "127.0.0.1", conn_);
+    session_ = *odyssey::server::testing::AttachFresh(controller_.get(), caps, "127.0.0.1", conn_);
     v1::CreateJobRequest r = Request(1);
     r.mutable_spec()->set_kind(v1::RL_SESSION);
     r.mutable_spec()->clear_steps();
@@ -320,7 +320,7 @@ TEST_F(TrainingRoutingTest, RestartResumesFromTheSavedCheckpoint) {
   v1::WorkerCapabilities caps;
   caps.set_worker_id("w2");
   auto conn = std::make_shared<FakeConnection>();
-  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", conn).ok());
+  ASSERT_TRUE(odyssey::server::testing::AttachFresh(controller_.get(), caps, "127.0.0.1", conn).ok());
   ASSERT_EQ(conn->Assignments().size(), 1u);
   EXPECT_EQ(conn->Assignments()[0].resume_from(), "/ckpt/step-00000003");
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);

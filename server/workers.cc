@@ -29,20 +29,26 @@ absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& c
     return absl::InvalidArgumentError("hello.worker_id: is required (stable across reconnects)");
   }
   absl::MutexLock lock(&mu_);
-  Worker& w = workers_[capabilities.worker_id()];
-  if (w.connection) {
-    w.connection->Close();  // replaced by this newer stream
-    FailPendingCalls(0, w.id, absl::UnavailableError(absl::StrCat(
-                                  "worker ", w.id, " re-attached while the call was pending; it may or may "
-                                  "not have run: check the session (e.g. GetJob's step) before retrying")));
+  if (auto live = workers_.find(capabilities.worker_id()); live != workers_.end() && live->second.session != 0) {
+    // A second process with a live worker's id (a copy-pasted flag, a restarted pod whose old
+    // stream has not ended yet) must not take over the first one's job.
+    const Worker& old = live->second;
+    return absl::AlreadyExistsError(absl::StrCat(
+        "hello.worker_id: \"", WireText(old.id, 128), "\" is attached on a live stream (from ", old.host, " since ",
+        absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", old.attached_at, absl::UTCTimeZone()),
+        "); an id is refused until that stream ends or goes silent for heartbeat_timeout (",
+        absl::FormatDuration(options_.heartbeat_timeout), "): give each worker its own --worker-id"));
   }
+  Worker& w = workers_[capabilities.worker_id()];
   w.id = capabilities.worker_id();
   w.capabilities = capabilities;
   w.host = peer_host.empty() ? capabilities.hostname() : peer_host;
   w.session = next_session_++;
   w.connection = std::move(connection);
   w.last_seen = options_.clock();
+  w.attached_at = w.last_seen;
   w.job_at_attach = w.job;
+  w.awaiting_held = true;  // returning: nothing is assigned until its `held` is read
   spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
                w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
   const int64_t session = w.session;
@@ -117,6 +123,7 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
   auto id = ParseJobName(result.job());
   if (!id.ok()) return;
   if (w.job == *id) w.job = 0;
+  w.stopping.erase(*id);
   v1::ControllerMessage release;
   release.set_release(result.job());
   SendTo(w.id, release);
@@ -144,6 +151,8 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
 }
 
 void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
+  if (!w.awaiting_held) return;  // only the first `held` of a stream reconciles
+  w.awaiting_held = false;
   const int64_t expected = w.job_at_attach;
   w.job_at_attach = 0;
   bool holds_expected = false;
@@ -158,9 +167,15 @@ void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
       if (*id == expected) holds_expected = true;
       spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
     } else if (w.job != *id) {
+      // A job the controller gave up on here (restarted elsewhere, cancelled, ended) or a result
+      // not yet released: told to stop, and the worker is busy until its JobResult arrives
+      // (the worker re-sends unreleased results right after `held`).
       v1::ControllerMessage cancel;
       cancel.set_cancel(name);
       SendTo(w.id, cancel);
+      w.stopping.insert(*id);
+      spdlog::info("job={} worker={} came back still holding it; told to stop, no new job until it does", name,
+                   w.id);
     }
   }
   if (expected != 0 && !holds_expected && w.job == expected) {
@@ -178,6 +193,7 @@ void Controller::DetachWorker(int64_t session) {
   if (!w) return;
   w->session = 0;
   w->connection = nullptr;
+  w->awaiting_held = false;
   w->disconnected_since = options_.clock();
   FailPendingCalls(0, w->id, absl::UnavailableError(absl::StrCat(
                                  "worker ", w->id, " disconnected while the call was pending; it may or may not "
@@ -233,7 +249,12 @@ std::vector<WorkerInfo> Controller::Workers() {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerInfo> out;
   for (const auto& [id, w] : workers_) {
-    out.push_back({id, w.session != 0, w.job ? JobName(w.job) : ""});
+    const char* state = w.session == 0      ? "disconnected"
+                        : w.awaiting_held   ? "returning"
+                        : !w.stopping.empty() ? "stopping"
+                        : w.job != 0        ? "busy"
+                                            : "idle";
+    out.push_back({id, w.session != 0, w.job ? JobName(w.job) : "", state});
   }
   return out;
 }

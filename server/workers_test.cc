@@ -63,7 +63,7 @@ TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {
   Restart();
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
   EXPECT_EQ(Get(job.name()).step(), 3);
-  auto again = Attach("w1");
+  auto again = Attach("w1", "127.0.0.1", /*send_held=*/false);
   v1::WorkerMessage held;
   held.mutable_held()->add_jobs(job.name());
   controller_->OnWorkerMessage(again.session, held);
@@ -88,7 +88,7 @@ TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
   auto w2 = Attach("w2");
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
   Restart();
-  auto w2b = Attach("w2");
+  auto w2b = Attach("w2", "127.0.0.1", /*send_held=*/false);
   v1::WorkerMessage held;
   held.mutable_held();
   controller_->OnWorkerMessage(w2b.session, held);
@@ -96,6 +96,81 @@ TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
   EXPECT_EQ(Get(job.name()).restarts(), 2);
   EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
   EXPECT_EQ(w2b.conn->Assignments().size(), 1u);
+}
+
+// A second process with a live worker's id is refused; it never takes over the first one's job.
+TEST_F(ControllerTest, ASecondAttachWithALiveWorkersIdIsRefused) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1), kAnon);
+  ASSERT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("w1");
+  auto intruder = std::make_shared<odyssey::server::testing::FakeConnection>();
+  absl::StatusOr<int64_t> s = controller_->AttachWorker(caps, "10.0.0.9", intruder);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(s.status().message(), HasSubstr("hello.worker_id: \"w1\" is attached on a live stream (from 127.0.0.1"));
+  EXPECT_FALSE(w1.conn->closed);
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::RUNNING);
+  Progress(w1, job.name(), 0, 2);  // the first stream still counts
+  EXPECT_EQ(Get(job.name()).step(), 2);
+  // Once that stream is gone, the id may attach again (and reconcile through `held`).
+  controller_->DetachWorker(w1.session);
+  auto back = Attach("w1", "127.0.0.1", /*send_held=*/false);
+  EXPECT_NE(back.session, 0);
+}
+
+// A worker silent past the heartbeat limit is dead and its job restarted; when it comes back
+// still running that job, it is told to stop and gets nothing until it has (it used to get the
+// next assignments at once, and refuse them all as busy: FAILED).
+TEST_F(ControllerTest, AReturningWorkerStillRunningALostJobGetsNothingUntilItStops) {
+  auto w1 = Attach("w1");
+  auto lost = *controller_->CreateJob(Request(1, 10, "", 0, /*restart_limit=*/2), kAnon);
+  Progress(w1, lost.name(), 0, 4, "/ckpt/step-4");
+  now_ += absl::Seconds(11);  // SIGSTOP: no heartbeat
+  controller_->Tick();
+  ASSERT_EQ(Get(lost.name()).state(), v1::Job::PENDING);
+  EXPECT_TRUE(w1.conn->closed);
+  auto next = *controller_->CreateJob(Request(1), kAnon);
+
+  auto back = Attach("w1", "127.0.0.1", /*send_held=*/false);
+  EXPECT_EQ(controller_->Workers()[0].state, "returning");
+  EXPECT_EQ(back.conn->Assignments().size(), 0u);  // nothing before its held is read
+  v1::WorkerMessage held;
+  held.mutable_held()->add_jobs(lost.name());
+  controller_->OnWorkerMessage(back.session, held);
+  EXPECT_EQ(back.conn->Count(v1::ControllerMessage::kCancel), 1);
+  EXPECT_EQ(controller_->Workers()[0].state, "stopping");
+  EXPECT_EQ(back.conn->Assignments().size(), 0u);
+  controller_->Tick();
+  EXPECT_EQ(back.conn->Assignments().size(), 0u);
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::PENDING);
+
+  // It stops (its result for the lost run is ignored), and is idle: the queue head (the lost
+  // job's restart, from its checkpoint) starts on it.
+  Result(back, lost.name(), 0, false, "cancelled by the controller");
+  EXPECT_EQ(Get(lost.name()).state(), v1::Job::RUNNING);
+  ASSERT_EQ(back.conn->Assignments().size(), 1u);
+  EXPECT_EQ(back.conn->Assignments()[0].job(), lost.name());
+  EXPECT_EQ(back.conn->Assignments()[0].resume_from(), "/ckpt/step-4");
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(lost.name()).restarts(), 1);
+}
+
+// A worker that came back while its job still runs on it (a short network drop) continues it.
+TEST_F(ControllerTest, AReturningWorkerStillRunningItsJobContinues) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1), kAnon);
+  controller_->DetachWorker(w1.session);
+  now_ += absl::Seconds(3);
+  auto back = Attach("w1", "127.0.0.1", /*send_held=*/false);
+  v1::WorkerMessage held;
+  held.mutable_held()->add_jobs(job.name());
+  controller_->OnWorkerMessage(back.session, held);
+  EXPECT_EQ(controller_->Workers()[0].state, "busy");
+  EXPECT_EQ(back.conn->Count(v1::ControllerMessage::kCancel), 0);
+  Result(back, job.name(), 0, true);
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::SUCCEEDED);
+  EXPECT_EQ(controller_->Workers()[0].state, "idle");
 }
 
 }  // namespace

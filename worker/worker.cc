@@ -125,6 +125,13 @@ void Worker::Handle(const v1::ControllerMessage& message) {
 
 bool Worker::LogRefusal(const std::string& id, const grpc::Status& status) const {
   const grpc::StatusCode code = status.error_code();
+  if (code == grpc::StatusCode::ALREADY_EXISTS) {
+    // Another stream holds this id: retried with backoff (it may be this worker's own old
+    // stream, which the controller drops once it notices).
+    LogError(absl::StrCat("worker=", id, " refused by the controller at ", options_.controller,
+                          " (ALREADY_EXISTS): ", status.error_message()));
+    return true;
+  }
   if (code != grpc::StatusCode::UNAUTHENTICATED && code != grpc::StatusCode::PERMISSION_DENIED) return false;
   LogError(absl::StrCat("worker=", id, " refused by the controller at ", options_.controller, " (",
                         code == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED" : "PERMISSION_DENIED",

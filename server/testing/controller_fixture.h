@@ -30,6 +30,18 @@ namespace v1 = odyssey::v1;
 // Callers of these tests are the anonymous tenant (auth off), except in the tenant tests.
 inline const std::string kAnon = kAnonymousTenant;
 
+// Attaches a worker as a fresh worker process does: hello, then an empty `held` (the
+// controller assigns nothing to a worker before its `held` is read).
+inline absl::StatusOr<int64_t> AttachFresh(Controller* controller, const v1::WorkerCapabilities& caps,
+                                           const std::string& host, std::shared_ptr<WorkerConnection> conn) {
+  absl::StatusOr<int64_t> session = controller->AttachWorker(caps, host, std::move(conn));
+  if (!session.ok()) return session;
+  v1::WorkerMessage held;
+  held.mutable_held();
+  controller->OnWorkerMessage(*session, held);
+  return session;
+}
+
 // Records what the controller sends to one worker.
 class FakeConnection : public WorkerConnection {
  public:
@@ -103,14 +115,17 @@ class ControllerTest : public ::testing::Test {
     std::shared_ptr<FakeConnection> conn;
     int64_t session;
   };
-  Attached Attach(const std::string& id, const std::string& host = "127.0.0.1") {
+  // A fresh worker (hello, empty held); with send_held = false a returning one, whose test
+  // sends its `held`.
+  Attached Attach(const std::string& id, const std::string& host = "127.0.0.1", bool send_held = true) {
     v1::WorkerCapabilities caps;
     caps.set_worker_id(id);
     caps.set_device("cpu");
     auto conn = std::make_shared<FakeConnection>();
-    auto session = controller_->AttachWorker(caps, host, conn);
-    EXPECT_TRUE(session.ok());
-    return {conn, *session};
+    auto session = send_held ? AttachFresh(controller_.get(), caps, host, conn)
+                             : controller_->AttachWorker(caps, host, conn);
+    EXPECT_TRUE(session.ok()) << session.status();
+    return {conn, session.ok() ? *session : 0};
   }
   void Progress(const Attached& w, const std::string& job, int rank, int64_t step, const std::string& ckpt = "") {
     v1::WorkerMessage m;
