@@ -160,6 +160,10 @@ void PrintJob(const v1::Job& job) {
             << "started:         " << FormatTime(job.start_time()) << "\n"
             << "ended:           " << FormatTime(job.end_time()) << "\n";
   if (!job.error().empty()) std::cout << "error:           " << job.error() << "\n";
+  if (!job.pending_reason().empty()) {
+    std::cout << "waiting:         " << job.pending_reason() << (job.beyond_fleet() ? " [beyond the fleet]" : "")
+              << "\n";
+  }
 }
 
 class Client {
@@ -501,6 +505,7 @@ int main(int argc, char** argv) {
                                      job.loss(),
                                      std::max(1, job.spec().parallel().world_size()), FormatTime(job.create_time()),
                                      job.spec().display_name());
+        if (!job.pending_reason().empty()) std::cout << "           waiting: " << job.pending_reason() << "\n";
       }
       if (!all || resp.next_page_token().empty()) break;
       req.set_page_token(resp.next_page_token());

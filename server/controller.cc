@@ -160,6 +160,10 @@ void Controller::SetState(int64_t id, v1::Job::State state, const std::string& m
   }
   const bool was_running = job.state() == v1::Job::RUNNING;
   job.set_state(state);
+  if (state != v1::Job::PENDING) {
+    job.clear_pending_reason();
+    job.clear_beyond_fleet();
+  }
   if (was_running && state != v1::Job::RUNNING) {
     FailPendingCalls(id, "", absl::AbortedError(absl::StrCat(job.name(), " is now ", StateName(state),
                                                              " (the call was pending: it may or may not have run)")));
@@ -368,8 +372,20 @@ void Controller::Schedule() {
   }
   if (queue.empty()) return;
   std::vector<IdleWorker> idle;
+  Fleet fleet;
+  fleet.attached = static_cast<int>(workers_.size());
   for (const auto& [id, w] : workers_) {
-    if (w.Idle()) idle.push_back({w.id, w.host});
+    if (w.Idle()) {
+      idle.push_back({w.id, w.host});
+    } else {
+      fleet.busy.push_back({w.id, w.session == 0       ? "no stream (reconnecting)"
+                                  : w.awaiting_held     ? "returning"
+                                  : !w.stopping.empty() ? absl::StrCat("stopping ", JobName(*w.stopping.begin()))
+                                  : jobs_.count(w.job) && jobs_.at(w.job).spec().kind() == v1::RL_SESSION
+                                      ? absl::StrCat(JobName(w.job), " (an RL session: it holds the worker until it "
+                                                                    "ends or idles out)")
+                                      : JobName(w.job)});
+    }
   }
   // Jobs stored before --path-root was set (or under other roots) are judged again when they
   // start, restarts included: a spec an earlier configuration accepted must not run with
@@ -379,7 +395,16 @@ void Controller::Schedule() {
     const v1::Job& job = jobs_.at(id);
     return CheckPaths(job.spec(), job.tenant());
   };
-  const ScheduleDecision decision = ScheduleGangs(std::move(queue), std::move(idle), admit);
+  const ScheduleDecision decision = ScheduleGangs(std::move(queue), std::move(idle), admit, &fleet);
+  for (const GangWait& w : decision.waiting) {
+    v1::Job& job = jobs_.at(w.job);
+    if (job.pending_reason() == w.reason && job.beyond_fleet() == w.beyond_fleet) continue;
+    job.set_pending_reason(w.reason);
+    job.set_beyond_fleet(w.beyond_fleet);
+    v1::JobEvent note;  // watchers see why it waits, once per change
+    note.set_message(absl::StrCat("waiting: ", w.reason));
+    Commit(w.job, note);
+  }
   for (const GangRefusal& r : decision.refused) {
     v1::Job& job = jobs_.at(r.job);
     job.set_error(absl::StrCat("refused when starting (--path-root): ", r.why));

@@ -2,12 +2,34 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace odyssey::server {
 
+namespace {
+
+std::string Workers(size_t n) { return absl::StrCat(n, n == 1 ? " worker" : " workers"); }
+
+// "busy: w1 with jobs/7, w2 with jobs/8" (at most 4 named).
+std::string BusyList(const Fleet* fleet) {
+  if (!fleet || fleet->busy.empty()) return "";
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < fleet->busy.size() && i < 4; ++i) {
+    parts.push_back(absl::StrCat(fleet->busy[i].id, " with ", fleet->busy[i].job));
+  }
+  if (fleet->busy.size() > 4) parts.push_back(absl::StrCat(fleet->busy.size() - 4, " more"));
+  return absl::StrCat(" (busy: ", absl::StrJoin(parts, ", "), ")");
+}
+
+}  // namespace
+
 ScheduleDecision ScheduleGangs(std::vector<QueuedJob> queue, std::vector<IdleWorker> idle,
-                               const std::function<absl::Status(int64_t id)>& admit) {
+                               const std::function<absl::Status(int64_t id)>& admit, const Fleet* fleet) {
   ScheduleDecision out;
+  const size_t attached = fleet ? static_cast<size_t>(std::max(fleet->attached, 0)) : idle.size();
   // Highest priority first, then oldest.
   std::sort(queue.begin(), queue.end(), [](const QueuedJob& a, const QueuedJob& b) {
     return a.priority != b.priority ? a.priority > b.priority : a.id < b.id;
@@ -15,9 +37,29 @@ ScheduleDecision ScheduleGangs(std::vector<QueuedJob> queue, std::vector<IdleWor
   std::sort(idle.begin(), idle.end(), [](const IdleWorker& a, const IdleWorker& b) { return a.id < b.id; });
   std::vector<const IdleWorker*> free;
   for (const IdleWorker& w : idle) free.push_back(&w);
+  std::optional<int64_t> head;  // the first job that could run on the fleet but cannot start now
+  std::string head_why;
   for (const QueuedJob& job : queue) {
     const size_t need = static_cast<size_t>(job.world_size);
-    if (free.size() < need) break;  // gang: never partial; FIFO: nothing jumps the queue head
+    if (need > attached) {
+      out.waiting.push_back({job.id,
+                             absl::StrCat("needs ", Workers(need), ", ", attached,
+                                          " attached: more than the attached fleet; it starts once enough workers "
+                                          "attach and holds back no other job"),
+                             true});
+      continue;
+    }
+    if (head) {  // FIFO: nothing jumps the queue head
+      out.waiting.push_back({job.id, absl::StrCat("queued behind ", "jobs/", *head, " (", head_why,
+                                                  "); no backfill: server/README.md \"Scheduling\"")});
+      continue;
+    }
+    if (free.size() < need) {  // gang: never partial
+      head = job.id;
+      head_why = absl::StrCat("needs ", Workers(need), ", ", free.size(), " idle");
+      out.waiting.push_back({job.id, absl::StrCat(head_why, BusyList(fleet))});
+      continue;
+    }
     if (admit) {
       if (absl::Status s = admit(job.id); !s.ok()) {
         out.refused.push_back({job.id, std::string(s.message())});

@@ -37,12 +37,36 @@ TEST(ScheduleGangsTest, ASmallerJobNeverJumpsTheWaitingHead) {
     asked.push_back(id);
     return absl::OkStatus();
   };
-  const ScheduleDecision d = ScheduleGangs({{1, 0, 2}, {2, 0, 1}}, {{"w1", "h1"}}, admit);
+  // Two workers attached, w2 busy: job 1 could run on this fleet, so it holds the head.
+  const Fleet fleet{2, {{"w2", "jobs/7"}}};
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 2}, {2, 0, 1}}, {{"w1", "h1"}}, admit, &fleet);
   EXPECT_TRUE(d.starts.empty());
   EXPECT_TRUE(d.refused.empty());
   EXPECT_TRUE(asked.empty());
+  ASSERT_EQ(d.waiting.size(), 2u);
+  EXPECT_EQ(d.waiting[0].job, 1);
+  EXPECT_EQ(d.waiting[0].reason, "needs 2 workers, 1 idle (busy: w2 with jobs/7)");
+  EXPECT_FALSE(d.waiting[0].beyond_fleet);
+  EXPECT_EQ(d.waiting[1].job, 2);
+  EXPECT_EQ(d.waiting[1].reason,
+            "queued behind jobs/1 (needs 2 workers, 1 idle); no backfill: server/README.md \"Scheduling\"");
   // The same holds across priorities: the head is the highest priority job.
-  EXPECT_TRUE(ScheduleGangs({{1, 0, 1}, {2, 9, 2}}, {{"w1", "h1"}}).starts.empty());
+  EXPECT_TRUE(ScheduleGangs({{1, 0, 1}, {2, 9, 2}}, {{"w1", "h1"}}, nullptr, &fleet).starts.empty());
+}
+
+// A job larger than the attached fleet is flagged and holds back nothing (a world_size of 4096,
+// or 2 with one worker attached, used to block every later job, silently).
+TEST(ScheduleGangsTest, AJobBeyondTheFleetIsFlaggedAndBlocksNothing) {
+  const Fleet fleet{1, {}};
+  const ScheduleDecision d = ScheduleGangs({{1, 0, 4096}, {2, 0, 2}, {3, 0, 1}}, {{"w1", "h1"}}, nullptr, &fleet);
+  EXPECT_EQ(Started(d), (std::vector<int64_t>{3}));
+  ASSERT_EQ(d.waiting.size(), 2u);
+  EXPECT_TRUE(d.waiting[0].beyond_fleet);
+  EXPECT_EQ(d.waiting[0].reason,
+            "needs 4096 workers, 1 attached: more than the attached fleet; it starts once enough workers attach and "
+            "holds back no other job");
+  EXPECT_TRUE(d.waiting[1].beyond_fleet);
+  EXPECT_EQ(d.waiting[1].job, 2);
 }
 
 // Never a partial gang: a 3-worker job with 2 idle workers waits.
@@ -166,6 +190,38 @@ TEST_F(ControllerTest, PriorityFirstThenFifo) {
   EXPECT_EQ(Get(j2.name()).state(), v1::Job::RUNNING);
   EXPECT_EQ(Get(j1.name()).state(), v1::Job::PENDING);
   EXPECT_EQ(Get(j3.name()).state(), v1::Job::PENDING);
+}
+
+// Why a job waits is on the job (and shown by get/list/watch), and changes as the fleet does.
+TEST_F(ControllerTest, PendingJobsSayWhyTheyWait) {
+  auto w1 = Attach("w1");
+  auto rl = Request(1);
+  rl.mutable_spec()->set_kind(v1::RL_SESSION);
+  rl.mutable_spec()->clear_steps();
+  auto session = *controller_->CreateJob(rl, kAnon);
+  auto big = *controller_->CreateJob(Request(2), kAnon);
+  auto small = *controller_->CreateJob(Request(1), kAnon);
+  EXPECT_EQ(Get(session.name()).state(), v1::Job::RUNNING);
+  EXPECT_TRUE(Get(session.name()).pending_reason().empty());
+  // Two workers needed, one attached: flagged, and it does not hold back the 1-worker job,
+  // which waits for the busy worker instead, naming what holds it.
+  EXPECT_TRUE(Get(big.name()).beyond_fleet());
+  EXPECT_THAT(Get(big.name()).pending_reason(), ::testing::HasSubstr("needs 2 workers, 1 attached"));
+  EXPECT_EQ(Get(small.name()).pending_reason(),
+            "needs 1 worker, 0 idle (busy: w1 with " + session.name() +
+                " (an RL session: it holds the worker until it ends or idles out))");
+  // A second worker attaches: the 2-worker job is the head now, and the small one queues behind it.
+  auto w2 = Attach("w2");
+  EXPECT_FALSE(Get(big.name()).beyond_fleet());
+  EXPECT_EQ(Get(big.name()).pending_reason(), "needs 2 workers, 1 idle (busy: w1 with " + session.name() +
+                                                  " (an RL session: it holds the worker until it ends or idles out))");
+  EXPECT_THAT(Get(small.name()).pending_reason(), ::testing::HasSubstr("queued behind " + big.name()));
+  EXPECT_EQ(Get(small.name()).state(), v1::Job::PENDING);  // w2 is idle, but the head needs it
+  // The session ends: the head starts, its reason is cleared.
+  Result(w1, session.name(), 0, true);
+  EXPECT_EQ(Get(big.name()).state(), v1::Job::RUNNING);
+  EXPECT_TRUE(Get(big.name()).pending_reason().empty());
+  EXPECT_THAT(Get(small.name()).pending_reason(), ::testing::HasSubstr("needs 1 worker, 0 idle"));
 }
 
 }  // namespace
