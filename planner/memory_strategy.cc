@@ -1,5 +1,7 @@
 #include "planner/memory_strategy.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace odyssey::planner {
@@ -117,5 +119,9 @@ int64_t HostBudget(int64_t host_memory_bytes, int64_t spec_budget_bytes) {
 }
 
 int64_t UsableGpuBytes(int64_t device_memory_bytes) { return device_memory_bytes - (int64_t{3} << 30); }
+
+int64_t UsableCpuBytes(int64_t host_memory_bytes, int64_t spec_budget_bytes) {
+  return std::max<int64_t>(0, HostBudget(host_memory_bytes, spec_budget_bytes) - kCpuProcessBytes);
+}
 
 }  // namespace odyssey::planner

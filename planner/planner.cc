@@ -23,6 +23,12 @@ struct Search {
 
 // Why nothing fits when the planner was free: the least-bad candidate and by how much it misses.
 std::string NothingFits(int64_t seq_len, int64_t batch_size, const Search& found, const Hardware& hw) {
+  if (hw.cpu) {
+    return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, " needs at least ",
+                        GiB(found.best.prediction.gpu_peak_bytes), " of host memory on a CPU worker with the best "
+                        "strategy (", found.best.strategy.Describe(), "), over the ", GiB(hw.gpu_bytes),
+                        " a CPU rank may use there by ", GiB(found.over));
+  }
   return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, " needs at least ",
                       GiB(found.best.prediction.gpu_peak_bytes), " of GPU memory and ",
                       GiB(found.best.prediction.host_bytes), " of pinned host memory with the best strategy (",
@@ -33,6 +39,11 @@ std::string NothingFits(int64_t seq_len, int64_t batch_size, const Search& found
 // Why a strategy the job's fields decided (wholly or in part) does not fit.
 std::string StrategyMisses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s, const Prediction& p,
                            const Hardware& hw) {
+  if (hw.cpu) {
+    return absl::StrCat("does not fit: the strategy needs ", GiB(p.gpu_peak_bytes), " of host memory on a CPU "
+                        "worker; a CPU rank may use ", GiB(hw.gpu_bytes), " there (", seq_len, " tokens x ",
+                        batch_size, ", ", s.Describe(), ")");
+  }
   return absl::StrCat("does not fit: the strategy needs ", GiB(p.gpu_peak_bytes), " of GPU memory and ",
                       GiB(p.host_bytes), " of pinned host memory; the machine has ", GiB(hw.gpu_bytes), " / ",
                       GiB(hw.host_bytes), " (", seq_len, " tokens x ", batch_size, ", ", s.Describe(), ")");
@@ -291,6 +302,14 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   absl::StatusOr<JobPlan> plan = PlanJob(q);
   if (!plan.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", plan.status().message()));
   return plan;
+}
+
+Hardware CpuHardware(int64_t host_memory_bytes, int64_t spec_budget_bytes) {
+  Hardware h;
+  h.gpu_bytes = UsableCpuBytes(host_memory_bytes, spec_budget_bytes);
+  h.host_bytes = 0;
+  h.cpu = true;
+  return h;
 }
 
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hw, int64_t granularity) {

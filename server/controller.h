@@ -329,16 +329,18 @@ class Controller {
   // planning.cc.
   // CreateJob's admission: the one planning rule (planner::PlanJobSpec, as Plan applies it) for
   // one rank of `spec` on MachineToPlanFor(); FAILED_PRECONDITION saying by how much when it
-  // does not fit, INVALID_ARGUMENT when the memory fields cannot run on the model. Not checked
-  // when only CPU workers are attached (the planner models GPU ranks).
+  // does not fit, INVALID_ARGUMENT when the memory fields cannot run on the model. With only
+  // CPU workers attached, by their host memory (MachineToPlanFor).
   absl::Status CheckFits(const odyssey::v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The machine one rank is planned for: the largest GPU among the attached workers, with that
-  // worker's host memory (raw sizes; PlanHardware applies planner::MachineHardware's rule); an
-  // H200 host when no GPU worker is attached. `source` says which; `gpu_worker` is false when
-  // none is attached.
+  // worker's host memory (raw sizes; PlanHardware applies planner::MachineHardware's rule);
+  // with only CPU workers attached, the one with the most host memory (a CPU rank computes in
+  // host memory: planner::CpuHardware); an H200 host when no worker is attached. `source` says
+  // which.
   struct PlanMachine {
     int64_t device_memory_bytes = 0, host_memory_bytes = 0;  // 0: an H200 host (planner::Hardware{})
     bool any_worker = false, gpu_worker = false;
+    bool cpu = false;  // only CPU workers: host_memory_bytes is the largest one's
     std::string source;
   };
   PlanMachine MachineToPlanFor() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

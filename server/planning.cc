@@ -32,12 +32,41 @@ Controller::PlanMachine Controller::MachineToPlanFor() const {
     }
     m.gpu_worker = true;
   }
+  if (m.any_worker && !m.gpu_worker) {
+    m.cpu = true;
+    for (const auto& [id, w] : workers_) {
+      if (w.capabilities.host_memory_bytes() > m.host_memory_bytes) {
+        m.host_memory_bytes = w.capabilities.host_memory_bytes();
+        m.source = absl::StrCat("CPU worker ", id, " (", absl::StrFormat("%.1f", w.capabilities.host_memory_bytes() / double(1 << 30)),
+                                " GiB host memory, the most of the attached CPU workers)");
+      }
+    }
+    if (m.host_memory_bytes <= 0) {  // no worker said: nothing to check against
+      m.cpu = false;
+      m.source = "an H200 host (the attached CPU workers report no host memory)";
+    }
+  }
   return m;
 }
 
+namespace {
+
+// The spec as the planner reads it on `hw`: a CPU rank runs dtype auto as float32.
+v1::JobSpec PlannedSpec(const v1::JobSpec& spec, const planner::Hardware& hw) {
+  v1::JobSpec out = spec;
+  if (hw.cpu && (spec.model().dtype().empty() || spec.model().dtype() == "auto")) {
+    out.mutable_model()->set_dtype("float32");
+  }
+  return out;
+}
+
+}  // namespace
+
 planner::Hardware Controller::PlanHardware(const PlanMachine& machine, int64_t spec_host_budget_bytes) {
-  planner::Hardware h;  // an H200 host's when no GPU worker is attached
-  if (machine.gpu_worker) {
+  planner::Hardware h;  // an H200 host's when no worker is attached
+  if (machine.cpu) {
+    h = planner::CpuHardware(machine.host_memory_bytes, spec_host_budget_bytes);
+  } else if (machine.gpu_worker) {
     h = planner::MachineHardware(machine.device_memory_bytes, machine.host_memory_bytes, spec_host_budget_bytes);
   } else if (spec_host_budget_bytes > 0) {
     h.host_bytes = spec_host_budget_bytes;
@@ -47,14 +76,16 @@ planner::Hardware Controller::PlanHardware(const PlanMachine& machine, int64_t s
 
 absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
   const PlanMachine machine = MachineToPlanFor();
-  if (machine.any_worker && !machine.gpu_worker) return absl::OkStatus();
   // A model that does not resolve is validation's to name (ValidateJobSpec runs at the edge).
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(spec.model().name());
   if (!config.ok()) return absl::OkStatus();
-  absl::StatusOr<planner::JobPlan> plan =
-      planner::PlanJobSpec(spec, *config, PlanHardware(machine, spec.memory().host_budget_bytes()));
+  const planner::Hardware hw = PlanHardware(machine, spec.memory().host_budget_bytes());
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(PlannedSpec(spec, hw), *config, hw);
   if (!plan.ok()) return plan.status();
-  if (!plan->fits) return absl::FailedPreconditionError(absl::StrCat("spec.data.seq_len: ", plan->message));
+  if (!plan->fits) {
+    return absl::FailedPreconditionError(absl::StrCat("spec.data.seq_len: ", plan->message, " (planned for ",
+                                                      machine.source, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -70,15 +101,15 @@ absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request
     const PlanMachine machine = MachineToPlanFor();
     hardware = PlanHardware(machine, spec_budget);
     source = machine.source;
-    if (machine.any_worker && !machine.gpu_worker) {
-      source = "an H200 host (only CPU workers are attached: CreateJob does not check their memory)";
-    }
   }
   if (request.gpu_bytes() > 0 || request.host_bytes() > 0) source = "the request";
-  if (request.gpu_bytes() > 0) hardware.gpu_bytes = request.gpu_bytes();
+  if (request.gpu_bytes() > 0) {
+    hardware.gpu_bytes = request.gpu_bytes();
+    hardware.cpu = false;  // the request names a GPU
+  }
   if (request.host_bytes() > 0 && spec_budget <= 0) hardware.host_bytes = request.host_bytes();
 
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(spec, *config, hardware);
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(PlannedSpec(spec, hardware), *config, hardware);
   if (!plan.ok()) return plan.status();
   v1::PlanResponse out;
   out.set_planned_gpu_bytes(hardware.gpu_bytes);

@@ -19,7 +19,7 @@ using testing::kAnon;
 
 // CreateJob runs the planner before anything is stored or allocated: a 3B model at 8M tokens
 // fits no H200 (the machine assumed while no worker is attached), nor an attached 80 GB GPU;
-// 64K fits. Only CPU workers attached: no GPU verdict.
+// 64K fits.
 TEST_F(ControllerTest, PlannerRefusesJobsThatCannotFit) {
   v1::CreateJobRequest big = Request(1);
   big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
@@ -132,12 +132,39 @@ TEST_F(ControllerTest, PlanAnswersWhatCreateJobWouldDecide) {
   EXPECT_EQ(controller_->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(ControllerTest, PlannerDoesNotJudgeCpuWorkers) {
-  Attach("cpu-0");
-  v1::CreateJobRequest big = Request(1);
-  big.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
-  big.mutable_spec()->mutable_data()->set_seq_len(int64_t{8} << 20);
-  EXPECT_TRUE(controller_->CreateJob(big, kAnon).ok());
+// With only CPU workers attached, admission is by their host memory (planner::CpuHardware):
+// a job that would have the kernel OOM-kill the worker is refused saying how much it needs.
+TEST_F(ControllerTest, CpuWorkersAdmitByHostMemory) {
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("cpu-0");
+  caps.set_device("cpu");
+  caps.set_host_memory_bytes(int64_t{8} << 30);
+  caps.set_device_memory_bytes(int64_t{8} << 30);  // a CPU worker reports its host memory as its device's
+  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
+  v1::CreateJobRequest huge = Request(1);
+  huge.mutable_spec()->mutable_data()->set_batch_size(int64_t{1} << 20);  // 64 x 2^20 positions
+  auto r = controller_->CreateJob(huge, kAnon);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("of host memory on a CPU worker"));
+  EXPECT_THAT(r.status().message(), HasSubstr("CPU worker cpu-0 (8.0 GiB host memory"));
+  // An RL session's capacity (seq_len x batch_size per call) is admitted the same way.
+  v1::CreateJobRequest rl = Request(1);
+  rl.mutable_spec()->set_kind(v1::RL_SESSION);
+  rl.mutable_spec()->clear_steps();
+  rl.mutable_spec()->mutable_model()->set_name("llama-3.2-1b");
+  rl.mutable_spec()->mutable_data()->set_seq_len(4096);
+  rl.mutable_spec()->mutable_data()->set_batch_size(16);
+  r = controller_->CreateJob(rl, kAnon);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // What fits is accepted; Plan answers the same on the same machine.
+  EXPECT_TRUE(controller_->CreateJob(Request(1), kAnon).ok());
+  v1::PlanRequest plan;
+  *plan.mutable_spec() = huge.spec();
+  auto answer = controller_->Plan(plan);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_FALSE(answer->fits());
+  EXPECT_THAT(answer->hardware(), HasSubstr("CPU worker cpu-0"));
 }
 
 }  // namespace

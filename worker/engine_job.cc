@@ -124,29 +124,31 @@ namespace {
 
 // Fills o->memory from the job's memory fields: on a GPU by planner::PlanModelJob, the rule the
 // controller's admission and PlannerService.Plan apply (the set fields fixed, the planner's
-// choice for the rest, this device's memory and the one host-budget rule); on a CPU the unset
-// fields are MemoryStrategy's defaults (off). Either way the strategy is validated whole.
+// choice for the rest, this device's memory and the one host-budget rule; on a CPU its host
+// memory, planner::CpuHardware). Either way the strategy is validated whole.
 absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) {
   absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
   if (!device.ok()) return device.status();
   const int64_t host_budget = planner::HostBudget(HostMemoryBytes(), j.memory.host_budget_bytes);
-  if (!device->is_cuda()) {
-    o->memory = j.memory.ApplyTo(planner::MemoryStrategy{});
-    o->memory.host_budget_bytes = host_budget;
-    return o->memory.Validate();
-  }
-  const engine::DeviceMemory mem = engine::ReadDeviceMemory(*device);
   planner::Hardware hw;  // an H200's when the device does not say
-  if (mem.total > 0) hw.gpu_bytes = planner::UsableGpuBytes(mem.total);
-  hw.host_bytes = host_budget;
-  absl::StatusOr<planner::JobPlan> plan =
-      planner::PlanModelJob(j.model, j.dtype, j.seq_len, j.batch_size, j.memory, hw);
+  std::string dtype = j.dtype;
+  if (!device->is_cuda()) {
+    // A CPU rank computes in host memory (planner::CpuHardware), in float32 unless the spec says.
+    hw = planner::CpuHardware(HostMemoryBytes(), j.memory.host_budget_bytes);
+    if (dtype.empty() || dtype == "auto") dtype = "float32";
+  } else {
+    const engine::DeviceMemory mem = engine::ReadDeviceMemory(*device);
+    if (mem.total > 0) hw.gpu_bytes = planner::UsableGpuBytes(mem.total);
+    hw.host_bytes = host_budget;
+  }
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, j.seq_len, j.batch_size, j.memory, hw);
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
   o->memory = plan->strategy;
   LogInfo(absl::StrCat("job=", j.job, " memory: ", j.memory.AllSet() ? "the spec's " : "planner chose ",
-                       o->memory.Describe(), " (predicted GPU peak ", plan->prediction.gpu_peak_bytes >> 20,
+                       o->memory.Describe(), " (predicted ", hw.cpu ? "host" : "GPU", " peak ",
+                       plan->prediction.gpu_peak_bytes >> 20,
                        " MiB, host ", plan->prediction.host_bytes >> 20, " MiB)"));
   return o->memory.Validate();
 }
