@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   odyssey::ServerTlsFiles tls;
   odyssey::server::PathPolicyOptions paths;
   double sequence_wait_s = 30;
+  int max_threads = 1024;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound gRPC port here (atomically) once serving");
@@ -59,6 +60,12 @@ int main(int argc, char** argv) {
                  "Seconds a sequenced TrainingService call waits for its predecessor before it gets ABORTED")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--max-threads", max_threads,
+                 "Most threads serving gRPC calls: every open stream (a worker's Attach, a WatchJob) and every "
+                 "call in progress (a TrainingService call waiting for its worker) holds one; beyond it new calls "
+                 "get RESOURCE_EXHAUSTED instead of the process growing a thread per abandoned stream")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 1 << 16));
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
                  "Rank 0 of job N hosts its rendezvous on port base + N % 10000")
       ->capture_default_str();
@@ -161,6 +168,9 @@ int main(int argc, char** argv) {
   builder.RegisterService(&training_service);
   builder.RegisterService(&worker_service);
   builder.RegisterService(&planner_service);
+  grpc::ResourceQuota quota("odyssey-controller");
+  quota.SetMaxThreads(max_threads);  // the sync server answers RESOURCE_EXHAUSTED past it
+  builder.SetResourceQuota(quota);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     std::cerr << "odyssey-controller: cannot listen on --listen " << listen << "\n";

@@ -38,6 +38,7 @@ class ControllerProcess {
   int Terminate();
 
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }
   int metrics_port() const { return metrics_port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   std::string log_path() const;
