@@ -206,6 +206,17 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   // 3. Nested groups of k layers when the host cannot hold one input per layer.
   // 4. All of that again with the optimizer state on the host (costs ~24 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
+  if (hw.cpu) {
+    // A CPU rank: host memory is its device, so there is nothing to offload to or put the
+    // optimizer on. Plain autograd first (CPU memory is plentiful and recompute costs ~1.3x),
+    // then recompute every layer, then nested groups.
+    if (consider(candidate(Recompute::kNone, 2, false, 0, false))) return out;
+    if (consider(candidate(Recompute::kLayer, 2, false, 0, false))) return out;
+    for (int64_t k : {int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {
+      if (consider(candidate(Recompute::kEveryK, k, false, 0, false))) return out;
+    }
+    return out;
+  }
   if (options.allow_keep_attention) {
     MemoryStrategy keep = candidate(Recompute::kLayer, 2, false, 0, false);
     keep.keep_attention = true;

@@ -86,6 +86,30 @@ TEST(PlannerTest, ChoosesOffloadOnlyWhenNeeded) {
   EXPECT_LE(c512->prediction.host_bytes, h200.host_bytes);
 }
 
+// A CPU rank computes in host memory: plain autograd while it fits, then recompute; never
+// offload or the optimizer "on the host" (there is no other memory); messages say host memory.
+TEST(PlannerTest, CpuRanksPlanInHostMemoryWithoutOffload) {
+  const Hardware cpu = CpuHardware(int64_t{128} << 30, 0);  // 3B in fp32: 51 GB of static state
+  EXPECT_TRUE(cpu.cpu);
+  EXPECT_EQ(cpu.host_bytes, 0);
+  EXPECT_EQ(cpu.gpu_bytes, (int64_t{128} << 30) / 100 * 85 - kCpuProcessBytes);
+  EXPECT_EQ(CpuHardware(int64_t{64} << 30, int64_t{10} << 30).gpu_bytes, (int64_t{8} << 30));
+  ChooseOptions fp32;
+  fp32.param_bytes = 4;
+  auto small = Choose(Llama3B(), 512, 1, cpu, fp32);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->strategy.recompute, Recompute::kNone);
+  auto longer = Choose(Llama3B(), 65536, 1, cpu, fp32);
+  ASSERT_TRUE(longer.ok()) << longer.status();
+  EXPECT_NE(longer->strategy.recompute, Recompute::kNone) << longer->strategy.Describe();
+  EXPECT_FALSE(longer->strategy.offload);
+  EXPECT_FALSE(longer->strategy.optimizer_on_host);
+  auto huge = Choose(Llama3B(), 1 << 20, 1, cpu, fp32);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.status().message().find("of host memory on a CPU worker"), std::string::npos) << huge.status();
+  EXPECT_EQ(huge.status().message().find("offload=on"), std::string::npos) << huge.status();
+}
+
 TEST(PlannerTest, RefusesWhatCannotFitSayingByHowMuch) {
   Hardware small;
   small.gpu_bytes = int64_t{24} << 30;

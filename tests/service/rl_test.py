@@ -318,7 +318,9 @@ def case_bad_input(c):
         ("batch over the planned size", fb(big), "batch:", f"limit of {SEQ_LEN * BATCH_SIZE}"),
         ("empty batch", fb([]), "batch:", "empty"),
         ("bad adam.lr", lambda: c.training.OptimStep(pb.OptimStepRequest(job=job, adam=pb.AdamWParams(lr=-1)),
-                                                     timeout=60), "adam.lr", "> 0"),
+                                                     timeout=60), "adam.lr", "in (0, 10]"),
+        ("huge adam.lr", lambda: c.training.OptimStep(pb.OptimStepRequest(job=job, adam=pb.AdamWParams(lr=1e300)),
+                                                      timeout=60), "adam.lr", "in (0, 10]"),
         ("NaN adam.beta1", lambda: c.training.OptimStep(
             pb.OptimStepRequest(job=job, adam=pb.AdamWParams(lr=1e-3, beta1=float("nan"))), timeout=60),
          "adam.beta1", "[0, 1)"),

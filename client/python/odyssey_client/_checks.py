@@ -32,8 +32,8 @@ def check_loss(kind: str, clip_low: Optional[float], clip_high: Optional[float],
 
 
 def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, field: str = "adam") -> None:
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"{field}.lr ({lr}) must be > 0 and finite")
+    if not (0 < lr <= 10):  # the controller's bound (server/validation.h kMaxLearningRate)
+        raise ValueError(f"{field}.lr ({lr}) must be in (0, 10]")
     if not (0 <= beta1 < 1):
         raise ValueError(f"{field}.beta1 ({beta1}) must be in [0, 1)")
     if not (0 <= beta2 < 1):

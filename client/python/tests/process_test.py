@@ -178,12 +178,17 @@ def case_api(args, cluster, site):
         if not cond:
             raise Failure(what)
 
-    # The planner before a session: a 3B session of 64 x 4096 positions fits an H200 (no GPU
-    # worker is attached); 4M positions fit nothing; planning creates no job.
-    plan = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=64, max_seq_len=True)
+    # The planner before a session: a 3B session of 64 x 4096 positions fits an H200 (named by
+    # the request: the attached worker is a CPU one, planned by its host memory); 4M positions
+    # fit nothing; planning creates no job.
+    h200 = dict(gpu_bytes=136 << 30, host_bytes=110 << 30)
+    plan = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=64, max_seq_len=True, **h200)
     expect(plan.fits and plan.memory.recompute == "layer" and plan.gpu_peak_bytes > 0 and len(plan.terms) > 3
-           and plan.max_seq_len > 1_000_000 and "H200" in plan.hardware, f"plan_session: {plan}")
-    big = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=1024)
+           and plan.max_seq_len > 1_000_000 and plan.hardware == "the request", f"plan_session: {plan}")
+    on_cpu = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=64)
+    expect(not on_cpu.fits and "CPU worker" in on_cpu.hardware and "of host memory on a CPU worker" in on_cpu.message
+           and "offload=on" not in on_cpu.message, f"plan_session on the CPU worker: {on_cpu}")
+    big = client.plan_session("llama-3.2-3b", seq_len=4096, batch_size=1024, **h200)
     expect(not big.fits and "does not fit" in big.message, f"plan_session of 4M positions: {big}")
     try:
         client.plan_session("llama-3.2-3b", seq_len=0)
