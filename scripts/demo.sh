@@ -3,7 +3,9 @@
 # out/demo-state) and one odyssey-worker on loopback ports picked at run time, submits the
 # default SFT job (the tiny byte-level model on the King James text) with the `odyssey` CLI,
 # shows its live progress, and stops everything on completion or Ctrl-C.
-# The final checkpoint (a Hugging Face folder that transformers loads) lands in out/demo/.
+# Each run writes its checkpoints to a folder of its own, out/demo/run-<UTC time> (out/demo/latest
+# links to the newest), so a second run never touches the first's results; the final checkpoint
+# (a Hugging Face folder that transformers loads) is printed at the end.
 #
 # Options: --steps N (default 300), --device cpu|cuda|cuda:N|auto (default cpu),
 #          --threads N (torch CPU threads of the worker; default: the machine's cores).
@@ -19,7 +21,7 @@ while (($#)); do
     --steps) steps="$2"; shift 2 ;;
     --device) device="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -28,9 +30,13 @@ bash scripts/build.sh
 bin="$root/build"
 cli="$bin/client/odyssey"
 state="$root/out/demo-state"
-ckpt="$root/out/demo"
-rm -rf "$state"  # each demo starts with an empty job store
-mkdir -p "$state"
+# A folder per run: checkpoint folders belong to one job (worker/README.md "Checkpoint
+# folders"), and each demo's job is a new store's, so a shared folder would refuse the second run.
+run="run-$(date -u +%Y%m%dT%H%M%SZ)"
+[ -e "$root/out/demo/$run" ] && run="$run-$$"
+ckpt="$root/out/demo/$run"
+rm -rf "$state"  # each demo starts with an empty job store (its results stay in out/demo/run-*)
+mkdir -p "$state" "$root/out/demo"
 
 pids=()
 watch_pid=""
@@ -103,6 +109,7 @@ watch_pid=""
 "$cli" --controller "$controller" get "$job"
 last=$(ls -d "$ckpt"/step-* 2>/dev/null | tail -1 || true)
 if [ -n "$last" ]; then
-  echo "demo: final checkpoint $last"
+  ln -sfn "$run" "$root/out/demo/latest"
+  echo "demo: final checkpoint $last (earlier runs: out/demo/run-*; out/demo/latest is this one)"
   echo "demo: load it with: .venv/bin/python -c 'import transformers; transformers.AutoModelForCausalLM.from_pretrained(\"$last\")'"
 fi

@@ -4,6 +4,7 @@
 #include "server/controller.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -238,6 +239,37 @@ std::string Controller::DefaultCheckpointDir(int64_t id, const std::string& tena
   return absl::StrCat(options_.checkpoint_root, "/job-", id);
 }
 
+std::string Controller::CheckpointDirOf(int64_t id) {
+  const v1::Job& job = jobs_.at(id);
+  return job.spec().checkpoint().directory().empty() ? DefaultCheckpointDir(id, job.tenant())
+                                                      : job.spec().checkpoint().directory();
+}
+
+std::string Controller::CheckpointOwner(int64_t id) { return absl::StrCat(store_->store_id(), "/", JobName(id)); }
+
+absl::Status Controller::CheckFolderFree(const v1::JobSpec& spec, const std::string& tenant) {
+  if (spec.checkpoint().directory().empty()) return absl::OkStatus();
+  // One spelling per folder ("/a/b/", "/a/./b" and "/a/b" are one); links are the workers' to
+  // catch (their owner check reads the folder itself).
+  auto normal = [](const std::string& dir) {
+    std::error_code ec;
+    std::string s = std::filesystem::absolute(dir, ec).lexically_normal().string();
+    while (s.size() > 1 && s.back() == '/') s.pop_back();
+    return s;
+  };
+  const std::string wanted = normal(spec.checkpoint().directory());
+  for (const auto& [id, job] : jobs_) {
+    if (job.state() != v1::Job::PENDING && job.state() != v1::Job::RUNNING) continue;
+    if (normal(CheckpointDirOf(id)) != wanted) continue;
+    const std::string by = job.tenant() == tenant ? JobName(id) : std::string("another tenant's job");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec.checkpoint.directory: \"", spec.checkpoint().directory(), "\" is in use by ", by, " (",
+        StateName(job.state()), "): a checkpoint folder serves one live job at a time (its keep-K pruning and step "
+        "folders are that job's); choose another folder or wait until ", by, " ends"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& request, const std::string& tenant) {
   if (absl::Status s = CheckPaths(request.spec(), tenant); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
@@ -253,6 +285,7 @@ absl::StatusOr<v1::Job> Controller::CreateJob(const v1::CreateJobRequest& reques
       return existing;
     }
   }
+  if (absl::Status free = CheckFolderFree(request.spec(), tenant); !free.ok()) return free;
   if (absl::Status fits = CheckFits(request.spec()); !fits.ok()) return fits;
   v1::Job job;
   *job.mutable_spec() = request.spec();
@@ -422,9 +455,7 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
   }
   const std::string rendezvous = absl::StrCat(workers_.at(worker_ids[0]).host, ":",
                                               options_.rendezvous_port_base + id % 10000);
-  const std::string checkpoint_dir = job.spec().checkpoint().directory().empty()
-                                         ? DefaultCheckpointDir(id, job.tenant())
-                                         : job.spec().checkpoint().directory();
+  const std::string checkpoint_dir = CheckpointDirOf(id);
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     v1::ControllerMessage message;
     v1::Assignment* a = message.mutable_assign();
@@ -435,6 +466,7 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
     a->set_rendezvous(rendezvous);
     a->set_resume_from(job.last_checkpoint());
     a->set_checkpoint_dir(checkpoint_dir);
+    a->set_checkpoint_owner(CheckpointOwner(id));
     SendTo(worker_ids[rank], message);
   }
   SetState(id, v1::Job::RUNNING,

@@ -197,6 +197,12 @@ class Controller {
   // <tenant folder>/checkpoints/job-<id> (so the tenant may load them back); else
   // <checkpoint_root>/job-<id>.
   std::string DefaultCheckpointDir(int64_t id, const std::string& tenant) const;
+  // Checkpoint folders (worker/README.md "Checkpoint folders"): a folder serves one live job at
+  // a time. CreateJob refuses a spec.checkpoint.directory that a PENDING or RUNNING job writes to
+  // (its own directory or its default folder; normalized absolute paths) with
+  // FAILED_PRECONDITION naming the folder and the job (another tenant's job is not named). The
+  // workers enforce the rest: a job's step folders carry its owner, "<store id>/jobs/N"
+  // (Assignment.checkpoint_owner), and a job does not start in a folder holding another's.
 
   // WorkerService. Returns the attach session id to pass back to the calls below.
   absl::StatusOr<int64_t> AttachWorker(const odyssey::v1::WorkerCapabilities& capabilities,
@@ -314,6 +320,15 @@ class Controller {
   // fails the jobs the path policy now refuses.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Assign(int64_t id, const std::vector<std::string>& worker_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where job `id` writes checkpoints: its spec's directory, else its default folder.
+  std::string CheckpointDirOf(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "<store id>/jobs/N": who job `id`'s step folders belong to, unique across job stores.
+  std::string CheckpointOwner(int64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION when a PENDING or RUNNING job writes checkpoints to `spec`'s
+  // checkpoint.directory (see CheckpointDirOf); OK for an empty one (a new job's default folder
+  // is its own).
+  absl::Status CheckFolderFree(const odyssey::v1::JobSpec& spec, const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the jobs-by-state and workers-by-state gauges from jobs_ and workers_.
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -38,11 +38,16 @@ int main(int argc, char** argv) {
   odyssey::server::PathPolicyOptions paths;
   double sequence_wait_s = 30;
   int max_threads = 1024;
+  bool init_store = false;
   app.add_option("--listen", listen, "gRPC address host:port (port 0 = any free port, see --port-file)")
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound gRPC port here (atomically) once serving");
   app.add_option("--state-dir", state_dir, "Folder of the SQLite job store (controller.db) and default checkpoints")
       ->capture_default_str();
+  app.add_flag("--init-store", init_store,
+               "Make an empty --state-dir/controller.db (0 bytes, or SQLite without tables) a new job store; "
+               "without it such a file is refused (a missing one is always created; one with other content is "
+               "never touched)");
   app.add_option("--metrics-listen", metrics_listen, "Prometheus /metrics address host:port (port 0 = any; empty = off)")
       ->capture_default_str();
   app.add_option("--metrics-port-file", metrics_port_file, "Write the bound metrics port here once serving");
@@ -134,7 +139,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string db_path = (std::filesystem::path(state_dir) / "controller.db").string();
-  auto store = odyssey::server::JobStore::Open(db_path);
+  auto store = odyssey::server::JobStore::Open(db_path, init_store);
   if (!store.ok()) {
     std::cerr << "odyssey-controller: " << store.status().message() << "\n";
     return 1;

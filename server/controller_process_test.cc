@@ -181,6 +181,43 @@ TEST_F(ControllerProcessTest, SameRequestIdCreatesOneJob) {
   EXPECT_EQ(ListAll().size(), 2u);
 }
 
+// A controller.db that lost its contents (0 bytes) does not start as an empty store (its job
+// ids would restart at jobs/1 and reuse the old jobs' default checkpoint folders): the binary
+// exits naming the file and the flag; with --init-store it starts a new store, and from then on
+// opens it without the flag.
+TEST_F(ControllerProcessTest, AnEmptyStoreIsRefusedUnlessInitIsAsked) {
+  StartController();
+  EXPECT_EQ(MustCreate(Spec()).name(), "jobs/1");
+  jobs_.reset();
+  channel_.reset();
+  ASSERT_EQ(controller_->Terminate(), 0);
+  controller_.reset();
+  const std::filesystem::path db = dir_ / "state" / "controller.db";
+  for (const char* suffix : {"-wal", "-shm"}) std::filesystem::remove(db.string() + suffix);
+  std::filesystem::resize_file(db, 0);
+
+  ControllerProcess::Options o;
+  o.binary = testing::ControllerBinaryFromEnv();
+  o.state_dir = (dir_ / "state").string();
+  o.work_dir = (dir_ / "refused").string();
+  auto refused = ControllerProcess::Start(o);
+  ASSERT_FALSE(refused.ok()) << "started on a 0-byte store";
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("job store " + db.string() + " is empty (0 bytes), not an odyssey job store"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--init-store"));
+  EXPECT_EQ(std::filesystem::file_size(db), 0u);
+
+  StartController({"--init-store"});
+  EXPECT_TRUE(ListAll().empty());
+  const v1::Job job = MustCreate(Spec());
+  jobs_.reset();
+  channel_.reset();
+  ASSERT_EQ(controller_->Terminate(), 0);
+  controller_.reset();
+  StartController();  // an odyssey store now
+  EXPECT_EQ(MustGet(job.name()).name(), job.name());
+}
+
 TEST_F(ControllerProcessTest, GangSchedulingOneRunsTheOtherWaitsThenRuns) {
   StartController();
   FakeWorker* w[3] = {AddWorker("w1"), AddWorker("w2"), AddWorker("w3")};

@@ -304,6 +304,60 @@ TEST_F(ControllerTest, WithoutAPathRootAnyAbsolutePathIsAllowed) {
   EXPECT_EQ(controller_->DefaultCheckpointDir(3, "alice"), (dir_ / "ckpt").string() + "/job-3");
 }
 
+// A checkpoint folder serves one live job: naming the folder of a PENDING or RUNNING job (its
+// directory or its default folder, however spelled) is refused naming the folder and the job,
+// another tenant's job unnamed; once the job ended the folder may be named again (the workers
+// then refuse it while it holds the job's steps: worker/checkpoint_folder.h). Every assignment
+// says whose the steps are: "<store id>/jobs/N", the same after a restart.
+TEST_F(ControllerTest, ACheckpointFolderInUseByALiveJobIsRefused) {
+  auto w1 = Attach("w1");
+  const std::string folder = (dir_ / "runs" / "a").string();
+  v1::CreateJobRequest first = Request(1, 10, "rid-a");
+  first.mutable_spec()->mutable_checkpoint()->set_directory(folder);
+  const v1::Job running = *controller_->CreateJob(first, kAnon);
+  ASSERT_EQ(w1.conn->Assignments().size(), 1u);
+  const v1::Assignment assigned = w1.conn->Assignments()[0];
+  EXPECT_EQ(assigned.checkpoint_dir(), folder);
+  EXPECT_THAT(assigned.checkpoint_owner(), ::testing::MatchesRegex("[0-9a-f]{32}/" + running.name()));
+  // A retry of the same request is the same job, not a second user of its folder.
+  EXPECT_EQ(controller_->CreateJob(first, kAnon)->name(), running.name());
+
+  auto with_dir = [&](const std::string& dir) {
+    v1::CreateJobRequest r = Request(1);
+    r.mutable_spec()->mutable_checkpoint()->set_directory(dir);
+    return r;
+  };
+  for (const std::string& spelling : {folder, folder + "/", (dir_ / "runs" / "." / "a").string(),
+                                      (dir_ / "runs" / "b" / ".." / "a").string()}) {
+    auto refused = controller_->CreateJob(with_dir(spelling), kAnon);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << spelling;
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::StartsWith("spec.checkpoint.directory: \"" + spelling + "\" is in use by " + running.name() +
+                                      " (RUNNING)"));
+  }
+  auto bobs = controller_->CreateJob(with_dir(folder), "bob");
+  EXPECT_EQ(bobs.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(bobs.status().message()), HasSubstr("is in use by another tenant's job (RUNNING)"));
+  EXPECT_THAT(std::string(bobs.status().message()), ::testing::Not(HasSubstr(running.name())));
+  // A queued job's default folder is taken as well.
+  const v1::Job pending = *controller_->CreateJob(Request(1), kAnon);
+  const std::string pending_default = controller_->DefaultCheckpointDir(*ParseJobName(pending.name()), kAnon);
+  auto taken = controller_->CreateJob(with_dir(pending_default), kAnon);
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(taken.status().message()), HasSubstr("in use by " + pending.name() + " (PENDING)"));
+  EXPECT_TRUE(controller_->CreateJob(with_dir((dir_ / "runs" / "other").string()), kAnon).ok());
+
+  Result(w1, running.name(), 0, true);
+  EXPECT_EQ(Get(running.name()).state(), v1::Job::SUCCEEDED);
+  EXPECT_TRUE(controller_->CreateJob(with_dir(folder), kAnon).ok());
+  Restart();  // the same store: the same owner for the same job
+  auto w2 = Attach("w2");
+  ASSERT_FALSE(w2.conn->Assignments().empty());
+  const v1::Assignment next = w2.conn->Assignments()[0];
+  EXPECT_EQ(next.checkpoint_owner().substr(0, 33), assigned.checkpoint_owner().substr(0, 33));
+  EXPECT_EQ(next.checkpoint_owner().substr(33), next.job());
+}
+
 TEST_F(ControllerTest, RequestIdsArePerTenant) {
   auto a1 = controller_->CreateJob(Request(1, 10, "same-id"), "alice");
   auto b1 = controller_->CreateJob(Request(1, 10, "same-id"), "bob");

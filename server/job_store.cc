@@ -1,6 +1,12 @@
 #include "server/job_store.h"
 
+#include <filesystem>
+#include <random>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
 
 namespace odyssey::server {
 namespace {
@@ -36,6 +42,10 @@ class Statement {
 };
 
 constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS meta (
+  key TEXT PRIMARY KEY,        -- 'store_id': the store's identity (32 hex digits)
+  value TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS jobs (
   id INTEGER PRIMARY KEY AUTOINCREMENT,
   state INTEGER NOT NULL,
@@ -71,12 +81,60 @@ DROP TABLE request_ids;
 COMMIT;
 )sql";
 
+// What an existing file holds, judged before anything is written to it.
+enum class Contents { kOdyssey, kEmpty, kOtherSqlite, kNotSqlite };
+struct Inspection {
+  Contents contents = Contents::kEmpty;
+  std::vector<std::string> tables;  // kOtherSqlite: what it holds instead
+};
+
+// Reads the table names only: no pragma that writes (journal_mode=WAL would turn an empty file
+// into a database) runs before the verdict.
+absl::StatusOr<Inspection> Inspect(sqlite3* db, const std::string& path) {
+  Inspection out;
+  {
+    Statement tables(db, "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name;");
+    if (!tables.ok()) {
+      if (sqlite3_errcode(db) == SQLITE_NOTADB) {
+        out.contents = Contents::kNotSqlite;
+        return out;
+      }
+      return absl::UnavailableError(absl::StrCat("job store ", path, ": cannot read it: ", sqlite3_errmsg(db)));
+    }
+    int rc;
+    while ((rc = tables.Step()) == SQLITE_ROW) out.tables.push_back(tables.ColumnBytes(0));
+    if (rc == SQLITE_NOTADB) {
+      out.contents = Contents::kNotSqlite;
+      return out;
+    }
+    if (rc != SQLITE_DONE)
+      return absl::UnavailableError(absl::StrCat("job store ", path, ": cannot read it: ", sqlite3_errmsg(db)));
+  }
+  if (out.tables.empty()) return out;  // kEmpty
+  Statement columns(db,
+                    "SELECT COUNT(*) FROM pragma_table_info('jobs') WHERE name IN ('id', 'state', 'priority', 'job');");
+  const bool odyssey = columns.ok() && columns.Step() == SQLITE_ROW && columns.ColumnInt(0) == 4;
+  out.contents = odyssey ? Contents::kOdyssey : Contents::kOtherSqlite;
+  return out;
+}
+
+// 128 random bits as 32 lowercase hex digits.
+std::string NewStoreId() {
+  std::random_device rd;
+  auto word = [&rd] { return (static_cast<uint64_t>(rd()) << 32) | rd(); };
+  const uint64_t hi = word(), lo = word();
+  return absl::StrFormat("%016x%016x", hi, lo);
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path, bool initialize) {
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(path, ec);
+  // Only a missing file is created: an existing one is judged first.
   sqlite3* db = nullptr;
-  int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
-                           nullptr);
+  int rc = sqlite3_open_v2(path.c_str(), &db,
+                           SQLITE_OPEN_READWRITE | SQLITE_OPEN_FULLMUTEX | (exists ? 0 : SQLITE_OPEN_CREATE), nullptr);
   if (rc != SQLITE_OK) {
     std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
     sqlite3_close(db);
@@ -85,6 +143,38 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   std::unique_ptr<JobStore> store(new JobStore(db));
   absl::MutexLock lock(&store->mu_);
   sqlite3_busy_timeout(db, 5000);
+  bool initialized = false;
+  if (exists) {
+    absl::StatusOr<Inspection> found = Inspect(db, path);
+    if (!found.ok()) return found.status();
+    const uintmax_t size = std::filesystem::file_size(path, ec);
+    const std::string bytes = ec ? std::string("?") : absl::StrCat(size);
+    switch (found->contents) {
+      case Contents::kOdyssey:
+        break;
+      case Contents::kEmpty:
+        if (!initialize) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "job store ", path, " is ", size == 0 ? "empty (0 bytes)" : "a SQLite database without tables",
+              ", not an odyssey job store: if it held this controller's jobs, they are lost (restore it from a "
+              "backup; starting over would reuse job ids and their default checkpoint folders); to make it a new, "
+              "empty job store, start odyssey-controller with --init-store"));
+        }
+        initialized = true;
+        break;
+      case Contents::kNotSqlite:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job store ", path, " is not a SQLite database (", bytes,
+            " bytes), so not an odyssey job store; it was left untouched (--init-store never overwrites a file "
+            "with content): move it away or choose another --state-dir"));
+      case Contents::kOtherSqlite:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job store ", path, " is a SQLite database without odyssey's tables (it holds ",
+            absl::StrJoin(found->tables, ", "),
+            "), not an odyssey job store; it was left untouched (--init-store never adds to a file with content): "
+            "move it away or choose another --state-dir"));
+    }
+  }
   for (const char* sql : {"PRAGMA journal_mode=WAL;", "PRAGMA synchronous=NORMAL;", kSchema}) {
     if (absl::Status s = store->Exec(sql); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("job store ", path, ": ", s.message()));
@@ -103,7 +193,42 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
                                                  s.message()));
     }
   }
+  bool migrated = false;  // an odyssey store written before store ids
+  if (exists && !initialized) {
+    Statement had_id(db, "SELECT 1 FROM meta WHERE key = 'store_id';");
+    migrated = had_id.ok() && had_id.Step() != SQLITE_ROW;
+  }  // finalized: no read transaction left open
+  if (absl::Status s = store->LoadOrCreateStoreId(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("job store ", path, ": store id: ", s.message()));
+  }
+  if (!exists) {
+    spdlog::info("job store {}: created (store id {})", path, store->store_id_);
+  } else if (initialized) {
+    spdlog::warn("job store {}: it was empty; initialized as a new job store (store id {}) as --init-store asked",
+                 path, store->store_id_);
+  } else if (migrated) {
+    spdlog::info("job store {}: written before store ids; its store id is now {}", path, store->store_id_);
+  }
   return store;
+}
+
+absl::Status JobStore::LoadOrCreateStoreId() {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      Statement select(db_, "SELECT value FROM meta WHERE key = 'store_id';");
+      if (!select.ok()) return Error("prepare select store id");
+      if (select.Step() == SQLITE_ROW) {
+        store_id_ = select.ColumnBytes(0);
+        return absl::OkStatus();
+      }
+    }
+    // INSERT OR IGNORE: of two processes opening an old store at once, the first id stays.
+    Statement insert(db_, "INSERT OR IGNORE INTO meta (key, value) VALUES ('store_id', ?);");
+    if (!insert.ok()) return Error("prepare insert store id");
+    insert.BindText(1, NewStoreId());
+    if (insert.Step() != SQLITE_DONE) return Error("insert store id");
+  }
+  return absl::InternalError("no store id after writing one");
 }
 
 JobStore::~JobStore() {

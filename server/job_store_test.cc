@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace odyssey::server {
@@ -101,15 +104,104 @@ TEST(JobStoreTest, RequestIdsOfAnOlderStoreBecomeTheAnonymousTenants) {
     sqlite3_finalize(insert);
     sqlite3_close(db);
   }
+  std::string store_id;  // it gets one (stores before meta had none), kept from then on
   for (int open = 0; open < 2; ++open) {  // the second open finds nothing left to move
     auto store = JobStore::Open(path);
     ASSERT_TRUE(store.ok()) << store.status();
+    EXPECT_EQ((*store)->store_id().size(), 32u);
+    if (open == 0) store_id = (*store)->store_id();
+    EXPECT_EQ((*store)->store_id(), store_id);
+    ASSERT_EQ((*store)->LoadJobs()->size(), 1u);
     auto rids = (*store)->LoadRequestIds();
     ASSERT_TRUE(rids.ok()) << rids.status();
     ASSERT_EQ(rids->size(), 1u);
     EXPECT_EQ((*rids)[0].tenant, "");
     EXPECT_EQ((*rids)[0].request_id, "old-req");
     EXPECT_EQ((*rids)[0].job_id, 1);
+  }
+}
+
+// The store's identity: random, fixed at creation, kept across opens; two stores never share it.
+TEST(JobStoreTest, ANewStoreGetsAnIdentityItKeeps) {
+  const std::string path = TempDb("id.db");
+  std::string id;
+  {
+    auto store = JobStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    id = (*store)->store_id();
+    EXPECT_EQ(id.size(), 32u);
+    EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  }
+  auto again = JobStore::Open(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->store_id(), id);
+  auto other = JobStore::Open(TempDb("id2.db"));
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_NE((*other)->store_id(), id);
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A file that exists but is not an odyssey store never opens as an empty store (its job ids
+// would restart at 1 and reuse default checkpoint folders): refused naming the file. Only an
+// empty one (0 bytes, or SQLite without tables) becomes a store, and only when asked; a file
+// with other content is left untouched even then.
+TEST(JobStoreTest, AFileThatIsNotAnOdysseyStoreIsRefusedUnlessEmptyAndAskedToInitialize) {
+  const std::string zero = TempDb("zero.db");
+  std::ofstream(zero).close();
+  auto refused = JobStore::Open(zero);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::AllOf(::testing::HasSubstr("job store " + zero + " is empty (0 bytes), not an odyssey job store"),
+                               ::testing::HasSubstr("--init-store")));
+  EXPECT_EQ(std::filesystem::file_size(zero), 0u) << "refusing wrote to it";
+  {
+    auto initialized = JobStore::Open(zero, /*initialize=*/true);
+    ASSERT_TRUE(initialized.ok()) << initialized.status();
+    EXPECT_EQ((*initialized)->store_id().size(), 32u);
+    ASSERT_TRUE((*initialized)->InsertJob(v1::Job(), "").ok());
+  }
+  auto reopened = JobStore::Open(zero);  // an odyssey store now: no flag needed
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_EQ((*reopened)->LoadJobs()->size(), 1u);
+
+  const std::string tableless = TempDb("tableless.db");  // a SQLite header, no tables
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(tableless.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db, "PRAGMA user_version = 7;", nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(db);
+  }
+  auto no_tables = JobStore::Open(tableless);
+  EXPECT_EQ(no_tables.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(no_tables.status().message()), ::testing::HasSubstr("a SQLite database without tables"));
+  EXPECT_TRUE(JobStore::Open(tableless, /*initialize=*/true).ok());
+
+  const std::string text = TempDb("text.db");
+  std::ofstream(text) << std::string(600, 'x');
+  const std::string other = TempDb("other.db");
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(other.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db, "CREATE TABLE notes (body TEXT);", nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(db);
+  }
+  const struct {
+    std::string path, message;
+  } foreign[] = {{text, "job store " + text + " is not a SQLite database (600 bytes)"},
+                 {other, "job store " + other + " is a SQLite database without odyssey's tables (it holds notes)"}};
+  for (const auto& f : foreign) {
+    const std::string before = Slurp(f.path);
+    for (bool initialize : {false, true}) {
+      auto s = JobStore::Open(f.path, initialize);
+      EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << f.path << " " << initialize;
+      EXPECT_THAT(std::string(s.status().message()),
+                  ::testing::AllOf(::testing::HasSubstr(f.message), ::testing::HasSubstr("left untouched")));
+    }
+    EXPECT_EQ(Slurp(f.path), before) << f.path;
   }
 }
 

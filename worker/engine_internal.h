@@ -18,8 +18,10 @@ namespace odyssey::worker {
 absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptions* out);
 
 // Writes `trainer`'s checkpoint for its current step to <dir>/step-NNNNNNNN atomically (a
-// common/files.h StagedFolder: hidden staging folder, fsynced, renamed) and prunes to the newest
-// `keep` (0 = all). Returns the path.
-absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep);
+// common/files.h StagedFolder: hidden staging folder, fsynced, renamed) with `owner` in its
+// owner file, and prunes `owner`'s step folders to the newest `keep` (0 = all; checkpoint_folder.h).
+// FAILED_PRECONDITION when that step folder exists and is another owner's. Returns the path.
+absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep,
+                                            const std::string& owner);
 
 }  // namespace odyssey::worker

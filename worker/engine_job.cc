@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 
 #include <torch/torch.h>
@@ -28,24 +27,6 @@
 #include "planner/planner.h"
 
 namespace odyssey::worker {
-namespace fs = std::filesystem;
-
-std::string CheckpointPath(const std::string& dir, int64_t step) {
-  return (fs::path(dir) / absl::StrFormat("step-%08d", step)).string();
-}
-
-std::vector<std::string> ListCheckpoints(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.size() == 13 && absl::StartsWith(name, "step-") &&
-        name.find_first_not_of("0123456789", 5) == std::string::npos)
-      out.push_back(e.path().string());
-  }
-  std::sort(out.begin(), out.end());  // zero-padded: lexicographic = numeric
-  return out;
-}
 
 void SetTorchThreads(int threads) {
   if (threads > 0) torch::set_num_threads(threads);
@@ -102,21 +83,22 @@ double TrainingFlops(const model::ModelConfig& c, int64_t tokens, int64_t seq_le
 
 }  // namespace
 
-absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep) {
+absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std::string& dir, int keep,
+                                            const std::string& owner) {
   // Staged beside the step folder and published by a rename: a machine crash leaves the old
   // checkpoint or the new one, never a torn one. A previous run of this job may have left the
   // same step (it died after writing it and was resumed from an older one): the new one
-  // replaces it.
+  // replaces it. Another owner's step is never replaced (it may have appeared after the start
+  // check: a job of another controller writing here).
   const std::string final_path = CheckpointPath(dir, trainer.step());
+  if (absl::Status s = CheckReplaceable(final_path, owner, "checkpoint"); !s.ok()) return s;
   absl::StatusOr<StagedFolder> staged = StagedFolder::Create(final_path);
   if (!staged.ok()) return staged.status();
+  // First, so that even a staging folder left by a crash names its owner.
+  if (absl::Status s = WriteOwner(staged->path(), owner); !s.ok()) return s;
   if (absl::Status s = trainer.SaveCheckpoint(staged->path()); !s.ok()) return s;
   if (absl::Status s = staged->Publish(); !s.ok()) return s;
-  if (keep > 0) {
-    std::error_code ec;
-    std::vector<std::string> all = ListCheckpoints(dir);
-    for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
-  }
+  PruneCheckpoints(dir, owner, keep);
   return final_path;
 }
 
@@ -189,6 +171,13 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     out.status = std::move(s);
     return out;
   };
+  const bool writes_checkpoints = j.rank == 0 && !j.checkpoint_dir.empty();
+  if (writes_checkpoints) {  // before any work: a folder that is not this job's fails the job now
+    if (absl::Status s = CheckCheckpointFolder(j.checkpoint_dir, j.checkpoint_owner, "spec.checkpoint.directory");
+        !s.ok())
+      return fail(s);
+    RemoveStagingLeftovers(j.checkpoint_dir, j.checkpoint_owner);  // of a run that died mid-write
+  }
   engine::TrainerOptions o;
   if (absl::Status s = BuildTrainerOptions(j, &o); !s.ok()) return fail(s);
 
@@ -224,12 +213,6 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
                           c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
                           t.step(), o.steps));
 
-  const bool writes_checkpoints = j.rank == 0 && !j.checkpoint_dir.empty();
-  if (writes_checkpoints) {  // leftovers of a run that died mid-write
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(j.checkpoint_dir, ec))
-      if (absl::StartsWith(e.path().filename().string(), ".step-")) fs::remove_all(e.path(), ec);
-  }
   out.last_checkpoint = j.resume_from;
   engine::ResetPeakMemory(t.device());  // the peaks reported are this job's
   const double peak_flops = PeakFlops(t.device());
@@ -265,7 +248,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     if (peak_flops > 0 && r.seconds > 0)
       s.mfu = TrainingFlops(cfg, r.tokens, o.data.seq_len) / (r.seconds * peak_flops * j.world_size);
     if (writes_checkpoints && ((j.every_steps > 0 && r.step % j.every_steps == 0) || r.step == o.steps)) {
-      absl::StatusOr<std::string> path = WriteCheckpoint(t, j.checkpoint_dir, j.keep);
+      absl::StatusOr<std::string> path = WriteCheckpoint(t, j.checkpoint_dir, j.keep, j.checkpoint_owner);
       if (!path.ok()) return fail(path.status());
       out.last_checkpoint = s.checkpoint = *path;
     }

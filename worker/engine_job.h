@@ -18,7 +18,9 @@
 //   3. Steps until `steps`, asking stop(0) between steps. Rank 0 writes a checkpoint every
 //      `every_steps` steps and at the end: into a hidden temp folder, fsynced, then renamed to
 //      <checkpoint_dir>/step-NNNNNNNN (readers never see a half-written one); only the newest
-//      `keep` are kept (0 = all).
+//      `keep` of its own are kept (0 = all). Before all of this (step 0), rank 0 refuses a
+//      checkpoint_dir holding another owner's step folders (checkpoint_folder.h), so such a job
+//      fails at its start, not after training.
 //   When a step's collective fails (another rank's process died), the run waits up to
 //   peer_loss_grace for a stop before it reports a failure: the controller, which sees the dead
 //   worker, requeues the job and cancels the surviving ranks, so the job restarts from its last
@@ -35,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "planner/memory_strategy.h"
+#include "worker/checkpoint_folder.h"
 
 namespace odyssey::worker {
 
@@ -64,6 +67,9 @@ struct EngineJobOptions {
   std::string rendezvous;      // host:port, for world_size > 1
   std::string resume_from;     // checkpoint folder; empty = fresh
   std::string checkpoint_dir;  // empty = no checkpoints
+  // Who the step folders rank 0 writes belong to (checkpoint_folder.h); never empty when
+  // checkpoint_dir is set (JobRunner falls back to `job`).
+  std::string checkpoint_owner;
   int64_t every_steps = 0;     // 0 = only at the end
   int keep = 0;                // 0 = all
   // How long a rank whose collective failed waits for a stop before failing the job (longer
@@ -108,9 +114,5 @@ absl::StatusOr<DeviceInfo> ProbeDevice(const std::string& device);
 // torch::set_num_threads, for callers that do not include libtorch.
 void SetTorchThreads(int threads);
 
-// Checkpoint folders in `dir` named step-NNNNNNNN, oldest first.
-std::vector<std::string> ListCheckpoints(const std::string& dir);
-// "<dir>/step-%08d".
-std::string CheckpointPath(const std::string& dir, int64_t step);
 
 }  // namespace odyssey::worker

@@ -55,6 +55,7 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.rendezvous = a.rendezvous();
   o.resume_from = a.resume_from();
   o.checkpoint_dir = a.checkpoint_dir().empty() ? spec.checkpoint().directory() : a.checkpoint_dir();
+  o.checkpoint_owner = a.checkpoint_owner().empty() ? a.job() : a.checkpoint_owner();  // an older controller's
   o.every_steps = spec.checkpoint().every_steps();
   o.keep = spec.checkpoint().keep();
   if (rl) {

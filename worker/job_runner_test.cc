@@ -175,6 +175,71 @@ TEST_F(JobRunnerTest, ResumeContinuesTheStepCountAndMatchesAnUninterruptedRun) {
             ReadFile(CheckpointPath(straight, 8) + "/model.safetensors"));
 }
 
+v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds);
+
+// Two jobs naming one checkpoint folder: the second (another owner: here job 1 of another
+// controller store, as after a store was started over) fails at its start, before training, and
+// the first's steps stay as they were; a restart of the first (its own owner) continues there and
+// prunes only its own steps. Before owners, the second overwrote the first's step folders and its
+// keep-K pruning deleted them.
+TEST_F(JobRunnerTest, AFolderWithAnotherJobsStepsIsRefusedAtTheStart) {
+  const std::string dir = (root_ / "shared").string();
+  const std::string first_owner = "11111111111111111111111111111111/jobs/1";
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob(dir, 6);  // keep 2: steps 4 and 6
+    a.set_checkpoint_owner(first_owner);
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    ASSERT_TRUE(rec.Wait().ok());
+  }
+  ASSERT_EQ(ListCheckpoints(dir), (std::vector<std::string>{CheckpointPath(dir, 4), CheckpointPath(dir, 6)}));
+  EXPECT_EQ(ReadOwner(CheckpointPath(dir, 6)), first_owner);
+  const std::string weights6 = ReadFile(CheckpointPath(dir, 6) + "/model.safetensors");
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob(dir, 4);
+    a.set_checkpoint_owner("22222222222222222222222222222222/jobs/1");
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("spec.checkpoint.directory: checkpoint folder \"" + dir + "\" holds step-00000004 of "
+                             "another job"),
+              std::string::npos)
+        << r.error();
+    EXPECT_EQ(r.step(), 0);
+    absl::MutexLock l(&rec.mu);
+    EXPECT_TRUE(rec.progress.empty()) << "it trained before refusing";
+  }
+  EXPECT_EQ(ListCheckpoints(dir), (std::vector<std::string>{CheckpointPath(dir, 4), CheckpointPath(dir, 6)}));
+  EXPECT_EQ(ReadFile(CheckpointPath(dir, 6) + "/model.safetensors"), weights6);
+  // The first job again (a restart, or a longer run of it): its own folder, continued.
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob(dir, 10);
+    a.set_checkpoint_owner(first_owner);
+    a.set_resume_from(CheckpointPath(dir, 6));
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r.last_checkpoint(), CheckpointPath(dir, 10));
+  }
+  EXPECT_EQ(ListCheckpoints(dir), (std::vector<std::string>{CheckpointPath(dir, 8), CheckpointPath(dir, 10)}));
+  // An RL session is refused the same way, before its model is built.
+  {
+    Recorder rec;
+    v1::Assignment a = RlJob(dir, 0);
+    a.set_checkpoint_owner("33333333333333333333333333333333/jobs/5");
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("holds step-00000008 of another job"), std::string::npos) << r.error();
+  }
+  EXPECT_EQ(ListCheckpoints(dir).size(), 2u);
+}
+
 TEST_F(JobRunnerTest, CancelStopsBetweenSteps) {
   Recorder rec;
   JobRunnerOptions opts;
@@ -189,8 +254,6 @@ TEST_F(JobRunnerTest, CancelStopsBetweenSteps) {
   EXPECT_GT(r.step(), 0);
   EXPECT_LT(r.step(), 1000000);
 }
-
-v1::Assignment RlJob(const std::string& dir, int64_t idle_timeout_seconds);
 
 TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   JobRunnerOptions opts;

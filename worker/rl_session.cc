@@ -24,21 +24,17 @@ namespace fs = std::filesystem;
 namespace {
 
 // Writes a folder with `write(staging)` into a StagedFolder beside `dir` (common/files.h) and
-// publishes it onto `dir`: readers see the old folder or the complete new one. An existing `dir` is
-// replaced only when it is empty or holds a config.json (an earlier checkpoint or export):
-// anything else is somebody's data, FAILED_PRECONDITION naming `field`.
-absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const char* field,
+// publishes it onto `dir`: readers see the old folder or the complete new one. The folder names
+// `owner` (checkpoint_folder.h). An existing `dir` is replaced only when it is empty or
+// `owner`'s (an earlier checkpoint or export of this session): anything else is somebody's data,
+// FAILED_PRECONDITION naming `field`.
+absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const char* field, const std::string& owner,
                                                   const std::function<absl::Status(const std::string&)>& write) {
   fs::path target = fs::path(dir).lexically_normal();
   if (target.filename().empty()) target = target.parent_path();  // a trailing slash
   const fs::path parent = target.parent_path();
   std::error_code ec;
-  if (fs::exists(target, ec)) {
-    if (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !fs::exists(target / "config.json", ec)))
-      return absl::FailedPreconditionError(absl::StrCat(field, ": \"", target.string(),
-                                                        "\" exists and is not an odyssey checkpoint or export "
-                                                        "(no config.json); choose a new folder"));
-  }
+  if (absl::Status s = CheckReplaceable(target.string(), owner, field); !s.ok()) return s;
   fs::create_directories(parent, ec);
   // The client chose the path: one the worker cannot create (under a regular file, on a
   // read-only or virtual file system, no permission) is the request's problem, not ours.
@@ -49,6 +45,8 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
   // Not creating the staging folder there is the same problem as not creating the parent.
   absl::StatusOr<StagedFolder> staged = StagedFolder::Create(target.string());
   if (!staged.ok()) return absl::FailedPreconditionError(absl::StrCat(field, ": ", staged.status().message()));
+  if (absl::Status s = WriteOwner(staged->path(), owner); !s.ok())
+    return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
   if (absl::Status s = write(staged->path()); !s.ok())
     return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
   if (absl::Status s = staged->Publish(); !s.ok()) return absl::InternalError(absl::StrCat(field, ": ", s.message()));
@@ -172,9 +170,9 @@ struct RlSession::Impl {
                 "directory: is required: the session has no checkpoint directory (spec.checkpoint.directory)");
             return out;
           }
-          path = WriteCheckpoint(t, options.checkpoint_dir, options.keep);
+          path = WriteCheckpoint(t, options.checkpoint_dir, options.keep, options.checkpoint_owner);
         } else {
-          path = WriteFolderAtomically(req.directory, "directory",
+          path = WriteFolderAtomically(req.directory, "directory", options.checkpoint_owner,
                                        [&t](const std::string& tmp) { return t.SaveCheckpoint(tmp); });
         }
         if (!path.ok()) {
@@ -209,7 +207,8 @@ struct RlSession::Impl {
           save.dtype = *d;
         }
         absl::StatusOr<std::string> path =
-            WriteFolderAtomically(req.directory, "directory", [&t, &save](const std::string& tmp) {
+            WriteFolderAtomically(req.directory, "directory", options.checkpoint_owner,
+                                  [&t, &save](const std::string& tmp) {
               return model::SaveHfCheckpoint(t.model(), tmp, save);
             });
         if (!path.ok()) {
@@ -233,6 +232,14 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
   try {
     auto impl = std::make_unique<Impl>();
     impl->options = options;
+    // Before any work, as an SFT run: a folder holding another job's steps fails the session now.
+    if (!options.checkpoint_dir.empty() && options.rank == 0) {
+      if (absl::Status s =
+              CheckCheckpointFolder(options.checkpoint_dir, options.checkpoint_owner, "spec.checkpoint.directory");
+          !s.ok())
+        return s;
+      RemoveStagingLeftovers(options.checkpoint_dir, options.checkpoint_owner);  // of a run that died mid-write
+    }
     if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
     if (options.world_size > 1) {  // as an SFT data-parallel run (engine_job.cc)
       engine::TcpCommunicatorOptions co;
@@ -252,11 +259,6 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
     if (!options.resume_from.empty()) {
       if (absl::Status s = impl->trainer->LoadCheckpoint(options.resume_from); !s.ok())
         return absl::Status(s.code(), absl::StrCat("resume_from ", options.resume_from, ": ", s.message()));
-    }
-    if (!options.checkpoint_dir.empty() && options.rank == 0) {  // leftovers of a run that died mid-write
-      std::error_code ec;
-      for (const auto& e : fs::directory_iterator(options.checkpoint_dir, ec))
-        if (e.path().filename().string().rfind(".step-", 0) == 0) fs::remove_all(e.path(), ec);
     }
     return std::unique_ptr<RlSession>(new RlSession(std::move(impl)));
   } catch (const std::exception& e) {

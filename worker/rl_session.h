@@ -21,7 +21,9 @@
 // messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;
 // FAILED_PRECONDITION for optim_step without gradients; RESOURCE_EXHAUSTED out of memory;
 // INTERNAL otherwise); a libtorch exception never escapes. Checkpoints and exports are written
-// atomically: into a hidden temp folder beside the target, fsynced, then renamed. A
+// atomically: into a hidden temp folder beside the target, fsynced, then renamed; they carry the
+// session's owner file and replace only an empty folder or the session's own
+// (checkpoint_folder.h), and Create refuses a checkpoint_dir holding another job's steps. A
 // load_checkpoint folder is checked before anything is loaded (NOT_FOUND when missing,
 // FAILED_PRECONDITION when it is not a checkpoint of this model: files, tensor names, shapes),
 // so a wrong folder leaves the session as it was; the load drops pending gradients.

@@ -19,6 +19,11 @@ Cases (--case):
   result_while_controller_down
                    a job that ends while the controller is down is reported SUCCEEDED once
                    the controller is back (the worker keeps its result until released).
+  shared_checkpoint_folder
+                   two runs naming one checkpoint folder (scripts/demo.sh run twice): CreateJob
+                   refuses the folder while the first run is live; a run of a new store (job
+                   ids start again at jobs/1) fails at its start naming the folder, and the
+                   first run's checkpoint is still there.
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
@@ -337,10 +342,55 @@ def case_result_while_controller_down(c):
         raise Failure(f"step {job.step}, restarts {job.restarts}, checkpoint {job.last_checkpoint}")
 
 
+def case_shared_checkpoint_folder(c):
+    """A checkpoint folder belongs to one job: no second run writes, prunes or replaces its steps."""
+    from google.protobuf import json_format
+    folder = os.path.join(c.workdir, "shared-ckpt")
+    c.start_controller()
+    c.start_worker("w1")
+    spec = tiny_spec(steps=100000, every=5)
+    spec["checkpoint"].update({"directory": folder, "keep": 1})
+    first = c.submit(spec)
+    wait_for(f"{first}'s first checkpoint", lambda: c.get(first).last_checkpoint != "")
+    again = tiny_spec(steps=10, every=5)
+    again["checkpoint"].update({"directory": folder + "/", "keep": 1})
+    try:
+        c.jobs.CreateJob(c.pb.CreateJobRequest(spec=json_format.ParseDict(again, c.pb.JobSpec())), timeout=10)
+        raise Failure(f"CreateJob accepted {folder}/ while {first} writes there")
+    except c.grpc.RpcError as e:
+        if e.code() != c.grpc.StatusCode.FAILED_PRECONDITION or f"is in use by {first} (RUNNING)" not in e.details():
+            raise Failure(f"CreateJob on a live job's folder: {e.code()} {e.details()}")
+    c.jobs.CancelJob(c.pb.CancelJobRequest(name=first), timeout=10)
+    c.wait_state(first, "CANCELLED")
+    kept = c.get(first).last_checkpoint
+    steps_before = sorted(os.listdir(folder))
+    # A new store and a new worker, as scripts/demo.sh starts each time: its first job is jobs/1
+    # again. (A new worker: w1 may still hold the old jobs/1's unreleased result, which a
+    # controller of another store cannot tell from its own jobs/1.)
+    c.kill_worker("w1")
+    c.kill_controller()
+    c.state_dir = os.path.join(c.workdir, "state-2")
+    c.start_controller()
+    c.start_worker("w2")
+    second = c.submit(again)
+    if second != first:
+        raise Failure(f"the new store's first job is {second}, expected {first} (ids start over)")
+    wait_for(f"{second} of the new store to fail", lambda: c.state_of(second) == "FAILED")
+    error = c.get(second).error
+    if f'checkpoint folder "{folder}/" holds step-' not in error or "of another job" not in error:
+        raise Failure(f"{second} failed with {error!r}")
+    if c.get(second).step != 0:
+        raise Failure(f"{second} trained {c.get(second).step} steps before refusing")
+    if sorted(os.listdir(folder)) != steps_before or not os.path.exists(os.path.join(kept, "model.safetensors")):
+        raise Failure(f"{folder} changed: {steps_before} -> {sorted(os.listdir(folder))}; {kept} must remain")
+    print(f"{first}'s folder refused while live, then {second} of a new store failed at its start: {error}")
+
+
 def main():
     ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
     ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
-                                                  "cancel", "result_while_controller_down"])
+                                                  "cancel", "result_while_controller_down",
+                                                  "shared_checkpoint_folder"])
     args = parse_args(ap)
     outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))

@@ -1,0 +1,64 @@
+// Checkpoint folders and who owns them: the rules by which a job writes and prunes only its own
+// step folders (worker/README.md "Checkpoint folders"). No libtorch, no protobuf: the SFT run
+// (engine_job.cc) and RL sessions (rl_session.cc) both use it, and its test is torch-free.
+//
+// A job's checkpoint folder holds step folders <dir>/step-NNNNNNNN. Each step folder carries an
+// owner file, .odyssey-owner, holding its owner: "<store id>/jobs/N" (Assignment.checkpoint_owner,
+// unique across controller stores, so a job 1 of a new store is not the job 1 of an old one).
+// It is written into the staging folder before the rename, so a published step folder always
+// names its owner. The rules:
+// - A job starts writing in a folder only when every step folder there is its own
+//   (CheckCheckpointFolder): a folder with another owner's step folders, or with step folders
+//   without an owner file (written by an older odyssey or by hand), is refused with
+//   FAILED_PRECONDITION naming the folder and the step, before the job trains. A restart of the
+//   same job finds its own steps and continues.
+// - Keep-K pruning counts and removes only the job's own step folders (PruneCheckpoints).
+// - A step folder of another owner is never replaced (CheckReplaceable), even when one appears
+//   after the start check (two controllers' jobs sharing a folder).
+// - Staging leftovers of a run that died mid-write are removed only when they are the job's own
+//   or name no owner (RemoveStagingLeftovers): another live job's staging folder stays.
+// - Reading is never restricted: any job may resume from or load any checkpoint.
+//
+// Thread safety: free functions; concurrent writers of one folder are the rules' subject.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace odyssey::worker {
+
+// The owner file's name inside a step (or save/export) folder.
+inline constexpr char kOwnerFile[] = ".odyssey-owner";
+
+// "<dir>/step-%08d".
+std::string CheckpointPath(const std::string& dir, int64_t step);
+// Checkpoint folders in `dir` named step-NNNNNNNN, oldest first (every owner's).
+std::vector<std::string> ListCheckpoints(const std::string& dir);
+
+// The owner `folder`'s owner file names; "" when it has none (or it cannot be read).
+std::string ReadOwner(const std::string& folder);
+// Writes `owner` into `folder`/.odyssey-owner (atomically). REQUIRES: `folder` exists.
+absl::Status WriteOwner(const std::string& folder, const std::string& owner);
+
+// OK when `owner` may write step folders into `dir`: it does not exist, or every step folder in
+// it is `owner`'s. Else FAILED_PRECONDITION: "<field>: checkpoint folder "<dir>" holds step-N of
+// another job ..." saying what to do. REQUIRES: owner is not empty.
+absl::Status CheckCheckpointFolder(const std::string& dir, const std::string& owner, absl::string_view field);
+
+// OK when `owner` may replace `folder`: it does not exist, is empty, or is `owner`'s. Else
+// FAILED_PRECONDITION naming `field` and the folder.
+absl::Status CheckReplaceable(const std::string& folder, const std::string& owner, absl::string_view field);
+
+// Removes `owner`'s oldest step folders in `dir` until `keep` of its own remain (keep <= 0:
+// none removed). Other owners' step folders are neither removed nor counted.
+void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep);
+
+// Removes the staging folders (".step-*") in `dir` that a run of `owner` left when it died
+// mid-write, and those that name no owner.
+void RemoveStagingLeftovers(const std::string& dir, const std::string& owner);
+
+}  // namespace odyssey::worker

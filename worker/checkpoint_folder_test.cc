@@ -1,0 +1,110 @@
+#include "worker/checkpoint_folder.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+namespace odyssey::worker {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr char kMine[] = "0123456789abcdef0123456789abcdef/jobs/1";
+constexpr char kTheirs[] = "fedcba9876543210fedcba9876543210/jobs/1";  // job 1 of another store
+
+class CheckpointFolderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / ("odyssey_ckpt_folder_test_" + std::to_string(getpid()) + "_" +
+                                          ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+               .string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  // A published step folder of `owner` ("" = no owner file, as an older odyssey wrote them).
+  std::string Step(int64_t step, const std::string& owner) {
+    const std::string path = CheckpointPath(dir_, step);
+    fs::create_directories(path);
+    std::ofstream(fs::path(path) / "model.safetensors") << "weights";
+    if (!owner.empty()) {
+      EXPECT_TRUE(WriteOwner(path, owner).ok());
+    }
+    return path;
+  }
+  std::string dir_;
+};
+
+TEST_F(CheckpointFolderTest, OwnerRoundTrips) {
+  const std::string step = Step(3, kMine);
+  EXPECT_EQ(ReadOwner(step), kMine);
+  EXPECT_EQ(ReadOwner(Step(4, "")), "");
+  EXPECT_EQ(ReadOwner(dir_ + "/missing"), "");
+}
+
+TEST_F(CheckpointFolderTest, AFolderIsTakenOnlyWhenItsStepsAreOwn) {
+  EXPECT_TRUE(CheckCheckpointFolder(dir_ + "/not-yet", kMine, "spec.checkpoint.directory").ok());
+  EXPECT_TRUE(CheckCheckpointFolder(dir_, kMine, "spec.checkpoint.directory").ok());  // empty
+  Step(2, kMine);
+  Step(4, kMine);
+  EXPECT_TRUE(CheckCheckpointFolder(dir_, kMine, "spec.checkpoint.directory").ok());  // a restart of the same job
+
+  Step(300, kTheirs);
+  absl::Status s = CheckCheckpointFolder(dir_, kMine, "spec.checkpoint.directory");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("spec.checkpoint.directory: checkpoint folder \"" + dir_ + "\""), std::string::npos) << s;
+  EXPECT_NE(s.message().find("step-00000300 of another job"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("choose a new checkpoint.directory"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find(kTheirs), std::string::npos) << "names the other job: " << s;
+
+  fs::remove_all(CheckpointPath(dir_, 300));
+  Step(200, "");
+  s = CheckCheckpointFolder(dir_, kMine, "spec.checkpoint.directory");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("step-00000200 without an owner file"), std::string::npos) << s;
+}
+
+TEST_F(CheckpointFolderTest, PruningCountsAndRemovesOnlyOwnSteps) {
+  const std::string theirs2 = Step(2, kTheirs), theirs9 = Step(9, kTheirs), legacy = Step(1, "");
+  for (int64_t step : {3, 5, 7, 8}) Step(step, kMine);
+  PruneCheckpoints(dir_, kMine, 2);
+  EXPECT_EQ(ListCheckpoints(dir_), (std::vector<std::string>{legacy, theirs2, CheckpointPath(dir_, 7),
+                                                             CheckpointPath(dir_, 8), theirs9}));
+  PruneCheckpoints(dir_, kMine, 0);  // keep all
+  EXPECT_EQ(ListCheckpoints(dir_).size(), 5u);
+}
+
+TEST_F(CheckpointFolderTest, OnlyEmptyOrOwnFoldersAreReplaced) {
+  EXPECT_TRUE(CheckReplaceable(dir_ + "/new", kMine, "directory").ok());
+  fs::create_directories(dir_ + "/empty");
+  EXPECT_TRUE(CheckReplaceable(dir_ + "/empty", kMine, "directory").ok());
+  EXPECT_TRUE(CheckReplaceable(Step(5, kMine), kMine, "directory").ok());
+  for (const std::string& other : {Step(6, kTheirs), Step(7, "")}) {
+    absl::Status s = CheckReplaceable(other, kMine, "directory");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << other;
+    EXPECT_NE(s.message().find("directory: \"" + other + "\" exists and is not this job's"), std::string::npos) << s;
+  }
+  std::ofstream(dir_ + "/a-file") << "x";
+  EXPECT_EQ(CheckReplaceable(dir_ + "/a-file", kMine, "directory").code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(CheckpointFolderTest, StagingLeftoversOfOthersStay) {
+  auto staging = [this](const std::string& name, const std::string& owner) {
+    const std::string path = dir_ + "/" + name;
+    fs::create_directories(path);
+    if (!owner.empty()) {
+      EXPECT_TRUE(WriteOwner(path, owner).ok());
+    }
+    return path;
+  };
+  const std::string mine = staging(".step-00000004.tmp-1.1", kMine);
+  const std::string legacy = staging(".step-00000004.tmp-1.2", "");
+  const std::string theirs = staging(".step-00000004.tmp-2.1", kTheirs);  // another live job's write
+  RemoveStagingLeftovers(dir_, kMine);
+  EXPECT_FALSE(fs::exists(mine));
+  EXPECT_FALSE(fs::exists(legacy));
+  EXPECT_TRUE(fs::exists(theirs));
+}
+
+}  // namespace
+}  // namespace odyssey::worker
