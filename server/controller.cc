@@ -171,6 +171,7 @@ void Controller::SetState(int64_t id, v1::Job::State state, const std::string& m
   }
   if (Terminal(state)) {
     sequences_.erase(id);
+    recorded_checkpoints_.erase(id);
     metrics_.RemoveJob(job.name());
   }
   const absl::Time now = options_.clock();

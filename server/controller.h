@@ -337,6 +337,9 @@ class Controller {
   void OnProgress(Worker& worker, const odyssey::v1::JobProgress& progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnResult(Worker& worker, const odyssey::v1::JobResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnHeld(Worker& worker, const odyssey::v1::HeldJobs& held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Job `id` wrote a checkpoint: its last_checkpoint (what a restart resumes from), a store row,
+  // a `checkpoint` event; once per (step, directory).
+  void RecordCheckpoint(int64_t id, int64_t step, const std::string& directory) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank of job `id` is gone: restart it (from its last checkpoint) or fail it.
   void RankLost(int64_t id, const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerDead(const std::string& worker_id, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -396,6 +399,8 @@ class Controller {
   int64_t next_call_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<PendingCall>> pending_calls_ ABSL_GUARDED_BY(mu_);  // by call_id
   std::map<int64_t, SequenceState> sequences_ ABSL_GUARDED_BY(mu_);                     // by job id
+  // The last checkpoint recorded per job (step, directory), so a report repeated is not recorded twice.
+  std::map<int64_t, std::pair<int64_t, std::string>> recorded_checkpoints_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace odyssey::server

@@ -207,14 +207,7 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
     case v1::TrainingReply::kSaveCheckpoint: {
       // What a restart after a worker loss resumes from.
       const v1::SaveCheckpointResponse& save = reply.save_checkpoint();
-      job->set_last_checkpoint(save.directory());
-      if (absl::Status s = store_->AddCheckpoint(id, save.step(), save.directory()); !s.ok()) {
-        spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
-      }
-      spdlog::info("job={} checkpoint step={} dir={}", job->name(), save.step(), save.directory());
-      v1::JobEvent ckpt;
-      ckpt.set_checkpoint(save.directory());
-      Commit(id, ckpt);
+      RecordCheckpoint(id, save.step(), save.directory());
       break;
     }
     default:

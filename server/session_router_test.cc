@@ -273,6 +273,19 @@ TEST_F(TrainingRoutingTest, RepliesUpdateCheckpointAndMetrics) {
     });
     ASSERT_TRUE(call.Wait().ok());
   }
+  // Rank 0's progress reports the same save: recorded once (one store row), not twice.
+  v1::WorkerMessage progress;
+  progress.mutable_progress()->set_job(job_.name());
+  progress.mutable_progress()->mutable_metrics()->set_step(7);
+  progress.mutable_progress()->set_checkpoint("/ckpt/step-00000007");
+  controller_->OnWorkerMessage(session_, progress);
+  {
+    auto store = JobStore::Open((dir_ / "c.db").string());
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto rows = (*store)->LoadCheckpoints(id_);
+    ASSERT_TRUE(rows.ok());
+    EXPECT_EQ(rows->size(), 1u);
+  }
   controller_->CountTrainingCall("Forward", absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Get(job_.name()).last_checkpoint(), "/ckpt/step-00000007");
   const std::string m = Metrics();

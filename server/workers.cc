@@ -107,16 +107,26 @@ void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
   v1::JobEvent event;
   *event.mutable_step() = m;
   Commit(*id, event);
-  if (!progress.checkpoint().empty()) {
-    job->set_last_checkpoint(progress.checkpoint());
-    if (absl::Status s = store_->AddCheckpoint(*id, m.step(), progress.checkpoint()); !s.ok()) {
-      spdlog::error("job={} store checkpoint failed: {}", job->name(), s.ToString());
-    }
-    spdlog::info("job={} checkpoint step={} dir={}", job->name(), m.step(), progress.checkpoint());
-    v1::JobEvent ckpt;
-    ckpt.set_checkpoint(progress.checkpoint());
-    Commit(*id, ckpt);
+  if (!progress.checkpoint().empty()) RecordCheckpoint(*id, m.step(), progress.checkpoint());
+}
+
+void Controller::RecordCheckpoint(int64_t id, int64_t step, const std::string& directory) {
+  v1::Job& job = jobs_.at(id);
+  // An RL session's save is reported twice (the SaveCheckpoint reply and rank 0's progress):
+  // recorded once.
+  auto [it, fresh] = recorded_checkpoints_.try_emplace(id, step, directory);
+  if (!fresh) {
+    if (it->second == std::make_pair(step, directory)) return;
+    it->second = {step, directory};
   }
+  job.set_last_checkpoint(directory);
+  if (absl::Status s = store_->AddCheckpoint(id, step, directory); !s.ok()) {
+    spdlog::error("job={} store checkpoint failed: {}", job.name(), s.ToString());
+  }
+  spdlog::info("job={} checkpoint step={} dir={}", job.name(), step, directory);
+  v1::JobEvent ckpt;
+  ckpt.set_checkpoint(directory);
+  Commit(id, ckpt);
 }
 
 void Controller::OnResult(Worker& w, const v1::JobResult& result) {
