@@ -54,7 +54,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Failure, arg_parser, parse_args, run_test, scrape, wait_for, wait_for_port_file  # noqa: E402
+from harness import (Failure, arg_parser, free_port_base, parse_args, run_test, scrape, wait_for,  # noqa: E402
+                     wait_for_port_file)
 from rl_test import RlCluster  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 3
@@ -83,7 +84,8 @@ class Job:
         self.created = time.monotonic()
         self.ended = None  # monotonic time it was first seen terminal
         self.cancel = None  # None, "done" (CancelJob answered) or "maybe" (the answer was lost)
-        self.seen_end_checkpoint = ""  # last_checkpoint when first seen terminal
+        self.seen_end_state = ""  # the state it was first seen terminal in
+        self.seen_end_checkpoint = ""  # and its last_checkpoint then
         self.rl_rounds = 0
         self.rl_errors = []  # (code name, message) of RL calls that failed
 
@@ -117,7 +119,6 @@ class Soak(RlCluster):
             if os.path.exists(os.path.join(self.workdir, f)):
                 os.remove(os.path.join(self.workdir, f))
         if not hasattr(self, "rendezvous_base"):
-            from harness import free_port_base
             self.rendezvous_base = free_port_base()
         self.controller = self.spawn("controller", [
             self.args.controller, "--listen", f"127.0.0.1:{self.port}",
@@ -281,6 +282,7 @@ class Soak(RlCluster):
                 rec = self.records.get(j.name)
                 if rec and rec.ended is None and self.state(j) in TERMINAL:
                     rec.ended = now
+                    rec.seen_end_state = self.state(j)
                     rec.seen_end_checkpoint = j.last_checkpoint
             self.running = running
         return jobs
@@ -592,6 +594,8 @@ def soak(c, args):
             outcomes["CANCELLED"] += 1
         else:
             c.violations.append(f"{where}: {state} at the end")
+        if rec.seen_end_state and rec.seen_end_state != state:
+            c.violations.append(f"{where}: ended {rec.seen_end_state}, {state} now")
         if rec.seen_end_checkpoint and rec.seen_end_checkpoint != job.last_checkpoint:
             c.violations.append(f"{where}: last_checkpoint was {rec.seen_end_checkpoint} when it ended, now "
                                 f"{job.last_checkpoint}")
