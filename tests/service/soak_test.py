@@ -230,9 +230,11 @@ class Soak(RlCluster):
 
     def drive_session(self, rec, rounds, seed, deadline):
         """forward_backward + optim_step `rounds` times (save_checkpoint after every second one
-        and the last), riding out faults; then lets the session idle out."""
+        and the last), 0.2-1 s apart (a sampler's turn), riding out faults; then lets the
+        session idle out."""
         pb, codes = self.pb, self.grpc.StatusCode
         batch = self.batch(seed=seed)
+        think = random.Random(seed)
         expected_precondition = (" is PENDING", " is CANCELLED", " is SUCCEEDED", " is FAILED", "forward_backward")
         while rec.rl_rounds < rounds and time.monotonic() < deadline:
             try:
@@ -253,6 +255,7 @@ class Soak(RlCluster):
                 if rec.rl_rounds % 2 == 1 or rec.rl_rounds == rounds - 1:
                     self.training.SaveCheckpoint(pb.SaveCheckpointRequest(job=rec.name), timeout=RL_CALL_TIMEOUT_S)
                 rec.rl_rounds += 1
+                time.sleep(think.uniform(0.2, 1.0))  # well under the idle timeout
             except self.grpc.RpcError as e:
                 details = e.details() or ""
                 rec.rl_errors.append((e.code().name, details))
@@ -474,7 +477,7 @@ def soak(c, args):
                 if rng.random() < 0.35:
                     n_rl += 1
                     rec = c.create("RL", c.rl_spec(n_rl, restart_limit))
-                    rounds = rng.randint(3, 8)
+                    rounds = rng.randint(4, 10)
                     t = threading.Thread(target=c.drive_session, args=(rec, rounds, seed * 1000 + n_rl, t0 + args.duration + 30),
                                          daemon=True)
                     t.start()
