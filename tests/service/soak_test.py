@@ -233,10 +233,14 @@ class Soak(RlCluster):
     def drive_session(self, rec, rounds, seed, deadline):
         """forward_backward + optim_step `rounds` times (save_checkpoint after every second one
         and the last), 0.2-1 s apart (a sampler's turn), riding out faults; then lets the
-        session idle out."""
+        session idle out. Every optim_step's step number must follow the one before, or, after
+        a restart, a checkpoint at least as new as the newest save answered."""
         pb, codes = self.pb, self.grpc.StatusCode
         batch = self.batch(seed=seed)
         think = random.Random(seed)
+        at = {0}  # the steps the session may be at (an optim_step whose answer was lost may have run)
+        saved = set()  # steps a save_checkpoint was sent at (answered or not)
+        newest_answered = 0  # the step of the newest save_checkpoint answered OK
         expected_precondition = (" is PENDING", " is CANCELLED", " is SUCCEEDED", " is FAILED", "forward_backward")
         while rec.rl_rounds < rounds and time.monotonic() < deadline:
             try:
@@ -252,10 +256,22 @@ class Soak(RlCluster):
             try:
                 self.training.ForwardBackward(pb.ForwardBackwardRequest(
                     job=rec.name, batch=batch, loss=pb.LossConfig(kind="cross_entropy")), timeout=RL_CALL_TIMEOUT_S)
-                self.training.OptimStep(pb.OptimStepRequest(job=rec.name, adam=pb.AdamWParams(lr=1e-2)),
-                                        timeout=RL_CALL_TIMEOUT_S)
+                try:
+                    step = self.training.OptimStep(pb.OptimStepRequest(job=rec.name, adam=pb.AdamWParams(lr=1e-2)),
+                                                   timeout=RL_CALL_TIMEOUT_S).step
+                except self.grpc.RpcError:
+                    at |= {s + 1 for s in at}
+                    raise
+                resumed = {s for s in saved | {0} if s >= newest_answered}
+                if step - 1 not in at | resumed:
+                    with self.lock:
+                        self.violations.append(f"{rec.name}: optim_step returned step {step}; the session was at "
+                                               f"{sorted(at)}, or resumed from one of {sorted(resumed)}")
+                at = {step}
                 if rec.rl_rounds % 2 == 1 or rec.rl_rounds == rounds - 1:
-                    self.training.SaveCheckpoint(pb.SaveCheckpointRequest(job=rec.name), timeout=RL_CALL_TIMEOUT_S)
+                    saved.add(step)
+                    r = self.training.SaveCheckpoint(pb.SaveCheckpointRequest(job=rec.name), timeout=RL_CALL_TIMEOUT_S)
+                    newest_answered = r.step
                 rec.rl_rounds += 1
                 time.sleep(think.uniform(0.2, 1.0))  # well under the idle timeout
             except self.grpc.RpcError as e:
@@ -628,16 +644,20 @@ def soak(c, args):
     # A worker back from SIGSTOP with a job restarted elsewhere is "stopping" until that run ends
     # (server/controller.h): how often that path ran.
     stopping = c.log("controller").count("came back still holding it; told to stop")
-    rl_failed = {}
+    rl_failed, rl_example = {}, {}
     for r in c.records.values():
-        for code, _ in r.rl_errors:
+        for code, details in r.rl_errors:
             rl_failed[code] = rl_failed.get(code, 0) + 1
-    print(f"outcomes: {outcomes}; restarts {sum(j.restarts for j in listed.values())}; RL rounds "
+            rl_example.setdefault(code, f"{r.name}: {details}")
+    print(f"outcomes: {outcomes}; restarts {sum(j.restarts for j in listed.values())} (of RL sessions "
+          f"{sum(listed[n].restarts for n, r in c.records.items() if r.kind == 'RL' and n in listed)}); RL rounds "
           f"{sum(r.rl_rounds for r in c.records.values())} (calls failed as faults explain: {rl_failed or 'none'}); "
           f"workers back holding a job told to stop {stopping}; "
           f"cancels {sum(1 for r in c.records.values() if r.cancel == 'done')} (+"
           f"{sum(1 for r in c.records.values() if r.cancel == 'maybe')} unanswered); final jobs on {sorted(ran_on)}; "
           f"controller pids {c.controller_pids}")
+    for code, example in sorted(rl_example.items()):
+        print(f"  e.g. {code}: {example[:200]}")
     if threads1 > threads0 + THREADS_SLACK:
         c.violations.append(f"controller threads {threads0} -> {threads1} (more than +{THREADS_SLACK})")
     if rss1 > rss0 + RSS_SLACK_MIB:
