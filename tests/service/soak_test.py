@@ -24,7 +24,9 @@ Then, with every fault over and a deadline on every wait, it checks:
     that was "busy", "re-attached without the job", an engine error), a CANCELLED job nobody
     cancelled, or more restarts than faults during the job's life is a violation;
   - RL calls failed only the ways a fault explains (UNAVAILABLE, ABORTED, FAILED_PRECONDITION
-    naming the state or the missing forward_backward); none waited past its deadline;
+    naming the state or the missing forward_backward); none waited past its deadline; every
+    optim_step's step number follows the one before or, after a restart, a checkpoint at least
+    as new as the newest save_checkpoint answered;
   - every last_checkpoint a job names exists, lies in that job's own folder, and is whole:
     config.json and trainer_state.json parse (the step matches the folder's name), every
     .safetensors header parses and its tensors end at the file's end; one SFT and one RL
@@ -125,7 +127,8 @@ class Soak(RlCluster):
         self.controller = self.spawn("controller", [
             self.args.controller, "--listen", f"127.0.0.1:{self.port}",
             "--port-file", os.path.join(self.workdir, "controller.port"), "--state-dir", self.state_dir,
-            "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", os.path.join(self.workdir, "controller.metrics-port"),
+            "--metrics-listen", "127.0.0.1:0",
+            "--metrics-port-file", os.path.join(self.workdir, "controller.metrics-port"),
             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--rendezvous-port-base", str(self.rendezvous_base)])
         self.controller_pids.append(self.controller.pid)
         self.port = wait_for_port_file(os.path.join(self.workdir, "controller.port"), "the controller's port file")
@@ -151,7 +154,8 @@ class Soak(RlCluster):
         return super().start_worker(worker_id)
 
     def worker_metrics_port(self, worker_id):
-        return wait_for_port_file(os.path.join(self.workdir, f"{worker_id}.metrics-port"), f"{worker_id}'s metrics port")
+        return wait_for_port_file(os.path.join(self.workdir, f"{worker_id}.metrics-port"),
+                                  f"{worker_id}'s metrics port")
 
     # ----- calls that outlive a controller restart ------------------------------------------------
 
@@ -188,8 +192,8 @@ class Soak(RlCluster):
             path = os.path.join(self.workdir, f"{request_id}.json")
             with open(path, "w") as f:
                 f.write(json_format.MessageToJson(spec))
-            out = subprocess.run([self.args.cli, "--controller", self.address, "submit", "--request-id", request_id, path],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run([self.args.cli, "--controller", self.address, "submit", "--request-id", request_id,
+                                  path], capture_output=True, text=True, timeout=60)
             m = re.search(r"jobs/\d+", out.stdout)
             if out.returncode != 0 or not m:
                 raise Failure(f"odyssey submit failed ({out.returncode}): {out.stdout}{out.stderr}")
@@ -451,8 +455,8 @@ def soak(c, args):
         wait_for(f"warm-up {rec.name}", lambda: c.state(c.get(rec.name)) in TERMINAL, timeout=120)
         if c.state(c.get(rec.name)) != "SUCCEEDED":
             raise Failure(f"warm-up {rec.name} ended {c.state(c.get(rec.name))}: {c.get(rec.name).error}")
-    wait_for("3 idle workers after the warm-up", lambda: scrape(c.metrics_port).get('odyssey_workers{state="idle"}') == 3,
-             timeout=60)
+    wait_for("3 idle workers after the warm-up",
+             lambda: scrape(c.metrics_port).get('odyssey_workers{state="idle"}') == 3, timeout=60)
     threads0, rss0 = proc_status(c.controller.pid)
     print(f"warm-up done in {time.monotonic() - t_start:.1f} s: controller threads {threads0}, RSS {rss0:.1f} MiB",
           flush=True)
@@ -497,12 +501,12 @@ def soak(c, args):
                     n_rl += 1
                     rec = c.create("RL", c.rl_spec(n_rl, restart_limit))
                     rounds = rng.randint(4, 10)
-                    t = threading.Thread(target=c.drive_session, args=(rec, rounds, seed * 1000 + n_rl, t0 + args.duration + 30),
-                                         daemon=True)
+                    t = threading.Thread(target=c.drive_session, daemon=True,
+                                         args=(rec, rounds, seed * 1000 + n_rl, t0 + args.duration + 30))
                     t.start()
                     drivers.append(t)
-                    print(f"  t={time.monotonic() - t0:5.1f}s RL  {rec.name}: {rounds} rounds, restart_limit {restart_limit}",
-                          flush=True)
+                    print(f"  t={time.monotonic() - t0:5.1f}s RL  {rec.name}: {rounds} rounds, "
+                          f"restart_limit {restart_limit}", flush=True)
                 else:
                     n_sft += 1
                     steps = rng.randint(30, 150)
@@ -579,6 +583,7 @@ def soak(c, args):
     outcomes = {"SUCCEEDED": 0, "CANCELLED": 0, "FAILED (restart limit)": 0}
     missing = 0
     sft_ckpt = rl_ckpt = ""
+    sft_restarted = False
     for name, rec in sorted(c.records.items(), key=lambda kv: int(kv[0].split("/")[1])):
         job = listed.get(name)
         if job is None:
@@ -586,7 +591,8 @@ def soak(c, args):
         state = c.state(job)
         own = rec.spec.checkpoint.directory or os.path.join(c.state_dir, "checkpoints", f"job-{name.split('/')[1]}")
         faults_in_life = sum(1 for f in c.faults if f.start < (rec.ended or time.monotonic()) and f.end > rec.created)
-        where = f"{name} ({rec.kind}, restarts {job.restarts}/{rec.spec.restart_limit}, {faults_in_life} faults in its life)"
+        where = (f"{name} ({rec.kind}, restarts {job.restarts}/{rec.spec.restart_limit}, "
+                 f"{faults_in_life} faults in its life)")
         took = job.end_time.ToDatetime() - job.create_time.ToDatetime()
         print(f"  {name}: {rec.kind}{'' if rec.kind == 'RL' else ' ' + str(rec.spec.steps) + ' steps'}"
               f"{' x2' if rec.spec.parallel.world_size == 2 else ''}, {state} at step {job.step}, restarts "
@@ -628,8 +634,9 @@ def soak(c, args):
             if why:
                 missing += 1
                 c.violations.append(f"{where}: last_checkpoint {job.last_checkpoint} {why}")
-            elif rec.kind == "SFT" and state == "SUCCEEDED" and not sft_ckpt and job.restarts > 0:
-                sft_ckpt = job.last_checkpoint
+            elif rec.kind == "SFT" and state == "SUCCEEDED" and (
+                    not sft_ckpt or (job.restarts > 0 and not sft_restarted)):
+                sft_ckpt, sft_restarted = job.last_checkpoint, job.restarts > 0  # one that resumed, if any
             elif rec.kind == "RL" and not rl_ckpt:
                 rl_ckpt = job.last_checkpoint
     # An SFT checkpoint learnt the King James text (better than chance, ln 256); an RL session
@@ -641,7 +648,8 @@ def soak(c, args):
             loss = load_in_transformers(path, below)
             print(f"transformers loads {path}: loss {loss:.3f} nats/byte ({time.monotonic() - t:.1f} s)", flush=True)
 
-    counts = {k: sum(1 for f in c.faults if f.kind == k) for k in ("kill -9 worker", "SIGSTOP worker", "kill -9 controller")}
+    counts = {k: sum(1 for f in c.faults if f.kind == k)
+              for k in ("kill -9 worker", "SIGSTOP worker", "kill -9 controller")}
     # A worker back from SIGSTOP with a job restarted elsewhere is "stopping" until that run ends
     # (server/controller.h): how often that path ran.
     stopping = c.log("controller").count("came back still holding it; told to stop")
@@ -668,7 +676,8 @@ def soak(c, args):
           f"{sum(r.kind == 'RL' for r in c.records.values())} RL), {len(c.faults)} faults "
           f"({counts['kill -9 worker']} kill -9 worker, {counts['SIGSTOP worker']} SIGSTOP, "
           f"{counts['kill -9 controller']} controller kill -9), jobs lost {len(lost)}, checkpoints missing {missing}, "
-          f"threads {threads0}->{threads1}, RSS {rss0:.0f}->{rss1:.0f} MiB, {time.monotonic() - t_start:.0f} s", flush=True)
+          f"threads {threads0}->{threads1}, RSS {rss0:.0f}->{rss1:.0f} MiB, {time.monotonic() - t_start:.0f} s",
+          flush=True)
     if c.violations:
         raise Failure(f"{len(c.violations)} violation(s) (seed {seed}):\n  " + "\n  ".join(c.violations))
 
