@@ -1,7 +1,7 @@
 """Scaffolding shared by the process tests: the drivers that start a real odyssey-controller and
 odyssey-worker (and use the odyssey CLI or gRPC) on loopback ports picked at run time.
 
-Used by tests/service/e2e_test.py, rl_test.py, auth_test.py and
+Used by tests/service/e2e_test.py, rl_test.py, auth_test.py, soak_test.py and
 client/python/tests/process_test.py (which puts this folder on sys.path). What is here:
 
   Failure, Skip, SKIP    a check failed (exit 1) / the case cannot run here (exit SKIP = 77,
