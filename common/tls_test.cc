@@ -1,15 +1,25 @@
 #include "common/tls.h"
 
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
+#include "odyssey/v1/odyssey.grpc.pb.h"
 
 namespace odyssey {
 namespace {
@@ -34,14 +44,110 @@ class TlsTest : public ::testing::Test {
 
 std::string Message(const absl::Status& s) { return std::string(s.message()); }
 
+// A self-signed certificate for "localhost" (its own CA) valid from now + `from` to now + `to`
+// seconds, and its key: PEM texts.
+struct CertAndKey {
+  std::string cert, key;
+};
+CertAndKey SelfSigned(long from, long to) {
+  EVP_PKEY* key = EVP_EC_gen("P-256");
+  X509* x = X509_new();
+  X509_set_version(x, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x), 1);
+  X509_gmtime_adj(X509_getm_notBefore(x), from);
+  X509_gmtime_adj(X509_getm_notAfter(x), to);
+  X509_set_pubkey(x, key);
+  X509_NAME* name = X509_get_subject_name(x);
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("localhost"), -1, -1, 0);
+  X509_set_issuer_name(x, name);
+  X509V3_CTX ctx;
+  X509V3_set_ctx_nodb(&ctx);
+  X509V3_set_ctx(&ctx, x, x, nullptr, nullptr, 0);
+  for (const char* ext : {"subjectAltName=DNS:localhost", "basicConstraints=critical,CA:TRUE"}) {
+    const std::string text(ext);
+    const size_t eq = text.find('=');
+    X509_EXTENSION* e = X509V3_EXT_nconf(nullptr, &ctx, text.substr(0, eq).c_str(), text.substr(eq + 1).c_str());
+    X509_add_ext(x, e, -1);
+    X509_EXTENSION_free(e);
+  }
+  X509_sign(x, key, EVP_sha256());
+  auto pem = [](auto write) {
+    BIO* bio = BIO_new(BIO_s_mem());
+    write(bio);
+    char* data = nullptr;
+    const long n = BIO_get_mem_data(bio, &data);
+    std::string out(data, static_cast<size_t>(n));
+    BIO_free(bio);
+    return out;
+  };
+  CertAndKey out{pem([&](BIO* b) { PEM_write_bio_X509(b, x); }),
+                 pem([&](BIO* b) { PEM_write_bio_PrivateKey(b, key, nullptr, nullptr, 0, nullptr, nullptr); })};
+  X509_free(x);
+  EVP_PKEY_free(key);
+  return out;
+}
+
+// Whether a channel with `creds` to a server with `server_creds` completes its transport
+// handshake (plaintext HTTP/2, or TLS) within `seconds`.
+bool Connects(const std::shared_ptr<grpc::ServerCredentials>& server_creds,
+              const std::shared_ptr<grpc::ChannelCredentials>& creds, const grpc::ChannelArguments& args,
+              int seconds = 20) {
+  int port = 0;
+  odyssey::v1::PlannerService::Service unimplemented;  // a server needs a service; no call is made
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", server_creds, &port);
+  builder.RegisterService(&unimplemented);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  EXPECT_NE(port, 0);
+  auto channel = grpc::CreateCustomChannel("localhost:" + std::to_string(port), creds, args);
+  const bool connected = channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  server->Shutdown();
+  return connected;
+}
+
+// No TLS flags: plaintext on both sides, so a plaintext client talks to the server, and a
+// plaintext client cannot talk to a TLS server (the credentials are not TLS in disguise).
 TEST_F(TlsTest, NoFlagsIsPlaintext) {
   auto server = MakeServerCredentials({});
   ASSERT_TRUE(server.ok()) << server.status();
-  EXPECT_NE(*server, nullptr);
   grpc::ChannelArguments args;
   auto client = MakeChannelCredentials({}, &args);
   ASSERT_TRUE(client.ok()) << client.status();
-  EXPECT_NE(*client, nullptr);
+  EXPECT_TRUE(Connects(*server, *client, args));
+
+  const CertAndKey good = SelfSigned(-60, 3600);
+  const std::string cert = Write("cert.pem", good.cert), key = Write("key.pem", good.key);
+  auto tls_server = MakeServerCredentials({cert, key, ""});
+  ASSERT_TRUE(tls_server.ok()) << tls_server.status();
+  EXPECT_FALSE(Connects(*tls_server, *client, args, 2)) << "a plaintext client reached a TLS server";
+  grpc::ChannelArguments tls_args;
+  auto tls_client = MakeChannelCredentials({cert, "localhost", "", ""}, &tls_args);
+  ASSERT_TRUE(tls_client.ok()) << tls_client.status();
+  EXPECT_TRUE(Connects(*tls_server, *tls_client, tls_args));
+  EXPECT_FALSE(Connects(*server, *tls_client, tls_args, 2)) << "a TLS client reached a plaintext server";
+}
+
+// A certificate outside its validity period is refused at start, naming the flag and the
+// path, not at the first handshake.
+TEST_F(TlsTest, ExpiredOrNotYetValidCertificateIsRefusedAtStart) {
+  struct Case {
+    long from, to;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {-7200, -3600, "the certificate has expired"},
+      {3600, 7200, "the certificate is not valid yet"},
+  };
+  for (const Case& c : cases) {
+    const CertAndKey pair = SelfSigned(c.from, c.to);
+    const std::string cert = Write("cert.pem", pair.cert), key = Write("key.pem", pair.key);
+    auto creds = MakeServerCredentials({cert, key, ""});
+    ASSERT_FALSE(creds.ok()) << c.want;
+    EXPECT_EQ(creds.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(Message(creds.status()), HasSubstr("--tls-cert " + cert + ": " + c.want));
+  }
+  const CertAndKey valid = SelfSigned(-60, 3600);
+  EXPECT_TRUE(MakeServerCredentials({Write("cert.pem", valid.cert), Write("key.pem", valid.key), ""}).ok());
 }
 
 TEST_F(TlsTest, ServerFlagErrorsNameTheFlag) {

@@ -1,5 +1,7 @@
 #include "engine/optimizer.h"
 
+#include <cmath>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,6 +14,7 @@ TEST(AdamWTest, MatchesTorchAdamWInFp32) {
   torch::manual_seed(0);
   torch::Tensor a = torch::randn({7, 5}, torch::requires_grad());
   torch::Tensor b = a.detach().clone().requires_grad_(true);
+  const torch::Tensor a0 = a.detach().clone();
   AdamWOptions o;
   o.lr = 1e-2;
   o.weight_decay = 0.1;
@@ -25,7 +28,47 @@ TEST(AdamWTest, MatchesTorchAdamWInFp32) {
     ref.step();
   }
   EXPECT_LT((a - b).abs().max().item<double>(), 1e-6);
-  EXPECT_GT((a - torch::zeros_like(a)).abs().max().item<double>(), 0.0);
+  EXPECT_GT((a - a0).abs().max().item<double>(), 1e-3) << "six steps of lr 1e-2 moved the parameter";
+}
+
+// Weight decay applies to matrices (2+ dims) only: norms' weights and biases (1-D) get none,
+// as in Hugging Face's and torchtitan's recipes. With zero gradients Adam's update is exactly
+// zero, so all that moves a parameter is decay: a matrix shrinks by (1 - lr * wd) per step, a
+// vector does not move at all. The 1-D parameter then follows torch.optim.AdamW with
+// weight_decay 0 under random gradients.
+TEST(AdamWTest, WeightDecayOnlyOnParametersOfTwoOrMoreDims) {
+  torch::manual_seed(4);
+  torch::Tensor w = torch::randn({6, 3}, torch::requires_grad());
+  torch::Tensor conv = torch::randn({2, 3, 4}, torch::requires_grad());
+  torch::Tensor norm = torch::randn({6}, torch::requires_grad());
+  const torch::Tensor w0 = w.detach().clone(), conv0 = conv.detach().clone(), norm0 = norm.detach().clone();
+  AdamWOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  AdamW opt({{"w", w}, {"conv", conv}, {"norm.weight", norm}}, o);
+  constexpr int kSteps = 3;
+  for (int step = 0; step < kSteps; ++step) {
+    for (torch::Tensor* p : {&w, &conv, &norm}) p->mutable_grad() = torch::zeros_like(*p);
+    opt.Step(o.lr);
+  }
+  const double shrink = std::pow(1 - o.lr * o.weight_decay, kSteps);
+  EXPECT_LT((w - w0 * shrink).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((w - w0).abs().max().item<double>(), 1e-4) << "the matrix decayed";
+  EXPECT_LT((conv - conv0 * shrink).abs().max().item<double>(), 1e-6);
+  EXPECT_TRUE(torch::equal(norm, norm0)) << "a 1-D parameter must not decay";
+
+  torch::Tensor ref = norm.detach().clone().requires_grad_(true);
+  torch::optim::AdamW torch_ref({ref}, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0));
+  AdamW ours({{"norm.weight", norm}}, o);  // weight_decay 0.1, but 1-D
+  for (int step = 0; step < 4; ++step) {
+    torch::Tensor g = torch::randn({6});
+    norm.mutable_grad() = g.clone();
+    ref.mutable_grad() = g.clone();
+    ours.Step(o.lr);
+    torch_ref.step();
+  }
+  EXPECT_LT((norm - ref).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((norm - norm0).abs().max().item<double>(), 1e-3) << "the parameter trained";
 }
 
 // bf16 params keep an fp32 master that evolves exactly as an fp32 run would; the params are

@@ -72,6 +72,31 @@ TEST(TrainerTest, CheckpointResumesExactly) {
   std::filesystem::remove_all(dir);
 }
 
+// The SFT loss is the mean over target positions (loss_mask = 1), not over all positions: a
+// batch with half its positions masked out reports the masked positions' mean -log p, which
+// equals the loss computed here from the model's logits.
+TEST(TrainerTest, LossIsTheMaskedMeanOverTargetTokens) {
+  TrainerOptions o = TinyKjv(1);
+  o.data.seq_len = 16;
+  o.data.batch_size = 2;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  Batch batch = (*t)->data().Next();
+  batch.loss_mask.narrow(1, 0, 8).zero_();  // (B, S): the first half of every row does not count
+  ASSERT_EQ(batch.NumTargets(), 2 * 8);
+  torch::Tensor ref;
+  {
+    torch::NoGradGuard no_grad;
+    model::ForwardInputs in;
+    in.input_ids = batch.input_ids;
+    in.position_ids = batch.position_ids;
+    torch::Tensor logits = torch::matmul((*t)->model()->Hidden(in), (*t)->model()->HeadWeight().t());  // (B, S, V)
+    torch::Tensor nll = -torch::log_softmax(logits, -1).gather(2, batch.labels.unsqueeze(2)).squeeze(2);  // (B, S)
+    ref = (nll * batch.loss_mask).sum() / batch.loss_mask.sum();
+  }
+  EXPECT_NEAR((*t)->EvalLoss(batch), ref.item<double>(), 1e-5);
+}
+
 TEST(TrainerTest, BadOptionsNameTheField) {
   TrainerOptions o = TinyKjv(0);
   auto r = Trainer::Create(o);

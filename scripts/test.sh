@@ -6,4 +6,14 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/build.sh
 cd build
-ctest --output-on-failure -j "${ODYSSEY_TEST_JOBS:-2}" "$@"
+mkdir -p Testing
+set +e
+ctest --output-on-failure -j "${ODYSSEY_TEST_JOBS:-2}" "$@" 2>&1 | tee Testing/ctest-output.log
+rc=${PIPESTATUS[0]}
+set -e
+# GPU-only tests skip without a GPU (ctest: "Not Run", "(Skipped)"): say how many, so a CPU
+# run's summary shows that the CUDA paths were not exercised.
+skipped=$(grep -c '(Skipped)$' Testing/ctest-output.log || true)
+echo "tests: ctest exit ${rc}; ${skipped} skipped (GPU-only where no GPU is visible):" \
+     "$(grep -E '\(Skipped\)$' Testing/ctest-output.log | awk '{print $3}' | tr '\n' ' ')"
+exit "$rc"

@@ -64,6 +64,10 @@ ControllerMetrics::ControllerMetrics(prometheus::Registry* registry) {
                          .Name("odyssey_rl_optimizer_step")
                          .Help("Optimizer steps completed by the RL session (after OptimStep / LoadCheckpoint)")
                          .Register(*registry);
+  waiting_calls_ = &prometheus::BuildGauge()
+                        .Name("odyssey_training_calls_waiting")
+                        .Help("Sequenced TrainingService calls of the session waiting for an earlier sequence")
+                        .Register(*registry);
 }
 
 void ControllerMetrics::SetJobs(const JobCounts& by_state) {
@@ -114,9 +118,13 @@ void ControllerMetrics::SetOptimizerStep(const std::string& job, int64_t step) {
   if (enabled()) optimizer_step_->Add({{"job", job}}).Set(static_cast<double>(step));
 }
 
+void ControllerMetrics::SetWaitingCalls(const std::string& job, int64_t waiting) {
+  if (enabled()) waiting_calls_->Add({{"job", job}}).Set(static_cast<double>(waiting));
+}
+
 void ControllerMetrics::RemoveJob(const std::string& job) {
   if (!enabled()) return;
-  for (auto* family : {mismatch_mean_, mismatch_max_, optimizer_step_}) {
+  for (auto* family : {mismatch_mean_, mismatch_max_, optimizer_step_, waiting_calls_}) {
     if (family->Has({{"job", job}})) family->Remove(&family->Add({{"job", job}}));
   }
 }

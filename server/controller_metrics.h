@@ -53,6 +53,9 @@ class ControllerMetrics {
   void SetMismatch(const std::string& job, double mean, double max);
   // odyssey_rl_optimizer_step{job}.
   void SetOptimizerStep(const std::string& job, int64_t step);
+  // odyssey_training_calls_waiting{job}: sequenced calls that arrived early and wait for their
+  // turn (Controller::AwaitSequence).
+  void SetWaitingCalls(const std::string& job, int64_t waiting);
   // Removes job `job`'s per-job series (those it has).
   void RemoveJob(const std::string& job);
 
@@ -72,6 +75,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>* mismatch_mean_ = nullptr;
   prometheus::Family<prometheus::Gauge>* mismatch_max_ = nullptr;
   prometheus::Family<prometheus::Gauge>* optimizer_step_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* waiting_calls_ = nullptr;
 };
 
 }  // namespace odyssey::server

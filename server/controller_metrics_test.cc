@@ -70,7 +70,9 @@ TEST_F(ControllerMetricsTest, PerJobSeriesAreRemovedWithTheJob) {
   metrics_.SetMismatch("jobs/1", 0.125, 0.5);
   metrics_.SetOptimizerStep("jobs/1", 7);
   metrics_.SetOptimizerStep("jobs/2", 3);
+  metrics_.SetWaitingCalls("jobs/1", 2);
   std::string m = Text();
+  EXPECT_THAT(m, HasSubstr("odyssey_training_calls_waiting{job=\"jobs/1\"} 2"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job=\"jobs/1\"} 0.125"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job=\"jobs/1\"} 0.5"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{job=\"jobs/1\"} 7"));

@@ -167,5 +167,40 @@ TEST_F(ControllerTest, CpuWorkersAdmitByHostMemory) {
   EXPECT_THAT(answer->hardware(), HasSubstr("CPU worker cpu-0"));
 }
 
+// PlannerService plans for 85% of the attached GPU worker's host memory (the worker's own rule,
+// planner::HostBudget) and 3 GiB less than its GPU; a spec's host budget wins over both the
+// worker's and the request's host bytes.
+TEST_F(ControllerTest, PlanUsesEightyFivePercentOfTheWorkersHostMemory) {
+  v1::WorkerCapabilities caps;
+  caps.set_worker_id("gpu-0");
+  caps.set_device("cuda:0");
+  caps.set_device_memory_bytes(int64_t{141} << 30);
+  caps.set_host_memory_bytes(int64_t{200} << 30);
+  ASSERT_TRUE(controller_->AttachWorker(caps, "127.0.0.1", std::make_shared<FakeConnection>()).ok());
+  v1::PlanRequest req;
+  *req.mutable_spec() = Request(1).spec();
+  req.mutable_spec()->mutable_model()->set_name("llama-3.2-3b");
+  req.mutable_spec()->mutable_data()->set_seq_len(65536);
+  auto p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->planned_host_bytes(), (int64_t{200} << 30) / 100 * 85);
+  EXPECT_EQ(p->planned_gpu_bytes(), (int64_t{141} << 30) - (int64_t{3} << 30));
+  EXPECT_LE(p->host_bytes(), p->planned_host_bytes());
+
+  req.set_host_bytes(int64_t{50} << 30);  // the request's machine
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->planned_host_bytes(), int64_t{50} << 30);
+
+  req.mutable_spec()->mutable_memory()->set_host_budget_bytes(int64_t{10} << 30);  // the spec's budget wins
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->planned_host_bytes(), int64_t{10} << 30);
+  req.clear_host_bytes();
+  p = controller_->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->planned_host_bytes(), int64_t{10} << 30);
+}
+
 }  // namespace
 }  // namespace odyssey::server

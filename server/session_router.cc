@@ -64,6 +64,7 @@ absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::
   }
   if (sequence > seq.next) {
     seq.waiting.insert(sequence);
+    metrics_.SetWaitingCalls(JobName(id), static_cast<int64_t>(seq.waiting.size()));
     const absl::Time deadline = absl::Now() + options_.sequence_wait;
     bool client_gone = false;
     auto turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -80,7 +81,10 @@ absl::Status Controller::AwaitSequence(int64_t id, int64_t sequence, const std::
     }
     // The session may have ended (and its sequence state been erased) while this call waited.
     auto it = sequences_.find(id);
-    if (it != sequences_.end()) it->second.waiting.erase(sequence);
+    if (it != sequences_.end()) {
+      it->second.waiting.erase(sequence);
+      metrics_.SetWaitingCalls(JobName(id), static_cast<int64_t>(it->second.waiting.size()));
+    }
     if (client_gone) return absl::CancelledError("the client cancelled the call while it waited for its turn");
     if (absl::Status s = CheckServesTraining(*FindJob(id)); !s.ok()) return s;
     const int64_t next = sequences_[id].next;

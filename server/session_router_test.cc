@@ -46,6 +46,19 @@ class TrainingRoutingTest : public ControllerTest {
     id_ = *ParseJobName(job_.name());
     ASSERT_EQ(Get(job_.name()).state(), v1::Job::RUNNING);
   }
+  // odyssey_training_calls_waiting{job} of this session in the controller's registry; -1 when
+  // the series does not exist.
+  double WaitingGauge() const {
+    for (const auto& family : registry_->Collect()) {
+      if (family.name != "odyssey_training_calls_waiting") continue;
+      for (const auto& metric : family.metric) {
+        for (const auto& label : metric.label) {
+          if (label.name == "job" && label.value == job_.name()) return metric.gauge.value;
+        }
+      }
+    }
+    return -1;
+  }
   static v1::TrainingCall Fb(int tokens = 4) {
     v1::TrainingCall c;
     v1::Datum* d = c.mutable_forward_backward()->add_batch();
@@ -165,12 +178,16 @@ TEST_F(TrainingRoutingTest, ARefusedSequencedCallUsesUpItsNumber) {
   const absl::Status bad = absl::InvalidArgumentError("adam.lr: (-1) must be > 0 and finite");
   // Number 2 arrives first and waits for 1, which the edge refuses: 2 then goes through.
   AsyncTrain two(controller_.get(), id_, Step(1), 2);
-  while (controller_->WaitingCalls(id_) == 0) absl::SleepFor(absl::Milliseconds(1));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (controller_->WaitingCalls(id_) == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(controller_->WaitingCalls(id_), 1) << "call 2 never started waiting for its turn";
+  EXPECT_EQ(WaitingGauge(), 1);  // what process tests wait on (odyssey_training_calls_waiting)
   EXPECT_EQ(controller_->RefuseInTurn(id_, 1, "OptimStep", bad), bad);
   auto calls = conn_->WaitForCalls(1);
   ASSERT_EQ(calls.size(), 1u);
   Reply(calls[0], [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(1); });
   EXPECT_EQ(two.Wait()->optim_step().step(), 1);
+  EXPECT_EQ(WaitingGauge(), 0);
   // A used number stays used, refused or not.
   EXPECT_EQ(controller_->RefuseInTurn(id_, 1, "OptimStep", bad).code(), absl::StatusCode::kAlreadyExists);
   // Number 3 is a batch over the plan (17 > 16 positions): refused in its turn, 4 is next.

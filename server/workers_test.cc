@@ -98,6 +98,79 @@ TEST_F(ControllerTest, ControllerRestartWithoutWorkerRestartsJob) {
   EXPECT_EQ(w2b.conn->Assignments().size(), 1u);
 }
 
+
+// A job that wrote several checkpoints resumes from the newest one, whichever way it is lost:
+// a worker that times out, a rank of a gang whose worker dies, and after a controller restart
+// (the job's last_checkpoint is persisted). Guards against resuming from a stale (first)
+// checkpoint, which still trains but silently repeats steps.
+TEST_F(ControllerTest, LostJobResumesFromItsNewestCheckpoint) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1, 100, "", 0, /*restart_limit=*/3), kAnon);
+  Progress(w1, job.name(), 0, 2, "/ckpt/step-2");
+  Progress(w1, job.name(), 0, 4, "/ckpt/step-4");
+  Progress(w1, job.name(), 0, 6);  // a step without a checkpoint changes nothing
+  Progress(w1, job.name(), 0, 8, "/ckpt/step-8");
+  EXPECT_EQ(Get(job.name()).last_checkpoint(), "/ckpt/step-8");
+  controller_->DetachWorker(w1.session);
+  now_ += absl::Seconds(11);
+  controller_->Tick();
+  ASSERT_EQ(Get(job.name()).state(), v1::Job::PENDING);
+
+  auto w2 = Attach("w2");
+  ASSERT_EQ(w2.conn->Assignments().size(), 1u);
+  EXPECT_EQ(w2.conn->Assignments()[0].resume_from(), "/ckpt/step-8");
+  // The resumed run writes newer checkpoints; a controller restart keeps the newest.
+  Progress(w2, job.name(), 0, 10, "/ckpt/step-10");
+  Progress(w2, job.name(), 0, 12, "/ckpt/step-12");
+  Restart();
+  EXPECT_EQ(Get(job.name()).last_checkpoint(), "/ckpt/step-12");
+  now_ += absl::Seconds(11);  // w2 never re-attaches: lost
+  controller_->Tick();
+  ASSERT_EQ(Get(job.name()).state(), v1::Job::PENDING);
+  auto w3 = Attach("w3");
+  ASSERT_EQ(w3.conn->Assignments().size(), 1u);
+  EXPECT_EQ(w3.conn->Assignments()[0].resume_from(), "/ckpt/step-12");
+}
+
+// One rank of a 2-rank job is lost: every rank of the restarted gang resumes from the newest
+// checkpoint rank 0 reported (not from scratch, not from an older one).
+TEST_F(ControllerTest, LostRankRestartsTheGangFromTheNewestCheckpoint) {
+  auto w1 = Attach("w1"), w2 = Attach("w2"), spare = Attach("w3");
+  auto job = *controller_->CreateJob(Request(2, 100, "", 0, /*restart_limit=*/1), kAnon);
+  const v1::Job running = Get(job.name());
+  ASSERT_EQ(running.workers_size(), 2);
+  Attached* rank0 = running.workers(0) == "w1" ? &w1 : running.workers(0) == "w2" ? &w2 : &spare;
+  Attached* rank1 = running.workers(1) == "w1" ? &w1 : running.workers(1) == "w2" ? &w2 : &spare;
+  Progress(*rank0, job.name(), 0, 5, "/ckpt/step-5");
+  Progress(*rank1, job.name(), 1, 5);  // a rank > 0 never sets the checkpoint
+  Progress(*rank0, job.name(), 0, 10, "/ckpt/step-10");
+  controller_->DetachWorker(rank1->session);
+  auto heartbeat = [&](const Attached& w) {
+    v1::WorkerMessage m;
+    m.mutable_heartbeat();
+    controller_->OnWorkerMessage(w.session, m);
+  };
+  now_ += absl::Seconds(6);  // the survivor and the spare stay alive; rank 1 stays away
+  for (Attached* w : {&w1, &w2, &spare}) {
+    if (w != rank1) heartbeat(*w);
+  }
+  now_ += absl::Seconds(5);
+  controller_->Tick();
+  // The survivor is told to stop; once it reports that, the gang is placed again.
+  EXPECT_GE(rank0->conn->Count(v1::ControllerMessage::kCancel), 1);
+  Result(*rank0, job.name(), 0, false, "cancelled by the controller");
+  std::vector<v1::Assignment> restarted;
+  for (Attached* w : {&w1, &w2, &spare}) {
+    if (w == rank1) continue;
+    for (const v1::Assignment& a : w->conn->Assignments()) {
+      if (a.job() == job.name() && !a.resume_from().empty()) restarted.push_back(a);  // not the first run
+    }
+  }
+  ASSERT_EQ(Get(job.name()).state(), v1::Job::RUNNING) << Get(job.name()).error();
+  ASSERT_EQ(restarted.size(), 2u);
+  for (const v1::Assignment& a : restarted) EXPECT_EQ(a.resume_from(), "/ckpt/step-10") << "rank " << a.rank();
+}
+
 // A second process with a live worker's id is refused; it never takes over the first one's job.
 TEST_F(ControllerTest, ASecondAttachWithALiveWorkersIdIsRefused) {
   auto w1 = Attach("w1");

@@ -8,8 +8,14 @@
 #include <optional>
 #include <sstream>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -279,8 +285,41 @@ TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   }
 }
 
+// A TCP port free now (the kernel's pick for port 0; nobody listens on it once this returns).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// True when a socket of this machine listens on TCP `port` (read from /proc/net/tcp{,6}, so
+// the check neither connects nor binds: it cannot disturb the listener).
+bool Listening(int port) {
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const size_t colon = local.rfind(':');
+      if (colon == std::string::npos || state != "0A") continue;  // 0A: TCP_LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) return true;
+    }
+  }
+  return false;
+}
+
 // A multi-rank RL session waits for its peers at the rendezvous; a cancel meanwhile ends the
-// wait at once (not after the 120 s connect timeout) with a cancelled result.
+// wait at once (not after the 120 s connect timeout) with a cancelled result. The cancel comes
+// once rank 0 listens at the rendezvous, so the wait it interrupts is the peers' one.
 TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
   JobRunnerOptions opts;
   opts.device = "cpu";
@@ -288,9 +327,16 @@ TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
   v1::Assignment a = RlJob((root_ / "x").string(), 0);
   a.set_world_size(2);
   a.set_rank(0);
-  a.set_rendezvous("127.0.0.1:0");  // rank 0 listens; rank 1 never comes
+  const int port = FreePort();
+  a.set_rendezvous(absl::StrCat("127.0.0.1:", port));  // rank 0 listens; rank 1 never comes
   JobRunner runner(a, opts, rec.Callbacks(), nullptr);
-  absl::SleepFor(absl::Milliseconds(300));  // let it reach the rendezvous (a cancel before it is fine too)
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (!Listening(port) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(Listening(port)) << "rank 0 did not listen on " << port << " within 60 s";
+  {
+    absl::MutexLock l(&rec.mu);
+    ASSERT_FALSE(rec.result.has_value()) << "the run ended before the cancel: " << rec.result->error();
+  }
   const absl::Time cancelled = absl::Now();
   runner.Cancel("test says stop");
   v1::JobResult r = rec.Wait(absl::Seconds(30));
@@ -339,32 +385,53 @@ TEST(AssignmentToEngineOptionsTest, EveryMemoryFieldArrives) {
 }
 
 // The spec's memory strategy reaches the engine: layer recompute with tiled MLP and loss trains
-// the same model as the plain step (fp32 on CPU: equal up to rounding).
+// the same model as the plain step (fp32 on CPU: equal up to rounding), and with offload the
+// worker runs what the spec says (the pool the job reports holds the offloaded layer inputs:
+// a worker that ignored spec.memory would report none).
 TEST_F(JobRunnerTest, MemorySpecIsAppliedAndChangesNothingButMemory) {
   JobRunnerOptions opts;
   opts.device = "cpu";
   opts.progress_interval_seconds = 0;
-  auto run = [&](const std::string& dir, bool strategies) {
+  auto run = [&](const std::string& dir, const std::function<void(v1::MemorySpec*)>& fill) {
     v1::Assignment a = TinyJob((root_ / dir).string(), 3);
-    if (strategies) {
-      v1::MemorySpec* m = a.mutable_spec()->mutable_memory();
-      m->set_recompute("layer");
-      m->set_mlp_tile_tokens(8);
-      m->set_loss_tile_tokens(8);
-      m->set_offload("off");
-    }
+    if (fill) fill(a.mutable_spec()->mutable_memory());
     Recorder rec;
     JobRunner runner(a, opts, rec.Callbacks(), nullptr);
     EXPECT_TRUE(rec.Wait().ok());
     absl::MutexLock l(&rec.mu);
-    std::vector<double> losses;
-    for (const auto& p : rec.progress) losses.push_back(p.metrics().loss());
-    return losses;
+    return rec.progress;
   };
-  std::vector<double> plain = run("plain", false), tiled = run("tiled", true);
+  auto losses = [](const std::vector<v1::JobProgress>& progress) {
+    std::vector<double> out;
+    for (const auto& p : progress) out.push_back(p.metrics().loss());
+    return out;
+  };
+  const std::vector<v1::JobProgress> plain_run = run("plain", nullptr);
+  const std::vector<v1::JobProgress> tiled_run = run("tiled", [](v1::MemorySpec* m) {
+    m->set_recompute("layer");
+    m->set_mlp_tile_tokens(8);
+    m->set_loss_tile_tokens(8);
+    m->set_offload("off");
+  });
+  const std::vector<v1::JobProgress> offloaded_run = run("offloaded", [](v1::MemorySpec* m) {
+    m->set_recompute("layer");
+    m->set_offload("on");
+    m->set_device_resident(1);
+  });
+  std::vector<double> plain = losses(plain_run), tiled = losses(tiled_run), offloaded = losses(offloaded_run);
   ASSERT_EQ(plain.size(), 3u);
   ASSERT_EQ(tiled.size(), 3u);
-  for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(plain[i], tiled[i], 1e-5 * plain[i]) << "step " << i + 1;
+  ASSERT_EQ(offloaded.size(), 3u);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(plain[i], tiled[i], 1e-5 * plain[i]) << "step " << i + 1;
+    EXPECT_NEAR(plain[i], offloaded[i], 1e-5 * plain[i]) << "step " << i + 1;
+  }
+  // The tiny model: 4 layers of hidden 128; a batch of 2 x 16 fp32 positions. Layer recompute
+  // saves 4 inputs; device_resident 1 keeps the last on the device and offloads 3.
+  constexpr int64_t kInputBytes = 2 * 16 * 128 * 4;
+  EXPECT_EQ(plain_run.back().metrics().host_offload_bytes(), 0);
+  EXPECT_EQ(tiled_run.back().metrics().host_offload_bytes(), 0);
+  EXPECT_EQ(offloaded_run.back().metrics().host_offload_bytes(), 3 * kInputBytes);
 
   v1::Assignment bad = TinyJob((root_ / "bad").string(), 3);
   bad.mutable_spec()->mutable_memory()->set_offload("sometimes");

@@ -50,7 +50,11 @@ class FakeController final : public v1::WorkerService::Service {
     v1::WorkerMessage m;
     while (stream->Read(&m)) {
       absl::MutexLock l(&mu_);
-      if (!m.has_heartbeat()) streams_[index].push_back(m);
+      if (m.has_heartbeat()) {
+        heartbeats_.push_back(absl::Now());
+      } else {
+        streams_[index].push_back(m);
+      }
     }
     {
       absl::MutexLock l(&mu_);
@@ -93,12 +97,20 @@ class FakeController final : public v1::WorkerService::Service {
     absl::MutexLock l(&mu_);
     return streams_.at(index);
   }
+  // When each heartbeat arrived, once there are at least `n` (waits up to `timeout`).
+  std::vector<absl::Time> Heartbeats(size_t n, absl::Duration timeout) {
+    absl::MutexLock l(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return heartbeats_.size() >= n; };
+    mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+    return heartbeats_;
+  }
 
  private:
   absl::Mutex mu_;
   std::vector<std::vector<v1::WorkerMessage>> streams_ ABSL_GUARDED_BY(mu_);
   std::vector<grpc::ServerContext*> contexts_ ABSL_GUARDED_BY(mu_);  // null once the stream ended
   std::deque<v1::ControllerMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Time> heartbeats_ ABSL_GUARDED_BY(mu_);  // arrival times, every stream
 };
 
 v1::ControllerMessage Assign(const std::string& job, int64_t steps) {
@@ -197,6 +209,46 @@ TEST(WorkerTest, AttachProtocol) {
   ASSERT_EQ(third[1].held().jobs_size(), 1);
   EXPECT_EQ(third[1].held().jobs(0), "jobs/3");
 
+  worker.Shutdown();
+  run.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// The protocol asks a worker for a heartbeat at least every heartbeat timeout / 3
+// (server/README.md, "Worker protocol"). The defaults keep it: 1 s against the controller's
+// 10 s --heartbeat-timeout. And the interval holds while a job trains (the training thread
+// never holds up the stream): with a 100 ms interval (a 1 s timeout at the default ratio), no
+// gap between heartbeats reaches 333 ms.
+TEST(WorkerTest, HeartbeatsAtLeastEveryThirdOfTheTimeoutWhileTraining) {
+  EXPECT_LE(WorkerOptions{}.heartbeat_interval * 3, absl::Seconds(10))
+      << "the default heartbeat interval must be at most the controller's default --heartbeat-timeout / 3";
+  SetTorchThreads(1);
+  FakeController fake;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  WorkerOptions o;
+  o.controller = "127.0.0.1:" + std::to_string(port);
+  o.capabilities.set_worker_id("hb");
+  o.capabilities.set_device("cpu");
+  o.runner.device = "cpu";
+  o.runner.progress_interval_seconds = 0;
+  o.heartbeat_interval = absl::Milliseconds(100);
+  Worker worker(o, nullptr);
+  std::thread run([&] { EXPECT_TRUE(worker.Run().ok()); });
+  ASSERT_TRUE(fake.WaitFor(0, [](const v1::WorkerMessage& m) { return m.has_held(); }));
+  fake.Send(Assign("jobs/1", 1000000));
+  ASSERT_TRUE(fake.WaitFor(0, IsProgress("jobs/1")));
+  const size_t before = fake.Heartbeats(0, absl::ZeroDuration()).size();
+  const std::vector<absl::Time> beats = fake.Heartbeats(before + 15, absl::Seconds(30));
+  ASSERT_GE(beats.size(), before + 15) << "15 heartbeats of 100 ms did not come within 30 s";
+  absl::Duration worst;
+  for (size_t i = before + 1; i < beats.size(); ++i) worst = std::max(worst, beats[i] - beats[i - 1]);
+  std::printf("largest gap between heartbeats while training: %s\n", absl::FormatDuration(worst).c_str());
+  EXPECT_LT(worst, absl::Milliseconds(333));
   worker.Shutdown();
   run.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

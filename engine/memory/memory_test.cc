@@ -1,8 +1,14 @@
-// Every memory strategy must leave the gradients of plain autograd unchanged (fp32, CPU).
+// Every memory strategy must leave the gradients of plain autograd unchanged (fp32, CPU), and
+// must do what it is for: offload leaves no saved input on the device and prefetches the next
+// one, and the strategies that skip a forward run it fewer times (counted, not assumed).
 #include "engine/memory/strategy.h"
 
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <atomic>
+#include <cstring>
 
 #include "engine/loss.h"
 #include "engine/memory/attention_stash.h"
@@ -28,6 +34,60 @@ model::ModelConfig Config() {
 struct Result {
   double loss = 0;
   std::map<std::string, torch::Tensor> grads;
+  int64_t attention_forwards = 0;  // calls of the attention kernel's forward (Causal, CausalWithStats)
+  int64_t mlp_forwards = 0;        // MLP forwards (of whole rows or of tiles): calls of aten::silu
+  int64_t stash_bytes_after = 0;   // bytes the attention stash still holds after the last backward
+};
+
+// Counts the forwards of an attention kernel; everything else passes through.
+class CountingAttention final : public kernels::AttentionBackend {
+ public:
+  CountingAttention(std::shared_ptr<const kernels::AttentionBackend> inner, int64_t* forwards)
+      : inner_(std::move(inner)), forwards_(forwards) {}
+  std::string name() const override { return inner_->name(); }
+  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       double scale) const override {
+    ++*forwards_;
+    return inner_->Causal(q, k, v, scale);
+  }
+  bool SupportsStats(const torch::Device& device) const override { return inner_->SupportsStats(device); }
+  std::pair<torch::Tensor, kernels::AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                                    const torch::Tensor& v,
+                                                                    double scale) const override {
+    ++*forwards_;
+    return inner_->CausalWithStats(q, k, v, scale);
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const kernels::AttentionStats& stats, double scale) const override {
+    return inner_->CausalBackward(grad_out, q, k, v, out, stats, scale);
+  }
+
+ private:
+  std::shared_ptr<const kernels::AttentionBackend> inner_;
+  int64_t* forwards_;
+};
+
+// Counts calls of aten::silu while alive (a RecordFunction callback): the MLP's activation,
+// called once per MLP forward of a row block or a tile, and by nothing else in the model (its
+// backward is aten::silu_backward).
+class SiluCounter {
+ public:
+  SiluCounter() {
+    calls_ = 0;
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(
+                                        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                                          if (std::strcmp(fn.name(), "aten::silu") == 0) ++calls_;
+                                          return nullptr;
+                                        })
+                                        .scopes({at::RecordScope::FUNCTION}));
+  }
+  ~SiluCounter() { at::removeCallback(handle_); }
+  int64_t calls() const { return calls_; }
+
+ private:
+  static inline std::atomic<int64_t> calls_{0};
+  at::CallbackHandle handle_;
 };
 
 struct RunSetup {
@@ -46,21 +106,19 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   m->to(setup.device, setup.dtype);
   auto stack = MemoryStack::Create(options, c.num_hidden_layers);
   EXPECT_TRUE(stack.ok()) << stack.status();
-  if (options.keep_attention) {
-    m->set_attention_backend(kernels::WrapHeadGroups(
-        std::make_shared<const StashingAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
-                                                  (*stack)->attention_stash()),
-        head_groups));
-  } else {
-    m->set_attention_backend(kernels::MakeAttentionBackend(setup.attention, head_groups).value());
-  }
+  Result r;
+  std::shared_ptr<const kernels::AttentionBackend> kernel =
+      std::make_shared<const CountingAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
+                                                &r.attention_forwards);
+  if (options.keep_attention) kernel = std::make_shared<const StashingAttention>(kernel, (*stack)->attention_stash());
+  m->set_attention_backend(kernels::WrapHeadGroups(kernel, head_groups));
   torch::manual_seed(5);
   const int64_t B = setup.B, S = setup.S;
   torch::Tensor ids = torch::randint(0, c.vocab_size, {B, S}, torch::kInt64).to(setup.device);
   torch::Tensor labels = torch::randint(0, c.vocab_size, {B, S}, torch::kInt64).to(setup.device);
   torch::Tensor mask = (torch::rand({B, S}) > 0.3).to(torch::kFloat32).to(setup.device);
   EXPECT_TRUE((*stack)->Prepare(B, S, c.hidden_size, setup.dtype).ok());
-  Result r;
+  SiluCounter silu;
   for (int s = 0; s < steps; ++s) {
     m->zero_grad();
     model::ForwardInputs in;
@@ -82,6 +140,8 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
     loss.backward();
     r.loss = loss.item<double>();
   }
+  r.mlp_forwards = silu.calls();
+  r.stash_bytes_after = (*stack)->attention_stash()->bytes();
   for (auto& p : m->named_parameters()) r.grads[p.key()] = p.value().grad().to(torch::kCPU, torch::kFloat32);
   return r;
 }
@@ -106,10 +166,19 @@ TEST_F(MemoryStrategyTest, PlainGradientsAreNonTrivial) {
   for (const auto& [name, g] : plain_->grads) EXPECT_GT(g.norm().item<double>(), 0.0) << name;
 }
 
+constexpr int64_t kLayers = 5;  // Config().num_hidden_layers
+
 TEST_F(MemoryStrategyTest, LayerRecompute) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
-  ExpectSameGradients(RunStrategy(o), *plain_);
+  const Result got = RunStrategy(o);
+  ExpectSameGradients(got, *plain_);
+  // The counters see what runs: plain autograd runs each layer's attention and MLP once; layer
+  // recompute runs both again in backward.
+  EXPECT_EQ(plain_->attention_forwards, kLayers);
+  EXPECT_EQ(plain_->mlp_forwards, kLayers);
+  EXPECT_EQ(got.attention_forwards, 2 * kLayers);
+  EXPECT_EQ(got.mlp_forwards, 2 * kLayers);
 }
 
 TEST_F(MemoryStrategyTest, NestedEveryTwoLayers) {
@@ -133,21 +202,70 @@ TEST_F(MemoryStrategyTest, TiledMlp) {
   ExpectSameGradients(RunStrategy(o), *plain_);
 }
 
+// The tiled MLP's backward recomputes every tile, so in a layer's recompute (whose output is
+// never read) its forward tiles are skipped: two MLP passes per layer per step, as without
+// recompute, instead of three.
 TEST_F(MemoryStrategyTest, LayerRecomputeWithTiledMlpSkipsTheUnusedForward) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
   o.mlp_tile = 9;
-  ExpectSameGradients(RunStrategy(o), *plain_);
+  const int64_t tiles = (2 * 50 + 8) / 9;  // B*S = 100 positions: 12 tiles, the last of 1
+  const Result got = RunStrategy(o);
+  ExpectSameGradients(got, *plain_);
+  EXPECT_EQ(got.mlp_forwards, 2 * kLayers * tiles) << "first forward + the backward's recompute of each tile";
+  planner::MemoryStrategy unrecomputed;
+  unrecomputed.mlp_tile = 9;
+  EXPECT_EQ(RunStrategy(unrecomputed).mlp_forwards, 2 * kLayers * tiles);
 }
 
+// With kept attention outputs the layer's recompute replays the recorded output: one attention
+// forward per layer per step (layer recompute alone runs two), and the records are released by
+// the end of backward.
 TEST_F(MemoryStrategyTest, KeptAttentionOutputsSkipTheAttentionReforward) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
   o.keep_attention = true;
-  ExpectSameGradients(RunStrategy(o), *plain_);
+  const Result got = RunStrategy(o);
+  ExpectSameGradients(got, *plain_);
+  EXPECT_EQ(got.attention_forwards, kLayers);
+  EXPECT_EQ(got.stash_bytes_after, 0);
   o.mlp_tile = 9;
   o.loss_tile = 13;
-  ExpectSameGradients(RunStrategy(o, /*head_groups=*/2, /*steps=*/2), *plain_);
+  const Result grouped = RunStrategy(o, /*head_groups=*/2, /*steps=*/2);
+  ExpectSameGradients(grouped, *plain_);
+  EXPECT_EQ(grouped.attention_forwards, 2 * 2 * kLayers) << "2 steps x 2 head groups x one forward per layer";
+  EXPECT_EQ(grouped.stash_bytes_after, 0);
+}
+
+// SavedInputs with a host pool: offloaded inputs hold no device memory between forward and
+// backward (only the last `device_resident` stay), each Take() returns the saved values and
+// prefetches the next slot backward needs, so exactly one fetched input waits on the device.
+// On CPU the "device" copies are plain tensors, so device_bytes() counts what a GPU would hold.
+TEST(SavedInputsTest, OffloadLeavesOnlyResidentInputsOnTheDeviceAndPrefetchesOneAhead) {
+  HostPool pool(/*budget_bytes=*/int64_t{1} << 20, /*pinned=*/true);
+  SavedInputs saved(&pool, /*device_resident=*/1);
+  ASSERT_TRUE(saved.offloading());
+  constexpr int64_t kSlots = 4;
+  const int64_t bytes = 2 * 5 * 8 * 4;  // (B, S, H) = (2, 5, 8) fp32
+  saved.BeginStep(kSlots);
+  std::vector<torch::Tensor> xs;
+  for (int64_t i = 0; i < kSlots; ++i) {
+    xs.push_back(torch::randn({2, 5, 8}));
+    ASSERT_TRUE(saved.Save(i, xs.back()).ok());
+  }
+  EXPECT_EQ(saved.device_bytes(), bytes) << "only the last slot stays on the device";
+  EXPECT_EQ(pool.allocated_bytes(), (kSlots - 1) * bytes);
+  // Backward takes slots last to first; each Take prefetches the slot before it.
+  for (int64_t i = kSlots - 1; i >= 0; --i) {
+    torch::Tensor x = saved.Take(i);
+    EXPECT_TRUE(torch::equal(x, xs[i])) << "slot " << i;
+    EXPECT_EQ(saved.device_bytes(), i > 0 ? bytes : 0) << "after Take(" << i << "): slot " << i - 1 << " prefetched";
+  }
+  // Without a pool everything stays where it is.
+  SavedInputs resident(nullptr, 0);
+  resident.BeginStep(kSlots);
+  for (int64_t i = 0; i < kSlots; ++i) ASSERT_TRUE(resident.Save(i, xs[i]).ok());
+  EXPECT_EQ(resident.device_bytes(), kSlots * bytes);
 }
 
 TEST(MemoryStrategyPackedTest, KeptAttentionOutputsWithPackedDocuments) {

@@ -25,6 +25,8 @@ std::vector<std::string> Cases() {
   return out;
 }
 
+constexpr double kGradientRelTolerance = 4e-6;
+
 TEST(HfParity, LogprobsGradientsAndRoundTrip) {
   const char* dir_env = std::getenv("ODYSSEY_PARITY_DIR");
   ASSERT_NE(dir_env, nullptr) << "run through tests/parity/run_parity.py (ctest -R hf_parity)";
@@ -49,7 +51,10 @@ TEST(HfParity, LogprobsGradientsAndRoundTrip) {
     torch::Tensor hidden = (*model)->Hidden(in);
     torch::Tensor logp = engine::TokenLogprobs(hidden, (*model)->HeadWeight(), tokens.narrow(1, 1, S));
     const double max_diff = (logp - ref_logp).abs().max().item<double>();
-    EXPECT_LE(max_diff, 1e-4) << "per-token logprobs differ from transformers";
+    // Bit for bit, as the README says: fp32 on the CPU, the same libtorch kernels in the same
+    // op order give the same bits (measured max |d| 0 in every case, 2-core CI machine,
+    // 2026-12-01). Any difference means the math drifted from transformers'.
+    EXPECT_EQ(max_diff, 0.0) << "per-token logprobs differ from transformers";
     // The check must be able to fail: logprobs of a 257-way softmax are far from zero.
     EXPECT_GT(ref_logp.abs().mean().item<double>(), 1.0);
 
@@ -65,7 +70,10 @@ TEST(HfParity, LogprobsGradientsAndRoundTrip) {
       const double denom = ref->norm().item<double>();
       ASSERT_GT(denom, 0.0);
       const double rel = (p.value().grad() - *ref).norm().item<double>() / denom;
-      EXPECT_LE(rel, 1e-4) << "gradient differs from transformers";
+      // Backward is not bitwise (autograd's accumulation order differs between the two module
+      // trees): measured worst 1.2e-6 relative (llama_scaled; 5e-7 to 7e-7 for the others),
+      // 2-core CI machine, 2026-12-01. The bound is about 3x that.
+      EXPECT_LE(rel, kGradientRelTolerance) << "gradient differs from transformers";
       worst_rel = std::max(worst_rel, rel);
       ++checked;
     }

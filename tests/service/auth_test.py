@@ -16,6 +16,9 @@ in a temporary folder, plus a second, unrelated CA. Checked:
     bob's own; a worker token cannot call JobService;
   - a plaintext client against the TLS port fails, a client trusting another CA fails;
   - a worker with a tenant token cannot attach (PERMISSION_DENIED, logged);
+  - a token moved to another tenant by a SIGHUP ends the WatchJob stream it holds open with
+    PERMISSION_DENIED within 1 s of the signal (the watch re-checks every 250 ms), and the next
+    batch of a PushRollouts stream it holds open is refused (each batch authenticated alone);
   - SIGHUP reloads the token file (a new tenant works, a removed token stops working, also on
     a WatchJob stream it holds open: UNAUTHENTICATED), a broken file on SIGHUP keeps the tokens
     in force, and removing the worker token detaches the worker;
@@ -31,6 +34,7 @@ Every wait is on a condition with a deadline.
 """
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -38,6 +42,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_test import tiny_spec  # noqa: E402
@@ -320,6 +325,73 @@ def run(env):
     if "worker=w-tenant attached" in env.log("controller") or "worker=w-none attached" in env.log("controller"):
         raise Failure("the controller registered a worker without a worker token")
     print("ok: workers with a tenant token / no token are refused and never registered")
+
+    # --- a reload reaches calls already open: alice's token moved to another tenant ends her open
+    # WatchJob with PERMISSION_DENIED within 250 ms, and the next batch of her open PushRollouts
+    # stream is refused (each batch is authenticated on its own, not once per stream) ---
+    initial_tokens = open(token_file).read()
+    remap_session = jobs.CreateJob(pb.CreateJobRequest(spec=rl_spec), metadata=md("alice"), timeout=10).name
+    wait_for("alice's second RL session to run", lambda: pb.Job.State.Name(jobs.GetJob(
+        pb.GetJobRequest(name=remap_session), metadata=md("alice"), timeout=10).state) == "RUNNING",
+        timeout=DEADLINE_S)
+    alice_watch = {}
+
+    def watch_alices_session():
+        try:
+            for _ in jobs.WatchJob(pb.WatchJobRequest(name=remap_session), metadata=md("alice"), timeout=DEADLINE_S):
+                alice_watch["events"] = alice_watch.get("events", 0) + 1
+            alice_watch["end"] = "ended without an error"
+        except grpc.RpcError as e:
+            alice_watch["end"] = (e.code(), e.details())
+        alice_watch["at"] = time.monotonic()
+    alice_watcher = threading.Thread(target=watch_alices_session, daemon=True)
+    alice_watcher.start()
+    wait_for("alice's watch to deliver its first event", lambda: alice_watch.get("events", 0) > 0, timeout=DEADLINE_S)
+    rollouts = queue.Queue()
+    rollout_batch = pb.RolloutBatch(job=remap_session, batch=[datum], loss=pb.LossConfig(kind="cross_entropy"),
+                                    adam=pb.AdamWParams(lr=1e-3))
+    results = training.PushRollouts(iter(rollouts.get, None), metadata=md("alice"), timeout=DEADLINE_S)
+    rollouts.put(rollout_batch)
+    first = next(results)
+    if first.optim_step.step != 1:
+        raise Failure(f"alice's first rollout batch: {first}")
+    env.write("tokens.txt", initial_tokens.replace(f"{tokens['alice']} alice", f"{tokens['alice']} mallory"))
+    sighup_at = time.monotonic()
+    controller.send_signal(signal.SIGHUP)
+    alice_watcher.join(timeout=30)
+    end = alice_watch.get("end")
+    if alice_watcher.is_alive() or not isinstance(end, tuple) or end[0] != Code.PERMISSION_DENIED \
+            or 'now belongs to tenant "mallory"' not in end[1]:
+        raise Failure(f"alice's open WatchJob after her token moved to tenant mallory: {end if end else 'still open'}")
+    # The watch re-checks its token every 250 ms; the reload itself takes milliseconds. 1 s
+    # leaves room for a loaded CI machine and still fails a check every second or slower.
+    ended_after = alice_watch["at"] - sighup_at
+    print(f"ok: alice's open WatchJob ended {ended_after * 1000:.0f} ms after the SIGHUP that moved her token: "
+          f"{end[0].name} {end[1]!r}")
+    if ended_after > 1.0:
+        raise Failure(f"alice's open WatchJob ended {ended_after:.2f} s after the reload (the watch re-checks "
+                      "every 250 ms)")
+    rollouts.put(rollout_batch)
+    try:
+        second = next(results)
+        raise Failure(f"the second rollout batch after the token moved to mallory was served: {second}")
+    except grpc.RpcError as e:
+        if e.code() != Code.PERMISSION_DENIED or f"rollout batch 1: job: {remap_session} belongs to another tenant" \
+                not in e.details():
+            raise Failure(f"the second rollout batch after the token moved: {e.code().name} {e.details()!r}")
+        print(f"ok: the next batch of alice's open PushRollouts stream was refused: {e.code().name} {e.details()!r}")
+    rollouts.put(None)
+    env.write("tokens.txt", initial_tokens)
+    controller.send_signal(signal.SIGHUP)
+
+    def alice_is_back():
+        try:
+            jobs.GetJob(pb.GetJobRequest(name=remap_session), metadata=md("alice"), timeout=10)
+            return True
+        except grpc.RpcError:
+            return False
+    wait_for("alice's token to map to alice again", alice_is_back, timeout=DEADLINE_S)
+    jobs.CancelJob(pb.CancelJobRequest(name=remap_session), metadata=md("alice"), timeout=10)
 
     # --- SIGHUP reloads the token file; a broken file keeps the tokens in force ---
     expect_rpc_error("carol before the reload", lambda: jobs.ListJobs(pb.ListJobsRequest(), metadata=md("carol"),

@@ -7,13 +7,18 @@ Cases (--case):
                    falls, its checkpoint loads in transformers (and predicts the text better
                    than chance), and the worker's /metrics counters moved with the work.
   worker_kill      kill -9 of the worker mid-job: a new worker attaches, the job resumes from
-                   its last checkpoint (the step count continues) and succeeds.
+                   its last checkpoint (the newest checkpoint event the watch saw; the new
+                   worker's log names it; the step count continues) and succeeds.
   controller_kill  kill -9 of the controller mid-job: after a restart on the same state every
                    job and its state is still there, the worker re-attaches, the job finishes.
   data_parallel    a job of world_size 2 runs data parallel on two CPU workers (TCP
                    communicator between the worker processes) and succeeds.
   rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
-                   checkpoint on the surviving and a spare worker and succeeds.
+                   checkpoint (the newest the watch saw, and the one both new ranks' logs say
+                   they start from) on the surviving and a spare worker and succeeds.
+  worker_sigterm   SIGTERM to a worker mid-job: it cancels the run between steps, sends its
+                   result (the job ends FAILED "stopped: the worker is shutting down") and
+                   exits 0.
   cancel           `odyssey cancel` stops a running job between steps (CANCELLED); the worker
                    then runs the next job.
   result_while_controller_down
@@ -124,8 +129,10 @@ class Cluster(Processes):
         wait_for(f"{name} to be {state}", check, timeout)
         return self.get(name)
 
-    def watch(self, name):
-        """Collects the job's step events on a background thread; returns the list it fills."""
+    def watch(self, name, events=None):
+        """Collects the job's step events on a background thread; returns the list it fills.
+        `events`, when given, is a list ("checkpoint", directory) and ("state", name) events are
+        appended to, in the order the controller committed them."""
         steps = []
 
         def run():
@@ -133,6 +140,10 @@ class Cluster(Processes):
                 for ev in self.jobs.WatchJob(self.pb.WatchJobRequest(name=name), timeout=DEADLINE_S):
                     if ev.WhichOneof("event") == "step":
                         steps.append((ev.step.step, ev.step.loss))
+                    elif ev.WhichOneof("event") == "checkpoint" and events is not None:
+                        events.append(("checkpoint", ev.checkpoint))
+                    elif ev.WhichOneof("event") == "state" and events is not None:
+                        events.append(("state", self.pb.Job.State.Name(ev.state)))
             except self.grpc.RpcError:
                 pass  # the controller went away; the test decides what that means
 
@@ -146,6 +157,31 @@ def requeued(c, name):
     if c.pb.Job.State.Name(job.state) in ("FAILED", "CANCELLED"):
         raise Failure(f"{name} ended {c.pb.Job.State.Name(job.state)} instead of restarting: {job.error}")
     return job.restarts == 1
+
+
+def step_of(checkpoint):
+    return int(re.search(r"step-(\d+)", checkpoint).group(1))
+
+
+def check_resumed_from_newest(c, name, events, workers):
+    """The requeued job's resume point is the newest checkpoint the workers reported before the
+    requeue (the watch's checkpoint events, not the controller's own last_checkpoint field), and
+    each of `workers` logs that it starts from it. Returns that checkpoint's step."""
+    # Events arrive in commit order: once the watch has seen the requeue (PENDING), it has seen
+    # every checkpoint reported before it.
+    wait_for("the watch to see the requeue", lambda: ("state", "PENDING") in events)
+    before = events[:events.index(("state", "PENDING"))]
+    checkpoints = [v for k, v in before if k == "checkpoint"]
+    if len(checkpoints) < 2:
+        raise Failure(f"want 2+ checkpoints before the loss (a stale one must be telling): {checkpoints}")
+    newest = max(checkpoints, key=step_of)
+    ckpt = c.get(name).last_checkpoint
+    print(f"checkpoint events: {[step_of(x) for x in checkpoints]}; the job resumes from {ckpt}")
+    if ckpt != newest:
+        raise Failure(f"the job resumes from {ckpt}, not the newest checkpoint reported ({newest})")
+    for w in workers:
+        wait_for(f"{w} to start {name} from {newest}", lambda: f"starting from {newest}" in c.log(w))
+    return step_of(newest)
 
 
 def tiny_spec(steps, every):
@@ -208,7 +244,9 @@ def case_worker_kill(c):
     c.start_controller()
     c.start_worker("w1")
     name = c.submit(tiny_spec(steps=300, every=20))
-    steps = c.watch(name)
+    events = []
+    steps = c.watch(name, events)
+    # Two checkpoints at least, so that resuming from a stale one cannot pass for the last.
     job = wait_for("a checkpoint at step >= 40",
                    lambda: (lambda j: j if j.last_checkpoint and j.step >= 40 else None)(c.get(name)))
     c.kill_worker("w1")
@@ -216,10 +254,9 @@ def case_worker_kill(c):
     # Once the controller has declared w1 dead and queued the job again, the checkpoint it will
     # resume from is settled (w1's last messages were read before its stream's end).
     wait_for("the controller to requeue the job", lambda: requeued(c, name))
-    ckpt = c.get(name).last_checkpoint
-    ckpt_step = int(re.search(r"step-(\d+)", ckpt).group(1))
-    print(f"killed w1 at step ~{killed_at}; last checkpoint {ckpt}")
+    print(f"killed w1 at step ~{killed_at}")
     w2_metrics = c.start_worker("w2")
+    ckpt_step = check_resumed_from_newest(c, name, events, ["w2"])
     job = c.wait_state(name, "SUCCEEDED")
     print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)} after {job.restarts} restart(s)")
     if job.step != 300 or job.restarts != 1 or list(job.workers) != ["w2"]:
@@ -294,17 +331,29 @@ def case_rank_loss(c):
     spec = tiny_spec(steps=200, every=20)
     spec["parallel"] = {"world_size": 2}
     name = c.submit(spec)
-    job = wait_for("a checkpoint at step >= 20",
-                   lambda: (lambda j: j if j.last_checkpoint and j.step >= 20 else None)(c.get(name)))
+    events = []
+    steps = c.watch(name, events)
+    job = wait_for("a checkpoint at step >= 40",
+                   lambda: (lambda j: j if j.last_checkpoint and j.step >= 40 else None)(c.get(name)))
     victim = job.workers[1]
     c.kill_worker(victim)
     wait_for("the controller to requeue the job", lambda: requeued(c, name))
-    ckpt = c.get(name).last_checkpoint
-    print(f"killed {victim} (rank 1) at step ~{job.step}; resuming from {ckpt}")
+    print(f"killed {victim} (rank 1) at step ~{job.step}")
+    job = wait_for(f"{name} to be placed again", lambda: (lambda j: j if len(j.workers) == 2 and victim not in j.workers
+                                                          else None)(c.get(name)))
+    ckpt_step = check_resumed_from_newest(c, name, events, list(job.workers))
     job = c.wait_state(name, "SUCCEEDED")
     print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)} after {job.restarts} restart(s)")
     if job.step != 200 or job.restarts != 1 or victim in job.workers or len(job.workers) != 2:
         raise Failure(f"step {job.step}, restarts {job.restarts}, workers {list(job.workers)}")
+    # Not a restart from scratch: after the loss the step count goes back only to the step after
+    # the checkpoint.
+    wait_for("the final step event", lambda: steps and steps[-1][0] == 200, timeout=30)
+    seq = [s for s, _ in steps]
+    drops = [(a, b) for a, b in zip(seq, seq[1:]) if b <= a]
+    print(f"step events: {len(seq)}, where the count went back: {drops}")
+    if len(drops) > 1 or any(b != ckpt_step + 1 for _, b in drops):
+        raise Failure(f"the step count went back to something other than {ckpt_step + 1}: {drops}")
 
 
 def case_cancel(c):
@@ -386,11 +435,38 @@ def case_shared_checkpoint_folder(c):
     print(f"{first}'s folder refused while live, then {second} of a new store failed at its start: {error}")
 
 
+def case_worker_sigterm(c):
+    """SIGTERM to a worker mid-job: the run is cancelled between steps, the result reaches the
+    controller before the process ends (the job's error says why it stopped), and it exits 0."""
+    c.start_controller()
+    c.start_worker("w1")
+    name = c.submit(tiny_spec(steps=100000, every=0))
+    wait_for(f"{name} to pass step 3", lambda: c.get(name).step >= 3)
+    p = c.workers.pop("w1")
+    p.send_signal(signal.SIGTERM)
+    try:
+        rc = p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise Failure("the worker did not exit within 60 s of SIGTERM")
+    if rc != 0:
+        raise Failure(f"the worker exited {rc} after SIGTERM, want 0")
+    # The result was sent before the exit: the controller has it, not a heartbeat timeout (4 s
+    # here) that would requeue the job as a lost worker.
+    job = c.get(name)
+    state = c.pb.Job.State.Name(job.state)
+    print(f"w1 exited {rc}; {name} is {state}: {job.error!r} at step {job.step}, restarts {job.restarts}")
+    if state != "FAILED" or "the worker is shutting down" not in job.error or job.restarts != 0:
+        raise Failure(f"{name} is {state} ({job.error!r}, restarts {job.restarts}); want FAILED with the worker's "
+                      "'the worker is shutting down' reported before it exited")
+    if "signal 15: stopping" not in c.log("w1"):
+        raise Failure("the worker's log does not show the SIGTERM")
+
+
 def main():
     ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
     ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
                                                   "cancel", "result_while_controller_down",
-                                                  "shared_checkpoint_folder"])
+                                                  "shared_checkpoint_folder", "worker_sigterm"])
     args = parse_args(ap)
     outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))

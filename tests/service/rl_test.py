@@ -348,7 +348,9 @@ def case_bad_input(c):
     fb_good = pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="cross_entropy"), sequence=2)
     t0 = time.monotonic()
     second_call = c.training.ForwardBackward.future(fb_good, timeout=60)
-    time.sleep(0.3)
+    waiting = f'odyssey_training_calls_waiting{{job="{job}"}}'
+    wait_for("call 2 to wait for its turn on the controller", lambda: scrape(c.metrics_port).get(waiting) == 1,
+             timeout=30)
     expect_code("sequenced call 1 with an unknown loss", lambda: c.training.ForwardBackward(
         pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="dpo"), sequence=1), timeout=60),
         INV, "loss.kind", "is not a known loss")

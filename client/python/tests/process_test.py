@@ -129,9 +129,12 @@ def case_example(args, cluster, site):
     if not r["last"] > r["first"] + 0.5:
         raise Failure(f"the reward did not rise by 0.5 bytes: {r['first']:.3f} -> {r['last']:.3f}")
     # Same float32 weights in two implementations (odyssey's trainer, transformers): the
-    # logprobs agree to rounding; a mismatch of 1e-2 would mean the export or the math is off.
+    # logprobs agree to rounding. Measured max 1.9e-6 (30 steps, seed 1, 2-core CI machine,
+    # docs/benchmarks.md "CPU"); the bound is about 5x that, so a drift in the export or the
+    # math (1e-4 and up) fails.
     worst = max(s["mismatch_max"] for s in r["steps"])
-    if not worst < 1e-3:
+    print(f"trainer-vs-sampler logprob mismatch: max {worst:.2e} over {len(r['steps'])} steps")
+    if not worst < 1e-5:
         raise Failure(f"trainer-vs-sampler logprob mismatch up to {worst}")
     # Every completion token carried its sampler logprob and was counted (the prompt's were not).
     want = args.group_size * len(r["target"])

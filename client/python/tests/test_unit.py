@@ -154,6 +154,8 @@ class FakeTraining(pb_grpc.TrainingServiceServicer):
         self._record("ForwardBackward", request.sequence, tag, context)
         if tag == 999:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch[0].tokens[0] (999) must be in [0, 256)")
+        if tag == 998:  # as if the controller restarted under the call
+            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
         # Delay early calls so a naive client's later calls would overtake them.
         time.sleep(0.05 if tag % 2 == 0 else 0.0)
         n = len(request.batch)
@@ -163,6 +165,8 @@ class FakeTraining(pb_grpc.TrainingServiceServicer):
 
     def OptimStep(self, request, context):
         self._record("OptimStep", request.sequence, request.adam.lr, context)
+        if request.adam.lr == 0.998:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
         return pb.OptimStepResponse(step=int(request.adam.lr * 1000), grad_norm=1.5, lr=request.adam.lr)
 
     def Forward(self, request, context):
@@ -192,6 +196,8 @@ class FakeJobs(pb_grpc.JobServiceServicer):
         self.script = {}
         self.unavailable = 0  # CreateJob calls to refuse UNAVAILABLE first
         self.attempts = []    # request ids of every CreateJob attempt
+        self.get_unavailable = 0  # GetJob calls to refuse UNAVAILABLE first
+        self.get_attempts = 0
 
     def CreateJob(self, request, context):
         if self.unavailable > 0:  # as if the controller were restarting
@@ -204,6 +210,10 @@ class FakeJobs(pb_grpc.JobServiceServicer):
         return pb.Job(name=name, spec=request.spec, state=pb.Job.PENDING)
 
     def GetJob(self, request, context):
+        self.get_attempts += 1
+        if self.get_unavailable > 0:
+            self.get_unavailable -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
         states = self.script.get(request.name)
         if states is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"name: {request.name} not found")
@@ -399,6 +409,42 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(s.name, "jobs/1")
         self.assertEqual(len(self.jobs.attempts), 3)
         self.assertEqual(len(set(self.jobs.attempts)), 1)  # one request id: a retry cannot make a second job
+
+    def test_job_calls_retry_unavailable_three_times(self):
+        # Three retries (four attempts) are enough for a controller that comes back in time...
+        self.jobs.get_unavailable = 3
+        self.assertEqual(self.client.get_job(1).name, "jobs/1")
+        self.assertEqual(self.jobs.get_attempts, 4)
+        # ...and a fourth UNAVAILABLE is the caller's, after exactly four attempts.
+        self.jobs.get_attempts = 0
+        self.jobs.get_unavailable = 10
+        with self.assertRaises(oc.OdysseyError) as cm:
+            self.client.get_job(1)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(self.jobs.get_attempts, 4)
+        # CreateJob alike, one request id for every attempt.
+        self.jobs.unavailable = 10
+        with self.assertRaises(oc.OdysseyError) as cm:
+            self.client.create_session("tiny", seq_len=8, batch_size=1)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(len(self.jobs.attempts), 4)
+        self.assertEqual(len(set(self.jobs.attempts)), 1)
+
+    def test_training_calls_are_never_retried(self):
+        # A TrainingService call that fails UNAVAILABLE may have run: the client reports it and
+        # sends it once, and the session goes on with the next call.
+        s = self.client.session("jobs/1")
+        with self.assertRaises(oc.OdysseyError) as cm:
+            s.forward_backward(self.batch(998)).result(timeout=30)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+        with self.assertRaises(oc.OdysseyError) as cm:
+            s.optim_step(lr=0.998).result(timeout=30)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(s.forward_backward(self.batch(1)).result(timeout=30).loss, 1.0)
+        with self.training.lock:
+            sent = [(m, tag) for m, _, tag, _ in self.training.arrivals]
+        self.assertEqual(sent.count(("ForwardBackward", 998)), 1)
+        self.assertEqual(sent.count(("OptimStep", 0.998)), 1)
 
     def test_training_call_to_a_gone_server_is_unavailable(self):
         self.jobs.unavailable = 0
