@@ -89,7 +89,8 @@ int64_t HostBudget(int64_t host_memory_bytes, int64_t spec_budget_bytes);
 int64_t UsableGpuBytes(int64_t device_memory_bytes);
 // A CPU rank computes in host memory: what the planner plans for as its device on a host of
 // `host_memory_bytes` is HostBudget's share (the spec's budget wins) less kCpuProcessBytes (the
-// worker process itself: libtorch, the dataset, allocator slack). Nothing is pinned there.
+// worker process itself: libtorch, the dataset, allocator slack); a spec's offload pool comes
+// out of the same memory (planner::CpuHardware).
 inline constexpr int64_t kCpuProcessBytes = int64_t{2} << 30;
 int64_t UsableCpuBytes(int64_t host_memory_bytes, int64_t spec_budget_bytes);
 

@@ -25,7 +25,8 @@ struct Search {
 std::string NothingFits(int64_t seq_len, int64_t batch_size, const Search& found, const Hardware& hw) {
   if (hw.cpu) {
     return absl::StrCat("does not fit: ", seq_len, " tokens x ", batch_size, " needs at least ",
-                        GiB(found.best.prediction.gpu_peak_bytes), " of host memory on a CPU worker with the best "
+                        GiB(found.best.prediction.gpu_peak_bytes + found.best.prediction.host_bytes),
+                        " of host memory on a CPU worker with the best "
                         "strategy (", found.best.strategy.Describe(), "), over the ", GiB(hw.gpu_bytes),
                         " a CPU rank may use there by ", GiB(found.over));
   }
@@ -40,7 +41,8 @@ std::string NothingFits(int64_t seq_len, int64_t batch_size, const Search& found
 std::string StrategyMisses(int64_t seq_len, int64_t batch_size, const MemoryStrategy& s, const Prediction& p,
                            const Hardware& hw) {
   if (hw.cpu) {
-    return absl::StrCat("does not fit: the strategy needs ", GiB(p.gpu_peak_bytes), " of host memory on a CPU "
+    return absl::StrCat("does not fit: the strategy needs ", GiB(p.gpu_peak_bytes + p.host_bytes),
+                        " of host memory on a CPU "
                         "worker; a CPU rank may use ", GiB(hw.gpu_bytes), " there (", seq_len, " tokens x ",
                         batch_size, ", ", s.Describe(), ")");
   }
@@ -137,7 +139,10 @@ Prediction Predict(const Request& r) {
   if (st.optimizer_on_host) p.host_bytes += m.params * 12;
   const int64_t during_step = m.params * static_per_param + kOverhead + m.largest * 4 * 3;
   p.gpu_peak_bytes = std::max(during_backward, during_step);
-  p.fits = p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
+  // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
+  // counts against the same budget.
+  p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
+                          : p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
   return p;
 }
 
@@ -182,7 +187,8 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
         out.fits = true;
         return true;
       }
-      const int64_t over = std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
+      const int64_t over = hw.cpu ? p.gpu_peak_bytes + p.host_bytes - hw.gpu_bytes
+                                  : std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
       if (best_over < 0 || over < best_over) {
         best_over = over;
         best_miss = {r.strategy, p};
@@ -318,7 +324,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
 Hardware CpuHardware(int64_t host_memory_bytes, int64_t spec_budget_bytes) {
   Hardware h;
   h.gpu_bytes = UsableCpuBytes(host_memory_bytes, spec_budget_bytes);
-  h.host_bytes = 0;
+  h.host_bytes = h.gpu_bytes;  // the same memory (Predict counts both against gpu_bytes)
   h.cpu = true;
   return h;
 }

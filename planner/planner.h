@@ -39,8 +39,9 @@ ModelShape ShapeOf(const model::ModelConfig& config);
 struct Hardware {
   int64_t gpu_bytes = int64_t{136} << 30;   // what the allocator may use (H200: 139 GiB less context)
   int64_t host_bytes = int64_t{110} << 30;  // pinned memory the pool may take (128 GiB host)
-  // A CPU rank: gpu_bytes is its share of host memory (UsableCpuBytes), host_bytes 0 (nothing
-  // to offload to); messages say "host memory" for the device.
+  // A CPU rank: gpu_bytes is its share of host memory (UsableCpuBytes) and host_bytes the same
+  // memory: a prediction fits when both peaks together fit gpu_bytes. The planner chooses no
+  // offload there (a spec may still ask for it); messages say "host memory" for the device.
   bool cpu = false;
 };
 // The machine a CPU rank is planned on (host memory as its device, UsableCpuBytes).

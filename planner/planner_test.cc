@@ -91,7 +91,7 @@ TEST(PlannerTest, ChoosesOffloadOnlyWhenNeeded) {
 TEST(PlannerTest, CpuRanksPlanInHostMemoryWithoutOffload) {
   const Hardware cpu = CpuHardware(int64_t{128} << 30, 0);  // 3B in fp32: 51 GB of static state
   EXPECT_TRUE(cpu.cpu);
-  EXPECT_EQ(cpu.host_bytes, 0);
+  EXPECT_EQ(cpu.host_bytes, cpu.gpu_bytes);  // one memory
   EXPECT_EQ(cpu.gpu_bytes, (int64_t{128} << 30) / 100 * 85 - kCpuProcessBytes);
   EXPECT_EQ(CpuHardware(int64_t{64} << 30, int64_t{10} << 30).gpu_bytes, (int64_t{8} << 30));
   ChooseOptions fp32;
