@@ -224,5 +224,38 @@ TEST_F(ControllerTest, PendingJobsSayWhyTheyWait) {
   EXPECT_THAT(Get(small.name()).pending_reason(), ::testing::HasSubstr("needs 1 worker, 0 idle"));
 }
 
+// Through the controller, with workers on two hosts: a 2-worker gang goes to the host that holds
+// it whole (the smallest such host), and its rendezvous is on that host; a 1-worker job queued
+// behind a waiting 3-worker head does not start on the idle worker left.
+TEST_F(ControllerTest, GangsPreferOneHostAndNothingJumpsTheHead) {
+  auto a1 = Attach("a1", "10.0.0.1");
+  auto b1 = Attach("b1", "10.0.0.2"), b2 = Attach("b2", "10.0.0.2"), b3 = Attach("b3", "10.0.0.2");
+  auto pair = *controller_->CreateJob(Request(2), kAnon);
+  const v1::Job running = Get(pair.name());
+  ASSERT_EQ(running.state(), v1::Job::RUNNING);
+  EXPECT_EQ(std::vector<std::string>(running.workers().begin(), running.workers().end()),
+            (std::vector<std::string>{"b1", "b2"}));
+  ASSERT_EQ(b1.conn->Assignments().size(), 1u);
+  EXPECT_EQ(b1.conn->Assignments()[0].rendezvous(), "10.0.0.2:" + std::to_string(29500 + 1));
+  // a1 and b3 are idle; a 3-worker job waits at the head, and a 1-worker job behind it waits too.
+  auto trio = *controller_->CreateJob(Request(3), kAnon);
+  auto solo = *controller_->CreateJob(Request(1), kAnon);
+  EXPECT_EQ(Get(trio.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(Get(solo.name()).state(), v1::Job::PENDING);
+  EXPECT_TRUE(a1.conn->Assignments().empty());
+  EXPECT_TRUE(b3.conn->Assignments().empty());
+  // Rank 0 of the pair ends: three idle workers (a1, b1, b3), no host holds three, so the trio
+  // starts across hosts in host order; the solo job then takes b2 once it reports.
+  Result(b1, pair.name(), 0, true);
+  const v1::Job started = Get(trio.name());
+  EXPECT_EQ(started.state(), v1::Job::RUNNING);
+  EXPECT_EQ(std::vector<std::string>(started.workers().begin(), started.workers().end()),
+            (std::vector<std::string>{"a1", "b1", "b3"}));
+  EXPECT_EQ(Get(solo.name()).state(), v1::Job::PENDING);
+  Result(b2, pair.name(), 1, true);
+  EXPECT_EQ(Get(solo.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(Get(solo.name()).workers(0), "b2");
+}
+
 }  // namespace
 }  // namespace odyssey::server
