@@ -129,6 +129,24 @@ v1::ControllerMessage Assign(const std::string& job, int64_t steps) {
   return m;
 }
 
+// Serves `fake` on a loopback port picked at run time (written to *port).
+std::unique_ptr<grpc::Server> Serve(FakeController* fake, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  builder.RegisterService(fake);
+  return builder.BuildAndStart();
+}
+
+// A CPU worker `id` attaching to the fake on `port`.
+WorkerOptions CpuWorker(const std::string& id, int port) {
+  WorkerOptions o;
+  o.controller = "127.0.0.1:" + std::to_string(port);
+  o.capabilities.set_worker_id(id);
+  o.capabilities.set_device("cpu");
+  o.runner.device = "cpu";
+  return o;
+}
+
 auto IsResult(const std::string& job) {
   return [job](const v1::WorkerMessage& m) { return m.has_result() && m.result().job() == job; };
 }
@@ -140,17 +158,9 @@ TEST(WorkerTest, AttachProtocol) {
   SetTorchThreads(1);
   FakeController fake;
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&fake, &port);
   ASSERT_NE(port, 0);
-
-  WorkerOptions o;
-  o.controller = "127.0.0.1:" + std::to_string(port);
-  o.capabilities.set_worker_id("t1");
-  o.capabilities.set_device("cpu");
-  o.runner.device = "cpu";
+  WorkerOptions o = CpuWorker("t1", port);
   o.heartbeat_interval = absl::Milliseconds(50);
   o.initial_backoff = absl::Milliseconds(10);
   o.max_backoff = absl::Milliseconds(100);
@@ -225,16 +235,9 @@ TEST(WorkerTest, HeartbeatsAtLeastEveryThirdOfTheTimeoutWhileTraining) {
   SetTorchThreads(1);
   FakeController fake;
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&fake, &port);
   ASSERT_NE(port, 0);
-  WorkerOptions o;
-  o.controller = "127.0.0.1:" + std::to_string(port);
-  o.capabilities.set_worker_id("hb");
-  o.capabilities.set_device("cpu");
-  o.runner.device = "cpu";
+  WorkerOptions o = CpuWorker("hb", port);
   o.runner.progress_interval_seconds = 0;
   o.heartbeat_interval = absl::Milliseconds(100);
   Worker worker(o, nullptr);
@@ -269,16 +272,9 @@ TEST(WorkerTest, AnErrorThatIsNotUtf8IsReportedAndTheStreamSurvives) {
   }
   FakeController fake;
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&fake, &port);
   ASSERT_NE(port, 0);
-  WorkerOptions o;
-  o.controller = "127.0.0.1:" + std::to_string(port);
-  o.capabilities.set_worker_id("t2");
-  o.capabilities.set_device("cpu");
-  o.runner.device = "cpu";
+  WorkerOptions o = CpuWorker("t2", port);
   o.heartbeat_interval = absl::Milliseconds(50);
   o.initial_backoff = absl::Milliseconds(10);
   Worker worker(o, nullptr);
