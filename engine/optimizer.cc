@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "engine/device_stats.h"
+#include "kernels/fused_ops.h"
 
 namespace odyssey::engine {
 
@@ -53,6 +54,25 @@ double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
   return total;
 }
 
+GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  GradClip out;
+  if (grads.empty()) {
+    out.norm = torch::zeros({}, torch::kFloat32);
+    if (max_norm > 0) out.scale = torch::ones({}, torch::kFloat32);
+    return out;
+  }
+  // Per-tensor norms accumulated in fp32 from the bf16 gradients (no fp32 copies of them).
+  std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2, torch::kFloat32);
+  out.norm = torch::stack(norms).norm();  // ()
+  if (max_norm > 0) out.scale = (max_norm / (out.norm + 1e-6)).clamp_max(1.0);
+  return out;
+}
+
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
              bool states_on_host)
     : options_(options) {
@@ -87,7 +107,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
   }
 }
 
-void AdamW::Step(double lr) {
+void AdamW::Step(double lr, const torch::Tensor& grad_scale) {
   torch::NoGradGuard no_grad;
   ++steps_;
   const double b1 = options_.beta1, b2 = options_.beta2;
@@ -95,7 +115,13 @@ void AdamW::Step(double lr) {
   const double bc2 = 1 - std::pow(b2, static_cast<double>(steps_));
   for (Slot& s : slots_) {
     if (!s.param.grad().defined()) continue;
+    if (!s.on_host) {
+      kernels::AdamWUpdate(s.param, s.param.grad(), s.master, s.exp_avg, s.exp_avg_sq, grad_scale,
+                           {lr, b1, b2, options_.eps, s.decay ? options_.weight_decay : 0.0, bc1, bc2});
+      continue;
+    }
     torch::Tensor g = s.param.grad().to(torch::kFloat32);  // (param shape)
+    if (grad_scale.defined()) g.mul_(grad_scale.to(g.device()));
     // Host-resident state is streamed to the parameter's device for the update and back;
     // on a CPU device .to() returns the host tensors themselves and the update is in place.
     const torch::Device dev = s.param.device();

@@ -42,6 +42,16 @@ double ScheduledLr(double peak_lr, int64_t completed_steps, const ScheduleOption
 // Returns the norm before clipping. Parameters without a gradient are skipped.
 double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm);
 
+// The same without touching the gradients or waiting for the device: the global L2 norm (an
+// fp32 scalar tensor on the gradients' device; 0 on the CPU when none has a gradient) and the
+// factor that clips it, min(1, max_norm / (norm + 1e-6)) (undefined when max_norm <= 0), for
+// AdamW::Step to multiply into each gradient as it reads it. One multi-tensor norm, no host sync.
+struct GradClip {
+  torch::Tensor norm;
+  torch::Tensor scale;
+};
+GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm);
+
 class AdamW {
  public:
   // states_on_host (planner::MemoryStrategy::optimizer_on_host): keep the fp32 master weights
@@ -51,9 +61,11 @@ class AdamW {
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
         bool states_on_host = false);
 
-  // One update with learning rate `lr` from the parameters' .grad(); params without a grad are
-  // skipped (their state does not advance).
-  void Step(double lr);
+  // One update with learning rate `lr` from the parameters' .grad() times grad_scale (an fp32
+  // scalar tensor on the parameters' device, e.g. GradClip::scale; undefined = 1); params without
+  // a grad are skipped (their state does not advance). On the device, one fused kernel per
+  // parameter (kernels::AdamWUpdate) where the kernels are built.
+  void Step(double lr, const torch::Tensor& grad_scale = torch::Tensor());
   void ZeroGrad();
   int64_t steps() const { return steps_; }
   const AdamWOptions& options() const { return options_; }

@@ -164,11 +164,13 @@ StepResult Trainer::Step(const Batch& batch) {
     return r;
   }
   r.target_tokens = share->targets;
-  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
+  // Clipping on the device: the update is queued behind the backward without the host waiting.
+  const GradClip clip = GradClipScale(params_, options_.grad_clip);
   r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
-  optimizer_->Step(r.lr);
+  optimizer_->Step(r.lr, clip.scale);
   optimizer_->ZeroGrad();
   r.loss = riders[0].item<double>();  // synchronizes the device
+  r.grad_norm = clip.norm.item<double>();
   r.step = optimizer_->steps();
   r.tokens = share->positions;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -211,6 +213,7 @@ absl::Status Trainer::PrepareRlMemory(const std::vector<Datum>& batch) {
 
 void Trainer::DropRlGradients() {
   optimizer_->ZeroGrad();
+  memory_->attention_stash()->Clear();
   rl_grads_pending_ = false;
 }
 
@@ -387,7 +390,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
 
 absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOptions& adam) {
   OptimStepResult r;
-  r.grad_norm = ClipGradNorm(params_, options_.grad_clip);
+  const GradClip clip = GradClipScale(params_, options_.grad_clip);
+  r.grad_norm = clip.norm.item<double>();  // checked before anything is updated
   rl_grads_pending_ = false;
   if (!std::isfinite(r.grad_norm)) {
     optimizer_->ZeroGrad();
@@ -395,7 +399,7 @@ absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOption
                                             "; the update was skipped and the gradients dropped"));
   }
   optimizer_->set_hyperparameters(adam);
-  optimizer_->Step(adam.lr);
+  optimizer_->Step(adam.lr, clip.scale);
   optimizer_->ZeroGrad();
   r.step = optimizer_->steps();
   r.lr = adam.lr;

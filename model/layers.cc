@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "kernels/fused_ops.h"
+
 namespace odyssey::model {
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -12,40 +14,18 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 
 namespace {
 
-// Rows per chunk: the norm's fp32 temporaries are a few (rows, H) tensors, so at 1M tokens of
-// a 3B model an unchunked norm would allocate 12 GiB per temporary; chunks of ~64M elements
-// keep them near 256 MB. Rows are independent, so chunking changes no result.
-int64_t NormChunkRows(int64_t H, int64_t chunk_elements) { return std::max<int64_t>(1, chunk_elements / H); }
-
-// y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), in transformers' op order, rows
-// chunked; rstd (rows, 1) fp32 is written when given.
-torch::Tensor NormRows(const torch::Tensor& x2d, const torch::Tensor& weight, double eps, int64_t chunk_elements,
-                       torch::Tensor* rstd_out) {
-  const int64_t N = x2d.size(0), H = x2d.size(1), chunk = NormChunkRows(H, chunk_elements);
-  torch::Tensor y = torch::empty_like(x2d);  // (N, H)
-  torch::Tensor rstd = torch::empty({N, 1}, x2d.options().dtype(torch::kFloat32));
-  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t n = std::min(chunk, N - r0);
-    torch::Tensor xf = x2d.narrow(0, r0, n).to(torch::kFloat32);                            // (n, H)
-    torch::Tensor r = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);              // (n, 1)
-    y.narrow(0, r0, n).copy_(weight * (xf * r).to(x2d.scalar_type()));
-    rstd.narrow(0, r0, n).copy_(r);
-  }
-  if (rstd_out != nullptr) *rstd_out = rstd;
-  return y;
-}
-
-// RMSNorm with a hand-written backward. Plain autograd through the fp32 math would save two
-// fp32 copies of the (S, H) activation (8 bytes per element, 24 KB per token for a 3B model);
-// this saves only x itself (alive anyway) and the per-row rstd (S fp32), and recomputes the
-// normalized rows chunk by chunk in backward. Forward outputs stay bitwise equal to
-// transformers'.
+// RMSNorm with a hand-written backward (kernels::RmsNormRows: the CUDA kernel, or chunked
+// libtorch ops). Plain autograd through the fp32 math would save two fp32 copies of the (S, H)
+// activation (8 bytes per element, 24 KB per token for a 3B model); this saves only x itself
+// (alive anyway) and the per-row rstd (S fp32). Forward outputs of the reference path stay
+// bitwise equal to transformers'.
 class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
                                double eps, int64_t chunk_elements) {
     torch::Tensor rstd;
-    torch::Tensor y = NormRows(x.reshape({-1, x.size(-1)}), weight, eps, chunk_elements, &rstd).view(x.sizes());
+    torch::Tensor y =
+        kernels::RmsNormRows(x.reshape({-1, x.size(-1)}), weight, eps, chunk_elements, &rstd).view(x.sizes());
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["chunk_elements"] = chunk_elements;
     return y;
@@ -55,22 +35,9 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const torch::Tensor x = saved[0].reshape({-1, saved[0].size(-1)});  // (N, H)
-    const torch::Tensor& weight = saved[1];
-    const torch::Tensor& rstd = saved[2];                               // (N, 1)
     const torch::Tensor g = grads[0].reshape({-1, x.size(1)});          // (N, H)
-    const int64_t N = x.size(0), chunk = NormChunkRows(x.size(1), ctx->saved_data["chunk_elements"].toInt());
-    torch::Tensor dx = torch::empty_like(x);
-    torch::Tensor dw = torch::zeros({x.size(1)}, weight.options().dtype(torch::kFloat32));  // (H,)
-    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-      const int64_t n = std::min(chunk, N - r0);
-      torch::Tensor r = rstd.narrow(0, r0, n);
-      torch::Tensor gc = g.narrow(0, r0, n);
-      torch::Tensor nrm = x.narrow(0, r0, n).to(torch::kFloat32) * r;   // (n, H) fp32
-      torch::Tensor dn = (gc * weight).to(torch::kFloat32);              // through the cast
-      dx.narrow(0, r0, n).copy_(r * (dn - nrm * (dn * nrm).mean(-1, /*keepdim=*/true)));
-      dw.add_((gc.to(torch::kFloat32) * nrm.to(x.scalar_type()).to(torch::kFloat32)).sum(0));
-    }
-    return {dx.view(saved[0].sizes()), dw.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+    auto [dx, dw] = kernels::RmsNormRowsBackward(g, x, saved[1], saved[2], ctx->saved_data["chunk_elements"].toInt());
+    return {dx.view(saved[0].sizes()), dw.to(saved[1].scalar_type()), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -80,7 +47,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   if (torch::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) {
     return RMSNormFunction::apply(x, weight, eps_, chunk_elements_);
   }
-  return NormRows(x.reshape({-1, x.size(-1)}), weight, eps_, chunk_elements_, nullptr).view(x.sizes());
+  return kernels::RmsNormRows(x.reshape({-1, x.size(-1)}), weight, eps_, chunk_elements_, nullptr).view(x.sizes());
 }
 
 torch::Tensor RopeInvFreq(const ModelConfig& config, torch::Device device) {
@@ -109,18 +76,19 @@ RopeTables MakeRopeTables(const torch::Tensor& inv_freq, const torch::Tensor& po
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
+torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope) {
+  return kernels::Rope(x, rope.cos, rope.sin);  // (B, S, H, D)
+}
+
 namespace {
-torch::Tensor RotateHalf(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+// residual + x @ linear.weight^T (+ bias): the add rides the GEMM's epilogue where the fused
+// kernels run (see kernels::AddLinear).
+torch::Tensor ResidualLinear(const torch::Tensor& residual, const torch::Tensor& x, const torch::nn::Linear& linear) {
+  // With a bias, transformers' residual + (x W^T + b): the same order, so the CPU stays bitwise equal.
+  if (linear->bias.defined()) return residual + torch::nn::functional::linear(x, linear->weight, linear->bias);
+  return kernels::AddLinear(residual, x, linear->weight);
 }
 }  // namespace
-
-torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope) {
-  torch::Tensor cos = rope.cos.unsqueeze(1);  // (B, 1, S, D)
-  torch::Tensor sin = rope.sin.unsqueeze(1);
-  return x * cos + RotateHalf(x) * sin;  // (B, H, S, D)
-}
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
     : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.HeadDim()) {
@@ -138,7 +106,7 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
   }
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const LayerContext& ctx) {
+torch::Tensor AttentionImpl::Heads(const torch::Tensor& x, const LayerContext& ctx) {
   const int64_t B = x.size(0), S = x.size(1);
   torch::Tensor q = q_proj(x).view({B, S, heads_, head_dim_});     // (B, S, Hq, D)
   torch::Tensor k = k_proj(x).view({B, S, kv_heads_, head_dim_});  // (B, S, Hkv, D)
@@ -147,11 +115,14 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const LayerContext&
     q = q_norm(q);
     k = k_norm(k);
   }
-  q = ApplyRope(q.transpose(1, 2), ctx.rope);  // (B, Hq, S, D)
-  k = ApplyRope(k.transpose(1, 2), ctx.rope);  // (B, Hkv, S, D)
+  q = ApplyRope(q, ctx.rope).transpose(1, 2);  // (B, Hq, S, D)
+  k = ApplyRope(k, ctx.rope).transpose(1, 2);  // (B, Hkv, S, D)
   v = v.transpose(1, 2);
-  torch::Tensor o = ctx.backend->Forward(q, k, v, ctx.attention);  // (B, Hq, S, D)
-  return o_proj(o.transpose(1, 2).reshape({B, S, heads_ * head_dim_}));
+  return ctx.backend->Forward(q, k, v, ctx.attention).transpose(1, 2).reshape({B, S, heads_ * head_dim_});
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const LayerContext& ctx) {
+  return o_proj(Heads(x, ctx));
 }
 
 MlpImpl::MlpImpl(const ModelConfig& c) {
@@ -163,9 +134,11 @@ MlpImpl::MlpImpl(const ModelConfig& c) {
   down_proj = register_module("down_proj", lin(c.intermediate_size, c.hidden_size));
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));  // via (..., intermediate)
+torch::Tensor MlpImpl::Hidden(const torch::Tensor& x) {
+  return kernels::SwiGlu(gate_proj(x), up_proj(x));  // (..., intermediate)
 }
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(Hidden(x)); }
 
 DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
@@ -175,10 +148,12 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c) {
 }
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
-  return h + self_attn(input_layernorm(h), ctx);
+  return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj);
 }
 
-torch::Tensor DecoderLayerImpl::MlpBlock(const torch::Tensor& h) { return h + mlp(post_attention_layernorm(h)); }
+torch::Tensor DecoderLayerImpl::MlpBlock(const torch::Tensor& h) {
+  return ResidualLinear(h, mlp->Hidden(post_attention_layernorm(h)), mlp->down_proj);
+}
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& h, const LayerContext& ctx) {
   return MlpBlock(AttentionBlock(h, ctx));

@@ -44,7 +44,7 @@ struct RopeTables {
 torch::Tensor RopeInvFreq(const ModelConfig& config, torch::Device device);
 // position_ids (B, S) int64.
 RopeTables MakeRopeTables(const torch::Tensor& inv_freq, const torch::Tensor& position_ids, torch::Dtype dtype);
-// x (B, H, S, D) rotated by the tables (B, S, D).
+// x (B, S, H, D) rotated by the tables (B, S, D) (kernels::Rope).
 torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope);
 
 // What every layer of one forward pass shares.
@@ -58,6 +58,8 @@ class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const LayerContext& ctx);  // (B, S, hidden) -> same
+  // Everything before o_proj: (B, S, hidden) -> the heads' outputs (B, S, Hq * D).
+  torch::Tensor Heads(const torch::Tensor& x, const LayerContext& ctx);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
 
@@ -70,6 +72,8 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& config);
   torch::Tensor forward(const torch::Tensor& x);  // (..., hidden) -> (..., hidden)
+  // silu(gate_proj(x)) * up_proj(x): (..., hidden) -> (..., intermediate), before down_proj.
+  torch::Tensor Hidden(const torch::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);

@@ -24,6 +24,12 @@ AttentionStash::Entry AttentionStash::Replay() {
   return e;
 }
 
+void AttentionStash::Clear() {
+  layers_.clear();
+  mode_ = Mode::kOff;
+  cursor_ = 0;
+}
+
 int64_t AttentionStash::bytes() const {
   int64_t total = 0;
   for (const auto& layer : layers_) {

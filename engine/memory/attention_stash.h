@@ -36,6 +36,9 @@ class AttentionStash {
   Entry Replay();
   // Bytes held by records now.
   int64_t bytes() const;
+  // Releases every record: at the start of each step's forward and when gradients are dropped,
+  // so that what a failed step recorded (up to ~10 GiB at long S) never lives into the next.
+  void Clear();
 
  private:
   Mode mode_ = Mode::kOff;

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <map>
 #include <cstring>
 
 #include "engine/loss.h"
@@ -351,6 +352,112 @@ TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
   stack = MemoryStack::Create(o, 5);
   ASSERT_TRUE((*stack)->Prepare(2, 50, 64, torch::kFloat32).ok());
   EXPECT_EQ((*stack)->host_pool_bytes(), 3 * 2 * 50 * 64 * 4);
+}
+
+// Notes the bytes the stash holds each time the kernel under it runs a forward.
+class PeekingAttention final : public kernels::AttentionBackend {
+ public:
+  PeekingAttention(std::shared_ptr<const kernels::AttentionBackend> inner, const AttentionStash* stash,
+                   std::vector<int64_t>* seen)
+      : inner_(std::move(inner)), stash_(stash), seen_(seen) {}
+  std::string name() const override { return inner_->name(); }
+  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       double scale) const override {
+    return inner_->Causal(q, k, v, scale);
+  }
+  bool SupportsStats(const torch::Device& device) const override { return inner_->SupportsStats(device); }
+  std::pair<torch::Tensor, kernels::AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
+                                                                    const torch::Tensor& v,
+                                                                    double scale) const override {
+    seen_->push_back(stash_->bytes());
+    return inner_->CausalWithStats(q, k, v, scale);
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
+      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+      const torch::Tensor& out, const kernels::AttentionStats& stats, double scale) const override {
+    return inner_->CausalBackward(grad_out, q, k, v, out, stats, scale);
+  }
+
+ private:
+  std::shared_ptr<const kernels::AttentionBackend> inner_;
+  const AttentionStash* stash_;
+  std::vector<int64_t>* seen_;
+};
+
+// A step whose backward never ran (it failed) leaves every layer's kept output recorded; the
+// next step's forward starts from an empty stash instead of carrying them alongside its own.
+TEST(AttentionStashTest, AStepStartsWithNothingAFailedStepRecorded) {
+  const model::ModelConfig c = Config();
+  model::CausalLM m(c);
+  m->InitRandom(3, 0.1);
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
+  o.keep_attention = true;
+  auto stack = MemoryStack::Create(o, c.num_hidden_layers);
+  ASSERT_TRUE(stack.ok()) << stack.status();
+  AttentionStash* stash = (*stack)->attention_stash();
+  std::vector<int64_t> seen;
+  m->set_attention_backend(std::make_shared<const StashingAttention>(
+      std::make_shared<const PeekingAttention>(kernels::MakeAttentionBackend("math").value(), stash, &seen), stash));
+  model::ForwardInputs in;
+  in.input_ids = torch::randint(0, c.vocab_size, {1, 40}, torch::kInt64);
+  m->Hidden(in, (*stack)->Runner());  // forward only: as if the step failed before backward
+  const int64_t held = stash->bytes();
+  EXPECT_GT(held, 0);
+  seen.clear();
+  m->Hidden(in, (*stack)->Runner()).sum().backward();
+  ASSERT_EQ(seen.size(), static_cast<size_t>(c.num_hidden_layers));
+  EXPECT_EQ(seen[0], 0) << "the first layer of the next step saw the failed step's records";
+  EXPECT_EQ(seen.back(), held / c.num_hidden_layers * (c.num_hidden_layers - 1));
+  EXPECT_EQ(stash->bytes(), 0);  // replayed and released by the backward
+  m->Hidden(in, (*stack)->Runner());
+  stash->Clear();  // what dropping the gradients does
+  EXPECT_EQ(stash->bytes(), 0);
+}
+
+// The tiles' weight gradients are summed in fp32 and written to .grad once. Summed in the bf16
+// .grad instead (each tile's backward adding into it), the running sum is rounded once per tile
+// and its error grows with the number of tiles: with 256 tiles of one position this fails by
+// several times. One layer's MLP block in bf16 against fp64 autograd on the same bf16 values.
+TEST(MemoryStrategyBf16Test, TiledMlpSumsWeightGradientsInFp32) {
+  model::ModelConfig c = Config();
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  torch::manual_seed(21);
+  model::DecoderLayer layer(c), truth(c);
+  layer->to(torch::kBFloat16);
+  {
+    torch::NoGradGuard no_grad;
+    layer->post_attention_layernorm->weight.uniform_(0.5, 1.5);
+    truth->to(torch::kFloat64);
+    auto src = layer->named_parameters();
+    for (auto& p : truth->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  const int64_t S = 256;
+  torch::Tensor x = torch::randn({1, S, c.hidden_size}).to(torch::kBFloat16);
+  torch::Tensor g = torch::randn({1, S, c.hidden_size}).to(torch::kBFloat16);
+  truth->MlpBlock(x.to(torch::kFloat64).requires_grad_(true)).backward(g.to(torch::kFloat64));
+  auto grads = [&](bool tiled) {
+    layer->zero_grad();
+    torch::Tensor xi = x.clone().requires_grad_(true);
+    (tiled ? TiledMlpBlock(layer, xi, /*tile_tokens=*/1, false) : layer->MlpBlock(xi)).backward(g);
+    std::map<std::string, torch::Tensor> out;
+    for (auto& p : layer->named_parameters()) {
+      if (p.value().grad().defined()) out[p.key()] = p.value().grad().to(torch::kFloat64);
+    }
+    return out;
+  };
+  const auto plain = grads(false), tiled = grads(true);
+  auto want = truth->named_parameters();
+  int checked = 0;
+  for (const auto& [name, g_plain] : plain) {
+    const torch::Tensor& w = want[name].grad();
+    const double e_plain = (g_plain - w).norm().item<double>() / w.norm().item<double>();
+    const double e_tiled = (tiled.at(name) - w).norm().item<double>() / w.norm().item<double>();
+    EXPECT_LE(e_tiled, 1.5 * e_plain) << name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);  // the norm weight and the three MLP weights
 }
 
 // The same strategies on the GPU in bf16 (cuDNN attention, pinned host pool, side-stream

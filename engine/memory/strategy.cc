@@ -50,6 +50,7 @@ model::LayerStackRunner MemoryStack::Runner() {
     const int64_t k = strategy_.recompute == planner::Recompute::kLayer ? 1 : strategy_.every_k;
     const int64_t groups = (L + k - 1) / k;
     saved_->BeginStep(groups);
+    stash_.Clear();  // nothing a failed earlier step recorded survives into this forward
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * k, count = std::min(k, L - first);
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
