@@ -30,6 +30,7 @@
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
 #include "kernels/attention.h"
+#include "kernels/fused_ops.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
 
@@ -92,11 +93,16 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
+  bool reference_kernels = false;
+  app.add_flag("--reference-kernels", reference_kernels,
+               "run libtorch's reference ops instead of odyssey's CUDA kernels (RMSNorm, SwiGLU, RoPE, AdamW, "
+               "residual GEMM)");
   std::string rl_loss;
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
   CLI11_PARSE(app, argc, argv);
+  odyssey::kernels::SetFusedKernels(!reference_kernels);
   if (absl::StatusOr<odyssey::planner::Recompute> r = odyssey::planner::ParseRecompute(recompute, "--recompute");
       r.ok()) {
     o.memory.recompute = *r;
@@ -202,7 +208,8 @@ int main(int argc, char** argv) {
       {"tokens_per_second", sec > 0 ? static_cast<double>(B * S) / sec : 0.0},
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
-      {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()}};
+      {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()},
+      {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
     j["forward_seconds"] = forward_seconds;
@@ -219,9 +226,10 @@ int main(int argc, char** argv) {
   }
   std::printf("%s\n", j.dump().c_str());
   std::printf("| model | layers | seq | memory | GPU peak alloc / reserved GiB | pinned GiB | s/step | tok/s | MFU |\n");
-  std::printf("| %s | %lld | %lld | %s%s | %s / %s | %s | %.2f | %.0f | %.1f%% |\n", o.model.c_str(),
+  std::printf("| %s | %lld | %lld | %s%s%s | %s / %s | %s | %.2f | %.0f | %.1f%% |\n", o.model.c_str(),
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(S), o.memory.Describe().c_str(),
               o.memory.head_groups > 1 ? absl::StrFormat(" heads/%d", o.memory.head_groups).c_str() : "",
+              odyssey::kernels::FusedKernelsEnabled() ? "" : " (reference ops)",
               GiB(mem.peak_allocated).c_str(), GiB(mem.peak_reserved).c_str(), GiB(t.memory().host_pool_bytes()).c_str(),
               sec, sec > 0 ? static_cast<double>(B * S) / sec : 0.0, sec > 0 ? 100.0 * flops / sec / kPeakFlops : 0.0);
   if (!json_path.empty()) {

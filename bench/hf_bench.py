@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Hugging Face transformers baseline for odyssey-bench: the same named shape, random init,
-bf16, SDPA attention, gradient checkpointing, torch.optim.AdamW, one sequence of random tokens.
-Prints one JSON line and one table row per length; an out-of-memory length is reported as such.
+"""Hugging Face transformers peers for odyssey-bench: the same named shape, random init, bf16,
+SDPA attention, gradient checkpointing (non-reentrant), torch.optim.AdamW, one sequence of random
+tokens. With --liger, Liger kernels patched in first (RoPE, RMSNorm, SwiGLU, fused linear
+cross-entropy): the peer long-context users pick on one GPU. Prints one JSON line and one table
+row per length; an out-of-memory length is reported as such.
 
-  python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 131072 --steps 2
+  python3 bench/hf_bench.py --liger --model llama-3.2-3b --seq-len 65536 131072 --steps 2
+
+liger-kernel is a benchmark peer, not a dependency: install it where the benchmark runs.
 """
 import argparse
 import json
@@ -28,6 +32,10 @@ def run(args, seq_len):
     if args.layers:
         cfg.num_hidden_layers = args.layers
     cfg._attn_implementation = "sdpa"
+    if args.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -37,6 +45,7 @@ def run(args, seq_len):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
     times = []
+    impl = "hf+liger" if args.liger else "hf"
     try:
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
@@ -51,12 +60,12 @@ def run(args, seq_len):
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         sec = sorted(times)[len(times) // 2]
-        res = dict(impl="hf", model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
+        res = dict(impl=impl, model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
                    checkpointing=args.checkpointing, seconds_per_step=sec, tokens_per_second=seq_len / sec,
                    gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                    gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(), loss=float(loss))
     except torch.OutOfMemoryError:
-        res = dict(impl="hf", model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
+        res = dict(impl=impl, model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len,
                    checkpointing=args.checkpointing, oom=True)
     del model, opt
     torch.cuda.empty_cache()
@@ -71,16 +80,17 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    ap.add_argument("--liger", action="store_true", help="patch in Liger kernels (liger-kernel installed)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     for s in args.seq_len:
         res = run(args, s)
         print(json.dumps(res), flush=True)
         if res.get("oom"):
-            print(f"| hf {args.model} | {s} | out of memory |", flush=True)
+            print(f"| {res['impl']} {args.model} | {s} | out of memory |", flush=True)
         else:
             gib = 1 << 30
-            print(f"| hf {args.model} | {s} | {res['gpu_peak_allocated_bytes'] / gib:.2f} / "
+            print(f"| {res['impl']} {args.model} | {s} | {res['gpu_peak_allocated_bytes'] / gib:.2f} / "
                   f"{res['gpu_peak_reserved_bytes'] / gib:.2f} GiB | {res['seconds_per_step']:.2f} s | "
                   f"{res['tokens_per_second']:.0f} tok/s |", flush=True)
         if args.json:

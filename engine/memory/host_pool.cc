@@ -1,5 +1,6 @@
 #include "engine/memory/host_pool.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include <torch/torch.h>
@@ -53,27 +54,41 @@ absl::StatusOr<torch::Tensor> HostPool::Slot(int64_t index, int64_t numel, torch
           ", over memory.host_budget_bytes (", GiB(budget_), ") by ", GiB(after - budget_),
           "; keep more layer inputs on the GPU, checkpoint every k layers, or raise the budget"));
     }
+    // A slot that grows (RL calls of varying length) grows by half again, so a session of
+    // slowly growing requests reallocates a few times, not on every call (each cudaHostAlloc of
+    // many GiB takes seconds); never past the budget, and the first size is exact.
+    int64_t grown = bytes;
+    if (b.bytes > 0) {
+      grown = std::max(bytes, b.bytes + b.bytes / 2);
+      if (budget_ > 0) grown = std::min(grown, budget_ - (allocated_ - b.bytes));
+    }
+#ifdef ODYSSEY_WITH_CUDA
+    // Copies to or from the old block may still be in flight on a side stream: wait for them
+    // before its memory goes back (cudaFreeHost does not wait for asynchronous copies).
+    if (pinned_ && b.ptr != nullptr) cudaDeviceSynchronize();
+#endif
     Free(b);
+    const int64_t alloc_bytes = grown;
     void* ptr = nullptr;
 #ifdef ODYSSEY_WITH_CUDA
     if (pinned_) {
-      if (cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault) != cudaSuccess) {
+      if (cudaHostAlloc(&ptr, alloc_bytes, cudaHostAllocDefault) != cudaSuccess) {
         cudaGetLastError();
-        return absl::ResourceExhaustedError(absl::StrCat("host offload pool: cudaHostAlloc of ", GiB(bytes),
+        return absl::ResourceExhaustedError(absl::StrCat("host offload pool: cudaHostAlloc of ", GiB(alloc_bytes),
                                                          " for slot ", index, " failed (pool holds ",
                                                          GiB(allocated_), ")"));
       }
     } else {
-      ptr = std::malloc(bytes);
+      ptr = std::malloc(alloc_bytes);
     }
 #else
-    ptr = std::malloc(bytes);
+    ptr = std::malloc(alloc_bytes);
 #endif
     if (ptr == nullptr)
-      return absl::ResourceExhaustedError(absl::StrCat("host offload pool: cannot allocate ", GiB(bytes)));
+      return absl::ResourceExhaustedError(absl::StrCat("host offload pool: cannot allocate ", GiB(alloc_bytes)));
     b.ptr = ptr;
-    b.bytes = bytes;
-    allocated_ += bytes;
+    b.bytes = alloc_bytes;
+    allocated_ += alloc_bytes;
   }
   // A view of the slot; the pool owns the memory (no deleter).
   return torch::from_blob(b.ptr, {numel}, torch::TensorOptions().dtype(dtype).device(torch::kCPU));

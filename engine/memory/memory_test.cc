@@ -14,6 +14,7 @@
 #include "engine/loss.h"
 #include "engine/memory/attention_stash.h"
 #include "engine/memory/checkpoint.h"
+#include "engine/memory/host_pool.h"
 
 namespace odyssey::engine::memory {
 namespace {
@@ -352,6 +353,24 @@ TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
   stack = MemoryStack::Create(o, 5);
   ASSERT_TRUE((*stack)->Prepare(2, 50, 64, torch::kFloat32).ok());
   EXPECT_EQ((*stack)->host_pool_bytes(), 3 * 2 * 50 * 64 * 4);
+}
+
+// A slot that must grow grows by half again (so a run of slowly growing RL requests does not
+// reallocate on every call), but never past the budget; a request that fits reuses the slot.
+TEST(HostPoolTest, GrowingSlotsGrowGeometricallyWithinTheBudget) {
+  HostPool pool(/*budget_bytes=*/1000 * 4, /*pinned=*/false);
+  pool.Slot(0, 400, torch::kFloat32).value();
+  EXPECT_EQ(pool.allocated_bytes(), 400 * 4);  // the first size is exact
+  pool.Slot(0, 401, torch::kFloat32).value();
+  EXPECT_EQ(pool.allocated_bytes(), 600 * 4);
+  const void* grown = pool.Slot(0, 600, torch::kFloat32).value().data_ptr();  // fits: no new block
+  EXPECT_EQ(pool.Slot(0, 550, torch::kFloat32).value().data_ptr(), grown);
+  EXPECT_EQ(pool.allocated_bytes(), 600 * 4);
+  pool.Slot(0, 700, torch::kFloat32).value();  // 900 wanted, the budget caps it at 1000
+  EXPECT_EQ(pool.allocated_bytes(), 900 * 4);
+  pool.Slot(0, 950, torch::kFloat32).value();
+  EXPECT_EQ(pool.allocated_bytes(), 1000 * 4);
+  EXPECT_FALSE(pool.Slot(0, 1001, torch::kFloat32).ok());
 }
 
 // Notes the bytes the stash holds each time the kernel under it runs a forward.
