@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
-# subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | all (= tests,
-# 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b, hf and rl (an SFT
-# step and a PPO step of 16 x 2048 tokens, ~1 minute) run only when named.
+# subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
+# peer | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
+# tests and odyssey-kernel-bench) and peer run only when named.
+#   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
+#   PEER_LENS (default 65536), one after the other in this run, then bench/compare.py's table of
+#   the ratios. Liger is a benchmark peer: its wheel (liger-kernel 0.8.5, no registry on a GPU
+#   host) is installed from .whl/ into a private folder, never into the project.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -14,7 +19,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 what=",${1:-all},"
 has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
 only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
-ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test rl_loss_test odyssey-bench odyssey-plan >"$out/build.log" 2>&1 \
+ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test rl_loss_test fused_ops_test optimizer_test odyssey-bench \
+  odyssey-plan odyssey-kernel-bench >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 source "$root/scripts/gpu/env.sh"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
@@ -35,6 +41,25 @@ if only rl; then
   R="build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len 2048 --batch-size 16 --recompute layer --mlp-tile 8192 --loss-tile 4096 --steps 2 --json $out/bench.jsonl"
   run $R
   run $R --rl-loss ppo
+fi
+if only kernels; then
+  build-gpu/kernels/fused_ops_test 2>&1 | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) ' | tail -12
+  build-gpu/kernels/odyssey-kernel-bench --json "$out/kernels.jsonl"
+fi
+if only peer; then
+  site="${TMPDIR:-/tmp}/odyssey-peer-site"
+  if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  flags="${PEER_FLAGS:---recompute layer --keep-attention --offload --mlp-tile 16384 --loss-tile 4096}"
+  for s in ${PEER_LENS:-65536}; do
+    steps=2; [ "$s" -gt 131072 ] && steps=1
+    run build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len "$s" $flags --steps "$steps" --json "$out/peer-odyssey.jsonl"
+    python3 bench/hf_bench.py --liger --model llama-3.2-3b --seq-len "$s" --steps "$steps" --json "$out/peer-liger.jsonl" \
+      2>&1 | grep -E '^\||Error' | tail -2
+  done
+  python3 bench/compare.py "$out/peer-odyssey.jsonl" "$out/peer-liger.jsonl"
 fi
 only hf && python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl"
 # 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.
