@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "engine/device_stats.h"
+#include "engine/profiler.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
 #include "kernels/attention.h"
@@ -93,6 +95,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
+  std::string profile_dir;
+  app.add_option("--profile", profile_dir,
+                 "after the timed steps, record one more step with the profiler and write DIR/trace.json (Chrome "
+                 "trace; bench/profile_report.py summarizes it)");
   bool reference_kernels = false;
   app.add_flag("--reference-kernels", reference_kernels,
                "run libtorch's reference ops instead of odyssey's CUDA kernels (RMSNorm, SwiGLU, RoPE, AdamW, "
@@ -196,6 +202,25 @@ int main(int argc, char** argv) {
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::fprintf(stderr, "%s step %d: %.3f s, loss %.4f\n", i < warmup ? "warmup" : "timed", i, sec, loss);
     if (i >= warmup) times.push_back(sec);
+  }
+  if (!profile_dir.empty() && rl_loss.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(profile_dir, ec);
+    const std::string trace = profile_dir + "/trace.json";
+    if (absl::Status st = odyssey::engine::StartProfile(dev.is_cuda(), /*memory=*/true); !st.ok()) {
+      std::fprintf(stderr, "odyssey-bench: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+    odyssey::engine::SynchronizeDevice(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    t.Step(batch);
+    odyssey::engine::SynchronizeDevice(dev);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
+      std::fprintf(stderr, "odyssey-bench: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "profiled step: %.3f s (with the profiler's overhead), trace %s\n", sec, trace.c_str());
   }
   std::sort(times.begin(), times.end());
   const double sec = times.empty() ? 0 : times[times.size() / 2];

@@ -11,6 +11,7 @@
 #include "c10/util/Exception.h"
 #include "common/files.h"
 #include "engine/loss.h"
+#include "engine/profiler.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "nlohmann/json.hpp"
@@ -139,6 +140,7 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   torch::Tensor hidden = model_->Hidden(in, runner_);  // (B, S, hidden)
   torch::Tensor mask = batch.loss_mask.to(device_);
   *targets = batch.NumTargets();
+  ProfilePhase phase("loss");
   torch::Tensor sum = memory_->LossSum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
   return sum / static_cast<double>(std::max<int64_t>(1, *targets));
 }
@@ -156,7 +158,10 @@ StepResult Trainer::Step(const Batch& batch) {
   }
   int64_t local_targets = 0;
   torch::Tensor loss = Loss(batch, &local_targets) * share->loss_scale;  // () this rank's share
-  loss.backward();
+  {
+    ProfilePhase phase("backward");
+    loss.backward();
+  }
   // The loss shares ride the gradients' all-reduce: their sum is the global batch's mean.
   std::vector<torch::Tensor> riders = {loss.detach().to(torch::kFloat32).reshape({1})};  // (1,)
   if (r.status = gradients_->Reduce(riders); !r.status.ok()) {
@@ -165,10 +170,14 @@ StepResult Trainer::Step(const Batch& batch) {
   }
   r.target_tokens = share->targets;
   // Clipping on the device: the update is queued behind the backward without the host waiting.
-  const GradClip clip = GradClipScale(params_, options_.grad_clip);
-  r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
-  optimizer_->Step(r.lr, clip.scale);
-  optimizer_->ZeroGrad();
+  GradClip clip;
+  {
+    ProfilePhase phase("optimizer");
+    clip = GradClipScale(params_, options_.grad_clip);
+    r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
+    optimizer_->Step(r.lr, clip.scale);
+    optimizer_->ZeroGrad();
+  }
   r.loss = riders[0].item<double>();  // synchronizes the device
   r.grad_norm = clip.norm.item<double>();
   r.step = optimizer_->steps();

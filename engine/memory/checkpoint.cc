@@ -1,8 +1,11 @@
 #include "engine/memory/checkpoint.h"
 
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "engine/profiler.h"
 
 namespace odyssey::engine::memory {
 namespace {
@@ -16,6 +19,7 @@ struct BlockState : torch::CustomClassHolder {
   SavedInputs* store = nullptr;
   int64_t slot = 0;
   std::shared_ptr<void> keepalive;  // e.g. an inner store that must outlive this block
+  std::string label;                // "layer N" / "layers A-B": the profiler's phase names
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -37,10 +41,14 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     torch::Tensor x = state->store->Take(state->slot).detach().requires_grad_(true);
     torch::Tensor y;
     {
+      ProfilePhase phase(state->label + " recompute");
       torch::AutoGradMode grad(true);
       y = state->body(x, /*recompute=*/true);
     }
-    torch::autograd::backward({y}, {grads[0]});
+    {
+      ProfilePhase phase(state->label + " backward");
+      torch::autograd::backward({y}, {grads[0]});
+    }
     ctx->saved_data.clear();  // releases the body (and what it captured) as soon as possible
     return {x.grad(), torch::Tensor()};
   }
@@ -171,6 +179,7 @@ class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
     const torch::Tensor& hidden = saved[0];
     const torch::Tensor& weight = saved[1];
     const int64_t tile = ctx->saved_data["tile"].toInt();
+    ProfilePhase phase("loss backward");
     // d loss / d logits = (softmax - onehot) * mask * upstream.
     torch::Tensor coef = saved[3].reshape({-1}).to(torch::kFloat32) * grads[0].to(torch::kFloat32);  // (N,)
     auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile);
@@ -217,9 +226,11 @@ torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tenso
 }
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
-                              std::shared_ptr<void> keepalive) {
+                              std::shared_ptr<void> keepalive, const std::string& label) {
+  ProfilePhase phase(label + " forward");
   if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
   auto state = c10::make_intrusive<BlockState>();
+  state->label = label;
   state->body = std::move(body);
   state->store = store;
   state->slot = slot;

@@ -23,8 +23,9 @@ using BlockBody = std::function<torch::Tensor(const torch::Tensor& x, bool recom
 
 // y = body(x), saving only x (in `store` slot `slot`); backward reruns body(x, true) and
 // back-propagates through it. With grad disabled this is body(x, false).
+// `label` names the block's phases in a profile ("<label> forward", "... recompute", "... backward").
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
-                              std::shared_ptr<void> keepalive = nullptr);
+                              std::shared_ptr<void> keepalive = nullptr, const std::string& label = "block");
 
 // layer->MlpBlock(h) over tiles of `tile_tokens` positions: no (S, intermediate) tensor at
 // full S, in forward or backward. h (B, S, H) -> (B, S, H).

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/loss.h"
 #include "engine/memory/checkpoint.h"
+#include "engine/profiler.h"
 
 namespace odyssey::engine::memory {
 
@@ -44,7 +45,10 @@ model::LayerStackRunner MemoryStack::Runner() {
     torch::Tensor h = h0;
     const int64_t L = static_cast<int64_t>(layers.size());
     if (strategy_.recompute == planner::Recompute::kNone || !torch::GradMode::is_enabled()) {
-      for (const auto& layer : layers) h = RunLayer(layer, h, ctx);
+      for (int64_t i = 0; i < L; ++i) {
+        ProfilePhase phase(absl::StrCat("layer ", i, " forward"));
+        h = RunLayer(layers[i], h, ctx);
+      }
       return h;
     }
     const int64_t k = strategy_.recompute == planner::Recompute::kLayer ? 1 : strategy_.every_k;
@@ -79,12 +83,12 @@ model::LayerStackRunner MemoryStack::Runner() {
               [this, layer, ctx](const torch::Tensor& xi, bool inner_recompute) {
                 return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute);
               },
-              inner.get(),
-              static_cast<int64_t>(j), inner);
+              inner.get(), static_cast<int64_t>(j), inner, absl::StrCat("layer ", first + static_cast<int64_t>(j)));
         }
         return y;
       };
-      h = CheckpointBlock(h, std::move(body), saved_.get(), g);
+      h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr,
+                          count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1));
     }
     return h;
   };
