@@ -28,11 +28,13 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "engine/device_stats.h"
+#include "engine/memory/checkpoint.h"
 #include "engine/profiler.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
 #include "kernels/attention.h"
 #include "kernels/fused_ops.h"
+#include "model/weights.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
 
@@ -95,6 +97,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
+  bool fidelity = false;
+  app.add_flag("--fidelity", fidelity,
+               "instead of timing: per-token logprobs of the batch from the training forward (bf16, under the "
+               "memory strategy) against a float32 forward of the same weights and tokens; prints mean and max |d|");
   std::string profile_dir;
   app.add_option("--profile", profile_dir,
                  "after the timed steps, record one more step with the profiler and write DIR/trace.json (Chrome "
@@ -172,6 +178,66 @@ int main(int argc, char** argv) {
     }
     for (int64_t b = 0; b < B; ++b) datums[b].sampler_logprobs = (*logprobs)[b];
     std::fprintf(stderr, "forward (sampler logprobs): %.3f s\n", forward_seconds);
+  }
+  if (fidelity) {
+    // One datum per row with the cross-entropy loss: ForwardBackward's logprobs come from the
+    // forward that training runs (grad on, recompute/offload/tiles/kept attention as planned).
+    std::vector<odyssey::engine::Datum> rows;
+    const torch::Tensor ids = batch.input_ids.to(torch::kCPU).contiguous(), labels = batch.labels.to(torch::kCPU).contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      odyssey::engine::Datum d;
+      d.tokens.assign(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + S);
+      d.target_tokens.assign(labels[b].data_ptr<int64_t>(), labels[b].data_ptr<int64_t>() + S);
+      rows.push_back(std::move(d));
+    }
+    odyssey::engine::LossSpec ce;
+    ce.kind = odyssey::engine::LossKind::kCrossEntropy;
+    auto fb = t.ForwardBackward(rows, ce);
+    if (!fb.ok()) {
+      std::fprintf(stderr, "odyssey-bench: fidelity forward: %s\n", std::string(fb.status().message()).c_str());
+      return 1;
+    }
+    // The same weights in float32 (the bf16 values, upcast), plain forward without autograd.
+    auto m32 = odyssey::model::LoadModel(o.model, torch::kFloat32, dev, o.seed, o.num_layers);
+    if (!m32.ok()) {
+      std::fprintf(stderr, "odyssey-bench: %s\n", std::string(m32.status().message()).c_str());
+      return 1;
+    }
+    torch::NoGradGuard no_grad;
+    {
+      auto src = t.model()->named_parameters();
+      for (auto& p : (*m32)->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    (*m32)->set_attention_backend(odyssey::kernels::WrapHeadGroups(
+        odyssey::kernels::MakeAttentionBackend("sdpa").value(), std::max<int64_t>(1, o.memory.head_groups)));
+    double sum = 0, worst = 0;
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      odyssey::model::ForwardInputs in;
+      in.input_ids = batch.input_ids.narrow(0, b, 1).to(dev);
+      torch::Tensor hidden = (*m32)->Hidden(in);
+      torch::Tensor lp = odyssey::engine::memory::TiledTokenLogprobs(hidden, (*m32)->HeadWeight(),
+                                                                    batch.labels.narrow(0, b, 1).to(dev), 2048);
+      torch::Tensor ours = torch::tensor(fb->logprobs[b], torch::kFloat32).to(dev);
+      torch::Tensor d = (lp.reshape({-1}).to(torch::kFloat32) - ours).abs();  // (S,)
+      sum += d.sum().item<double>();
+      worst = std::max(worst, d.max().item<double>());
+      n += d.numel();
+    }
+    nlohmann::json j = {{"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
+                        {"memory", o.memory.Describe()}, {"fidelity_mean_abs_logprob_diff", sum / n},
+                        {"fidelity_max_abs_logprob_diff", worst}, {"tokens", n},
+                        {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
+    std::printf("%s\n| fidelity | %s | %lld | %s | mean |d| %.4f | max |d| %.4f |\n", j.dump().c_str(), o.model.c_str(),
+                static_cast<long long>(S), o.memory.Describe().c_str(), sum / n, worst);
+    if (!json_path.empty()) {
+      FILE* f = std::fopen(json_path.c_str(), "a");
+      if (f != nullptr) {
+        std::fprintf(f, "%s\n", j.dump().c_str());
+        std::fclose(f);
+      }
+    }
+    return 0;
   }
   odyssey::engine::AdamWOptions adam = o.optimizer;
   auto rl_step = [&]() -> absl::StatusOr<double> {
