@@ -14,6 +14,7 @@ struct BlockState : torch::CustomClassHolder {
   SavedInputs* store = nullptr;
   int64_t slot = 0;
   std::shared_ptr<void> keepalive;  // e.g. an inner store that must outlive this block
+  std::function<void()> after_backward;  // the block's gradients are in (MemoryStack's hook)
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -39,6 +40,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       y = state->body(x, /*recompute=*/true);
     }
     torch::autograd::backward({y}, {grads[0]});
+    if (state->after_backward) state->after_backward();
     ctx->saved_data.clear();  // releases the body (and what it captured) as soon as possible
     return {x.grad(), torch::Tensor()};
   }
@@ -186,13 +188,14 @@ torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tenso
 }
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
-                              std::shared_ptr<void> keepalive) {
+                              std::shared_ptr<void> keepalive, std::function<void()> after_backward) {
   if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
   auto state = c10::make_intrusive<BlockState>();
   state->body = std::move(body);
   state->store = store;
   state->slot = slot;
   state->keepalive = std::move(keepalive);
+  state->after_backward = std::move(after_backward);
   // The Function records a backward node only for inputs that need grad; the block's
   // parameters need it even when x does not.
   return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);

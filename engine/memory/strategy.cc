@@ -44,7 +44,10 @@ model::LayerStackRunner MemoryStack::Runner() {
     torch::Tensor h = h0;
     const int64_t L = static_cast<int64_t>(layers.size());
     if (strategy_.recompute == planner::Recompute::kNone || !torch::GradMode::is_enabled()) {
-      for (const auto& layer : layers) h = RunLayer(layer, h, ctx);
+      for (int64_t i = 0; i < L; ++i) {
+        if (hooks_.before_forward) hooks_.before_forward(i, 1);
+        h = RunLayer(layers[static_cast<size_t>(i)], h, ctx);
+      }
       return h;
     }
     const int64_t k = strategy_.recompute == planner::Recompute::kLayer ? 1 : strategy_.every_k;
@@ -83,7 +86,10 @@ model::LayerStackRunner MemoryStack::Runner() {
         }
         return y;
       };
-      h = CheckpointBlock(h, std::move(body), saved_.get(), g);
+      std::function<void()> after_backward;
+      if (hooks_.after_backward) after_backward = [this, first, count] { hooks_.after_backward(first, count); };
+      if (hooks_.before_forward) hooks_.before_forward(first, count);
+      h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward));
     }
     return h;
   };
