@@ -37,16 +37,23 @@ double ScheduledLr(double peak, int64_t done, const ScheduleOptions& s) {
   return peak * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
 }
 
-double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
+double GradNorm(const std::vector<torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> norms;
   for (const auto& p : params) {
     if (p.grad().defined()) norms.push_back(p.grad().to(torch::kFloat32).norm());
   }
   if (norms.empty()) return 0.0;
-  const double total = torch::stack(norms).norm().item<double>();
-  if (max_norm > 0 && total > max_norm) {
-    const double coef = max_norm / (total + 1e-6);
+  return torch::stack(norms).norm().item<double>();
+}
+
+double ClipScale(double norm, double max_norm) { return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0; }
+
+double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  const double total = GradNorm(params);
+  const double coef = ClipScale(total, max_norm);
+  if (coef != 1.0) {
     for (const auto& p : params) {
       if (p.grad().defined()) p.grad().mul_(coef);
     }
@@ -74,29 +81,25 @@ GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm
 }
 
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
-             bool states_on_host)
+             bool states_on_host, const HostOptimizerOptions& host)
     : options_(options) {
   torch::NoGradGuard no_grad;
   if (states_on_host) {
-    const bool cuda = !named_params.empty() && named_params.front().second.is_cuda();
-    host_pool_ = std::make_unique<memory::HostPool>(/*budget_bytes=*/0, /*pinned=*/cuda);
+    std::vector<torch::Tensor> params;
+    for (const auto& [name, p] : named_params) params.push_back(p);
+    host_ = std::make_unique<HostAdamW>(std::move(params), host);
   }
-  int64_t block = 0;
   for (auto& [name, p] : named_params) {
     Slot s;
     s.name = name;
     s.param = p;
-    s.decay = p.dim() >= 2;
-    if (host_pool_) {
-      auto host = [&](const torch::Tensor& init) {
-        torch::Tensor t = host_pool_->Slot(block++, p.numel(), torch::kFloat32).value().view(p.sizes());
-        t.copy_(init);
-        return t;
-      };
+    s.decay = DecaysWeights(p);
+    if (host_) {
+      const HostAdamW::State state = host_->state(slots_.size());
       s.on_host = true;
-      s.master = host(p.detach().to(torch::kCPU, torch::kFloat32));
-      s.exp_avg = host(torch::zeros(p.sizes()));
-      s.exp_avg_sq = host(torch::zeros(p.sizes()));
+      s.master = state.master;
+      s.exp_avg = state.exp_avg;
+      s.exp_avg_sq = state.exp_avg_sq;
     } else {
       // fp32 params are their own master: no redundant copy.
       s.master = p.scalar_type() == torch::kFloat32 ? p : p.detach().to(torch::kFloat32).clone();
@@ -110,47 +113,59 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
 void AdamW::Step(double lr, const torch::Tensor& grad_scale) {
   torch::NoGradGuard no_grad;
   ++steps_;
+  if (host_) {
+    AdamWStep step;
+    step.lr = lr;
+    step.beta1 = options_.beta1;
+    step.beta2 = options_.beta2;
+    step.eps = options_.eps;
+    step.weight_decay = options_.weight_decay;
+    step.step = steps_;
+    // The host threads need the factor as a number: the one wait for the device in a host step.
+    step.grad_scale = grad_scale.defined() ? grad_scale.item<double>() : 1.0;
+    host_->Step(step);
+    return;
+  }
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bc1 = 1 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1 - std::pow(b2, static_cast<double>(steps_));
   for (Slot& s : slots_) {
     if (!s.param.grad().defined()) continue;
-    if (!s.on_host) {
-      kernels::AdamWUpdate(s.param, s.param.grad(), s.master, s.exp_avg, s.exp_avg_sq, grad_scale,
-                           {lr, b1, b2, options_.eps, s.decay ? options_.weight_decay : 0.0, bc1, bc2});
-      continue;
-    }
-    torch::Tensor g = s.param.grad().to(torch::kFloat32);  // (param shape)
-    if (grad_scale.defined()) g.mul_(grad_scale.to(g.device()));
-    // Host-resident state is streamed to the parameter's device for the update and back;
-    // on a CPU device .to() returns the host tensors themselves and the update is in place.
-    const torch::Device dev = s.param.device();
-    torch::Tensor master = s.on_host ? s.master.to(dev, /*non_blocking=*/true) : s.master;
-    torch::Tensor m = s.on_host ? s.exp_avg.to(dev, /*non_blocking=*/true) : s.exp_avg;
-    torch::Tensor v = s.on_host ? s.exp_avg_sq.to(dev, /*non_blocking=*/true) : s.exp_avg_sq;
-    if (s.decay && options_.weight_decay > 0) master.mul_(1 - lr * options_.weight_decay);
-    m.lerp_(g, 1 - b1);
-    v.mul_(b2).addcmul_(g, g, 1 - b2);
-    torch::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps);
-    master.addcdiv_(m, denom, -lr / bc1);
-    if (s.on_host && !master.is_same(s.master)) {
-      s.master.copy_(master, /*non_blocking=*/true);
-      s.exp_avg.copy_(m, /*non_blocking=*/true);
-      s.exp_avg_sq.copy_(v, /*non_blocking=*/true);
-    }
-    if (!master.is_same(s.param)) s.param.copy_(master);
+    kernels::AdamWUpdate(s.param, s.param.grad(), s.master, s.exp_avg, s.exp_avg_sq, grad_scale,
+                         {lr, b1, b2, options_.eps, s.decay ? options_.weight_decay : 0.0, bc1, bc2});
   }
+}
+
+void AdamW::Step(double lr, double grad_scale) {
+  if (grad_scale == 1.0 || slots_.empty()) {
+    Step(lr, torch::Tensor());
+    return;
+  }
+  Step(lr, torch::full({}, grad_scale, torch::dtype(torch::kFloat32).device(slots_.front().param.device())));
+}
+
+void AdamW::GradsReady(const std::vector<int64_t>& indices) {
+  if (host_) host_->GradsReady(indices);
+}
+
+void AdamW::WaitParams(const std::vector<int64_t>& indices) {
+  if (host_) host_->WaitParams(indices);
+}
+
+void AdamW::Finish() {
+  if (host_) host_->Finish();
 }
 
 void AdamW::ZeroGrad() {
   for (Slot& s : slots_) {
     if (s.param.grad().defined()) s.param.mutable_grad() = torch::Tensor();
   }
+  if (host_) host_->DropGrads();
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> AdamW::StateTensors() const {
-  // Host-resident state may still be arriving from the device.
-  if (host_pool_ && !slots_.empty()) SynchronizeDevice(slots_.front().param.device());
+  // Host state: the update in flight ends first.
+  if (host_) host_->Finish();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   out.emplace_back("step", torch::tensor(steps_, torch::kInt64));
   for (const Slot& s : slots_) {
@@ -176,6 +191,7 @@ absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, to
   if (step == by_name.end() || step->second.numel() != 1)
     return absl::NotFoundError("optimizer state: missing scalar 'step'");
   torch::NoGradGuard no_grad;
+  if (host_) host_->Finish();  // no update in flight may overwrite what is loaded
   for (Slot& s : slots_) {
     auto m = get("exp_avg." + s.name, s.exp_avg);
     if (!m.ok()) return m.status();
@@ -188,7 +204,7 @@ absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, to
       if (!w.ok()) return w.status();
       s.master.copy_(*w);
       s.param.copy_(s.master);
-    } else if (s.on_host) {
+    } else if (s.on_host && !s.master.is_alias_of(s.param)) {
       s.master.copy_(s.param);  // an fp32 param is its own master; the host copy follows it
     }
   }

@@ -5,7 +5,11 @@
 // fp32 and copied back (rounded) into the parameter after each step, so small updates are not
 // lost to bf16 rounding. Moments are fp32. The update is torch.optim.AdamW's (decoupled weight
 // decay, bias correction), with decay applied only to parameters of 2+ dimensions.
-// Thread safety: one thread at a time.
+// With states_on_host the state lives in host memory and the update runs on CPU threads
+// (HostAdamW, engine/host_adamw.h): on CUDA it overlaps the next forward, so whatever reads the
+// parameters between Step and the next Step must wait for them (WaitParams / Finish; the
+// trainer does).
+// Thread safety: one thread at a time (GradsReady: see HostAdamW).
 #pragma once
 
 #include <string>
@@ -15,7 +19,7 @@
 #include <torch/types.h>
 
 #include "absl/status/status.h"
-#include "engine/memory/host_pool.h"
+#include "engine/host_adamw.h"
 
 namespace odyssey::engine {
 
@@ -41,6 +45,12 @@ double ScheduledLr(double peak_lr, int64_t completed_steps, const ScheduleOption
 // Scales every gradient so that their global L2 norm is at most max_norm (<= 0: no clipping).
 // Returns the norm before clipping. Parameters without a gradient are skipped.
 double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm);
+// The global L2 norm of the gradients (fp32 per parameter, on their device; one host sync);
+// 0 when none has one.
+double GradNorm(const std::vector<torch::Tensor>& params);
+// The factor ClipGradNorm multiplies the gradients by: max_norm / (norm + 1e-6) when
+// max_norm > 0 and norm > max_norm, else exactly 1.
+double ClipScale(double norm, double max_norm);
 
 // The same without touching the gradients or waiting for the device: the global L2 norm (an
 // fp32 scalar tensor on the gradients' device; 0 on the CPU when none has a gradient) and the
@@ -55,28 +65,46 @@ GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm
 class AdamW {
  public:
   // states_on_host (planner::MemoryStrategy::optimizer_on_host): keep the fp32 master weights
-  // and both moments in (pinned) host memory, 12 bytes per parameter off the GPU. Each step
-  // streams a parameter's state to the device, updates it there and streams it back (about 24
-  // bytes per parameter over PCIe per step). Fixed for the optimizer's life.
+  // and both moments in host memory, 12 bytes per parameter off the GPU, and run the update on
+  // CPU threads (HostAdamW, configured by `host`): only the bf16 gradients go to the host and the
+  // bf16 parameters come back (about 4 bytes per parameter over PCIe per step, through one pinned
+  // 2-byte staging buffer per parameter), overlapped with backward (GradsReady) and with the next
+  // forward (WaitParams). Fixed for the optimizer's life.
+  // REQUIRES (states_on_host): the params are fp32 or bf16, contiguous, on one device.
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
-        bool states_on_host = false);
+        bool states_on_host = false, const HostOptimizerOptions& host = {});
 
   // One update with learning rate `lr` from the parameters' .grad() times grad_scale (an fp32
   // scalar tensor on the parameters' device, e.g. GradClip::scale; undefined = 1); params without
   // a grad are skipped (their state does not advance). On the device, one fused kernel per
-  // parameter (kernels::AdamWUpdate) where the kernels are built.
+  // parameter (kernels::AdamWUpdate) where the kernels are built, and the host does not wait; on
+  // the host (states_on_host) the workers apply the factor, read once as a number (their update
+  // needs the whole backward first anyway). states_on_host with CUDA params: returns before the
+  // update is done (see WaitParams).
   void Step(double lr, const torch::Tensor& grad_scale = torch::Tensor());
+  // The same with the factor as a number (e.g. ClipScale(GradNorm(params), max_norm)).
+  void Step(double lr, double grad_scale);
+  // Drops the gradients (and, on the host, whatever GradsReady sent of them).
   void ZeroGrad();
+  // Host state only (no-ops otherwise), indices into named_params. GradsReady: these params'
+  // gradients are final for this step (no later backward or all-reduce changes them): start
+  // copying them to the host. WaitParams: these params are about to be read (a layer's
+  // forward): wait for their update. Finish: WaitParams for all; anything that reads or writes
+  // the parameters or the state outside a forward (checkpoints, eval, export) calls it first.
+  void GradsReady(const std::vector<int64_t>& indices);
+  void WaitParams(const std::vector<int64_t>& indices);
+  void Finish();
   int64_t steps() const { return steps_; }
   const AdamWOptions& options() const { return options_; }
   // Replaces beta1, beta2, eps, weight_decay and lr for the following steps (RL sessions send
   // them with every optim_step).
   // REQUIRES: options.Validate() is OK.
   void set_hyperparameters(const AdamWOptions& options) { options_ = options; }
-  bool states_on_host() const { return host_pool_ != nullptr; }
+  bool states_on_host() const { return host_ != nullptr; }
 
   // Optimizer state by name for checkpoints: "exp_avg.<param>", "exp_avg_sq.<param>",
-  // "master.<param>" (only for non-fp32 params), "step" (int64 scalar).
+  // "master.<param>" (only for non-fp32 params), "step" (int64 scalar). Waits for an update in
+  // flight (host state); the tensors are live views of the state.
   std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
   // Restores what StateTensors() returned; errors name the missing or mismatched tensor.
   absl::Status LoadStateTensors(const std::vector<std::pair<std::string, torch::Tensor>>& tensors);
@@ -88,10 +116,10 @@ class AdamW {
     torch::Tensor master;  // fp32; same storage as param when param is fp32 (on the device)
     torch::Tensor exp_avg, exp_avg_sq;  // fp32, param's shape
     bool decay = false;
-    bool on_host = false;  // master and moments live in host_pool_
+    bool on_host = false;  // master and moments are host_'s (views)
   };
   AdamWOptions options_;
-  std::unique_ptr<memory::HostPool> host_pool_;  // states_on_host: one block per state tensor
+  std::unique_ptr<HostAdamW> host_;  // states_on_host: owns the state and runs the update
   std::vector<Slot> slots_;
   int64_t steps_ = 0;
 };

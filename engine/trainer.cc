@@ -50,11 +50,25 @@ Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<
                  torch::Device device, torch::Dtype dtype)
     : options_(std::move(options)), model_(std::move(model)), data_(std::move(data)), device_(device), dtype_(dtype) {
   std::vector<std::pair<std::string, torch::Tensor>> named;
+  layer_params_.resize(static_cast<size_t>(model_->config().num_hidden_layers));
+  const std::string layers_prefix = "model.layers.";
   for (auto& p : model_->named_parameters()) {
-    named.emplace_back(p.key(), p.value());
+    const int64_t index = static_cast<int64_t>(params_.size());
+    const std::string& name = p.key();
+    if (name.rfind("model.embed_tokens.", 0) == 0) {
+      embed_params_.push_back(index);
+    } else if (name.rfind(layers_prefix, 0) == 0) {
+      const size_t layer = std::stoul(name.substr(layers_prefix.size()));
+      TORCH_CHECK(layer < layer_params_.size(), "parameter ", name, " of a layer the config does not have");
+      layer_params_[layer].push_back(index);
+    } else {
+      tail_params_.push_back(index);
+    }
+    named.emplace_back(name, p.value());
     params_.push_back(p.value());
   }
-  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host);
+  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host,
+                                       options_.host_optimizer);
   if (options_.schedule.total_steps == 0) options_.schedule.total_steps = options_.steps;
 }
 
@@ -118,6 +132,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
   trainer->memory_ = *std::move(memory);
   trainer->runner_ = trainer->memory_->Runner();
+  if (options.memory.optimizer_on_host) trainer->HookHostOptimizer();
   // Data parallel, applied to the plain model from outside its steps: every rank starts from
   // rank 0's weights, and the steps sum the ranks' gradients through one reducer (identities
   // on one rank).
@@ -132,12 +147,50 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   return trainer;
 }
 
+std::vector<int64_t> Trainer::LayerParams(int64_t first, int64_t count) const {
+  std::vector<int64_t> out;
+  for (int64_t l = first; l < first + count; ++l) {
+    const std::vector<int64_t>& layer = layer_params_.at(static_cast<size_t>(l));
+    out.insert(out.end(), layer.begin(), layer.end());
+  }
+  return out;
+}
+
+void Trainer::HookHostOptimizer() {
+  memory::LayerHooks hooks;
+  hooks.before_forward = [this](int64_t first, int64_t count) { optimizer_->WaitParams(LayerParams(first, count)); };
+  // Runs on autograd's device thread on CUDA, while the training thread waits in backward().
+  hooks.after_backward = [this](int64_t first, int64_t count) {
+    if (send_grads_early_) optimizer_->GradsReady(LayerParams(first, count));
+  };
+  memory_->set_layer_hooks(std::move(hooks));
+}
+
+torch::Tensor Trainer::Hidden(const model::ForwardInputs& in) {
+  optimizer_->WaitParams(embed_params_);
+  if (!hooked_runner_) optimizer_->WaitParams(LayerParams(0, static_cast<int64_t>(layer_params_.size())));
+  // The final norm (and an untied head, read by the loss) after the layers: their update is
+  // the last the host threads do.
+  model::LayerStackRunner runner = [this](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
+                                          const model::LayerContext& ctx) {
+    torch::Tensor h = h0;  // (B, S, hidden)
+    if (runner_) {
+      h = runner_(layers, h0, ctx);
+    } else {
+      for (model::DecoderLayer layer : layers) h = layer->forward(h, ctx);  // holders are shared_ptrs
+    }
+    optimizer_->WaitParams(tail_params_);
+    return h;
+  };
+  return model_->Hidden(in, runner);
+}
+
 torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   model::ForwardInputs in;
   in.input_ids = batch.input_ids.to(device_);
   in.position_ids = batch.position_ids.to(device_);
   in.doc_lens = &batch.doc_lens;
-  torch::Tensor hidden = model_->Hidden(in, runner_);  // (B, S, hidden)
+  torch::Tensor hidden = Hidden(in);  // (B, S, hidden)
   torch::Tensor mask = batch.loss_mask.to(device_);
   *targets = batch.NumTargets();
   ProfilePhase phase("loss");
@@ -157,11 +210,21 @@ StepResult Trainer::Step(const Batch& batch) {
     return r;
   }
   int64_t local_targets = 0;
-  torch::Tensor loss = Loss(batch, &local_targets) * share->loss_scale;  // () this rank's share
-  {
+  torch::Tensor loss;  // () this rank's share
+  // One backward per step and no all-reduce after it: each checkpointed layer group's
+  // gradients are final when its backward ends, so they may go to a host optimizer then.
+  send_grads_early_ = !DataParallel();
+  try {
+    loss = Loss(batch, &local_targets) * share->loss_scale;
     ProfilePhase phase("backward");
     loss.backward();
+  } catch (...) {
+    // The gradients of a half-done step (and what was sent of them) must not reach the next.
+    send_grads_early_ = false;
+    optimizer_->ZeroGrad();
+    throw;
   }
+  send_grads_early_ = false;
   // The loss shares ride the gradients' all-reduce: their sum is the global batch's mean.
   std::vector<torch::Tensor> riders = {loss.detach().to(torch::kFloat32).reshape({1})};  // (1,)
   if (r.status = gradients_->Reduce(riders); !r.status.ok()) {
@@ -169,7 +232,8 @@ StepResult Trainer::Step(const Batch& batch) {
     return r;
   }
   r.target_tokens = share->targets;
-  // Clipping on the device: the update is queued behind the backward without the host waiting.
+  // Clipping on the device: the device update is queued behind the backward without the host
+  // waiting (a host update reads the factor once: it needs the whole backward first anyway).
   GradClip clip;
   {
     ProfilePhase phase("optimizer");
@@ -190,6 +254,7 @@ StepResult Trainer::Step(const Batch& batch) {
 StepResult Trainer::TrainStep() { return Step(data_->Next()); }
 
 double Trainer::EvalLoss(const Batch& batch) {
+  optimizer_->Finish();
   torch::NoGradGuard no_grad;
   model_->eval();
   int64_t targets = 0;
@@ -264,7 +329,7 @@ std::vector<torch::Tensor> Trainer::GroupLogprobs(const std::vector<Datum>& batc
   }
   model::ForwardInputs in;
   in.input_ids = ids.to(device_);
-  const torch::Tensor hidden = model_->Hidden(in, runner_);                                   // (R, S, hidden)
+  const torch::Tensor hidden = Hidden(in);                                                    // (R, S, hidden)
   // Tiled when the job's memory plan tiles the loss: no (R, S, vocab) logits at long S.
   const torch::Tensor logp = memory_->TokenLogprobs(hidden, model_->HeadWeight(), targets.to(device_));  // (R, S)
   std::vector<torch::Tensor> out;
@@ -460,6 +525,7 @@ absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vect
 }
 
 absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
+  optimizer_->Finish();  // the weights written are the updated ones
   model::SaveOptions save;
   save.dtype = dtype_;
   if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) return s;
@@ -473,7 +539,9 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
 
 absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
   // Gradients pending from an RL forward_backward belong to the weights being replaced: an
-  // optim_step after the load must not apply them.
+  // optim_step after the load must not apply them. An update in flight must not overwrite the
+  // loaded weights.
+  optimizer_->Finish();
   optimizer_->ZeroGrad();
   rl_grads_pending_ = false;
   if (absl::Status s = model::LoadHfWeights(model_, dir); !s.ok()) return s;

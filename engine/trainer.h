@@ -1,5 +1,14 @@
 // Trainer: one model, its optimizer and its data on one device; runs training steps.
 //
+// With memory.optimizer_on_host on CUDA the AdamW update runs on CPU threads after Step returns
+// (engine/host_adamw.h), overlapping the next forward: the trainer waits for each decoder
+// layer's parameters before that layer's forward (MemoryStack's layer hooks), for the
+// embedding before the forward starts and for the final norm and head after the layers; in an
+// SFT Step on one rank with checkpointed layers it sends each layer group's gradients to the
+// host as soon as that group's backward is done (elsewhere gradients are final only after the
+// last backward or the all-reduce, so Step sends them all). model(), EvalLoss and checkpoints
+// wait for the whole update first.
+//
 // Data parallel (TrainerOptions::communicator with world_size > 1): every rank holds the whole
 // model and optimizer, samples its own data (data seed + rank), and all-reduces its gradients
 // before clipping, weighted so that the update equals one rank's step on the ranks' batches
@@ -66,6 +75,9 @@ struct TrainerOptions {
   // Every memory knob (recompute, offload, tiles, head groups, kept attention, optimizer state
   // on the host); the default is plain autograd. See planner/memory_strategy.h.
   planner::MemoryStrategy memory;
+  // With memory.optimizer_on_host: the host optimizer's worker threads and chunking (tests also
+  // set deferred_cpu; see engine/host_adamw.h).
+  HostOptimizerOptions host_optimizer;
   uint64_t seed = 0;              // model init (named shapes) and data sampling
   int64_t steps = 300;            // training steps (> 0)
   double grad_clip = 1.0;         // max global grad norm; <= 0 disables
@@ -180,10 +192,18 @@ class Trainer {
   // gradients pending since the last OptimStep (they were computed on the replaced weights).
   absl::Status LoadCheckpoint(const std::string& dir);
 
-  void set_layer_runner(model::LayerStackRunner runner) { runner_ = std::move(runner); }
+  // A runner of the caller's: the host optimizer then waits for every layer before the stack.
+  void set_layer_runner(model::LayerStackRunner runner) {
+    runner_ = std::move(runner);
+    hooked_runner_ = false;
+  }
   memory::MemoryStack& memory() { return *memory_; }
   int64_t step() const { return optimizer_->steps(); }
-  model::CausalLM& model() { return model_; }
+  // The model with its parameters final (waits for a host optimizer update in flight).
+  model::CausalLM& model() {
+    optimizer_->Finish();
+    return model_;
+  }
   DataSource& data() { return *data_; }
   torch::Device device() const { return device_; }
   torch::Dtype dtype() const { return dtype_; }
@@ -193,6 +213,13 @@ class Trainer {
   Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data, torch::Device device,
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
+  // model_->Hidden through runner_, waiting for the host optimizer's update of each part of the
+  // model before it is read.
+  torch::Tensor Hidden(const model::ForwardInputs& in);
+  // The optimizer's indices of the parameters of decoder layers [first, first + count).
+  std::vector<int64_t> LayerParams(int64_t first, int64_t count) const;
+  // Connects the memory stack's layer hooks to the host optimizer (optimizer_on_host only).
+  void HookHostOptimizer();
   // More than one rank: a rank's RL slice may then be empty (the whole batch is the controller's).
   bool DataParallel() const { return comm_->world_size() > 1; }
   // The RL batch's one validation: `shard`, then `loss` (when given) and the batch's datums
@@ -237,6 +264,12 @@ class Trainer {
   model::LayerStackRunner runner_;
   std::unique_ptr<memory::MemoryStack> memory_;
   bool rl_grads_pending_ = false;  // a ForwardBackward ran since the last OptimStep
+  // Host optimizer seams: optimizer indices of the embedding, of each decoder layer, and of the
+  // rest (final norm, untied head), in the forward's order.
+  std::vector<int64_t> embed_params_, tail_params_;
+  std::vector<std::vector<int64_t>> layer_params_;
+  bool hooked_runner_ = true;       // runner_ is the memory stack's (its hooks fire)
+  bool send_grads_early_ = false;   // inside an SFT backward whose gradients are final per group
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

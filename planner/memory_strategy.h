@@ -40,7 +40,7 @@ struct MemoryStrategy {
   int64_t loss_tile = 0;           // positions per LM-head + loss tile; 0 = untiled (full logits)
   int64_t head_groups = 1;         // KV-head groups attention runs one after another (>= 1)
   bool keep_attention = false;     // keep attention outputs + LSE of the first forward (kLayer)
-  bool optimizer_on_host = false;  // fp32 masters and AdamW moments in pinned host memory
+  bool optimizer_on_host = false;  // fp32 masters + moments on the host, AdamW on CPU threads
 
   // Checks the strategy on its own; messages name the field and the rule
   // ("memory.every_k (1) must be >= 2").

@@ -89,7 +89,8 @@ Prediction Predict(const Request& r) {
   Prediction p;
   auto add = [&](const char* name, int64_t bytes) { p.terms.emplace_back(name, bytes); };
 
-  // bf16: 2 + 2 + 4 + 4 + 4; fp32: 4 + 4 + (no master) + 4 + 4.
+  // bf16: 2 + 2 + 4 + 4 + 4; fp32: 4 + 4 + (no master) + 4 + 4. With the optimizer on the
+  // host the GPU keeps only the params and grads (engine/host_adamw.h).
   const int64_t static_per_param = st.optimizer_on_host ? 2 * e : 16;
   add(st.optimizer_on_host ? "static (params, grads; optimizer state on the host)"
                            : "static (params, grads, fp32 master and moments)",
@@ -128,7 +129,12 @@ Prediction Predict(const Request& r) {
   }
   const int64_t loss_rows = st.loss_tile > 0 ? std::min(st.loss_tile, T) : T;
   add("final hidden state, its gradient, loss tile logits", 2 * act + loss_rows * m.vocab * 4 * 3);
-  add("AdamW transients (largest parameter)", m.largest * 4 * 3);
+  // On the device: the fp32 gradient, sqrt(v) and the denominator of the largest parameter. On
+  // the host the update allocates nothing on the GPU; the gradient norm's fp32 copy remains.
+  const int64_t step_transients = m.largest * 4 * (st.optimizer_on_host ? 1 : 3);
+  add(st.optimizer_on_host ? "AdamW transients (gradient norm of the largest parameter; the update runs on the host)"
+                           : "AdamW transients (largest parameter)",
+      step_transients);
   add("workspaces and small buffers", kOverhead);
   // The optimizer's transients come after the activations are gone: the peak is the larger of
   // the backward pass and the optimizer step.
@@ -136,8 +142,11 @@ Prediction Predict(const Request& r) {
   for (const auto& [name, bytes] : p.terms) {
     if (name.rfind("AdamW", 0) != 0) during_backward += bytes;
   }
-  if (st.optimizer_on_host) p.host_bytes += m.params * 12;
-  const int64_t during_step = m.params * static_per_param + kOverhead + m.largest * 4 * 3;
+  // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
+  // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
+  // down in it, the updated parameter comes back up in it).
+  if (st.optimizer_on_host) p.host_bytes += m.params * (12 + e);
+  const int64_t during_step = m.params * static_per_param + kOverhead + step_transients;
   p.gpu_peak_bytes = std::max(during_backward, during_step);
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
@@ -210,7 +219,8 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   // 1. Recompute every layer, everything on the GPU.
   // 2. Offload, keeping as many checkpoints on the GPU as fit (more resident = fewer copies).
   // 3. Nested groups of k layers when the host cannot hold one input per layer.
-  // 4. All of that again with the optimizer state on the host (costs ~24 bytes of PCIe
+  // 4. All of that again with the optimizer state on the host (its update runs on CPU threads,
+  //    overlapped with backward and the next forward but not wholly hidden; ~4 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
   if (hw.cpu) {
     // A CPU rank: host memory is its device, so there is nothing to offload to or put the

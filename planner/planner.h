@@ -1,19 +1,22 @@
 // The planner: a memory model of odyssey's training step, in plain arithmetic (no libtorch), so
 // the controller, the CLI and the benchmark link it as well as the worker.
 //
-// Predict() gives the peak GPU bytes (as libtorch's allocator counts them) and the pinned host
-// bytes of one training step of a model at a sequence length under a strategy. Choose() picks
+// Predict() gives the peak GPU bytes (as libtorch's allocator counts them) and the host bytes
+// (pinned, and the host optimizer's pageable state) of one training step of a model at a
+// sequence length under a strategy. Choose() picks
 // the cheapest strategy that fits a machine, or says by how much nothing fits. Every term is
 // listed in Prediction::terms so a mismatch against a measurement can be traced. The model:
 //   static      16 bytes per parameter: bf16 param + bf16 grad + fp32 master + 2 fp32 moments
-//               (fp32 training: 4 + 4 + 4 + 4, no master); 4 with the optimizer state on the
-//               host, which then holds 12 bytes per parameter
+//               (fp32 training: 4 + 4 + 4 + 4, no master); with the optimizer on the host 2e
+//               (params + grads, e = 2 in bf16), and the host holds 12 bytes per parameter of
+//               state plus e of pinned staging (gradients down, updated parameters up)
 //   checkpoints the saved layer inputs that stay on the GPU (T * hidden * 2 each)
 //   layer       one decoder layer's activations and gradients during its backward recompute
 //               (attention inputs/outputs saved by the kernel, per-group gradient buffers)
 //   nested      with every_k: the other k-1 inputs of the group being recomputed
 //   head/loss   final hidden state and its gradient, the loss tile's fp32 logits
-//   optimizer   AdamW's transient fp32 buffers for the largest parameter
+//   optimizer   AdamW's transient fp32 buffers for the largest parameter (on the host: only
+//               the gradient norm's fp32 copy of it)
 // Thread safety: pure functions.
 #pragma once
 

@@ -123,7 +123,10 @@ TEST(PlannerTest, RefusesWhatCannotFitSayingByHowMuch) {
   EXPECT_EQ(MaxSeqLen(Llama3B(), small), 0);
 }
 
-TEST(PlannerTest, OptimizerOnHostMovesTwelveBytesPerParameter) {
+// With the optimizer on the host the GPU keeps the bf16 params and grads (4 bytes per
+// parameter) and no optimizer transients but the gradient norm's fp32 copy of the largest
+// parameter; the host holds the 12 bytes of fp32 state plus 2 of pinned staging.
+TEST(PlannerTest, OptimizerOnHostMovesTheStateAndStagesTheCopies) {
   Request r;
   r.model = ShapeOf(*model::NamedShape("llama-3.1-8b"));
   r.seq_len = 131072;
@@ -131,8 +134,16 @@ TEST(PlannerTest, OptimizerOnHostMovesTwelveBytesPerParameter) {
   const Prediction on_gpu = Predict(r);
   r.strategy.optimizer_on_host = true;
   const Prediction on_host = Predict(r);
-  EXPECT_EQ(on_host.host_bytes - on_gpu.host_bytes, r.model.params * 12);
+  EXPECT_EQ(on_host.host_bytes - on_gpu.host_bytes, r.model.params * (12 + 2));
   EXPECT_EQ(Term(on_host, "static"), r.model.params * 4);
+  EXPECT_EQ(Term(on_gpu, "AdamW"), r.model.largest * 12);
+  EXPECT_EQ(Term(on_host, "AdamW"), r.model.largest * 4);
+  // fp32 training: 4-byte params and grads on the GPU, and staging of 4 bytes per parameter.
+  r.param_bytes = 4;
+  const Prediction fp32 = Predict(r);
+  EXPECT_EQ(Term(fp32, "static"), r.model.params * 8);
+  r.strategy.optimizer_on_host = false;
+  EXPECT_EQ(fp32.host_bytes - Predict(r).host_bytes, r.model.params * (12 + 4));
   // 8B at 256K fits one H200 only with the optimizer state on the host.
   auto c = Choose(r.model, 262144, 1, Hardware{});
   ASSERT_TRUE(c.ok()) << c.status();

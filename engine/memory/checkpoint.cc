@@ -20,6 +20,7 @@ struct BlockState : torch::CustomClassHolder {
   int64_t slot = 0;
   std::shared_ptr<void> keepalive;  // e.g. an inner store that must outlive this block
   std::string label;                // "layer N" / "layers A-B": the profiler's phase names
+  std::function<void()> after_backward;  // the block's gradients are in (MemoryStack's hook)
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -49,6 +50,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       ProfilePhase phase(state->label + " backward");
       torch::autograd::backward({y}, {grads[0]});
     }
+    if (state->after_backward) state->after_backward();
     ctx->saved_data.clear();  // releases the body (and what it captured) as soon as possible
     return {x.grad(), torch::Tensor()};
   }
@@ -226,7 +228,8 @@ torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tenso
 }
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
-                              std::shared_ptr<void> keepalive, const std::string& label) {
+                              std::shared_ptr<void> keepalive, std::function<void()> after_backward,
+                              const std::string& label) {
   ProfilePhase phase(label + " forward");
   if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
   auto state = c10::make_intrusive<BlockState>();
@@ -235,6 +238,7 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
   state->store = store;
   state->slot = slot;
   state->keepalive = std::move(keepalive);
+  state->after_backward = std::move(after_backward);
   // The Function records a backward node only for inputs that need grad; the block's
   // parameters need it even when x does not.
   return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);

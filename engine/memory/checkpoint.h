@@ -22,10 +22,12 @@ namespace odyssey::engine::memory {
 using BlockBody = std::function<torch::Tensor(const torch::Tensor& x, bool recompute)>;
 
 // y = body(x), saving only x (in `store` slot `slot`); backward reruns body(x, true) and
-// back-propagates through it. With grad disabled this is body(x, false).
+// back-propagates through it, then calls `after_backward` (if any): the block's parameters
+// have their gradients from this backward by then. With grad disabled this is body(x, false).
 // `label` names the block's phases in a profile ("<label> forward", "... recompute", "... backward").
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
-                              std::shared_ptr<void> keepalive = nullptr, const std::string& label = "block");
+                              std::shared_ptr<void> keepalive = nullptr, std::function<void()> after_backward = nullptr,
+                              const std::string& label = "block");
 
 // layer->MlpBlock(h) over tiles of `tile_tokens` positions: no (S, intermediate) tensor at
 // full S, in forward or backward. h (B, S, H) -> (B, S, H).

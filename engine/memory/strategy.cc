@@ -47,7 +47,8 @@ model::LayerStackRunner MemoryStack::Runner() {
     if (strategy_.recompute == planner::Recompute::kNone || !torch::GradMode::is_enabled()) {
       for (int64_t i = 0; i < L; ++i) {
         ProfilePhase phase(absl::StrCat("layer ", i, " forward"));
-        h = RunLayer(layers[i], h, ctx);
+        if (hooks_.before_forward) hooks_.before_forward(i, 1);
+        h = RunLayer(layers[static_cast<size_t>(i)], h, ctx);
       }
       return h;
     }
@@ -83,11 +84,14 @@ model::LayerStackRunner MemoryStack::Runner() {
               [this, layer, ctx](const torch::Tensor& xi, bool inner_recompute) {
                 return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute);
               },
-              inner.get(), static_cast<int64_t>(j), inner, absl::StrCat("layer ", first + static_cast<int64_t>(j)));
+              inner.get(), static_cast<int64_t>(j), inner, nullptr, absl::StrCat("layer ", first + static_cast<int64_t>(j)));
         }
         return y;
       };
-      h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr,
+      std::function<void()> after_backward;
+      if (hooks_.after_backward) after_backward = [this, first, count] { hooks_.after_backward(first, count); };
+      if (hooks_.before_forward) hooks_.before_forward(first, count);
+      h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward),
                           count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1));
     }
     return h;

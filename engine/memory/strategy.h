@@ -16,10 +16,12 @@
 //              the first forward are kept on the device; the recompute runs only the
 //              attention backward (see attention_stash.h).
 //   head_groups and optimizer_on_host are applied by the trainer (the attention backend and
-//              AdamW), which reads them from the same strategy.
+//              AdamW), which reads them from the same strategy; the host optimizer's overlap
+//              hangs on set_layer_hooks().
 // Thread safety: one thread at a time (the training thread).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +35,17 @@
 #include "planner/memory_strategy.h"
 
 namespace odyssey::engine::memory {
+
+// Callbacks around each group of decoder layers [first, first + count) the runner runs as one
+// unit (a layer, or every_k layers). before_forward: before the group's forward (each pass
+// through the runner; not before backward's recompute). after_backward: the group's backward
+// has accumulated its parameters' gradients; only where a checkpoint gives the group a backward
+// of its own (recompute layer / every_k), and it may run on autograd's device thread. Either
+// may be empty.
+struct LayerHooks {
+  std::function<void(int64_t first, int64_t count)> before_forward;
+  std::function<void(int64_t first, int64_t count)> after_backward;
+};
 
 class MemoryStack {
  public:
@@ -52,6 +65,10 @@ class MemoryStack {
   torch::Tensor TokenLogprobs(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                               const torch::Tensor& labels);
 
+  // The trainer's seam for the host optimizer (wait for a layer's parameters, send its
+  // gradients). Runners made before or after the call use the hooks set last.
+  void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
+
   const planner::MemoryStrategy& strategy() const { return strategy_; }
   // Where StashingAttention records (used only with keep_attention).
   AttentionStash* attention_stash() { return &stash_; }
@@ -69,6 +86,7 @@ class MemoryStack {
   std::unique_ptr<HostPool> pool_;
   std::unique_ptr<SavedInputs> saved_;
   AttentionStash stash_;
+  LayerHooks hooks_;
 };
 
 }  // namespace odyssey::engine::memory
