@@ -15,8 +15,9 @@
 //   forward   ── WaitParams(i) ──► blocks the host until i's upload is enqueued, then makes the
 //                                  current (compute) stream wait for its event: no host sync
 // so the next forward overlaps the update of the layers it has not reached yet. The clip is a
-// factor the workers apply (grad_scale): the global norm is computed on the device (GradNorm in
-// optimizer.h, one read of the bf16 grads there) since the host copies may still be in flight.
+// factor the workers apply (grad_scale): the global norm is computed on the device
+// (GradClipScale in optimizer.h, one multi-tensor read of the bf16 grads there; AdamW::Step reads
+// the factor once) since the host copies may still be in flight.
 // Pinned staging: one buffer per parameter in the param's dtype (2 bytes per parameter in bf16),
 // allocated once: the gradient lands there and the rounded bf16 update replaces it in place for
 // the upload (the next gradient copy waits for that upload on its stream). The states are
