@@ -42,6 +42,15 @@ namespace {
 
 constexpr double kPeakFlops = 989e12;
 
+// Appends j as one line to `path` (--json); nothing when the path is empty.
+void AppendJsonLine(const std::string& path, const nlohmann::json& j) {
+  if (path.empty()) return;
+  FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr) return;
+  std::fprintf(f, "%s\n", j.dump().c_str());
+  std::fclose(f);
+}
+
 double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
   const double matmul_params = static_cast<double>(c.NumParameters()) -
                                (c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size * c.hidden_size));
@@ -216,18 +225,18 @@ int main(int argc, char** argv) {
     double sum = 0, worst = 0;
     int64_t n = 0;
     try {
-    for (int64_t b = 0; b < B; ++b) {
-      odyssey::model::ForwardInputs in;
-      in.input_ids = batch.input_ids.narrow(0, b, 1).to(dev);
-      torch::Tensor hidden = (*m32)->Hidden(in);
-      torch::Tensor lp = odyssey::engine::memory::TiledTokenLogprobs(hidden, (*m32)->HeadWeight(),
-                                                                    batch.labels.narrow(0, b, 1).to(dev), 2048);
-      torch::Tensor ours = torch::tensor(fb->logprobs[b], torch::kFloat32).to(dev);
-      torch::Tensor d = (lp.reshape({-1}).to(torch::kFloat32) - ours).abs();  // (S,)
-      sum += d.sum().item<double>();
-      worst = std::max(worst, d.max().item<double>());
-      n += d.numel();
-    }
+      for (int64_t b = 0; b < B; ++b) {
+        odyssey::model::ForwardInputs in;
+        in.input_ids = batch.input_ids.narrow(0, b, 1).to(dev);
+        torch::Tensor hidden = (*m32)->Hidden(in);
+        torch::Tensor lp = odyssey::engine::memory::TiledTokenLogprobs(hidden, (*m32)->HeadWeight(),
+                                                                      batch.labels.narrow(0, b, 1).to(dev), 2048);
+        torch::Tensor ours = torch::tensor(fb->logprobs[b], torch::kFloat32).to(dev);
+        torch::Tensor d = (lp.reshape({-1}).to(torch::kFloat32) - ours).abs();  // (S,)
+        sum += d.sum().item<double>();
+        worst = std::max(worst, d.max().item<double>());
+        n += d.numel();
+      }
     } catch (const c10::Error& e) {
       std::fprintf(stderr, "odyssey-bench: the float32 reference forward failed: %s\n", e.what_without_backtrace());
       return 1;
@@ -238,13 +247,7 @@ int main(int argc, char** argv) {
                         {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
     std::printf("%s\n| fidelity | %s | %lld | %s | mean |d| %.4f | max |d| %.4f |\n", j.dump().c_str(), o.model.c_str(),
                 static_cast<long long>(S), o.memory.Describe().c_str(), sum / n, worst);
-    if (!json_path.empty()) {
-      FILE* f = std::fopen(json_path.c_str(), "a");
-      if (f != nullptr) {
-        std::fprintf(f, "%s\n", j.dump().c_str());
-        std::fclose(f);
-      }
-    }
+    AppendJsonLine(json_path, j);
     return 0;
   }
   odyssey::engine::AdamWOptions adam = o.optimizer;
@@ -331,12 +334,6 @@ int main(int argc, char** argv) {
               odyssey::kernels::FusedKernelsEnabled() ? "" : " (reference ops)",
               GiB(mem.peak_allocated).c_str(), GiB(mem.peak_reserved).c_str(), GiB(t.memory().host_pool_bytes()).c_str(),
               sec, sec > 0 ? static_cast<double>(B * S) / sec : 0.0, sec > 0 ? 100.0 * flops / sec / kPeakFlops : 0.0);
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "a");
-    if (f != nullptr) {
-      std::fprintf(f, "%s\n", j.dump().c_str());
-      std::fclose(f);
-    }
-  }
+  AppendJsonLine(json_path, j);
   return 0;
 }

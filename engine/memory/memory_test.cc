@@ -10,6 +10,7 @@
 #include <atomic>
 #include <map>
 #include <cstring>
+#include <functional>
 
 #include "engine/loss.h"
 #include "engine/memory/attention_stash.h"
@@ -41,22 +42,23 @@ struct Result {
   int64_t stash_bytes_after = 0;   // bytes the attention stash still holds after the last backward
 };
 
-// Counts the forwards of an attention kernel; everything else passes through.
-class CountingAttention final : public kernels::AttentionBackend {
+// Calls on_forward before each forward of an attention kernel (Causal, CausalWithStats);
+// everything else passes through. Counts forwards, or notes what the stash holds at each.
+class ObservedAttention final : public kernels::AttentionBackend {
  public:
-  CountingAttention(std::shared_ptr<const kernels::AttentionBackend> inner, int64_t* forwards)
-      : inner_(std::move(inner)), forwards_(forwards) {}
+  ObservedAttention(std::shared_ptr<const kernels::AttentionBackend> inner, std::function<void()> on_forward)
+      : inner_(std::move(inner)), on_forward_(std::move(on_forward)) {}
   std::string name() const override { return inner_->name(); }
   torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        double scale) const override {
-    ++*forwards_;
+    on_forward_();
     return inner_->Causal(q, k, v, scale);
   }
   bool SupportsStats(const torch::Device& device) const override { return inner_->SupportsStats(device); }
   std::pair<torch::Tensor, kernels::AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
                                                                     const torch::Tensor& v,
                                                                     double scale) const override {
-    ++*forwards_;
+    on_forward_();
     return inner_->CausalWithStats(q, k, v, scale);
   }
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
@@ -67,7 +69,7 @@ class CountingAttention final : public kernels::AttentionBackend {
 
  private:
   std::shared_ptr<const kernels::AttentionBackend> inner_;
-  int64_t* forwards_;
+  std::function<void()> on_forward_;
 };
 
 // Counts calls of aten::silu while alive (a RecordFunction callback): the MLP's activation,
@@ -110,8 +112,8 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   EXPECT_TRUE(stack.ok()) << stack.status();
   Result r;
   std::shared_ptr<const kernels::AttentionBackend> kernel =
-      std::make_shared<const CountingAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
-                                                &r.attention_forwards);
+      std::make_shared<const ObservedAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
+                                                [&r] { ++r.attention_forwards; });
   if (options.keep_attention) kernel = std::make_shared<const StashingAttention>(kernel, (*stack)->attention_stash());
   m->set_attention_backend(kernels::WrapHeadGroups(kernel, head_groups));
   torch::manual_seed(5);
@@ -373,36 +375,6 @@ TEST(HostPoolTest, GrowingSlotsGrowGeometricallyWithinTheBudget) {
   EXPECT_FALSE(pool.Slot(0, 1001, torch::kFloat32).ok());
 }
 
-// Notes the bytes the stash holds each time the kernel under it runs a forward.
-class PeekingAttention final : public kernels::AttentionBackend {
- public:
-  PeekingAttention(std::shared_ptr<const kernels::AttentionBackend> inner, const AttentionStash* stash,
-                   std::vector<int64_t>* seen)
-      : inner_(std::move(inner)), stash_(stash), seen_(seen) {}
-  std::string name() const override { return inner_->name(); }
-  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                       double scale) const override {
-    return inner_->Causal(q, k, v, scale);
-  }
-  bool SupportsStats(const torch::Device& device) const override { return inner_->SupportsStats(device); }
-  std::pair<torch::Tensor, kernels::AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
-                                                                    const torch::Tensor& v,
-                                                                    double scale) const override {
-    seen_->push_back(stash_->bytes());
-    return inner_->CausalWithStats(q, k, v, scale);
-  }
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
-      const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-      const torch::Tensor& out, const kernels::AttentionStats& stats, double scale) const override {
-    return inner_->CausalBackward(grad_out, q, k, v, out, stats, scale);
-  }
-
- private:
-  std::shared_ptr<const kernels::AttentionBackend> inner_;
-  const AttentionStash* stash_;
-  std::vector<int64_t>* seen_;
-};
-
 // A step whose backward never ran (it failed) leaves every layer's kept output recorded; the
 // next step's forward starts from an empty stash instead of carrying them alongside its own.
 TEST(AttentionStashTest, AStepStartsWithNothingAFailedStepRecorded) {
@@ -417,7 +389,9 @@ TEST(AttentionStashTest, AStepStartsWithNothingAFailedStepRecorded) {
   AttentionStash* stash = (*stack)->attention_stash();
   std::vector<int64_t> seen;
   m->set_attention_backend(std::make_shared<const StashingAttention>(
-      std::make_shared<const PeekingAttention>(kernels::MakeAttentionBackend("math").value(), stash, &seen), stash));
+      std::make_shared<const ObservedAttention>(kernels::MakeAttentionBackend("math").value(),
+                                                [stash, &seen] { seen.push_back(stash->bytes()); }),
+      stash));
   model::ForwardInputs in;
   in.input_ids = torch::randint(0, c.vocab_size, {1, 40}, torch::kInt64);
   m->Hidden(in, (*stack)->Runner());  // forward only: as if the step failed before backward
