@@ -202,11 +202,14 @@ int main(int argc, char** argv) {
     }
     odyssey::engine::LossSpec ce;
     ce.kind = odyssey::engine::LossKind::kCrossEntropy;
+    const auto fid_t0 = std::chrono::steady_clock::now();
     auto fb = t.ForwardBackward(rows, ce);
     if (!fb.ok()) {
       std::fprintf(stderr, "odyssey-bench: fidelity forward: %s\n", std::string(fb.status().message()).c_str());
       return 1;
     }
+    const double bf16_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - fid_t0).count();
+    std::fprintf(stderr, "fidelity: the bf16 ForwardBackward took %.1f s\n", bf16_seconds);
     // The same weights in float32 (the bf16 values, upcast), plain forward without autograd.
     auto m32 = odyssey::model::LoadModel(o.model, torch::kFloat32, dev, o.seed, o.num_layers);
     if (!m32.ok()) {
@@ -222,6 +225,9 @@ int main(int argc, char** argv) {
     // working set the reference can have.
     (*m32)->set_attention_backend(odyssey::kernels::WrapHeadGroups(odyssey::kernels::MakeAttentionBackend("sdpa").value(),
                                                                    cfg.num_key_value_heads));
+    const auto ref_t0 = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "fidelity: the float32 model was ready after %.1f s\n",
+                 std::chrono::duration<double>(ref_t0 - fid_t0).count() - bf16_seconds);
     double sum = 0, worst = 0;
     int64_t n = 0;
     try {
@@ -241,8 +247,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "odyssey-bench: the float32 reference forward failed: %s\n", e.what_without_backtrace());
       return 1;
     }
+    const double ref_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
+    std::fprintf(stderr, "fidelity: the float32 reference forward took %.1f s\n", ref_seconds);
     nlohmann::json j = {{"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
                         {"memory", o.memory.Describe()}, {"fidelity_mean_abs_logprob_diff", sum / n},
+                        {"bf16_seconds", bf16_seconds}, {"reference_seconds", ref_seconds},
                         {"fidelity_max_abs_logprob_diff", worst}, {"tokens", n},
                         {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
     std::printf("%s\n| fidelity | %s | %lld | %s | mean |d| %.4f | max |d| %.4f |\n", j.dump().c_str(), o.model.c_str(),

@@ -138,6 +138,17 @@ def main():
             "peak_phase": innermost,
             "allocations": len(mem),
         }
+        # The highest allocation in each phase (innermost scope; layers grouped by kind as well):
+        # what the planner's phase model predicts term by term.
+        by_name, by_kind = {}, {}
+        for e in mem:
+            inside = [p for p in cpu_phases if p["ts"] <= e["ts"] <= p["ts"] + p["dur"]]
+            name = min(inside, key=lambda p: p["dur"])["name"] if inside else "outside every phase"
+            a = e["args"]["Total Allocated"]
+            by_name[name] = max(by_name.get(name, 0), a)
+            by_kind[phase_kind(name)] = max(by_kind.get(phase_kind(name), 0), a)
+        report["memory"]["peak_by_phase_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
+        report["memory"]["peak_by_phase"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:8])
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -188,6 +199,11 @@ def main():
         m = report["memory"]
         print(f"memory: peak {m['peak_allocated_bytes'] / (1 << 30):.2f} GiB allocated in '{m['peak_phase']}', "
               f"{m['peak_reserved_bytes'] / (1 << 30):.2f} GiB reserved, {m['allocations']} allocator events")
+        print("| phase | peak allocated (bytes) |\n| --- | --- |")
+        for k, v in m["peak_by_phase_kind"].items():
+            print(f"| {k} | {v} |")
+        for k, v in m["peak_by_phase"].items():
+            print(f"| {k} | {v} |")
 
 
 if __name__ == "__main__":

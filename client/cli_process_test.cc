@@ -138,15 +138,15 @@ TEST_F(CliProcessTest, PlanShowsTheStrategyAndExitsOneWhenNothingFits) {
   EXPECT_THAT(r.out, HasSubstr("model llama-3.2-3b, 524288 tokens x 1 per step, on an H200 host"));
   EXPECT_THAT(r.out, HasSubstr("\nfits\n"));
   EXPECT_THAT(r.out, HasSubstr("strategy: recompute=layer offload=on"));
-  EXPECT_THAT(r.out, HasSubstr("static (params, grads, fp32 master and moments)"));
-  EXPECT_THAT(r.out, HasSubstr("longest sequence that fits (one per step): 1409024 tokens"));
+  EXPECT_THAT(r.out, HasSubstr("optimizer state (fp32 master and moments)"));
+  EXPECT_THAT(r.out, HasSubstr("longest sequence that fits (one per step): 1490944 tokens"));
 
   r = Cli({"plan", spec("8m.yaml", int64_t{8} << 20)});
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("does not fit: 8388608 tokens x 1 needs at least"));
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("strategy:")));
 
-  r = Cli({"plan", spec("none.yaml", 131072,
+  r = Cli({"plan", spec("none.yaml", 262144,
                         "memory: {recompute: none, offload: \"off\", mlp_tile_tokens: 4096, loss_tile_tokens: 2048}\n")});
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("does not fit: the strategy needs"));

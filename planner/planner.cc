@@ -11,8 +11,9 @@ namespace {
 
 std::string GiB(int64_t b) { return absl::StrFormat("%.1f GiB", static_cast<double>(b) / (int64_t{1} << 30)); }
 
-// Fixed allocator-visible overhead: cuBLAS/cuDNN workspaces, RoPE tables, small buffers.
-constexpr int64_t kOverhead = int64_t{1} << 30;
+// Fixed allocator-visible overhead: cuBLAS/cuDNN workspaces, RoPE tables, small buffers
+// (~0.1 GB in the peaks measured on one H200; a quarter GiB leaves room).
+constexpr int64_t kOverhead = int64_t{1} << 28;
 
 struct Search {
   Choice best;           // the first candidate that fits, else the one that misses by least
@@ -86,68 +87,114 @@ Prediction Predict(const Request& r) {
   const int64_t e = r.param_bytes;
   const int64_t T = r.seq_len * r.batch_size;
   const int64_t H = m.hidden, I = m.intermediate, qd = m.heads * m.head_dim, kvd = m.kv_heads * m.head_dim;
-  Prediction p;
-  auto add = [&](const char* name, int64_t bytes) { p.terms.emplace_back(name, bytes); };
-
-  // bf16: 2 + 2 + 4 + 4 + 4; fp32: 4 + 4 + (no master) + 4 + 4. With the optimizer on the
-  // host the GPU keeps only the params and grads (engine/host_adamw.h).
-  const int64_t static_per_param = st.optimizer_on_host ? 2 * e : 16;
-  add(st.optimizer_on_host ? "static (params, grads; optimizer state on the host)"
-                           : "static (params, grads, fp32 master and moments)",
-      m.params * static_per_param);
-  const int64_t act = T * H * e;  // one (T, hidden) activation
-  int64_t checkpoints = 0, on_gpu = 0;
-  checkpoints = st.NumCheckpoints(m.layers);
-  if (st.recompute != Recompute::kNone) {
-    on_gpu = st.offload ? std::min(st.device_resident, checkpoints) : checkpoints;
-    add("checkpointed layer inputs on the GPU", on_gpu * act);
-    p.host_bytes = st.offload ? (checkpoints - on_gpu) * act : 0;
-    if (st.offload) add("prefetched input of the next layer", act);
-  }
-  // One layer's backward: inputs kept by autograd for the attention half (layer input, norm
-  // output, rotated q and k, v, attention output, residual output) and the MLP half (its
-  // tiled Function keeps only its input), the attention kernel's fp32 log-sum-exp, and the
-  // gradient buffers alive while the attention kernel's backward runs (incoming gradient,
-  // dq/dk/dv of one head group, d(out)).
+  const int64_t L = std::max<int64_t>(1, m.layers);
   const int64_t groups = std::max<int64_t>(1, st.head_groups);
-  const int64_t saved_attention = T * (e * (3 * H + 2 * qd + 2 * kvd) + 4 * m.heads);
-  const int64_t grads_attention = T * e * (2 * H + qd) + T * e * (qd + 2 * kvd) / groups;
-  int64_t layer = saved_attention + grads_attention;
-  if (st.mlp_tile > 0) {
-    layer += std::min(st.mlp_tile, T) * I * e * 6;  // gate, up, act, product and their grads
-  } else {
-    layer += T * I * e * 6;
+  const bool recompute = st.recompute != Recompute::kNone;
+  const bool keep = st.keep_attention && st.recompute == Recompute::kLayer;
+  const int64_t act = T * H * e;  // one (T, hidden) activation
+  Prediction p;
+  using Terms = std::vector<std::pair<std::string, int64_t>>;
+
+  // Persistent through the step: the parameters and, with the optimizer on the device, its
+  // fp32 state (master + two moments in bf16 training; fp32 training has no master).
+  Terms persistent;
+  persistent.emplace_back("params", m.params * e);
+  if (!st.optimizer_on_host) {
+    persistent.emplace_back(e == 4 ? "optimizer state (fp32 moments)" : "optimizer state (fp32 master and moments)",
+                            m.params * (e == 4 ? 8 : 12));
   }
-  if (st.recompute == Recompute::kNone) {
-    // Every layer's autograd state stays until backward reaches it.
-    layer += (m.layers - 1) * (saved_attention + T * (e * (2 * H) + (st.mlp_tile > 0 ? 0 : I * e * 4)));
+  persistent.emplace_back("workspaces and small buffers", kOverhead);
+
+  // Checkpointed layer inputs: C of them, `on_gpu` kept on the device (the last ones), the rest
+  // in pinned host memory. Backward frees each as its layer is done, so the GPU holds them all
+  // only at the top of backward; an offloaded input comes back with the next one prefetched.
+  const int64_t C = st.NumCheckpoints(L);
+  const int64_t on_gpu = recompute ? (st.offload ? std::min(st.device_resident, C) : C) : 0;
+  p.host_bytes = recompute && st.offload ? (C - on_gpu) * act : 0;
+  const int64_t ckpt_top = !recompute ? 0 : st.offload ? std::max<int64_t>(on_gpu, std::min<int64_t>(C, 2)) : C;
+  const int64_t ckpt_bottom = recompute ? 1 : 0;
+  // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
+  // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
+  // each layer's gradients leave the GPU as they are produced.
+  const int64_t layer_params = (m.params - m.vocab * H) / L;
+  const int64_t head_grad = m.vocab * H * e;
+  const int64_t grads_bottom = st.optimizer_on_host ? head_grad + layer_params * e
+                                                    : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
+  const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
+  // Without recompute every layer's autograd state stays until backward reaches it: the
+  // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
+  // and the MLP's (with a tiled MLP only its input, already counted; untiled: gate, up, their
+  // product and the norm output).
+  const int64_t saved_per_layer =
+      recompute ? 0 : T * (e * (3 * H + 2 * qd + 2 * kvd) + 4 * m.heads) + (st.mlp_tile > 0 ? 0 : T * (3 * I + H) * e);
+  // One layer's recompute and backward (fitted to the peaks measured on one H200, 3B and 1B
+  // shapes at 64K-1M): the recomputed activations autograd saves and the gradient buffers,
+  // ~7.8 activations of (T, hidden) with one head group; the attention kernel's gradients
+  // (dq, dk/dv expanded to the query heads, the fp32 dq accumulator, d(out)) shrink with head
+  // groups; without kept outputs the recomputed output and its log-sum-exp are saved too; the
+  // MLP's tile (untiled: the whole sequence's intermediates).
+  int64_t working = T * e * (39 * H + 39 * qd) / 10 + 6 * T * qd * e / groups;
+  if (recompute && !keep) working += T * qd * e / 2 + 4 * T * m.heads;
+  working += st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
+  if (!recompute) working = 6 * T * qd * e / groups + 3 * T * I * e;  // the rest is in saved_per_layer
+  const int64_t group_inputs = st.recompute == Recompute::kEveryK ? (st.every_k - 1) * act : 0;
+  // The loss: the final hidden state, its gradient and the final norm's input; a tile's bf16
+  // logits, their fp32 copy and the softmax (10 bytes per logit), the head gradient's fp32
+  // accumulator; untiled, autograd's logits, log-softmax and their gradients (~12 bytes each).
+  const int64_t loss_work = st.loss_tile > 0 && st.loss_tile < T
+                                ? std::min(st.loss_tile, T) * m.vocab * 10 + m.vocab * H * 4
+                                : T * m.vocab * 12;
+
+  Terms loss_phase = {{"final hidden state, its gradient, the final norm's input", 3 * act},
+                      {st.loss_tile > 0 && st.loss_tile < T ? "loss tile (logits, softmax) and the head's fp32 gradient"
+                                                             : "untiled loss (logits, log-softmax, gradients)",
+                       loss_work}};
+  if (keep) loss_phase.emplace_back("kept attention outputs and log-sum-exp (every layer)", L * kept_per_layer);
+  if (!recompute) loss_phase.emplace_back("every layer's saved activations", L * saved_per_layer);
+  if (recompute) loss_phase.emplace_back("checkpointed layer inputs on the GPU", on_gpu * act);
+
+  auto layer_phase = [&](bool top) {
+    Terms t;
+    t.emplace_back("checkpointed layer inputs on the GPU (with the prefetched one)",
+                   (top ? ckpt_top : ckpt_bottom) * act);
+    if (keep) t.emplace_back("kept attention outputs and log-sum-exp", (top ? L : 1) * kept_per_layer);
+    if (!recompute) t.emplace_back("every layer's saved activations", (top ? L : 1) * saved_per_layer);
+    t.emplace_back("gradients so far", top ? head_grad : grads_bottom);
+    t.emplace_back("incoming gradient", act);
+    t.emplace_back("one layer's activations and gradients", working);
+    if (group_inputs > 0) t.emplace_back("inputs of the group being recomputed", group_inputs);
+    return t;
+  };
+  // The step: every gradient (on the host: the last in flight) and, on a CPU rank (libtorch's
+  // AdamW ops), fp32 transients of the largest parameter; the fused GPU kernel allocates none.
+  const int64_t step_transients = r.hardware.cpu ? m.largest * 4 * 3 : 0;
+  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : m.params * e}};
+  if (step_transients > 0) step_phase.emplace_back("AdamW transients (largest parameter)", step_transients);
+
+  const std::vector<std::pair<std::string, Terms>> phases = {{"loss backward", loss_phase},
+                                                             {"last layer's backward", layer_phase(true)},
+                                                             {"first layer's backward", layer_phase(false)},
+                                                             {"optimizer step", step_phase}};
+  int64_t base = 0;
+  for (const auto& [name, bytes] : persistent) base += bytes;
+  int64_t best = -1;
+  for (const auto& [name, terms] : phases) {
+    int64_t sum = base;
+    for (const auto& [term, bytes] : terms) sum += bytes;
+    if (sum > best) {
+      best = sum;
+      p.peak_phase = name;
+      p.terms = persistent;
+      for (const auto& [term, bytes] : terms) {
+        if (bytes > 0) p.terms.emplace_back(term, bytes);
+      }
+    }
   }
-  add("one layer's activations and gradients", layer);
-  if (st.recompute == Recompute::kEveryK) add("inputs of the group being recomputed", (st.every_k - 1) * act);
-  if (st.keep_attention && st.recompute == Recompute::kLayer) {
-    add("kept attention outputs and log-sum-exp", m.layers * T * (qd * e + 4 * m.heads));
-  }
-  const int64_t loss_rows = st.loss_tile > 0 ? std::min(st.loss_tile, T) : T;
-  add("final hidden state, its gradient, loss tile logits", 2 * act + loss_rows * m.vocab * 4 * 3);
-  // On the device: the fp32 gradient, sqrt(v) and the denominator of the largest parameter. On
-  // the host the update allocates nothing on the GPU; the gradient norm's fp32 copy remains.
-  const int64_t step_transients = m.largest * 4 * (st.optimizer_on_host ? 1 : 3);
-  add(st.optimizer_on_host ? "AdamW transients (gradient norm of the largest parameter; the update runs on the host)"
-                           : "AdamW transients (largest parameter)",
-      step_transients);
-  add("workspaces and small buffers", kOverhead);
-  // The optimizer's transients come after the activations are gone: the peak is the larger of
-  // the backward pass and the optimizer step.
-  int64_t during_backward = 0;
-  for (const auto& [name, bytes] : p.terms) {
-    if (name.rfind("AdamW", 0) != 0) during_backward += bytes;
-  }
+  p.gpu_peak_bytes = best;
   // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
   if (st.optimizer_on_host) p.host_bytes += m.params * (12 + e);
-  const int64_t during_step = m.params * static_per_param + kOverhead + step_transients;
-  p.gpu_peak_bytes = std::max(during_backward, during_step);
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
   p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
@@ -156,7 +203,8 @@ Prediction Predict(const Request& r) {
 }
 
 std::string Prediction::Describe() const {
-  std::string s = absl::StrCat("GPU peak ", GiB(gpu_peak_bytes), ", pinned host ", GiB(host_bytes), " (");
+  std::string s = absl::StrCat("GPU peak ", GiB(gpu_peak_bytes), " in the ", peak_phase, ", pinned host ",
+                               GiB(host_bytes), " (");
   for (size_t i = 0; i < terms.size(); ++i) absl::StrAppend(&s, i ? "; " : "", terms[i].first, " ", GiB(terms[i].second));
   return s + ")";
 }

@@ -3,20 +3,24 @@
 //
 // Predict() gives the peak GPU bytes (as libtorch's allocator counts them) and the host bytes
 // (pinned, and the host optimizer's pageable state) of one training step of a model at a
-// sequence length under a strategy. Choose() picks
-// the cheapest strategy that fits a machine, or says by how much nothing fits. Every term is
-// listed in Prediction::terms so a mismatch against a measurement can be traced. The model:
-//   static      16 bytes per parameter: bf16 param + bf16 grad + fp32 master + 2 fp32 moments
-//               (fp32 training: 4 + 4 + 4 + 4, no master); with the optimizer on the host 2e
-//               (params + grads, e = 2 in bf16), and the host holds 12 bytes per parameter of
-//               state plus e of pinned staging (gradients down, updated parameters up)
-//   checkpoints the saved layer inputs that stay on the GPU (T * hidden * 2 each)
-//   layer       one decoder layer's activations and gradients during its backward recompute
-//               (attention inputs/outputs saved by the kernel, per-group gradient buffers)
-//   nested      with every_k: the other k-1 inputs of the group being recomputed
-//   head/loss   final hidden state and its gradient, the loss tile's fp32 logits
-//   optimizer   AdamW's transient fp32 buffers for the largest parameter (on the host: only
-//               the gradient norm's fp32 copy of it)
+// sequence length under a strategy. Choose() picks the cheapest strategy that fits a machine,
+// or says by how much nothing fits. Every term of the peak is listed in Prediction::terms so a
+// mismatch against a measurement can be traced. The model: what persists through the step
+// (params; fp32 master and moments when the optimizer is on the device; workspaces) plus the
+// largest of the phases that do not coexist:
+//   loss backward       every kept attention output, the checkpoints on the GPU, the final
+//                       hidden state and its gradient, a loss tile's logits and softmax (or the
+//                       untiled loss) and the head's fp32 gradient accumulator; without
+//                       recompute, every layer's saved activations
+//   last layer backward all GPU checkpoints (or the fetched one and the prefetched next), every
+//                       kept output, the head's gradient, the incoming gradient, one layer's
+//                       recomputed activations and gradients, a nested group's other inputs
+//   first layer backward one checkpoint, one kept output, every gradient but the first layer's
+//                       (on the host: one layer's in flight), the same layer working set
+//   optimizer step      every gradient (and AdamW's fp32 transients on a CPU rank)
+// Gradients are counted as backward allocates them, checkpoints and kept outputs as backward
+// frees them. The layer working set is fitted to the peaks measured on one H200
+// (planner_test's rows, within +5%).
 // Thread safety: pure functions.
 #pragma once
 
@@ -63,7 +67,8 @@ struct Prediction {
   int64_t gpu_peak_bytes = 0;
   int64_t host_bytes = 0;
   bool fits = false;
-  std::vector<std::pair<std::string, int64_t>> terms;  // the GPU peak, term by term
+  std::vector<std::pair<std::string, int64_t>> terms;  // the GPU peak, term by term (they sum to it)
+  std::string peak_phase;  // "loss backward", "last layer's backward", "first layer's backward", "optimizer step"
   std::string Describe() const;
 };
 Prediction Predict(const Request& request);

@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -62,6 +62,52 @@ if only peer; then
   python3 bench/compare.py "$out/peer-odyssey.jsonl" "$out/peer-liger.jsonl"
 fi
 only hf && python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl"
+# planner: one profiled step per measured row of planner_test (the peak of every phase: what
+# the planner's phase model is checked against); JSON lines in $out/planner-rows.jsonl, reports
+# in $out/plan/<row>/profile.json. About 6 minutes.
+if only planner; then
+  P="build-gpu/bench/odyssey-bench --warmup 1 --steps 0 --json $out/planner-rows.jsonl"
+  row() {
+    local name="$1"; shift
+    echo "+ row $name: $*" >&2
+    $P --profile "$out/plan/$name" "$@" 2>&1 | grep -E 'error|what\(\)' | tail -2
+    python3 bench/profile_report.py "$out/plan/$name/trace.json" 2>&1 | grep -E '^memory|^\| (layers|loss|optimizer|outside)' | head -8
+    rm -f "$out/plan/$name/trace.json"
+  }
+  K="--recompute layer --keep-attention"
+  row 3b-64k-keep --model llama-3.2-3b --seq-len 65536 $K --mlp-tile 8192 --loss-tile 2048
+  row 3b-64k-keep-off --model llama-3.2-3b --seq-len 65536 $K --offload --mlp-tile 8192 --loss-tile 2048
+  row 3b-64k-keep-off-16k --model llama-3.2-3b --seq-len 65536 $K --offload --mlp-tile 16384 --loss-tile 4096
+  row 3b-64k-keep-off-16k-host --model llama-3.2-3b --seq-len 65536 $K --offload --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host
+  row 3b-16k-none --model llama-3.2-3b --seq-len 16384 --recompute none
+  row 3b-16k-layer --model llama-3.2-3b --seq-len 16384 --recompute layer
+  row 3b-16k-none-mlp --model llama-3.2-3b --seq-len 16384 --recompute none --mlp-tile 4096
+  row 3b-16k-none-loss --model llama-3.2-3b --seq-len 16384 --recompute none --loss-tile 2048
+  row 3b-16k-none-host --model llama-3.2-3b --seq-len 16384 --recompute none --optimizer-on-host
+  row 3b-2l-1m --model llama-3.2-3b --layers 2 --seq-len 1048576 --recompute layer --offload --mlp-tile 8192 --loss-tile 2048 --head-groups 4
+  row 1b-64k-keep-off --model llama-3.2-1b --seq-len 65536 $K --offload --mlp-tile 16384 --loss-tile 4096
+  row 1b-256k-keep-off --model llama-3.2-1b --seq-len 262144 $K --offload --mlp-tile 16384 --loss-tile 4096
+  row 3b-rl-16x2k --model llama-3.2-3b --seq-len 2048 --batch-size 16 --recompute layer --mlp-tile 8192 --loss-tile 4096
+fi
+# fidelity: bf16 training-forward logprobs against a float32 forward of the same weights, at each
+# length of FID_LENS (default 65536 131072), 3B shape, the flags of FID_FLAGS.
+if only fidelity; then
+  for s in ${FID_LENS:-65536 131072}; do
+    run build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len "$s" \
+      ${FID_FLAGS:---recompute layer --keep-attention --offload --mlp-tile 16384 --loss-tile 4096} --fidelity \
+      --json "$out/fidelity.jsonl"
+  done
+fi
+# long1b: one full-depth step of the 1B shape at LONG_LEN (default 1M) started in the background
+# (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log}
+# and the JSON line to ${LONG_LOG%.log}.jsonl; poll the log.
+if only long1b; then
+  log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
+  nohup build-gpu/bench/odyssey-bench --model llama-3.2-1b --seq-len "${LONG_LEN:-1048576}" \
+    ${LONG_FLAGS:---recompute layer --offload --device-resident 8 --head-groups 2 --mlp-tile 16384 --loss-tile 4096} \
+    --warmup 0 --steps 1 --json "${log%.log}.jsonl" >"$log" 2>&1 &
+  echo "long1b: started pid $! (log $log)"
+fi
 # 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.
 only 512k && run $B --seq-len 524288 --recompute layer --offload --device-resident 10 --head-groups 4 --warmup 0 --steps 1
 exit 0
