@@ -51,6 +51,43 @@ void AppendJsonLine(const std::string& path, const nlohmann::json& j) {
   std::fclose(f);
 }
 
+// The fidelity reference's attention: float32 causal attention computed in blocks of queries
+// (each block against the keys it can see, the diagonal block masked), GQA by broadcasting the
+// query heads over their KV head (no expanded K/V), no autograd. Plain fp32 matmuls (cuBLAS
+// SGEMM; TF32 stays off, libtorch's default), so its error is float32's, and no block holds more
+// than ~2 GiB of scores: ATen's float32 SDPA ran 64K for minutes and the math backend's full
+// (S, S) scores do not fit at 128K.
+class BlockedFloat32Attention : public odyssey::kernels::AttentionBackend {
+ public:
+  explicit BlockedFloat32Attention(int64_t block) : block_(block) {}
+  std::string name() const override { return "fp32-blocked-reference"; }
+  torch::Tensor Causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       double scale) const override {
+    torch::NoGradGuard no_grad;
+    const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+    const torch::Tensor q5 = q.to(torch::kFloat32).view({B, Hkv, G, S, D});
+    const torch::Tensor k5 = k.to(torch::kFloat32).unsqueeze(2);  // (B, Hkv, 1, S, D)
+    const torch::Tensor v5 = v.to(torch::kFloat32).unsqueeze(2);
+    torch::Tensor out = torch::empty({B, Hkv, G, S, D}, q5.options());
+    const int64_t budget = int64_t{1} << 31;  // bytes of fp32 scores per block
+    const int64_t block =
+        block_ > 0 ? block_ : std::clamp<int64_t>(budget / std::max<int64_t>(1, B * Hq * S * 4), 16, 4096);
+    for (int64_t q0 = 0; q0 < S; q0 += block) {
+      const int64_t n = std::min(block, S - q0), keys = q0 + n;
+      torch::Tensor scores =
+          torch::matmul(q5.narrow(3, q0, n), k5.narrow(3, 0, keys).transpose(3, 4)) * scale;  // (B, Hkv, G, n, keys)
+      // Query q0 + i sees keys 0..q0 + i: mask the diagonal block's upper triangle.
+      torch::Tensor mask = torch::ones({n, n}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+      scores.narrow(4, q0, n).masked_fill_(mask, -std::numeric_limits<float>::infinity());
+      out.narrow(3, q0, n).copy_(torch::matmul(torch::softmax(scores, -1), v5.narrow(3, 0, keys)));
+    }
+    return out.view({B, Hq, S, D}).to(q.scalar_type());
+  }
+
+ private:
+  const int64_t block_;  // queries per block; 0 = as many as ~2 GiB of scores allow
+};
+
 double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
   const double matmul_params = static_cast<double>(c.NumParameters()) -
                                (c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size * c.hidden_size));
@@ -111,6 +148,12 @@ int main(int argc, char** argv) {
   app.add_flag("--fidelity", fidelity,
                "instead of timing: per-token logprobs of the batch from the training forward (bf16, under the "
                "memory strategy) against a float32 forward of the same weights and tokens; prints mean and max |d|");
+  double fidelity_max_diff = -1;
+  app.add_option("--fidelity-max-diff", fidelity_max_diff,
+                 "with --fidelity: exit 1 when the max |d| exceeds this (a check; negative: none)");
+  int64_t fidelity_block = 0;
+  app.add_option("--fidelity-block", fidelity_block,
+                 "with --fidelity: queries per block of the float32 reference attention (0: ~2 GiB of scores)");
   std::string profile_dir;
   app.add_option("--profile", profile_dir,
                  "after the timed steps, record one more step with the profiler and write DIR/trace.json (Chrome "
@@ -221,10 +264,7 @@ int main(int argc, char** argv) {
       auto src = t.model()->named_parameters();
       for (auto& p : (*m32)->named_parameters()) p.value().copy_(src[p.key()]);
     }
-    // ATen SDPA in float32 (its memory-efficient kernel), one KV head at a time: the smallest
-    // working set the reference can have.
-    (*m32)->set_attention_backend(odyssey::kernels::WrapHeadGroups(odyssey::kernels::MakeAttentionBackend("sdpa").value(),
-                                                                   cfg.num_key_value_heads));
+    (*m32)->set_attention_backend(std::make_shared<const BlockedFloat32Attention>(fidelity_block));
     const auto ref_t0 = std::chrono::steady_clock::now();
     std::fprintf(stderr, "fidelity: the float32 model was ready after %.1f s\n",
                  std::chrono::duration<double>(ref_t0 - fid_t0).count() - bf16_seconds);
@@ -257,6 +297,11 @@ int main(int argc, char** argv) {
     std::printf("%s\n| fidelity | %s | %lld | %s | mean |d| %.4f | max |d| %.4f |\n", j.dump().c_str(), o.model.c_str(),
                 static_cast<long long>(S), o.memory.Describe().c_str(), sum / n, worst);
     AppendJsonLine(json_path, j);
+    if (fidelity_max_diff >= 0 && !(worst <= fidelity_max_diff)) {
+      std::fprintf(stderr, "odyssey-bench: fidelity: max |d| %.3g is over --fidelity-max-diff %.3g\n", worst,
+                   fidelity_max_diff);
+      return 1;
+    }
     return 0;
   }
   odyssey::engine::AdamWOptions adam = o.optimizer;
