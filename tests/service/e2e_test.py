@@ -316,9 +316,9 @@ def case_data_parallel(c):
         raise Failure(f"step {job.step}, workers {list(job.workers)}")
     for wid, port in (("w1", m1), ("w2", m2)):
         m = scrape(port)
-        print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_tokens_total']:.0f} tokens")
-        if m["odyssey_steps_total"] != 30 or m["odyssey_tokens_total"] != 30 * 4 * 32:
-            raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_tokens_total']} tokens")
+        print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_worker_tokens_total']:.0f} tokens")
+        if m["odyssey_steps_total"] != 30 or m["odyssey_worker_tokens_total"] != 30 * 4 * 32:
+            raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_worker_tokens_total']} tokens")
 
 
 def case_rank_loss(c):
