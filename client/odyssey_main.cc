@@ -166,6 +166,7 @@ void PrintJob(const v1::Job& job) {
   for (int i = 0; i < job.workers_size(); ++i) std::cout << (i ? "," : "") << job.workers(i);
   std::cout << "\n"
             << "last_checkpoint: " << job.last_checkpoint() << "\n"
+            << (job.spec().resume_from().empty() ? "" : "resume_from:     " + job.spec().resume_from() + "\n")
             << "created:         " << FormatTime(job.create_time()) << "\n"
             << "started:         " << FormatTime(job.start_time()) << "\n"
             << "ended:           " << FormatTime(job.end_time()) << "\n";
