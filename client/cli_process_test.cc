@@ -20,6 +20,7 @@ namespace {
 using ::odyssey::server::testing::ControllerProcess;
 using ::odyssey::server::testing::FakeWorker;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr absl::Duration kWait = absl::Seconds(20);
 
@@ -166,6 +167,80 @@ TEST_F(CliProcessTest, PlanShowsTheStrategyAndExitsOneWhenNothingFits) {
   r = Cli({"list"});
   EXPECT_EQ(r.code, 0);
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("jobs/")));  // planning creates nothing
+}
+
+// Global flags work after the subcommand as before it (the README's `odyssey list --json`);
+// --version prints the one version line; an unknown flag is still a usage error.
+TEST_F(CliProcessTest, GlobalFlagsInAnyPositionAndVersion) {
+  CliRun r = Cli({"submit", WriteSpec("good.yaml", GoodSpec()), "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"name\": \"jobs/1\""));
+  r = Cli({"list", "--json"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"name\": \"jobs/1\""));
+  EXPECT_THAT(r.out, Not(HasSubstr("NAME")));  // JSON, not the table
+  r = Cli({"get", "1", "--json", "--timeout", "5"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"state\": \"PENDING\""));
+  // --controller after the subcommand is the address used.
+  r = Cli({"list", "--controller", "127.0.0.1:1", "--timeout", "2"}, /*with_controller=*/false);
+  EXPECT_EQ(r.code, 4) << r.out << r.err;
+  r = Cli({"list", "--no-such-flag"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--no-such-flag"));
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--version"}, {"list", "--version"}}) {
+    r = Cli(args, /*with_controller=*/false);
+    EXPECT_EQ(r.code, 0) << r.err;
+    EXPECT_THAT(r.out, ::testing::MatchesRegex("odyssey [0-9]+\\.[0-9]+\\.[0-9]+( \\(.+\\))?\n")) << r.out;
+  }
+}
+
+// `odyssey completion bash` is a script bash sources, completing subcommands, their flags with
+// the global ones, spec files and job states; `zsh` loads it through bashcompinit.
+TEST_F(CliProcessTest, BashCompletionCompletesSubcommandsFlagsAndSpecFiles) {
+  CliRun r = Cli({"completion", "bash"}, /*with_controller=*/false);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string script = WriteSpec("odyssey.bash", r.out);
+  WriteSpec("job.yaml", GoodSpec());
+  WriteSpec("job-notes.txt", "not a spec");
+  // Completes the words (the last one partial) as bash's programmable completion would.
+  auto complete = [&](const std::vector<std::string>& words) {
+    std::string array;
+    for (const std::string& w : words) absl::StrAppend(&array, " '", w, "'");
+    const std::string probe = WriteSpec("probe.sh", absl::StrCat(
+        "source '", script, "'\ncd '", dir_.string(), "'\nCOMP_WORDS=(", array, ")\nCOMP_CWORD=", words.size() - 1,
+        "\n_odyssey\nprintf '%s\\n' \"${COMPREPLY[@]}\" | sort | tr '\\n' ' '\n"));
+    const auto out = dir_ / "completion.out";
+    const int status = std::system(absl::StrCat("bash '", probe, "' > '", out.string(), "' 2>&1").c_str());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << Slurp(out);
+    return Slurp(out);
+  };
+  EXPECT_EQ(complete({"odyssey", "li"}), "list ");
+  EXPECT_EQ(complete({"odyssey", "c"}), "cancel completion ");
+  EXPECT_EQ(complete({"odyssey", "list", "--j"}), "--json ");            // a global flag after the subcommand
+  EXPECT_EQ(complete({"odyssey", "list", "--st"}), "--state ");
+  EXPECT_EQ(complete({"odyssey", "--json", "submit", "--w"}), "--watch ");
+  EXPECT_EQ(complete({"odyssey", "list", "--state", "RU"}), "RUNNING ");
+  EXPECT_EQ(complete({"odyssey", "submit", "jo"}), "job.yaml ");          // spec files only
+  EXPECT_EQ(complete({"odyssey", "completion", ""}), "bash zsh ");
+  EXPECT_EQ(complete({"odyssey", "--controller", ""}), " ");              // a free value: nothing offered
+  r = Cli({"completion", "zsh"}, /*with_controller=*/false);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("bashcompinit"));
+  EXPECT_THAT(r.out, HasSubstr("complete -o filenames -F _odyssey odyssey"));
+  EXPECT_EQ(Cli({"completion", "fish"}, /*with_controller=*/false).code, 2);
+}
+
+// Plan reads the model, the sequence and the memory: a spec without optimizer and steps is
+// planned, while submit still refuses it naming the field.
+TEST_F(CliProcessTest, PlanNeedsNoOptimizerOrSteps) {
+  const std::string spec = WriteSpec("plan-only.yaml", "model: {name: tiny}\ndata: {seq_len: 64, batch_size: 1}\n");
+  CliRun r = Cli({"plan", spec});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\nfits\n"));
+  r = Cli({"submit", spec});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("spec.optimizer.lr"));
 }
 
 TEST_F(CliProcessTest, WatchFollowsProgressAndExitsWithTheJobsOutcome) {

@@ -4,6 +4,12 @@
 //   odyssey list [--state RUNNING] [--page-size N] [--all]
 //   odyssey get JOB        odyssey watch JOB        odyssey cancel JOB
 //   odyssey plan SPEC.yaml [--gpu-bytes N] [--host-bytes N] [--max-seq-len]
+//   odyssey completion bash|zsh      odyssey --version
+//
+// Global flags (--controller, --timeout, --json, --tls-*, --token-file) may come before or
+// after the subcommand (`odyssey list --json` and `odyssey --json list` are the same).
+// `completion bash` prints a bash completion script built from these definitions
+// (`source <(odyssey completion bash)`; zsh: `odyssey completion zsh`, through bashcompinit).
 //
 // `plan` asks the controller's planner what the spec would need per GPU rank (the strategy,
 // the predicted GPU and pinned host peaks term by term, on the attached workers' largest GPU
@@ -16,6 +22,7 @@
 // or a path outside the caller's folders).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +32,8 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -32,6 +41,7 @@
 #include "absl/time/time.h"
 #include "client/spec.h"
 #include "common/tls.h"
+#include "common/version.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "odyssey/v1/odyssey.grpc.pb.h"
@@ -156,6 +166,7 @@ void PrintJob(const v1::Job& job) {
   for (int i = 0; i < job.workers_size(); ++i) std::cout << (i ? "," : "") << job.workers(i);
   std::cout << "\n"
             << "last_checkpoint: " << job.last_checkpoint() << "\n"
+            << (job.spec().resume_from().empty() ? "" : "resume_from:     " + job.spec().resume_from() + "\n")
             << "created:         " << FormatTime(job.create_time()) << "\n"
             << "started:         " << FormatTime(job.start_time()) << "\n"
             << "ended:           " << FormatTime(job.end_time()) << "\n";
@@ -329,6 +340,101 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
   return kExitJobFailed;
 }
 
+// Values the completion offers after options that take one: files, job states, or nothing (a
+// free value such as an address or a number).
+enum class ValueKind { kFree, kFile, kState };
+
+ValueKind KindOf(const std::string& name) {
+  if (name == "--tls-ca" || name == "--tls-cert" || name == "--tls-key" || name == "--token-file") return ValueKind::kFile;
+  if (name == "--state") return ValueKind::kState;
+  return ValueKind::kFree;
+}
+
+// The long and short names of `app`'s options and flags; those that take a value also go to
+// *valued.
+std::vector<std::string> OptionNames(const CLI::App& app, std::vector<std::string>* valued) {
+  std::vector<std::string> names;
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->get_positional()) continue;
+    std::vector<std::string> these;
+    for (const std::string& l : opt->get_lnames()) these.push_back("--" + l);
+    for (const std::string& s : opt->get_snames()) these.push_back("-" + s);
+    for (const std::string& n : these) {
+      names.push_back(n);
+      if (opt->get_type_size_max() > 0) valued->push_back(n);
+    }
+  }
+  return names;
+}
+
+// The completion function; @NAME@ are filled in by BashCompletion. Spec files are matched with
+// compgen -G, which needs no extglob.
+constexpr char kBashCompletion[] = R"(# bash completion for odyssey (@VERSION@): source <(odyssey completion bash)
+_odyssey() {
+  local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
+  local global="@GLOBAL@"
+  local subcommands="@SUBCOMMANDS@"
+  local sub="" i flags="" words="" spec=""
+  for ((i = 1; i < COMP_CWORD; i++)); do
+    case " $subcommands " in *" ${COMP_WORDS[i]} "*) sub="${COMP_WORDS[i]}"; break ;; esac
+  done
+  case "$prev" in
+    @FILE_OPTIONS@) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+    @STATE_OPTIONS@) COMPREPLY=($(compgen -W "PENDING RUNNING SUCCEEDED FAILED CANCELLED" -- "$cur")); return ;;
+    @FREE_OPTIONS@) COMPREPLY=(); return ;;
+  esac
+  case "$sub" in
+    "") COMPREPLY=($(compgen -W "$subcommands $global" -- "$cur")); return ;;
+@PER_SUBCOMMAND@  esac
+  if [[ "$cur" == -* ]]; then
+    COMPREPLY=($(compgen -W "$flags $global" -- "$cur"))
+  elif [[ -n "$words" ]]; then
+    COMPREPLY=($(compgen -W "$words" -- "$cur"))
+  elif [[ -n "$spec" ]]; then
+    COMPREPLY=($(compgen -G "$cur*.yaml"; compgen -G "$cur*.yml"; compgen -G "$cur*.json"; compgen -d -- "$cur"))
+  fi
+}
+complete -o filenames -F _odyssey odyssey
+)";
+
+// A bash completion script for `odyssey` generated from the CLI's own definitions, so a new
+// subcommand or flag completes without editing a script: subcommands, each one's flags plus the
+// global ones (they work in any position), spec files (*.yaml, *.yml, *.json) for the commands
+// that take one, files after the TLS and token flags, job states after --state, shells after
+// `completion`.
+std::string BashCompletion(const CLI::App& app) {
+  std::vector<std::string> valued;
+  const std::vector<std::string> global = OptionNames(app, &valued);
+  std::vector<std::string> subcommands;
+  std::string per_sub;
+  for (const CLI::App* sub : app.get_subcommands({})) {
+    subcommands.push_back(sub->get_name());
+    absl::StrAppend(&per_sub, "    ", sub->get_name(), ")\n      flags=\"", absl::StrJoin(OptionNames(*sub, &valued), " "),
+                    "\"\n");
+    for (const CLI::Option* opt : sub->get_options()) {
+      if (!opt->get_positional()) continue;
+      if (opt->get_name() == "spec") absl::StrAppend(&per_sub, "      spec=1\n");
+      if (opt->get_name() == "shell") absl::StrAppend(&per_sub, "      words=\"bash zsh\"\n");
+    }
+    absl::StrAppend(&per_sub, "      ;;\n");
+  }
+  std::sort(valued.begin(), valued.end());
+  valued.erase(std::unique(valued.begin(), valued.end()), valued.end());
+  std::vector<std::string> by_kind[3];
+  for (const std::string& n : valued) by_kind[static_cast<int>(KindOf(n))].push_back(n);
+  // A case pattern that never matches stands in for an empty list.
+  auto pattern = [](const std::vector<std::string>& names) {
+    return names.empty() ? std::string("--odyssey-none") : absl::StrJoin(names, "|");
+  };
+  return absl::StrReplaceAll(kBashCompletion, {{"@VERSION@", odyssey::VersionLine("odyssey")},
+                                               {"@GLOBAL@", absl::StrJoin(global, " ")},
+                                               {"@SUBCOMMANDS@", absl::StrJoin(subcommands, " ")},
+                                               {"@FILE_OPTIONS@", pattern(by_kind[static_cast<int>(ValueKind::kFile)])},
+                                               {"@STATE_OPTIONS@", pattern(by_kind[static_cast<int>(ValueKind::kState)])},
+                                               {"@FREE_OPTIONS@", pattern(by_kind[static_cast<int>(ValueKind::kFree)])},
+                                               {"@PER_SUBCOMMAND@", per_sub}});
+}
+
 std::string RandomRequestId() {
   std::random_device rd;
   return absl::StrFormat("cli-%016x%016x", (static_cast<uint64_t>(rd()) << 32) | rd(),
@@ -340,6 +446,10 @@ std::string RandomRequestId() {
 int main(int argc, char** argv) {
   CLI::App app{"odyssey: submit and follow training jobs on an odyssey-controller"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey"));
+  // Subcommands (added below, so they inherit it) hand the flags they do not know to this app:
+  // the global flags work before or after the subcommand.
+  app.fallthrough();
   const char* env = std::getenv("ODYSSEY_CONTROLLER");
   std::string controller = env && *env ? env : "localhost:50051";
   double timeout_s = 10;
@@ -391,11 +501,23 @@ int main(int argc, char** argv) {
   plan->add_option("--host-bytes", plan_host_bytes, "Pinned host memory per rank (default: that worker's)");
   plan->add_flag("--max-seq-len", plan_max, "Also find the longest sequence that fits");
 
+  std::string shell;
+  auto* completion = app.add_subcommand("completion", "Print a shell completion script: source <(odyssey completion bash)");
+  completion->add_option("shell", shell, "bash or zsh (zsh loads the bash script through bashcompinit)")
+      ->required()
+      ->check(CLI::IsMember({"bash", "zsh"}));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
+  }
+
+  if (completion->parsed()) {
+    if (shell == "zsh") std::cout << "autoload -U +X bashcompinit && bashcompinit\n";
+    std::cout << BashCompletion(app);
+    return kExitOk;
   }
 
   grpc::ChannelArguments channel_args;

@@ -8,6 +8,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
+#include "prometheus/gauge.h"
 #include "prometheus/text_serializer.h"
 
 namespace odyssey {
@@ -31,6 +33,15 @@ absl::StatusOr<std::pair<std::string, int>> ParseHostPort(const std::string& add
   return std::make_pair(host, port);
 }
 
+void RegisterBuildInfo(prometheus::Registry& registry) {
+  prometheus::BuildGauge()
+      .Name("odyssey_build_info")
+      .Help("Always 1; the labels name the binary's build (the version --version prints)")
+      .Register(registry)
+      .Add({{"version", ProjectVersion()}, {"revision", SourceRevision()}})
+      .Set(1);
+}
+
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(
     const std::string& listen, std::shared_ptr<prometheus::Registry> registry) {
   auto host_port = ParseHostPort(listen);
@@ -39,6 +50,7 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(
 
   std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
   endpoint->registry_ = std::move(registry);
+  RegisterBuildInfo(*endpoint->registry_);
   endpoint->server_ = std::make_unique<httplib::Server>();
   // httplib's default also sets SO_REUSEPORT, which lets two processes bind one port
   // silently: a busy port must be an error.

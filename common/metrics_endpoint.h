@@ -28,6 +28,8 @@ class MetricsEndpoint {
  public:
   // Listens on `listen` ("host:port"; port 0 = any free port, see port()) and serves
   // `registry` at /metrics (and "ok" at /healthz). Fails when the address cannot be bound.
+  // Adds odyssey_build_info to `registry` (RegisterBuildInfo), so every process serving
+  // /metrics names its build.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Create(
       const std::string& listen, std::shared_ptr<prometheus::Registry> registry);
 
@@ -46,6 +48,10 @@ class MetricsEndpoint {
   std::thread thread_;
   int port_ = 0;
 };
+
+// Adds the gauge odyssey_build_info{version, revision} = 1 (common/version.h) to `registry`;
+// a second call changes nothing.
+void RegisterBuildInfo(prometheus::Registry& registry);
 
 // Splits "host:port" (IPv6 as "[::1]:port"); the port must be a number in [0, 65535].
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(const std::string& address);

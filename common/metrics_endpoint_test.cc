@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 
+#include "common/version.h"
 #include "gtest/gtest.h"
 #include "prometheus/counter.h"
 
@@ -45,6 +46,22 @@ TEST(MetricsEndpointTest, ServesRegistryAndCountersMove) {
   res = client.Get("/healthz");
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200);
+}
+
+TEST(MetricsEndpointTest, ServesBuildInfoWithTheVersionTheBinariesPrint) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  auto endpoint = MetricsEndpoint::Create("127.0.0.1:0", registry);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  RegisterBuildInfo(*registry);  // a second registration changes nothing
+  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  auto res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  const std::string want = std::string("odyssey_build_info{revision=\"") + SourceRevision() + "\",version=\"" +
+                           ProjectVersion() + "\"} 1";
+  EXPECT_NE(res->body.find(want), std::string::npos) << res->body;
+  EXPECT_EQ(res->body.find("odyssey_build_info{", res->body.find(want) + 1), std::string::npos) << res->body;
+  EXPECT_EQ(VersionLine("odyssey").rfind(std::string("odyssey ") + ProjectVersion(), 0), 0u);
+  EXPECT_STRNE(ProjectVersion(), "");
 }
 
 TEST(MetricsEndpointTest, BusyPortIsAnError) {

@@ -6,7 +6,9 @@
 #include <torch/torch.h>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/device_stats.h"
 #include "kernels/fused_ops.h"
 
@@ -182,9 +184,18 @@ absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, to
   std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
   auto get = [&](const std::string& name, const torch::Tensor& like) -> absl::StatusOr<torch::Tensor> {
     auto it = by_name.find(name);
-    if (it == by_name.end()) return absl::NotFoundError(absl::StrCat("optimizer state: missing tensor '", name, "'"));
-    if (it->second.sizes() != like.sizes())
-      return absl::InvalidArgumentError(absl::StrCat("optimizer state: tensor '", name, "' has the wrong shape"));
+    if (it == by_name.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "optimizer state: missing tensor '", name, "'",
+          absl::StartsWith(name, "master.") ? " (fp32 master weights: the checkpoint was written by a float32 run, "
+                                              "this one computes in a lower precision; set model.dtype as it was)"
+                                            : " (a checkpoint of another model?)"));
+    }
+    if (it->second.sizes() != like.sizes()) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state: tensor '", name, "' has shape [",
+                                                     absl::StrJoin(it->second.sizes(), ", "), "], the model's is [",
+                                                     absl::StrJoin(like.sizes(), ", "), "]"));
+    }
     return it->second;
   };
   auto step = by_name.find("step");

@@ -528,6 +528,7 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
   optimizer_->Finish();  // the weights written are the updated ones
   model::SaveOptions save;
   save.dtype = dtype_;
+  save.base_dir = options_.model;  // its tokenizer files, when a folder
   if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) return s;
   const std::filesystem::path root(dir);
   if (absl::Status s = model::WriteSafetensors((root / "optimizer.safetensors").string(), optimizer_->StateTensors());

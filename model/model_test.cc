@@ -1,4 +1,7 @@
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -157,6 +160,50 @@ TEST(ModelTest, MissingAndMisshapenTensorsAreNamed) {
   EXPECT_NE(s.message().find("mlp"), std::string::npos) << s;
   EXPECT_NE(s.message().find("96"), std::string::npos) << s;
   std::filesystem::remove_all(dir);
+}
+
+// A saved folder is a complete model: the base folder's tokenizer and generation files come
+// along byte for byte, its weights and config do not, and a named shape (no folder) adds none.
+TEST(ModelTest, SavedFolderCarriesTheBaseModelsTokenizerAndGenerationFiles) {
+  const auto root = std::filesystem::temp_directory_path() / "odyssey_model_test_base_files";
+  std::filesystem::remove_all(root);
+  const auto base = root / "base", out = root / "out", plain = root / "plain";
+  std::filesystem::create_directories(base);
+  auto write = [](const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; };
+  const std::map<std::string, std::string> extras = {
+      {"tokenizer.json", "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\"}}"},
+      {"tokenizer_config.json", "{\"chat_template\": \"{{ messages }}\"}"},
+      {"special_tokens_map.json", "{\"eos_token\": \"</s>\"}"},
+      {"tokenizer.model", std::string("\x00\x01sentencepiece\xff", 16)},
+      {"vocab.json", "{\"a\": 0}"},
+      {"merges.txt", "#version: 0.2\na b\n"},
+      {"chat_template.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}"},
+      {"generation_config.json", "{\"eos_token_id\": 2, \"temperature\": 0.6}"}};
+  for (const auto& [name, text] : extras) write(base / name, text);
+  write(base / "config.json", "not this one");
+  write(base / "model.safetensors", "nor this");
+  write(base / "README.md", "nor anything else");
+  CausalLM m(SmallConfig(Architecture::kLlama));
+  m->InitRandom(1);
+  SaveOptions save;
+  save.dtype = torch::kFloat32;
+  save.base_dir = base.string();
+  ASSERT_TRUE(SaveHfCheckpoint(m, out.string(), save).ok());
+  auto read = [](const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (const auto& [name, text] : extras) EXPECT_EQ(read(out / name), text) << name;
+  EXPECT_NE(read(out / "config.json"), "not this one");
+  EXPECT_NE(read(out / "model.safetensors"), "nor this");
+  EXPECT_FALSE(std::filesystem::exists(out / "README.md"));
+  EXPECT_FALSE(std::filesystem::exists(out / "vocab.txt"));  // the base has none
+  save.base_dir = "tiny";  // a named shape
+  ASSERT_TRUE(SaveHfCheckpoint(m, plain.string(), save).ok());
+  std::set<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(plain)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"config.json", "model.safetensors"}));
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace

@@ -72,8 +72,37 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
     for (auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach().to(options.dtype));
   }
   if (absl::Status s = WriteSafetensorsCheckpoint(dir, tensors, options.max_shard_bytes); !s.ok()) return s;
-  return WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(),
-                             ToHfConfigJson(model->config(), DtypeName(options.dtype)));
+  if (absl::Status s = WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(),
+                                           ToHfConfigJson(model->config(), DtypeName(options.dtype)));
+      !s.ok())
+    return s;
+  return CopyModelFolderFiles(options.base_dir, dir);
+}
+
+const std::vector<std::string>& ModelFolderFiles() {
+  static const std::vector<std::string> files = {
+      "tokenizer.json",      "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+      "tokenizer.model",     "spiece.model",          "vocab.json",              "merges.txt",
+      "vocab.txt",           "chat_template.jinja",   "chat_template.json",      "generation_config.json"};
+  return files;
+}
+
+absl::Status CopyModelFolderFiles(const std::string& src, const std::string& dst) {
+  std::error_code ec;
+  if (src.empty() || !std::filesystem::is_directory(src, ec)) return absl::OkStatus();
+  // The largest tokenizer.json files are tens of MB; this bounds a mistaken multi-GB file.
+  constexpr size_t kMaxBytes = size_t{1} << 30;
+  for (const std::string& name : ModelFolderFiles()) {
+    const std::filesystem::path from = std::filesystem::path(src) / name;
+    if (!std::filesystem::exists(from, ec)) continue;
+    absl::StatusOr<std::string> bytes = ReadRegularFile(from.string(), kMaxBytes);
+    if (!bytes.ok()) {
+      return absl::Status(bytes.status().code(), absl::StrCat("copying the base model's ", name, ": ",
+                                                              bytes.status().message()));
+    }
+    if (absl::Status s = WriteFileAtomically((std::filesystem::path(dst) / name).string(), *bytes); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<torch::Dtype> ParseDtype(const std::string& name) {

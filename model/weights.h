@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -28,9 +29,23 @@ absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype 
 struct SaveOptions {
   torch::Dtype dtype = torch::kBFloat16;        // dtype written (and named in config.json)
   int64_t max_shard_bytes = int64_t{5} << 30;  // above this, shards + index json
+  // The folder the model was loaded from (a job's model.name), or a named shape / empty: what
+  // CopyModelFolderFiles copies into the saved folder from there, when it is a folder.
+  std::string base_dir{};
 };
-// Writes config.json and the weights to `dir` (created if needed).
+// Writes config.json and the weights to `dir` (created if needed), then the tokenizer and
+// generation files of options.base_dir (CopyModelFolderFiles), so the folder is a complete model
+// that transformers and vLLM load as is.
 absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const SaveOptions& options = {});
+
+// The files of a Hugging Face model folder that are not weights or config.json and that a
+// loader needs beside them: tokenizer files (tokenizer.json, tokenizer_config.json,
+// special_tokens_map.json, added_tokens.json, tokenizer.model, the vocab/merges files), chat
+// templates (chat_template.jinja, chat_template.json) and generation_config.json.
+const std::vector<std::string>& ModelFolderFiles();
+// Copies those of ModelFolderFiles() that `src` has into `dst` (each through the atomic writer);
+// a `src` that is not a folder (a named shape) copies nothing. Errors name the file.
+absl::Status CopyModelFolderFiles(const std::string& src, const std::string& dst);
 
 // "float32" / "bfloat16" / "float16" <-> dtype; errors name the rule.
 absl::StatusOr<torch::Dtype> ParseDtype(const std::string& name);

@@ -8,7 +8,9 @@
 # (a Hugging Face folder that transformers loads) is printed at the end.
 #
 # Options: --steps N (default 300), --device cpu|cuda|cuda:N|auto (default cpu),
-#          --threads N (torch CPU threads of the worker; default: the machine's cores).
+#          --threads N (torch CPU threads of the worker; default: the machine's cores),
+#          --out DIR (instead of out/: DIR/demo-state, DIR/demo), --no-build (use build/ as is).
+# Ctrl-C cancels the job and says so (its id and step), then stops the processes.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -16,27 +18,31 @@ cd "$root"
 steps=300
 device=cpu
 threads=$(nproc)
+out="$root/out"
+build=1
 while (($#)); do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
     --device) device="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --out) out="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
-bash scripts/build.sh
+((build)) && bash scripts/build.sh
 bin="$root/build"
 cli="$bin/client/odyssey"
-state="$root/out/demo-state"
+state="$out/demo-state"
 # A folder per run: checkpoint folders belong to one job (worker/README.md "Checkpoint
 # folders"), and each demo's job is a new store's, so a shared folder would refuse the second run.
 run="run-$(date -u +%Y%m%dT%H%M%SZ)"
-[ -e "$root/out/demo/$run" ] && run="$run-$$"
-ckpt="$root/out/demo/$run"
+[ -e "$out/demo/$run" ] && run="$run-$$"
+ckpt="$out/demo/$run"
 rm -rf "$state"  # each demo starts with an empty job store (its results stay in out/demo/run-*)
-mkdir -p "$state" "$root/out/demo"
+mkdir -p "$state" "$out/demo"
 
 pids=()
 watch_pid=""
@@ -46,8 +52,17 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   [ -n "$watch_pid" ] && kill -TERM "$watch_pid" 2>/dev/null
-  if ((interrupted)) && [ -n "$job" ]; then
-    "$cli" --controller "$controller" --timeout 5 cancel "$job" >/dev/null 2>&1 || true
+  if ((interrupted)); then
+    echo  # past the ^C on the progress line
+    if [ -z "$job" ]; then
+      echo "demo: interrupted before a job was submitted"
+    elif reply=$("$cli" --controller "$controller" --timeout 5 cancel "$job" 2>&1); then
+      local at
+      at=$("$cli" --controller "$controller" --timeout 5 get "$job" 2>/dev/null | sed -n 's/^step: *//p' || true)
+      echo "demo: interrupted: cancelled $job${at:+ at step $at} (${reply##*: })"
+    else
+      echo "demo: interrupted: could not cancel $job: $reply" >&2
+    fi
   fi
   # Workers first (a running job stops between steps), then the controller.
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill -TERM "${pids[i]}" 2>/dev/null || true; done
@@ -100,7 +115,7 @@ echo "demo: controller at $controller (state: $state)"
 echo "demo: metrics at http://127.0.0.1:$controller_metrics/metrics (controller)" \
      "and http://127.0.0.1:$worker_metrics/metrics (worker)"
 job=$("$cli" --controller "$controller" submit "$state/job.json" | grep -o 'jobs/[0-9]*' | head -1)
-echo "demo: submitted $job; watching (Ctrl-C stops everything)"
+echo "demo: submitted $job; watching (Ctrl-C cancels it and stops everything)"
 # In the background so that a signal to this script runs the trap at once.
 "$cli" --controller "$controller" watch "$job" &
 watch_pid=$!
@@ -109,7 +124,7 @@ watch_pid=""
 "$cli" --controller "$controller" get "$job"
 last=$(ls -d "$ckpt"/step-* 2>/dev/null | tail -1 || true)
 if [ -n "$last" ]; then
-  ln -sfn "$run" "$root/out/demo/latest"
+  ln -sfn "$run" "$out/demo/latest"
   echo "demo: final checkpoint $last (earlier runs: out/demo/run-*; out/demo/latest is this one)"
   echo "demo: load it with: .venv/bin/python -c 'import transformers; transformers.AutoModelForCausalLM.from_pretrained(\"$last\")'"
 fi

@@ -11,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
+#include "common/version.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -23,6 +25,7 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"odyssey-controller: schedules training jobs onto attached odyssey-worker daemons"};
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey-controller"));
   std::string listen = "0.0.0.0:50051";
   std::string port_file;
   std::string state_dir = "./odyssey-state";
@@ -159,10 +162,14 @@ int main(int argc, char** argv) {
   }
 
   odyssey::server::JobServiceImpl job_service(controller->get(), registry.get());
-  odyssey::server::TrainingServiceImpl training_service(controller->get());
+  odyssey::server::TrainingServiceImpl training_service(controller->get(), registry.get());
   odyssey::server::WorkerServiceImpl worker_service(controller->get());
   odyssey::server::PlannerServiceImpl planner_service(controller->get());
   grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's default health service has no protobuf descriptor: referencing the generated
+  // grpc.health.v1 messages links their file into the descriptor pool that reflection reads, so
+  // `grpcurl -plaintext HOST:PORT grpc.health.v1.Health/Check` needs no -proto.
+  (void)grpc::health::v1::HealthCheckResponse::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
+
 #include "odyssey/v1/odyssey.pb.h"
 
 namespace odyssey::server {
@@ -28,12 +31,14 @@ ControllerMetrics::ControllerMetrics(prometheus::Registry* registry) {
   workers_disconnected_ = &workers.Add({{"state", "disconnected"}});
   tokens_ = &prometheus::BuildCounter()
                  .Name("odyssey_tokens_total")
-                 .Help("Tokens trained, as reported by rank 0 of each job")
+                 .Help("Tokens trained by all jobs (every rank's positions), as rank 0 of each job reports them; "
+                       "a worker's own share is odyssey_worker_tokens_total")
                  .Register(*registry)
                  .Add({});
   step_duration_ = &prometheus::BuildHistogram()
                         .Name("odyssey_step_duration_seconds")
-                        .Help("Training step wall time, as reported by rank 0 of each job")
+                        .Help("Training step wall time, one observation per job step as rank 0 reports it; a "
+                              "worker's own steps are odyssey_worker_step_duration_seconds")
                         .Register(*registry)
                         .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100,
                                                                          300, 1000, 3000});
@@ -68,6 +73,27 @@ ControllerMetrics::ControllerMetrics(prometheus::Registry* registry) {
                         .Name("odyssey_training_calls_waiting")
                         .Help("Sequenced TrainingService calls of the session waiting for an earlier sequence")
                         .Register(*registry);
+  loss_ = &prometheus::BuildGauge()
+               .Name("odyssey_job_loss")
+               .Help("Loss of the job's last step (SFT: rank 0's report; RL session: its last ForwardBackward's "
+                     "batch loss), nats per target token")
+               .Register(*registry);
+  grad_norm_ = &prometheus::BuildGauge()
+                    .Name("odyssey_job_grad_norm")
+                    .Help("Global gradient norm of the job's last optimizer step, before clipping")
+                    .Register(*registry);
+  learning_rate_ = &prometheus::BuildGauge()
+                        .Name("odyssey_job_learning_rate")
+                        .Help("Learning rate of the job's last optimizer step (SFT: the schedule's; RL: the "
+                              "OptimStep's)")
+                        .Register(*registry);
+}
+
+prometheus::Labels ControllerMetrics::JobLabels(const std::string& job) {
+  constexpr absl::string_view kPrefix = "jobs/";
+  absl::string_view id = job;
+  if (absl::StartsWith(id, kPrefix)) id.remove_prefix(kPrefix.size());
+  return {{"job_id", std::string(id)}};
 }
 
 void ControllerMetrics::SetJobs(const JobCounts& by_state) {
@@ -108,24 +134,36 @@ void ControllerMetrics::CountTrainingCall(const std::string& method, absl::Statu
   training_calls_->Add({{"method", method}, {"code", name}}).Increment();
 }
 
+void ControllerMetrics::SetLoss(const std::string& job, double loss) {
+  if (enabled()) loss_->Add(JobLabels(job)).Set(loss);
+}
+
+void ControllerMetrics::SetOptimizerFigures(const std::string& job, double grad_norm, double lr) {
+  if (!enabled()) return;
+  grad_norm_->Add(JobLabels(job)).Set(grad_norm);
+  learning_rate_->Add(JobLabels(job)).Set(lr);
+}
+
 void ControllerMetrics::SetMismatch(const std::string& job, double mean, double max) {
   if (!enabled()) return;
-  mismatch_mean_->Add({{"job", job}}).Set(mean);
-  mismatch_max_->Add({{"job", job}}).Set(max);
+  mismatch_mean_->Add(JobLabels(job)).Set(mean);
+  mismatch_max_->Add(JobLabels(job)).Set(max);
 }
 
 void ControllerMetrics::SetOptimizerStep(const std::string& job, int64_t step) {
-  if (enabled()) optimizer_step_->Add({{"job", job}}).Set(static_cast<double>(step));
+  if (enabled()) optimizer_step_->Add(JobLabels(job)).Set(static_cast<double>(step));
 }
 
 void ControllerMetrics::SetWaitingCalls(const std::string& job, int64_t waiting) {
-  if (enabled()) waiting_calls_->Add({{"job", job}}).Set(static_cast<double>(waiting));
+  if (enabled()) waiting_calls_->Add(JobLabels(job)).Set(static_cast<double>(waiting));
 }
 
 void ControllerMetrics::RemoveJob(const std::string& job) {
   if (!enabled()) return;
-  for (auto* family : {mismatch_mean_, mismatch_max_, optimizer_step_, waiting_calls_}) {
-    if (family->Has({{"job", job}})) family->Remove(&family->Add({{"job", job}}));
+  const prometheus::Labels labels = JobLabels(job);
+  for (auto* family : {mismatch_mean_, mismatch_max_, optimizer_step_, waiting_calls_, loss_, grad_norm_,
+                       learning_rate_}) {
+    if (family->Has(labels)) family->Remove(&family->Add(labels));
   }
 }
 

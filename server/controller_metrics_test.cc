@@ -65,22 +65,31 @@ TEST_F(ControllerMetricsTest, TrainingCallsByMethodAndCode) {
   EXPECT_THAT(m, HasSubstr("odyssey_training_calls_total{code=\"INVALID_ARGUMENT\",method=\"Forward\"} 1"));
 }
 
-// The per-job series exist once set and are gone after RemoveJob; other jobs' stay.
+// The per-job series exist once set and are gone after RemoveJob; other jobs' stay. Their label
+// is job_id (the job's number): never `job`, Prometheus' own target label.
 TEST_F(ControllerMetricsTest, PerJobSeriesAreRemovedWithTheJob) {
   metrics_.SetMismatch("jobs/1", 0.125, 0.5);
   metrics_.SetOptimizerStep("jobs/1", 7);
   metrics_.SetOptimizerStep("jobs/2", 3);
   metrics_.SetWaitingCalls("jobs/1", 2);
+  metrics_.SetLoss("jobs/1", 1.5);
+  metrics_.SetOptimizerFigures("jobs/1", 0.25, 0.003);
+  metrics_.SetLoss("jobs/2", 4.5);
   std::string m = Text();
-  EXPECT_THAT(m, HasSubstr("odyssey_training_calls_waiting{job=\"jobs/1\"} 2"));
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job=\"jobs/1\"} 0.125"));
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job=\"jobs/1\"} 0.5"));
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{job=\"jobs/1\"} 7"));
+  EXPECT_THAT(m, HasSubstr("odyssey_training_calls_waiting{job_id=\"1\"} 2"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job_id=\"1\"} 0.125"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job_id=\"1\"} 0.5"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{job_id=\"1\"} 7"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_loss{job_id=\"1\"} 1.5"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_grad_norm{job_id=\"1\"} 0.25"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_learning_rate{job_id=\"1\"} 0.003"));
+  EXPECT_THAT(m, Not(HasSubstr("job=")));
   metrics_.RemoveJob("jobs/1");
   metrics_.RemoveJob("jobs/9");  // never had series: nothing to do
   m = Text();
-  EXPECT_THAT(m, Not(HasSubstr("job=\"jobs/1\"")));
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{job=\"jobs/2\"} 3"));
+  EXPECT_THAT(m, Not(HasSubstr("job_id=\"1\"")));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{job_id=\"2\"} 3"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_loss{job_id=\"2\"} 4.5"));
 }
 
 TEST(ControllerMetricsWithoutRegistryTest, EveryUpdateIsANoOp) {
@@ -94,6 +103,8 @@ TEST(ControllerMetricsWithoutRegistryTest, EveryUpdateIsANoOp) {
   metrics.CountTrainingCall("Forward", absl::StatusCode::kOk);
   metrics.SetMismatch("jobs/1", 1, 1);
   metrics.SetOptimizerStep("jobs/1", 1);
+  metrics.SetLoss("jobs/1", 1);
+  metrics.SetOptimizerFigures("jobs/1", 1, 1);
   metrics.RemoveJob("jobs/1");
 }
 

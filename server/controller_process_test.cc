@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -31,6 +32,7 @@ namespace v1 = odyssey::v1;
 using ::odyssey::server::testing::ControllerProcess;
 using ::odyssey::server::testing::FakeWorker;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr absl::Duration kWait = absl::Seconds(20);
 
@@ -463,6 +465,13 @@ TEST_F(ControllerProcessTest, MetricsAreScrapedAndMoveWithTheWork) {
   EXPECT_EQ(mid["odyssey_tokens_total"], 2000);
   EXPECT_EQ(mid["odyssey_step_duration_seconds_count"], 2);
   EXPECT_DOUBLE_EQ(mid["odyssey_step_duration_seconds_sum"], 0.75);
+  const std::string job_id = "{job_id=\"" + job.name().substr(5) + "\"}";  // "jobs/N" -> N
+  EXPECT_DOUBLE_EQ(mid["odyssey_job_loss" + job_id], 2.0);  // the last step's
+  EXPECT_EQ(mid.count("odyssey_job_grad_norm" + job_id), 1u);
+  EXPECT_EQ(mid.count("odyssey_job_learning_rate" + job_id), 1u);
+  bool build_info = false;
+  for (const auto& [series, value] : mid) build_info |= absl::StartsWith(series, "odyssey_build_info{") && value == 1;
+  EXPECT_TRUE(build_info);
   EXPECT_EQ(mid["odyssey_jobs{state=\"running\"}"], 1);
   EXPECT_EQ(mid["odyssey_jobs{state=\"pending\"}"], 1);
   EXPECT_EQ(mid["odyssey_queue_depth"], 1);
@@ -476,6 +485,7 @@ TEST_F(ControllerProcessTest, MetricsAreScrapedAndMoveWithTheWork) {
   EXPECT_EQ(after["odyssey_jobs{state=\"running\"}"], 0);
   EXPECT_EQ(after["odyssey_workers{state=\"idle\"}"], 1);
   EXPECT_GT(after["odyssey_rpc_duration_seconds_count{method=\"GetJob\"}"], 0);
+  EXPECT_EQ(after.count("odyssey_job_loss" + job_id), 0u);  // per-job series end with the job
 }
 
 TEST_F(ControllerProcessTest, HealthCheckServes) {
@@ -508,11 +518,10 @@ TEST_F(ControllerProcessTest, HealthCheckServes) {
   EXPECT_EQ(bytes, std::string("\x08\x01", 2));
 }
 
-TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
-  StartController();
-  // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with list_services = ""
-  // (field 7, length 0: bytes 3a 00), through the generic async API (no reflection stubs needed).
-  grpc::GenericStub generic(channel_);
+// One ServerReflectionInfo exchange: `request` (a serialized ServerReflectionRequest) in, the
+// serialized response out, through the generic async API (no reflection stubs needed).
+std::string ReflectionExchange(const std::shared_ptr<grpc::Channel>& channel, const std::string& request) {
+  grpc::GenericStub generic(channel);
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -523,25 +532,24 @@ TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
     if (!cq.Next(&tag, &ok)) return false;  // bounded by the context deadline
     return ok && reinterpret_cast<intptr_t>(tag) == want;
   };
+  std::string bytes;
   call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(next(1));
-  grpc::Slice request_bytes(std::string("\x3a\x00", 2));
-  grpc::ByteBuffer request(&request_bytes, 1);
-  call->Write(request, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(next(2));
+  EXPECT_TRUE(next(1));
+  grpc::Slice request_bytes(request);
+  grpc::ByteBuffer request_buffer(&request_bytes, 1);
+  call->Write(request_buffer, reinterpret_cast<void*>(2));
+  EXPECT_TRUE(next(2));
   grpc::ByteBuffer response;
   call->Read(&response, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(next(3));
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(response.Dump(&slices).ok());
-  std::string bytes;
-  for (auto& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.JobService"));
-  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.WorkerService"));
-  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.TrainingService"));
-  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
+  if (next(3)) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response.Dump(&slices).ok());
+    for (auto& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  } else {
+    ADD_FAILURE() << "no reflection response";
+  }
   call->WritesDone(reinterpret_cast<void*>(4));
-  ASSERT_TRUE(next(4));
+  EXPECT_TRUE(next(4));
   grpc::Status status;
   call->Finish(&status, reinterpret_cast<void*>(5));
   EXPECT_TRUE(next(5));
@@ -551,6 +559,36 @@ TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
   bool ok;
   while (cq.Next(&tag, &ok)) {
   }
+  return bytes;
+}
+
+TEST_F(ControllerProcessTest, ServerReflectionListsTheServices) {
+  StartController();
+  // list_services = "" (field 7, length 0: bytes 3a 00).
+  const std::string bytes = ReflectionExchange(channel_, std::string("\x3a\x00", 2));
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.JobService"));
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.WorkerService"));
+  EXPECT_THAT(bytes, HasSubstr("odyssey.v1.TrainingService"));
+  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
+}
+
+// What `grpcurl -plaintext HOST:PORT grpc.health.v1.Health/Check` asks before calling: the file
+// that defines the service. Before, reflection listed the health service but could not describe
+// it (gRPC's default health service has no descriptor), so grpcurl needed -proto.
+TEST_F(ControllerProcessTest, ReflectionDescribesTheHealthServiceForGrpcurl) {
+  StartController();
+  // file_containing_symbol (field 4) = "grpc.health.v1.Health".
+  const std::string symbol = "grpc.health.v1.Health";
+  const std::string bytes =
+      ReflectionExchange(channel_, std::string("\x22", 1) + static_cast<char>(symbol.size()) + symbol);
+  ASSERT_FALSE(bytes.empty());
+  // ServerReflectionResponse: file_descriptor_response is field 4 (tag 0x22), error_response
+  // field 7 (tag 0x3a) after the echoed original_request (field 2).
+  EXPECT_THAT(bytes, HasSubstr("grpc/health/v1/health.proto"));
+  EXPECT_THAT(bytes, HasSubstr("HealthCheckRequest"));
+  EXPECT_THAT(bytes, HasSubstr("HealthCheckResponse"));
+  EXPECT_THAT(bytes, HasSubstr("SERVING"));
+  EXPECT_THAT(bytes, Not(HasSubstr("not found")));
 }
 
 // TrainingService through the real binary and a fake worker: a call reaches the worker as a
@@ -624,7 +662,7 @@ TEST_F(ControllerProcessTest, TrainingCallsRouteThroughTheWorkerStream) {
   EXPECT_EQ((m["odyssey_training_calls_total{code=\"OK\",method=\"ForwardBackward\"}"]), 1);
   EXPECT_EQ((m["odyssey_training_calls_total{code=\"UNAVAILABLE\",method=\"ForwardBackward\"}"]), 1);
   EXPECT_EQ((m["odyssey_training_calls_total{code=\"INVALID_ARGUMENT\",method=\"OptimStep\"}"]), 1);
-  EXPECT_DOUBLE_EQ((m["odyssey_rl_logprob_mismatch_mean{job=\"" + job.name() + "\"}"]), 0.03);
+  EXPECT_DOUBLE_EQ((m["odyssey_rl_logprob_mismatch_mean{job_id=\"" + job.name().substr(5) + "\"}"]), 0.03);
 }
 
 // 32 concurrent clients x 50 mixed requests: every one answered, no job lost. Prints latency.

@@ -145,9 +145,32 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const v1::Wa
 // ---------------------------------------------------------------------------------------------
 // TrainingService
 
+TrainingServiceImpl::TrainingServiceImpl(Controller* controller, prometheus::Registry* registry)
+    : controller_(controller) {
+  if (registry) {
+    call_duration_ = &prometheus::BuildHistogram()
+                          .Name("odyssey_training_call_duration_seconds")
+                          .Help("Server-side duration of TrainingService calls, from arrival to reply: waiting for "
+                                "earlier calls of the session and the workers' compute included")
+                          .Register(*registry);
+    for (const char* m : {"ForwardBackward", "OptimStep", "Forward", "SaveCheckpoint", "LoadCheckpoint",
+                          "ExportWeights"}) {
+      Timer(m);
+    }
+  }
+}
+
+prometheus::Histogram* TrainingServiceImpl::Timer(const std::string& method) {
+  if (!call_duration_) return nullptr;
+  return &call_duration_->Add({{"method", method}},
+                              prometheus::Histogram::BucketBoundaries{0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10,
+                                                                      30, 100, 300, 1000});
+}
+
 absl::StatusOr<v1::TrainingReply> TrainingServiceImpl::Route(grpc::ServerContext* context, const char* method,
                                                                const absl::Status& valid, const std::string& job,
                                                                int64_t sequence, v1::TrainingCall call) {
+  ScopedTimer timer(Timer(method));
   // Who is calling comes first (an unauthenticated caller learns nothing about its request),
   // then the request's own rules, then whether the job is the caller's, then whether the
   // caller may name the call's directory (server/paths.h).

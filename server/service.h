@@ -3,8 +3,9 @@
 // Handlers are thin: authenticate the caller (auth.h: CallerTenant for JobService,
 // AuthorizeWorker for WorkerService.Attach), validate the request (validation.h), call the
 // Controller (which knows no gRPC) with the caller's tenant and convert its absl::Status once,
-// here, with ToGrpcStatus. Every unary call is timed
-// into odyssey_rpc_duration_seconds{method}.
+// here, with ToGrpcStatus. Every unary JobService call is timed into
+// odyssey_rpc_duration_seconds{method}, every TrainingService call (each PushRollouts batch as
+// its ForwardBackward and its OptimStep) into odyssey_training_call_duration_seconds{method}.
 //
 // Thread safety: the services are called concurrently by gRPC's sync server threads; they hold
 // no state of their own beyond metric handles. REQUIRES: the Controller outlives them.
@@ -55,7 +56,8 @@ class JobServiceImpl final : public odyssey::v1::JobService::Service {
 // waiting (the call may still run on the worker).
 class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
  public:
-  explicit TrainingServiceImpl(Controller* controller) : controller_(controller) {}
+  // `registry` may be null (no latency histogram).
+  explicit TrainingServiceImpl(Controller* controller, prometheus::Registry* registry = nullptr);
 
   grpc::Status ForwardBackward(grpc::ServerContext* context, const odyssey::v1::ForwardBackwardRequest* request,
                                odyssey::v1::ForwardBackwardResponse* response) override;
@@ -88,8 +90,11 @@ class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
   absl::StatusOr<odyssey::v1::TrainingReply> Route(grpc::ServerContext* context, const char* method,
                                                      const absl::Status& valid, const std::string& job,
                                                      int64_t sequence, odyssey::v1::TrainingCall call);
+  // odyssey_training_call_duration_seconds{method}; null without a registry.
+  prometheus::Histogram* Timer(const std::string& method);
 
   Controller* controller_;
+  prometheus::Family<prometheus::Histogram>* call_duration_ = nullptr;
 };
 
 // PlannerService: any tenant may ask (auth as for JobService; the spec's paths under the same

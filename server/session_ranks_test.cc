@@ -145,8 +145,10 @@ TEST_F(TrainingRanksTest, ForwardBackwardIsSplitAndMerged) {
   EXPECT_DOUBLE_EQ(fb.mismatch_max(), 0.9);
   // The controller's mismatch gauges show the merged figures, not one rank's.
   const std::string m = prometheus::TextSerializer().Serialize(registry_->Collect());
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{job=\"" + job_.name() + "\"} 0.3125"));
-  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{job=\"" + job_.name() + "\"} 0.9"));
+  const std::string job_id = "job_id=\"" + job_.name().substr(5) + "\"";  // "jobs/N" -> N
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{" + job_id + "} 0.3125"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{" + job_id + "} 0.9"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_loss{" + job_id + "} 1.75"));  // the merged batch's, too
   // The job's loss is the batch's, also after rank 0 reports progress with its share.
   EXPECT_DOUBLE_EQ(Get(job_.name()).loss(), 1.75);
   v1::WorkerMessage progress;

@@ -198,12 +198,14 @@ void Controller::ApplyReply(int64_t id, const v1::TrainingReply& reply) {
     case v1::TrainingReply::kForwardBackward: {
       const v1::ForwardBackwardResponse& fb = reply.forward_backward();
       job->set_loss(fb.loss());  // the whole batch's (OnProgress keeps it)
+      metrics_.SetLoss(job->name(), fb.loss());
       if (fb.tokens() > 0) metrics_.AddTokens(fb.tokens());
       if (fb.mismatch_tokens() > 0) metrics_.SetMismatch(job->name(), fb.mismatch_mean(), fb.mismatch_max());
       break;
     }
     case v1::TrainingReply::kOptimStep:
       metrics_.SetOptimizerStep(job->name(), reply.optim_step().step());
+      metrics_.SetOptimizerFigures(job->name(), reply.optim_step().grad_norm(), reply.optim_step().lr());
       break;
     case v1::TrainingReply::kLoadCheckpoint:
       metrics_.SetOptimizerStep(job->name(), reply.load_checkpoint().step());

@@ -46,14 +46,14 @@ class TrainingRoutingTest : public ControllerTest {
     id_ = *ParseJobName(job_.name());
     ASSERT_EQ(Get(job_.name()).state(), v1::Job::RUNNING);
   }
-  // odyssey_training_calls_waiting{job} of this session in the controller's registry; -1 when
+  // odyssey_training_calls_waiting{job_id} of this session in the controller's registry; -1 when
   // the series does not exist.
   double WaitingGauge() const {
     for (const auto& family : registry_->Collect()) {
       if (family.name != "odyssey_training_calls_waiting") continue;
       for (const auto& metric : family.metric) {
         for (const auto& label : metric.label) {
-          if (label.name == "job" && label.value == job_.name()) return metric.gauge.value;
+          if (label.name == "job_id" && "jobs/" + label.value == job_.name()) return metric.gauge.value;
         }
       }
     }
@@ -270,13 +270,18 @@ TEST_F(TrainingRoutingTest, RepliesUpdateCheckpointAndMetrics) {
       r.mutable_forward_backward()->set_mismatch_mean(0.125);
       r.mutable_forward_backward()->set_mismatch_max(0.5);
       r.mutable_forward_backward()->set_mismatch_tokens(4);
+      r.mutable_forward_backward()->set_loss(2.5);
     });
     ASSERT_TRUE(fb.Wait().ok());
   }
   {
     AsyncTrain step(controller_.get(), id_, Step(1e-3), 0);
     auto calls = conn_->WaitForCalls(2);
-    Reply(calls.back(), [](v1::TrainingReply& r) { r.mutable_optim_step()->set_step(7); });
+    Reply(calls.back(), [](v1::TrainingReply& r) {
+      r.mutable_optim_step()->set_step(7);
+      r.mutable_optim_step()->set_grad_norm(0.75);
+      r.mutable_optim_step()->set_lr(0.001);
+    });
     ASSERT_TRUE(step.Wait().ok());
   }
   {
@@ -306,10 +311,13 @@ TEST_F(TrainingRoutingTest, RepliesUpdateCheckpointAndMetrics) {
   controller_->CountTrainingCall("Forward", absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Get(job_.name()).last_checkpoint(), "/ckpt/step-00000007");
   const std::string m = Metrics();
-  const std::string job = "job=\"" + job_.name() + "\"";
+  const std::string job = "job_id=\"" + job_.name().substr(5) + "\"";  // "jobs/N" -> N
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_mean{" + job + "} 0.125"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_logprob_mismatch_max{" + job + "} 0.5"));
   EXPECT_THAT(m, HasSubstr("odyssey_rl_optimizer_step{" + job + "} 7"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_loss{" + job + "} 2.5"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_grad_norm{" + job + "} 0.75"));
+  EXPECT_THAT(m, HasSubstr("odyssey_job_learning_rate{" + job + "} 0.001"));
   EXPECT_THAT(m, HasSubstr("odyssey_training_calls_total{code=\"OK\",method=\"ForwardBackward\"} 1"));
   EXPECT_THAT(m, HasSubstr("odyssey_training_calls_total{code=\"INVALID_ARGUMENT\",method=\"Forward\"} 1"));
   // A restart after losing the worker resumes from the saved checkpoint.

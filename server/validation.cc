@@ -14,6 +14,7 @@
 #include "common/files.h"
 #include "common/wire_text.h"
 #include "model/config.h"
+#include "nlohmann/json.hpp"
 #include "planner/memory_spec.h"
 
 namespace odyssey::server {
@@ -43,6 +44,71 @@ absl::Status OneOf(absl::string_view field, const std::string& value,
     absl::Status _status = (expr);         \
     if (!_status.ok()) return _status;     \
   } while (0)
+
+absl::Status CheckDirectory(const std::string& dir, absl::string_view field, bool required);
+
+// The fields that make two configs the same parameter shapes (what a checkpoint's tensors and
+// optimizer state must match), for an error message.
+std::string Shape(const odyssey::model::ModelConfig& c) {
+  return absl::StrCat(c.num_hidden_layers, " layers, hidden_size ", c.hidden_size, ", intermediate_size ",
+                      c.intermediate_size, ", ", c.num_attention_heads, "/", c.num_key_value_heads,
+                      " heads, head_dim ", c.HeadDim(), ", vocab_size ", c.vocab_size,
+                      c.tie_word_embeddings ? ", tied embeddings" : "");
+}
+
+// spec.resume_from: a checkpoint folder an odyssey job wrote (weights, optimizer state and
+// trainer_state.json), of the model's shape and, for SFT, before `steps`.
+absl::Status CheckResumeFrom(const v1::JobSpec& spec, const odyssey::model::ModelConfig& model, const std::string& p,
+                             bool rl) {
+  const std::string field = p + ".resume_from";
+  const std::string& dir = spec.resume_from();
+  ODYSSEY_RETURN_IF_ERROR(CheckDirectory(dir, field, /*required=*/true));
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return Invalid(field, absl::StrCat(Quote(dir), " is not a folder: name a checkpoint an odyssey job wrote "
+                                       "(<checkpoint.directory>/step-NNNNNNNN, or a SaveCheckpoint folder)"));
+  }
+  for (const char* file : {"optimizer.safetensors", "trainer_state.json"}) {
+    const std::string path = (std::filesystem::path(dir) / file).string();
+    if (absl::Status s = CheckRegularFile(path); !s.ok()) {
+      return Invalid(field, absl::StrCat(Quote(dir), " has no readable ", file, " (", s.message(),
+                                         "): it is not a checkpoint an odyssey job wrote (an exported folder holds "
+                                         "weights only: to start from its weights with a fresh optimizer, name it "
+                                         "in model.name instead)"));
+    }
+  }
+  absl::StatusOr<odyssey::model::ModelConfig> saved = odyssey::model::ResolveModelConfig(dir);
+  if (!saved.ok()) {
+    return Invalid(field, absl::StrCat("the checkpoint's config cannot be used: ", saved.status().message()));
+  }
+  const bool same = saved->architecture == model.architecture && saved->vocab_size == model.vocab_size &&
+                    saved->hidden_size == model.hidden_size && saved->intermediate_size == model.intermediate_size &&
+                    saved->num_hidden_layers == model.num_hidden_layers &&
+                    saved->num_attention_heads == model.num_attention_heads &&
+                    saved->num_key_value_heads == model.num_key_value_heads && saved->HeadDim() == model.HeadDim() &&
+                    saved->tie_word_embeddings == model.tie_word_embeddings &&
+                    saved->QkvBias() == model.QkvBias() && saved->OBias() == model.OBias() &&
+                    saved->mlp_bias == model.mlp_bias && saved->QkNorm() == model.QkNorm();
+  if (!same) {
+    return Invalid(field, absl::StrCat("the checkpoint's model (", Shape(*saved), ") is not the shape of ", p,
+                                       ".model.name ", Quote(spec.model().name()), " (", Shape(model),
+                                       "): resume with the model.name the checkpoint was trained from"));
+  }
+  const std::string state_path = (std::filesystem::path(dir) / "trainer_state.json").string();
+  absl::StatusOr<std::string> text = ReadRegularFile(state_path, size_t{1} << 20);
+  if (!text.ok()) return Invalid(field, absl::StrCat("trainer_state.json: ", text.status().message()));
+  const nlohmann::json state = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!state.is_object() || !state.contains("step") || !state["step"].is_number_integer() ||
+      state["step"].get<int64_t>() < 0) {
+    return Invalid(field, absl::StrCat(Quote(dir), ": trainer_state.json has no step (a non-negative integer)"));
+  }
+  const int64_t step = state["step"].get<int64_t>();
+  if (!rl && spec.steps() > 0 && step >= spec.steps()) {
+    return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be greater than the step of ", field,
+                                              " (", step, "): nothing would be left to train"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -74,9 +140,10 @@ absl::StatusOr<int64_t> ParseJobName(absl::string_view name, absl::string_view f
   return id;
 }
 
-absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
+absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecUse use) {
   const std::string p(f);
   const bool rl = spec.kind() == v1::RL_SESSION;
+  const bool plan = use == SpecUse::kPlan;
   if (spec.kind() != v1::SFT && spec.kind() != v1::JOB_KIND_UNSPECIFIED && !rl) {
     return Invalid(p + ".kind", absl::StrCat("unknown kind ", static_cast<int>(spec.kind())));
   }
@@ -160,8 +227,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
 
   // Optimizer.
   const auto& opt = spec.optimizer();
-  // An RL session's lr comes with each OptimStep: 0 (unset) is fine there.
-  if ((!rl || opt.lr() != 0) && !(opt.lr() > 0 && opt.lr() <= kMaxLearningRate)) {
+  // An RL session's lr comes with each OptimStep, and a plan reads none: 0 (unset) is fine there.
+  if ((!(rl || plan) || opt.lr() != 0) && !(opt.lr() > 0 && opt.lr() <= kMaxLearningRate)) {
     return Invalid(p + ".optimizer.lr", absl::StrCat("(", opt.lr(), ") must be in (0, ", kMaxLearningRate, "]",
                                                      rl ? " (or 0: RL sessions take lr from each OptimStep)" : ""));
   }
@@ -191,7 +258,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   // are unused; seq_len x batch_size is the largest batch one call may carry.
   const auto& data = spec.data();
   if (!rl) ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".data.format", data.format(), {"kjv", "text", "bin", "jsonl"}));
-  if (!rl && !data.format().empty() && data.format() != "kjv") {
+  if (!rl && !plan && !data.format().empty() && data.format() != "kjv") {
     if (data.path().empty()) {
       return Invalid(p + ".data.path", absl::StrCat("is required for data.format \"", data.format(), "\""));
     }
@@ -221,11 +288,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   }
 
   // Run.
-  if (!rl && spec.steps() <= 0) {
+  if (!rl && !plan && spec.steps() <= 0) {
     return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be > 0"));
   }
-  if (rl && spec.steps() < 0) {
-    return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be >= 0 (unused by RL_SESSION jobs)"));
+  if ((rl || plan) && spec.steps() < 0) {
+    return Invalid(p + ".steps", absl::StrCat("(", spec.steps(), ") must be >= 0 (unused by ",
+                                              rl ? "RL_SESSION jobs" : "a plan", ")"));
   }
   if (spec.rl().idle_timeout_seconds() < 0) {
     return Invalid(p + ".rl.idle_timeout_seconds",
@@ -245,6 +313,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f) {
   if (spec.restart_limit() < 0) {
     return Invalid(p + ".restart_limit", absl::StrCat("(", spec.restart_limit(), ") must be >= 0"));
   }
+  if (!plan && !spec.resume_from().empty()) ODYSSEY_RETURN_IF_ERROR(CheckResumeFrom(spec, *config, p, rl));
   return absl::OkStatus();
 }
 
@@ -262,7 +331,7 @@ absl::Status ValidatePlanRequest(const v1::PlanRequest& request) {
   if (request.host_bytes() < 0) {
     return Invalid("host_bytes", absl::StrCat("(", request.host_bytes(), ") must be >= 0"));
   }
-  return ValidateJobSpec(request.spec(), "spec");
+  return ValidateJobSpec(request.spec(), "spec", SpecUse::kPlan);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -418,6 +487,9 @@ absl::Status CheckJobSpecPaths(const v1::JobSpec& spec, const PathPolicy& policy
   if (!spec.checkpoint().directory().empty()) {
     ODYSSEY_RETURN_IF_ERROR(
         policy.Check(spec.checkpoint().directory(), Access::kWrite, tenant, p + ".checkpoint.directory"));
+  }
+  if (!spec.resume_from().empty()) {
+    ODYSSEY_RETURN_IF_ERROR(policy.Check(spec.resume_from(), Access::kRead, tenant, p + ".resume_from"));
   }
   return absl::OkStatus();
 }

@@ -47,13 +47,21 @@ inline constexpr int kMaxBatchDatums = 65536;
 inline constexpr size_t kMaxPathBytes = 4096;
 inline constexpr size_t kMaxPathComponentBytes = 200;  // per component of such a path
 
+// What a spec is checked for. kJob: a job to run (CreateJob). kPlan: PlannerService.Plan, which
+// reads only model, data.seq_len, data.batch_size and memory, so the rules that make other fields
+// required (optimizer.lr > 0, steps > 0, data.path for a file format) and the files a run reads
+// (data.path, resume_from) are not checked; fields that are set are still range-checked alike.
+enum class SpecUse { kJob, kPlan };
+
 // Checks a JobSpec; `field` prefixes field names in messages ("spec").
 // Resolves the model (a named shape or a checkpoint directory with config.json) to check
-// seq_len against max_position_embeddings, and checks the dataset path is a readable file.
-absl::Status ValidateJobSpec(const odyssey::v1::JobSpec& spec, absl::string_view field = "spec");
+// seq_len against max_position_embeddings, and checks the dataset path is a readable file and
+// resume_from a checkpoint folder an odyssey job wrote, of the model's shape, before `steps`.
+absl::Status ValidateJobSpec(const odyssey::v1::JobSpec& spec, absl::string_view field = "spec",
+                             SpecUse use = SpecUse::kJob);
 
 absl::Status ValidateCreateJobRequest(const odyssey::v1::CreateJobRequest& request);
-// PlannerService.Plan: spec as for CreateJob; gpu_bytes and host_bytes >= 0 (0 = the workers').
+// PlannerService.Plan: the spec as SpecUse::kPlan; gpu_bytes and host_bytes >= 0 (0 = the workers').
 absl::Status ValidatePlanRequest(const odyssey::v1::PlanRequest& request);
 absl::Status ValidateListJobsRequest(const odyssey::v1::ListJobsRequest& request);
 

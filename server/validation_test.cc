@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/config.h"
 
 namespace odyssey::server {
 namespace {
@@ -167,6 +168,82 @@ TEST(ValidationTest, RlSessionSpec) {
   spec.mutable_parallel()->set_context_parallel(2);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
               HasSubstr("context_parallel: (2) must be 1 (or 0) for RL_SESSION jobs"));
+}
+
+// Plan reads model, data.seq_len, data.batch_size and memory only: a spec without lr or steps
+// (or a dataset, or a resume folder) is planned; CreateJob still requires them; a value that is
+// set is still checked.
+TEST(ValidationTest, PlanRequiresOnlyWhatItReads) {
+  v1::PlanRequest plan;
+  v1::JobSpec* spec = plan.mutable_spec();
+  spec->mutable_model()->set_name("tiny");
+  spec->mutable_data()->set_seq_len(64);
+  spec->mutable_data()->set_batch_size(2);
+  spec->mutable_data()->set_format("jsonl");  // no path: a plan reads no data
+  spec->set_resume_from("/no/such/checkpoint");
+  EXPECT_TRUE(ValidatePlanRequest(plan).ok()) << ValidatePlanRequest(plan);
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = *spec;
+  EXPECT_THAT(std::string(ValidateCreateJobRequest(create).message()), HasSubstr("spec.optimizer.lr"));
+  spec->mutable_optimizer()->set_lr(-1);
+  EXPECT_THAT(std::string(ValidatePlanRequest(plan).message()), HasSubstr("spec.optimizer.lr: (-1)"));
+  spec->mutable_optimizer()->clear_lr();
+  spec->set_steps(-2);
+  EXPECT_THAT(std::string(ValidatePlanRequest(plan).message()), HasSubstr("spec.steps: (-2) must be >= 0"));
+  spec->clear_steps();
+  spec->mutable_data()->set_seq_len(0);
+  EXPECT_THAT(std::string(ValidatePlanRequest(plan).message()), HasSubstr("spec.data.seq_len"));
+}
+
+// spec.resume_from: a checkpoint folder an odyssey job wrote, of the model's shape, before the
+// spec's steps; each broken rule is INVALID_ARGUMENT naming the field.
+TEST(ValidationTest, ResumeFromMustBeACheckpointOfTheModelBeforeSteps) {
+  const std::filesystem::path root = std::filesystem::path(::testing::TempDir()) / "odyssey-validation-resume";
+  std::filesystem::remove_all(root);
+  auto checkpoint = [&](const std::string& name, const std::string& shape, int64_t step, bool optimizer) {
+    const std::filesystem::path dir = root / name;
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "config.json") << odyssey::model::ToHfConfigJson(*odyssey::model::NamedShape(shape), "float32");
+    std::ofstream(dir / "model.safetensors") << "weights";
+    std::ofstream(dir / "trainer_state.json") << "{\"step\": " << step << ", \"model\": \"" << shape << "\"}\n";
+    if (optimizer) std::ofstream(dir / "optimizer.safetensors") << "state";
+    return dir.string();
+  };
+  v1::JobSpec spec = GoodSpec();  // tiny, 10 steps
+  spec.set_resume_from(checkpoint("good", "tiny", 4, true));
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  struct Case {
+    std::string resume_from;
+    int64_t steps;
+    std::string field, rule;
+  };
+  const std::vector<Case> cases = {
+      {(root / "missing").string(), 10, "spec.resume_from", "is not a folder"},
+      {"relative/step-00000004", 10, "spec.resume_from", "must be an absolute path"},
+      {checkpoint("exported", "tiny", 4, false), 10, "spec.resume_from",
+       "has no readable optimizer.safetensors"},
+      {checkpoint("other-shape", "llama-3.2-1b", 4, true), 10, "spec.resume_from",
+       "is not the shape of spec.model.name \"tiny\""},
+      {checkpoint("done", "tiny", 10, true), 10, "spec.steps",
+       "(10) must be greater than the step of spec.resume_from (10)"},
+  };
+  for (const Case& c : cases) {
+    spec.set_resume_from(c.resume_from);
+    spec.set_steps(c.steps);
+    const absl::Status s = ValidateJobSpec(spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.resume_from;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.field + ": ")) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.rule)) << s;
+  }
+  // An exported folder is named as a base model instead: model.name.
+  spec.set_resume_from((root / "exported").string());
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("name it in model.name instead"));
+  // RL sessions have no step target: a checkpoint at any step resumes.
+  spec.set_kind(v1::RL_SESSION);
+  spec.clear_steps();
+  spec.set_resume_from((root / "done").string());
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  std::filesystem::remove_all(root);
 }
 
 v1::Datum OneDatum() {

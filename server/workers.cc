@@ -103,6 +103,11 @@ void Controller::OnProgress(Worker& w, const v1::JobProgress& progress) {
   job->set_tokens_per_second(m.tokens_per_second());
   // RL sessions count their positions from the (merged) ForwardBackward replies instead.
   if (m.tokens() > 0 && job->spec().kind() != v1::RL_SESSION) metrics_.AddTokens(m.tokens());
+  // An RL session's figures come from its (merged) replies in ApplyReply.
+  if (m.step() > 0 && job->spec().kind() != v1::RL_SESSION) {
+    metrics_.SetLoss(job->name(), m.loss());
+    metrics_.SetOptimizerFigures(job->name(), m.grad_norm(), m.lr());
+  }
   if (m.step_seconds() > 0) metrics_.ObserveStep(m.step_seconds());
   v1::JobEvent event;
   *event.mutable_step() = m;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
+#include "common/version.h"
 
 int main(int argc, char** argv) {
   odyssey::engine::TrainerOptions o;
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   int threads = 0;
 
   CLI::App app{"odyssey-train: train a decoder model on one device"};
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey-train"));
   app.add_option("--model", o.model, "named shape (tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or HF checkpoint dir")
       ->capture_default_str();
   app.add_option("--device", o.device, "auto | cpu | cuda | cuda:N")->capture_default_str();

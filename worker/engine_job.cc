@@ -203,7 +203,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   engine::Trainer& t = **created;
   if (!j.resume_from.empty()) {
     if (absl::Status s = t.LoadCheckpoint(j.resume_from); !s.ok())
-      return fail(absl::Status(s.code(), absl::StrCat("resume_from ", j.resume_from, ": ", s.message())));
+      return fail(absl::Status(s.code(), absl::StrCat(j.resume_field, " ", j.resume_from, ": ", s.message())));
     // Replay the data stream so the resumed run trains on what an uninterrupted one would.
     for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
   }

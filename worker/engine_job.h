@@ -66,6 +66,7 @@ struct EngineJobOptions {
   int world_size = 1;
   std::string rendezvous;      // host:port, for world_size > 1
   std::string resume_from;     // checkpoint folder; empty = fresh
+  std::string resume_field = "resume_from";  // what errors of the resume call it
   std::string checkpoint_dir;  // empty = no checkpoints
   // Who the step folders rank 0 writes belong to (checkpoint_folder.h); never empty when
   // checkpoint_dir is set (JobRunner falls back to `job`).

@@ -53,7 +53,10 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   if (o.rank < 0 || o.rank >= o.world_size)
     return absl::InvalidArgumentError(absl::StrCat("rank (", o.rank, ") must be in [0, world_size (", o.world_size, "))"));
   o.rendezvous = a.rendezvous();
-  o.resume_from = a.resume_from();
+  // The controller's resume_from (the job's own newest checkpoint, after a worker loss) wins;
+  // before the job has one, a run starts from the spec's.
+  o.resume_from = a.resume_from().empty() ? spec.resume_from() : a.resume_from();
+  o.resume_field = a.resume_from().empty() ? "spec.resume_from" : "resume_from";
   o.checkpoint_dir = a.checkpoint_dir().empty() ? spec.checkpoint().directory() : a.checkpoint_dir();
   o.checkpoint_owner = a.checkpoint_owner().empty() ? a.job() : a.checkpoint_owner();  // an older controller's
   o.every_steps = spec.checkpoint().every_steps();

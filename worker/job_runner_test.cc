@@ -5,6 +5,7 @@
 #include <functional>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -601,6 +602,136 @@ TEST_F(JobRunnerTest, RlSessionCancelAbortsQueuedCalls) {
     }
   }
   EXPECT_GT(aborted, 0);
+}
+
+// spec.resume_from (a new job, its own checkpoint folder, the spec naming another run's step-4
+// checkpoint) continues at step 5 with the losses, step for step, and the final weights of the
+// run that was never interrupted: weights, optimizer state, step counter and data position all
+// come from the checkpoint. A folder that is no checkpoint, or one whose optimizer state does not
+// fit the run, fails the job naming spec.resume_from.
+TEST_F(JobRunnerTest, SpecResumeFromGivesTheLossesOfTheUninterruptedRun) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;  // a progress per step: every loss
+  auto losses = [](Recorder& rec) {
+    absl::MutexLock l(&rec.mu);
+    std::map<int64_t, double> out;
+    for (const v1::JobProgress& p : rec.progress) out[p.metrics().step()] = p.metrics().loss();
+    return out;
+  };
+  const std::string straight = (root_ / "straight").string();
+  std::map<int64_t, double> uninterrupted;
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob(straight, 8);
+    a.mutable_spec()->mutable_checkpoint()->set_keep(0);  // every second step, all kept
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    ASSERT_TRUE(rec.Wait().ok());
+    uninterrupted = losses(rec);
+  }
+  ASSERT_EQ(uninterrupted.size(), 8u);
+  const std::string resumed_dir = (root_ / "resumed").string();
+  v1::Assignment a = TinyJob(resumed_dir, 8);
+  a.set_job("jobs/8");
+  a.mutable_spec()->set_resume_from(CheckpointPath(straight, 4));
+  Recorder rec;
+  {
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r.step(), 8);
+  }
+  const std::map<int64_t, double> resumed = losses(rec);
+  ASSERT_EQ(resumed.size(), 4u);
+  for (const auto& [step, loss] : resumed) {
+    EXPECT_GE(step, 5);
+    EXPECT_EQ(loss, uninterrupted.at(step)) << "step " << step;  // bitwise: the same computation
+  }
+  EXPECT_EQ(ReadFile(CheckpointPath(resumed_dir, 8) + "/model.safetensors"),
+            ReadFile(CheckpointPath(straight, 8) + "/model.safetensors"));
+  EXPECT_EQ(ReadFile(CheckpointPath(resumed_dir, 8) + "/optimizer.safetensors"),
+            ReadFile(CheckpointPath(straight, 8) + "/optimizer.safetensors"));
+  // The controller's resume_from (the job's own newest checkpoint, after a worker loss) wins.
+  {
+    v1::Assignment b = TinyJob((root_ / "restarted").string(), 8);
+    b.mutable_spec()->set_resume_from(CheckpointPath(straight, 2));
+    b.set_resume_from(CheckpointPath(straight, 6));
+    Recorder rec;
+    JobRunner runner(b, opts, rec.Callbacks(), nullptr);
+    ASSERT_TRUE(rec.Wait().ok());
+    EXPECT_EQ(losses(rec).begin()->first, 7);
+  }
+  // Errors name the field.
+  auto fails = [&](const std::function<void(v1::Assignment&)>& edit) {
+    v1::Assignment b = TinyJob((root_ / "bad").string(), 8);
+    edit(b);
+    Recorder rec;
+    JobRunner runner(b, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    EXPECT_FALSE(r.ok());
+    return r.error();
+  };
+  std::string e = fails([&](v1::Assignment& b) { b.mutable_spec()->set_resume_from((root_ / "nowhere").string()); });
+  EXPECT_NE(e.find("spec.resume_from " + (root_ / "nowhere").string()), std::string::npos) << e;
+  // A float32 run's optimizer state has no fp32 masters, which a bfloat16 run needs.
+  e = fails([&](v1::Assignment& b) {
+    b.mutable_spec()->set_resume_from(CheckpointPath(straight, 4));
+    b.mutable_spec()->mutable_model()->set_dtype("bfloat16");
+  });
+  EXPECT_NE(e.find("spec.resume_from"), std::string::npos) << e;
+  EXPECT_NE(e.find("missing tensor 'master."), std::string::npos) << e;
+}
+
+// A checkpoint of a job whose model.name is a Hugging Face folder, and an RL session's
+// ExportWeights, are complete model folders: the base folder's tokenizer and generation files
+// come along byte for byte (ready for vLLM / transformers), its other files do not.
+TEST_F(JobRunnerTest, CheckpointsAndExportsCarryTheBaseModelsTokenizerFiles) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  const fs::path base = root_ / "base";
+  {
+    Recorder rec;
+    JobRunner runner(TinyJob((root_ / "make-base").string(), 2), opts, rec.Callbacks(), nullptr);
+    ASSERT_TRUE(rec.Wait().ok());
+  }
+  fs::create_directories(base);
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    fs::copy_file(fs::path(CheckpointPath((root_ / "make-base").string(), 2)) / f, base / f);
+  }
+  const std::map<std::string, std::string> extras = {
+      {"tokenizer.json", "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\": {}}}"},
+      {"tokenizer_config.json", "{\"bos_token\": \"<s>\", \"chat_template\": \"{{ messages }}\"}"},
+      {"special_tokens_map.json", "{\"bos_token\": \"<s>\"}"},
+      {"generation_config.json", "{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9}"}};
+  for (const auto& [name, text] : extras) std::ofstream(base / name) << text;
+  std::ofstream(base / "notes.txt") << "not a model file";
+  auto expect_complete = [&](const fs::path& folder) {
+    for (const auto& [name, text] : extras) EXPECT_EQ(ReadFile((folder / name).string()), text) << folder / name;
+    EXPECT_FALSE(fs::exists(folder / "notes.txt")) << folder;
+    EXPECT_TRUE(fs::exists(folder / "config.json")) << folder;
+  };
+  {
+    Recorder rec;
+    v1::Assignment a = TinyJob((root_ / "sft").string(), 2);
+    a.mutable_spec()->mutable_model()->set_name(base.string());
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait();
+    ASSERT_TRUE(r.ok()) << r.error();
+    expect_complete(CheckpointPath((root_ / "sft").string(), 2));
+  }
+  RlRecorder rec;
+  v1::Assignment a = RlJob((root_ / "rl").string(), 60);
+  a.mutable_spec()->mutable_model()->set_name(base.string());
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  ASSERT_TRUE(runner.Submit(Call(1, [&](v1::TrainingCall& c) {
+    c.mutable_export_weights()->set_directory((root_ / "export").string());
+  })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(1);
+  ASSERT_EQ(r.size(), 1u);
+  ASSERT_EQ(r[0].code(), 0) << r[0].message();
+  expect_complete(root_ / "export");
+  runner.Cancel("done");
+  rec.Wait();
 }
 
 // On a GPU: the session's trainer is built as an SFT run's would be there (dtype auto = bf16, the

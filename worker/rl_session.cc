@@ -198,6 +198,7 @@ struct RlSession::Impl {
       case RlMethod::kExportWeights: {
         model::SaveOptions save;
         save.dtype = t.dtype();
+        save.base_dir = t.options().model;  // tokenizer files: the export is a complete model folder
         if (!req.dtype.empty()) {
           absl::StatusOr<torch::Dtype> d = model::ParseDtype(req.dtype);
           if (!d.ok()) {
@@ -258,7 +259,7 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
     impl->trainer = *std::move(created);
     if (!options.resume_from.empty()) {
       if (absl::Status s = impl->trainer->LoadCheckpoint(options.resume_from); !s.ok())
-        return absl::Status(s.code(), absl::StrCat("resume_from ", options.resume_from, ": ", s.message()));
+        return absl::Status(s.code(), absl::StrCat(options.resume_field, " ", options.resume_from, ": ", s.message()));
     }
     return std::unique_ptr<RlSession>(new RlSession(std::move(impl)));
   } catch (const std::exception& e) {

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
+#include "common/version.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "worker/engine_job.h"
 #include "common/files.h"
@@ -37,6 +38,7 @@ int main(int argc, char** argv) {
   std::string token_file;
 
   CLI::App app{"odyssey-worker: runs odyssey jobs on one device for an odyssey-controller"};
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey-worker"));
   app.add_option("--controller", controller, "controller gRPC address host:port")->capture_default_str();
   app.add_option("--worker-id", worker_id, "stable worker id (default: <hostname>-<pid>)");
   app.add_option("--device", device, "auto | cpu | cuda | cuda:N")->capture_default_str();

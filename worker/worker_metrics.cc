@@ -5,14 +5,17 @@ namespace odyssey::worker {
 WorkerMetrics::WorkerMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
   auto& r = *registry_;
   step_duration = &prometheus::BuildHistogram()
-                       .Name("odyssey_step_duration_seconds")
-                       .Help("Wall time of one training step on this worker")
+                       .Name("odyssey_worker_step_duration_seconds")
+                       .Help("Wall time of one training step on this worker (its rank; RL sessions: compute "
+                             "time per optimizer step); whole jobs' steps are the controller's "
+                             "odyssey_step_duration_seconds")
                        .Register(r)
                        .Add({}, prometheus::Histogram::BucketBoundaries{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                                                                         5, 10, 30, 60, 120, 300, 600, 1800});
   tokens = &prometheus::BuildCounter()
-                .Name("odyssey_tokens_total")
-                .Help("Token positions trained on this worker (its own rank's share)")
+                .Name("odyssey_worker_tokens_total")
+                .Help("Token positions trained on this worker (its own rank's share); all ranks of all jobs "
+                      "are the controller's odyssey_tokens_total")
                 .Register(r)
                 .Add({});
   steps = &prometheus::BuildCounter().Name("odyssey_steps_total").Help("Training steps run").Register(r).Add({});

@@ -1,5 +1,7 @@
 // WorkerMetrics: the worker's Prometheus metrics (DESIGN.md section 6), on one registry that
-// the worker's MetricsEndpoint serves. No per-job labels (jobs are high-cardinality).
+// the worker's MetricsEndpoint serves. No per-job labels (jobs are high-cardinality). Names
+// are the worker's own (odyssey_worker_*) where the controller exports a figure of the same
+// kind for whole jobs (odyssey_tokens_total, odyssey_step_duration_seconds): one name, one meaning.
 // Thread safety: prometheus-cpp metrics are thread-safe; the pointers never change.
 #pragma once
 
@@ -17,8 +19,8 @@ class WorkerMetrics {
   WorkerMetrics();
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
-  prometheus::Histogram* step_duration;  // odyssey_step_duration_seconds
-  prometheus::Counter* tokens;           // odyssey_tokens_total (this rank's positions)
+  prometheus::Histogram* step_duration;  // odyssey_worker_step_duration_seconds (this rank's steps)
+  prometheus::Counter* tokens;           // odyssey_worker_tokens_total (this rank's positions)
   prometheus::Counter* steps;            // odyssey_steps_total
   prometheus::Gauge* gpu_memory_peak;    // odyssey_gpu_memory_peak_bytes (0 on CPU)
   prometheus::Gauge* gpu_memory_capacity;  // odyssey_gpu_memory_capacity_bytes (0 on CPU)

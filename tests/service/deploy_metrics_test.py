@@ -9,13 +9,19 @@ targets, template variable queries) and deploy/prometheus/alerts.yml is parsed f
 `odyssey_*` series, and each must
 
   - be served with samples by the controller or the worker (a histogram's name only with
-    `_bucket`, `_sum` or `_count`), by the process its `job="..."` matcher names; a name both
-    processes serve (odyssey_tokens_total, odyssey_step_duration_seconds) must name one;
+    `_bucket`, `_sum` or `_count`), by the process its `job="..."` matcher names (alerts; the
+    dashboard selects targets with its $namespace and $job variables and hard-codes no job);
   - be used as its type allows: counters and histogram series only as range vectors inside
     rate/irate/increase (and `_bucket` only under histogram_quantile), gauges never in
     rate/irate/increase;
   - name only labels the series carries or the scrape config adds (job, instance, namespace,
-    pod; odyssey_job = the controller's exported `job` label), in matchers and in by (...).
+    pod), in matchers and in by (...).
+
+One meaning per name: no name but odyssey_build_info is served by both processes, and no series
+carries a label of its own that collides with a target label (`job`: the per-job series use
+`job_id`). The new series (per-job loss, gradient norm and learning rate, the TrainingService
+latency histogram, odyssey_build_info) must be served, with the values the run gave them, and
+shown by the dashboard (a loss panel among them).
 
 It also checks that the files parse (JSON, YAML), that the dashboard has a current
 schemaVersion, a Prometheus datasource variable used by every panel, and the worker and RL
@@ -45,6 +51,8 @@ from rl_test import RlCluster  # noqa: E402
 
 CONTROLLER, WORKER = "odyssey-controller", "odyssey-worker"  # prometheus.yml's job names
 TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape config
+SHARED_NAMES = {"odyssey_build_info"}  # served by both processes, with one meaning: the process's build
+DASHBOARD_JOB_VARIABLE = "$job"  # the dashboard's scrape-job variable (job=~"$job")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 COUNTER_FUNCS = {"rate", "irate", "increase"}
 GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
@@ -78,6 +86,7 @@ class Served:
 
     def __init__(self, pages):
         self.by_job = {}  # scrape job -> {sample name: (family type, label names)}
+        self.collisions = []  # (scrape job, sample name, label) where a label of ours is a target label
         for job, text in pages.items():
             types, samples = parse_exposition(text)
             series = {}
@@ -86,9 +95,8 @@ class Served:
                 for suffix in HISTOGRAM_SUFFIXES:
                     if name.endswith(suffix) and types.get(name[: -len(suffix)]) == "histogram":
                         family = name[: -len(suffix)]
-                # The exposed `job` label collides with the target label: prometheus.yml stores
-                # it as odyssey_job.
-                labels = {"odyssey_job" if l == "job" else l for l in labels} | TARGET_LABELS
+                self.collisions += [(job, name, l) for l in sorted(labels & TARGET_LABELS)]
+                labels = labels | TARGET_LABELS
                 series[name] = (types.get(family, "untyped"), labels, family != name)
             self.by_job[job] = series
 
@@ -137,6 +145,8 @@ def check_expr(where, expr, served, label_arg=None):
     known_labels = set()
     for name, matchers, has_range, func, _ in found:
         job = matchers.get("job")
+        if job and job == ("=~", DASHBOARD_JOB_VARIABLE):
+            job = None  # the dashboard's variable: any scrape job
         if job and (job[0] != "=" or job[1] not in served.by_job):
             problems.append(f"{where}: {name}{{job{job[0]}\"{job[1]}\"}}: job must be = one of {sorted(served.by_job)}")
             continue
@@ -145,7 +155,7 @@ def check_expr(where, expr, served, label_arg=None):
             elsewhere = served.jobs_serving(name)
             problems.append(f"{where}: {name} is not served" + (f" by {job[1]} (only by {elsewhere})" if job and elsewhere else ""))
             continue
-        if not job and len(served.jobs_serving(name)) > 1:
+        if not job and len(served.jobs_serving(name)) > 1 and name not in SHARED_NAMES:
             problems.append(f"{where}: {name} is served by both {served.jobs_serving(name)}: name one with job=\"...\"")
         kind, labels, histogram_part = info
         known_labels |= labels
@@ -225,9 +235,17 @@ def check_dashboard_shape(dashboard):
     ds = variables.get("datasource")
     if not ds or ds["type"] != "datasource" or ds["query"] != "prometheus":
         problems.append("no Prometheus datasource variable named `datasource`")
-    for name in ("worker", "odyssey_job"):
+    for name in ("namespace", "job", "worker", "job_id"):
         if name not in variables:
             problems.append(f"no template variable ${name}")
+    # Templated on the namespace and scrape job: no expression hard-codes a scrape job.
+    text = json.dumps(dashboard)
+    for hard in re.findall(r'job=\\"[^$\\][^\\]*\\"', text):
+        problems.append(f"the dashboard hard-codes {hard} (use job=~\"$job\")")
+    titles = {p["title"]: p for p in dashboard["panels"]}
+    loss = titles.get("Loss by job")
+    if not loss or "odyssey_job_loss" not in json.dumps(loss.get("targets")):
+        problems.append("no panel 'Loss by job' over odyssey_job_loss")
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     for want in ("Cluster", "Training", "Memory", "RL sessions"):
         if want not in rows:
@@ -292,10 +310,10 @@ ALERT_CASES = {
                                    {"job": CONTROLLER, "pod": "c"}),
     # Steps and tokens move for 10 minutes, then stop while the worker stays busy.
     "OdysseyJobStalled": ([("odyssey_worker_busy{%s}" % W, "1x40"), ("odyssey_steps_total{%s}" % W, "0+1x10 10x30"),
-                           ("odyssey_tokens_total{%s}" % W, "0+100x10 1000x30")], "35m", "20m",
+                           ("odyssey_worker_tokens_total{%s}" % W, "0+100x10 1000x30")], "35m", "20m",
                           {"job": WORKER, "pod": "w0"}),
-    "OdysseyRlLogprobMismatchHigh": ([('odyssey_rl_logprob_mismatch_max{%s, odyssey_job="jobs/3"}' % C, "0.5 0.5 3x20")],
-                                     "15m", "5m", {"job": CONTROLLER, "pod": "c", "odyssey_job": "jobs/3"}),
+    "OdysseyRlLogprobMismatchHigh": ([('odyssey_rl_logprob_mismatch_max{%s, job_id="3"}' % C, "0.5 0.5 3x20")],
+                                     "15m", "5m", {"job": CONTROLLER, "pod": "c", "job_id": "3"}),
     # 80e9 of an 85e9-byte device while busy (fires), then the job ends and the gauge keeps its
     # value (quiet).
     "OdysseyGpuMemoryNearCapacity": ([("odyssey_gpu_memory_peak_bytes{%s}" % W, "40e9 40e9 80e9x5"),
@@ -376,9 +394,39 @@ def run_cluster(c):
         raise Failure(f"the RL session did not report a mismatch ({r.mismatch_tokens} tokens) or step {s.step}")
     c.jobs.ListJobs(c.pb.ListJobsRequest(), timeout=10)  # a JobService call for the latency histogram
     pages = {CONTROLLER: scrape_text(c.metrics_port), WORKER: scrape_text(worker_port)}
-    if f'odyssey_rl_optimizer_step{{job="{rl}"}} 1' not in pages[CONTROLLER]:
-        raise Failure(f"the controller does not show {rl}'s optimizer step: {pages[CONTROLLER]}")
+    job_id = rl.split("/")[-1]
+    values = scrape_values(pages[CONTROLLER])
+    want = {f'odyssey_rl_optimizer_step{{job_id="{job_id}"}}': 1,
+            f'odyssey_job_loss{{job_id="{job_id}"}}': r.loss,
+            f'odyssey_job_grad_norm{{job_id="{job_id}"}}': s.grad_norm,
+            f'odyssey_job_learning_rate{{job_id="{job_id}"}}': s.lr,
+            'odyssey_training_call_duration_seconds_count{method="ForwardBackward"}': 1,
+            'odyssey_training_call_duration_seconds_count{method="OptimStep"}': 1,
+            'odyssey_training_call_duration_seconds_count{method="Forward"}': 1}
+    for series, value in want.items():
+        got = values.get(series)
+        print(f"controller: {series} = {got} (want {value:.6g})")
+        if got is None or abs(got - value) > 1e-6 * max(1.0, abs(value)):
+            raise Failure(f"the controller serves {series} = {got}, want {value}")
+    for job, text in pages.items():
+        info = [line for line in text.splitlines() if line.startswith("odyssey_build_info{")]
+        print(f"{job}: {info}")
+        if len(info) != 1 or not re.fullmatch(r'odyssey_build_info\{revision="[^"]*",version="\d+\.\d+\.\d+"\} 1', info[0]):
+            raise Failure(f"{job} serves {info} as odyssey_build_info")
+    # The SFT job's per-job series ended with it.
+    if f'job_id="{sft.split("/")[-1]}"' in pages[CONTROLLER]:
+        raise Failure(f"the controller still serves series of {sft}, which ended")
     return pages
+
+
+def scrape_values(text):
+    """{'name{labels}': value} of one /metrics page."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
 
 
 def check_all(c):
@@ -400,15 +448,26 @@ def check_all(c):
     # The checker must be able to fail: an unknown series, a gauge under rate(), a name both
     # processes serve without job="...", a bare histogram, a label the series lacks.
     for bad in ('rate(odyssey_no_such_total[5m])', 'rate(odyssey_worker_busy{job="odyssey-worker"}[5m])',
-                'odyssey_tokens_total', 'odyssey_step_duration_seconds{job="odyssey-worker"}',
-                'sum by (method) (odyssey_queue_depth)'):
+                'odyssey_tokens_total', 'odyssey_step_duration_seconds_count{job="odyssey-worker"}',
+                'rate(odyssey_step_duration_seconds[5m])', 'sum by (method) (odyssey_queue_depth)',
+                'odyssey_job_loss{job=~"odyssey-.*"}', 'odyssey_job_loss{job_id="1", odyssey_job="jobs/1"}'):
         if not check_expr("self-check", bad, served):
             problems.append(f"the checker accepts {bad!r}")
+    # One meaning per name: a name is one process kind's, and no label of ours is a target label.
+    for name in sorted(set(served.by_job[CONTROLLER]) & set(served.by_job[WORKER])):
+        if name not in SHARED_NAMES:
+            problems.append(f"{name} is served by both the controller and the worker (one name, one meaning)")
+    for job, name, label in served.collisions:
+        problems.append(f"{job} serves {name} with a label {label!r}, which the scrape's target label replaces")
     used = set()
     for where, expr, label in exprs:
         problems += check_expr(where, expr, served, label)
         used |= {sel[0] for sel in selectors(expr)}
     print(f"{len(used)} odyssey series used: {', '.join(sorted(used))}")
+    for name in ("odyssey_job_loss", "odyssey_job_grad_norm", "odyssey_job_learning_rate",
+                 "odyssey_training_call_duration_seconds_bucket", "odyssey_build_info"):
+        if name not in used:
+            problems.append(f"the dashboard does not show {name}")
     if problems:
         raise Failure(f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
 

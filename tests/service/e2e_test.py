@@ -29,6 +29,9 @@ Cases (--case):
                    refuses the folder while the first run is live; a run of a new store (job
                    ids start again at jobs/1) fails at its start naming the folder, and the
                    first run's checkpoint is still there.
+  resume_from_spec a new job with spec.resume_from = another job's step-4 checkpoint starts at
+                   step 5 with the uninterrupted run's losses at steps 5..8; `odyssey get` shows
+                   resume_from; a resume_from that is no folder is refused naming the field.
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
@@ -43,8 +46,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (DEADLINE_S, Failure, Processes, arg_parser, free_port_base, generate_stubs,  # noqa: E402
-                     parse_args, run_test, scrape, wait_for, wait_for_port_file)
+from harness import (DEADLINE_S, Failure, Processes, arg_parser, expect_rpc_error, free_port_base,  # noqa: E402
+                     generate_stubs, parse_args, run_test, scrape, wait_for, wait_for_port_file)
 
 
 class Cluster(Processes):
@@ -229,15 +232,16 @@ def case_sft(c):
     print(f"transformers loads {job.last_checkpoint}: loss on Genesis 1:1-2 = {hf_loss:.3f} nats/byte")
     if not hf_loss < math.log(256) - 1.0:
         raise Failure(f"the checkpoint predicts no better than chance: {hf_loss}")
-    # The worker's /metrics moved with the work done.
+    # The worker's /metrics moved with the work done (its own names: odyssey_worker_*).
     after = scrape(metrics_port)
-    tokens = after["odyssey_tokens_total"] - before.get("odyssey_tokens_total", 0)
+    tokens = after["odyssey_worker_tokens_total"] - before.get("odyssey_worker_tokens_total", 0)
     if tokens != 60 * 4 * 32:
-        raise Failure(f"odyssey_tokens_total grew by {tokens}, want {60 * 4 * 32}")
+        raise Failure(f"odyssey_worker_tokens_total grew by {tokens}, want {60 * 4 * 32}")
     if after['odyssey_worker_jobs_total{result="succeeded"}'] != 1:
         raise Failure("odyssey_worker_jobs_total{result=succeeded} is not 1")
-    if after["odyssey_step_duration_seconds_count"] != 60:
-        raise Failure(f"odyssey_step_duration_seconds_count is {after['odyssey_step_duration_seconds_count']}")
+    if after["odyssey_worker_step_duration_seconds_count"] != 60:
+        raise Failure(f"odyssey_worker_step_duration_seconds_count is "
+                      f"{after['odyssey_worker_step_duration_seconds_count']}")
 
 
 def case_worker_kill(c):
@@ -316,9 +320,9 @@ def case_data_parallel(c):
         raise Failure(f"step {job.step}, workers {list(job.workers)}")
     for wid, port in (("w1", m1), ("w2", m2)):
         m = scrape(port)
-        print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_tokens_total']:.0f} tokens")
-        if m["odyssey_steps_total"] != 30 or m["odyssey_tokens_total"] != 30 * 4 * 32:
-            raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_tokens_total']} tokens")
+        print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_worker_tokens_total']:.0f} tokens")
+        if m["odyssey_steps_total"] != 30 or m["odyssey_worker_tokens_total"] != 30 * 4 * 32:
+            raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_worker_tokens_total']} tokens")
 
 
 def case_rank_loss(c):
@@ -435,6 +439,45 @@ def case_shared_checkpoint_folder(c):
     print(f"{first}'s folder refused while live, then {second} of a new store failed at its start: {error}")
 
 
+def case_resume_from_spec(c):
+    """A new job whose spec names another job's step-4 checkpoint in resume_from: it starts at
+    step 5 and its losses at steps 5..8 are those of the job that ran 1..8 uninterrupted; the CLI
+    shows resume_from; a folder that is no checkpoint is refused at CreateJob naming the field."""
+    c.start_controller()
+    c.start_worker("w1")
+    first_spec = tiny_spec(steps=8, every=2)
+    first_spec["checkpoint"]["keep"] = 0
+    first = c.submit(first_spec)
+    first_steps = c.watch(first)
+    job = c.wait_state(first, "SUCCEEDED")
+    wait_for(f"{first}'s step events 5..8", lambda: {5, 6, 7, 8} <= {s for s, _ in first_steps}, timeout=30)
+    checkpoint = re.sub(r"step-\d+$", "step-00000004", job.last_checkpoint)
+    spec = tiny_spec(steps=8, every=2)
+    spec["resumeFrom"] = checkpoint
+    second = c.submit(spec)
+    second_steps = c.watch(second)
+    c.wait_state(second, "SUCCEEDED")
+    wait_for(f"{second}'s step events 5..8", lambda: {5, 6, 7, 8} <= {s for s, _ in second_steps}, timeout=30)
+    a, b = dict(first_steps), dict(second_steps)
+    print(f"{first} losses 5..8: {[a[s] for s in range(5, 9)]}")
+    print(f"{second} (resume_from {checkpoint}) losses: {sorted(b.items())}")
+    if min(b) != 5:
+        raise Failure(f"{second} started at step {min(b)}, want 5")
+    if any(a[s] != b[s] for s in range(5, 9)):
+        raise Failure(f"resumed losses differ from the uninterrupted run's: {a} vs {b}")
+    if c.args.cli:
+        out = subprocess.run([c.args.cli, "--controller", c.address, "get", second], capture_output=True, text=True,
+                             timeout=60)
+        if f"resume_from:     {checkpoint}" not in out.stdout:
+            raise Failure(f"odyssey get does not show resume_from: {out.stdout}")
+    bad = tiny_spec(steps=8, every=2)
+    bad["resumeFrom"] = os.path.join(c.workdir, "no-such-checkpoint")
+    from google.protobuf import json_format
+    expect_rpc_error("CreateJob with a resume_from that is no folder", lambda: c.jobs.CreateJob(
+        c.pb.CreateJobRequest(spec=json_format.ParseDict(bad, c.pb.JobSpec())), timeout=10),
+        c.grpc.StatusCode.INVALID_ARGUMENT, "spec.resume_from", "is not a folder")
+
+
 def case_worker_sigterm(c):
     """SIGTERM to a worker mid-job: the run is cancelled between steps, the result reaches the
     controller before the process ends (the job's error says why it stopped), and it exits 0."""
@@ -466,7 +509,7 @@ def main():
     ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
     ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
                                                   "cancel", "result_while_controller_down",
-                                                  "shared_checkpoint_folder", "worker_sigterm"])
+                                                  "shared_checkpoint_folder", "worker_sigterm", "resume_from_spec"])
     args = parse_args(ap)
     outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))

@@ -348,7 +348,7 @@ def case_bad_input(c):
     fb_good = pb.ForwardBackwardRequest(job=job, batch=good, loss=pb.LossConfig(kind="cross_entropy"), sequence=2)
     t0 = time.monotonic()
     second_call = c.training.ForwardBackward.future(fb_good, timeout=60)
-    waiting = f'odyssey_training_calls_waiting{{job="{job}"}}'
+    waiting = f'odyssey_training_calls_waiting{{job_id="{job.split("/")[-1]}"}}'
     wait_for("call 2 to wait for its turn on the controller", lambda: scrape(c.metrics_port).get(waiting) == 1,
              timeout=30)
     expect_code("sequenced call 1 with an unknown loss", lambda: c.training.ForwardBackward(
@@ -369,7 +369,7 @@ def case_bad_input(c):
         raise Failure(f"mismatch of sampler logprobs 0.25 below the trainer's: {r.mismatch_mean} / {r.mismatch_max} "
                       f"over {r.mismatch_tokens} tokens")
     m = scrape(c.metrics_port)
-    key = f'odyssey_rl_logprob_mismatch_mean{{job="{job}"}}'
+    key = f'odyssey_rl_logprob_mismatch_mean{{job_id="{job.split("/")[-1]}"}}'
     print(f"(f) /metrics: {key} = {m.get(key)}, max = {m.get(key.replace('mean', 'max'))}")
     if abs(m.get(key, -1) - r.mismatch_mean) > 1e-9 or abs(m.get(key.replace("mean", "max"), -1) - r.mismatch_max) > 1e-9:
         raise Failure(f"the controller's mismatch gauges do not show the last forward_backward's: {m.get(key)}")
