@@ -26,6 +26,7 @@
 #include <torch/torch.h>
 
 #include "CLI/CLI.hpp"
+#include "common/version.h"
 #include "absl/strings/str_format.h"
 #include "engine/device_stats.h"
 #include "engine/memory/checkpoint.h"
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
   bool plan = true;
 
   CLI::App app{"odyssey-bench: time full training steps"};
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey-bench"));
   app.add_option("--model", o.model, "named shape")->capture_default_str();
   app.add_option("--layers", o.num_layers, "cut the shape to this many layers (0 = all)")->capture_default_str();
   app.add_option("--seq-len", o.data.seq_len, "tokens per sequence")->capture_default_str();

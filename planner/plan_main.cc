@@ -3,6 +3,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "common/version.h"
 #include "planner/planner.h"
 
 int main(int argc, char** argv) {
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
   double gpu_gib = 136, host_gib = 110;
   bool max = false, keep = false;
   CLI::App app{"odyssey-plan: predicted memory and the chosen strategy"};
+  app.set_version_flag("--version", odyssey::VersionLine("odyssey-plan"));
   app.add_option("--model", model, "named shape or HF checkpoint dir")->capture_default_str();
   app.add_option("--seq-len", seq_len, "tokens")->capture_default_str();
   app.add_option("--layers", layers, "cut the model to this many layers (0 = all)")->capture_default_str();
