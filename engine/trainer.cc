@@ -242,8 +242,8 @@ absl::StatusOr<TokenShare> Trainer::ShareTokens(int64_t local_targets, int64_t l
   }
   absl::StatusOr<TokenShare> share = gradients_->ShareTokens(targets, positions);
   if (!share.ok()) return share.status();
-  share->loss_scale =
-      static_cast<double>(std::max<int64_t>(1, local_targets)) / static_cast<double>(std::max<int64_t>(1, share->targets));
+  share->loss_scale = static_cast<double>(std::max<int64_t>(1, local_targets)) /
+                      static_cast<double>(std::max<int64_t>(1, share->targets));
   return share;
 }
 

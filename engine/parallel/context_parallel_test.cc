@@ -172,7 +172,8 @@ TEST(ContextParallelTest, ShardBatchKeepsGlobalPositionsAndLabels) {
     EXPECT_EQ(s.doc_lens, whole.doc_lens);
   }
   // The label of a shard's last position is the next shard's first token.
-  EXPECT_EQ(ShardBatch(whole, 0, 4).labels[0][15].item<int64_t>(), ShardBatch(whole, 1, 4).input_ids[0][0].item<int64_t>());
+  EXPECT_EQ(ShardBatch(whole, 0, 4).labels[0][15].item<int64_t>(),
+            ShardBatch(whole, 1, 4).input_ids[0][0].item<int64_t>());
 }
 
 TEST(ContextParallelTest, TwoAndFourRanksEqualOneRank) {

@@ -98,7 +98,8 @@ bool Packed(const kernels::AttentionMeta& meta) {
 
 }  // namespace
 
-torch::Tensor DifferentiableAllToAll(Communicator& comm, const torch::Tensor& x, int64_t split_dim, int64_t concat_dim) {
+torch::Tensor DifferentiableAllToAll(Communicator& comm, const torch::Tensor& x, int64_t split_dim,
+                                     int64_t concat_dim) {
   auto holder = c10::make_intrusive<CommHolder>();
   holder->comm = &comm;
   return AllToAllFunction::apply(x, split_dim, concat_dim, holder);
@@ -112,9 +113,11 @@ absl::Status ValidateContextParallel(int64_t P, int64_t head_chunk, int64_t num_
     return absl::InvalidArgumentError(
         absl::StrCat("context_parallel (", P, ") must divide num_attention_heads (", Hq, ")"));
   if (seq_len > 0 && seq_len % P != 0)
-    return absl::InvalidArgumentError(absl::StrCat("context_parallel (", P, ") must divide data.seq_len (", seq_len, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("context_parallel (", P, ") must divide data.seq_len (", seq_len, ")"));
   if (head_chunk < 0)
-    return absl::InvalidArgumentError(absl::StrCat("context_parallel.head_chunk (", head_chunk, ") must be >= 0 (0: all heads)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("context_parallel.head_chunk (", head_chunk, ") must be >= 0 (0: all heads)"));
   if (head_chunk == 0) return absl::OkStatus();
   if (head_chunk % P != 0)
     return absl::InvalidArgumentError(

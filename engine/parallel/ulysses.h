@@ -56,7 +56,8 @@ namespace odyssey::engine {
 
 // The autograd all-to-all: forward Communicator::AllToAll(x, split_dim, concat_dim), backward
 // the inverse all-to-all of the gradient. Throws on a failed collective.
-torch::Tensor DifferentiableAllToAll(Communicator& comm, const torch::Tensor& x, int64_t split_dim, int64_t concat_dim);
+torch::Tensor DifferentiableAllToAll(Communicator& comm, const torch::Tensor& x, int64_t split_dim,
+                                     int64_t concat_dim);
 
 // Checks a context-parallel layout against the model: P divides the query heads, the head chunk
 // G (0 = all heads at once) is a multiple of P dividing the query heads and compatible with
