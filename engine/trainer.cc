@@ -253,7 +253,8 @@ absl::Status Trainer::ReduceGradients(std::vector<torch::Tensor>& riders) {
   return gradients_->Reduce(riders);
 }
 
-absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, TokenShare* share_out) {
+absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, TokenShare* share_out,
+                                                       bool send_early) {
   const Batch batch = LocalShard(whole);  // (B, S/P) under context parallelism
   // Target and position counts over all ranks first: each rank's loss is scaled by its share of
   // the global targets, so the summed gradients are those of the mean over the global batch.
@@ -264,7 +265,7 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   torch::Tensor loss;  // () this rank's share
   // One backward per step and no all-reduce after it: each checkpointed layer group's
   // gradients are final when its backward ends, so they may go to a host optimizer then.
-  send_grads_early_ = !DataParallel() && ContextParallelDegree() == 1;
+  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1;
   try {
     loss = Loss(batch, &local_targets) * share->loss_scale;
     ProfilePhase phase("backward");
@@ -289,7 +290,8 @@ absl::StatusOr<BatchGradients> Trainer::Gradients(const Batch& batch) {
   optimizer_->Finish();
   model_->train();
   TokenShare share;
-  absl::StatusOr<torch::Tensor> loss = ReducedGradients(batch, &share);
+  // Nothing goes to a host optimizer: no update follows.
+  absl::StatusOr<torch::Tensor> loss = ReducedGradients(batch, &share, /*send_early=*/false);
   if (!loss.ok()) return loss.status();
   BatchGradients out;
   out.loss = loss->item<double>();
@@ -304,7 +306,7 @@ StepResult Trainer::Step(const Batch& whole) {
   model_->train();
   StepResult r;
   TokenShare share_value;
-  absl::StatusOr<torch::Tensor> rider = ReducedGradients(whole, &share_value);
+  absl::StatusOr<torch::Tensor> rider = ReducedGradients(whole, &share_value, /*send_early=*/true);
   if (!rider.ok()) {
     r.status = rider.status();
     return r;

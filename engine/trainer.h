@@ -243,7 +243,9 @@ class Trainer {
   // Forward and backward of this rank's part of `whole`, then the gradients (and the loss) summed
   // over the ranks: returns the whole batch's mean loss (1,) fp32 and fills `share`. On failure
   // the gradients are zeroed; exceptions from the compute propagate (the gradients zeroed too).
-  absl::StatusOr<torch::Tensor> ReducedGradients(const Batch& whole, TokenShare* share);
+  // `send_early`: a host optimizer may take each layer group's gradients as its backward ends
+  // (one rank, no context parallelism: they are final then); only when a Step's update follows.
+  absl::StatusOr<torch::Tensor> ReducedGradients(const Batch& whole, TokenShare* share, bool send_early);
   // This rank's part of `batch`: its context-parallel shard, or the batch itself.
   Batch LocalShard(const Batch& batch) const;
   // Sums this rank's target tokens and positions over the context-parallel group and then the
