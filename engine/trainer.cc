@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <numeric>
 
 #include <torch/torch.h>
 
@@ -11,6 +12,7 @@
 #include "c10/util/Exception.h"
 #include "common/files.h"
 #include "engine/loss.h"
+#include "engine/parallel/ulysses.h"
 #include "engine/profiler.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -89,6 +91,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);
       !s.ok())
     return s;
+  const ContextParallelOptions& cp = options.context_parallel;
+  const int64_t P = cp.degree();
+  if (cp.group != nullptr) {
+    if (absl::Status s = ValidateContextParallel(P, cp.head_chunk, resolved->num_attention_heads,
+                                                 resolved->num_key_value_heads, options.data.seq_len);
+        !s.ok())
+      return s;
+    // Head groups run inside the all-to-all, on the KV heads one rank holds in one round.
+    const int64_t G = cp.head_chunk > 0 ? cp.head_chunk : resolved->num_attention_heads;
+    const int64_t round_kv = std::max<int64_t>(1, G * resolved->num_key_value_heads / resolved->num_attention_heads);
+    const int64_t rank_kv = std::lcm(round_kv, P) / P;
+    if (head_groups > 1 && rank_kv % head_groups != 0)
+      return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups,
+                                                     ") must divide the KV heads a context-parallel rank holds per "
+                                                     "round (", rank_kv, ")"));
+  }
   absl::StatusOr<std::shared_ptr<const kernels::AttentionBackend>> backend =
       kernels::MakeAttentionBackend(options.attention, head_groups);
   if (!backend.ok()) return backend.status();
@@ -96,7 +114,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
       memory::MemoryStack::Create(options.memory, resolved->num_hidden_layers);
   if (!memory.ok()) return memory.status();
   // The host pool comes before the model's weights: a job that cannot fit fails fast.
-  if (absl::Status s = (*memory)->Prepare(options.data.batch_size, options.data.seq_len, resolved->hidden_size, dtype);
+  // A context-parallel rank saves its shard's S/P positions per layer.
+  if (absl::Status s =
+          (*memory)->Prepare(options.data.batch_size, options.data.seq_len / P, resolved->hidden_size, dtype);
       !s.ok())
     return s;
   if (options.memory.keep_attention) {
@@ -110,6 +130,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     backend = kernels::WrapHeadGroups(
         std::make_shared<const memory::StashingAttention>(*kernel, (*memory)->attention_stash()), head_groups);
   }
+  // Context parallel: Ulysses is the outermost backend (documents are split on whole rows, after
+  // its all-to-all); head groups, the stash and the kernel run on the rank's heads of whole rows.
+  if (cp.group != nullptr)
+    backend = std::shared_ptr<const kernels::AttentionBackend>(
+        std::make_shared<const UlyssesAttention>(*backend, *cp.group, cp.head_chunk));
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
@@ -142,8 +167,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> params = trainer->params_;
     if (absl::Status s = comm->Broadcast(params, 0); !s.ok()) return s;
+    if (P > 1)
+      if (absl::Status s = cp.group->Broadcast(params, 0); !s.ok()) return s;
   }
   trainer->gradients_ = std::make_unique<GradientReducer>(*comm, trainer->params_);
+  if (P > 1) trainer->cp_gradients_ = std::make_unique<GradientReducer>(*cp.group, trainer->params_);
   return trainer;
 }
 
@@ -198,22 +226,46 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   return sum / static_cast<double>(std::max<int64_t>(1, *targets));
 }
 
-StepResult Trainer::Step(const Batch& batch) {
-  const auto t0 = std::chrono::steady_clock::now();
-  model_->train();
-  StepResult r;
+Batch Trainer::LocalShard(const Batch& batch) const {
+  const int64_t P = ContextParallelDegree();
+  if (P == 1) return batch;
+  return ShardBatch(batch, options_.context_parallel.group->rank(), P);
+}
+
+absl::StatusOr<TokenShare> Trainer::ShareTokens(int64_t local_targets, int64_t local_positions) {
+  int64_t targets = local_targets, positions = local_positions;
+  if (cp_gradients_) {
+    absl::StatusOr<TokenShare> group = cp_gradients_->ShareTokens(local_targets, local_positions);
+    if (!group.ok()) return group.status();
+    targets = group->targets;
+    positions = group->positions;
+  }
+  absl::StatusOr<TokenShare> share = gradients_->ShareTokens(targets, positions);
+  if (!share.ok()) return share.status();
+  share->loss_scale = static_cast<double>(std::max<int64_t>(1, local_targets)) /
+                      static_cast<double>(std::max<int64_t>(1, share->targets));
+  return share;
+}
+
+absl::Status Trainer::ReduceGradients(std::vector<torch::Tensor>& riders) {
+  if (cp_gradients_)
+    if (absl::Status s = cp_gradients_->Reduce(riders); !s.ok()) return s;
+  return gradients_->Reduce(riders);
+}
+
+absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, TokenShare* share_out,
+                                                       bool send_early) {
+  const Batch batch = LocalShard(whole);  // (B, S/P) under context parallelism
   // Target and position counts over all ranks first: each rank's loss is scaled by its share of
   // the global targets, so the summed gradients are those of the mean over the global batch.
-  absl::StatusOr<TokenShare> share = gradients_->ShareTokens(batch.NumTargets(), batch.input_ids.numel());
-  if (!share.ok()) {
-    r.status = share.status();
-    return r;
-  }
+  absl::StatusOr<TokenShare> share = ShareTokens(batch.NumTargets(), batch.input_ids.numel());
+  if (!share.ok()) return share.status();
+  *share_out = *share;
   int64_t local_targets = 0;
   torch::Tensor loss;  // () this rank's share
   // One backward per step and no all-reduce after it: each checkpointed layer group's
   // gradients are final when its backward ends, so they may go to a host optimizer then.
-  send_grads_early_ = !DataParallel();
+  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1;
   try {
     loss = Loss(batch, &local_targets) * share->loss_scale;
     ProfilePhase phase("backward");
@@ -227,10 +279,39 @@ StepResult Trainer::Step(const Batch& batch) {
   send_grads_early_ = false;
   // The loss shares ride the gradients' all-reduce: their sum is the global batch's mean.
   std::vector<torch::Tensor> riders = {loss.detach().to(torch::kFloat32).reshape({1})};  // (1,)
-  if (r.status = gradients_->Reduce(riders); !r.status.ok()) {
+  if (absl::Status s = ReduceGradients(riders); !s.ok()) {
     optimizer_->ZeroGrad();
+    return s;
+  }
+  return riders[0];
+}
+
+absl::StatusOr<BatchGradients> Trainer::Gradients(const Batch& batch) {
+  optimizer_->Finish();
+  model_->train();
+  TokenShare share;
+  // Nothing goes to a host optimizer: no update follows.
+  absl::StatusOr<torch::Tensor> loss = ReducedGradients(batch, &share, /*send_early=*/false);
+  if (!loss.ok()) return loss.status();
+  BatchGradients out;
+  out.loss = loss->item<double>();
+  for (auto& p : model_->named_parameters())
+    if (p.value().grad().defined()) out.grads[p.key()] = p.value().grad().detach().clone();
+  optimizer_->ZeroGrad();
+  return out;
+}
+
+StepResult Trainer::Step(const Batch& whole) {
+  const auto t0 = std::chrono::steady_clock::now();
+  model_->train();
+  StepResult r;
+  TokenShare share_value;
+  absl::StatusOr<torch::Tensor> rider = ReducedGradients(whole, &share_value, /*send_early=*/true);
+  if (!rider.ok()) {
+    r.status = rider.status();
     return r;
   }
+  const TokenShare* share = &share_value;
   r.target_tokens = share->targets;
   // Clipping on the device: the device update is queued behind the backward without the host
   // waiting (a host update reads the factor once: it needs the whole backward first anyway).
@@ -242,7 +323,7 @@ StepResult Trainer::Step(const Batch& batch) {
     optimizer_->Step(r.lr, clip.scale);
     optimizer_->ZeroGrad();
   }
-  r.loss = riders[0].item<double>();  // synchronizes the device
+  r.loss = rider->item<double>();  // synchronizes the device
   r.grad_norm = clip.norm.item<double>();
   r.step = optimizer_->steps();
   r.tokens = share->positions;
@@ -253,12 +334,20 @@ StepResult Trainer::Step(const Batch& batch) {
 
 StepResult Trainer::TrainStep() { return Step(data_->Next()); }
 
-double Trainer::EvalLoss(const Batch& batch) {
+double Trainer::EvalLoss(const Batch& whole) {
   optimizer_->Finish();
   torch::NoGradGuard no_grad;
   model_->eval();
   int64_t targets = 0;
-  return Loss(batch, &targets).item<double>();
+  const torch::Tensor mean = Loss(LocalShard(whole), &targets);  // () over this rank's targets
+  if (!cp_gradients_) return mean.item<double>();
+  // The shards' sums and counts over the group: the whole batch's mean on every rank.
+  std::vector<torch::Tensor> sums = {
+      torch::stack({mean.to(torch::kCPU, torch::kFloat64) * static_cast<double>(std::max<int64_t>(1, targets)),
+                    torch::tensor(static_cast<double>(targets), torch::kFloat64)})};  // (2,)
+  absl::Status s = options_.context_parallel.group->AllReduce(sums, ReduceOp::kSum);
+  TORCH_CHECK(s.ok(), "eval loss: context-parallel all-reduce failed: ", s.ToString());
+  return sums[0][0].item<double>() / std::max(1.0, sums[0][1].item<double>());
 }
 
 absl::Status Trainer::ValidateRl(const std::vector<Datum>& batch, const LossSpec* loss, const RlShard& shard,
@@ -419,6 +508,8 @@ absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, doub
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
                                                                const RlShard& shard) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (ContextParallelDegree() > 1)
+    return absl::UnimplementedError("forward_backward: context parallelism is not implemented for RL calls yet");
   // Validation, then every rank learns whether any refused its slice, and the whole batch's W
   // (the sum of the slices' weight sums) when the shard lacks it.
   const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/DataParallel());
@@ -504,6 +595,8 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
 
 absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vector<Datum>& batch,
                                                                  const RlShard& shard) {
+  if (ContextParallelDegree() > 1)
+    return absl::UnimplementedError("forward: context parallelism is not implemented for RL calls yet");
   if (absl::Status s = ValidateRl(batch, nullptr, shard, /*allow_empty=*/DataParallel()); !s.ok()) return s;
   std::vector<std::vector<float>> out;
   if (batch.empty()) return out;

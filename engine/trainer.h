@@ -26,6 +26,16 @@
 // Hugging Face directories (config.json + model.safetensors) plus optimizer.safetensors and
 // trainer_state.json, so a checkpoint both loads in transformers and resumes exactly.
 //
+// Context parallel (TrainerOptions::context_parallel with a group of P > 1 ranks): the P ranks
+// of the group train on the same batch, rank r on positions [r S/P, (r+1) S/P) of every row
+// (ShardBatch), with attention run by Ulysses all-to-alls around the configured backend
+// (engine/parallel/ulysses.h; in head rounds with context_parallel.head_chunk). Each rank's loss
+// is its shard's target-token sum over the batch's target-token count over all ranks, and the
+// gradients are summed over the group (and then over the data-parallel communicator, when both
+// are set) before the clip, so the step equals one rank's step on whole rows; the memory
+// strategies (recompute, offload, tiles, kept attention) run on the shards unchanged. RL calls
+// are refused under context parallelism (UNIMPLEMENTED) until their padded rows are sharded.
+//
 // RL sessions (DESIGN.md section 2) drive the same model, memory runner and optimizer through
 // ForwardBackward / OptimStep / Forward instead of Step: batches of Datums (engine/rl_loss.h)
 // from an orchestrator, gradients accumulated over any number of ForwardBackward calls until
@@ -49,6 +59,7 @@
 // Thread safety: one thread at a time.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -60,6 +71,7 @@
 #include "engine/memory/strategy.h"
 #include "engine/optimizer.h"
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/context_parallel.h"
 #include "engine/parallel/data_parallel.h"
 #include "engine/rl_loss.h"
 #include "model/causal_lm.h"
@@ -90,6 +102,9 @@ struct TrainerOptions {
   // Data parallel over the communicator's ranks when its world_size > 1. nullptr trains alone
   // (over a SingleRankCommunicator the trainer owns). Not owned: it must outlive the trainer.
   Communicator* communicator = nullptr;
+  // Context parallel when its group has more than one rank (see the file comment); the default
+  // trains on whole rows.
+  ContextParallelOptions context_parallel;
   absl::Status Validate() const;
 };
 
@@ -105,6 +120,14 @@ struct StepResult {
   // Not OK when a collective failed (data parallel): nothing was updated, and the ranks must
   // stop (the group is broken).
   absl::Status status;
+};
+
+// A batch's loss and gradients without an update (Trainer::Gradients).
+struct BatchGradients {
+  double loss = 0;  // mean over the batch's target tokens (over all ranks)
+  // Per parameter name, the gradient of `loss`, summed over the ranks as a step sums it;
+  // parameters without a gradient are absent.
+  std::map<std::string, torch::Tensor> grads;
 };
 
 // Where a data-parallel rank's slice sits in the whole batch the controller split (contiguous
@@ -152,6 +175,10 @@ class Trainer {
   StepResult Step(const Batch& batch);
   // Mean loss of `batch` without updating anything.
   double EvalLoss(const Batch& batch);
+  // The loss of `batch` and the gradients a Step would clip and apply (reduced over the ranks),
+  // without updating anything; the gradients are zeroed after (gradient checks). Every rank
+  // calls together. Errors: a failed collective (the group is broken).
+  absl::StatusOr<BatchGradients> Gradients(const Batch& batch);
 
   // RL: runs every datum forward and backward with `loss`; gradients add to those pending since
   // the last OptimStep (nothing is updated). The batch is validated first (INVALID_ARGUMENT
@@ -213,6 +240,20 @@ class Trainer {
   Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data, torch::Device device,
           torch::Dtype dtype);
   torch::Tensor Loss(const Batch& batch, int64_t* targets);
+  // Forward and backward of this rank's part of `whole`, then the gradients (and the loss) summed
+  // over the ranks: returns the whole batch's mean loss (1,) fp32 and fills `share`. On failure
+  // the gradients are zeroed; exceptions from the compute propagate (the gradients zeroed too).
+  // `send_early`: a host optimizer may take each layer group's gradients as its backward ends
+  // (one rank, no context parallelism: they are final then); only when a Step's update follows.
+  absl::StatusOr<torch::Tensor> ReducedGradients(const Batch& whole, TokenShare* share, bool send_early);
+  // This rank's part of `batch`: its context-parallel shard, or the batch itself.
+  Batch LocalShard(const Batch& batch) const;
+  // Sums this rank's target tokens and positions over the context-parallel group and then the
+  // data-parallel ranks; loss_scale is the local targets' share of all of them.
+  absl::StatusOr<TokenShare> ShareTokens(int64_t local_targets, int64_t local_positions);
+  // Sums the gradients (and riders) over the context-parallel group, then the data-parallel ranks.
+  absl::Status ReduceGradients(std::vector<torch::Tensor>& riders);
+  int64_t ContextParallelDegree() const { return options_.context_parallel.degree(); }
   // model_->Hidden through runner_, waiting for the host optimizer's update of each part of the
   // model before it is read.
   torch::Tensor Hidden(const model::ForwardInputs& in);
@@ -255,6 +296,7 @@ class Trainer {
   std::unique_ptr<Communicator> alone_;  // when options_.communicator is null
   Communicator* comm_ = nullptr;         // options_.communicator or alone_
   std::unique_ptr<GradientReducer> gradients_;
+  std::unique_ptr<GradientReducer> cp_gradients_;  // over the context-parallel group, when P > 1
   model::CausalLM model_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<AdamW> optimizer_;

@@ -45,10 +45,12 @@ class AttentionBackend {
   virtual std::string name() const = 0;
 
   // Splits packed rows into documents and runs Causal() on each. Differentiable (autograd
-  // through the backend's kernels).
+  // through the backend's kernels). Virtual for wrappers that must see whole rows before the
+  // split: context parallelism (engine/parallel/ulysses.h) gets sequence shards and splits the
+  // documents only after its all-to-all has assembled whole rows.
   // REQUIRES: shapes as in the file comment; meta.doc_lens, when set, has one entry per row of
   // the batch and each row's lengths sum to S.
-  torch::Tensor Forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+  virtual torch::Tensor Forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const AttentionMeta& meta) const;  // (B, Hq, S, D)
 
   // Plain causal attention over whole rows: softmax(scale * q k^T + causal mask) v.

@@ -206,11 +206,17 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                    absl::StrCat("(", cp, ") must divide the model's num_attention_heads (",
                                 config->num_attention_heads, ")"));
   }
-  // Accepted means acted on: until the engine has them, these are refused, not ignored.
-  if (cp > 1) {
+  // Ulysses over all of the job's ranks (engine/parallel/ulysses.h): every rank holds
+  // seq_len / cp positions of each row.
+  if (cp > 1 && spec.data().seq_len() % cp != 0) {
     return Invalid(p + ".parallel.context_parallel",
-                   absl::StrCat("(", cp, ") > 1 is not implemented yet: context parallelism (Ulysses) is planned; "
-                                "set 1 (or 0); parallel.world_size > 1 runs data parallel"));
+                   absl::StrCat("(", cp, ") must divide spec.data.seq_len (", spec.data().seq_len(), ")"));
+  }
+  // Accepted means acted on: until the engine has them, these are refused, not ignored.
+  if (cp > 1 && cp != world) {
+    return Invalid(p + ".parallel.context_parallel",
+                   absl::StrCat("(", cp, ") must be 1 (or 0) or parallel.world_size (", world,
+                                "): data parallel over context-parallel groups is not implemented yet"));
   }
   if (par.shard_params()) {
     return Invalid(p + ".parallel.shard_params",

@@ -153,6 +153,24 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
   }
 }
 
+// Context parallel over all of an SFT job's ranks is accepted; over part of them (data parallel
+// over groups) it is refused until the engine has it, and the ranks must split the sequence.
+TEST(ValidationTest, ContextParallelSpec) {
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_parallel()->set_world_size(2);
+  spec.mutable_parallel()->set_context_parallel(2);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_world_size(4);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("context_parallel: (2) must be 1 (or 0) or parallel.world_size (4): data parallel over "
+                        "context-parallel groups is not implemented yet"));
+  spec.mutable_parallel()->set_world_size(4);
+  spec.mutable_parallel()->set_context_parallel(4);
+  spec.mutable_data()->set_seq_len(66);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("context_parallel: (4) must divide spec.data.seq_len (66)"));
+}
+
 // An RL session needs no steps and no dataset; its batch plan (seq_len x batch_size) is still required.
 TEST(ValidationTest, RlSessionSpec) {
   v1::JobSpec spec = GoodSpec();

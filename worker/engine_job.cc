@@ -181,6 +181,10 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   engine::TrainerOptions o;
   if (absl::Status s = BuildTrainerOptions(j, &o); !s.ok()) return fail(s);
 
+  if (j.context_parallel > 1 && j.context_parallel != j.world_size)
+    return fail(absl::UnimplementedError(absl::StrCat(
+        "parallel.context_parallel (", j.context_parallel, ") must be 1 or parallel.world_size (", j.world_size,
+        "): data parallel over context-parallel groups is not implemented yet")));
   std::unique_ptr<engine::TcpCommunicator> comm;
   if (j.world_size > 1) {
     engine::TcpCommunicatorOptions co;
@@ -196,7 +200,13 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     }
     if (!c.ok()) return fail(c.status());
     comm = *std::move(c);
-    o.communicator = comm.get();
+    // One group of all ranks: context parallel (every rank the same batches, its shard of each
+    // row) or data parallel (every rank its own batches).
+    if (j.context_parallel > 1) {
+      o.context_parallel.group = comm.get();
+    } else {
+      o.communicator = comm.get();
+    }
   }
   absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(o);
   if (!created.ok()) return fail(created.status());
@@ -208,8 +218,12 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
   }
   const auto& cfg = t.model()->config();
-  LogInfo(absl::StrFormat("job=%s rank=%d/%d model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
-                          j.job, j.rank, j.world_size, o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
+  LogInfo(absl::StrFormat("job=%s rank=%d/%d %s model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
+                          j.job, j.rank, j.world_size,
+                          j.context_parallel > 1   ? absl::StrCat("context_parallel=", j.context_parallel)
+                          : j.world_size > 1       ? std::string("data_parallel")
+                                                   : std::string("alone"),
+                          o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
                           c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
                           t.step(), o.steps));
 

@@ -11,7 +11,10 @@
 //   0. Picks the memory strategy: fields the spec leaves unset are the planner's choice on a
 //      GPU (planner::Choose for the model, sequence length and this device's memory).
 //   1. For world_size > 1, joins the job's ranks through a TcpCommunicator at `rendezvous`
-//      (rank 0 hosts it) and trains data parallel.
+//      (rank 0 hosts it) and trains data parallel, or, with context_parallel = world_size,
+//      context parallel (every rank on the same batches, S / world_size positions each;
+//      engine/parallel/context_parallel.h). Groups of context_parallel < world_size ranks
+//      (data parallel over context-parallel groups) are refused (UNIMPLEMENTED).
 //   2. Resumes from `resume_from` when set: weights, optimizer state and step counter, then
 //      replays the data stream up to that step, so a resumed run sees the batches an
 //      uninterrupted run would have seen.
@@ -64,6 +67,8 @@ struct EngineJobOptions {
   // Where this rank stands.
   int rank = 0;
   int world_size = 1;
+  // Ranks sharing each sequence (parallel.context_parallel; 0 or 1 = none). 1 or world_size.
+  int context_parallel = 1;
   std::string rendezvous;      // host:port, for world_size > 1
   std::string resume_from;     // checkpoint folder; empty = fresh
   std::string resume_field = "resume_from";  // what errors of the resume call it

@@ -95,6 +95,31 @@ absl::Status Communicator::Broadcast(std::vector<torch::Tensor>& tensors, int ro
   return absl::OkStatus();
 }
 
+absl::StatusOr<torch::Tensor> Communicator::AllToAll(const torch::Tensor& input, int64_t split_dim,
+                                                     int64_t concat_dim) {
+  TORCH_CHECK(input.defined(), "communicator: all-to-all of an undefined tensor");
+  const int64_t dims = input.dim();
+  if (split_dim < 0 || split_dim >= dims || concat_dim < 0 || concat_dim >= dims)
+    return absl::InvalidArgumentError(absl::StrCat("all-to-all: split_dim (", split_dim, ") and concat_dim (",
+                                                   concat_dim, ") must be in [0, ", dims, ")"));
+  const int64_t P = world_size();
+  if (input.size(split_dim) % P != 0)
+    return absl::InvalidArgumentError(absl::StrCat("all-to-all: world_size (", P, ") must divide dim ", split_dim,
+                                                   " of the input (", input.size(split_dim), ")"));
+  if (P == 1) return input;  // one chunk, sent to itself
+  // (P, chunk...) with chunk j the j-th slice along split_dim, as one contiguous CPU buffer.
+  torch::Tensor send = input.detach().unflatten(split_dim, {P, input.size(split_dim) / P}).movedim(split_dim, 0);
+  std::vector<int64_t> chunk(send.sizes().begin() + 1, send.sizes().end());
+  torch::Tensor flat = send.to(torch::kCPU).contiguous().view({P, -1});  // (P, n)
+  if (flat.data_ptr() == input.data_ptr()) flat = flat.clone();  // never write into the caller's tensor
+  if (flat.numel() > 0)
+    if (absl::Status s = AllToAllFlat(flat); !s.ok()) return s;
+  // Row i came from rank i: (P, chunk...) -> chunk with dim concat_dim P times longer, rank-major.
+  std::vector<int64_t> shape = {P};
+  shape.insert(shape.end(), chunk.begin(), chunk.end());
+  return flat.view(shape).movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).to(input.device()).contiguous();
+}
+
 absl::Status Communicator::Barrier() {
   if (world_size() == 1) return absl::OkStatus();
   torch::Tensor one = torch::ones({1}, torch::kInt32);
@@ -123,6 +148,8 @@ absl::Status SingleRankCommunicator::AllReduceFlat(torch::Tensor& /*flat*/, Redu
 
 absl::Status SingleRankCommunicator::BroadcastFlat(torch::Tensor& /*flat*/, int /*root*/) { return absl::OkStatus(); }
 
+absl::Status SingleRankCommunicator::AllToAllFlat(torch::Tensor& /*flat*/) { return absl::OkStatus(); }
+
 // ---------------------------------------------------------------------------------------------
 // In-process group.
 
@@ -139,6 +166,12 @@ class InProcessCommunicator : public Communicator {
   }
   absl::Status BroadcastFlat(torch::Tensor& flat, int root) override {
     return group_->Collective(rank_, flat, [root](const std::vector<torch::Tensor>& in) { return in[root].clone(); });
+  }
+  absl::Status AllToAllFlat(torch::Tensor& flat) override {
+    // result (P_from, P_to, n): rank r takes column r, one row per sender.
+    return group_->Collective(
+        rank_, flat, [](const std::vector<torch::Tensor>& in) { return torch::stack(in); },
+        [](const torch::Tensor& result, int r) { return result.select(1, r); });
   }
 
  private:
@@ -160,7 +193,8 @@ std::unique_ptr<Communicator> InProcessGroup::Rank(int r) {
 }
 
 absl::Status InProcessGroup::Collective(
-    int rank, torch::Tensor& flat, const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& combine) {
+    int rank, torch::Tensor& flat, const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& combine,
+    const std::function<torch::Tensor(const torch::Tensor&, int)>& part) {
   const absl::Time deadline = absl::Now() + timeout_;
   absl::MutexLock lock(&mu_);
   auto timed_out = [&](const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -192,7 +226,7 @@ absl::Status InProcessGroup::Collective(
       return timed_out(absl::StrCat("waiting for ", world_size_ - arrived_, " other rank(s)"));
     if (!failed_.ok()) return failed_;
   }
-  flat.copy_(result_);
+  flat.copy_(part ? part(result_, rank) : result_);
   if (++departed_ == world_size_) {
     distributing_ = false;
     arrived_ = departed_ = 0;
@@ -222,7 +256,7 @@ absl::Status ParseHostPort(const std::string& address, const std::string& field,
 namespace {
 
 constexpr uint32_t kMagic = 0x6f647973;  // "odys"
-enum : uint32_t { kOpHello = 1, kOpAllReduce = 2, kOpBroadcast = 3 };
+enum : uint32_t { kOpHello = 1, kOpAllReduce = 2, kOpBroadcast = 3, kOpAllToAll = 4 };
 
 struct Header {
   uint32_t magic;
@@ -492,6 +526,26 @@ absl::Status TcpCommunicator::BroadcastFlat(torch::Tensor& flat, int root) {
     if (r == root) continue;
     if (absl::Status s = SendTensor(peers_[r], kOpBroadcast, flat); !s.ok()) return s;
   }
+  return absl::OkStatus();
+}
+
+absl::Status TcpCommunicator::AllToAllFlat(torch::Tensor& flat) {
+  ++seq_;
+  if (options_.rank != 0) {
+    if (absl::Status s = SendTensor(peers_[0], kOpAllToAll, flat); !s.ok()) return s;
+    return RecvTensor(peers_[0], kOpAllToAll, flat);
+  }
+  const int P = options_.world_size;
+  std::vector<torch::Tensor> inputs = {flat.clone()};  // (P, n) per sender
+  for (int r = 1; r < P; ++r) {
+    inputs.push_back(torch::empty_like(flat));
+    if (absl::Status s = RecvTensor(peers_[r], kOpAllToAll, inputs.back()); !s.ok()) return s;
+  }
+  torch::Tensor all = torch::stack(inputs);  // (P_from, P_to, n)
+  for (int r = 1; r < P; ++r) {
+    if (absl::Status s = SendTensor(peers_[r], kOpAllToAll, all.select(1, r).contiguous()); !s.ok()) return s;
+  }
+  flat.copy_(all.select(1, 0));
   return absl::OkStatus();
 }
 

@@ -1,5 +1,5 @@
-// Communicator: the collectives the ranks of one job use (all-reduce, broadcast, barrier),
-// behind one small interface so the engine's parallel math does not care how ranks talk.
+// Communicator: the collectives the ranks of one job use (all-reduce, broadcast, barrier,
+// all-to-all), behind one small interface so the engine's parallel math does not care how ranks talk.
 //
 // Implementations:
 //   SingleRankCommunicator  a world of one rank: every collective is the identity (the
@@ -55,11 +55,24 @@ class Communicator {
   virtual absl::Status Broadcast(std::vector<torch::Tensor>& tensors, int root = 0);
   // Returns once every rank has called Barrier.
   virtual absl::Status Barrier();
+  // All-to-all (the layout change of Ulysses context parallelism): splits `input` along
+  // `split_dim` into world_size() equal chunks, sends chunk j to rank j, and returns the chunks
+  // received from ranks 0, 1, ... concatenated in rank order along `concat_dim`, on input's
+  // device and in its dtype (any dtype: the bytes travel as they are). On one rank it returns
+  // `input` itself. Example, P ranks: (B, H, S/P, D) split 1, concat 2 -> (B, H/P, S, D).
+  // Not differentiable (engine/parallel/ulysses.h wraps it in an autograd Function).
+  // REQUIRES: every rank passes the same shape and dtype; 0 <= split_dim, concat_dim < dim().
+  // Errors: INVALID_ARGUMENT when a dim is out of range or world_size() does not divide
+  // input.size(split_dim) (naming both), otherwise the transport's (a missing rank times out).
+  virtual absl::StatusOr<torch::Tensor> AllToAll(const torch::Tensor& input, int64_t split_dim, int64_t concat_dim);
 
  protected:
   // The primitives the grouping above is built on. `flat` is a contiguous CPU tensor, 1-D.
   virtual absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) = 0;
   virtual absl::Status BroadcastFlat(torch::Tensor& flat, int root) = 0;
+  // `flat` (P, n) contiguous CPU: row j goes to rank j; on return row i holds what rank i sent
+  // this rank (its row `rank()`).
+  virtual absl::Status AllToAllFlat(torch::Tensor& flat) = 0;
 };
 
 // A world of one rank: rank 0 of 1. AllReduce (sum or mean), Broadcast (root 0) and Barrier
@@ -74,6 +87,7 @@ class SingleRankCommunicator : public Communicator {
   // Never reached: Communicator's collectives return before staging when world_size() is 1.
   absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) override;
   absl::Status BroadcastFlat(torch::Tensor& flat, int root) override;
+  absl::Status AllToAllFlat(torch::Tensor& flat) override;
 };
 
 // The reference reduction: sum (or mean) of `inputs` in index order, accumulated in fp32 for
@@ -95,9 +109,10 @@ class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {
   friend class InProcessCommunicator;
   InProcessGroup(int world_size, absl::Duration timeout);
   // Deposits `flat`, waits for every rank, lets the last arrival compute `combine(inputs)` once,
-  // copies the result into `flat` on every rank.
+  // copies the result (or, with `part`, part(result, rank)) into `flat` on every rank.
   absl::Status Collective(int rank, torch::Tensor& flat,
-                          const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& combine);
+                          const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& combine,
+                          const std::function<torch::Tensor(const torch::Tensor&, int)>& part = nullptr);
 
   const int world_size_;
   const absl::Duration timeout_;
@@ -144,6 +159,9 @@ class TcpCommunicator : public Communicator {
  protected:
   absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) override;
   absl::Status BroadcastFlat(torch::Tensor& flat, int root) override;
+  // Through rank 0: every rank sends its (P, n) rows to rank 0, which sends rank r the rows
+  // addressed to it (the star's 2x traffic through rank 0; NCCL replaces it on GPUs).
+  absl::Status AllToAllFlat(torch::Tensor& flat) override;
 
  private:
   explicit TcpCommunicator(TcpCommunicatorOptions options) : options_(std::move(options)) {}

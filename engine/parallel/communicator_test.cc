@@ -139,6 +139,72 @@ TEST_P(CommunicatorTest, BroadcastFromEveryRootAndBarrier) {
   }
 }
 
+// Rank r's all-to-all input: the same shape on every rank, values drawn per rank, so a
+// misrouted chunk shows.
+torch::Tensor AllToAllInput(int rank, torch::Dtype dtype) {
+  at::Generator gen = at::detail::createCPUGenerator(2000 + rank);
+  return torch::randint(-1000, 1000, {2, 6, 3, 5}, gen, torch::kInt64).to(dtype);  // (B, H, S, D)
+}
+
+TEST_P(CommunicatorTest, AllToAllSendsChunkJToRankJInRankOrder) {
+  for (int world_size : {1, 2, 3}) {
+    auto comms = Make(world_size);
+    for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat64, torch::kInt64}) {
+      // The layout change written out: rank j gets chunk j of every rank's heads, senders in
+      // rank order along the sequence.
+      std::vector<torch::Tensor> want(world_size), back(world_size);
+      for (int j = 0; j < world_size; ++j) {
+        std::vector<torch::Tensor> parts;
+        for (int i = 0; i < world_size; ++i) parts.push_back(AllToAllInput(i, dtype).chunk(world_size, 1)[j]);
+        want[j] = torch::cat(parts, 2);  // (2, 6/P, 3P, 5)
+      }
+      RunRanks(comms, [&](Communicator& c) {
+        const torch::Tensor x = AllToAllInput(c.rank(), dtype);
+        absl::StatusOr<torch::Tensor> y = c.AllToAll(x, /*split_dim=*/1, /*concat_dim=*/2);
+        ASSERT_TRUE(y.ok()) << y.status();
+        EXPECT_EQ(y->scalar_type(), dtype);
+        EXPECT_EQ(y->sizes(), want[c.rank()].sizes()) << "rank " << c.rank();
+        EXPECT_TRUE(torch::equal(*y, want[c.rank()])) << "rank " << c.rank() << " P " << world_size;
+        // The inverse layout change restores every rank's input; the input itself is untouched.
+        absl::StatusOr<torch::Tensor> z = c.AllToAll(*y, /*split_dim=*/2, /*concat_dim=*/1);
+        ASSERT_TRUE(z.ok()) << z.status();
+        EXPECT_TRUE(torch::equal(*z, x)) << "rank " << c.rank();
+        EXPECT_TRUE(torch::equal(x, AllToAllInput(c.rank(), dtype)));
+      });
+    }
+  }
+}
+
+// Split and concatenation along the same dim (a transpose of the ranks' chunks), the leading
+// dim, and a non-contiguous input.
+TEST_P(CommunicatorTest, AllToAllOtherDimsAndStridedInput) {
+  auto comms = Make(2);
+  RunRanks(comms, [&](Communicator& c) {
+    const torch::Tensor x = AllToAllInput(c.rank(), torch::kFloat32).transpose(1, 3);  // (2, 5, 3, 6) strided
+    absl::StatusOr<torch::Tensor> y = c.AllToAll(x, 0, 0);
+    ASSERT_TRUE(y.ok()) << y.status();
+    const torch::Tensor a = AllToAllInput(0, torch::kFloat32).transpose(1, 3);
+    const torch::Tensor b = AllToAllInput(1, torch::kFloat32).transpose(1, 3);
+    const int r = c.rank();
+    EXPECT_TRUE(torch::equal(*y, torch::cat({a.narrow(0, r, 1), b.narrow(0, r, 1)}, 0))) << "rank " << r;
+    absl::StatusOr<torch::Tensor> w = c.AllToAll(x, 3, 1);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_TRUE(torch::equal(*w, torch::cat({a.narrow(3, 3 * r, 3), b.narrow(3, 3 * r, 3)}, 1))) << "rank " << r;
+  });
+}
+
+TEST_P(CommunicatorTest, AllToAllRefusesASplitTheRanksDoNotDivide) {
+  auto comms = Make(2);
+  RunRanks(comms, [&](Communicator& c) {
+    absl::StatusOr<torch::Tensor> y = c.AllToAll(torch::ones({2, 3, 4}), 1, 2);
+    EXPECT_EQ(y.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(y.status().message().find("world_size (2) must divide dim 1 of the input (3)"), std::string::npos)
+        << y.status();
+    EXPECT_EQ(c.AllToAll(torch::ones({2, 4}), 2, 0).status().code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(c.Barrier().ok());  // the refusals sent nothing: the group still works
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Impl, CommunicatorTest, ::testing::Values("in_process", "tcp"),
                          [](const auto& info) { return info.param; });
 
@@ -230,6 +296,27 @@ TEST(InProcessGroupTest, MissingRankTimesOut) {
   auto c0 = group->Rank(0);
   std::vector<torch::Tensor> t = {torch::ones({3})};
   EXPECT_EQ(c0->AllReduce(t).code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(InProcessGroupTest, AllToAllWithAMissingRankTimesOut) {
+  auto group = InProcessGroup::Create(2, absl::Milliseconds(100));
+  auto c0 = group->Rank(0);
+  EXPECT_EQ(c0->AllToAll(torch::ones({2, 4}), 0, 1).status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(TcpCommunicatorTest, AllToAllWithPeerGoneFailsInsteadOfHanging) {
+  auto comms = Tcp(2);
+  comms[1].reset();
+  EXPECT_EQ(comms[0]->AllToAll(torch::ones({2, 4}), 0, 1).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// One rank: the all-to-all is the input itself (no copy).
+TEST(SingleRankCommunicatorTest, AllToAllIsTheInput) {
+  SingleRankCommunicator c;
+  const torch::Tensor x = torch::randn({2, 3, 4});
+  absl::StatusOr<torch::Tensor> y = c.AllToAll(x, 1, 2);
+  ASSERT_TRUE(y.ok());
+  EXPECT_EQ(y->data_ptr(), x.data_ptr());
 }
 
 }  // namespace

@@ -13,6 +13,9 @@ Cases (--case):
                    job and its state is still there, the worker re-attaches, the job finishes.
   data_parallel    a job of world_size 2 runs data parallel on two CPU workers (TCP
                    communicator between the worker processes) and succeeds.
+  context_parallel a job of world_size 2 with context_parallel 2 (each rank holds half of every
+                   row; Ulysses all-to-alls over the TCP communicator) on two CPU workers gives
+                   the one-worker run's losses, step by step (<= 1e-5 relative).
   rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
                    checkpoint (the newest the watch saw, and the one both new ranks' logs say
                    they start from) on the surviving and a spare worker and succeeds.
@@ -325,6 +328,43 @@ def case_data_parallel(c):
             raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_worker_tokens_total']} tokens")
 
 
+def case_context_parallel(c):
+    """An SFT job of world_size 2 and context_parallel 2 on two CPU workers: both ranks train on
+    the same batches, each on half of every row, and the per-step losses equal those of the same
+    job on one worker (fp32; the ranks sum the same terms in another order: 1e-5 relative)."""
+    c.start_controller()
+    c.start_worker("w1")
+    c.start_worker("w2")
+    steps = 8
+    spec = tiny_spec(steps=steps, every=0)
+    one = c.submit(spec)
+    one_steps = c.watch(one)
+    c.wait_state(one, "SUCCEEDED")
+    spec["parallel"] = {"world_size": 2, "contextParallel": 2}
+    cp = c.submit(spec)
+    cp_steps = c.watch(cp)
+    job = c.wait_state(cp, "SUCCEEDED")
+    if job.step != steps or sorted(job.workers) != ["w1", "w2"]:
+        raise Failure(f"{cp}: step {job.step}, workers {list(job.workers)}")
+    # A watch opened after the first steps sees the latest one first, then every later one.
+    wait_for("both runs' final step events",
+             lambda: one_steps and cp_steps and one_steps[-1][0] == steps and cp_steps[-1][0] == steps, timeout=30)
+    one_loss, cp_loss = dict(one_steps), dict(cp_steps)
+    common = sorted(set(one_loss) & set(cp_loss))
+    print(f"steps seen by both watches: {common}")
+    for s in common:
+        print(f"step {s}: one worker {one_loss[s]:.9f}, context parallel {cp_loss[s]:.9f}")
+    if len(common) < 5:
+        raise Failure(f"only steps {common} were seen by both watches")
+    worst = max(abs(cp_loss[s] - one_loss[s]) / abs(one_loss[s]) for s in common)
+    print(f"largest relative difference {worst:.2e}")
+    if worst > 1e-5:
+        raise Failure(f"context-parallel losses differ from one worker's by {worst:.2e} (relative)")
+    for w in ("w1", "w2"):
+        if not re.search(r"rank=[01]/2 context_parallel=2 model", c.log(w)):
+            raise Failure(f"{w}'s log does not show a rank of the context-parallel run")
+
+
 def case_rank_loss(c):
     """kill -9 of one worker of a 2-rank job: the surviving rank stops on the controller's
     cancel instead of failing the job, and the job restarts from its last checkpoint on the
@@ -507,8 +547,8 @@ def case_worker_sigterm(c):
 
 def main():
     ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
-    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel", "rank_loss",
-                                                  "cancel", "result_while_controller_down",
+    ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel",
+                                                  "context_parallel", "rank_loss", "cancel", "result_while_controller_down",
                                                   "shared_checkpoint_folder", "worker_sigterm", "resume_from_spec"])
     args = parse_args(ap)
     outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
