@@ -1,5 +1,6 @@
 #include "planner/memory_spec.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -79,19 +80,23 @@ Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes,
   return h;
 }
 
+int64_t RankSeqLen(const v1::JobSpec& spec) {
+  const int64_t cp = std::max<int64_t>(1, spec.parallel().context_parallel());
+  return (spec.data().seq_len() + cp - 1) / cp;
+}
+
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware) {
   absl::StatusOr<MemoryFields> fields = MemoryFieldsFromProto(spec.memory());
   if (!fields.ok()) return fields.status();
-  return PlanModelJob(spec.model().name(), spec.model().dtype(), spec.data().seq_len(), spec.data().batch_size(),
-                      *fields, hardware);
+  return PlanModelJob(spec.model().name(), spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields,
+                      hardware);
 }
 
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,
                                     const Hardware& hardware) {
   absl::StatusOr<MemoryFields> fields = MemoryFieldsFromProto(spec.memory());
   if (!fields.ok()) return fields.status();
-  return PlanModelJob(config, spec.model().dtype(), spec.data().seq_len(), spec.data().batch_size(), *fields,
-                      hardware);
+  return PlanModelJob(config, spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields, hardware);
 }
 
 }  // namespace odyssey::planner

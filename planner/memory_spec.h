@@ -30,6 +30,11 @@ Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes,
 // data.batch_size positions, the memory fields; `hardware` as MachineHardware() gives it.
 // INVALID_ARGUMENT for a model that does not resolve or fields that cannot run on it (naming
 // the field).
+// The positions one rank holds: data.seq_len over parallel.context_parallel (Ulysses shards
+// every activation, checkpoint and tile by S/P; the attention's head-layout buffers of one
+// round, S x Hq/P heads, are the same element count as the sharded (S/P, Hq) tensors the
+// per-rank model counts). The planner plans one rank at this length.
+int64_t RankSeqLen(const v1::JobSpec& spec);
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware);
 // The same for spec.model.name already resolved to `config`.
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,

@@ -167,5 +167,20 @@ TEST(MemorySpecTest, PlanJobSpecReadsTheSpec) {
   EXPECT_EQ(p->strategy.host_budget_bytes, int64_t{8} << 30);
 }
 
+// Context parallel: one rank holds seq_len / context_parallel positions, and is planned so.
+TEST(MemorySpecTest, ContextParallelPlansOneRanksShardOfTheSequence) {
+  const Hardware h200;
+  v1::JobSpec cp = Spec3B(2 << 20);
+  cp.mutable_parallel()->set_world_size(4);
+  cp.mutable_parallel()->set_context_parallel(4);
+  EXPECT_EQ(RankSeqLen(cp), 524288);
+  absl::StatusOr<JobPlan> sharded = PlanJobSpec(cp, h200);
+  absl::StatusOr<JobPlan> quarter = PlanJobSpec(Spec3B(524288), h200);
+  ASSERT_TRUE(sharded.ok() && quarter.ok());
+  EXPECT_EQ(sharded->prediction.gpu_peak_bytes, quarter->prediction.gpu_peak_bytes);
+  EXPECT_TRUE(sharded->fits);
+  EXPECT_FALSE(PlanJobSpec(Spec3B(2 << 20), h200)->fits);  // the whole 2M on one GPU does not
+}
+
 }  // namespace
 }  // namespace odyssey::planner

@@ -123,7 +123,9 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
     if (mem.total > 0) hw.gpu_bytes = planner::UsableGpuBytes(mem.total);
     hw.host_bytes = host_budget;
   }
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, j.seq_len, j.batch_size, j.memory, hw);
+  // One rank holds seq_len / context_parallel positions (planner::RankSeqLen).
+  const int64_t rank_seq = (j.seq_len + std::max(1, j.context_parallel) - 1) / std::max(1, j.context_parallel);
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw);
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
