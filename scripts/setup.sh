@@ -3,7 +3,8 @@
 # the Debian packages (toolchain, gRPC, protobuf, Abseil, prometheus-cpp, SQLite, CLI11,
 # nlohmann-json, spdlog, yaml-cpp, cpp-httplib, GoogleTest, ccache, the bible-kjv text, OpenSSL
 # headers for the TLS file checks and the openssl CLI for the TLS tests' throwaway CA, Prometheus
-# for promtool, which checks deploy/prometheus/alerts.yml and fires each alert in a test) and a
+# for promtool, which checks deploy/prometheus/alerts.yml and fires each alert in a test,
+# bazel-bootstrap for the Bazel build beside CMake, scripts/bazel-test.sh and docs/build.md) and a
 # project-local Python venv (.venv) with torch==2.11.0 (the libtorch the build links) and
 # transformers (parity tests), grpcio + grpcio-tools + setuptools >= 70.1 (the Python client and
 # its tests). Idempotent: a second run only checks.
@@ -15,7 +16,7 @@ debs=(build-essential cmake ninja-build ccache pkg-config git python3-venv
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev prometheus-cpp-dev libsqlite3-dev sqlite3 libcli11-dev nlohmann-json3-dev
   libspdlog-dev libfmt-dev libyaml-cpp-dev libcpp-httplib-dev libgtest-dev libgmock-dev
-  libssl-dev openssl bible-kjv prometheus)
+  libssl-dev openssl bible-kjv prometheus bazel-bootstrap)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
