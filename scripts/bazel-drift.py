@@ -6,7 +6,8 @@ Fails, naming what is missing, unless
   - every .cc/.h/.proto on disk in those folders is a source of some Bazel target (so a new file
     belongs to a target in both builds, not only in one);
   - every CMake test there is a Bazel test of the same name in the same package, and the
-    other way round.
+    other way round;
+  - common/BUILD's ODYSSEY_VERSION is the top-level CMakeLists.txt's project(VERSION).
 The torch-free part: common/, planner/, proto/, server/, client/, and model/'s
 odyssey_model_config (the rest of model/ needs libtorch, which the Bazel build does not link).
 
@@ -124,6 +125,13 @@ def main():
         missing.append(f"{t}: a CMake test with no Bazel cc_test of that name")
     for t in sorted(bazel_tests - cmake_tests):
         missing.append(f"{t}: a Bazel test with no CMake test of that name")
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake_version = re.search(r"project\(odyssey VERSION ([\w.]+)", f.read()).group(1)
+    with open(os.path.join(ROOT, "common", "BUILD")) as f:
+        m = re.search(r'ODYSSEY_VERSION=[\\"]*([\w.]+)', f.read())
+    if not m or m.group(1) != cmake_version:
+        missing.append(f"common/BUILD: ODYSSEY_VERSION {m.group(1) if m else '(none)'} is not "
+                       f"CMakeLists.txt's project(VERSION {cmake_version})")
     if missing:
         print("bazel-drift: the Bazel and CMake builds differ (docs/build.md, \"Keeping them in step\"):")
         for m in missing:
