@@ -1,0 +1,242 @@
+#include "kernels/dsa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace odyssey::kernels {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+torch::ScalarType ComputeType(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (t->scalar_type() == torch::kFloat64) return torch::kFloat64;
+  }
+  return torch::kFloat32;
+}
+
+void CheckIndexer(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && w.dim() == 3, "DSA indexer: q (B, HI, S, D), k (B, P, D), w (B, S, HI)");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(3), "DSA indexer: k must be (B, P, D) with q's B, D");
+  TORCH_CHECK(w.size(0) == q.size(0) && w.size(1) == q.size(2) && w.size(2) == q.size(1),
+              "DSA indexer: w must be (B, S, HI)");
+  TORCH_CHECK(o.top_k >= 1 && o.pool >= 1 && o.query_block >= 1 && o.key_block >= 1,
+              "DSA indexer: top_k, pool, query_block and key_block must be >= 1");
+}
+
+// (Sq, P) true where item p (of those from `first`) is visible to query t (of those from `t0`).
+Tensor Visible(int64_t t0, int64_t Sq, int64_t first, int64_t P, int64_t pool, const torch::Device& dev) {
+  auto lo = torch::TensorOptions().dtype(torch::kLong).device(dev);
+  Tensor t = torch::arange(t0, t0 + Sq, lo).unsqueeze(1);
+  Tensor last_token = torch::arange(first, first + P, lo).unsqueeze(0) * pool + (pool - 1);
+  return last_token <= t;
+}
+
+// The selection rule of the file comment over candidates already in index order among equal
+// scores: a stable descending sort keeps the lower index first. Returns the first `k` (values,
+// item indices).
+std::pair<Tensor, Tensor> TopKStable(const Tensor& vals, const Tensor& items, int64_t k) {
+  auto [sv, si] = torch::sort(vals, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+  return {sv.narrow(-1, 0, k), items.gather(-1, si.narrow(-1, 0, k))};
+}
+
+// Gathers rows of x (B, Hk, S, D) at idx (B, Sq, W) (int64, clamped valid): (B, Hk, Sq, W, D).
+// x_flat is x as (B * S, Hk, D), made once per call.
+Tensor GatherKeys(const Tensor& x_flat, const Tensor& idx, int64_t S) {
+  const int64_t B = idx.size(0), Sq = idx.size(1), W = idx.size(2);
+  Tensor base = torch::arange(B, idx.options()).view({B, 1, 1}) * S;
+  Tensor g = x_flat.index_select(0, (idx + base).reshape(-1));  // (B * Sq * W, Hk, D)
+  return g.view({B, Sq, W, x_flat.size(1), x_flat.size(2)}).permute({0, 3, 1, 2, 4});
+}
+
+Tensor FlatRows(const Tensor& x) {  // (B, Hk, S, D) -> (B * S, Hk, D)
+  return x.permute({0, 2, 1, 3}).reshape({x.size(0) * x.size(2), x.size(1), x.size(3)});
+}
+
+// One query block's probabilities: s (B, Hkv, Sq, G, W) scaled scores, masked; lse (B, Hkv, Sq, G).
+struct BlockProbs {
+  Tensor ks, vs, p, lse;
+};
+
+BlockProbs Probs(const Tensor& qb /* (B, Hkv, Sq, G, D) */, const Tensor& k_flat, const Tensor& v_flat,
+                 const Tensor& idx /* (B, Sq, W) int32 */, int64_t S, double scale, const Tensor& lse_saved) {
+  Tensor il = idx.to(torch::kLong);
+  Tensor valid = (il >= 0).unsqueeze(1).unsqueeze(3);  // (B, 1, Sq, 1, W)
+  Tensor ic = il.clamp_min(0);
+  BlockProbs r;
+  r.ks = GatherKeys(k_flat, ic, S);  // (B, Hkv, Sq, W, D)
+  r.vs = GatherKeys(v_flat, ic, S);  // (B, Hkv, Sq, W, Dv)
+  Tensor s = qb.matmul(r.ks.transpose(-1, -2)).mul_(scale).masked_fill_(valid.logical_not(), -kInf);
+  r.lse = lse_saved.defined() ? lse_saved : torch::logsumexp(s, -1);  // -inf for a row with no key
+  Tensor lse_safe = torch::where(torch::isinf(r.lse), torch::zeros({}, r.lse.options()), r.lse);
+  r.p = (s - lse_safe.unsqueeze(-1)).exp();  // masked entries: exp(-inf) = 0
+  return r;
+}
+
+struct Dims {
+  int64_t B, H, Hkv, G, S, D, Dv, W;
+};
+
+// Inputs in the compute dtype. Saved: q, k, v, indices, o, lse.
+struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& idx, double scale, int64_t qblock) {
+    const Dims d{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3), v.size(3), idx.size(2)};
+    Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
+    Tensor o = torch::empty({d.B, d.Hkv, d.S, d.G, d.Dv}, v.options());  // head h = h' G + g
+    Tensor lse = torch::empty({d.B, d.Hkv, d.S, d.G}, v.options());
+    Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.S, d.D}).transpose(2, 3);  // (B, Hkv, S, G, D)
+    for (int64_t t0 = 0; t0 < d.S; t0 += qblock) {
+      const int64_t Sq = std::min(qblock, d.S - t0);
+      BlockProbs r = Probs(q5.narrow(2, t0, Sq), k_flat, v_flat, idx.narrow(1, t0, Sq), d.S, scale, Tensor());
+      o.narrow(2, t0, Sq).copy_(r.p.matmul(r.vs));  // (B, Hkv, Sq, G, Dv)
+      lse.narrow(2, t0, Sq).copy_(r.lse);
+    }
+    ctx->save_for_backward({q, k, v, idx, o, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["qblock"] = qblock;
+    return {o.transpose(2, 3).reshape({d.B, d.H, d.S, d.Dv})};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &idx = s[3], &o = s[4], &lse = s[5];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t qblock = ctx->saved_data["qblock"].toInt();
+    const Dims d{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3), v.size(3), idx.size(2)};
+    Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
+    Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.S, d.D}).transpose(2, 3);                              // (B, Hkv, S, G, D)
+    Tensor dO = grads[0].reshape({d.B, d.Hkv, d.G, d.S, d.Dv}).transpose(2, 3).to(o.scalar_type());  // as o
+    Tensor dq = torch::empty({d.B, d.Hkv, d.S, d.G, d.D}, q.options());
+    Tensor dk_flat = torch::zeros_like(k_flat), dv_flat = torch::zeros_like(v_flat);  // (B * S, Hkv, D|Dv)
+    Tensor base = torch::arange(d.B, idx.options().dtype(torch::kLong)).view({d.B, 1, 1}) * d.S;
+    for (int64_t t0 = 0; t0 < d.S; t0 += qblock) {
+      const int64_t Sq = std::min(qblock, d.S - t0);
+      Tensor qb = q5.narrow(2, t0, Sq), idxb = idx.narrow(1, t0, Sq);
+      BlockProbs r = Probs(qb, k_flat, v_flat, idxb, d.S, scale, lse.narrow(2, t0, Sq));
+      Tensor dOb = dO.narrow(2, t0, Sq), ob = o.narrow(2, t0, Sq);  // (B, Hkv, Sq, G, Dv)
+      Tensor dp = dOb.matmul(r.vs.transpose(-1, -2));                // (B, Hkv, Sq, G, W)
+      Tensor ds = r.p * (dp - (dOb * ob).sum(-1, /*keepdim=*/true)) * scale;
+      dq.narrow(2, t0, Sq).copy_(ds.matmul(r.ks));              // (B, Hkv, Sq, G, D)
+      Tensor dks = ds.transpose(-1, -2).matmul(qb);             // (B, Hkv, Sq, W, D), summed over G
+      Tensor dvs = r.p.transpose(-1, -2).matmul(dOb);           // (B, Hkv, Sq, W, Dv)
+      // Invalid slots point at row 0 with p = 0: they add exact zeros there.
+      Tensor rows = (idxb.to(torch::kLong).clamp_min(0) + base).reshape(-1);
+      dk_flat.index_add_(0, rows, dks.permute({0, 2, 3, 1, 4}).reshape({-1, d.Hkv, d.D}));
+      dv_flat.index_add_(0, rows, dvs.permute({0, 2, 3, 1, 4}).reshape({-1, d.Hkv, d.Dv}));
+    }
+    Tensor dk = dk_flat.view({d.B, d.S, d.Hkv, d.D}).permute({0, 2, 1, 3});
+    Tensor dv = dv_flat.view({d.B, d.S, d.Hkv, d.Dv}).permute({0, 2, 1, 3});
+    return {dq.transpose(2, 3).reshape({d.B, d.H, d.S, d.D}), dk, dv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor IndexerScores(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w) {
+  const auto ct = ComputeType({&q_idx, &k_idx, &w});
+  Tensor qk = q_idx.to(ct).matmul(k_idx.to(ct).unsqueeze(1).transpose(-1, -2)).relu_();  // (B, HI, Sq, P)
+  Tensor wt = w.to(ct).permute({0, 2, 1}).unsqueeze(-1);                                  // (B, HI, Sq, 1)
+  return (qk * wt).sum(1) / std::sqrt(double(q_idx.size(3)));                             // (B, Sq, P)
+}
+
+Tensor IndexerTopKNaive(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
+  CheckIndexer(q, k, w, o);
+  const int64_t B = q.size(0), S = q.size(2), P = k.size(1);
+  Tensor scores = IndexerScores(q, k, w).masked_fill(Visible(0, S, 0, P, o.pool, q.device()).logical_not(), -kInf);
+  // Pad to at least top_k columns with -inf items of index -1 (after every real item, so they
+  // never displace one).
+  const int64_t width = std::max(P, o.top_k);
+  Tensor vals = at::constant_pad_nd(scores, {0, width - P}, -kInf);  // (B, S, width)
+  Tensor items = at::constant_pad_nd(torch::arange(P, q.options().dtype(torch::kLong)), {0, width - P}, -1)
+                     .expand({B, S, width});
+  auto [tv, ti] = TopKStable(vals, items, o.top_k);
+  return torch::where(torch::isinf(tv), torch::full({}, -1, ti.options()), ti).to(torch::kInt32);
+}
+
+Tensor IndexerTopK(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
+  CheckIndexer(q, k, w, o);
+  const int64_t B = q.size(0), S = q.size(2), P = k.size(1);
+  const auto ct = ComputeType({&q, &k, &w});
+  auto lo = q.options().dtype(torch::kLong);
+  Tensor out = torch::empty({B, S, o.top_k}, q.options().dtype(torch::kInt32));
+  for (int64_t t0 = 0; t0 < S; t0 += o.query_block) {
+    const int64_t Sq = std::min(o.query_block, S - t0);
+    Tensor qb = q.narrow(2, t0, Sq), wb = w.narrow(1, t0, Sq);
+    // Running top-k: starts as k empty slots (-inf, -1), which sort before nothing real.
+    Tensor run_v = torch::full({B, Sq, o.top_k}, -kInf, q.options().dtype(ct));
+    Tensor run_i = torch::full({B, Sq, o.top_k}, -1, lo);
+    // Items the block's last query sees: pool p + pool - 1 <= t0 + Sq - 1.
+    const int64_t n_items = std::min(P, (t0 + Sq) / o.pool);
+    for (int64_t p0 = 0; p0 < n_items; p0 += o.key_block) {
+      const int64_t Pk = std::min(o.key_block, n_items - p0);
+      Tensor sc = IndexerScores(qb, k.narrow(1, p0, Pk), wb)
+                      .masked_fill_(Visible(t0, Sq, p0, Pk, o.pool, q.device()).logical_not(), -kInf);
+      // Earlier blocks' survivors first: every one has a lower index than this block's items,
+      // and among themselves they are in the rule's order, so the stable sort keeps the rule.
+      std::tie(run_v, run_i) = TopKStable(torch::cat({run_v, sc}, -1),
+                                          torch::cat({run_i, torch::arange(p0, p0 + Pk, lo).expand({B, Sq, Pk})}, -1),
+                                          o.top_k);
+    }
+    out.narrow(1, t0, Sq).copy_(torch::where(torch::isinf(run_v), torch::full({}, -1, lo), run_i));
+  }
+  return out;
+}
+
+Tensor KeyPool4(const Tensor& k, const Tensor& z, const Tensor& bias) {
+  TORCH_CHECK(k.dim() == 3 && z.sizes() == k.sizes(), "KeyPool4: k and z must be (B, S, D) alike");
+  TORCH_CHECK(bias.dim() == 2 && bias.size(0) == 4 && bias.size(1) == k.size(2), "KeyPool4: bias must be (4, D)");
+  const int64_t B = k.size(0), P = k.size(1) / 4, D = k.size(2);
+  const auto ct = ComputeType({&k, &z, &bias});
+  Tensor kk = k.narrow(1, 0, 4 * P).to(ct).view({B, P, 4, D});
+  Tensor zz = z.narrow(1, 0, 4 * P).to(ct).view({B, P, 4, D}) + bias.to(ct);
+  return (torch::softmax(zz, 2) * kk).sum(2).to(k.scalar_type());  // (B, P, D)
+}
+
+Tensor ExpandPoolSelection(const Tensor& pool_idx) {
+  TORCH_CHECK(pool_idx.dim() == 3 && pool_idx.scalar_type() == torch::kInt32,
+              "ExpandPoolSelection: pool_idx must be (B, S, kp) int32");
+  const int64_t B = pool_idx.size(0), S = pool_idx.size(1), kp = pool_idx.size(2);
+  auto lo = pool_idx.options().dtype(torch::kLong);
+  Tensor p = pool_idx.to(torch::kLong).unsqueeze(-1);                                 // (B, S, kp, 1)
+  Tensor tok = torch::where(p >= 0, p * 4 + torch::arange(4, lo), torch::full({}, -1, lo)).view({B, S, 4 * kp});
+  Tensor out = torch::cat({tok, torch::full({B, S, 3}, -1, lo)}, -1);  // (B, S, 4 kp + 3)
+  Tensor t = torch::arange(S, lo).view({1, S, 1});
+  Tensor n_valid = (pool_idx >= 0).sum(-1, /*keepdim=*/true).to(torch::kLong) * 4;  // (B, S, 1)
+  Tensor tail = (t + 1).div(4, "floor") * 4 + torch::arange(3, lo);                  // (1, S, 3)
+  out.scatter_(-1, (n_valid + torch::arange(3, lo)).expand({B, S, 3}),
+               torch::where(tail <= t, tail, torch::full({}, -1, lo)).expand({B, S, 3}));
+  return out.to(torch::kInt32);
+}
+
+Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices, double scale,
+                       int64_t query_block) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "SparseAttention: q, k, v must be 4-d");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
+              "SparseAttention: k must be (B, Hkv, S, D)");
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == k.size(1) && v.size(2) == q.size(2),
+              "SparseAttention: v must be (B, Hkv, S, Dv)");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "SparseAttention: Hkv (", k.size(1), ") must divide H (", q.size(1), ")");
+  TORCH_CHECK(indices.dim() == 3 && indices.scalar_type() == torch::kInt32 && indices.size(0) == q.size(0) &&
+                  indices.size(1) == q.size(2),
+              "SparseAttention: indices must be (B, S, W) int32");
+  TORCH_CHECK(query_block >= 1, "SparseAttention: query_block must be >= 1");
+  if (indices.numel() > 0) {
+    TORCH_CHECK(indices.min().item<int32_t>() >= -1 && indices.max().item<int32_t>() < q.size(2),
+                "SparseAttention: indices must lie in [-1, S)");
+  }
+  const auto ct = ComputeType({&q, &k, &v});
+  const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
+  return SparseAttentionFunction::apply(q.to(ct), k.to(ct), v.to(ct), indices, sc, query_block)[0].to(
+      q.scalar_type());
+}
+
+}  // namespace odyssey::kernels

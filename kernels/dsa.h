@@ -1,0 +1,77 @@
+// DeepSeek Sparse Attention (DSA, ../shared/specs/hybrid-attention.md section 2): the lightning
+// indexer's scores, the per-query top-k selection of keys (naive, and query-block chunked with a
+// streaming top-k), GLM-5.3-Flash's pooled keys (spec 2.4: pools of 4 tokens plus the tail), and
+// attention over the selected keys with its backward. libtorch references: the CPU path and what
+// the future CUDA kernels are tested against.
+//
+// Shapes (batch, heads, length, head dim, as kernels/attention.h orders them):
+//   q_idx  (B, HI, S, D)   indexer queries, HI index heads
+//   k_idx  (B, P, D)       indexer keys, one shared head: P = S token keys (pool 1), or the
+//                          P = floor(S / 4) pooled keys of KeyPool4 (pool 4)
+//   w      (B, S, HI)      per-query head weights, the spec's w_{t,j} with H_I^-1/2 included
+// Score I[b, t, p] = sum_j w[b, t, j] * relu(q_idx[b, j, t] . k_idx[b, p]) / sqrt(D) (fp32, or
+// fp64 for fp64 inputs). Key item p covers tokens [pool p, pool p + pool - 1] and is visible to
+// query t iff pool p + pool - 1 <= t (causal; for pool 1: p <= t).
+// Selection: indices int32 (B, S, top_k), the visible items in the total order (higher score
+// first; equal scores: lower index first), min(top_k, #visible) of them, then -1 padding. The
+// order is a rule so that the naive and the streaming selection agree exactly under ties.
+// Thread safety: pure functions.
+#pragma once
+
+#include <torch/types.h>
+
+namespace odyssey::kernels {
+
+struct DsaIndexerOptions {
+  int64_t top_k = 2048;      // items kept per query (GLM with pool 4: 512 pools = 2048 tokens)
+  int64_t pool = 1;          // tokens per key item: 1 (token keys, V3.2) or 4 (pooled keys, GLM)
+  int64_t query_block = 64;  // queries scored together by the chunked selection
+  int64_t key_block = 256;   // key items per step of its streaming top-k
+};
+
+// Scores of queries q_idx (B, HI, Sq, D), w (B, Sq, HI) against key items k_idx (B, P, D):
+// (B, Sq, P) in the compute dtype, no mask. The one score function both selections call.
+torch::Tensor IndexerScores(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w);
+
+// Naive selection: forms the (B, S, P) score matrix (small sizes only), masks it causally, sorts
+// each row. Returns (B, S, top_k) int32.
+// REQUIRES: shapes as in the file comment; top_k >= 1; pool >= 1.
+torch::Tensor IndexerTopKNaive(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
+                               const DsaIndexerOptions& options);
+
+// Chunked selection, equal to IndexerTopKNaive: blocks of query_block queries, each scored
+// against key_block items at a time (only the items its last query can see), a running top_k
+// merged with each key block. Working memory O(HI * query_block * key_block + query_block *
+// (top_k + key_block)) per batch row; never a (S, P) matrix.
+// REQUIRES: as IndexerTopKNaive; query_block, key_block >= 1.
+torch::Tensor IndexerTopK(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
+                          const DsaIndexerOptions& options);
+
+// GLM's pooled keys (spec 2.4): k (B, S, D) per-token indexer keys, z (B, S, D) gate logits, bias
+// (4, D) per-slot bias. Pool p = tokens 4p..4p+3 counted from the row's position 0; only complete
+// pools. K[b, p, d] = sum_j softmax_j(z[b, 4p+j, d] + bias[j, d]) k[b, 4p+j, d], computed in
+// fp32 (fp64 for fp64 inputs) and returned in k's dtype (bf16 inputs: rounded to bf16, as the
+// spec says). Differentiable by autograd. Returns (B, floor(S / 4), D).
+torch::Tensor KeyPool4(const torch::Tensor& k, const torch::Tensor& z, const torch::Tensor& bias);
+
+// Token indices of a pool selection (spec 2.4): pool_idx (B, S, kp) int32 from IndexerTopK with
+// pool 4. Row t: each selected pool p expanded to 4p..4p+3 (in selection order), then the tail
+// tokens 4 floor((t+1)/4) .. t (0 to 3 of them), then -1: (B, S, 4 kp + 3) int32, with
+// 4 min(kp, floor((t+1)/4)) + (t+1) mod 4 valid entries.
+// REQUIRES: pool_idx's valid entries come first in each row (as the selections return them).
+torch::Tensor ExpandPoolSelection(const torch::Tensor& pool_idx);
+
+// Attention of each query over its selected keys only: for query t of head h,
+// softmax_j(scale q[h, t] . k[h', idx[t, j]]) over the valid j (idx >= 0), weights on v[h', idx],
+// h' = h / (H / Hkv) (GQA; MQA when Hkv = 1). Equal to dense attention masked to the same key set.
+// q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), indices (B, S, W) int32 shared by all
+// heads; returns (B, H, S, Dv) in q's dtype, computed in fp32 (fp64 for fp64 inputs). A query
+// with no valid index gets 0. Differentiable through a custom autograd Function that keeps q, k,
+// v, the indices, the output and the log-sum-exp (B, H, S) and recomputes the gathered keys and
+// probabilities block by block (query_block queries at a time) in backward.
+// REQUIRES: indices in [-1, S) (checked), without duplicates in a row (a duplicate would count
+// its key twice; not checked); scale > 0 or 0 for 1 / sqrt(D).
+torch::Tensor SparseAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& indices, double scale = 0.0, int64_t query_block = 128);
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,281 @@
+// DSA (kernels/dsa.h), spec 4's plan on the CPU: the chunked indexer's selection equals the naive
+// one exactly (ties included: both follow the documented order), every selection obeys the rules
+// (no future or duplicate item, count min(k, #visible), -1 only at the end, nothing better left
+// out), pooled keys and their expansion, and sparse attention equals dense attention masked to the
+// same key set (outputs and gradients), hence dense causal attention when k covers every key.
+// Bars: fp64 against fp64 1e-12 (the same sums in another order: measured ~1e-16); fp32 sparse
+// against the fp64 truth within twice the fp32 masked-dense error plus eight fp32 ulps at the
+// tensor's scale (the house bar of kernels/README.md). Selections are compared exactly.
+#include "kernels/dsa.h"
+
+#include <cfloat>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "kernels/attention.h"
+
+namespace odyssey::kernels {
+namespace {
+
+using torch::Tensor;
+
+struct Indexer {
+  Tensor q, k, w;
+};
+
+Indexer MakeIndexer(int64_t B, int64_t HI, int64_t S, int64_t D, torch::ScalarType t, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({B, HI, S, D}).to(t), torch::randn({B, S, D}).to(t), torch::randn({B, S, HI}).to(t)};
+}
+
+// Checks one selection against the scores it came from (B, S, P): the rules of dsa.h's file
+// comment. Counts the rows checked into *rows (so a test can assert it looked at something).
+void ExpectFollowsRule(const Tensor& sel, const Tensor& scores, int64_t top_k, int64_t pool, int64_t* rows) {
+  const int64_t B = sel.size(0), S = sel.size(1), P = scores.size(2);
+  auto a = sel.accessor<int32_t, 3>();
+  Tensor sd = scores.to(torch::kFloat64);
+  auto s = sd.accessor<double, 3>();
+  *rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < S; ++t, ++*rows) {
+      const int64_t visible = std::min<int64_t>(P, (t + 1) / pool);
+      const int64_t want = std::min(top_k, visible);
+      std::set<int32_t> seen;
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int32_t p = a[b][t][j];
+        if (j >= want) {
+          ASSERT_EQ(p, -1) << "row " << t << " slot " << j << ": padding expected";
+          continue;
+        }
+        ASSERT_GE(p, 0) << "row " << t << " slot " << j;
+        ASSERT_LE(pool * p + pool - 1, t) << "row " << t << ": future item " << p;
+        ASSERT_TRUE(seen.insert(p).second) << "row " << t << ": duplicate " << p;
+        if (j > 0) {  // the order: score descending, then index ascending
+          const int32_t prev = a[b][t][j - 1];
+          ASSERT_TRUE(s[b][t][prev] > s[b][t][p] || (s[b][t][prev] == s[b][t][p] && prev < p))
+              << "row " << t << " slot " << j;
+        }
+      }
+      if (want == 0) continue;
+      const int32_t last = a[b][t][want - 1];
+      for (int64_t p = 0; p < visible; ++p) {  // nothing better left out
+        if (seen.count(p) != 0) continue;
+        ASSERT_TRUE(s[b][t][p] < s[b][t][last] || (s[b][t][p] == s[b][t][last] && p > last))
+            << "row " << t << ": item " << p << " should have been selected";
+      }
+    }
+  }
+}
+
+TEST(DsaIndexer, ChunkedEqualsNaiveAndFollowsTheRule) {
+  // fp64 and fp32 inputs, awkward block sizes (the last query and key blocks are partial),
+  // top_k above and below the number of keys of late rows.
+  struct Case {
+    int64_t S, top_k, qb, kb;
+    torch::ScalarType t;
+  };
+  for (const Case& c : {Case{300, 40, 64, 256, torch::kFloat64}, Case{257, 33, 37, 50, torch::kFloat64},
+                        Case{97, 128, 16, 7, torch::kFloat32}, Case{200, 17, 200, 1000, torch::kFloat32}}) {
+    Indexer x = MakeIndexer(2, 4, c.S, 32, c.t, 11);
+    DsaIndexerOptions o;
+    o.top_k = c.top_k;
+    o.query_block = c.qb;
+    o.key_block = c.kb;
+    Tensor naive = IndexerTopKNaive(x.q, x.k, x.w, o), chunked = IndexerTopK(x.q, x.k, x.w, o);
+    EXPECT_EQ(chunked.scalar_type(), torch::kInt32);
+    EXPECT_EQ(chunked.sizes(), torch::IntArrayRef({2, c.S, c.top_k}));
+    EXPECT_TRUE(torch::equal(naive, chunked)) << "S " << c.S << " top_k " << c.top_k;
+    int64_t rows = 0;
+    ExpectFollowsRule(chunked, IndexerScores(x.q, x.k, x.w), c.top_k, 1, &rows);
+    EXPECT_EQ(rows, 2 * c.S);
+    // -1 padding at the start of the sequence: row t < top_k holds exactly t + 1 keys.
+    EXPECT_EQ(chunked[0][0][0].item<int32_t>(), 0);
+    if (c.top_k > 1) {
+      EXPECT_EQ(chunked[0][0][1].item<int32_t>(), -1);
+    }
+  }
+}
+
+// Exact ties everywhere: small integers make every score exact, so the selection is decided by
+// the tie rule alone (lower index first), which both selections must apply identically.
+TEST(DsaIndexer, TiesAreBrokenByLowerIndexInBothSelections) {
+  torch::manual_seed(12);
+  const int64_t S = 150;
+  Tensor q = torch::randint(-1, 2, {1, 2, S, 8}).to(torch::kFloat32);
+  Tensor k = torch::randint(0, 2, {1, S, 8}).to(torch::kFloat32);
+  Tensor w = torch::ones({1, S, 2});
+  DsaIndexerOptions o;
+  o.top_k = 24;
+  o.query_block = 13;
+  o.key_block = 9;
+  Tensor naive = IndexerTopKNaive(q, k, w, o), chunked = IndexerTopK(q, k, w, o);
+  EXPECT_TRUE(torch::equal(naive, chunked));
+  int64_t rows = 0;
+  ExpectFollowsRule(chunked, IndexerScores(q, k, w), o.top_k, 1, &rows);
+  EXPECT_EQ(rows, S);
+  // All-equal scores: each row selects its first top_k keys in index order.
+  Tensor flat = IndexerTopK(torch::zeros_like(q), k, w, o);
+  EXPECT_EQ(flat[0][100][0].item<int32_t>(), 0);
+  EXPECT_EQ(flat[0][100][23].item<int32_t>(), 23);
+}
+
+TEST(DsaIndexer, PooledKeysZeroGateIsMeanAndPoolSelectionCountsMatch) {
+  torch::manual_seed(13);
+  const int64_t B = 2, S = 203, D = 16;  // 50 complete pools and 3 tokens left over
+  Tensor k = torch::randn({B, S, D}), z = torch::randn({B, S, D}), bias = torch::randn({4, D});
+  Tensor mean = k.narrow(1, 0, 200).view({B, 50, 4, D}).mean(2);
+  EXPECT_TRUE(torch::allclose(KeyPool4(k, torch::zeros_like(z), torch::zeros_like(bias)), mean, 1e-6, 1e-6));
+  Tensor pooled = KeyPool4(k, z, bias);  // (B, 50, D)
+  ASSERT_EQ(pooled.sizes(), torch::IntArrayRef({B, 50, D}));
+  // One pool by hand: softmax over the 4 slots per channel.
+  Tensor wts = torch::softmax(z[1].narrow(0, 8, 4) + bias, 0);
+  EXPECT_TRUE(torch::allclose(pooled[1][2], (wts * k[1].narrow(0, 8, 4)).sum(0), 1e-6, 1e-6));
+
+  Indexer x = MakeIndexer(B, 4, S, D, torch::kFloat32, 14);
+  DsaIndexerOptions o;
+  o.top_k = 12;
+  o.pool = 4;
+  o.query_block = 29;
+  o.key_block = 5;
+  Tensor naive = IndexerTopKNaive(x.q, pooled, x.w, o), chunked = IndexerTopK(x.q, pooled, x.w, o);
+  EXPECT_TRUE(torch::equal(naive, chunked));
+  int64_t rows = 0;
+  ExpectFollowsRule(chunked, IndexerScores(x.q, pooled, x.w), o.top_k, 4, &rows);
+  EXPECT_EQ(rows, B * S);
+  Tensor tokens = ExpandPoolSelection(chunked);  // (B, S, 4 * 12 + 3)
+  ASSERT_EQ(tokens.sizes(), torch::IntArrayRef({B, S, 51}));
+  auto a = tokens.accessor<int32_t, 3>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < S; ++t) {
+      const int64_t want = 4 * std::min<int64_t>(12, (t + 1) / 4) + (t + 1) % 4;
+      std::set<int32_t> seen;
+      for (int64_t j = 0; j < 51; ++j) {
+        if (j >= want) {
+          ASSERT_EQ(a[b][t][j], -1) << t << " " << j;
+          continue;
+        }
+        ASSERT_GE(a[b][t][j], 0) << t << " " << j;
+        ASSERT_LE(a[b][t][j], t) << "future token at row " << t;
+        ASSERT_TRUE(seen.insert(a[b][t][j]).second) << "duplicate at row " << t;
+      }
+      for (int64_t u = (t + 1) / 4 * 4; u <= t; ++u) ASSERT_EQ(seen.count(u), 1u) << "tail " << u << " of row " << t;
+    }
+  }
+}
+
+// Dense attention over the keys the indices name, in the indices' dtype-free form: a (B, S, S)
+// mask, fp64-or-input-dtype softmax. GQA by expanding k, v.
+Tensor MaskedDense(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx) {
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), G = H / k.size(1);
+  Tensor il = idx.to(torch::kLong);
+  Tensor mask = torch::zeros({B, S, S + 1}, torch::kBool);
+  mask.scatter_(-1, torch::where(il >= 0, il, torch::full({}, S, il.options())), true);  // slot S: -1
+  mask = mask.narrow(-1, 0, S).unsqueeze(1);  // (B, 1, S, S)
+  Tensor ke = k.repeat_interleave(G, 1), ve = v.repeat_interleave(G, 1);
+  Tensor s = q.matmul(ke.transpose(-1, -2)) / std::sqrt(double(q.size(3)));
+  return torch::softmax(s.masked_fill(mask.logical_not(), -INFINITY), -1).matmul(ve);
+}
+
+struct Qkv {
+  Tensor q, k, v;
+};
+Qkv MakeQkv(int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t Dv, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto o = torch::TensorOptions().dtype(torch::kFloat64);
+  return {torch::randn({B, H, S, D}, o), torch::randn({B, Hkv, S, D}, o), torch::randn({B, Hkv, S, Dv}, o)};
+}
+
+std::vector<Tensor> RunAttention(bool sparse, const Qkv& x, const Tensor& idx, const Tensor& dO, int64_t qblock = 128) {
+  Tensor q = x.q.clone().requires_grad_(), k = x.k.clone().requires_grad_(), v = x.v.clone().requires_grad_();
+  Tensor o = sparse ? SparseAttention(q, k, v, idx, 0.0, qblock) : MaskedDense(q, k, v, idx);
+  (o.to(dO.scalar_type()) * dO).sum().backward();
+  return {o.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+const char* kNames[] = {"o", "dq", "dk", "dv"};
+
+double MaxErr(const Tensor& a, const Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+TEST(DsaSparseAttention, EqualsMaskedDenseAttentionFp64) {
+  const int64_t B = 2, H = 4, Hkv = 2, S = 97, D = 16, Dv = 12;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 21);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 22);
+  DsaIndexerOptions o;
+  o.top_k = 20;  // fewer than the causal keys of most rows: a real selection, -1 in rows < 19
+  Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+  Tensor dO = torch::randn({B, H, S, Dv}, torch::kFloat64);
+  std::vector<Tensor> ref = RunAttention(false, x, idx, dO);
+  for (int64_t qblock : {128, 7}) {
+    std::vector<Tensor> got = RunAttention(true, x, idx, dO, qblock);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_LT(MaxErr(got[i], ref[i]), 1e-12) << kNames[i] << " qblock " << qblock;
+    }
+  }
+  // Where the selection differs from causal attention (so the test sees the mask).
+  Tensor all = IndexerTopK(ix.q, ix.k, ix.w, [] { DsaIndexerOptions a; a.top_k = 97; return a; }());
+  EXPECT_GT(MaxErr(RunAttention(true, x, all, dO)[0], ref[0]), 1e-3);
+}
+
+TEST(DsaSparseAttention, Fp32WithinTwiceTheMaskedDenseError) {
+  const int64_t B = 1, H = 4, Hkv = 1, S = 257, D = 32, Dv = 32;  // MQA as in V3.2
+  Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 23);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat32, 24);
+  DsaIndexerOptions o;
+  o.top_k = 64;
+  Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+  Tensor dO = torch::randn({B, H, S, Dv}, torch::kFloat64);
+  std::vector<Tensor> truth = RunAttention(false, x, idx, dO);
+  Qkv f{x.q.to(torch::kFloat32), x.k.to(torch::kFloat32), x.v.to(torch::kFloat32)};
+  std::vector<Tensor> dense = RunAttention(false, f, idx, dO.to(torch::kFloat32)), got = RunAttention(true, f, idx, dO.to(torch::kFloat32));
+  for (int i = 0; i < 4; ++i) {
+    const double scale = truth[i].abs().max().item<double>();
+    EXPECT_LE(MaxErr(got[i], truth[i]), 2 * MaxErr(dense[i], truth[i]) + 8 * FLT_EPSILON * scale) << kNames[i];
+    EXPECT_EQ(got[i].scalar_type(), torch::kFloat32);
+  }
+}
+
+// k >= the number of causal keys: sparse attention is dense causal attention, checked against the
+// math backend of kernels/attention.h (outputs and gradients), for token keys (top_k = S) and for
+// GLM's pooled keys with 4 kp >= S (the pools plus the tail cover every causal key).
+TEST(DsaSparseAttention, FullSelectionEqualsDenseCausalAttention) {
+  const int64_t B = 1, H = 4, Hkv = 2, S = 61, D = 16;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, D, 25);
+  auto math = MakeAttentionBackend("math");
+  ASSERT_TRUE(math.ok());
+  Tensor dO = torch::randn({B, H, S, D}, torch::kFloat64);
+  Tensor q = x.q.clone().requires_grad_(), k = x.k.clone().requires_grad_(), v = x.v.clone().requires_grad_();
+  Tensor o_ref = (*math)->Causal(q, k, v, 1.0 / std::sqrt(double(D)));
+  (o_ref * dO).sum().backward();
+  std::vector<Tensor> ref{o_ref.detach(), q.grad(), k.grad(), v.grad()};
+
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 26);
+  DsaIndexerOptions tok;
+  tok.top_k = 64;  // >= S
+  Tensor idx_tok = IndexerTopK(ix.q, ix.k, ix.w, tok);
+  DsaIndexerOptions pool;
+  pool.top_k = 16;  // 16 pools = 64 tokens >= S
+  pool.pool = 4;
+  Tensor pooled = KeyPool4(ix.k, torch::randn_like(ix.k), torch::randn({4, 8}, torch::kFloat64));
+  Tensor idx_pool = ExpandPoolSelection(IndexerTopK(ix.q, pooled, ix.w, pool));
+  for (const Tensor& idx : {idx_tok, idx_pool}) {
+    std::vector<Tensor> got = RunAttention(true, x, idx, dO);
+    // The math backend computes in fp32 whatever the input: the bar is its precision.
+    for (int i = 0; i < 4; ++i) EXPECT_LT(MaxErr(got[i], ref[i]), 2e-5) << kNames[i] << " width " << idx.size(2);
+  }
+}
+
+TEST(DsaSparseAttention, RejectsIndicesOutOfRange) {
+  Qkv x = MakeQkv(1, 2, 1, 8, 4, 4, 27);
+  Tensor idx = torch::full({1, 8, 2}, 8, torch::kInt32);
+  EXPECT_THROW(SparseAttention(x.q, x.k, x.v, idx), c10::Error);
+}
+
+}  // namespace
+}  // namespace odyssey::kernels

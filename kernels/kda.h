@@ -1,0 +1,62 @@
+// Kimi Delta Attention (KDA, ../shared/specs/hybrid-attention.md section 1): the gated delta rule
+// with a per-channel decay. Two libtorch implementations: the naive recurrence (spec 1.6, the
+// truth every other path is tested against) and the chunkwise-parallel form (spec 1.3) with its
+// autograd backward (spec 1.4), which is the CPU path and the reference of the future CUDA kernel.
+//
+// Shapes (batch, heads, length, head dim, as kernels/attention.h orders them; the spec's table
+// writes [B, T, H, K], the same tensors with heads and length swapped):
+//   q, k  (B, H, T, K)    L2-normalised by the caller (the layer's job, spec 1.1)
+//   v     (B, HV, T, V)   HV a multiple of H: value head h uses q/k head h / (HV / H)
+//   g     (B, HV, T, K)   log of the per-channel decay, g <= 0 (alpha = exp(g) in (0, 1])
+//   beta  (B, HV, T)      in (0, 1) (or (0, 2) with negative eigenvalues)
+//   h0    (B, HV, K, V)   initial state, optional (undefined = zeros)
+// Outputs: o (B, HV, T, V) in v's dtype, final state (B, HV, K, V) fp32 (fp64 for fp64 inputs).
+// Recurrence (spec 1.2): S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,
+// o_t = S_t^T (scale q_t), scale = 1 / sqrt(K) unless given.
+// Inside, everything is computed in fp32 (fp64 when any input is fp64): bf16 inputs are
+// upcast, the output is rounded once.
+// Thread safety: pure functions.
+#pragma once
+
+#include <torch/types.h>
+
+#include <utility>
+
+namespace odyssey::kernels {
+
+struct KdaOptions {
+  double scale = 0.0;       // on q; 0 = 1 / sqrt(K)
+  int64_t chunk_size = 64;  // C of the chunked form; a positive multiple of 16 (spec: 32 or 64)
+};
+
+// Returns (o, final state). Plain libtorch ops in a loop over t: differentiable by autograd
+// (which then holds every per-token state: small sizes only).
+// REQUIRES: shapes as in the file comment.
+std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& g,
+                                                 const torch::Tensor& beta, const torch::Tensor& h0,
+                                                 const KdaOptions& options = {});
+
+// Returns (o, final state), equal to KdaNaive up to rounding. Chunks of C tokens: inside a chunk
+// the UT transform (WY representation) in parallel, between chunks a sequential fp32 state scan.
+// Lengths that are not a multiple of C are padded inside with g = 0, beta = 0, k = v = q = 0
+// tokens, which leave the state unchanged. Differentiable through a custom autograd Function whose
+// forward keeps only q, k, v, g, beta, h0 and the UT inverse T (no per-chunk or per-token states);
+// its backward recomputes the rest, reruns the state scan and runs the reverse scan of spec 1.4.
+// The final state's gradient (a state carried into a next call) flows back like o's.
+// REQUIRES: shapes as in the file comment; g <= 0 (the stability argument of spec 1.5 needs it;
+// not checked per element).
+std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, const torch::Tensor& g,
+                                                   const torch::Tensor& beta, const torch::Tensor& h0,
+                                                   const KdaOptions& options = {});
+
+// M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
+// (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G
+// non-increasing along C (a cumulative sum of g <= 0). Only exponents <= 0 are ever formed: the
+// 16x16 diagonal blocks element-wise, the blocks below them as one matmul each with the
+// block's first row r as reference, exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1 (spec 1.5).
+// Exposed for the test of intermediates.
+torch::Tensor KdaDecayedGram(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& G, bool strict);
+
+}  // namespace odyssey::kernels
