@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/heads.h"
 
 namespace odyssey::kernels {
 
@@ -58,16 +59,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> AttentionBackend::Causal
 namespace {
 
 // k, v (B, Hkv, S, D) -> (B, Hq, S, D) for kernels that need one KV head per query head.
-torch::Tensor ExpandKv(const torch::Tensor& t, int64_t q_heads) {
-  const int64_t groups = q_heads / t.size(1);
-  return groups > 1 ? t.repeat_interleave(groups, 1) : t;
-}
+torch::Tensor ExpandKv(const torch::Tensor& t, int64_t q_heads) { return RepeatHeads(t, q_heads / t.size(1)); }
 // The reverse for gradients: (B, Hq, S, D) -> (B, Hkv, S, D), summing each KV head's queries.
-torch::Tensor ReduceKv(const torch::Tensor& g, int64_t kv_heads) {
-  const int64_t groups = g.size(1) / kv_heads;
-  if (groups == 1) return g;
-  return g.view({g.size(0), kv_heads, groups, g.size(2), g.size(3)}).sum(2);
-}
+torch::Tensor ReduceKv(const torch::Tensor& g, int64_t kv_heads) { return SumHeadRepeats(g, kv_heads); }
 
 class MathAttention : public AttentionBackend {
  public:
@@ -290,6 +284,16 @@ absl::StatusOr<std::shared_ptr<const AttentionBackend>> MakeAttentionBackend(con
 std::shared_ptr<const AttentionBackend> WrapHeadGroups(std::shared_ptr<const AttentionBackend> inner, int64_t groups) {
   if (groups <= 1) return inner;
   return std::make_shared<const HeadChunkedAttention>(std::move(inner), groups);
+}
+
+torch::Tensor RepeatHeads(const torch::Tensor& t, int64_t factor) {
+  return factor > 1 ? t.repeat_interleave(factor, 1) : t;
+}
+
+torch::Tensor SumHeadRepeats(const torch::Tensor& g, int64_t heads) {
+  const int64_t f = g.size(1) / heads;
+  if (f == 1) return g;
+  return g.view({g.size(0), heads, f, g.size(2), g.size(3)}).sum(2);
 }
 
 }  // namespace odyssey::kernels

@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include "kernels/heads.h"
+
 namespace odyssey::kernels {
 namespace {
 
@@ -42,10 +44,7 @@ double Scale(const KdaOptions& o, int64_t K) { return o.scale > 0 ? o.scale : 1.
 
 // (B, H, T, K) -> (B, HV, T, K): value head h reads q/k head h / (HV / H). Autograd sums the
 // gradients of a group back into its head.
-Tensor ExpandHeads(const Tensor& x, int64_t HV) {
-  const int64_t groups = HV / x.size(1);
-  return groups == 1 ? x : x.repeat_interleave(groups, 1);
-}
+Tensor ExpandHeads(const Tensor& x, int64_t HV) { return RepeatHeads(x, HV / x.size(1)); }
 
 // The chunk-parallel quantities of spec 1.3, every tensor (B, HV, N, C, .) for N chunks of C.
 struct Intra {

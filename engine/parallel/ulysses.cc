@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/heads.h"
 
 namespace odyssey::engine {
 
@@ -49,16 +50,7 @@ class AllToAllFunction : public torch::autograd::Function<AllToAllFunction> {
 // KV heads repeated so that P ranks' blocks of query heads each find theirs: (B, n, s, D) ->
 // (B, lcm(n, P), s, D), each head repeated lcm / n times in place (differentiable).
 int64_t KvRepeats(int64_t n, int64_t P) { return P / std::gcd(n, P); }
-torch::Tensor RepeatKv(const torch::Tensor& t, int64_t P) {
-  const int64_t f = KvRepeats(t.size(1), P);
-  return f > 1 ? t.repeat_interleave(f, 1) : t;
-}
-// The gradient's way back: (B, n f, s, D) -> (B, n, s, D), summing each head's repeats.
-torch::Tensor SumRepeats(const torch::Tensor& g, int64_t n) {
-  const int64_t f = g.size(1) / n;
-  if (f == 1) return g;
-  return g.view({g.size(0), n, f, g.size(2), g.size(3)}).sum(2);
-}
+torch::Tensor RepeatKv(const torch::Tensor& t, int64_t P) { return kernels::RepeatHeads(t, KvRepeats(t.size(1), P)); }
 
 struct StatsState : torch::CustomClassHolder {
   const UlyssesAttention* backend = nullptr;  // the model's backend: it outlives every graph
@@ -241,8 +233,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> UlyssesAttention::Causal
     st.max_k = stats.max_k;
     auto [dqh, dkh, dvh] = inner_->CausalBackward(gh, qh, kh, vh, oh, st, scale);
     dq.narrow(1, h0, G).copy_(AllToAllOrThrow(group_, dqh, 2, 1));
-    dk.narrow(1, kv0, nkv).add_(SumRepeats(AllToAllOrThrow(group_, dkh, 2, 1), nkv));  // (B, nkv, S/P, D)
-    dv.narrow(1, kv0, nkv).add_(SumRepeats(AllToAllOrThrow(group_, dvh, 2, 1), nkv));
+    dk.narrow(1, kv0, nkv).add_(kernels::SumHeadRepeats(AllToAllOrThrow(group_, dkh, 2, 1), nkv));  // (B, nkv, S/P, D)
+    dv.narrow(1, kv0, nkv).add_(kernels::SumHeadRepeats(AllToAllOrThrow(group_, dvh, 2, 1), nkv));
   }
   return {dq, dk, dv};
 }
