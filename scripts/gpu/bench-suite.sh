@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -99,14 +99,30 @@ if only fidelity; then
   done
 fi
 # long1b: one full-depth step of the 1B shape at LONG_LEN (default 1M) started in the background
-# (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log}
-# and the JSON line to ${LONG_LOG%.log}.jsonl; poll the log.
+# (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log},
+# the JSON line to ${LONG_LOG%.log}.jsonl and the pid to ${LONG_LOG%.log}.pid. The step runs in a
+# session of its own (setsid), but a command killed at its time limit can still take it down with
+# the machine's process tree: end every command before its limit (this mode returns at once;
+# poll with `long1b-wait`, which returns after at most LONG_WAIT seconds, default 500).
+# long1b-wait: waits for that pid (kill -0, never pgrep -f: the polling shell's own command line
+# names the binary), then prints the log's tail and copies log and JSON line into $OUT.
 if only long1b; then
   log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
-  nohup build-gpu/bench/odyssey-bench --model llama-3.2-1b --seq-len "${LONG_LEN:-1048576}" \
+  setsid nohup build-gpu/bench/odyssey-bench --model llama-3.2-1b --seq-len "${LONG_LEN:-1048576}" \
     ${LONG_FLAGS:---recompute layer --offload --device-resident 8 --head-groups 2 --mlp-tile 16384 --loss-tile 4096} \
-    --warmup 0 --steps 1 --json "${log%.log}.jsonl" >"$log" 2>&1 &
+    --warmup 0 --steps 1 --json "${log%.log}.jsonl" >"$log" 2>&1 < /dev/null &
+  echo $! >"${log%.log}.pid"
   echo "long1b: started pid $! (log $log)"
+fi
+if only long1b-wait; then
+  log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
+  pid="$(cat "${log%.log}.pid" 2>/dev/null || true)"
+  [ -n "$pid" ] || { echo "long1b-wait: no ${log%.log}.pid (start it with long1b)"; exit 1; }
+  waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "${LONG_WAIT:-500}" ]; do sleep 5; waited=$((waited + 5)); done
+  if kill -0 "$pid" 2>/dev/null; then echo "long1b-wait: pid $pid still running after ${waited} s"; else echo "long1b-wait: pid $pid has exited"; fi
+  tail -5 "$log"
+  cp "$log" "${log%.log}.jsonl" "$out/" 2>/dev/null || true
 fi
 # 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.
 only 512k && run $B --seq-len 524288 --recompute layer --offload --device-resident 10 --head-groups 4 --warmup 0 --steps 1
