@@ -25,10 +25,11 @@ TrainerOptions TinyKjv(int64_t steps) {
 }
 
 // The embedded default learns: the tiny byte-level model on the King James text goes from
-// the uniform ~5.5 nats/byte to below 2.5 within a few hundred CPU steps.
+// the uniform ~5.5 nats/byte to below 2.3 on held-out text within 120 CPU steps (it is near 2.0
+// there, 1.6 after the demo's 300 steps; 120 keeps this test at a third of CI's former cost).
 TEST(TrainerTest, TinyModelLearnsKingJamesText) {
   torch::set_num_threads(2);
-  const int64_t steps = 300;
+  const int64_t steps = 120;
   auto t = Trainer::Create(TinyKjv(steps));
   ASSERT_TRUE(t.ok()) << t.status();
   Batch held_out = (*t)->data().Next();
@@ -42,7 +43,7 @@ TEST(TrainerTest, TinyModelLearnsKingJamesText) {
   }
   const double after = (*t)->EvalLoss(held_out);
   std::printf("loss %.3f -> %.3f (last train step %.3f)\n", before, after, last);
-  EXPECT_LT(after, 2.5);
+  EXPECT_LT(after, 2.3);
 }
 
 // A checkpoint resumes exactly: training 4 steps, saving, and 2 more steps equals a trainer
