@@ -89,4 +89,6 @@ set(CPACK_COMPONENTS_ALL odyssey torch)
 set(CPACK_INCLUDE_TOPLEVEL_DIRECTORY OFF)
 set(CPACK_COMPONENT_INCLUDE_TOPLEVEL_DIRECTORY OFF)
 set(CPACK_VERBATIM_VARIABLES ON)
+# The package's binaries without debug info (the build tree keeps it): smaller, quicker to pack.
+set(CPACK_STRIP_FILES ON)
 include(CPack)
