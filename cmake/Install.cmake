@@ -43,7 +43,7 @@ set(_nvidia_root "${TORCH_ROOT}/../nvidia")
 file(GLOB _nvidia_libdirs LIST_DIRECTORIES true "${_nvidia_root}/*/lib")
 install(RUNTIME_DEPENDENCY_SET odyssey_torch_libs
         DIRECTORIES "${ODYSSEY_TORCH_LIBDIR}" ${_nvidia_libdirs}
-        POST_INCLUDE_REGEXES "/site-packages/(torch/lib|nvidia/[^/]+/lib)/[^/]+$"
+        POST_INCLUDE_REGEXES "/site-packages/(.*/)?(torch/lib|nvidia/[^/]+/lib)/[^/]+$"
         POST_EXCLUDE_REGEXES ".*"
         LIBRARY DESTINATION ${ODYSSEY_INSTALL_LIBDIR} COMPONENT torch)
 if(ODYSSEY_CUDA)
