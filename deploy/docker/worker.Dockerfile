@@ -27,7 +27,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       ca-certificates curl bible-kjv \
       libabsl20220623 libc-ares2 libgrpc++1.51 libgrpc29 libprotobuf32 libre2-9 libssl3 \
-      libsqlite3-0 libspdlog1.10 libfmt9 libyaml-cpp0.7 libprometheus-cpp-core1.0 \
+      libsqlite3-0 libspdlog1.10 libfmt9 libyaml-cpp0.7 libprometheus-cpp-core1.0 libcpp-httplib0.11 \
  && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/odyssey --create-home odyssey
 COPY --from=unpack /opt/odyssey /opt/odyssey

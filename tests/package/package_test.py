@@ -12,9 +12,9 @@
 3. The controller, the CLI and odyssey-plan run from the `odyssey` tarball alone (before
    lib/odyssey exists, and they name no libtorch), while the worker then cannot start: it does not
    find a libtorch elsewhere. After the torch component it runs.
-4. Every Debian package whose libraries the binaries load is in the apt-get list of the image
-   that carries them (deploy/docker/controller.Dockerfile for the torch-free binaries,
-   worker.Dockerfile for all), except the ones of priority `required` every Debian image has.
+4. Every Debian package whose libraries the binaries load is installed by the apt-get line of
+   the image that carries them (deploy/docker/controller.Dockerfile for the torch-free binaries,
+   worker.Dockerfile for all), itself or as a dependency apt pulls in (apt-cache depends).
 5. End to end from the unpacked tree, with an empty environment (PATH: the tree's bin/ and the
    system's) in a folder of its own: the controller, a CPU worker and the tiny SFT job submitted
    and followed with the package's CLI; it SUCCEEDS, the loss falls well below chance and the
@@ -115,8 +115,7 @@ def dockerfile_packages(path, lint):
 
 
 def debian_packages(libs):
-    """{package: [library, ...]} of the system libraries in `libs` (paths), priority 'required'
-    left out (every Debian image has those)."""
+    """{package: [library, ...]}: the Debian packages owning the system libraries `libs` (paths)."""
     owners = {}
     for lib in libs:
         out = subprocess.run(["dpkg", "-S", lib], capture_output=True, text=True).stdout
@@ -128,12 +127,19 @@ def debian_packages(libs):
             raise Failure(f"no Debian package owns {lib}")
         pkg = out.split(":")[0].split(",")[0].strip()
         owners.setdefault(pkg, []).append(os.path.basename(lib))
-    keep = {}
-    for pkg, names in owners.items():
-        prio = subprocess.run(["dpkg-query", "-W", "-f=${Priority}", pkg], capture_output=True, text=True).stdout
-        if prio != "required":
-            keep[pkg] = names
-    return keep
+    return owners
+
+
+def apt_closure(pkgs):
+    """The packages apt installs for `pkgs`: them and their Depends/PreDepends, recursively."""
+    out = subprocess.run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+                          "--no-breaks", "--no-replaces", "--no-enhances", *sorted(pkgs)],
+                         capture_output=True, text=True, timeout=120).stdout
+    closure = {line.strip() for line in out.splitlines() if line and not line.startswith((" ", "<"))}
+    unknown = set(pkgs) - closure
+    if unknown:
+        raise Failure(f"apt-cache knows no package {sorted(unknown)} (no package lists? apt-get update)")
+    return closure
 
 
 def maps_of(pid):
@@ -238,11 +244,12 @@ def main():
                 system |= {w for w in ldd(os.path.join(root, "lib", "odyssey", lib), env).values()
                            if w and not inside(w, root)}
             need = debian_packages(system)
-            have = dockerfile_packages(os.path.join(docker, image), dockerfile_lint)
+            have = apt_closure(dockerfile_packages(os.path.join(docker, image), dockerfile_lint))
             lacking = {p: v for p, v in need.items() if p not in have}
             if lacking:
-                raise Failure(f"deploy/docker/{image} does not install {lacking} (package: libraries)")
-            print(f"ok: deploy/docker/{image} installs the {len(need)} Debian packages its binaries load")
+                raise Failure(f"deploy/docker/{image}'s apt-get install (with what apt pulls in) lacks {lacking} "
+                              "(package: the libraries the binaries load from it)")
+            print(f"ok: deploy/docker/{image}: apt installs all {len(need)} Debian packages its binaries load")
 
         # 6. The Python client's tree finds its proto in the package.
         py = os.path.join(root, "share", "odyssey", "python")
