@@ -15,8 +15,9 @@
 # worker's part: ~460 MB on the CPU build). `cpack` writes one tarball per component, both to be
 # unpacked into the same folder; the controller image takes only the first.
 #
-# The rest of the worker's dependencies (gRPC, protobuf, Abseil, ...) are the system's Debian 12
-# (or Ubuntu 24.04) packages: deploy/docker/ lists them, as docs/build.md does.
+# The rest of the binaries' dependencies (gRPC, protobuf, Abseil, ...) are the system's Debian 12
+# packages: deploy/docker/*.Dockerfile install them (tests/package/package_test.py checks the
+# lists against what the binaries load).
 
 set(_torch_free_bins odyssey-controller odyssey odyssey-plan)
 set(_torch_bins odyssey-worker odyssey-train odyssey-bench)
@@ -37,7 +38,8 @@ install(TARGETS ${_installed_torch_bins} RUNTIME_DEPENDENCY_SET odyssey_torch_li
 # libtorch's libraries: the ones the binaries need, as the dynamic loader would resolve them
 # (libtorch_cpu, libc10, the wheel's libgomp and the two CUDA runtime libraries libtorch_cpu
 # names even on a CPU build), copied flat into lib/odyssey: each has $ORIGIN in its own rpath,
-# so they find each other there. System libraries stay the system's (only files under a
+# so they find each other there (their other entries, the wheel's ../../nvidia/..., name
+# folders the package does not have; the loader skips them). System libraries stay the system's (only files under a
 # site-packages' torch/lib or nvidia/*/lib are taken).
 set(_nvidia_root "${TORCH_ROOT}/../nvidia")
 file(GLOB _nvidia_libdirs LIST_DIRECTORIES true "${_nvidia_root}/*/lib")
