@@ -14,7 +14,8 @@
    find a libtorch elsewhere. After the torch component it runs.
 4. Every Debian package whose libraries the binaries load is installed by the apt-get line of
    the image that carries them (deploy/docker/controller.Dockerfile for the torch-free binaries,
-   worker.Dockerfile for all), itself or as a dependency apt pulls in (apt-cache depends).
+   worker.Dockerfile for all), itself or as a dependency apt pulls in (apt-cache depends), or is
+   one of the few libraries every debian:12-slim image has.
 5. End to end from the unpacked tree, with an empty environment (PATH: the tree's bin/ and the
    system's) in a folder of its own: the controller, a CPU worker and the tiny SFT job submitted
    and followed with the package's CLI; it SUCCEEDS, the loss falls well below chance and the
@@ -40,11 +41,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "service"))
-from harness import Failure, Processes, wait_for, wait_for_port_file  # noqa: E402
+from harness import Failure, Processes, free_port_base, wait_for_port_file  # noqa: E402
 
 TORCH_FREE = ("odyssey-controller", "odyssey", "odyssey-plan")
 TORCH = ("odyssey-worker", "odyssey-train", "odyssey-bench")
 SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
+# Libraries every debian:12-slim image has (apt, dpkg and coreutils need them), so an image's
+# apt-get line need not name them even where no package it names depends on them.
+BASE_IMAGE = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g", "libzstd1", "liblzma5", "libsystemd0", "libgcrypt20",
+              "libgpg-error0", "liblz4-1", "libcap2", "libselinux1", "libpcre2-8-0", "libbz2-1.0", "libcrypt1",
+              "libudev1", "libxxhash0", "libgmp10", "libacl1", "libattr1"}
 
 
 def run(argv, what, timeout=300, **kw):
@@ -244,7 +250,7 @@ def main():
                 system |= {w for w in ldd(os.path.join(root, "lib", "odyssey", lib), env).values()
                            if w and not inside(w, root)}
             need = debian_packages(system)
-            have = apt_closure(dockerfile_packages(os.path.join(docker, image), dockerfile_lint))
+            have = apt_closure(dockerfile_packages(os.path.join(docker, image), dockerfile_lint)) | BASE_IMAGE
             lacking = {p: v for p, v in need.items() if p not in have}
             if lacking:
                 raise Failure(f"deploy/docker/{image}'s apt-get install (with what apt pulls in) lacks {lacking} "
@@ -266,7 +272,8 @@ def main():
         port_file = os.path.join(work, "controller.port")
         controller = procs.spawn("controller", [
             os.path.join(root, "bin", "odyssey-controller"), "--listen", "127.0.0.1:0", "--port-file", port_file,
-            "--state-dir", os.path.join(work, "state"), "--metrics-listen", "127.0.0.1:0"], env=env, cwd=work)
+            "--state-dir", os.path.join(work, "state"), "--metrics-listen", "127.0.0.1:0",
+            "--rendezvous-port-base", str(free_port_base())], env=env, cwd=work)
         address = f"127.0.0.1:{wait_for_port_file(port_file, 'the controller port file')}"
         mport = os.path.join(work, "w1.metrics-port")
         worker = procs.spawn("w1", [
