@@ -25,6 +25,8 @@
 6. The Python client's tree in share/odyssey/python finds its proto inside the package.
 
     python3 tests/package/package_test.py --build-dir build --source-dir .
+    python3 tests/package/package_test.py --build-dir build --source-dir . --tree /opt/odyssey
+        (steps 2-6 on a tree installed elsewhere: a GPU host's, or one copied out of an image)
 """
 import argparse
 import glob
@@ -158,6 +160,8 @@ def main():
     ap.add_argument("--build-dir", required=True)
     ap.add_argument("--source-dir", required=True)
     ap.add_argument("--torch-tarball", action="store_true", help="build and unpack the torch tarball too (slow)")
+    ap.add_argument("--tree", help="check and run this install tree (e.g. an image's /opt/odyssey) instead of "
+                    "packing the build's")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     build = os.path.realpath(args.build_dir)
@@ -172,25 +176,33 @@ def main():
     try:
         venv = os.path.realpath(os.path.join(src, ".venv"))
         forbidden = [build + os.sep, venv + os.sep, src + os.sep]
-        # 1. The tarball(s).
-        comps = "odyssey;torch" if args.torch_tarball else "odyssey"
-        run(["cpack", "-G", "TGZ", "-D", f"CPACK_COMPONENTS_ALL={comps}", "-B", os.path.join(tmp, "cpack")],
-            "cpack", cwd=build)
-        tarballs = sorted(glob.glob(os.path.join(tmp, "cpack", "odyssey-*.tar.gz")))
-        names = [os.path.basename(t) for t in tarballs]
-        want = ["-odyssey.tar.gz", "-torch.tar.gz"] if args.torch_tarball else ["-odyssey.tar.gz"]
-        if len(tarballs) != len(want) or not all(n.endswith(w) for n, w in zip(names, want)):
-            raise Failure(f"cpack wrote {names}, want one tarball per component {want}")
-        odyssey_tgz = tarballs[0]
-        size = os.path.getsize(odyssey_tgz)
-        print(f"ok: cpack wrote {names[0]} ({size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f}s")
         root = os.path.join(tmp, "unpacked", "odyssey")
-        os.makedirs(root)
-        with tarfile.open(odyssey_tgz) as t:
-            members = t.getnames()
-            if any(m.startswith(("/", "..")) or "/../" in m for m in members):
-                raise Failure(f"{names[0]} has entries outside its folder")
-            t.extractall(root)
+        if args.tree:
+            # An install tree made elsewhere (an image's /opt/odyssey, a GPU host's): its lib/ is
+            # put back below, where the torch component would go.
+            tree = os.path.realpath(args.tree)
+            shutil.copytree(tree, root, symlinks=True,
+                            ignore=lambda d, names: ["lib"] if os.path.realpath(d) == tree else [])
+            print(f"ok: copied {tree} without lib/ in {time.monotonic() - t0:.1f}s")
+        else:
+            # 1. The tarball(s).
+            comps = "odyssey;torch" if args.torch_tarball else "odyssey"
+            run(["cpack", "-G", "TGZ", "-D", f"CPACK_COMPONENTS_ALL={comps}", "-B", os.path.join(tmp, "cpack")],
+                "cpack", cwd=build)
+            tarballs = sorted(glob.glob(os.path.join(tmp, "cpack", "odyssey-*.tar.gz")))
+            names = [os.path.basename(t) for t in tarballs]
+            want = ["-odyssey.tar.gz", "-torch.tar.gz"] if args.torch_tarball else ["-odyssey.tar.gz"]
+            if len(tarballs) != len(want) or not all(n.endswith(w) for n, w in zip(names, want)):
+                raise Failure(f"cpack wrote {names}, want one tarball per component {want}")
+            odyssey_tgz = tarballs[0]
+            size = os.path.getsize(odyssey_tgz)
+            print(f"ok: cpack wrote {names[0]} ({size / 2**20:.1f} MiB) in {time.monotonic() - t0:.1f}s")
+            os.makedirs(root)
+            with tarfile.open(odyssey_tgz) as t:
+                members = t.getnames()
+                if any(m.startswith(("/", "..")) or "/../" in m for m in members):
+                    raise Failure(f"{names[0]} has entries outside its folder")
+                t.extractall(root)
         for b in TORCH_FREE + TORCH:
             if not os.access(os.path.join(root, "bin", b), os.X_OK):
                 raise Failure(f"the package has no bin/{b}")
@@ -200,7 +212,7 @@ def main():
             if not os.path.isfile(os.path.join(root, f)):
                 raise Failure(f"the package has no {f}")
         if os.path.exists(os.path.join(root, "lib")):
-            raise Failure("the odyssey tarball carries lib/: libtorch belongs to the torch component")
+            raise Failure("the odyssey part carries lib/: libtorch belongs to the torch component")
         home = os.path.join(tmp, "home")
         os.makedirs(home)
         env = clean_env(root, home)
@@ -213,7 +225,7 @@ def main():
             if missing or torchy:
                 raise Failure(f"bin/{b}: not found {missing}, libtorch {torchy}")
             out = run([os.path.join(root, "bin", b), "--version"], f"bin/{b} --version", env=env, cwd=home)
-            print(f"ok: bin/{b} runs from the odyssey tarball alone: {out.strip()}")
+            print(f"ok: bin/{b} runs without lib/odyssey: {out.strip()}")
         libs = ldd(os.path.join(root, "bin", "odyssey-worker"), env)
         if libs.get("libtorch_cpu.so", "?") is not None:
             raise Failure(f"without lib/odyssey the worker still finds libtorch_cpu.so at {libs.get('libtorch_cpu.so')}")
@@ -221,7 +233,9 @@ def main():
 
         # The torch component beside it.
         t1 = time.monotonic()
-        if args.torch_tarball:
+        if args.tree:
+            shutil.copytree(os.path.join(tree, "lib"), os.path.join(root, "lib"), symlinks=True)
+        elif args.torch_tarball:
             with tarfile.open(tarballs[1]) as t:
                 t.extractall(root)
         else:
