@@ -7,7 +7,7 @@
 # bazel-bootstrap for the Bazel build beside CMake, scripts/bazel-test.sh and docs/build.md) and a
 # project-local Python venv (.venv) with torch==2.11.0 (the libtorch the build links) and
 # transformers (parity tests), grpcio + grpcio-tools + setuptools >= 70.1 (the Python client and
-# its tests). Idempotent: a second run only checks.
+# its tests), kubernetes-validate (deploy/'s manifests against the Kubernetes schemas). Idempotent: a second run only checks.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -49,5 +49,11 @@ PY
 then
   echo "setup: installing grpcio, grpcio-tools, numpy and setuptools>=70.1 into .venv"
   .venv/bin/pip install -q grpcio grpcio-tools numpy "setuptools>=70.1"
+fi
+# deploy/'s manifests are validated against the Kubernetes schemas (tests/deploy/deploy_test.py):
+# kubernetes-validate carries them (a 22 MB wheel, ~15 s to install once).
+if ! .venv/bin/python -c 'import kubernetes_validate' 2>/dev/null; then
+  echo "setup: installing kubernetes-validate into .venv"
+  .venv/bin/pip install -q "kubernetes-validate==1.37.0"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
