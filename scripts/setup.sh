@@ -50,4 +50,10 @@ then
   echo "setup: installing grpcio, grpcio-tools, numpy and setuptools>=70.1 into .venv"
   .venv/bin/pip install -q grpcio grpcio-tools numpy "setuptools>=70.1"
 fi
+# `odyssey plot` draws a job's loss, tokens/s and GPU memory with matplotlib (client/python,
+# odyssey_client/plot.py); ~21 s to install on the 2-core machine, numpy included.
+if ! .venv/bin/python -c 'import matplotlib' 2>/dev/null; then
+  echo "setup: installing matplotlib into .venv"
+  .venv/bin/pip install -q "matplotlib>=3.5"
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
