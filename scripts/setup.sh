@@ -51,7 +51,8 @@ then
   .venv/bin/pip install -q grpcio grpcio-tools numpy "setuptools>=70.1"
 fi
 # `odyssey plot` draws a job's loss, tokens/s and GPU memory with matplotlib (client/python,
-# odyssey_client/plot.py); ~21 s to install on the 2-core machine, numpy included.
+# odyssey_client/plot.py): 21 s to install with its dependencies (numpy too, into an empty
+# folder) on the shared 2-core machine.
 if ! .venv/bin/python -c 'import matplotlib' 2>/dev/null; then
   echo "setup: installing matplotlib into .venv"
   .venv/bin/pip install -q "matplotlib>=3.5"

@@ -279,6 +279,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--vocab-size", type=int, help="refuse ids >= this (default: vocab_size of the tokenizer "
                    "folder's config.json, when it has one)")
     args = p.parse_args(argv)
+    # The command needs only the tokenizer: without this, importing transformers imports torch,
+    # seconds of start-up for nothing. (prepare() as a library leaves the caller's process alone.)
+    os.environ.setdefault("USE_TORCH", "0")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         tok = load_tokenizer(args.tokenizer)
         if args.chat_template:

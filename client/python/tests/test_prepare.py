@@ -15,6 +15,10 @@ import sys
 import tempfile
 import unittest
 
+# Tokenizers only: keep transformers from importing torch (seconds of start-up), as the
+# odyssey-prepare command does.
+os.environ.setdefault("USE_TORCH", "0")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import tiny_hf  # noqa: E402
