@@ -434,10 +434,12 @@ int Plot(Client& client, const std::string& name, std::string output, bool json)
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return kExitOk;
+  // 2: odyssey_client.plot refused the input and said why (no steps yet, no matplotlib).
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kExitUsage) return kExitUsage;
   std::cerr << "odyssey: plot: `" << python << " -m odyssey_client.plot` "
             << (WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status)) : std::string("was killed"))
             << "; " << hint << "\n";
-  return WIFEXITED(status) && WEXITSTATUS(status) == kExitUsage ? kExitUsage : kExitJobFailed;
+  return kExitJobFailed;
 }
 
 // Values the completion offers after options that take one: files, job states, or nothing (a
