@@ -123,7 +123,7 @@ def main():
         except AssertionError as e:
             raise Failure(f"loss.png: {e}") from None
         m = re.search(r"^jobs/\d+$", out, re.M)
-        ckpts = sorted(os.listdir(os.path.join(work, "checkpoints")))
+        ckpts = sorted(d for d in os.listdir(os.path.join(work, "checkpoints")) if d.startswith("step-"))
         if not m or not ckpts:
             raise Failure("no job name or no checkpoint")
         have = set(os.listdir(os.path.join(work, "checkpoints", ckpts[-1])))
