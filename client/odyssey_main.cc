@@ -4,12 +4,17 @@
 //   odyssey list [--state RUNNING] [--page-size N] [--all]
 //   odyssey get JOB        odyssey watch JOB        odyssey cancel JOB
 //   odyssey plan SPEC.yaml [--gpu-bytes N] [--host-bytes N] [--max-seq-len]
+//   odyssey plot JOB [-o FILE.png]   (--json: the events as JSON lines instead)
 //   odyssey completion bash|zsh      odyssey --version
 //
 // Global flags (--controller, --timeout, --json, --tls-*, --token-file) may come before or
 // after the subcommand (`odyssey list --json` and `odyssey --json list` are the same).
 // `completion bash` prints a bash completion script built from these definitions
 // (`source <(odyssey completion bash)`; zsh: `odyssey completion zsh`, through bashcompinit).
+//
+// `plot` reads every event the controller recorded for the job (ListJobEvents) and hands them,
+// as JSON lines, to `python3 -m odyssey_client.plot` (ODYSSEY_PYTHON picks the interpreter),
+// which draws loss, tokens/s and GPU memory over the steps into a PNG with matplotlib.
 //
 // `plan` asks the controller's planner what the spec would need per GPU rank (the strategy,
 // the predicted GPU and pinned host peaks term by term, on the attached workers' largest GPU
@@ -20,9 +25,14 @@
 // INVALID_ARGUMENT, FAILED_PRECONDITION, ...); 3 not found; 4 controller unavailable;
 // 5 not allowed (UNAUTHENTICATED: no or unknown token; PERMISSION_DENIED: another tenant's job
 // or a path outside the caller's folders).
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -340,12 +350,107 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
   return kExitJobFailed;
 }
 
+// One JobEvent as one line of JSON with the proto's field names: what odyssey-plot --events reads.
+std::string EventLine(const v1::JobEvent& event) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(event, &out, options);
+  return out;
+}
+
+// Every event recorded for job `name`, oldest first, following ListJobEvents' pages.
+grpc::Status ListEvents(Client& client, const std::string& name, std::vector<v1::JobEvent>* events) {
+  v1::ListJobEventsRequest req;
+  req.set_name(name);
+  while (true) {
+    grpc::ClientContext ctx;
+    client.Prepare(&ctx);
+    v1::ListJobEventsResponse resp;
+    grpc::Status s = client.stub()->ListJobEvents(&ctx, req, &resp);
+    if (!s.ok()) return s;
+    for (v1::JobEvent& e : *resp.mutable_events()) events->push_back(std::move(e));
+    if (resp.next_page_token().empty()) return grpc::Status::OK;
+    req.set_page_token(resp.next_page_token());
+  }
+}
+
+// Writes all of `data` to `fd`; false when the reader went away.
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// `odyssey plot`: the job's events through `python -m odyssey_client.plot --events -` (stdin).
+int Plot(Client& client, const std::string& name, std::string output, bool json) {
+  std::vector<v1::JobEvent> events;
+  if (grpc::Status s = ListEvents(client, name, &events); !s.ok()) return Fail(client.address(), s);
+  std::string lines;
+  for (const v1::JobEvent& e : events) absl::StrAppend(&lines, EventLine(e), "\n");
+  if (json) {
+    std::cout << lines << std::flush;
+    return kExitOk;
+  }
+  if (output.empty()) output = absl::StrCat(absl::StrReplaceAll(name, {{"/", "-"}}), ".png");
+  const char* env_python = std::getenv("ODYSSEY_PYTHON");
+  const std::string python = env_python && *env_python ? env_python : "python3";
+  const std::string hint =
+      "odyssey plot draws with the Python client and matplotlib: pip install './client/python[plot]' "
+      "(ODYSSEY_PYTHON picks the interpreter)";
+  std::vector<std::string> args = {python, "-m", "odyssey_client.plot", name, "--events", "-", "-o", output};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    std::cerr << "odyssey: plot: pipe failed (" << std::strerror(errno) << ")\n";
+    return kExitJobFailed;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[0], STDIN_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  posix_spawn_file_actions_addclose(&actions, fds[1]);
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, python.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[0]);
+  if (err != 0) {
+    ::close(fds[1]);
+    std::cerr << "odyssey: plot: cannot run " << python << " (" << std::strerror(err) << "); " << hint << "\n";
+    return kExitJobFailed;
+  }
+  // A child that exits early (no matplotlib) closes the pipe: its error, not SIGPIPE, is the story.
+  std::signal(SIGPIPE, SIG_IGN);
+  WriteAll(fds[1], lines);
+  ::close(fds[1]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return kExitOk;
+  // 2: odyssey_client.plot refused the input and said why (no steps yet, no matplotlib).
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kExitUsage) return kExitUsage;
+  std::cerr << "odyssey: plot: `" << python << " -m odyssey_client.plot` "
+            << (WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status)) : std::string("was killed"))
+            << "; " << hint << "\n";
+  return kExitJobFailed;
+}
+
 // Values the completion offers after options that take one: files, job states, or nothing (a
 // free value such as an address or a number).
 enum class ValueKind { kFree, kFile, kState };
 
 ValueKind KindOf(const std::string& name) {
-  if (name == "--tls-ca" || name == "--tls-cert" || name == "--tls-key" || name == "--token-file") return ValueKind::kFile;
+  if (name == "--tls-ca" || name == "--tls-cert" || name == "--tls-key" || name == "--token-file" ||
+      name == "--output" || name == "-o") {
+    return ValueKind::kFile;
+  }
   if (name == "--state") return ValueKind::kState;
   return ValueKind::kFree;
 }
@@ -457,7 +562,7 @@ int main(int argc, char** argv) {
   app.add_option("--controller", controller, "Controller address host:port (env ODYSSEY_CONTROLLER)")
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "Seconds to wait for each call")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_flag("--json", json, "Print jobs as JSON");
+  app.add_flag("--json", json, "Print jobs as JSON (plot: the job's events, one JSON object a line)");
   odyssey::ClientTlsOptions tls;
   const char* tls_ca_env = std::getenv("ODYSSEY_TLS_CA");
   if (tls_ca_env) tls.ca = tls_ca_env;
@@ -500,6 +605,11 @@ int main(int argc, char** argv) {
   plan->add_option("--gpu-bytes", plan_gpu_bytes, "GPU memory to plan for (default: the attached workers' largest GPU)");
   plan->add_option("--host-bytes", plan_host_bytes, "Pinned host memory per rank (default: that worker's)");
   plan->add_flag("--max-seq-len", plan_max, "Also find the longest sequence that fits");
+
+  std::string plot_output;
+  auto* plot_cmd = app.add_subcommand("plot", "Draw a job's loss, tokens/s and GPU memory over its steps into a PNG");
+  plot_cmd->add_option("job", job_arg, "jobs/N or N")->required();
+  plot_cmd->add_option("-o,--output", plot_output, "PNG to write (default: jobs-N.png here)");
 
   std::string shell;
   auto* completion = app.add_subcommand("completion", "Print a shell completion script: source <(odyssey completion bash)");
@@ -651,6 +761,7 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (watch->parsed()) return Watch(client, name, reconnect_s);
+  if (plot_cmd->parsed()) return Plot(client, name, plot_output, json);
   if (cancel->parsed()) {
     grpc::ClientContext ctx;
     client.Prepare(&ctx);

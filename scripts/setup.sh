@@ -56,4 +56,11 @@ if ! .venv/bin/python -c 'import kubernetes_validate' 2>/dev/null; then
   echo "setup: installing kubernetes-validate into .venv"
   .venv/bin/pip install -q "kubernetes-validate==1.37.0"
 fi
+# `odyssey plot` draws a job's loss, tokens/s and GPU memory with matplotlib (client/python,
+# odyssey_client/plot.py): 21 s to install with its dependencies (numpy too, into an empty
+# folder) on the shared 2-core machine.
+if ! .venv/bin/python -c 'import matplotlib' 2>/dev/null; then
+  echo "setup: installing matplotlib into .venv"
+  .venv/bin/pip install -q "matplotlib>=3.5"
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

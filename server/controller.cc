@@ -396,6 +396,25 @@ absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id, const
   return watch;
 }
 
+absl::StatusOr<v1::ListJobEventsResponse> Controller::ListJobEvents(int64_t id,
+                                                                   const v1::ListJobEventsRequest& request,
+                                                                   const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  if (absl::StatusOr<v1::Job*> found = FindTenantJob(id, tenant); !found.ok()) return found.status();
+  const int64_t page_size = request.page_size() == 0 ? kDefaultEventPageSize : request.page_size();
+  int64_t after = 0;
+  if (!request.page_token().empty()) after = std::stoll(request.page_token());
+  // One more than the page: whether it is there decides next_page_token.
+  auto events = store_->LoadEventPage(id, after, page_size + 1);
+  if (!events.ok()) return absl::InternalError(absl::StrCat("the job store: ", events.status().message()));
+  v1::ListJobEventsResponse response;
+  for (int64_t i = 0; i < std::min<int64_t>(page_size, std::ssize(*events)); ++i) {
+    *response.add_events() = std::move((*events)[i].second);
+  }
+  if (std::ssize(*events) > page_size) response.set_next_page_token(absl::StrCat((*events)[page_size - 1].first));
+  return response;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scheduling: the decision is scheduler.h's; here it is applied.
 

@@ -178,6 +178,11 @@ class Controller {
   // Events of job `id`: its current state (and latest step metrics) first, then every event
   // until the job ends.
   absl::StatusOr<std::shared_ptr<JobWatch>> WatchJob(int64_t id, const std::string& tenant);
+  // The events recorded for job `id`, oldest first, one page (the store's, so a restarted
+  // controller still has them). REQUIRES: the request passed ValidateListJobEventsRequest.
+  absl::StatusOr<odyssey::v1::ListJobEventsResponse> ListJobEvents(int64_t id,
+                                                                   const odyssey::v1::ListJobEventsRequest& request,
+                                                                   const std::string& tenant);
   // OK when job `id` exists and belongs to `tenant`; else NOT_FOUND or PERMISSION_DENIED with
   // the messages above, which start with `field` (the request field naming the job: "job" in
   // the TrainingService). For handlers that act on a job by name and must check the caller's

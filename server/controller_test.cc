@@ -95,6 +95,45 @@ TEST_F(ControllerTest, WatchDeliversStateStepsAndEnd) {
   EXPECT_EQ(events.back().state(), v1::Job::SUCCEEDED);
 }
 
+// ListJobEvents pages through every recorded step in order, also after a restart, and keeps
+// other tenants out.
+TEST_F(ControllerTest, ListJobEventsPagesTheHistoryInOrder) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1, 5), kAnon);
+  const int64_t id = *ParseJobName(job.name());
+  for (int64_t step = 1; step <= 5; ++step) Progress(w1, job.name(), 0, step);
+  Result(w1, job.name(), 0, true);
+  Restart();  // the history is the store's
+  auto read_all = [&](int32_t page_size) {
+    std::vector<int64_t> steps;
+    int pages = 0;
+    v1::ListJobEventsRequest r;
+    r.set_name(job.name());
+    r.set_page_size(page_size);
+    while (true) {
+      auto page = controller_->ListJobEvents(id, r, kAnon);
+      EXPECT_TRUE(page.ok()) << page.status();
+      if (!page.ok()) break;
+      ++pages;
+      for (const v1::JobEvent& e : page->events()) {
+        EXPECT_EQ(e.job(), job.name());
+        if (e.has_step()) steps.push_back(e.step().step());
+      }
+      if (page->next_page_token().empty()) break;
+      r.set_page_token(page->next_page_token());
+    }
+    return std::make_pair(steps, pages);
+  };
+  const auto [steps, pages] = read_all(2);
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_GE(pages, 4);  // 5 steps + state changes, 2 a page
+  EXPECT_EQ(read_all(0).first, steps);
+  EXPECT_EQ(read_all(0).second, 1);
+  v1::ListJobEventsRequest r;
+  EXPECT_EQ(controller_->ListJobEvents(id, r, "mallory").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(controller_->ListJobEvents(id + 1, r, kAnon).status().code(), absl::StatusCode::kNotFound);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tenants (auth on): each tenant sees and touches only its own jobs.
 

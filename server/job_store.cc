@@ -346,6 +346,26 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobStore::LoadEvents(int64_t job_id) {
   return events;
 }
 
+absl::StatusOr<std::vector<std::pair<int64_t, v1::JobEvent>>> JobStore::LoadEventPage(int64_t job_id,
+                                                                                       int64_t after_seq,
+                                                                                       int64_t limit) {
+  absl::MutexLock lock(&mu_);
+  Statement select(db_, "SELECT seq, event FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?;");
+  if (!select.ok()) return Error("prepare select event page");
+  select.BindInt(1, job_id);
+  select.BindInt(2, after_seq);
+  select.BindInt(3, limit);
+  std::vector<std::pair<int64_t, v1::JobEvent>> events;
+  int rc;
+  while ((rc = select.Step()) == SQLITE_ROW) {
+    v1::JobEvent event;
+    if (!event.ParseFromString(select.ColumnBytes(1))) return absl::DataLossError("event does not parse");
+    events.emplace_back(select.ColumnInt(0), std::move(event));
+  }
+  if (rc != SQLITE_DONE) return Error("select event page");
+  return events;
+}
+
 absl::Status JobStore::AddCheckpoint(int64_t job_id, int64_t step, const std::string& directory) {
   absl::MutexLock lock(&mu_);
   Statement insert(db_, "INSERT OR REPLACE INTO checkpoints (job_id, step, directory) VALUES (?, ?, ?);");

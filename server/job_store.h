@@ -66,6 +66,11 @@ class JobStore {
 
   absl::Status AppendEvent(int64_t job_id, const odyssey::v1::JobEvent& event);
   absl::StatusOr<std::vector<odyssey::v1::JobEvent>> LoadEvents(int64_t job_id);
+  // At most `limit` events of a job recorded after the event numbered `after_seq` (0 = from the
+  // first), oldest first, each with its number (events of all jobs share one ascending sequence).
+  absl::StatusOr<std::vector<std::pair<int64_t, odyssey::v1::JobEvent>>> LoadEventPage(int64_t job_id,
+                                                                                        int64_t after_seq,
+                                                                                        int64_t limit);
   absl::Status AddCheckpoint(int64_t job_id, int64_t step, const std::string& directory);
   // (step, directory) of every checkpoint of a job, by ascending step.
   absl::StatusOr<std::vector<std::pair<int64_t, std::string>>> LoadCheckpoints(int64_t job_id);

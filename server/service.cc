@@ -58,7 +58,7 @@ JobServiceImpl::JobServiceImpl(Controller* controller, prometheus::Registry* reg
                          .Name("odyssey_rpc_duration_seconds")
                          .Help("Server-side duration of unary JobService calls")
                          .Register(*registry);
-    for (const char* m : {"CreateJob", "GetJob", "ListJobs", "CancelJob"}) Timer(m);
+    for (const char* m : {"CreateJob", "GetJob", "ListJobs", "CancelJob", "ListJobEvents"}) Timer(m);
   }
 }
 
@@ -118,6 +118,20 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context, const v1::C
   auto job = controller_->CancelJob(*id, *tenant);
   if (!job.ok()) return ToGrpcStatus(job.status());
   *response = std::move(*job);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::ListJobEvents(grpc::ServerContext* context, const v1::ListJobEventsRequest* request,
+                                           v1::ListJobEventsResponse* response) {
+  ScopedTimer timer(Timer("ListJobEvents"));
+  auto tenant = CallerTenant(*context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+  auto id = ParseJobName(request->name());
+  if (!id.ok()) return ToGrpcStatus(id.status());
+  if (absl::Status s = ValidateListJobEventsRequest(*request); !s.ok()) return ToGrpcStatus(s);
+  auto page = controller_->ListJobEvents(*id, *request, *tenant);
+  if (!page.ok()) return ToGrpcStatus(page.status());
+  *response = std::move(*page);
   return grpc::Status::OK;
 }
 

@@ -40,6 +40,8 @@ class JobServiceImpl final : public odyssey::v1::JobService::Service {
                         odyssey::v1::ListJobsResponse* response) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const odyssey::v1::CancelJobRequest* request,
                          odyssey::v1::Job* response) override;
+  grpc::Status ListJobEvents(grpc::ServerContext* context, const odyssey::v1::ListJobEventsRequest* request,
+                             odyssey::v1::ListJobEventsResponse* response) override;
   grpc::Status WatchJob(grpc::ServerContext* context, const odyssey::v1::WatchJobRequest* request,
                         grpc::ServerWriter<odyssey::v1::JobEvent>* writer) override;
 

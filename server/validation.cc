@@ -533,4 +533,19 @@ absl::Status ValidateListJobsRequest(const v1::ListJobsRequest& request) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateListJobEventsRequest(const v1::ListJobEventsRequest& request) {
+  if (request.page_size() < 0 || request.page_size() > kMaxEventPageSize) {
+    return Invalid("page_size", absl::StrCat("(", request.page_size(), ") must be in [0, ", kMaxEventPageSize,
+                                             "] (0 = ", kDefaultEventPageSize, ")"));
+  }
+  if (!request.page_token().empty()) {
+    int64_t seq = 0;
+    if (!absl::SimpleAtoi(request.page_token(), &seq) || seq <= 0) {
+      return Invalid("page_token",
+                     absl::StrCat(Quote(request.page_token()), " is not a token returned by ListJobEvents"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace odyssey::server

@@ -25,6 +25,10 @@ inline constexpr int32_t kMaxWorldSize = 4096;
 // Page size bounds of ListJobs (0 = kDefaultPageSize).
 inline constexpr int32_t kDefaultPageSize = 50;
 inline constexpr int32_t kMaxPageSize = 1000;
+// Page size bounds of ListJobEvents (0 = kDefaultEventPageSize): a step event is ~100 bytes, so
+// a full page stays far below the message size limit.
+inline constexpr int32_t kDefaultEventPageSize = 1000;
+inline constexpr int32_t kMaxEventPageSize = 10000;
 
 // Sizes are bounded before any arithmetic on them, so no product of them overflows int64 (the
 // planner multiplies tokens by widths up to the vocabulary and by bytes per element):
@@ -64,6 +68,8 @@ absl::Status ValidateCreateJobRequest(const odyssey::v1::CreateJobRequest& reque
 // PlannerService.Plan: the spec as SpecUse::kPlan; gpu_bytes and host_bytes >= 0 (0 = the workers').
 absl::Status ValidatePlanRequest(const odyssey::v1::PlanRequest& request);
 absl::Status ValidateListJobsRequest(const odyssey::v1::ListJobsRequest& request);
+// page_size in [0, kMaxEventPageSize]; page_token empty or a positive event number.
+absl::Status ValidateListJobEventsRequest(const odyssey::v1::ListJobEventsRequest& request);
 
 // TrainingService edge checks: the job name ("job"), a non-empty batch, a known loss kind and
 // its ppo clip range ("loss.kind", "loss.clip_low"), AdamW parameters finite and in range

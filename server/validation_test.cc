@@ -368,5 +368,15 @@ TEST(ValidationTest, ListRequest) {
   EXPECT_THAT(std::string(ValidateListJobsRequest(r).message()), HasSubstr("page_token:"));
 }
 
+TEST(ValidationTest, ListJobEventsRequest) {
+  v1::ListJobEventsRequest r;
+  EXPECT_TRUE(ValidateListJobEventsRequest(r).ok());
+  r.set_page_size(kMaxEventPageSize + 1);
+  EXPECT_THAT(std::string(ValidateListJobEventsRequest(r).message()), HasSubstr("page_size:"));
+  r.set_page_size(10);
+  r.set_page_token("-3");
+  EXPECT_THAT(std::string(ValidateListJobEventsRequest(r).message()), HasSubstr("page_token:"));
+}
+
 }  // namespace
 }  // namespace odyssey::server

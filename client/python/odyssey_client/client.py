@@ -137,6 +137,20 @@ class TrainingClient:
             if not token or (limit is not None and len(out) >= limit):
                 return out if limit is None else out[:limit]
 
+    def job_events(self, name: Union[str, int], page_size: int = 0) -> List["pb.JobEvent"]:
+        """Every event the controller recorded for job `name` (state changes, each step's
+        StepMetrics, checkpoints, messages), oldest first, following ListJobEvents' pages."""
+        name = _job_name(name)
+        out: List[pb.JobEvent] = []
+        token = ""
+        while True:
+            r = self._call("ListJobEvents", self.jobs.ListJobEvents,
+                           pb.ListJobEventsRequest(name=name, page_size=page_size, page_token=token), name)
+            out.extend(r.events)
+            token = r.next_page_token
+            if not token:
+                return out
+
     def cancel(self, name: Union[str, int]) -> JobInfo:
         """Cancels job `name` (an RL session ends CANCELLED and frees its worker)."""
         name = _job_name(name)
