@@ -19,8 +19,9 @@ through its RPATH $ORIGIN, which the dynamic loader takes from the path it opene
 the link it points into _solib and the process fails to start ("libc10.so: cannot open shared
 object file"). CPU only (no libtorch_cuda): the GPU hosts build with CMake (docs/gpu.md).
 
-The repository is local (re-run when Bazel's server starts or ODYSSEY_PYTHON changes); after
-changing the venv's torch, `bazel sync --configure` or `bazel clean --expunge` refreshes it.
+The repository is a local, configure-style one: Bazel re-runs the rule when ODYSSEY_PYTHON
+changes; after changing the venv's torch, `bazel sync --configure` (or `bazel clean --expunge`)
+refreshes it.
 """
 
 _QUERY = """
@@ -77,6 +78,7 @@ def _torch_repository_impl(rctx):
 
 torch_repository = repository_rule(
     implementation = _torch_repository_impl,
+    configure = True,
     environ = ["ODYSSEY_PYTHON"],
     local = True,
 )
