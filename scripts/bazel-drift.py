@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Keeps the Bazel build in step with CMake for the torch-free part (docs/build.md).
+"""Keeps the Bazel build in step with CMake (docs/build.md, "Keeping them in step").
 
 Fails, naming what is missing, unless
-  - every .cc that CMake compiles in a torch-free folder is a source of some Bazel target;
+  - every .cc that CMake compiles in a checked folder (libraries, binaries, test binaries of
+    odyssey_test()/odyssey_test_exe()) is a source of some Bazel target;
   - every .cc/.h/.proto on disk in those folders is a source of some Bazel target (so a new file
     belongs to a target in both builds, not only in one);
-  - every CMake test there is a Bazel test of the same name in the same package, and the
-    other way round;
+  - every CMake test there (add_test, odyssey_test) is a Bazel test of the same name in the
+    same package, and the other way round;
+  - every GPU-only test (CMake's odyssey_gpu_test(binary name filter)) is left out of Bazel, as
+    CMake leaves its cases out of the binary's own entry: the Bazel cc_test `binary` has
+    env GTEST_FILTER that excludes `filter` (the Bazel build is CPU-only: no CUDA, so those
+    cases could only skip);
   - common/BUILD's ODYSSEY_VERSION is the top-level CMakeLists.txt's project(VERSION).
-The torch-free part: common/, planner/, proto/, server/, client/, and model/'s
-odyssey_model_config (the rest of model/ needs libtorch, which the Bazel build does not link).
+The checked folders: every component folder with a CMakeLists.txt, the libtorch ones (kernels/,
+model/, engine/, worker/, tools/, bench/) included. Not checked: tests/ (its tests are driven by
+Python, ctest only) and kernels/cuda/*.cu (CUDA, compiled by CMake with ODYSSEY_CUDA only).
+
+This checks what both builds *name*; scripts/bazel-test.sh --all builds and runs all of it.
 
 Usage: scripts/bazel-drift.py [--bazel bazel]   (run from anywhere; queries the workspace)
 """
@@ -20,18 +28,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# folder -> the CMake targets checked there (None: all of them).
-FOLDERS = {
-    "common": None,
-    "planner": None,
-    "proto": None,
-    "server": None,
-    "client": None,
-    "model": {"odyssey_model_config"},
-}
-# Files on disk in FOLDERS that belong to torch targets (model/), so neither build's
-# torch-free part names them.
-DISK_ONLY = {"model": ("config.cc", "config.h")}
+# The folders checked, all of their CMake targets.
+FOLDERS = ("common", "planner", "proto", "server", "client", "kernels", "model", "engine",
+           "worker", "tools", "bench")
 
 
 def cmake_commands(text):
@@ -42,9 +41,11 @@ def cmake_commands(text):
 
 
 def cmake_part(folder):
-    """(sources, tests) that folder/CMakeLists.txt builds, foreach loops expanded."""
-    wanted = FOLDERS[folder]
-    sources, tests = set(), set()
+    """(sources, tests, gpu_tests) that folder/CMakeLists.txt builds, foreach loops expanded.
+
+    gpu_tests: {test name: (binary, filter)} of odyssey_gpu_test(binary name filter).
+    """
+    sources, tests, gpu_tests = set(), set(), {}
     loops = []  # (variable, items)
 
     def expand(token):
@@ -55,6 +56,12 @@ def cmake_part(folder):
                 out = [o.replace(ref, i) for o in out for i in items]
         return out
 
+    def add_sources(tokens):
+        for a in tokens:
+            for src in expand(a):
+                if src.endswith(".cc") and "${" not in src:
+                    sources.add(f"{folder}/{src}")
+
     with open(os.path.join(ROOT, folder, "CMakeLists.txt")) as f:
         text = f.read()
     for cmd, args in cmake_commands(text):
@@ -63,18 +70,16 @@ def cmake_part(folder):
         elif cmd == "endforeach":
             loops.pop()
         elif cmd in ("add_library", "add_executable") and args and "INTERFACE" not in args:
-            for name in expand(args[0]):
-                if wanted is not None and name not in wanted:
-                    continue
-                for a in args[1:]:
-                    for src in expand(a):
-                        if src.endswith(".cc") and "${" not in src:
-                            sources.add(f"{folder}/{src}")
+            add_sources(args[1:])
+        elif cmd in ("odyssey_test", "odyssey_test_exe") and len(args) >= 2:
+            add_sources(args[1:2])
+            if cmd == "odyssey_test":
+                tests.update(f"//{folder}:{n}" for n in expand(args[0]))
+        elif cmd == "odyssey_gpu_test" and len(args) == 3:
+            gpu_tests[f"//{folder}:{args[1]}"] = (f"//{folder}:{args[0]}", args[2].strip('"'))
         elif cmd == "add_test" and len(args) >= 2 and args[0] == "NAME":
-            for name in expand(args[1]):
-                if wanted is None or name in wanted:
-                    tests.add(f"//{folder}:{name}")
-    return sources, tests
+            tests.update(f"//{folder}:{n}" for n in expand(args[1]))
+    return sources, tests, gpu_tests
 
 
 def disk_files(folder):
@@ -83,18 +88,39 @@ def disk_files(folder):
     for dirpath, _, names in os.walk(base):
         for n in names:
             rel = os.path.relpath(os.path.join(dirpath, n), ROOT)
-            if n.endswith((".cc", ".h", ".proto")) and (folder not in DISK_ONLY or n in DISK_ONLY[folder]):
-                if "/python/" not in rel:
-                    out.add(rel)
+            if n.endswith((".cc", ".h", ".proto")) and "/python/" not in rel:
+                out.add(rel)
     return out
 
 
-def bazel_query(bazel, expr):
-    r = subprocess.run([bazel, "query", "--noshow_progress", expr], cwd=ROOT,
-                       capture_output=True, text=True)
+def gtest_filter_excludes(env_filter, pattern):
+    """Whether a GTEST_FILTER value of negative patterns only ("-A.*:B.*") names pattern."""
+    return env_filter.startswith("-") and pattern in env_filter[1:].split(":")
+
+
+def bazel_query(bazel, expr, output=None):
+    cmd = [bazel, "query", "--noshow_progress", expr]
+    if output:
+        cmd.insert(3, f"--output={output}")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"bazel-drift: bazel query {expr!r} failed:\n{r.stderr}")
-    return set(r.stdout.split())
+    return r.stdout if output else set(r.stdout.split())
+
+
+def bazel_test_env(bazel, labels):
+    """{label: {var: value}} of the env attribute of the given Bazel tests (one query)."""
+    out = {}
+    text = bazel_query(bazel, " + ".join(sorted(labels)), output="build")
+    for rule in re.split(r"\n(?=# )", text):
+        m = re.search(r'name = "([^"]+)"', rule)
+        loc = re.search(r"^# (\S+)/BUILD", rule, re.M)
+        if not m or not loc:
+            continue
+        pkg = os.path.relpath(loc.group(1), ROOT)
+        env = re.search(r"env = \{([^}]*)\}", rule)
+        out[f"//{pkg}:{m.group(1)}"] = dict(re.findall(r'"([^"]+)": "([^"]*)"', env.group(1))) if env else {}
+    return out
 
 
 def label_to_path(label):
@@ -108,23 +134,36 @@ def main():
     args = ap.parse_args()
 
     pkgs = " + ".join(f"//{f}/..." for f in FOLDERS)
+    # The files the folders' own rules name, not deps(): that would load @torch (the venv's
+    # Python importing torch, some 9,000 headers), a minute of CI's time for nothing checked here.
+    named = " + ".join(f"labels({a}, {pkgs})" for a in ("srcs", "hdrs", "textual_hdrs"))
     bazel_srcs = {label_to_path(l) for l in bazel_query(
-        args.bazel, f'kind("source file", deps({pkgs}))') if l.startswith("//")}
+        args.bazel, f'kind("source file", {named})') if l.startswith("//")}
     bazel_tests = bazel_query(args.bazel, f"tests({pkgs})")
 
     missing = []
     cmake_tests = set()
+    gpu_tests = {}
     for folder in FOLDERS:
-        srcs, tests = cmake_part(folder)
+        srcs, tests, gpu = cmake_part(folder)
         cmake_tests |= tests
+        gpu_tests.update(gpu)
         for s in sorted(srcs - bazel_srcs):
             missing.append(f"{s}: compiled by {folder}/CMakeLists.txt, in no Bazel target ({folder}/BUILD)")
         for s in sorted(disk_files(folder) - bazel_srcs):
             missing.append(f"{s}: on disk, in no Bazel target ({folder}/BUILD)")
     for t in sorted(cmake_tests - bazel_tests):
-        missing.append(f"{t}: a CMake test with no Bazel cc_test of that name")
+        missing.append(f"{t}: a CMake test with no Bazel test of that name")
     for t in sorted(bazel_tests - cmake_tests):
         missing.append(f"{t}: a Bazel test with no CMake test of that name")
+    binaries = {b for b, _ in gpu_tests.values() if b in bazel_tests}
+    envs = bazel_test_env(args.bazel, binaries) if binaries else {}
+    for t, (binary, pattern) in sorted(gpu_tests.items()):
+        if t in bazel_tests:
+            missing.append(f"{t}: a GPU-only CMake test (odyssey_gpu_test), which the CPU-only Bazel build leaves out")
+        elif binary in envs and not gtest_filter_excludes(envs[binary].get("GTEST_FILTER", ""), pattern):
+            missing.append(f"{binary}: its env GTEST_FILTER does not exclude {pattern} (CMake's GPU-only "
+                           f"test {t}), as CMake's entry for the binary does")
     with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
         cmake_version = re.search(r"project\(odyssey VERSION ([\w.]+)", f.read()).group(1)
     with open(os.path.join(ROOT, "common", "BUILD")) as f:
@@ -137,7 +176,8 @@ def main():
         for m in missing:
             print("  " + m)
         return 1
-    print(f"bazel-drift: ok ({len(bazel_srcs)} Bazel source files, {len(cmake_tests)} tests in both builds)")
+    print(f"bazel-drift: ok ({len(bazel_srcs)} Bazel source files, {len(cmake_tests)} tests in both builds, "
+          f"{len(gpu_tests)} GPU-only CMake tests left out of Bazel)")
     return 0
 
 
