@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "model/decode.h"
 
 namespace odyssey::engine {
 
@@ -113,7 +114,7 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
   SampleResult result;
   try {
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(spec.seed);
-    model::KvCache cache = model->NewKvCache(R, longest + spec.max_tokens);
+    model::KvCache cache = model::NewKvCache(*model, R, longest + spec.max_tokens);
     const torch::Tensor head = model->HeadWeight();  // (V, hidden)
     const auto ids_opts = torch::TensorOptions().dtype(torch::kInt64).device(device);
     // Prefill: each prompt once, into its first row's cache; its other samples get copies.
@@ -126,7 +127,7 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
       model::KvCache row;
       row.capacity = cache.capacity;
       for (model::LayerKv& kv : cache.layers) row.layers.push_back({kv.k.narrow(0, p * n, 1), kv.v.narrow(0, p * n, 1)});
-      torch::Tensor h = model->Prefill(ids, row);  // (1, L, hidden); the views write through
+      torch::Tensor h = model::Prefill(*model, ids, row);  // (1, L, hidden); the views write through
       for (model::LayerKv& kv : cache.layers) {
         for (int64_t j = 1; j < n; ++j) {
           kv.k.narrow(0, p * n + j, 1).copy_(kv.k.narrow(0, p * n, 1));
@@ -167,7 +168,7 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
       }
       if (running == 0) break;
       // Finished rows keep decoding (their tokens are dropped above): one batched step for all.
-      hidden = model->Decode(chosen.to(device).unsqueeze(1), positions, cache).squeeze(1);  // (R, hidden)
+      hidden = model::Decode(*model, chosen.to(device).unsqueeze(1), positions, cache).squeeze(1);  // (R, hidden)
       positions = positions + 1;
     }
   } catch (const c10::Error& e) {

@@ -1,5 +1,5 @@
 // The sampler: autoregressive decoding on a model's current weights with a per-layer KV cache
-// (model::CausalLMImpl::Prefill / Decode), for RL sessions' Sample calls (worker/rl_session.h).
+// (model/decode.h: Prefill / Decode), for RL sessions' Sample calls (worker/rl_session.h).
 //
 // Each prompt is prefilled once (one row at a time: the prompt's own length, no padding; its
 // cache rows copied to its other samples), then every sequence advances one token per step in

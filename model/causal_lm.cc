@@ -49,55 +49,6 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunn
   return model->norm(h);
 }
 
-KvCache CausalLMImpl::NewKvCache(int64_t B, int64_t T) const {
-  const torch::Tensor& w = model->embed_tokens->weight;
-  const auto opts = torch::TensorOptions().dtype(w.scalar_type()).device(w.device());
-  KvCache cache;
-  cache.capacity = T;
-  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
-    cache.layers.push_back({torch::zeros({B, config_.num_key_value_heads, T, config_.HeadDim()}, opts),
-                            torch::zeros({B, config_.num_key_value_heads, T, config_.HeadDim()}, opts)});
-  }
-  return cache;
-}
-
-torch::Tensor CausalLMImpl::Prefill(const torch::Tensor& ids, KvCache& cache) {
-  TORCH_CHECK(ids.dim() == 2 && ids.size(1) <= cache.capacity, "Prefill: ids must be (B, P) with P <= T");
-  torch::NoGradGuard no_grad;
-  const int64_t B = ids.size(0), P = ids.size(1);
-  torch::Tensor pos =
-      torch::arange(P, torch::TensorOptions().dtype(torch::kInt64).device(ids.device())).unsqueeze(0).expand({B, P});
-  torch::Tensor h = model->embed_tokens(ids);  // (B, P, hidden)
-  LayerContext ctx;
-  ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, P, D) each
-  ctx.backend = backend_.get();
-  CacheStep step;  // prefill
-  for (size_t i = 0; i < model->layer_list.size(); ++i) {
-    h = model->layer_list[i]->ForwardCached(h, ctx, cache.layers[i], step);
-  }
-  return model->norm(h);
-}
-
-torch::Tensor CausalLMImpl::Decode(const torch::Tensor& ids, const torch::Tensor& positions, KvCache& cache) {
-  TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1 && positions.dim() == 1 && positions.size(0) == ids.size(0),
-              "Decode: ids (B, 1) and positions (B,)");
-  torch::NoGradGuard no_grad;
-  const int64_t T = cache.capacity;
-  torch::Tensor h = model->embed_tokens(ids);  // (B, 1, hidden)
-  LayerContext ctx;
-  ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), positions.unsqueeze(1), h.scalar_type());  // (B, 1, D)
-  ctx.backend = backend_.get();
-  CacheStep step;
-  step.prefill = false;
-  step.write_at = positions;
-  torch::Tensor keys = torch::arange(T, positions.options()).unsqueeze(0);  // (1, T)
-  step.key_mask = keys.le(positions.unsqueeze(1)).view({ids.size(0), 1, 1, T});  // (B, 1, 1, T)
-  for (size_t i = 0; i < model->layer_list.size(); ++i) {
-    h = model->layer_list[i]->ForwardCached(h, ctx, cache.layers[i], step);
-  }
-  return model->norm(h);
-}
-
 torch::Tensor CausalLMImpl::Logits(const ForwardInputs& in) {
   return torch::matmul(Hidden(in), HeadWeight().t());  // (B, S, vocab)
 }

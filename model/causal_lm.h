@@ -36,13 +36,6 @@ struct ForwardInputs {
   const std::vector<std::vector<int64_t>>* doc_lens = nullptr;  // packed documents per row
 };
 
-// The keys and values of every decoder layer for decoding B rows of up to T positions
-// (LayerKv, layers.h). Made by CausalLMImpl::NewKvCache; filled by Prefill and Decode.
-struct KvCache {
-  std::vector<LayerKv> layers;
-  int64_t capacity = 0;  // T
-};
-
 class DecoderModelImpl : public torch::nn::Module {
  public:
   explicit DecoderModelImpl(const ModelConfig& config);
@@ -69,17 +62,6 @@ class CausalLMImpl : public torch::nn::Module {
   // Full logits (B, S, vocab) in the params' dtype. For tests and short sequences only: the
   // engine's losses never materialize (S, vocab) at long S.
   torch::Tensor Logits(const ForwardInputs& in);
-
-  // Decoding (the sampler's path; engine/sampler.h), without autograd. The training forward
-  // (Hidden) is untouched by it. NewKvCache: zeros (B, Hkv, T, D) per layer in the params'
-  // dtype and device. Prefill: right-padded prompts `ids` (B, P), P <= T, run causally as Hidden
-  // does; fills cache entries [0, P) and returns the final normed hidden states (B, P, hidden)
-  // (row b's next-token state sits at its prompt length - 1). Decode: one token per row, `ids`
-  // (B, 1), at `positions` (B,) int64 (its RoPE position and cache index); row b attends to
-  // cache entries [0, positions[b]]. Returns (B, 1, hidden).
-  KvCache NewKvCache(int64_t B, int64_t T) const;
-  torch::Tensor Prefill(const torch::Tensor& ids, KvCache& cache);
-  torch::Tensor Decode(const torch::Tensor& ids, const torch::Tensor& positions, KvCache& cache);
 
   // Random init as transformers does (normal(0, 0.02) weights, zero biases, unit norms).
   void InitRandom(uint64_t seed, double std = 0.02);

@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include "kernels/fused_ops.h"
-#include "kernels/heads.h"
 
 namespace odyssey::model {
 
@@ -107,7 +106,7 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
   }
 }
 
-std::vector<torch::Tensor> AttentionImpl::Project(const torch::Tensor& x, const LayerContext& ctx) {
+torch::Tensor AttentionImpl::Heads(const torch::Tensor& x, const LayerContext& ctx) {
   const int64_t B = x.size(0), S = x.size(1);
   torch::Tensor q = q_proj(x).view({B, S, heads_, head_dim_});     // (B, S, Hq, D)
   torch::Tensor k = k_proj(x).view({B, S, kv_heads_, head_dim_});  // (B, S, Hkv, D)
@@ -119,36 +118,7 @@ std::vector<torch::Tensor> AttentionImpl::Project(const torch::Tensor& x, const 
   q = ApplyRope(q, ctx.rope).transpose(1, 2);  // (B, Hq, S, D)
   k = ApplyRope(k, ctx.rope).transpose(1, 2);  // (B, Hkv, S, D)
   v = v.transpose(1, 2);
-  return {q, k, v};
-}
-
-torch::Tensor AttentionImpl::Heads(const torch::Tensor& x, const LayerContext& ctx) {
-  const int64_t B = x.size(0), S = x.size(1);
-  std::vector<torch::Tensor> qkv = Project(x, ctx);
-  return ctx.backend->Forward(qkv[0], qkv[1], qkv[2], ctx.attention).transpose(1, 2).reshape({B, S, heads_ * head_dim_});
-}
-
-torch::Tensor AttentionImpl::HeadsCached(const torch::Tensor& x, const LayerContext& ctx, LayerKv& kv,
-                                         const CacheStep& step) {
-  const int64_t B = x.size(0), S = x.size(1);
-  std::vector<torch::Tensor> qkv = Project(x, ctx);
-  torch::Tensor out;  // (B, Hq, S, D)
-  if (step.prefill) {
-    TORCH_CHECK(kv.k.size(2) >= S, "KV cache shorter than the prompt");
-    kv.k.narrow(2, 0, S).copy_(qkv[1]);
-    kv.v.narrow(2, 0, S).copy_(qkv[2]);
-    out = ctx.backend->Forward(qkv[0], qkv[1], qkv[2], ctx.attention);
-  } else {
-    TORCH_CHECK(S == 1, "a decode step takes one position per row");
-    torch::Tensor at = step.write_at.view({B, 1, 1, 1}).expand({B, kv_heads_, 1, head_dim_});  // (B, Hkv, 1, D)
-    kv.k.scatter_(2, at, qkv[1]);
-    kv.v.scatter_(2, at, qkv[2]);
-    const int64_t repeat = heads_ / kv_heads_;
-    // One query per row against its visible cache entries: no causal mask, the key mask instead.
-    out = at::scaled_dot_product_attention(qkv[0], kernels::RepeatHeads(kv.k, repeat),
-                                           kernels::RepeatHeads(kv.v, repeat), step.key_mask);
-  }
-  return out.transpose(1, 2).reshape({B, S, heads_ * head_dim_});
+  return ctx.backend->Forward(q, k, v, ctx.attention).transpose(1, 2).reshape({B, S, heads_ * head_dim_});
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const LayerContext& ctx) {
@@ -187,11 +157,6 @@ torch::Tensor DecoderLayerImpl::MlpBlock(const torch::Tensor& h) {
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& h, const LayerContext& ctx) {
   return MlpBlock(AttentionBlock(h, ctx));
-}
-
-torch::Tensor DecoderLayerImpl::ForwardCached(const torch::Tensor& h, const LayerContext& ctx, LayerKv& kv,
-                                              const CacheStep& step) {
-  return MlpBlock(ResidualLinear(h, self_attn->HeadsCached(input_layernorm(h), ctx, kv, step), self_attn->o_proj));
 }
 
 }  // namespace odyssey::model

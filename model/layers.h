@@ -54,39 +54,16 @@ struct LayerContext {
   const AttentionBackend* backend = nullptr;
 };
 
-// Decoding with a KV cache (CausalLMImpl::Prefill / Decode). One attention layer's keys and
-// values after RoPE, (B, Hkv, T, D) each, in the params' dtype; row b's entries [0, length_b)
-// are valid, later ones are scratch (right padding of the prompt, not yet decoded positions).
-struct LayerKv {
-  torch::Tensor k;
-  torch::Tensor v;
-};
-
-// How one cached pass writes and reads the cache, shared by every layer.
-struct CacheStep {
-  // true: x holds positions [0, S) of every row (prompts, right-padded): keys and values go to
-  // [0, S) and attention is the training forward's causal attention over them (padding comes
-  // after every real token, so it never reaches one). false: x holds one position per row.
-  bool prefill = true;
-  torch::Tensor write_at;  // decode: (B,) int64, the cache index of each row's new position
-  torch::Tensor key_mask;  // decode: (B, 1, 1, T) bool, the cache entries each row attends to
-};
-
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const LayerContext& ctx);  // (B, S, hidden) -> same
   // Everything before o_proj: (B, S, hidden) -> the heads' outputs (B, S, Hq * D).
   torch::Tensor Heads(const torch::Tensor& x, const LayerContext& ctx);
-  // Heads() through the layer's cache `kv` as `step` says (no autograd meant: decoding).
-  // REQUIRES: kv holds (B, Hkv, T, D) tensors with T >= S (prefill) or S == 1 (decode).
-  torch::Tensor HeadsCached(const torch::Tensor& x, const LayerContext& ctx, LayerKv& kv, const CacheStep& step);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
 
  private:
-  // q (B, Hq, S, D), k and v (B, Hkv, S, D): projections, q/k norm and RoPE.
-  std::vector<torch::Tensor> Project(const torch::Tensor& x, const LayerContext& ctx);
   int64_t heads_, kv_heads_, head_dim_;
 };
 TORCH_MODULE(Attention);
@@ -109,8 +86,6 @@ class DecoderLayerImpl : public torch::nn::Module {
   // The two residual halves, for strategies that treat them differently (tiled MLP).
   torch::Tensor AttentionBlock(const torch::Tensor& h, const LayerContext& ctx);  // h + attn(norm(h))
   torch::Tensor MlpBlock(const torch::Tensor& h);                                // h + mlp(norm(h))
-  // forward() with the attention through the layer's cache (AttentionImpl::HeadsCached).
-  torch::Tensor ForwardCached(const torch::Tensor& h, const LayerContext& ctx, LayerKv& kv, const CacheStep& step);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "model/causal_lm.h"
+#include "model/decode.h"
 #include "model/weights.h"
 
 namespace odyssey::model {
@@ -86,8 +87,8 @@ TEST(ModelTest, KvCacheDecodingEqualsTheFullForward) {
     torch::Tensor seq = torch::randint(0, 97, {B, P + steps}, torch::kInt64);  // each row's whole sequence
     torch::Tensor padded = seq.narrow(1, 0, P).clone();
     for (int64_t b = 0; b < B; ++b) padded[b].narrow(0, prompt_len[b], P - prompt_len[b]).fill_(0);  // right padding
-    KvCache cache = m->NewKvCache(B, P + steps);
-    torch::Tensor h = m->Prefill(padded, cache);  // (B, P, hidden)
+    KvCache cache = NewKvCache(*m, B, P + steps);
+    torch::Tensor h = Prefill(*m, padded, cache);  // (B, P, hidden)
     for (int64_t b = 0; b < B; ++b) {
       const int64_t L = prompt_len[b];
       ForwardInputs row;
@@ -99,7 +100,7 @@ TEST(ModelTest, KvCacheDecodingEqualsTheFullForward) {
     torch::Tensor pos = torch::tensor(prompt_len, torch::kInt64);  // (B,)
     for (int64_t t = 0; t < steps; ++t) {
       torch::Tensor ids = seq.gather(1, pos.unsqueeze(1));  // (B, 1): each row's token at its position
-      torch::Tensor logits = torch::matmul(m->Decode(ids, pos, cache).squeeze(1), m->HeadWeight().t());  // (B, V)
+      torch::Tensor logits = torch::matmul(Decode(*m, ids, pos, cache).squeeze(1), m->HeadWeight().t());  // (B, V)
       for (int64_t b = 0; b < B; ++b) {
         ForwardInputs row;
         row.input_ids = seq[b].narrow(0, 0, pos[b].item<int64_t>() + 1).unsqueeze(0);
