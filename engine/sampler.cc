@@ -116,7 +116,6 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(spec.seed);
     model::KvCache cache = model::NewKvCache(*model, R, longest + spec.max_tokens);
     const torch::Tensor head = model->HeadWeight();  // (V, hidden)
-    const auto ids_opts = torch::TensorOptions().dtype(torch::kInt64).device(device);
     // Prefill: each prompt once, into its first row's cache; its other samples get copies.
     std::vector<torch::Tensor> last;  // per row, (hidden,) the next-token state
     std::vector<int64_t> lengths;     // per row, the prompt's length

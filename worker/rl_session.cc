@@ -1,7 +1,7 @@
 #include "worker/rl_session.h"
 
-#include <filesystem>
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <utility>
