@@ -16,8 +16,8 @@ Cases (--case):
            greedy sample continues with the tokens whose logprobs compute_logprobs gives.
   example  client/python/examples/rl_target_string.py runs with a fixed seed: the mean reward of
            its last steps is above that of its first steps by a clear margin, the trainer and
-           the sampler (transformers loading the exported weights) agree on the logprobs, and
-           the session is cancelled at the end.
+           the sampler (the session's Sample: the decoding path with its KV cache) agree on the
+           logprobs, and the session is cancelled at the end.
   auth     bearer tokens and TLS (server name, mutual TLS) from the client's side, against a
            controller started with --auth-token-file and --tls-*; skipped (exit 77) when the
            controller lacks those flags.
@@ -131,10 +131,10 @@ def case_example(args, cluster, site):
           f"last {r['window']} {r['last']:.3f} (of {len(r['target'])} bytes), greedy {r['greedy']!r}")
     if not r["last"] > r["first"] + 0.5:
         raise Failure(f"the reward did not rise by 0.5 bytes: {r['first']:.3f} -> {r['last']:.3f}")
-    # Same float32 weights in two implementations (odyssey's trainer, transformers): the
-    # logprobs agree to rounding. Measured max 1.9e-6 (30 steps, seed 1, 2-core CI machine,
-    # docs/benchmarks.md "CPU"); the bound is about 5x that, so a drift in the export or the
-    # math (1e-4 and up) fails.
+    # Same float32 weights through two paths (the training forward, the sampler's KV-cache
+    # decoding): the logprobs agree to rounding. The bound (1e-5) is the one the former
+    # transformers sampler was held to (it measured 1.9e-6); a drift in the decoding math
+    # (1e-4 and up) fails.
     worst = max(s["mismatch_max"] for s in r["steps"])
     print(f"trainer-vs-sampler logprob mismatch: max {worst:.2e} over {len(r['steps'])} steps")
     if not worst < 1e-5:
