@@ -1,19 +1,27 @@
 // RL loss core: each loss's gradient equals the formula computed directly with libtorch, Forward's
 // logprobs equal the validated Hidden + TokenLogprobs path, the mismatch metrics, the bad-input
 // table (and the trainer still trains afterwards), and REINFORCE with PPO raising the reward of
-// completions the tiny model samples itself.
+// completions the tiny model samples itself. The sampler (engine/sampler.h): greedy decoding
+// equals an argmax loop over the full forward, a seed reproduces its draws, the top-k / top-p
+// filters keep what they promise, and its bad-input table.
 #include "engine/rl_loss.h"
 #include "engine/rl_test_batch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include "absl/strings/match.h"
+
 #include "engine/loss.h"
+#include "engine/sampler.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
@@ -526,6 +534,131 @@ TEST(RlGpuTest, Bf16ForwardBackwardTracksFp32) {
   EXPECT_GT(cosine, 0.99);
   AdamWOptions adam;
   ASSERT_TRUE((*gpu)->OptimStep(adam).ok());
+}
+
+// --- The sampler (engine/sampler.h) ---------------------------------------------------------
+
+SampleSpec Spec(std::vector<std::vector<int64_t>> prompts, int64_t max_tokens) {
+  SampleSpec s;
+  s.prompts = std::move(prompts);
+  s.max_tokens = max_tokens;
+  return s;
+}
+
+// Greedy sampling through the KV cache equals argmax decoding with the full forward over the
+// growing sequence, stops after a stop token, and reports the forward's logprob of each token.
+TEST(SamplerTest, GreedyEqualsArgmaxOverTheFullForward) {
+  std::unique_ptr<Trainer> t = MakeTrainer(11);
+  model::CausalLM& m = t->model();
+  SampleSpec spec = Spec({{3, 1, 4, 1, 5}, {9, 2}}, 6);
+  spec.temperature = 0;
+  spec.num_samples = 2;
+  absl::StatusOr<SampleResult> r = Sample(m, spec, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->sequences.size(), 4u);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < r->sequences.size(); ++i) {
+    const SampledSequence& s = r->sequences[i];
+    EXPECT_EQ(s.prompt_index, static_cast<int64_t>(i / 2));
+    std::vector<int64_t> seq = spec.prompts[i / 2];
+    ASSERT_EQ(s.tokens.size(), 6u);
+    for (size_t j = 0; j < s.tokens.size(); ++j) {
+      model::ForwardInputs in;
+      in.input_ids = torch::tensor(seq, torch::kInt64).unsqueeze(0);
+      torch::Tensor logits = m->Logits(in)[0][-1];  // (V,)
+      EXPECT_EQ(s.tokens[j], logits.argmax().item<int64_t>()) << "sequence " << i << " token " << j;
+      EXPECT_NEAR(s.logprobs[j], logits.log_softmax(-1)[s.tokens[j]].item<float>(), 1e-5);
+      seq.push_back(s.tokens[j]);
+    }
+    EXPECT_FALSE(s.stopped);
+  }
+  // A stop token ends the sequence after emitting it.
+  spec.stop_tokens = {r->sequences[0].tokens[2]};
+  absl::StatusOr<SampleResult> stopped = Sample(m, spec, {});
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_TRUE(stopped->sequences[0].stopped);
+  const size_t first = static_cast<size_t>(std::find(r->sequences[0].tokens.begin(), r->sequences[0].tokens.end(),
+                                                     spec.stop_tokens[0]) - r->sequences[0].tokens.begin());
+  EXPECT_EQ(stopped->sequences[0].tokens,
+            std::vector<int64_t>(r->sequences[0].tokens.begin(), r->sequences[0].tokens.begin() + first + 1));
+}
+
+// The same seed gives the same tokens; another seed other tokens; the draws follow the filtered
+// distribution (top-k: only the k best tokens appear; top-p: only the nucleus).
+TEST(SamplerTest, SeededAndFiltered) {
+  std::unique_ptr<Trainer> t = MakeTrainer(12);
+  SampleSpec spec = Spec({{1, 2, 3}, {4}}, 12);
+  spec.num_samples = 3;
+  spec.seed = 7;
+  auto tokens = [&](const SampleSpec& s) {
+    absl::StatusOr<SampleResult> r = Sample(t->model(), s, {});
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::vector<std::vector<int64_t>> out;
+    for (const SampledSequence& q : r->sequences) out.push_back(q.tokens);
+    return out;
+  };
+  const auto a = tokens(spec);
+  EXPECT_EQ(a, tokens(spec));
+  SampleSpec other = spec;
+  other.seed = 8;
+  EXPECT_NE(a, tokens(other));
+  EXPECT_NE(a[0], a[1]);  // the samples of one prompt differ (a random model spreads its mass)
+
+  torch::Tensor logits = torch::tensor({{0.0f, 3.0f, 1.0f, 2.9f, -1.0f}});  // (1, 5)
+  SampleSpec f = Spec({{1}}, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  std::set<int64_t> seen;
+  f.top_k = 2;
+  for (int i = 0; i < 200; ++i) seen.insert(ChooseTokens(logits, f, gen)[0].item<int64_t>());
+  EXPECT_EQ(seen, (std::set<int64_t>{1, 3}));
+  // Softmax of the logits: token 1 holds 0.474, token 3 0.429, token 2 0.064: top_p 0.45 keeps
+  // token 1 alone, 0.6 adds token 3 (and not token 2: 0.903 was reached before it).
+  f.top_k = 0;
+  f.top_p = 0.45;
+  seen.clear();
+  for (int i = 0; i < 100; ++i) seen.insert(ChooseTokens(logits, f, gen)[0].item<int64_t>());
+  EXPECT_EQ(seen, (std::set<int64_t>{1}));
+  f.top_p = 0.6;
+  seen.clear();
+  for (int i = 0; i < 200; ++i) seen.insert(ChooseTokens(logits, f, gen)[0].item<int64_t>());
+  EXPECT_EQ(seen, (std::set<int64_t>{1, 3}));
+  f.temperature = 0;
+  EXPECT_EQ(ChooseTokens(logits, f, gen)[0].item<int64_t>(), 1);
+}
+
+TEST(SamplerTest, BadInputNamesTheFieldAndTheRule) {
+  std::unique_ptr<Trainer> t = MakeTrainer(13);
+  const int64_t V = t->model()->config().vocab_size, max_pos = t->model()->config().max_position_embeddings;
+  struct Case {
+    std::function<void(SampleSpec&)> edit;
+    std::string field, rule;
+  };
+  const std::vector<Case> cases = {
+      {[](SampleSpec& s) { s.prompts.clear(); }, "prompts", "at least one prompt"},
+      {[](SampleSpec& s) { s.prompts.push_back({}); }, "prompts[1]", "at least one token"},
+      {[V](SampleSpec& s) { s.prompts[0][1] = V; }, "prompts[0][1]", "token id in [0, 256)"},
+      {[](SampleSpec& s) { s.prompts[0][0] = -1; }, "prompts[0][0]", "token id in"},
+      {[](SampleSpec& s) { s.num_samples = 0; }, "num_samples", ">= 1"},
+      {[](SampleSpec& s) { s.max_tokens = 0; }, "params.max_tokens", ">= 1"},
+      {[max_pos](SampleSpec& s) { s.max_tokens = max_pos; }, "prompts[0]", "max_position_embeddings"},
+      {[](SampleSpec& s) { s.temperature = -0.5; }, "params.temperature", ">= 0"},
+      {[](SampleSpec& s) { s.temperature = std::nan(""); }, "params.temperature", "finite"},
+      {[](SampleSpec& s) { s.top_p = 0; }, "params.top_p", "(0, 1]"},
+      {[](SampleSpec& s) { s.top_p = 1.5; }, "params.top_p", "(0, 1]"},
+      {[](SampleSpec& s) { s.top_k = -1; }, "params.top_k", ">= 0"},
+      {[V](SampleSpec& s) { s.stop_tokens = {1, V + 3}; }, "params.stop_tokens[1]", "token id in"},
+      {[](SampleSpec& s) { s.num_samples = 40; }, "prompts", "limit of 64 positions"},
+  };
+  for (const Case& c : cases) {
+    SampleSpec s = Spec({{1, 2, 3}}, 4);
+    c.edit(s);
+    absl::StatusOr<SampleResult> r = Sample(t->model(), s, SamplerLimits{64});
+    ASSERT_FALSE(r.ok()) << c.field;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_TRUE(absl::StartsWith(r.status().message(), c.field + " ")) << r.status();
+    EXPECT_NE(r.status().message().find(c.rule), std::string::npos) << r.status();
+  }
+  EXPECT_TRUE(Sample(t->model(), Spec({{1, 2, 3}}, 4), SamplerLimits{64}).ok());
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "model/causal_lm.h"
+#include "model/decode.h"
 #include "model/weights.h"
 
 namespace odyssey::model {
@@ -70,6 +71,46 @@ TEST(ModelTest, PackedDocumentsEqualSeparateSequences) {
   ForwardInputs unpacked = packed;
   unpacked.doc_lens = nullptr;
   EXPECT_FALSE(torch::allclose(m->Hidden(unpacked).narrow(1, 7, 12), hb, 1e-3, 1e-3));
+}
+
+// The decoding path (Prefill + Decode through the KV cache) gives the logits of the training
+// forward on the whole sequence at every position: rows of different prompt lengths prefilled
+// together right-padded, then decoded one token at a time at each row's own position.
+TEST(ModelTest, KvCacheDecodingEqualsTheFullForward) {
+  for (Architecture arch : {Architecture::kLlama, Architecture::kQwen2, Architecture::kQwen3}) {
+    SCOPED_TRACE(static_cast<int>(arch));
+    CausalLM m(SmallConfig(arch));
+    m->InitRandom(5, 0.1);
+    torch::NoGradGuard no_grad;
+    const std::vector<int64_t> prompt_len = {5, 9, 2};
+    const int64_t B = 3, steps = 4, P = 9;
+    torch::Tensor seq = torch::randint(0, 97, {B, P + steps}, torch::kInt64);  // each row's whole sequence
+    torch::Tensor padded = seq.narrow(1, 0, P).clone();
+    for (int64_t b = 0; b < B; ++b) padded[b].narrow(0, prompt_len[b], P - prompt_len[b]).fill_(0);  // right padding
+    KvCache cache = NewKvCache(*m, B, P + steps);
+    torch::Tensor h = Prefill(*m, padded, cache);  // (B, P, hidden)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L = prompt_len[b];
+      ForwardInputs row;
+      row.input_ids = seq[b].narrow(0, 0, L + steps).unsqueeze(0);
+      torch::Tensor full = m->Logits(row)[0];  // (L + steps, vocab)
+      torch::Tensor prefilled = torch::matmul(h[b].narrow(0, 0, L), m->HeadWeight().t());
+      EXPECT_TRUE(torch::allclose(prefilled, full.narrow(0, 0, L), 1e-5, 1e-5)) << "prefill, row " << b;
+    }
+    torch::Tensor pos = torch::tensor(prompt_len, torch::kInt64);  // (B,)
+    for (int64_t t = 0; t < steps; ++t) {
+      torch::Tensor ids = seq.gather(1, pos.unsqueeze(1));  // (B, 1): each row's token at its position
+      torch::Tensor logits = torch::matmul(Decode(*m, ids, pos, cache).squeeze(1), m->HeadWeight().t());  // (B, V)
+      for (int64_t b = 0; b < B; ++b) {
+        ForwardInputs row;
+        row.input_ids = seq[b].narrow(0, 0, pos[b].item<int64_t>() + 1).unsqueeze(0);
+        torch::Tensor want = m->Logits(row)[0][-1];
+        EXPECT_TRUE(torch::allclose(logits[b], want, 1e-5, 1e-5))
+            << "decode step " << t << ", row " << b << ": max diff " << (logits[b] - want).abs().max().item<float>();
+      }
+      pos = pos + 1;
+    }
+  }
 }
 
 TEST(ModelTest, MathAndSdpaBackendsAgree) {

@@ -163,7 +163,8 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world
     // copy of the weights and optimizer state.
     for (int r = 0; r < world; ++r) targets.push_back({r, call});
   } else {
-    // save_checkpoint, export_weights: the ranks' weights are identical; rank 0 writes.
+    // save_checkpoint, export_weights, sample: the ranks' weights are identical; rank 0 writes
+    // (samples).
     targets.push_back({0, std::move(call)});
   }
   return targets;

@@ -9,7 +9,7 @@
 //   still joins the engine's collectives).
 // - optim_step and load_checkpoint: every rank (the engine all-reduces the gradients; a load
 //   must reach every rank's weights and optimizer state).
-// - save_checkpoint and export_weights: rank 0 only (the ranks' weights are identical).
+// - save_checkpoint, export_weights and sample: rank 0 only (the ranks' weights are identical).
 // - Replies: forward_backward merged (logprobs in datum order, loss summed, weight_sum = W,
 //   mismatch token-weighted, counts summed, seconds the slowest rank's), forward's logprobs
 //   concatenated, other calls rank 0's; a failure is the most specific rank's error.

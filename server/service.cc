@@ -168,7 +168,7 @@ TrainingServiceImpl::TrainingServiceImpl(Controller* controller, prometheus::Reg
                                 "earlier calls of the session and the workers' compute included")
                           .Register(*registry);
     for (const char* m : {"ForwardBackward", "OptimStep", "Forward", "SaveCheckpoint", "LoadCheckpoint",
-                          "ExportWeights"}) {
+                          "ExportWeights", "Sample"}) {
       Timer(m);
     }
   }
@@ -267,6 +267,12 @@ grpc::Status TrainingServiceImpl::ExportWeights(grpc::ServerContext* context, co
                                  v1::ExportWeightsResponse* response) {
   return Unary(context, "ExportWeights", *request, &ValidateExportWeightsRequest, &v1::TrainingCall::mutable_export_weights,
                &v1::TrainingReply::mutable_export_weights, response);
+}
+
+grpc::Status TrainingServiceImpl::Sample(grpc::ServerContext* context, const v1::SampleRequest* request,
+                                          v1::SampleResponse* response) {
+  return Unary(context, "Sample", *request, &ValidateSampleRequest, &v1::TrainingCall::mutable_sample,
+               &v1::TrainingReply::mutable_sample, response);
 }
 
 grpc::Status TrainingServiceImpl::PushRollouts(grpc::ServerContext* context,

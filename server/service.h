@@ -73,6 +73,8 @@ class TrainingServiceImpl final : public odyssey::v1::TrainingService::Service {
                               odyssey::v1::LoadCheckpointResponse* response) override;
   grpc::Status ExportWeights(grpc::ServerContext* context, const odyssey::v1::ExportWeightsRequest* request,
                              odyssey::v1::ExportWeightsResponse* response) override;
+  grpc::Status Sample(grpc::ServerContext* context, const odyssey::v1::SampleRequest* request,
+                      odyssey::v1::SampleResponse* response) override;
   // Batches are taken one at a time: ForwardBackward, then OptimStep, then the result is
   // written, then the next batch is read. The first failing batch ends the stream with its
   // status (its ForwardBackward's or OptimStep's); results already written stand.

@@ -26,6 +26,7 @@ const char* MethodName(v1::TrainingCall::CallCase c) {
     case v1::TrainingCall::kSaveCheckpoint: return "SaveCheckpoint";
     case v1::TrainingCall::kLoadCheckpoint: return "LoadCheckpoint";
     case v1::TrainingCall::kExportWeights: return "ExportWeights";
+    case v1::TrainingCall::kSample: return "Sample";
     default: return "unknown";
   }
 }

@@ -461,6 +461,16 @@ absl::Status ValidateExportWeightsRequest(const v1::ExportWeightsRequest& reques
   return CheckSequence(request.sequence());
 }
 
+absl::Status ValidateSampleRequest(const v1::SampleRequest& request) {
+  if (auto id = ParseJobName(request.job(), "job"); !id.ok()) return id.status();
+  if (request.prompts().empty()) return Invalid("prompts", "is empty; at least one prompt is required");
+  if (request.prompts_size() > kMaxBatchDatums) {
+    return Invalid("prompts", absl::StrCat("has ", request.prompts_size(), " prompts; at most ", kMaxBatchDatums,
+                                           " per call"));
+  }
+  return CheckSequence(request.sequence());
+}
+
 absl::Status ValidateRolloutBatch(const v1::RolloutBatch& batch) {
   if (auto id = ParseJobName(batch.job(), "job"); !id.ok()) return id.status();
   ODYSSEY_RETURN_IF_ERROR(CheckBatch(batch.batch(), "batch"));

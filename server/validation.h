@@ -84,6 +84,11 @@ absl::Status ValidateForwardRequest(const odyssey::v1::ForwardRequest& request);
 absl::Status ValidateSaveCheckpointRequest(const odyssey::v1::SaveCheckpointRequest& request);
 absl::Status ValidateLoadCheckpointRequest(const odyssey::v1::LoadCheckpointRequest& request);
 absl::Status ValidateExportWeightsRequest(const odyssey::v1::ExportWeightsRequest& request);
+// Sample: the job name, prompts present (at most as many as a batch's datums), sequence >= 0. The
+// sampling rules that need the model (token ids, lengths, the session's position limit) and the
+// parameters' ranges are the engine's (engine/sampler.h ValidateSample), checked on the worker
+// in one place, their INVALID_ARGUMENT reaching the client unchanged.
+absl::Status ValidateSampleRequest(const odyssey::v1::SampleRequest& request);
 // One PushRollouts batch: a ForwardBackward's checks plus an OptimStep's.
 absl::Status ValidateRolloutBatch(const odyssey::v1::RolloutBatch& batch);
 

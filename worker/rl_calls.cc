@@ -40,6 +40,7 @@ const char* CallName(const v1::TrainingCall& call) {
     case v1::TrainingCall::kSaveCheckpoint: return "save_checkpoint";
     case v1::TrainingCall::kLoadCheckpoint: return "load_checkpoint";
     case v1::TrainingCall::kExportWeights: return "export_weights";
+    case v1::TrainingCall::kSample: return "sample";
     default: return "unknown";
   }
 }
@@ -85,6 +86,22 @@ RlRequest ToRlRequest(const v1::TrainingCall& call) {
       r.directory = call.export_weights().directory();
       r.dtype = call.export_weights().dtype();
       break;
+    case v1::TrainingCall::kSample: {
+      const v1::SampleRequest& s = call.sample();
+      const v1::SamplingParams& p = s.params();
+      r.method = RlMethod::kSample;
+      r.sample.prompts.reserve(static_cast<size_t>(s.prompts_size()));
+      for (const v1::SamplePrompt& prompt : s.prompts()) r.sample.prompts.emplace_back(prompt.tokens().begin(), prompt.tokens().end());
+      r.sample.num_samples = s.num_samples() == 0 ? 1 : s.num_samples();
+      r.sample.max_tokens = p.max_tokens();
+      r.sample.temperature = p.has_temperature() ? p.temperature() : 1.0;
+      r.sample.top_p = p.top_p() == 0 ? 1.0 : p.top_p();
+      r.sample.top_k = p.top_k();
+      r.sample.stop_tokens.assign(p.stop_tokens().begin(), p.stop_tokens().end());
+      r.sample.seed = p.seed();
+      r.draw_seed = !p.has_seed();
+      break;
+    }
     default:
       break;
   }
@@ -135,6 +152,21 @@ v1::TrainingReply ToTrainingReply(const v1::TrainingCall& call, RlResponse&& r) 
     case v1::TrainingCall::kExportWeights:
       reply.mutable_export_weights()->set_directory(r.directory);
       break;
+    case v1::TrainingCall::kSample: {
+      v1::SampleResponse* s = reply.mutable_sample();
+      s->mutable_sequences()->Reserve(static_cast<int>(r.sample.sequences.size()));
+      for (const engine::SampledSequence& seq : r.sample.sequences) {
+        v1::SampledSequence* o = s->add_sequences();
+        o->set_prompt_index(static_cast<int32_t>(seq.prompt_index));
+        o->mutable_tokens()->Add(seq.tokens.begin(), seq.tokens.end());
+        o->mutable_logprobs()->Add(seq.logprobs.begin(), seq.logprobs.end());
+        o->set_stop_reason(seq.stopped ? "stop" : "length");
+      }
+      s->set_seed(r.seed);
+      s->set_tokens(r.sample.tokens);
+      s->set_seconds(r.sample.seconds);
+      break;
+    }
     default:
       break;
   }

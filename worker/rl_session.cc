@@ -1,7 +1,9 @@
 #include "worker/rl_session.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <utility>
 
 #include <torch/torch.h>
@@ -13,6 +15,7 @@
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
 #include "engine/rl_loss.h"
+#include "engine/sampler.h"
 #include "engine/trainer.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -193,6 +196,29 @@ struct RlSession::Impl {
           return out;
         }
         out.step = t.step();
+        return out;
+      }
+      case RlMethod::kSample: {
+        // The current weights: t.model() waits for a host optimizer update in flight. Decoding
+        // runs on whole rows, so a context-parallel group (never an RL session's today) is
+        // refused rather than sampled from one shard.
+        if (trainer_options.context_parallel.degree() > 1) {
+          out.status = absl::UnimplementedError("sample: context parallelism is not implemented for sampling");
+          return out;
+        }
+        engine::SampleSpec spec = req.sample;
+        if (req.draw_seed) spec.seed = std::random_device{}() * uint64_t{0x100000000} + std::random_device{}();
+        engine::SamplerLimits limits;
+        limits.max_positions = trainer_options.data.seq_len * std::max<int64_t>(1, trainer_options.data.batch_size);
+        absl::StatusOr<engine::SampleResult> r = engine::Sample(t.model(), spec, limits);
+        if (!r.ok()) {
+          out.status = r.status();
+          return out;
+        }
+        out.sample = *std::move(r);
+        out.seed = spec.seed;
+        out.tokens = out.sample.tokens;
+        out.seconds = out.sample.seconds;
         return out;
       }
       case RlMethod::kExportWeights: {

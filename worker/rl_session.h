@@ -19,7 +19,8 @@
 //
 // Run() executes one call. Errors come back in RlResponse::status with the engine's codes and
 // messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;
-// FAILED_PRECONDITION for optim_step without gradients; RESOURCE_EXHAUSTED out of memory;
+// FAILED_PRECONDITION for optim_step without gradients; UNIMPLEMENTED for sample under context
+// parallelism (an RL session runs without it: spec.parallel.context_parallel must be 1); RESOURCE_EXHAUSTED out of memory;
 // INTERNAL otherwise); a libtorch exception never escapes. Checkpoints and exports are written
 // atomically: into a hidden temp folder beside the target, fsynced, then renamed; they carry the
 // session's owner file and replace only an empty folder or the session's own
@@ -39,11 +40,20 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/rl_datum.h"
+#include "engine/sampling.h"
 #include "worker/engine_job.h"
 
 namespace odyssey::worker {
 
-enum class RlMethod { kForwardBackward, kOptimStep, kForward, kSaveCheckpoint, kLoadCheckpoint, kExportWeights };
+enum class RlMethod {
+  kForwardBackward,
+  kOptimStep,
+  kForward,
+  kSaveCheckpoint,
+  kLoadCheckpoint,
+  kExportWeights,
+  kSample,
+};
 
 // One TrainingService call, with the proto's defaults still unapplied (0 = default).
 struct RlRequest {
@@ -61,6 +71,11 @@ struct RlRequest {
   // slice's own, single rank); forward_backward, forward: whole-batch index of batch[0].
   double weight_sum = 0;
   int64_t datum_offset = 0;
+  // sample: the prompts and parameters (defaults applied: num_samples 0 = 1, temperature unset =
+  // 1, top_p 0 = 1); validated by the engine (engine/sampler.h). draw_seed: the request set no
+  // seed, so the session draws one (returned in RlResponse::seed).
+  engine::SampleSpec sample;
+  bool draw_seed = false;
 };
 
 struct RlResponse {
@@ -75,6 +90,8 @@ struct RlResponse {
   int64_t step = 0;
   double grad_norm = 0, lr = 0;  // optim_step
   std::string directory;         // save_checkpoint, export_weights: what was written
+  engine::SampleResult sample;   // sample
+  uint64_t seed = 0;             // sample: the seed used
   // Every call: the device's peak allocated bytes during it (0 on CPU), and the pinned host
   // bytes the memory strategy holds (offloaded layer inputs, host optimizer state).
   int64_t gpu_memory_peak_bytes = 0;

@@ -15,9 +15,16 @@ Cases (--case):
   hf_parity    (b) forward's per-token logprobs equal Hugging Face transformers' on the weights
                ExportWeights(float32) wrote (max |diff| <= 1e-4), which also proves the export
                loads in transformers; a bfloat16 export is written as bfloat16; a checkpoint of
-               another shape is refused before anything is loaded.
+               another shape is refused before anything is loaded. (i) Sample: greedy sampling
+               (temperature 0, a stop token) gives exactly the tokens of transformers' greedy
+               `generate` on those exported weights, for a batch of prompts of different
+               lengths; the sampled tokens' logprobs equal Forward's; seeded sampling
+               (temperature 1, top-k, top-p, 3 samples per prompt) gives the same tokens for the
+               same seed and other tokens for another; a Sample after an optim_step sees the new
+               weights (sampling is ordered with the session's calls).
   bad_input    (e) a table of bad requests, each INVALID_ARGUMENT naming the field (with the datum
-               and token index) and the rule, after which the session still trains; (f) the
+               and token index) and the rule (Sample's fields included), after which the session
+               still trains; (f) the
                trainer-vs-sampler mismatch gauges appear on the controller's /metrics after a
                forward_backward with sampler logprobs, with the values the call returned.
   cancel       (h) the odyssey CLI creates a session from client/examples/rl-session.yaml (when
@@ -97,6 +104,11 @@ class RlCluster(Cluster):
     def step(self, job, lr=1e-2, **kw):
         return self.training.OptimStep(self.pb.OptimStepRequest(job=job, adam=self.pb.AdamWParams(lr=lr), **kw),
                                        timeout=120)
+
+    def sample(self, job, prompts, n=1, **params):
+        return self.training.Sample(self.pb.SampleRequest(job=job, prompts=[self.pb.SamplePrompt(tokens=p) for p in prompts],
+                                                          num_samples=n, params=self.pb.SamplingParams(**params)),
+                                    timeout=120)
 
     def forward(self, job, batch):
         r = self.training.Forward(self.pb.ForwardRequest(job=job, batch=batch), timeout=120)
@@ -281,6 +293,60 @@ def case_hf_parity(c):
     expect_code("export over a foreign folder",
                 lambda: c.training.ExportWeights(c.pb.ExportWeightsRequest(job=job, directory=foreign), timeout=60),
                 c.grpc.StatusCode.FAILED_PRECONDITION, "directory")
+    check_sample(c, job, export)  # last: it trains (the export above holds the current weights)
+
+
+def check_sample(c, job, export):
+    """(i): Sample against transformers' greedy generate on the exported weights, seeds, order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[72, 101, 108, 108, 111], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [42]]
+    greedy = c.sample(job, prompts, max_tokens=12, temperature=0)
+    stop = greedy.sequences[0].tokens[4]  # a token greedy decoding emits: the stop rule acts
+    first_stop = list(greedy.sequences[0].tokens).index(stop)
+    greedy = c.sample(job, prompts, max_tokens=12, temperature=0, stop_tokens=[stop])
+    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    model.eval()
+    for i, (p, seq) in enumerate(zip(prompts, greedy.sequences)):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=stop, temperature=None, top_p=None, top_k=None)
+        ref = out[0, len(p):].tolist()
+        if list(seq.tokens) != ref:
+            raise Failure(f"greedy Sample of prompt {i} gave {list(seq.tokens)}, transformers' generate {ref}")
+        want_reason = "stop" if ref[-1] == stop else "length"
+        if seq.prompt_index != i or seq.stop_reason != want_reason:
+            raise Failure(f"sequence {i}: prompt_index {seq.prompt_index}, stop_reason {seq.stop_reason!r}")
+    if greedy.sequences[0].stop_reason != "stop" or len(greedy.sequences[0].tokens) != first_stop + 1:
+        raise Failure(f"the stop token {stop} did not end sequence 0: {list(greedy.sequences[0].tokens)}")
+    # The sampled tokens' logprobs are Forward's (the sampler logprobs the RL losses compare).
+    probe = [c.datum(p + list(q.tokens)) for p, q in zip(prompts, greedy.sequences)]
+    fwd = c.forward(job, probe)
+    worst = max(abs(a - b) for p, q, f in zip(prompts, greedy.sequences, fwd)
+                for a, b in zip(q.logprobs, f[len(p) - 1:]))
+    print(f"(i) greedy Sample = transformers' generate on {len(prompts)} prompts (stop token {stop}); "
+          f"its logprobs vs Forward's: max |diff| = {worst:.1e}")
+    if worst > 1e-4:
+        raise Failure(f"Sample's logprobs differ from Forward's by {worst}")
+    params = dict(max_tokens=10, temperature=1.0, top_k=50, top_p=0.95)
+    a = c.sample(job, prompts[:2], n=3, seed=1234, **params)
+    b = c.sample(job, prompts[:2], n=3, seed=1234, **params)
+    other = c.sample(job, prompts[:2], n=3, seed=99, **params)
+    toks = lambda r: [list(q.tokens) for q in r.sequences]  # noqa: E731
+    if len(a.sequences) != 6 or [q.prompt_index for q in a.sequences] != [0, 0, 0, 1, 1, 1] or a.seed != 1234:
+        raise Failure(f"seeded sample: {len(a.sequences)} sequences, seed {a.seed}")
+    if toks(a) != toks(b) or toks(a) == toks(other):
+        raise Failure(f"seed 1234 twice: {toks(a)} / {toks(b)}; seed 99: {toks(other)}")
+    unseeded = c.sample(job, prompts[:1], max_tokens=4)
+    print(f"    seed 1234 twice: the same {a.tokens} tokens, seed 99 others; unseeded drew seed {unseeded.seed}")
+    # Ordered with the session's calls: after an optim_step the sample sees the new weights.
+    before = c.sample(job, prompts[:1], max_tokens=8, temperature=0).sequences[0]
+    c.fb(job, [c.datum(prompts[0] + [7] * 9)])
+    c.step(job, lr=0.05)
+    after = c.sample(job, prompts[:1], max_tokens=8, temperature=0).sequences[0]
+    if list(after.logprobs) == list(before.logprobs):
+        raise Failure("a Sample after an optim_step returned the logprobs of the weights before it")
 
 
 def case_bad_input(c):
@@ -330,6 +396,26 @@ def case_bad_input(c):
             pb.LoadCheckpointRequest(job=job, directory="ckpt/step-1"), timeout=60), "directory:", "absolute"),
         ("negative sequence", lambda: c.training.Forward(pb.ForwardRequest(job=job, batch=good, sequence=-3),
                                                          timeout=60), "sequence:", ">= 0"),
+        ("sample without prompts", lambda: c.sample(job, []), "prompts:", "at least one prompt"),
+        ("sample with an empty prompt", lambda: c.sample(job, [[1], []], max_tokens=2), "prompts[1]",
+         "at least one token"),
+        ("sample token id >= vocab", lambda: c.sample(job, [[1, 256]], max_tokens=2), "prompts[0][1]", "[0, 256)"),
+        ("sample max_tokens 0", lambda: c.sample(job, [[1]]), "params.max_tokens", ">= 1"),
+        ("sample past the positions", lambda: c.sample(job, [[1] * 10], max_tokens=4090), "prompts[0]",
+         "max_position_embeddings"),
+        ("sample over the planned size", lambda: c.sample(job, [[1, 2]], n=100, max_tokens=8), "prompts",
+         f"limit of {SEQ_LEN * BATCH_SIZE} positions"),
+        ("sample negative temperature", lambda: c.sample(job, [[1]], max_tokens=2, temperature=-1),
+         "params.temperature", ">= 0"),
+        ("sample NaN temperature", lambda: c.sample(job, [[1]], max_tokens=2, temperature=float("nan")),
+         "params.temperature", "finite"),
+        ("sample top_p > 1", lambda: c.sample(job, [[1]], max_tokens=2, top_p=1.5), "params.top_p", "(0, 1]"),
+        ("sample negative top_k", lambda: c.sample(job, [[1]], max_tokens=2, top_k=-3), "params.top_k", ">= 0"),
+        ("sample stop token >= vocab", lambda: c.sample(job, [[1]], max_tokens=2, stop_tokens=[5, 999]),
+         "params.stop_tokens[1]", "[0, 256)"),
+        ("sample negative num_samples", lambda: c.sample(job, [[1]], n=-2, max_tokens=2), "num_samples", ">= 1"),
+        ("sample bad job name", lambda: c.training.Sample(pb.SampleRequest(job="jobs/x", prompts=[pb.SamplePrompt(
+            tokens=[1])]), timeout=60), "job:", "jobs/{id}"),
     ]
     print(f"(e) {len(table)} bad requests:")
     for what, call, field, rule in table:

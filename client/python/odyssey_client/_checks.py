@@ -77,3 +77,11 @@ def check_batch(batch, max_positions: Optional[int], field: str = "batch") -> No
         if positions > max_positions:
             raise ValueError(f"{field}: {positions} token positions exceed the session's limit of {max_positions} "
                              "(seq_len x batch_size); split the batch")
+
+
+def check_prompts(prompts, field: str = "prompts") -> None:
+    """`prompts`: a list of pb.SamplePrompt (the controller's edge check of Sample)."""
+    if not prompts:
+        raise ValueError(f"{field} is empty; at least one prompt is required")
+    if len(prompts) > MAX_BATCH_DATUMS:
+        raise ValueError(f"{field} has {len(prompts)} prompts; at most {MAX_BATCH_DATUMS} per call")

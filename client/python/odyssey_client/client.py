@@ -1,35 +1,45 @@
-"""TrainingClient and Session: the Python face of odyssey's JobService and TrainingService.
+"""ServiceClient, TrainingClient and SamplingClient: the Python face of odyssey's JobService and
+TrainingService, split as Tinker's API is (README.md has the side-by-side table).
 
-    client = TrainingClient("127.0.0.1:50051")
-    with client.create_session(model="tiny", seq_len=64, batch_size=8) as s:
-        fb = s.forward_backward(batch, loss="ppo")      # a Future, returned at once
-        st = s.optim_step(lr=1e-3)                      # pipelined behind it
+    service = ServiceClient("127.0.0.1:50051")
+    with service.create_training_client(base_model="tiny", seq_len=64, batch_size=8) as tc:
+        fb = tc.forward_backward(batch, loss="ppo")     # a Future, returned at once
+        st = tc.optim_step(lr=1e-3)                     # pipelined behind it
         print(fb.result().loss, st.result().step)
+        sampler = tc.create_sampling_client()          # samples the session's current weights
+        seqs = sampler.sample([1, 2, 3], num_samples=4, sampling_params=SamplingParams(max_tokens=8))
 
-Ordering: every TrainingService call of a Session is stamped with `sequence` 1, 2, 3, ... in the
-order the methods are called (under a lock, so threads may share a Session), and the controller
+asyncio: every returned future is also awaitable (`r = await tc.optim_step(lr=1e-3)`), and each
+call has an `*_async` twin (`fut = await tc.optim_step_async(...)`; then `await fut`): the call
+is issued (and takes its place in the order) when the coroutine runs, its result awaited later.
+
+Ordering: every TrainingService call of a TrainingClient (and of its SamplingClients) is stamped with `sequence` 1, 2, 3, ... in the
+order the methods are called (under a lock, so threads may share one), and the controller
 runs call n only after call n-1: pipelined calls execute in issue order however gRPC delivers
 them. push_rollouts (whose stream carries no sequence) waits for the calls issued before it and
 holds back the ones issued after it until its stream ends.
 
-Thread safety: TrainingClient and Session may be used from several threads. Result futures are
-concurrent.futures.Future; their callbacks run on gRPC's threads, so keep them short.
+Thread safety: the clients may be used from several threads. Result futures are
+concurrent.futures.Future (AwaitableFuture); their callbacks run on gRPC's threads, so keep them
+short. `Session` is TrainingClient's former name, kept as an alias.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from odyssey_client import _checks
 from odyssey_client._proto import pb, pb_grpc
 from odyssey_client.errors import JobFailedError, OdysseyError, SessionTimeoutError
-from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, ForwardBackwardResult, ForwardResult, JobInfo,
-                                  Loss, OptimStepResult, RolloutResult, batch_to_proto)
+from odyssey_client.types import (AdamW, BatchLike, CheckpointResult, Datum, ForwardBackwardResult, ForwardResult,
+                                  JobInfo, Loss, OptimStepResult, RolloutResult, SampleResponse, SamplingParams,
+                                  batch_to_proto)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # the controller's default --max-message-bytes
 JOB_CALL_RETRIES = 3  # UNAVAILABLE retries of JobService calls (0.25 + 0.5 + 1 s of backoff)
@@ -43,13 +53,22 @@ def _pem(value: Optional[Union[str, bytes]]) -> Optional[bytes]:
         return f.read()
 
 
+class AwaitableFuture(concurrent.futures.Future):
+    """A concurrent.futures.Future that asyncio code may also await: `await fut` gives
+    fut.result() (or raises its exception) without blocking the event loop."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
 def _job_name(name_or_id: Union[str, int]) -> str:
     s = str(name_or_id)
     return s if s.startswith("jobs/") else f"jobs/{s}"
 
 
-class TrainingClient:
-    """A connection to an odyssey-controller.
+class ServiceClient:
+    """A connection to an odyssey-controller (Tinker's ServiceClient): creates TrainingClients
+    (RL sessions) and SamplingClients, lists and cancels jobs. Formerly named TrainingClient.
 
     target: "host:port". token: sent as `authorization: Bearer <token>` on every call.
     tls_ca: PEM file (path or bytes) of the CA that signed the controller's certificate; turns on
@@ -111,7 +130,7 @@ class TrainingClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "TrainingClient":
+    def __enter__(self) -> "ServiceClient":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -164,7 +183,7 @@ class TrainingClient:
                        optimizer_on_host: Optional[bool] = None, grad_clip: float = 0.0,
                        seed: int = 0, display_name: str = "",
                        checkpoint_directory: str = "", priority: int = 0, request_id: Optional[str] = None,
-                       wait: bool = True, wait_timeout: Optional[float] = 300.0) -> "Session":
+                       wait: bool = True, wait_timeout: Optional[float] = 300.0) -> "TrainingClient":
         """Creates an RL session (a job of kind RL_SESSION) and, with `wait`, waits until it is
         RUNNING on a worker.
 
@@ -194,7 +213,7 @@ class TrainingClient:
                              checkpoint_directory=checkpoint_directory, priority=priority)
         request = pb.CreateJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
         job = self._call("CreateJob", self.jobs.CreateJob, request)
-        session = Session(self, job.name, max_positions=seq_len * max(1, batch_size))
+        session = TrainingClient(self, job.name, max_positions=seq_len * max(1, batch_size))
         if wait:
             session.wait_running(wait_timeout)
         return session
@@ -220,16 +239,37 @@ class TrainingClient:
         return self._call("Plan", self.planner.Plan, pb.PlanRequest(spec=spec, gpu_bytes=gpu_bytes,
                                                                     host_bytes=host_bytes, max_seq_len=max_seq_len))
 
-    def session(self, name: Union[str, int], sequenced: bool = True, first_sequence: int = 1) -> "Session":
-        """A Session for an existing RL session job (e.g. one created by another process).
+    def create_training_client(self, base_model: str = "tiny", **kwargs) -> "TrainingClient":
+        """Tinker's name for create_session: `base_model` is create_session's `model`; the other
+        keyword arguments are create_session's."""
+        return self.create_session(base_model, **kwargs)
+
+    async def create_session_async(self, model: str = "tiny", **kwargs) -> "TrainingClient":
+        """create_session without blocking the event loop (it runs on a thread: creating a
+        session waits until a worker runs it)."""
+        return await asyncio.to_thread(self.create_session, model, **kwargs)
+
+    async def create_training_client_async(self, base_model: str = "tiny", **kwargs) -> "TrainingClient":
+        return await asyncio.to_thread(self.create_session, base_model, **kwargs)
+
+    def create_sampling_client(self, session: Union[str, int, "TrainingClient"]) -> "SamplingClient":
+        """A SamplingClient of an RL session: a TrainingClient's (its calls then share that
+        client's order), or a job name, whose client sends its calls unsequenced (each runs when
+        it arrives, after the calls the controller received before it)."""
+        if isinstance(session, TrainingClient):
+            return SamplingClient(session)
+        return SamplingClient(self.session(session, sequenced=False))
+
+    def session(self, name: Union[str, int], sequenced: bool = True, first_sequence: int = 1) -> "TrainingClient":
+        """A TrainingClient for an existing RL session job (e.g. one created by another process).
 
         sequenced: stamp calls with `sequence`, starting at first_sequence (the job's next
         expected number); False sends sequence 0 (unordered: each call runs when it arrives),
         the safe choice when other clients may also be calling the job."""
         name = _job_name(name)
         spec = self.get_job(name).proto.spec
-        return Session(self, name, sequenced=sequenced, first_sequence=first_sequence,
-                       max_positions=spec.data.seq_len * max(1, spec.data.batch_size))
+        return TrainingClient(self, name, sequenced=sequenced, first_sequence=first_sequence,
+                              max_positions=spec.data.seq_len * max(1, spec.data.batch_size))
 
 
 def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_seconds: int = 0, dtype: str = "",
@@ -265,15 +305,16 @@ LossLike = Union[str, Loss, dict, None]
 AdamLike = Union[AdamW, dict, float]
 
 
-class Session:
-    """An RL session: a job holding a model and its optimizer on a worker, driven call by call.
+class TrainingClient:
+    """An RL session (Tinker's TrainingClient; formerly named Session, an alias kept): a job
+    holding a model and its optimizer on a worker, driven call by call.
 
-    Every method returns a concurrent.futures.Future at once; `.result()` gives the dataclass or
-    raises OdysseyError (code + the server's message). Calls execute in the order they were made
-    (see the module docstring). Use as a context manager to cancel the job on exit.
+    Every method returns an AwaitableFuture at once; `.result()` (or `await`) gives the dataclass
+    or raises OdysseyError (code + the server's message). Calls execute in the order they were
+    made (see the module docstring). Use as a context manager to cancel the job on exit.
     """
 
-    def __init__(self, client: TrainingClient, name: str, sequenced: bool = True, first_sequence: int = 1,
+    def __init__(self, client: ServiceClient, name: str, sequenced: bool = True, first_sequence: int = 1,
                  max_positions: Optional[int] = None):
         self.client = client
         self.name = name
@@ -289,9 +330,9 @@ class Session:
         self._gate: Optional[concurrent.futures.Future] = None  # an unfinished push_rollouts
 
     def __repr__(self) -> str:
-        return f"Session({self.name!r})"
+        return f"TrainingClient({self.name!r})"
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> "TrainingClient":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -351,7 +392,7 @@ class Session:
                convert: Callable, timeout: Optional[float]) -> concurrent.futures.Future:
         """Stamps the next sequence number and sends the call (or queues it behind an unfinished
         push_rollouts); returns the Future of its converted result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future = AwaitableFuture()
         fut.set_running_or_notify_cancel()  # running from the start: a sent call cannot be taken back
         timeout = self.client.call_timeout if timeout is None else timeout
         issued = time.monotonic()
@@ -479,6 +520,92 @@ class Session:
         return self._issue("ExportWeights", self._send(self.client.training.ExportWeights, req),
                            lambda r: r.directory, timeout)
 
+    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
+               sampling_params: Union[SamplingParams, dict, None] = None, timeout: Optional[float] = None
+               ) -> "concurrent.futures.Future[SampleResponse]":
+        """Samples num_samples continuations of each prompt (a list of token-id lists) from the
+        session's current weights: those after every call issued before this one (KV-cache
+        decoding on the session's worker; rank 0 of a data-parallel session). Result:
+        SampleResponse, prompt-major. Bad parameters or token ids come back as the future's
+        OdysseyError (INVALID_ARGUMENT naming the field)."""
+        params = SamplingParams.of(sampling_params)
+        prompts_pb = [pb.SamplePrompt(tokens=[int(t) for t in p]) for p in prompts]
+        _checks.check_prompts(prompts_pb)
+        params_pb = params.to_proto()
+        req = lambda seq: pb.SampleRequest(job=self.name, prompts=prompts_pb, num_samples=int(num_samples),  # noqa: E731
+                                           params=params_pb, sequence=seq)
+        return self._issue("Sample", self._send(self.client.training.Sample, req), SampleResponse.from_proto, timeout)
+
+    def compute_logprobs(self, prompt: Sequence[int], timeout: Optional[float] = None
+                         ) -> "concurrent.futures.Future[List[Optional[float]]]":
+        """Tinker's compute_logprobs, through Forward: the model's logprob of each token of
+        `prompt` given the tokens before it; the first token has no context (None)."""
+        tokens = [int(t) for t in prompt]
+        if len(tokens) < 2:
+            # Nothing to score: no call is made (the sequence number is not used).
+            fut: concurrent.futures.Future = AwaitableFuture()
+            fut.set_running_or_notify_cancel()
+            fut.set_result([None] * len(tokens))
+            return fut
+        inner = self.forward([Datum.from_sequence(tokens)], timeout=timeout)
+        out: concurrent.futures.Future = AwaitableFuture()
+        out.set_running_or_notify_cancel()
+
+        def done(f: concurrent.futures.Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result([None] + list(f.result().logprobs[0]))
+        inner.add_done_callback(done)
+        return out
+
+    def create_sampling_client(self) -> "SamplingClient":
+        """A SamplingClient of this session: its calls share this client's order, so a sample
+        issued after an optim_step sees the updated weights."""
+        return SamplingClient(self)
+
+    # asyncio twins (Tinker's `*_async` names): each issues the call when the coroutine runs
+    # and returns its AwaitableFuture, so `fut = await tc.forward_backward_async(...)` takes
+    # its place in the order and `await fut` gives the result.
+    async def forward_backward_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.forward_backward(*args, **kwargs)
+
+    async def optim_step_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.optim_step(*args, **kwargs)
+
+    async def forward_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.forward(*args, **kwargs)
+
+    async def save_checkpoint_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.save_checkpoint(*args, **kwargs)
+
+    async def load_checkpoint_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.load_checkpoint(*args, **kwargs)
+
+    async def export_weights_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.export_weights(*args, **kwargs)
+
+    async def sample_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.sample(*args, **kwargs)
+
+    async def compute_logprobs_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.compute_logprobs(*args, **kwargs)
+
+    async def push_rollouts_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.push_rollouts(*args, **kwargs)
+
+    async def wait_running_async(self, timeout: Optional[float] = 300.0) -> JobInfo:
+        return await asyncio.to_thread(self.wait_running, timeout)
+
+    async def close_async(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> "TrainingClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close_async()
+
     def push_rollouts(self, rollouts: Iterable[Tuple[BatchLike, LossLike, AdamLike]],
                       on_result: Optional[Callable[[RolloutResult], None]] = None, timeout: Optional[float] = None
                       ) -> "concurrent.futures.Future[List[RolloutResult]]":
@@ -491,7 +618,7 @@ class Session:
 
         Ordering: the stream opens after every call issued before it has finished, and calls
         issued after it are sent when it ends (the stream carries no sequence numbers)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future = AwaitableFuture()
         fut.set_running_or_notify_cancel()
         timeout = self.client.call_timeout if timeout is None else timeout
 
@@ -547,3 +674,41 @@ class Session:
             self._gate = fut
         threading.Thread(target=run, args=(before,), name=f"push_rollouts {self.name}", daemon=True).start()
         return fut
+
+
+Session = TrainingClient  # the former name
+
+
+class SamplingClient:
+    """Sampling from an RL session's current weights (Tinker's SamplingClient). Made by
+    TrainingClient.create_sampling_client() or ServiceClient.create_sampling_client(job). Its
+    calls are its TrainingClient's calls (one order). Unlike Tinker's, it is not pinned to saved
+    weights: each sample sees the weights after every call issued before it; export_weights
+    writes a folder for an external engine (vLLM) instead."""
+
+    def __init__(self, training_client: TrainingClient):
+        self.training_client = training_client
+
+    def __repr__(self) -> str:
+        return f"SamplingClient({self.training_client.name!r})"
+
+    def sample(self, prompt: Optional[Sequence[int]] = None, num_samples: int = 1,
+               sampling_params: Union[SamplingParams, dict, None] = None, *,
+               prompts: Optional[Sequence[Sequence[int]]] = None, timeout: Optional[float] = None
+               ) -> "concurrent.futures.Future[SampleResponse]":
+        """num_samples continuations of `prompt` (token ids), or of each of `prompts` in one
+        batched call. Result: SampleResponse (prompt-major sequences)."""
+        if (prompt is None) == (prompts is None):
+            raise ValueError("give either prompt (one token list) or prompts (a list of them)")
+        return self.training_client.sample([prompt] if prompts is None else prompts, num_samples, sampling_params,
+                                           timeout=timeout)
+
+    def compute_logprobs(self, prompt: Sequence[int], timeout: Optional[float] = None
+                         ) -> "concurrent.futures.Future[List[Optional[float]]]":
+        return self.training_client.compute_logprobs(prompt, timeout=timeout)
+
+    async def sample_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.sample(*args, **kwargs)
+
+    async def compute_logprobs_async(self, *args, **kwargs) -> AwaitableFuture:
+        return self.compute_logprobs(*args, **kwargs)

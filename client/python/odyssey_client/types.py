@@ -333,3 +333,64 @@ class JobInfo:
     @property
     def done(self) -> bool:
         return self.state in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@dataclass
+class SamplingParams:
+    """The sampling parameters of TrainingService.Sample (Tinker's SamplingParams, `stop` as token
+    ids). max_tokens: new tokens per sequence (>= 1); temperature: >= 0, 0 = greedy; top_p in
+    (0, 1] (1 = off); top_k >= 0 (0 = off); stop: token ids that end a sequence (emitted, then the
+    sequence stops); seed: None = the worker draws one (SampleResponse.seed says which). Every
+    rule is checked by the worker and comes back as the call's OdysseyError naming the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: Sequence[int] = ()
+    seed: Optional[int] = None
+
+    @classmethod
+    def of(cls, value: "Union[SamplingParams, dict, None]") -> "SamplingParams":
+        if value is None:
+            return cls()
+        if isinstance(value, SamplingParams):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"sampling_params must be a SamplingParams or a dict, not {type(value).__name__}")
+
+    def to_proto(self) -> "pb.SamplingParams":
+        p = pb.SamplingParams(max_tokens=int(self.max_tokens), temperature=float(self.temperature),
+                              top_p=float(self.top_p), top_k=int(self.top_k), stop_tokens=[int(t) for t in self.stop])
+        if self.seed is not None:
+            p.seed = int(self.seed)
+        return p
+
+
+@dataclass
+class SampledSequence:
+    """One sampled continuation: its new tokens (the stop token included when one ended it), the
+    model's logprob of each (temperature 1, before top-k / top-p: the sampler logprobs the RL
+    losses take), why it ended ("stop" | "length") and the prompt it continues."""
+
+    tokens: List[int]
+    logprobs: List[float]
+    stop_reason: str
+    prompt_index: int = 0
+
+
+@dataclass
+class SampleResponse:
+    """What a Sample returns: prompts x num_samples sequences, prompt-major (prompt i's sample j
+    at i * num_samples + j), the seed used, the new tokens in all and the worker's compute time."""
+
+    sequences: List[SampledSequence]
+    seed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def from_proto(cls, r: "pb.SampleResponse") -> "SampleResponse":
+        return cls(sequences=[SampledSequence(list(s.tokens), list(s.logprobs), s.stop_reason, s.prompt_index)
+                              for s in r.sequences], seed=r.seed, tokens=r.tokens, seconds=r.seconds)

@@ -10,11 +10,14 @@ Cases (--case):
            order, RL losses report ~0 mismatch on the trainer's own logprobs, a checkpoint
            loads back exactly, PushRollouts and the calls after it keep their order, a bad
            datum gets INVALID_ARGUMENT naming it while the session goes on, threads share a
-           session, and leaving the `with` block cancels it.
+           session, and leaving the `with` block cancels it; the asyncio face (ServiceClient ->
+           TrainingClient -> SamplingClient): awaited calls and `*_async` twins keep the
+           issue order, compute_logprobs equals Forward's logprobs, a SamplingClient's
+           greedy sample continues with the tokens whose logprobs compute_logprobs gives.
   example  client/python/examples/rl_target_string.py runs with a fixed seed: the mean reward of
            its last steps is above that of its first steps by a clear margin, the trainer and
-           the sampler (transformers loading the exported weights) agree on the logprobs, and
-           the session is cancelled at the end.
+           the sampler (the session's Sample: the decoding path with its KV cache) agree on the
+           logprobs, and the session is cancelled at the end.
   auth     bearer tokens and TLS (server name, mutual TLS) from the client's side, against a
            controller started with --auth-token-file and --tls-*; skipped (exit 77) when the
            controller lacks those flags.
@@ -128,10 +131,10 @@ def case_example(args, cluster, site):
           f"last {r['window']} {r['last']:.3f} (of {len(r['target'])} bytes), greedy {r['greedy']!r}")
     if not r["last"] > r["first"] + 0.5:
         raise Failure(f"the reward did not rise by 0.5 bytes: {r['first']:.3f} -> {r['last']:.3f}")
-    # Same float32 weights in two implementations (odyssey's trainer, transformers): the
-    # logprobs agree to rounding. Measured max 1.9e-6 (30 steps, seed 1, 2-core CI machine,
-    # docs/benchmarks.md "CPU"); the bound is about 5x that, so a drift in the export or the
-    # math (1e-4 and up) fails.
+    # Same float32 weights through two paths (the training forward, the sampler's KV-cache
+    # decoding): the logprobs agree to rounding. The bound (1e-5) is the one the former
+    # transformers sampler was held to (it measured 1.9e-6); a drift in the decoding math
+    # (1e-4 and up) fails.
     worst = max(s["mismatch_max"] for s in r["steps"])
     print(f"trainer-vs-sampler logprob mismatch: max {worst:.2e} over {len(r['steps'])} steps")
     if not worst < 1e-5:
@@ -144,7 +147,7 @@ def case_example(args, cluster, site):
     sys.path.insert(0, site)
     import odyssey_client as oc
 
-    client = oc.TrainingClient(cluster.address)
+    client = oc.ServiceClient(cluster.address)
     seen = []
 
     def ended():
@@ -173,7 +176,7 @@ def case_api(args, cluster, site):
 
     import odyssey_client as oc
 
-    client = oc.TrainingClient(cluster.address, timeout=30, call_timeout=120)
+    client = oc.ServiceClient(cluster.address, timeout=30, call_timeout=120)
     text = b"In the beginning God created the heaven and the earth. And the earth was without form, and void."
     batch = [oc.Datum.from_sequence(list(text[:33])), oc.Datum.from_sequence(list(text[33:66]))]
 
@@ -298,6 +301,42 @@ def case_api(args, cluster, site):
             expect("adam.lr" in str(e), str(e))
         expect(s.next_sequence == n, "a refused call spent a sequence number")
 
+        # asyncio: the same session through Tinker's split, every result awaited.
+        async def in_asyncio():
+            sampler = s.create_sampling_client()
+            lp_fut = await sampler.compute_logprobs_async(batch[0].tokens)  # issued now, in order
+            fb = await s.forward_backward(batch)                           # awaited directly
+            st_fut = await s.optim_step_async(lr=1e-2)
+            lp_before = await lp_fut
+            st = await st_fut
+            fwd_after = await s.forward_async(batch[:1])
+            lp_after = await sampler.compute_logprobs(batch[0].tokens)
+            res = await sampler.sample(batch[0].tokens[:5], num_samples=2,
+                                       sampling_params=oc.SamplingParams(max_tokens=6, temperature=0))
+            greedy_lp = await sampler.compute_logprobs(batch[0].tokens[:5] + res.sequences[0].tokens)
+            seeded = await asyncio.gather(*[sampler.sample(prompts=[batch[0].tokens[:3], batch[1].tokens[:4]],
+                                                           sampling_params={"max_tokens": 5, "seed": 5, "top_k": 20})
+                                            for _ in range(2)])
+            return fb, st, lp_before, fwd_after, lp_after, res, greedy_lp, seeded
+
+        import asyncio
+        fb, st, lp_before, fwd_after, lp_after, res, greedy_lp, seeded = asyncio.run(in_asyncio())
+        expect(lp_before[0] is None and len(lp_before) == 33, f"compute_logprobs: {lp_before[:3]}...")
+        gap = max(abs(a - b) for a, b in zip(lp_before[1:], fb.logprobs[0]))
+        expect(gap < 1e-5, f"compute_logprobs before the step differs from forward_backward's logprobs by {gap}")
+        gap = max(abs(a - b) for a, b in zip(lp_after[1:], fwd_after.logprobs[0]))
+        expect(gap < 1e-5 and lp_after[1:] != lp_before[1:],
+               f"compute_logprobs after the step: {gap} from Forward's, or unchanged by the optim_step")
+        expect(len(res.sequences) == 2 and res.sequences[0].tokens == res.sequences[1].tokens
+               and all(q.stop_reason == "length" and len(q.tokens) == 6 for q in res.sequences),
+               f"greedy sample: {res}")
+        gap = max(abs(a - b) for a, b in zip(greedy_lp[5:], res.sequences[0].logprobs))
+        expect(gap < 1e-4, f"the sampled tokens' logprobs differ from compute_logprobs by {gap}")
+        expect([q.tokens for q in seeded[0].sequences] == [q.tokens for q in seeded[1].sequences]
+               and [q.prompt_index for q in seeded[0].sequences] == [0, 1], f"seeded samples: {seeded}")
+        print(f"asyncio: optim_step {st.step} awaited in order; compute_logprobs = Forward (<1e-5); greedy sample "
+              f"{res.sequences[0].tokens}, its logprobs = compute_logprobs' ({gap:.1e}); seed 5 twice: the same tokens")
+
         # Threads share the session: 4 x 5 forwards issued concurrently all run (no gaps, no duplicates).
         futs, lock = [], threading.Lock()
 
@@ -391,26 +430,26 @@ def case_auth(args, cluster, site):
 
     cluster.start_controller(extra=tls)
     secure = dict(tls_ca=pki["ca"], tls_server_name="localhost")
-    a = oc.TrainingClient(cluster.address, token=alice, timeout=10, **secure)
+    a = oc.ServiceClient(cluster.address, token=alice, timeout=10, **secure)
     session = a.create_session("tiny", seq_len=16, batch_size=1, wait=False)  # no worker: stays PENDING
     expect("alice's CreateJob over TLS", a.get_job(session.name).state, "PENDING")
     expect("alice's Forward on her PENDING session", code_of(
         lambda: session.forward([oc.Datum.from_sequence([1, 2, 3])]).result()), "FAILED_PRECONDITION")
-    nobody = oc.TrainingClient(cluster.address, timeout=10, **secure)
+    nobody = oc.ServiceClient(cluster.address, timeout=10, **secure)
     expect("no token, ListJobs", code_of(nobody.list_jobs), "UNAUTHENTICATED")
     expect("no token, Forward", code_of(
         lambda: oc.Session(nobody, session.name).forward([oc.Datum.from_sequence([1, 2])]).result()),
         "UNAUTHENTICATED")
-    wrong = oc.TrainingClient(cluster.address, token="c" * 40, timeout=10, **secure)
+    wrong = oc.ServiceClient(cluster.address, token="c" * 40, timeout=10, **secure)
     expect("unknown token, GetJob", code_of(lambda: wrong.get_job(session.name)), "UNAUTHENTICATED")
-    b = oc.TrainingClient(cluster.address, token=bob, timeout=10, **secure)
+    b = oc.ServiceClient(cluster.address, token=bob, timeout=10, **secure)
     expect("bob, GetJob of alice's job", code_of(lambda: b.get_job(session.name)), "PERMISSION_DENIED")
     expect("bob, Forward on alice's job", code_of(
         lambda: oc.Session(b, session.name).forward([oc.Datum.from_sequence([1, 2])]).result()), "PERMISSION_DENIED")
     expect("bob's ListJobs", len(b.list_jobs()), 0)
-    bad_name = oc.TrainingClient(cluster.address, token=alice, timeout=5, tls_ca=pki["ca"], tls_server_name="elsewhere")
+    bad_name = oc.ServiceClient(cluster.address, token=alice, timeout=5, tls_ca=pki["ca"], tls_server_name="elsewhere")
     expect("a server name the certificate lacks", code_of(bad_name.list_jobs), "UNAVAILABLE")
-    plain = oc.TrainingClient(cluster.address, token=alice, timeout=5)
+    plain = oc.ServiceClient(cluster.address, token=alice, timeout=5)
     expect("plaintext to the TLS port", code_of(plain.list_jobs), "UNAVAILABLE")
     expect("alice cancels her session", a.cancel(session.name).state, "CANCELLED")
     for c in (a, nobody, wrong, b, bad_name, plain):
@@ -418,9 +457,9 @@ def case_auth(args, cluster, site):
     cluster.stop()
 
     cluster.start_controller(extra=tls + ["--tls-client-ca", pki["ca"]])
-    without = oc.TrainingClient(cluster.address, token=alice, timeout=5, **secure)
+    without = oc.ServiceClient(cluster.address, token=alice, timeout=5, **secure)
     expect("mutual TLS without a client certificate", code_of(without.list_jobs), "UNAVAILABLE")
-    mtls = oc.TrainingClient(cluster.address, token=alice, timeout=10, tls_cert=pki["client"],
+    mtls = oc.ServiceClient(cluster.address, token=alice, timeout=10, tls_cert=pki["client"],
                              tls_key=pki["client_key"], **secure)
     expect("mutual TLS with a client certificate: alice's jobs", [j.state for j in mtls.list_jobs()], ["CANCELLED"])
     without.close()
@@ -669,7 +708,7 @@ def case_fuzz(args, cluster, site):
 
     rng = random.Random(5 if args.seed is None else args.seed)
     seq_len, batch_size = 32, 4
-    client = oc.TrainingClient(cluster.address, timeout=30)
+    client = oc.ServiceClient(cluster.address, timeout=30)
     session = client.create_session("tiny", dtype="float32", seq_len=seq_len, batch_size=batch_size, seed=3,
                                     idle_timeout_seconds=900, wait_timeout=DEADLINE_S)
     # A second session waits PENDING for the only worker: calls naming it must be refused.

@@ -177,6 +177,15 @@ class FakeTraining(pb_grpc.TrainingServiceServicer):
         self._record("ExportWeights", request.sequence, request.directory, context)
         return pb.ExportWeightsResponse(directory=request.directory)
 
+    def Sample(self, request, context):
+        self._record("Sample", request.sequence, request.params.max_tokens, context)
+        n = request.num_samples
+        return pb.SampleResponse(sequences=[pb.SampledSequence(prompt_index=i, tokens=list(p.tokens[-1:]) * request.params.max_tokens,
+                                                               logprobs=[-0.25] * request.params.max_tokens,
+                                                               stop_reason="length")
+                                            for i, p in enumerate(request.prompts) for _ in range(n)],
+                                 seed=request.params.seed if request.params.HasField("seed") else 42)
+
     def PushRollouts(self, request_iterator, context):
         self.stream_open.set()
         for i, r in enumerate(request_iterator):
@@ -234,7 +243,7 @@ class SessionTest(unittest.TestCase):
         pb_grpc.add_JobServiceServicer_to_server(self.jobs, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.client = oc.TrainingClient(f"127.0.0.1:{port}", token="s3cret", call_timeout=30)
+        self.client = oc.ServiceClient(f"127.0.0.1:{port}", token="s3cret", call_timeout=30)
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
 
     def tearDown(self):
@@ -282,6 +291,42 @@ class SessionTest(unittest.TestCase):
         for f in futs:
             f.result(timeout=30)
         self.assertEqual(sorted(a[1] for a in self.training.arrivals), list(range(5, 37)))
+
+    def test_asyncio_awaits_in_issue_order(self):
+        """Awaitable futures and *_async twins: issue order is the order the coroutines issue,
+        and the Tinker split (ServiceClient -> TrainingClient -> SamplingClient) shares it."""
+        import asyncio
+
+        s = self.client.session("jobs/1")
+        self.assertIsInstance(s, oc.TrainingClient)
+        self.assertIs(oc.Session, oc.TrainingClient)
+        sampler = s.create_sampling_client()
+
+        async def run():
+            fb_fut = await s.forward_backward_async(self.batch(2))   # issued: sequence 1
+            st_fut = await s.optim_step_async(lr=0.003)              # sequence 2
+            lp = await sampler.compute_logprobs([5, 6, 7])           # sequence 3 (a Forward)
+            res = await sampler.sample([9, 8], num_samples=2,
+                                       sampling_params=oc.SamplingParams(max_tokens=3, seed=11))  # 4
+            many = await asyncio.gather(*[s.optim_step(lr=0.001 * (i + 1)) for i in range(3)])   # 5..7
+            return (await fb_fut), (await st_fut), lp, res, many
+
+        fb, st, lp, res, many = asyncio.run(run())
+        self.assertEqual((fb.loss, st.step), (2.0, 3))
+        self.assertEqual(lp, [None, -0.5, -0.5])
+        self.assertEqual([q.tokens for q in res.sequences], [[8, 8, 8], [8, 8, 8]])
+        self.assertEqual((res.seed, res.sequences[0].logprobs, res.sequences[1].stop_reason), (11, [-0.25] * 3, "length"))
+        self.assertEqual([m.step for m in many], [1, 2, 3])
+        by_seq = sorted(self.training.arrivals, key=lambda a: a[1])
+        self.assertEqual([(a[0], a[1]) for a in by_seq][:4],
+                         [("ForwardBackward", 1), ("OptimStep", 2), ("Forward", 3), ("Sample", 4)])
+        self.assertEqual(sorted(a[1] for a in by_seq), list(range(1, 8)))
+        # A one-token prompt has nothing to score: no call, no sequence number spent.
+        self.assertEqual(s.compute_logprobs([5]).result(timeout=30), [None])
+        self.assertEqual(s.next_sequence, 8)
+        with self.assertRaises(ValueError):
+            sampler.sample(prompts=[])
+        self.assertEqual(s.next_sequence, 8)
 
     def test_unsequenced_session_sends_zero(self):
         s = self.client.session("jobs/1", sequenced=False)
