@@ -181,12 +181,18 @@ TEST(ShardingTest, ShardedGradientsEqualOneRank) {
   }
 }
 
-// Three sharded AdamW steps (clipped at the global norm) give the unsharded weights.
-TEST(ShardingTest, ShardedAdamWEqualsUnshardedAfterThreeSteps) {
+// Three sharded AdamW steps (clipped at the global norm) give the unsharded weights; also with
+// the optimizer's state and update on the host, at its laziest (deferred_cpu: a shard read
+// before its update is waited for would be stale).
+void ExpectShardedAdamWEqualsUnsharded(bool host) {
   TrainerOptions o = Tiny();
   o.memory.recompute = planner::Recompute::kLayer;
   auto single = Trainer::Create(o);
   ASSERT_TRUE(single.ok()) << single.status();
+  if (host) {
+    o.memory.optimizer_on_host = true;
+    o.host_optimizer.deferred_cpu = true;
+  }
   Ranks g = MakeRanks(2, o, /*context_parallel=*/false);
   for (const auto& t : g.trainers) ASSERT_TRUE(t);
   for (int step = 0; step < 3; ++step) {
@@ -204,6 +210,13 @@ TEST(ShardingTest, ShardedAdamWEqualsUnshardedAfterThreeSteps) {
   const std::string dir = TempDir("adamw");
   ExpectWeightsClose(SaveAndRead(g, dir), **single, 1e-5, "after 3 steps");
   std::filesystem::remove_all(dir);
+}
+
+TEST(ShardingTest, ShardedAdamWEqualsUnshardedAfterThreeSteps) {
+  for (bool host : {false, true}) {
+    SCOPED_TRACE(host ? "optimizer on the host" : "optimizer on the device");
+    ExpectShardedAdamWEqualsUnsharded(host);
+  }
 }
 
 // Saved at P = 4 (gathered to the one-rank format), loaded at P = 2, P = 1 and unsharded: the
