@@ -234,7 +234,7 @@ torch::Tensor Trainer::Hidden(const model::ForwardInputs& in) {
   if (!hooked_runner_) optimizer_->WaitParams(LayerParams(0, L));
   // The final norm (and an untied head, read by the loss) after the layers: their update is
   // the last the host threads do.
-  model::LayerStackRunner runner = [this](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
+  model::LayerStackRunner runner = [this, L](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
                                           const model::LayerContext& ctx) {
     torch::Tensor h = h0;  // (B, S, hidden)
     if (runner_) {

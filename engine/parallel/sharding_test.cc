@@ -9,6 +9,8 @@
 //   - sharded over a context-parallel group of 2 equals one rank.
 #include "engine/parallel/sharding.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <functional>
 #include <thread>
@@ -148,9 +150,9 @@ TEST(ShardingTest, ShardsAreOnePthOfEachParameter) {
       EXPECT_TRUE(torch::equal((*s)->Shards()[1].grad(), torch::zeros({2})));  // no gradient: zeros
     });
   for (auto& t : threads) t.join();
-  EXPECT_TRUE(torch::equal(shards_w[0], torch::tensor({{0.0f, 1, 2, 3}})));
-  EXPECT_TRUE(torch::equal(shards_w[2], torch::tensor({{8.0f, 9, 0, 0}})));
-  EXPECT_TRUE(torch::equal(shards_b[1], torch::tensor({102.0f, 103})));
+  EXPECT_TRUE(torch::equal(shards_w[0], torch::tensor({{0.0f, 1.0f, 2.0f, 3.0f}})));
+  EXPECT_TRUE(torch::equal(shards_w[2], torch::tensor({{8.0f, 9.0f, 0.0f, 0.0f}})));
+  EXPECT_TRUE(torch::equal(shards_b[1], torch::tensor({102.0f, 103.0f})));
   EXPECT_TRUE(torch::equal(shards_b[2], torch::zeros({2})));
   for (const torch::Tensor& t : whole) EXPECT_TRUE(torch::equal(t, w));
 }
