@@ -235,7 +235,7 @@ torch::Tensor Trainer::Hidden(const model::ForwardInputs& in) {
   // The final norm (and an untied head, read by the loss) after the layers: their update is
   // the last the host threads do.
   model::LayerStackRunner runner = [this, L](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
-                                          const model::LayerContext& ctx) {
+                                             const model::LayerContext& ctx) {
     torch::Tensor h = h0;  // (B, S, hidden)
     if (runner_) {
       h = runner_(layers, h0, ctx);
