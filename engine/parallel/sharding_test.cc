@@ -206,7 +206,9 @@ void ExpectShardedAdamWEqualsUnsharded(bool host) {
       ASSERT_TRUE(got.status.ok()) << got.status;
       EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss) << "step " << step;
       EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << step;
-      if (step == 0) EXPECT_GT(want.grad_norm, o.grad_clip) << "the clip must act";
+      if (step == 0) {
+        EXPECT_GT(want.grad_norm, o.grad_clip) << "the clip must act";
+      }
     }
   }
   const std::string dir = TempDir("adamw");
