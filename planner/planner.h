@@ -40,6 +40,13 @@ struct ModelShape {
   int64_t params = 0;       // all parameters (tied embeddings once)
   int64_t largest = 0;      // elements of the largest parameter tensor
   bool qk_norm = false;
+  // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
+  // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() are
+  // derived from the shapes, not yet measured on a GPU (dense models' terms are fitted).
+  bool hybrid = false;
+  int64_t kda_layers = 0, dsa_layers = 0;
+  int64_t kda_heads = 0, kda_head_dim = 0, kda_chunk = 64;
+  int64_t index_heads = 0, index_head_dim = 0, index_top_k = 0;
 };
 ModelShape ShapeOf(const model::ModelConfig& config);
 
