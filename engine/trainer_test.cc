@@ -49,7 +49,7 @@ TEST(TrainerTest, TinyModelLearnsKingJamesText) {
 // layers, the indexer KL beside the LM loss) on the King James text lower the held-out loss.
 TEST(TrainerTest, HybridTinyLossFallsInAFewSteps) {
   torch::set_num_threads(2);
-  TrainerOptions o = TinyKjv(12);
+  TrainerOptions o = TinyKjv(16);
   o.model = "hybrid-tiny";
   o.data.seq_len = 64;
   o.data.batch_size = 4;

@@ -51,12 +51,13 @@ class AuxLossFunction : public torch::autograd::Function<AuxLossFunction> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor out, Tensor aux, double weight) {
     TORCH_CHECK(aux.dim() == 0 && aux.scalar_type() == torch::kFloat32, "InjectAuxLoss: aux must be an fp32 scalar");
     ctx->saved_data["weight"] = weight;
+    ctx->saved_data["like"] = torch::empty({0}, aux.options());  // aux's device and dtype
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const double weight = ctx->saved_data["weight"].toDouble();
-    return {grads[0], torch::full({}, weight, grads[0].options().dtype(torch::kFloat32)), Tensor()};
+    return {grads[0], torch::full({}, weight, ctx->saved_data["like"].toTensor().options()), Tensor()};
   }
 };
 
@@ -71,7 +72,10 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
 Tensor ShortConvImpl::forward(const Tensor& x) {
   const int64_t kernel = weight.size(2);
   Tensor xt = torch::constant_pad_nd(x.transpose(1, 2), {kernel - 1, 0});  // (B, C, S + kernel - 1)
-  return torch::conv1d(xt, weight, {}, 1, 0, 1, weight.size(0)).transpose(1, 2);  // (B, S, C)
+  const int64_t one = 1, zero = 0;
+  return torch::conv1d(xt, weight, Tensor(), torch::IntArrayRef(one), torch::IntArrayRef(zero), torch::IntArrayRef(one),
+                       weight.size(0))
+      .transpose(1, 2);  // (B, S, C)
 }
 
 HeadRMSNormImpl::HeadRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -144,7 +148,7 @@ void KdaAttentionImpl::to(torch::Device device, bool non_blocking) {
 
 Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
   const int64_t B = x.size(0), S = x.size(1), H = heads_, K = head_dim_;
-  auto heads = [&](const Tensor& t) { return t.view({B, S, H, K}); };  // (B, S, H, K)
+  auto heads = [&](const Tensor& t) { return t.reshape({B, S, H, K}); };  // (B, S, H, K)
   Tensor q = L2Norm(heads(torch::silu(q_conv1d(q_proj(x))))).transpose(1, 2);  // (B, H, S, K)
   Tensor k = L2Norm(heads(torch::silu(k_conv1d(k_proj(x))))).transpose(1, 2);  // (B, H, S, K)
   Tensor v = heads(torch::silu(v_conv1d(v_proj(x)))).transpose(1, 2);          // (B, H, S, K)
@@ -291,8 +295,11 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
       } else {
         logits = kernels::IndexerScores(qi, keys, wi);  // (B, n, P)
       }
-      Tensor logp = torch::log_softmax(logits.masked_fill(valid.logical_not(), -kInf), -1);
       Tensor row_has = valid.any(-1);  // (B, n)
+      // Rows without a pool (t < 3) get finite logits, so no NaN reaches the backward.
+      Tensor masked = torch::where(row_has.unsqueeze(-1), logits.masked_fill(valid.logical_not(), -kInf),
+                                   torch::zeros({}, logits.options()));
+      Tensor logp = torch::log_softmax(masked, -1);
       // KL(target || softmax): sum over valid items of target (log target - log p); items of zero
       // target add nothing (0 log 0 = 0).
       Tensor term = torch::where(valid & (target > 0), target * (target.clamp_min(1e-30).log() - logp),

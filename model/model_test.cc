@@ -209,7 +209,7 @@ TEST(ModelTest, SavedFolderCarriesTheBaseModelsTokenizerAndGenerationFiles) {
 
 // --- The hybrid family (model/hybrid.h) ---
 
-ModelConfig HybridConfig(IndexerStage stage = IndexerStage::kSparse) {
+ModelConfig TinyHybrid(IndexerStage stage = IndexerStage::kSparse) {
   ModelConfig c = NamedShape("hybrid-tiny").value();
   c.vocab_size = 61;
   c.hybrid.index_top_k = 8;  // 2 pools + the tail: rows longer than 11 are sparse
@@ -264,9 +264,9 @@ TEST(HybridModelTest, ParameterNamesCountsAndFp32Gates) {
 // Spec 2.4: a row of at most index_top_k + 3 tokens selects every earlier key, so the sparse
 // stage equals the dense warm-up's dense causal attention; a longer row does not.
 TEST(HybridModelTest, ShortRowsAreDenseAttentionLongRowsAreSparse) {
-  CausalLM sparse(HybridConfig(IndexerStage::kSparse));
+  CausalLM sparse(TinyHybrid(IndexerStage::kSparse));
   sparse->InitRandom(7, 0.1);
-  CausalLM dense(HybridConfig(IndexerStage::kDenseWarmup));
+  CausalLM dense(TinyHybrid(IndexerStage::kDenseWarmup));
   dense->InitRandom(7, 0.1);
   torch::NoGradGuard no_grad;
   torch::manual_seed(1);
@@ -277,7 +277,7 @@ TEST(HybridModelTest, ShortRowsAreDenseAttentionLongRowsAreSparse) {
 }
 
 TEST(HybridModelTest, PackedDocumentsEqualSeparateSequencesAndOutputIsCausal) {
-  CausalLM m(HybridConfig());
+  CausalLM m(TinyHybrid());
   m->InitRandom(5, 0.1);
   torch::NoGradGuard no_grad;
   torch::manual_seed(2);
@@ -304,7 +304,7 @@ TEST(HybridModelTest, IndexerLossReachesOnlyTheIndexer) {
     std::map<double, std::map<std::string, torch::Tensor>> grads;
     double reported = 0;
     for (double weight : {0.0, 0.5, 1.0}) {
-      ModelConfig c = HybridConfig(stage);
+      ModelConfig c = TinyHybrid(stage);
       c.hybrid.indexer_loss_weight = weight;
       CausalLM m(c);
       m->InitRandom(9, 0.1);
@@ -341,7 +341,7 @@ TEST(HybridModelTest, IndexerLossReachesOnlyTheIndexer) {
 TEST(HybridModelTest, SafetensorsRoundTripKeepsTheGatesInFp32) {
   const auto dir = std::filesystem::temp_directory_path() / "odyssey_hybrid_roundtrip";
   std::filesystem::remove_all(dir);
-  CausalLM m(HybridConfig());
+  CausalLM m(TinyHybrid());
   m->InitRandom(2, 0.1);
   SaveOptions save;
   save.dtype = torch::kBFloat16;

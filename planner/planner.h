@@ -42,7 +42,8 @@ struct ModelShape {
   bool qk_norm = false;
   // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
   // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() are
-  // derived from the shapes, not yet measured on a GPU (dense models' terms are fitted).
+  // derived from the tensors of the libtorch reference path that runs them today (fp32 inside
+  // the KDA and DSA ops), not yet measured on a GPU (the dense models' terms are fitted).
   bool hybrid = false;
   int64_t kda_layers = 0, dsa_layers = 0;
   int64_t kda_heads = 0, kda_head_dim = 0, kda_chunk = 64;
