@@ -95,6 +95,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     return s;
   const ContextParallelOptions& cp = options.context_parallel;
   const int64_t P = cp.degree();
+  if (resolved->IsHybrid()) {
+    // What acts on the dense attention only is refused for the KDA and DSA layers, by name.
+    const std::string why = absl::StrCat(" is not implemented for the hybrid family (model '", options.model,
+                                         "'): its KDA and DSA layers do not run through the dense attention backend");
+    if (options.memory.keep_attention) return absl::InvalidArgumentError(absl::StrCat("memory.keep_attention", why));
+    if (head_groups > 1)
+      return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups, ")", why));
+    if (P > 1) return absl::InvalidArgumentError(absl::StrCat("parallel.context_parallel (", P, ")", why));
+  }
   if (cp.group != nullptr) {
     if (absl::Status s = ValidateContextParallel(P, cp.head_chunk, resolved->num_attention_heads,
                                                  resolved->num_key_value_heads, options.data.seq_len);
@@ -380,6 +389,7 @@ StepResult Trainer::Step(const Batch& whole) {
     optimizer_->ZeroGrad();
   }
   r.loss = rider->item<double>();  // synchronizes the device
+  if (torch::Tensor kl = model_->IndexerLoss(); kl.defined()) r.indexer_loss = kl.item<double>();
   r.grad_norm = clip.norm.item<double>();
   r.step = optimizer_->steps();
   r.tokens = share->positions;

@@ -129,6 +129,9 @@ struct TrainerOptions {
 struct StepResult {
   int64_t step = 0;          // steps completed after this one
   double loss = 0;           // mean over target tokens, nats
+  // Hybrid models: the indexer KL (spec 2.3) summed over the DSA layers, this rank's batch; its
+  // gradient (weight hybrid.indexer_loss_weight) trains only the indexers. 0 for dense models.
+  double indexer_loss = 0;
   double grad_norm = 0;      // before clipping
   double lr = 0;
   int64_t tokens = 0;        // positions processed (B * S), summed over the ranks

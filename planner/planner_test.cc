@@ -412,5 +412,55 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
   }
 }
 
+// The hybrid family's terms (not yet measured on a GPU): hybrid-3b plans at 128K tokens on one
+// H200, its KDA layers' per-chunk state is [T/C, HV, K, V] fp32 exactly, and the plan says
+// which terms are unmeasured.
+TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
+  absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-3b");
+  ASSERT_TRUE(c.ok());
+  int64_t T = int64_t{1} << 17;
+  absl::StatusOr<JobPlan> plan = PlanModelJob(*c, "bfloat16", T, 1, MemoryFields{}, Hardware{});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->found) << plan->message;
+  EXPECT_EQ(plan->strategy.head_groups, 1);
+  bool state = false, unmeasured = false;
+  for (const auto& [name, bytes] : plan->prediction.terms) {
+    if (name.find("not yet measured on a GPU") != std::string::npos) unmeasured = true;
+    if (name.find("per-chunk states h") != std::string::npos) {
+      state = true;
+      EXPECT_EQ(bytes, T / 64 * 24 * 128 * 128 * 4);
+    }
+  }
+  EXPECT_TRUE(state) << plan->prediction.Describe();
+  EXPECT_TRUE(unmeasured);
+  // The DSA layer's indices: (2048 + 3) int32 per token and the int64 transients of their
+  // expansion, with the pool indices: counted where a DSA layer's working set is the larger.
+  ModelShape dsa_only = ShapeOf(*c);
+  dsa_only.kda_layers = 0;
+  dsa_only.dsa_layers = dsa_only.layers;
+  Request r;
+  T = int64_t{1} << 20;
+  r.model = dsa_only;
+  r.seq_len = T;
+  r.strategy.recompute = Recompute::kLayer;
+  r.strategy.mlp_tile = 4096;
+  r.strategy.loss_tile = 1024;
+  bool indices = false;
+  for (const auto& [name, bytes] : Predict(r).terms) {
+    if (name.find("selected indices") != std::string::npos) {
+      indices = true;
+      EXPECT_EQ(bytes, T * (2051 * 12 + 2048));
+    }
+  }
+  EXPECT_TRUE(indices) << Predict(r).Describe();
+  // Fields that act only on dense attention are refused by name.
+  MemoryFields groups;
+  groups.head_groups = 2;
+  absl::StatusOr<JobPlan> refused = PlanModelJob(*c, "bfloat16", 65536, 1, groups, Hardware{});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("spec.memory.attention_head_groups (2) is not implemented for the hybrid"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace odyssey::planner

@@ -231,6 +231,15 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
           odyssey::planner::MemoryFieldsFromProto(spec.memory(), p + ".memory");
       !memory.ok()) {
     return memory.status();
+  } else if (config->IsHybrid()) {
+    // The hybrid family's KDA and DSA layers do not run through the dense attention backend,
+    // so what acts only there is refused rather than ignored.
+    const std::string why = absl::StrCat(" is not implemented for the hybrid family (model ", Quote(model.name()),
+                                         "): its KDA and DSA layers do not run through the dense attention backend");
+    if (cp > 1) return Invalid(p + ".parallel.context_parallel", absl::StrCat("(", cp, ")", why));
+    if (memory->head_groups && *memory->head_groups > 1)
+      return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", why));
+    if (memory->keep_attention && *memory->keep_attention) return Invalid(p + ".memory.keep_attention", why.substr(1));
   }
 
   // Optimizer.
