@@ -8,7 +8,7 @@ DecoderModelImpl::DecoderModelImpl(const ModelConfig& c) {
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    DecoderLayer layer(c);
+    DecoderLayer layer(c, i);
     layers->push_back(layer);
     layer_list.push_back(layer);
   }
@@ -21,7 +21,7 @@ CausalLMImpl::CausalLMImpl(const ModelConfig& c) : config_(c) {
     lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
   }
   backend_ = kernels::MakeAttentionBackend("auto").value();
-  inv_freq_cpu_ = RopeInvFreq(c, torch::kCPU);
+  if (c.UsesRope()) inv_freq_cpu_ = RopeInvFreq(c, torch::kCPU);
 }
 
 torch::Tensor CausalLMImpl::HeadWeight() const {
@@ -38,7 +38,8 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunn
   }
   torch::Tensor h = model->embed_tokens(ids);  // (B, S, hidden)
   LayerContext ctx;
-  ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, S, D) each
+  // The hybrid family is NoPE: no tables.
+  if (config_.UsesRope()) ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, S, D)
   ctx.attention.doc_lens = in.doc_lens;
   ctx.backend = backend_.get();
   if (runner) {
@@ -69,6 +70,19 @@ void CausalLMImpl::InitRandom(uint64_t seed, double std) {
       t.zero_();
     }
   }
+  for (DecoderLayer& layer : model->layer_list) {  // what the generic rule cannot know
+    if (layer->kda) layer->kda->InitSpecial();
+    if (layer->dsa) layer->dsa->InitSpecial();
+  }
+}
+
+torch::Tensor CausalLMImpl::IndexerLoss() const {
+  torch::Tensor sum;
+  for (const DecoderLayer& layer : model->layer_list) {
+    if (!layer->dsa || !layer->dsa->last_indexer_loss().defined()) continue;
+    sum = sum.defined() ? sum + layer->dsa->last_indexer_loss() : layer->dsa->last_indexer_loss();
+  }
+  return sum;
 }
 
 absl::StatusOr<CausalLM> MakeCausalLM(const ModelConfig& config) {

@@ -1,4 +1,5 @@
-// CausalLM: a decoder-only language model of the dense family (Llama 3.x, Qwen2, Qwen3).
+// CausalLM: a decoder-only language model of the dense family (Llama 3.x, Qwen2, Qwen3) or the
+// hybrid family (KDA and DSA layers by a layer pattern, model/hybrid.h).
 //
 // Module tree mirrors transformers' *ForCausalLM, so named_parameters() are the HF tensor names:
 //   model.embed_tokens.weight, model.layers.{i}.{self_attn,mlp,...}, model.norm.weight,
@@ -63,7 +64,13 @@ class CausalLMImpl : public torch::nn::Module {
   // engine's losses never materialize (S, vocab) at long S.
   torch::Tensor Logits(const ForwardInputs& in);
 
-  // Random init as transformers does (normal(0, 0.02) weights, zero biases, unit norms).
+  // The hybrid family's indexer KL (spec 2.3) of the last pass that trained it, summed over the
+  // DSA layers (fp32 scalar, detached; each layer's term enters the training gradient with
+  // weight hybrid.indexer_loss_weight); undefined for the dense family or before such a pass.
+  torch::Tensor IndexerLoss() const;
+
+  // Random init as transformers does (normal(0, 0.02) weights, zero biases, unit norms; the
+  // hybrid layers' convs, A_log and dt_bias as spec 1.1 says).
   void InitRandom(uint64_t seed, double std = 0.02);
 
   DecoderModel model{nullptr};

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -57,7 +59,47 @@ absl::Status GetBool(const json& j, const char* key, bool* out, const std::strin
 
 }  // namespace
 
+char ModelConfig::LayerKind(int64_t i) const {
+  if (!IsHybrid() || hybrid.layer_pattern.empty()) return 'A';
+  return hybrid.layer_pattern[static_cast<size_t>(i) % hybrid.layer_pattern.size()];
+}
+
+int64_t ModelConfig::NumLayersOfKind(char kind) const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_hidden_layers; ++i) n += LayerKind(i) == kind ? 1 : 0;
+  return n;
+}
+
+absl::StatusOr<IndexerStage> ParseIndexerStage(const std::string& name) {
+  if (name == "dense_warmup") return IndexerStage::kDenseWarmup;
+  if (name == "sparse") return IndexerStage::kSparse;
+  return absl::InvalidArgumentError(
+      absl::StrCat("indexer_stage '", name, "' is not one of dense_warmup, sparse"));
+}
+
+const char* IndexerStageName(IndexerStage stage) {
+  return stage == IndexerStage::kDenseWarmup ? "dense_warmup" : "sparse";
+}
+
+namespace {
+absl::Status ValidateHybrid(const ModelConfig& c);
+}  // namespace
+
 int64_t ModelConfig::NumParameters() const {
+  if (IsHybrid()) {
+    const int64_t h = hidden_size, d = HeadDim(), Hq = num_attention_heads, Hkv = num_key_value_heads;
+    const int64_t Hk = hybrid.kda_num_heads, K = hybrid.kda_head_dim, HK = Hk * K;
+    // q, k, v, o projections, three short convs, the gate's low-rank pair, A_log, dt_bias, b_proj,
+    // the output gate's low-rank pair, the per-head output norm.
+    const int64_t kda = 4 * h * HK + 3 * HK * hybrid.kda_conv_kernel + (h * K + K * HK) + Hk + HK + h * Hk +
+                        (h * K + K * HK) + K;
+    const int64_t HI = hybrid.index_num_heads, DI = hybrid.index_head_dim;
+    // q, k, v, o; the indexer's wq, wk, k_norm (weight, bias), weights_proj, pool gate and bias.
+    const int64_t dsa = 2 * h * Hq * d + 2 * h * Hkv * d + h * HI * DI + h * DI + 2 * DI + h * HI + h * DI + 4 * DI;
+    const int64_t common = 3 * h * intermediate_size + 2 * h;
+    const int64_t emb = vocab_size * h * (tie_word_embeddings ? 1 : 2);
+    return NumLayersOfKind('K') * (kda + common) + NumLayersOfKind('D') * (dsa + common) + emb + h;
+  }
   const int64_t d = HeadDim();
   int64_t attn = hidden_size * num_attention_heads * d * 2 + hidden_size * num_key_value_heads * d * 2;
   if (QkvBias()) attn += (num_attention_heads + 2 * num_key_value_heads) * d;
@@ -86,6 +128,7 @@ absl::Status ModelConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("num_attention_heads (", num_attention_heads,
                                                    ") must divide hidden_size (", hidden_size,
                                                    ") when head_dim is not given"));
+  if (IsHybrid()) return ValidateHybrid(*this);
   if (HeadDim() % 2 != 0)
     return absl::InvalidArgumentError(absl::StrCat("head_dim (", HeadDim(), ") must be even for RoPE"));
   if (!(rms_norm_eps > 0)) return absl::InvalidArgumentError("rms_norm_eps must be > 0");
@@ -100,12 +143,132 @@ absl::Status ModelConfig::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The hybrid family's rules (Validate() after the fields both families share).
+absl::Status ValidateHybrid(const ModelConfig& c) {
+  const HybridConfig& y = c.hybrid;
+  const double rms_norm_eps = c.rms_norm_eps;
+  const bool attention_bias = c.attention_bias, mlp_bias = c.mlp_bias;
+  const int64_t num_hidden_layers = c.num_hidden_layers;
+  if (!(rms_norm_eps > 0)) return absl::InvalidArgumentError("rms_norm_eps must be > 0");
+  if (attention_bias || mlp_bias)
+    return absl::InvalidArgumentError("attention_bias and mlp_bias must be false in the hybrid family");
+  if (y.layer_pattern.empty())
+    return absl::InvalidArgumentError("layer_pattern must not be empty (one letter per layer: K for KDA, D for DSA)");
+  for (char ch : y.layer_pattern) {
+    if (ch != 'K' && ch != 'D')
+      return absl::InvalidArgumentError(absl::StrCat("layer_pattern '", y.layer_pattern, "' has '",
+                                                     std::string(1, ch), "': only K (KDA) and D (DSA) are layers"));
+  }
+  const int64_t n = static_cast<int64_t>(y.layer_pattern.size());
+  if (num_hidden_layers % n != 0)
+    return absl::InvalidArgumentError(absl::StrCat("num_hidden_layers (", num_hidden_layers,
+                                                   ") must be a multiple of the length of layer_pattern '",
+                                                   y.layer_pattern, "' (", n, ")"));
+  if (c.NumLayersOfKind('K') > 0) {
+    RETURN_IF_ERROR_CFG(Positive("kda_num_heads", y.kda_num_heads));
+    RETURN_IF_ERROR_CFG(Positive("kda_head_dim", y.kda_head_dim));
+    RETURN_IF_ERROR_CFG(Positive("kda_conv_kernel", y.kda_conv_kernel));
+    if (y.kda_chunk_size != 32 && y.kda_chunk_size != 64)
+      return absl::InvalidArgumentError(absl::StrCat("kda_chunk_size (", y.kda_chunk_size, ") must be 32 or 64"));
+    if (!(y.kda_gate_lower_bound < 0) || !std::isfinite(y.kda_gate_lower_bound))
+      return absl::InvalidArgumentError(absl::StrCat("kda_gate_lower_bound (", y.kda_gate_lower_bound,
+                                                     ") must be finite and < 0"));
+  }
+  if (c.NumLayersOfKind('D') > 0) {
+    RETURN_IF_ERROR_CFG(Positive("index_num_heads", y.index_num_heads));
+    RETURN_IF_ERROR_CFG(Positive("index_head_dim", y.index_head_dim));
+    if (y.index_top_k < 4 || y.index_top_k % 4 != 0)
+      return absl::InvalidArgumentError(absl::StrCat("index_top_k (", y.index_top_k,
+                                                     ") must be a positive multiple of 4 (pools of 4 keys)"));
+    if (!(y.indexer_loss_weight >= 0) || !std::isfinite(y.indexer_loss_weight))
+      return absl::InvalidArgumentError(absl::StrCat("indexer_loss_weight (", y.indexer_loss_weight,
+                                                     ") must be finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+// Every key a hybrid config.json may have (ToHfConfigJson writes them all): anything else is
+// refused by name, so a field meant to change the math is never silently ignored.
+const std::vector<std::string>& HybridKeys() {
+  static const std::vector<std::string> keys = {
+      "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+      "hidden_act", "tie_word_embeddings", "torch_dtype", "bos_token_id", "eos_token_id", "layer_pattern",
+      "kda_num_heads", "kda_head_dim", "kda_conv_kernel", "kda_chunk_size", "kda_gate_lower_bound",
+      "index_num_heads", "index_head_dim", "index_top_k", "indexer_loss_weight", "indexer_stage"};
+  return keys;
+}
+
+absl::StatusOr<ModelConfig> ParseHybridConfig(const json& j, const std::string& source) {
+  for (const char* moe : {"num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "n_shared_experts", "num_local_experts"}) {
+    if (j.contains(moe))
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", moe,
+                                                     " is not supported: the hybrid family's MLP is dense SwiGLU "
+                                                     "(an MoE MLP is not implemented yet)"));
+  }
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const auto& keys = HybridKeys();
+    if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": field '", it.key(),
+                                                     "' is not a field of the odyssey_hybrid config (",
+                                                     absl::StrJoin(keys, ", "), ")"));
+  }
+  if (auto it = j.find("hidden_act"); it != j.end() && !(it->is_string() && it->get<std::string>() == "silu"))
+    return absl::InvalidArgumentError(absl::StrCat(source, ": hidden_act ", it->dump(),
+                                                   " is not supported: the MLP is SwiGLU (silu)"));
+  ModelConfig c;
+  c.architecture = Architecture::kHybrid;
+  HybridConfig& y = c.hybrid;
+  RETURN_IF_ERROR_CFG(GetInt(j, "vocab_size", &c.vocab_size, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "hidden_size", &c.hidden_size, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "intermediate_size", &c.intermediate_size, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "num_hidden_layers", &c.num_hidden_layers, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "num_attention_heads", &c.num_attention_heads, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "num_key_value_heads", &c.num_key_value_heads, source, true));
+  RETURN_IF_ERROR_CFG(GetInt(j, "head_dim", &c.head_dim, source, false));
+  c.max_position_embeddings = 4096;
+  RETURN_IF_ERROR_CFG(GetInt(j, "max_position_embeddings", &c.max_position_embeddings, source, false));
+  RETURN_IF_ERROR_CFG(GetDouble(j, "rms_norm_eps", &c.rms_norm_eps, source));
+  RETURN_IF_ERROR_CFG(GetBool(j, "tie_word_embeddings", &c.tie_word_embeddings, source));
+  RETURN_IF_ERROR_CFG(GetInt(j, "bos_token_id", &c.bos_token_id, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "eos_token_id", &c.eos_token_id, source, false));
+  if (auto it = j.find("layer_pattern"); it == j.end() || !it->is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": field 'layer_pattern' must be a string of K and D"));
+  } else {
+    y.layer_pattern = it->get<std::string>();
+  }
+  RETURN_IF_ERROR_CFG(GetInt(j, "kda_num_heads", &y.kda_num_heads, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "kda_head_dim", &y.kda_head_dim, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "kda_conv_kernel", &y.kda_conv_kernel, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "kda_chunk_size", &y.kda_chunk_size, source, false));
+  RETURN_IF_ERROR_CFG(GetDouble(j, "kda_gate_lower_bound", &y.kda_gate_lower_bound, source));
+  RETURN_IF_ERROR_CFG(GetInt(j, "index_num_heads", &y.index_num_heads, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "index_head_dim", &y.index_head_dim, source, false));
+  RETURN_IF_ERROR_CFG(GetInt(j, "index_top_k", &y.index_top_k, source, false));
+  RETURN_IF_ERROR_CFG(GetDouble(j, "indexer_loss_weight", &y.indexer_loss_weight, source));
+  if (auto it = j.find("indexer_stage"); it != j.end()) {
+    if (!it->is_string())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": field 'indexer_stage' must be dense_warmup or sparse"));
+    absl::StatusOr<IndexerStage> stage = ParseIndexerStage(it->get<std::string>());
+    if (!stage.ok()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", stage.status().message()));
+    y.indexer_stage = *stage;
+  }
+  if (absl::Status s = c.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", s.message()));
+  return c;
+}
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& text, const std::string& source) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
   ModelConfig c;
   const std::string model_type = j.value("model_type", std::string());
+  if (model_type == "odyssey_hybrid") return ParseHybridConfig(j, source);
   if (model_type == "llama") {
     c.architecture = Architecture::kLlama;
   } else if (model_type == "qwen2") {
@@ -114,7 +277,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& text, const std::st
     c.architecture = Architecture::kQwen3;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(source, ": model_type '", model_type,
-                                                   "' is not supported (llama, qwen2, qwen3)"));
+                                                   "' is not supported (llama, qwen2, qwen3, odyssey_hybrid)"));
   }
   // Accepted means computed: a field whose value changes the math of a layer this model does not
   // implement is refused, naming the field, its value and what is supported, rather than loaded
@@ -207,6 +370,37 @@ absl::StatusOr<ModelConfig> LoadHfConfig(const std::string& dir) {
 
 std::string ToHfConfigJson(const ModelConfig& c, const std::string& torch_dtype) {
   json j;
+  if (c.IsHybrid()) {
+    const HybridConfig& y = c.hybrid;
+    j["model_type"] = "odyssey_hybrid";
+    j["architectures"] = json::array({"OdysseyHybridForCausalLM"});
+    j["vocab_size"] = c.vocab_size;
+    j["hidden_size"] = c.hidden_size;
+    j["intermediate_size"] = c.intermediate_size;
+    j["num_hidden_layers"] = c.num_hidden_layers;
+    j["num_attention_heads"] = c.num_attention_heads;
+    j["num_key_value_heads"] = c.num_key_value_heads;
+    j["head_dim"] = c.HeadDim();
+    j["max_position_embeddings"] = c.max_position_embeddings;
+    j["rms_norm_eps"] = c.rms_norm_eps;
+    j["hidden_act"] = "silu";
+    j["tie_word_embeddings"] = c.tie_word_embeddings;
+    j["torch_dtype"] = torch_dtype;
+    j["layer_pattern"] = y.layer_pattern;
+    j["kda_num_heads"] = y.kda_num_heads;
+    j["kda_head_dim"] = y.kda_head_dim;
+    j["kda_conv_kernel"] = y.kda_conv_kernel;
+    j["kda_chunk_size"] = y.kda_chunk_size;
+    j["kda_gate_lower_bound"] = y.kda_gate_lower_bound;
+    j["index_num_heads"] = y.index_num_heads;
+    j["index_head_dim"] = y.index_head_dim;
+    j["index_top_k"] = y.index_top_k;
+    j["indexer_loss_weight"] = y.indexer_loss_weight;
+    j["indexer_stage"] = IndexerStageName(y.indexer_stage);
+    if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
+    if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
+    return j.dump(2) + "\n";
+  }
   const char* type = c.architecture == Architecture::kLlama   ? "llama"
                      : c.architecture == Architecture::kQwen2 ? "qwen2"
                                                                : "qwen3";
@@ -273,7 +467,9 @@ ModelConfig Llama3(int64_t hidden, int64_t inter, int64_t layers, int64_t heads,
 }
 }  // namespace
 
-std::vector<std::string> NamedShapeNames() { return {"tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"}; }
+std::vector<std::string> NamedShapeNames() {
+  return {"tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "hybrid-tiny", "hybrid-3b"};
+}
 
 absl::StatusOr<ModelConfig> NamedShape(const std::string& name) {
   if (name == "tiny") {
@@ -290,6 +486,56 @@ absl::StatusOr<ModelConfig> NamedShape(const std::string& name) {
     c.rms_norm_eps = 1e-5;
     c.rope_theta = 10000.0;
     c.tie_word_embeddings = true;
+    return c;
+  }
+  if (name == "hybrid-tiny") {
+    // The tiny model's size with the hybrid layers (tests, CPU): KKKD once, byte tokens; the
+    // indexer keeps 4 pools (16 tokens) + the tail, so rows longer than 16 are truly sparse.
+    ModelConfig c;
+    c.architecture = Architecture::kHybrid;
+    c.vocab_size = 256;
+    c.hidden_size = 64;
+    c.intermediate_size = 192;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.max_position_embeddings = 4096;
+    c.rms_norm_eps = 1e-5;
+    c.tie_word_embeddings = true;
+    c.hybrid.layer_pattern = "KKKD";
+    c.hybrid.kda_num_heads = 4;
+    c.hybrid.kda_head_dim = 16;
+    c.hybrid.index_num_heads = 2;
+    c.hybrid.index_head_dim = 16;
+    c.hybrid.index_top_k = 16;
+    c.hybrid.indexer_loss_weight = 0.1;
+    return c;
+  }
+  if (name == "hybrid-3b") {
+    // d 3072, 28 layers = 7 x KKKD (21 KDA + 7 DSA), NoPE; DSA GQA 24/8 x 128, KDA 24 x 128
+    // heads, the indexer 32 heads x 128 over pools of 4 keys, top 2048 keys + tail (spec 2.4).
+    ModelConfig c;
+    c.architecture = Architecture::kHybrid;
+    c.vocab_size = 128256;
+    c.hidden_size = 3072;
+    c.intermediate_size = 8192;
+    c.num_hidden_layers = 28;
+    c.num_attention_heads = 24;
+    c.num_key_value_heads = 8;
+    c.head_dim = 128;
+    c.max_position_embeddings = int64_t{1} << 24;
+    c.rms_norm_eps = 1e-5;
+    c.tie_word_embeddings = true;
+    c.bos_token_id = 128000;
+    c.eos_token_id = 128001;
+    c.hybrid.layer_pattern = "KKKD";
+    c.hybrid.kda_num_heads = 24;
+    c.hybrid.kda_head_dim = 128;
+    c.hybrid.index_num_heads = 32;
+    c.hybrid.index_head_dim = 128;
+    c.hybrid.index_top_k = 2048;
+    c.hybrid.indexer_loss_weight = 1.0;
     return c;
   }
   if (name == "llama-3.2-1b") return Llama3(2048, 8192, 16, 32, 8, true, 500000.0, 32.0);

@@ -1,4 +1,6 @@
-// Model configuration for the dense decoder family (Llama 3.x, Qwen2, Qwen3).
+// Model configuration for the dense decoder family (Llama 3.x, Qwen2, Qwen3) and the hybrid
+// family (Kimi Delta Attention and DeepSeek Sparse Attention layers by a layer pattern,
+// ../shared/specs/hybrid-attention.md).
 //
 // A ModelConfig is plain data: built from a Hugging Face config.json, from a named random-init
 // shape, or by hand, then checked with Validate(). It links no libtorch, so the planner, the
@@ -14,7 +16,35 @@
 
 namespace odyssey::model {
 
-enum class Architecture { kLlama, kQwen2, kQwen3 };
+enum class Architecture { kLlama, kQwen2, kQwen3, kHybrid };
+
+// Which of the two indexer-training stages of spec 2.3 a hybrid model's DSA layers run.
+enum class IndexerStage {
+  kDenseWarmup,  // main attention dense causal; the indexer's KL over every visible pool
+  kSparse,       // main attention over the selected keys; the KL over the selected pools only
+};
+
+// The hybrid family's layers (Architecture::kHybrid). Every layer is token mixer + SwiGLU MLP
+// with pre-norms, as in the dense family; the mixer is KDA or DSA by `layer_pattern`. No RoPE
+// (NoPE, as GLM-5.3-Flash). The DSA layers' main attention is GQA with the ModelConfig's
+// num_attention_heads / num_key_value_heads / head_dim.
+struct HybridConfig {
+  // One letter per layer, repeated to num_hidden_layers: 'K' a KDA layer, 'D' a DSA layer
+  // ("KKKD": 3 KDA : 1 DSA). num_hidden_layers must be a multiple of its length.
+  std::string layer_pattern = "KKKD";
+  // KDA (spec 1.1): H q/k heads = HV value heads of head dim K = V.
+  int64_t kda_num_heads = 0;
+  int64_t kda_head_dim = 0;
+  int64_t kda_conv_kernel = 4;        // depthwise causal short conv over q, k, v
+  int64_t kda_chunk_size = 64;        // C of the chunked form: 32 or 64 (multiple of 16)
+  double kda_gate_lower_bound = -5.0; // lb of the safe gate g = lb sigmoid(...) in (lb, 0); < 0
+  // DSA (spec 2.1, 2.4): the lightning indexer over pools of 4 keys.
+  int64_t index_num_heads = 0;
+  int64_t index_head_dim = 0;
+  int64_t index_top_k = 2048;         // selected tokens per query: index_top_k / 4 pools (+ tail)
+  double indexer_loss_weight = 1.0;   // weight of the indexer KL in the training loss; 0: off
+  IndexerStage indexer_stage = IndexerStage::kSparse;
+};
 
 // Llama-3 style RoPE frequency scaling ("rope_scaling": {"rope_type": "llama3", ...}).
 struct RopeScaling {
@@ -44,11 +74,18 @@ struct ModelConfig {
   // Token ids written to config.json on export; -1 leaves them out.
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
+  HybridConfig hybrid;  // read only when architecture == kHybrid
+
+  bool IsHybrid() const { return architecture == Architecture::kHybrid; }
+  // 'K' or 'D' for layer i of a hybrid model; 'A' (dense attention) otherwise.
+  char LayerKind(int64_t i) const;
+  int64_t NumLayersOfKind(char kind) const;
 
   int64_t HeadDim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
   bool QkvBias() const { return architecture == Architecture::kQwen2 || attention_bias; }
   bool OBias() const { return architecture != Architecture::kQwen2 && attention_bias; }
   bool QkNorm() const { return architecture == Architecture::kQwen3; }
+  bool UsesRope() const { return !IsHybrid(); }
   // Parameter count (embeddings counted once when tied).
   int64_t NumParameters() const;
 
@@ -63,7 +100,12 @@ absl::StatusOr<ModelConfig> LoadHfConfig(const std::string& checkpoint_dir);
 // The config.json text transformers needs to load an exported checkpoint.
 std::string ToHfConfigJson(const ModelConfig& config, const std::string& torch_dtype);
 
-// Named random-init shapes: tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b.
+// "dense_warmup" / "sparse"; errors name the field and the values.
+absl::StatusOr<IndexerStage> ParseIndexerStage(const std::string& name);
+const char* IndexerStageName(IndexerStage stage);
+
+// Named random-init shapes: tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, hybrid-tiny,
+// hybrid-3b.
 absl::StatusOr<ModelConfig> NamedShape(const std::string& name);
 std::vector<std::string> NamedShapeNames();
 

@@ -121,5 +121,60 @@ TEST(ConfigTest, FieldsThatChangeTheMathAreRefusedNotIgnored) {
   }
 }
 
+// The hybrid family's config.json: written and read back field for field (layer pattern and
+// indexer settings included); unknown fields, MoE fields and invalid values are refused by name.
+TEST(ConfigTest, HybridConfigRoundTripsAndRefusesWhatItCannotCompute) {
+  absl::StatusOr<ModelConfig> tiny = NamedShape("hybrid-tiny");
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  ModelConfig c = *tiny;
+  c.hybrid.layer_pattern = "KD";
+  c.hybrid.kda_chunk_size = 32;
+  c.hybrid.kda_gate_lower_bound = -3.5;
+  c.hybrid.indexer_stage = IndexerStage::kDenseWarmup;
+  c.hybrid.indexer_loss_weight = 0.25;
+  c.hybrid.index_top_k = 2048;
+  const std::string text = ToHfConfigJson(c, "bfloat16");
+  absl::StatusOr<ModelConfig> back = ParseHfConfig(text, "h.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->IsHybrid());
+  EXPECT_EQ(ToHfConfigJson(*back, "bfloat16"), text);
+  EXPECT_EQ(back->hybrid.layer_pattern, "KD");
+  EXPECT_EQ(back->hybrid.kda_chunk_size, 32);
+  EXPECT_EQ(back->hybrid.kda_gate_lower_bound, -3.5);
+  EXPECT_EQ(back->hybrid.indexer_stage, IndexerStage::kDenseWarmup);
+  EXPECT_EQ(back->hybrid.indexer_loss_weight, 0.25);
+  EXPECT_EQ(back->LayerKind(0), 'K');
+  EXPECT_EQ(back->LayerKind(3), 'D');
+  EXPECT_EQ(back->NumParameters(), c.NumParameters());
+
+  // hybrid-3b: 28 layers of KKKD = 21 KDA + 7 DSA.
+  absl::StatusOr<ModelConfig> big = NamedShape("hybrid-3b");
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->NumLayersOfKind('K'), 21);
+  EXPECT_EQ(big->NumLayersOfKind('D'), 7);
+  EXPECT_EQ(big->hybrid.index_top_k, 2048);
+
+  auto refused = [&](const std::string& from, const std::string& to, const std::string& needle) {
+    std::string bad = text;
+    const size_t at = bad.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    bad.replace(at, from.size(), to);
+    absl::StatusOr<ModelConfig> r = ParseHfConfig(bad, "h.json");
+    ASSERT_FALSE(r.ok()) << to;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status();
+  };
+  refused("\"layer_pattern\": \"KD\"", "\"layer_pattern\": \"KXD\"", "layer_pattern 'KXD'");
+  refused("\"layer_pattern\": \"KD\"", "\"layer_pattern\": \"KKD\"", "multiple of the length of layer_pattern");
+  refused("\"kda_chunk_size\": 32", "\"kda_chunk_size\": 48", "kda_chunk_size (48) must be 32 or 64");
+  refused("\"kda_gate_lower_bound\": -3.5", "\"kda_gate_lower_bound\": 0.5", "kda_gate_lower_bound");
+  refused("\"index_top_k\": 2048", "\"index_top_k\": 2050", "index_top_k (2050)");
+  refused("\"indexer_stage\": \"dense_warmup\"", "\"indexer_stage\": \"later\"", "indexer_stage 'later'");
+  refused("\"indexer_loss_weight\": 0.25", "\"indexer_loss_weight\": -1", "indexer_loss_weight");
+  refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"use_rope\": true", "field 'use_rope'");
+  refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"num_experts\": 16", "num_experts is not supported");
+  refused("\"kda_num_heads\": 4", "\"kda_num_heads\": \"four\"", "'kda_num_heads' must be an integer");
+}
+
 }  // namespace
 }  // namespace odyssey::model

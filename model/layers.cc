@@ -140,14 +140,25 @@ torch::Tensor MlpImpl::Hidden(const torch::Tensor& x) {
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(Hidden(x)); }
 
-DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c) {
+DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-  self_attn = register_module("self_attn", Attention(c));
+  switch (c.LayerKind(index)) {
+    case 'K': kda = register_module("self_attn", KdaAttention(c)); break;
+    case 'D': dsa = register_module("self_attn", DsaAttention(c)); break;
+    default: self_attn = register_module("self_attn", Attention(c)); break;
+  }
   post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   mlp = register_module("mlp", Mlp(c));
 }
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
+  if (kda) return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention), kda->o_proj);
+  if (dsa) {
+    torch::Tensor indexer_loss;  // set when the indexer trains in this pass
+    torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss),
+                                     dsa->o_proj);
+    return indexer_loss.defined() ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight()) : y;
+  }
   return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj);
 }
 

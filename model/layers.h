@@ -16,6 +16,7 @@
 
 #include "model/attention.h"
 #include "model/config.h"
+#include "model/hybrid.h"
 
 namespace odyssey::model {
 
@@ -78,9 +79,12 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+// One decoder layer: pre-norm token mixer + pre-norm SwiGLU MLP. The mixer is the dense
+// Attention, or for layer `index` of a hybrid model KDA or DSA (ModelConfig::LayerKind), always
+// registered as `self_attn`; exactly one of self_attn, kda, dsa is set.
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const ModelConfig& config);
+  explicit DecoderLayerImpl(const ModelConfig& config, int64_t index = 0);
   // h + attn(norm(h)), then + mlp(norm(.)). (B, S, hidden) -> (B, S, hidden)
   torch::Tensor forward(const torch::Tensor& h, const LayerContext& ctx);
   // The two residual halves, for strategies that treat them differently (tiled MLP).
@@ -89,6 +93,8 @@ class DecoderLayerImpl : public torch::nn::Module {
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
+  KdaAttention kda{nullptr};
+  DsaAttention dsa{nullptr};
   Mlp mlp{nullptr};
 };
 TORCH_MODULE(DecoderLayer);

@@ -2,6 +2,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <cmath>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -245,6 +246,161 @@ TEST(ModelTest, SavedFolderCarriesTheBaseModelsTokenizerAndGenerationFiles) {
   for (const auto& e : std::filesystem::directory_iterator(plain)) names.insert(e.path().filename().string());
   EXPECT_EQ(names, (std::set<std::string>{"config.json", "model.safetensors"}));
   std::filesystem::remove_all(root);
+}
+
+// --- The hybrid family (model/hybrid.h) ---
+
+ModelConfig TinyHybrid(IndexerStage stage = IndexerStage::kSparse) {
+  ModelConfig c = NamedShape("hybrid-tiny").value();
+  c.vocab_size = 61;
+  c.hybrid.index_top_k = 8;  // 2 pools + the tail: rows longer than 11 are sparse
+  c.hybrid.indexer_stage = stage;
+  return c;
+}
+
+torch::Tensor HybridHidden(CausalLM& m, const torch::Tensor& ids, const std::vector<std::vector<int64_t>>* docs = nullptr) {
+  ForwardInputs in;
+  in.input_ids = ids;
+  in.doc_lens = docs;
+  return m->Hidden(in);
+}
+
+TEST(HybridModelTest, ParameterNamesCountsAndFp32Gates) {
+  const ModelConfig c = NamedShape("hybrid-tiny").value();
+  CausalLM m(c);
+  std::set<std::string> names;
+  int64_t total = 0;
+  for (auto& p : m->named_parameters()) {
+    names.insert(p.key());
+    total += p.value().numel();
+  }
+  EXPECT_EQ(total, c.NumParameters());
+  for (const char* n : {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_conv1d.weight",
+                        "model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
+                        "model.layers.0.self_attn.f_a_proj.weight", "model.layers.0.self_attn.f_b_proj.weight",
+                        "model.layers.0.self_attn.b_proj.weight", "model.layers.0.self_attn.g_b_proj.weight",
+                        "model.layers.0.self_attn.o_norm.weight", "model.layers.2.self_attn.o_proj.weight",
+                        "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.indexer.wq.weight",
+                        "model.layers.3.self_attn.indexer.wk.weight", "model.layers.3.self_attn.indexer.k_norm.bias",
+                        "model.layers.3.self_attn.indexer.weights_proj.weight",
+                        "model.layers.3.self_attn.indexer.pool_gate.weight",
+                        "model.layers.3.self_attn.indexer.pool_bias", "model.layers.3.mlp.down_proj.weight"}) {
+    EXPECT_TRUE(names.count(n)) << n;
+  }
+  EXPECT_FALSE(names.count("model.layers.3.self_attn.A_log"));  // a DSA layer
+  m->InitRandom(3);
+  m->to(torch::kBFloat16);
+  EXPECT_EQ(m->model->layer_list[0]->kda->A_log.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(m->model->layer_list[0]->kda->dt_bias.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(m->model->layer_list[0]->kda->q_proj->weight.scalar_type(), torch::kBFloat16);
+  // The spec's init: A_log = log U(1, 16); dt = softplus(dt_bias) in [1e-3, 0.1].
+  torch::Tensor a = m->model->layer_list[1]->kda->A_log;
+  EXPECT_GE(a.min().item<double>(), 0.0);
+  EXPECT_LE(a.max().item<double>(), std::log(16.0) + 1e-6);
+  torch::Tensor dt = torch::softplus(m->model->layer_list[1]->kda->dt_bias);
+  EXPECT_GE(dt.min().item<double>(), 1e-3 * 0.999);
+  EXPECT_LE(dt.max().item<double>(), 0.1 * 1.001);
+}
+
+// Spec 2.4: a row of at most index_top_k + 3 tokens selects every earlier key, so the sparse
+// stage equals the dense warm-up's dense causal attention; a longer row does not.
+TEST(HybridModelTest, ShortRowsAreDenseAttentionLongRowsAreSparse) {
+  CausalLM sparse(TinyHybrid(IndexerStage::kSparse));
+  sparse->InitRandom(7, 0.1);
+  CausalLM dense(TinyHybrid(IndexerStage::kDenseWarmup));
+  dense->InitRandom(7, 0.1);
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(1);
+  torch::Tensor short_ids = torch::randint(0, 61, {2, 11}, torch::kInt64);
+  EXPECT_LT((HybridHidden(sparse, short_ids) - HybridHidden(dense, short_ids)).abs().max().item<double>(), 1e-5);
+  torch::Tensor long_ids = torch::randint(0, 61, {2, 40}, torch::kInt64);
+  EXPECT_GT((HybridHidden(sparse, long_ids) - HybridHidden(dense, long_ids)).abs().max().item<double>(), 1e-4);
+}
+
+TEST(HybridModelTest, PackedDocumentsEqualSeparateSequencesAndOutputIsCausal) {
+  CausalLM m(TinyHybrid());
+  m->InitRandom(5, 0.1);
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(2);
+  torch::Tensor ids = torch::randint(0, 61, {1, 37}, torch::kInt64);
+  const std::vector<std::vector<int64_t>> docs = {{21, 16}};
+  torch::Tensor packed = HybridHidden(m, ids, &docs);
+  torch::Tensor first = HybridHidden(m, ids.narrow(1, 0, 21));
+  torch::Tensor second = HybridHidden(m, ids.narrow(1, 21, 16));
+  EXPECT_LT((packed.narrow(1, 0, 21) - first).abs().max().item<double>(), 1e-5);
+  EXPECT_LT((packed.narrow(1, 21, 16) - second).abs().max().item<double>(), 1e-5);
+  // Changing token 30 changes nothing before it.
+  torch::Tensor other = ids.clone();
+  other[0][30] = (other[0][30].item<int64_t>() + 1) % 61;
+  torch::Tensor a = HybridHidden(m, ids), b = HybridHidden(m, other);
+  EXPECT_EQ((a.narrow(1, 0, 30) - b.narrow(1, 0, 30)).abs().max().item<double>(), 0.0);
+  EXPECT_GT((a.narrow(1, 30, 7) - b.narrow(1, 30, 7)).abs().max().item<double>(), 0.0);
+}
+
+// The indexer KL (spec 2.3) trains the indexer and nothing else: the other parameters' gradients
+// are the LM loss's alone (equal with the KL's weight 0), and the indexer's are the weight times
+// the KL's, in both stages.
+TEST(HybridModelTest, IndexerLossReachesOnlyTheIndexer) {
+  for (IndexerStage stage : {IndexerStage::kSparse, IndexerStage::kDenseWarmup}) {
+    std::map<double, std::map<std::string, torch::Tensor>> grads;
+    double reported = 0;
+    for (double weight : {0.0, 0.5, 1.0}) {
+      ModelConfig c = TinyHybrid(stage);
+      c.hybrid.indexer_loss_weight = weight;
+      CausalLM m(c);
+      m->InitRandom(9, 0.1);
+      torch::manual_seed(4);
+      torch::Tensor ids = torch::randint(0, 61, {2, 40}, torch::kInt64);
+      torch::Tensor labels = torch::randint(0, 61, {2, 40}, torch::kInt64);
+      torch::Tensor logits = torch::matmul(HybridHidden(m, ids), m->HeadWeight().t());
+      torch::nn::functional::cross_entropy(logits.view({-1, 61}), labels.view({-1})).backward();
+      if (weight > 0) {
+        ASSERT_TRUE(m->IndexerLoss().defined());
+        reported = m->IndexerLoss().item<double>();
+        EXPECT_GT(reported, 0.0);
+      } else {
+        EXPECT_FALSE(m->IndexerLoss().defined());
+      }
+      for (auto& p : m->named_parameters()) {
+        grads[weight][p.key()] = p.value().grad().defined() ? p.value().grad().clone() : torch::zeros_like(p.value());
+      }
+    }
+    for (const auto& [name, g0] : grads[0.0]) {
+      const torch::Tensor& g1 = grads[1.0][name];
+      const torch::Tensor& gh = grads[0.5][name];
+      if (name.find(".indexer.") != std::string::npos) {
+        EXPECT_EQ(g0.abs().max().item<double>(), 0.0) << name << ": the LM loss reached the indexer";
+        EXPECT_GT(g1.abs().max().item<double>(), 0.0) << name;
+        EXPECT_LT((2 * gh - g1).abs().max().item<double>(), 1e-5 * (1 + g1.abs().max().item<double>())) << name;
+      } else {
+        EXPECT_TRUE(torch::equal(g0, g1)) << name << ": the indexer loss reached a non-indexer parameter";
+      }
+    }
+  }
+}
+
+TEST(HybridModelTest, SafetensorsRoundTripKeepsTheGatesInFp32) {
+  const auto dir = std::filesystem::temp_directory_path() / "odyssey_hybrid_roundtrip";
+  std::filesystem::remove_all(dir);
+  CausalLM m(TinyHybrid());
+  m->InitRandom(2, 0.1);
+  SaveOptions save;
+  save.dtype = torch::kBFloat16;
+  ASSERT_TRUE(SaveHfCheckpoint(m, dir.string(), save).ok());
+  absl::StatusOr<CausalLM> back = LoadPretrained(dir.string(), torch::kFloat32, torch::kCPU);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE((*back)->config().IsHybrid());
+  EXPECT_EQ((*back)->config().hybrid.index_top_k, 8);
+  auto want = m->named_parameters();
+  for (auto& p : (*back)->named_parameters()) {
+    torch::Tensor w = want[p.key()];
+    if (IsFp32Parameter(p.key())) {
+      EXPECT_TRUE(torch::equal(p.value(), w)) << p.key() << " must come back exactly (fp32 in the file)";
+    } else {
+      EXPECT_TRUE(torch::equal(p.value(), w.to(torch::kBFloat16).to(torch::kFloat32))) << p.key();
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -69,7 +69,9 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   {
     torch::NoGradGuard no_grad;
-    for (auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach().to(options.dtype));
+    for (auto& p : model->named_parameters()) {
+      tensors.emplace_back(p.key(), p.value().detach().to(IsFp32Parameter(p.key()) ? torch::kFloat32 : options.dtype));
+    }
   }
   if (absl::Status s = WriteSafetensorsCheckpoint(dir, tensors, options.max_shard_bytes); !s.ok()) return s;
   if (absl::Status s = WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(),

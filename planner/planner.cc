@@ -78,6 +78,18 @@ ModelShape ShapeOf(const model::ModelConfig& c) {
   m.largest = std::max({c.vocab_size * c.hidden_size, c.intermediate_size * c.hidden_size,
                         c.num_attention_heads * c.HeadDim() * c.hidden_size});
   m.qk_norm = c.QkNorm();
+  if (c.IsHybrid()) {
+    m.hybrid = true;
+    m.kda_layers = c.NumLayersOfKind('K');
+    m.dsa_layers = c.NumLayersOfKind('D');
+    m.kda_heads = c.hybrid.kda_num_heads;
+    m.kda_head_dim = c.hybrid.kda_head_dim;
+    m.kda_chunk = c.hybrid.kda_chunk_size;
+    m.index_heads = c.hybrid.index_num_heads;
+    m.index_head_dim = c.hybrid.index_head_dim;
+    m.index_top_k = c.hybrid.index_top_k;
+    m.largest = std::max(m.largest, m.kda_heads * m.kda_head_dim * c.hidden_size);
+  }
   return m;
 }
 
@@ -96,12 +108,18 @@ Prediction Predict(const Request& r) {
   using Terms = std::vector<std::pair<std::string, int64_t>>;
 
   // Persistent through the step: the parameters and, with the optimizer on the device, its
-  // fp32 state (master + two moments in bf16 training; fp32 training has no master).
+  // fp32 state (master + two moments in bf16 training; fp32 training has no master). Sharded:
+  // this rank's 1/P of both, and the whole weights of the units in use.
+  const int64_t shards = std::max<int64_t>(1, m.shard_ranks);
+  const int64_t owned = (m.params + shards - 1) / shards;  // parameters this rank keeps
+  const int64_t layer_params = (m.params - m.vocab * H) / L;
   Terms persistent;
-  persistent.emplace_back("params", m.params * e);
+  persistent.emplace_back(shards > 1 ? "params (this rank's shard)" : "params", owned * e);
+  if (shards > 1)
+    persistent.emplace_back("whole params in use (embedding, head, two layers)", (2 * m.vocab * H + 2 * layer_params) * e);
   if (!st.optimizer_on_host) {
     persistent.emplace_back(e == 4 ? "optimizer state (fp32 moments)" : "optimizer state (fp32 master and moments)",
-                            m.params * (e == 4 ? 8 : 12));
+                            owned * (e == 4 ? 8 : 12));
   }
   persistent.emplace_back("workspaces and small buffers", kOverhead);
 
@@ -116,16 +134,18 @@ Prediction Predict(const Request& r) {
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
   // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
   // each layer's gradients leave the GPU as they are produced.
-  const int64_t layer_params = (m.params - m.vocab * H) / L;
+  // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
+  // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = m.vocab * H * e;
-  const int64_t grads_bottom = st.optimizer_on_host ? head_grad + layer_params * e
-                                                    : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
+  const int64_t grads_bottom = shards > 1              ? owned * e + head_grad + layer_params * e
+                               : st.optimizer_on_host ? head_grad + layer_params * e
+                                                      : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
   const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
   // Without recompute every layer's autograd state stays until backward reaches it: the
   // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
   // and the MLP's (with a tiled MLP only its input, already counted; untiled: gate, up, their
   // product and the norm output).
-  const int64_t saved_per_layer =
+  int64_t saved_per_layer =
       recompute ? 0 : T * (e * (3 * H + 2 * qd + 2 * kvd) + 4 * m.heads) + (st.mlp_tile > 0 ? 0 : T * (3 * I + H) * e);
   // One layer's recompute and backward (fitted to the peaks measured on one H200, 3B and 1B
   // shapes at 64K-1M): the recomputed activations autograd saves and the gradient buffers,
@@ -137,6 +157,47 @@ Prediction Predict(const Request& r) {
   if (recompute && !keep) working += T * qd * e / 2 + 4 * T * m.heads;
   working += st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
   if (!recompute) working = 6 * T * qd * e / groups + 3 * T * I * e;  // the rest is in saved_per_layer
+  // Hybrid layers (not yet measured on a GPU; derived from the CPU path's tensors, model/hybrid.cc
+  // and kernels/kda.cc, dsa.cc): one layer's working set is the larger of a KDA and a DSA layer.
+  int64_t hybrid_saved_per_layer = 0;
+  Terms hybrid_terms;  // what the hybrid working set is made of (for the message)
+  if (m.hybrid) {
+    const int64_t HK = m.kda_heads * m.kda_head_dim, Hk = m.kda_heads, K = m.kda_head_dim, C = m.kda_chunk;
+    // KDA: projections, convs, SiLU, gates and output (13 of (T, HK) in the params' dtype), the
+    // fp32 L2 norms, gate chain and output norm (5 fp32 (T, HK)); the chunked op's saved q, k, v,
+    // g (fp32), beta and UT inverse T (T x Hk x C fp32); its backward's recomputed W, U, kg, qg, V~
+    // and A_qk, the per-chunk states h [T / C, Hk, K, V] fp32, and the gradients dq dk dv dg.
+    const int64_t kda_saved = T * (13 * HK * e + 20 * HK) + T * (16 * HK + 4 * Hk + 4 * Hk * C);
+    const int64_t kda_state = T / C * Hk * K * K * 4;
+    const int64_t kda_recompute = T * (20 * HK + 4 * Hk * C) + kda_state + T * 16 * HK;
+    // DSA: q, k, v, the output (params' dtype) and their fp32 copies and gradients in the sparse
+    // kernel, the log-sum-exp; the token indices (top_k + 3 int32 per token, with the int64
+    // transients of the expansion) and the pool indices; the indexer's q, k, w (fp32 for the KL)
+    // and gradients; query-block constants: the indexer's scores (64 x 256 x HI fp32), the sparse
+    // kernel's gathered keys and values (128 queries) and the KL's gathered keys (64 queries).
+    const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim;
+    const int64_t dsa_indices = T * (W * 4 + W * 8 + m.index_top_k);
+    const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 8 * (qd + 2 * kvd) + 4 * qd + 4 * m.heads) +
+                                  dsa_indices + T * (2 * HI * DI + HI + 2 * DI) * 4 * 2;
+    const int64_t dsa_blocks = 64 * 256 * HI * 4 * 2 + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
+    const int64_t kda_work = m.kda_layers > 0 ? kda_saved + kda_recompute : 0;
+    const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
+    const int64_t mlp_work = st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
+    // The layer's norms, residuals and incoming-gradient copies (4 of (T, hidden)).
+    working = std::max(kda_work, dsa_work) + mlp_work + 4 * act;
+    if (kda_work >= dsa_work) {
+      hybrid_terms = {{"KDA layer: activations, saved q/k/v/g/beta, recomputed intermediates", kda_saved + kda_recompute - kda_state},
+                      {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32, recomputed", kda_state}};
+    } else {
+      hybrid_terms = {{"DSA layer: attention, indexer and their gradients", dsa_per_token - dsa_indices + dsa_blocks},
+                      {"DSA layer: selected indices (top_k + tail, int32)", dsa_indices}};
+    }
+    // Without recompute every layer keeps its autograd state: averaged over the layer kinds.
+    hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * (dsa_per_token - dsa_indices / 3)) / L +
+                             (st.mlp_tile > 0 ? 0 : T * (3 * I + H) * e) + 3 * act;
+    if (!recompute) working = std::max(kda_recompute, dsa_blocks) + (st.mlp_tile > 0 ? mlp_work : 3 * T * I * e);
+  }
+  if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
   const int64_t group_inputs = st.recompute == Recompute::kEveryK ? (st.every_k - 1) * act : 0;
   // The loss: the final hidden state, its gradient and the final norm's input; a tile's bf16
   // logits, their fp32 copy and the softmax (10 bytes per logit), the head gradient's fp32
@@ -159,16 +220,27 @@ Prediction Predict(const Request& r) {
                    (top ? ckpt_top : ckpt_bottom) * act);
     if (keep) t.emplace_back("kept attention outputs and log-sum-exp", (top ? L : 1) * kept_per_layer);
     if (!recompute) t.emplace_back("every layer's saved activations", (top ? L : 1) * saved_per_layer);
-    t.emplace_back("gradients so far", top ? head_grad : grads_bottom);
+    t.emplace_back("gradients so far", top ? head_grad + (shards > 1 ? owned * e : 0) : grads_bottom);
     t.emplace_back("incoming gradient", act);
-    t.emplace_back("one layer's activations and gradients", working);
+    if (m.hybrid) {
+      // Split so a plan names the hybrid terms (not yet measured on a GPU).
+      int64_t rest = working;
+      for (const auto& [name, bytes] : hybrid_terms) {
+        const int64_t b = std::min(bytes, rest);
+        t.emplace_back(absl::StrCat(name, " (not yet measured on a GPU)"), b);
+        rest -= b;
+      }
+      t.emplace_back("one layer's MLP, norms and gradients", rest);
+    } else {
+      t.emplace_back("one layer's activations and gradients", working);
+    }
     if (group_inputs > 0) t.emplace_back("inputs of the group being recomputed", group_inputs);
     return t;
   };
   // The step: every gradient (on the host: the last in flight) and, on a CPU rank (libtorch's
   // AdamW ops), fp32 transients of the largest parameter; the fused GPU kernel allocates none.
   const int64_t step_transients = r.hardware.cpu ? m.largest * 4 * 3 : 0;
-  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : m.params * e}};
+  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : owned * e}};
   if (step_transients > 0) step_phase.emplace_back("AdamW transients (largest parameter)", step_transients);
 
   const std::vector<std::pair<std::string, Terms>> phases = {{"loss backward", loss_phase},
@@ -194,7 +266,7 @@ Prediction Predict(const Request& r) {
   // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
-  if (st.optimizer_on_host) p.host_bytes += m.params * (12 + e);
+  if (st.optimizer_on_host) p.host_bytes += owned * (12 + e);
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
   p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
@@ -225,6 +297,8 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     if (model.kv_heads % g == 0) group_options.push_back(g);
   }
   if (fixed.head_groups || group_options.empty()) group_options = {fixed.head_groups.value_or(1)};
+  // Hybrid layers run no head-grouped dense attention (the engine refuses head groups there).
+  if (model.hybrid) group_options = {1};
   Search out;
   Choice& best_miss = out.best;
   int64_t& best_over = out.over;
@@ -281,7 +355,7 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     }
     return out;
   }
-  if (options.allow_keep_attention) {
+  if (options.allow_keep_attention && !model.hybrid) {
     MemoryStrategy keep = candidate(Recompute::kLayer, 2, false, 0, false);
     keep.keep_attention = true;
     if (consider(keep)) return out;
@@ -351,14 +425,16 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     int64_t shard_ranks) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, shard_ranks);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     int64_t shard_ranks) {
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
                                                    ") must divide the model's num_key_value_heads (",
@@ -367,8 +443,17 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.recompute_every_k: (", *fields.every_k,
                                                    ") must be <= the model's num_hidden_layers (",
                                                    config.num_hidden_layers, ")"));
+  if (config.IsHybrid()) {
+    const char* why = ") is not implemented for the hybrid family: its KDA and DSA layers do not run through the dense "
+                      "attention backend";
+    if (fields.head_groups && *fields.head_groups > 1)
+      return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups (", *fields.head_groups, why));
+    if (fields.keep_attention && *fields.keep_attention)
+      return absl::InvalidArgumentError(absl::StrCat("spec.memory.keep_attention (true", why));
+  }
   JobPlanRequest q;
   q.model = ShapeOf(config);
+  q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

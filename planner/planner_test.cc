@@ -174,6 +174,39 @@ TEST(PlannerTest, OptimizerOnHostMovesTheStateAndStagesTheCopies) {
   EXPECT_TRUE(c->strategy.optimizer_on_host);
 }
 
+// ZeRO-3 over P ranks: a rank keeps ceil(params / P) of the weights, gradients and optimizer
+// state, plus the whole weights in use (embedding, head, two layers); PlanModelJob plans it.
+TEST(PlannerTest, ShardedRanksKeepOnePthOfTheParametersAndTheirState) {
+  Request r;
+  r.model = ShapeOf(*model::NamedShape("llama-3.1-8b"));
+  r.seq_len = 131072;
+  r.strategy = StrategyOf("layer", 2, true, 0, 8192, 2048, 1);
+  const Prediction whole = Predict(r);
+  r.model.shard_ranks = 8;
+  const Prediction sharded = Predict(r);
+  const int64_t owned = (r.model.params + 7) / 8;
+  const int64_t H = r.model.hidden;
+  const int64_t layer_params = (r.model.params - r.model.vocab * H) / r.model.layers;
+  EXPECT_EQ(Term(sharded, "params"), owned * 2);
+  EXPECT_EQ(Term(sharded, "optimizer state"), owned * 12);
+  EXPECT_EQ(Term(sharded, "whole params in use"), (2 * r.model.vocab * H + 2 * layer_params) * 2);
+  EXPECT_EQ(Term(whole, "whole params in use"), -1);
+  // At least the optimizer state's 7/8 is saved (the weights' and gradients' too, less the whole
+  // weights in use).
+  EXPECT_GT(whole.gpu_peak_bytes - sharded.gpu_peak_bytes, (r.model.params - owned) * 12);
+  int64_t sum = 0;
+  for (const auto& [name, bytes] : sharded.terms) sum += bytes;
+  EXPECT_EQ(sum, sharded.gpu_peak_bytes);
+  // The one planning rule takes the shard count.
+  MemoryFields fields;
+  fields.recompute = Recompute::kLayer;
+  auto plain = PlanModelJob("llama-3.1-8b", "bfloat16", 131072, 1, fields, Hardware{});
+  auto eight = PlanModelJob("llama-3.1-8b", "bfloat16", 131072, 1, fields, Hardware{}, 8);
+  ASSERT_TRUE(plain.ok() && eight.ok());
+  EXPECT_LT(eight->prediction.gpu_peak_bytes, plain->prediction.gpu_peak_bytes);
+  EXPECT_EQ(Term(eight->prediction, "params"), owned * 2);
+}
+
 TEST(PlannerTest, KeptAttentionOutputsAreChosenOnlyWhereTheyFitAndAllowed) {
   Hardware h200;
   auto c = Choose(Llama3B(), 65536, 1, h200, KeepAttention());
@@ -377,6 +410,56 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       EXPECT_EQ(p.host_bytes, row.measured_host);
     }
   }
+}
+
+// The hybrid family's terms (not yet measured on a GPU): hybrid-3b plans at 128K tokens on one
+// H200, its KDA layers' per-chunk state is [T/C, HV, K, V] fp32 exactly, and the plan says
+// which terms are unmeasured.
+TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
+  absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-3b");
+  ASSERT_TRUE(c.ok());
+  int64_t T = int64_t{1} << 17;
+  absl::StatusOr<JobPlan> plan = PlanModelJob(*c, "bfloat16", T, 1, MemoryFields{}, Hardware{});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->found) << plan->message;
+  EXPECT_EQ(plan->strategy.head_groups, 1);
+  bool state = false, unmeasured = false;
+  for (const auto& [name, bytes] : plan->prediction.terms) {
+    if (name.find("not yet measured on a GPU") != std::string::npos) unmeasured = true;
+    if (name.find("per-chunk states h") != std::string::npos) {
+      state = true;
+      EXPECT_EQ(bytes, T / 64 * 24 * 128 * 128 * 4);
+    }
+  }
+  EXPECT_TRUE(state) << plan->prediction.Describe();
+  EXPECT_TRUE(unmeasured);
+  // The DSA layer's indices: (2048 + 3) int32 per token and the int64 transients of their
+  // expansion, with the pool indices: counted where a DSA layer's working set is the larger.
+  ModelShape dsa_only = ShapeOf(*c);
+  dsa_only.kda_layers = 0;
+  dsa_only.dsa_layers = dsa_only.layers;
+  Request r;
+  T = int64_t{1} << 20;
+  r.model = dsa_only;
+  r.seq_len = T;
+  r.strategy.recompute = Recompute::kLayer;
+  r.strategy.mlp_tile = 4096;
+  r.strategy.loss_tile = 1024;
+  bool indices = false;
+  for (const auto& [name, bytes] : Predict(r).terms) {
+    if (name.find("selected indices") != std::string::npos) {
+      indices = true;
+      EXPECT_EQ(bytes, T * (2051 * 12 + 2048));
+    }
+  }
+  EXPECT_TRUE(indices) << Predict(r).Describe();
+  // Fields that act only on dense attention are refused by name.
+  MemoryFields groups;
+  groups.head_groups = 2;
+  absl::StatusOr<JobPlan> refused = PlanModelJob(*c, "bfloat16", 65536, 1, groups, Hardware{});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("spec.memory.attention_head_groups (2) is not implemented for the hybrid"),
+            std::string::npos);
 }
 
 }  // namespace

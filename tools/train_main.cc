@@ -78,8 +78,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (r.step % log_every == 0 || r.step == o.steps || r.step == 1) {
-      std::printf("step %5lld/%lld  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s\n", static_cast<long long>(r.step),
+      std::printf("step %5lld/%lld  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s", static_cast<long long>(r.step),
                   static_cast<long long>(o.steps), r.loss, r.grad_norm, r.lr, r.tokens_per_second);
+      if (t.model()->config().IsHybrid()) std::printf("  indexer_kl %.4f", r.indexer_loss);
+      std::printf("\n");
       std::fflush(stdout);
     }
   }

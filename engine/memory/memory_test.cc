@@ -321,6 +321,64 @@ TEST_F(MemoryStrategyTest, EverythingTogetherOverSeveralSteps) {
   ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2), *plain_);
 }
 
+// The hybrid family (KDA and DSA layers, the indexer KL as an auxiliary loss inside the DSA
+// layers) under every strategy: the same gradients as plain autograd, the indexer's included.
+model::ModelConfig HybridConfig() {
+  model::ModelConfig c = model::NamedShape("hybrid-tiny").value();
+  c.vocab_size = 97;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = 4;  // K K K D
+  c.head_dim = 8;
+  c.hybrid.kda_head_dim = 8;
+  c.hybrid.index_head_dim = 8;
+  c.hybrid.index_top_k = 8;  // 2 pools + tail of 40 positions: sparse
+  c.hybrid.kda_chunk_size = 32;  // 40 positions: two chunks, the second partial
+  c.hybrid.indexer_loss_weight = 0.3;
+  return c;
+}
+
+RunSetup HybridSetup() {
+  RunSetup s;
+  s.config = HybridConfig();
+  s.S = 40;
+  return s;
+}
+
+class HybridMemoryStrategyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(planner::MemoryStrategy{}, 1, 1, HybridSetup())); }
+  static Result* plain_;
+};
+Result* HybridMemoryStrategyTest::plain_ = nullptr;
+
+TEST_F(HybridMemoryStrategyTest, EveryParameterGetsAGradientUnderPlainAutograd) {
+  for (const auto& [name, g] : plain_->grads) EXPECT_GT(g.norm().item<double>(), 0.0) << name;
+}
+
+TEST_F(HybridMemoryStrategyTest, EachStrategyGivesPlainAutogradsGradients) {
+  planner::MemoryStrategy layer;
+  layer.recompute = planner::Recompute::kLayer;
+  ExpectSameGradients(RunStrategy(layer, 1, 1, HybridSetup()), *plain_);
+  planner::MemoryStrategy nested;
+  nested.recompute = planner::Recompute::kEveryK;
+  nested.every_k = 3;  // groups of 3 and 1
+  ExpectSameGradients(RunStrategy(nested, 1, 1, HybridSetup()), *plain_);
+  planner::MemoryStrategy offload = layer;
+  offload.offload = true;
+  offload.device_resident = 1;
+  ExpectSameGradients(RunStrategy(offload, 1, 1, HybridSetup()), *plain_);
+  planner::MemoryStrategy tiles;
+  tiles.mlp_tile = 7;
+  tiles.loss_tile = 13;
+  ExpectSameGradients(RunStrategy(tiles, 1, 1, HybridSetup()), *plain_);
+  planner::MemoryStrategy all = nested;
+  all.offload = true;
+  all.mlp_tile = 9;
+  all.loss_tile = 11;
+  ExpectSameGradients(RunStrategy(all, 1, /*steps=*/2, HybridSetup()), *plain_);
+}
+
 TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
   planner::MemoryStrategy o;
   EXPECT_NE(planner::ParseRecompute("sometimes").status().message().find("memory.recompute 'sometimes'"),

@@ -1,0 +1,344 @@
+#include "model/hybrid.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "kernels/dsa.h"
+#include "kernels/heads.h"
+#include "kernels/kda.h"
+
+namespace odyssey::model {
+namespace {
+
+using torch::Tensor;
+
+torch::nn::Linear Lin(int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); }
+
+// Runs `fn` on each document of x (B, S, .) and reassembles (B, S, .) from the results: the
+// whole batch at once when no row is packed.
+Tensor PerDocument(const Tensor& x, const AttentionMeta& meta, const std::function<Tensor(const Tensor&)>& fn) {
+  bool packed = false;
+  if (meta.doc_lens != nullptr) {
+    for (const auto& row : *meta.doc_lens) packed = packed || row.size() > 1;
+  }
+  if (!packed) return fn(x);
+  TORCH_CHECK(static_cast<int64_t>(meta.doc_lens->size()) == x.size(0), "doc_lens must have one entry per row");
+  std::vector<Tensor> rows;
+  for (int64_t b = 0; b < x.size(0); ++b) {
+    const auto& lens = (*meta.doc_lens)[static_cast<size_t>(b)];
+    std::vector<Tensor> parts;
+    int64_t start = 0;
+    for (int64_t n : lens) {
+      parts.push_back(fn(x.narrow(0, b, 1).narrow(1, start, n)));
+      start += n;
+    }
+    TORCH_CHECK(start == x.size(1), "doc_lens of row ", b, " must sum to S (", x.size(1), ")");
+    rows.push_back(torch::cat(parts, 1));
+  }
+  return torch::cat(rows, 0);
+}
+
+Tensor L2Norm(const Tensor& x) {  // over the last dim, in fp32
+  Tensor xf = x.to(torch::kFloat32);
+  return (xf * torch::rsqrt(xf.square().sum(-1, /*keepdim=*/true) + 1e-6)).to(x.scalar_type());
+}
+
+class AuxLossFunction : public torch::autograd::Function<AuxLossFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor out, Tensor aux, double weight) {
+    TORCH_CHECK(aux.dim() == 0 && aux.scalar_type() == torch::kFloat32, "InjectAuxLoss: aux must be an fp32 scalar");
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["like"] = torch::empty({0}, aux.options());  // aux's device and dtype
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double weight = ctx->saved_data["weight"].toDouble();
+    return {grads[0], torch::full({}, weight, ctx->saved_data["like"].toTensor().options()), Tensor()};
+  }
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
+  weight = register_parameter("weight", torch::zeros({channels, 1, kernel}));
+}
+
+Tensor ShortConvImpl::forward(const Tensor& x) {
+  const int64_t kernel = weight.size(2);
+  Tensor xt = torch::constant_pad_nd(x.transpose(1, 2), {kernel - 1, 0});  // (B, C, S + kernel - 1)
+  const int64_t one = 1, zero = 0;
+  return torch::conv1d(xt, weight, Tensor(), torch::IntArrayRef(one), torch::IntArrayRef(zero), torch::IntArrayRef(one),
+                       weight.size(0))
+      .transpose(1, 2);  // (B, S, C)
+}
+
+HeadRMSNormImpl::HeadRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+Tensor HeadRMSNormImpl::forward(const Tensor& x) {
+  Tensor xf = x.to(torch::kFloat32);
+  return (xf * torch::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps_)).to(x.scalar_type()) * weight;
+}
+
+KdaAttentionImpl::KdaAttentionImpl(const ModelConfig& c)
+    : heads_(c.hybrid.kda_num_heads),
+      head_dim_(c.hybrid.kda_head_dim),
+      chunk_(c.hybrid.kda_chunk_size),
+      lower_bound_(c.hybrid.kda_gate_lower_bound) {
+  const int64_t d = c.hidden_size, HK = heads_ * head_dim_, kernel = c.hybrid.kda_conv_kernel;
+  q_proj = register_module("q_proj", Lin(d, HK));
+  k_proj = register_module("k_proj", Lin(d, HK));
+  v_proj = register_module("v_proj", Lin(d, HK));
+  q_conv1d = register_module("q_conv1d", ShortConv(HK, kernel));
+  k_conv1d = register_module("k_conv1d", ShortConv(HK, kernel));
+  v_conv1d = register_module("v_conv1d", ShortConv(HK, kernel));
+  f_a_proj = register_module("f_a_proj", Lin(d, head_dim_));
+  f_b_proj = register_module("f_b_proj", Lin(head_dim_, HK));
+  A_log = register_parameter("A_log", torch::zeros({heads_}));
+  dt_bias = register_parameter("dt_bias", torch::zeros({HK}));
+  b_proj = register_module("b_proj", Lin(d, heads_));
+  g_a_proj = register_module("g_a_proj", Lin(d, head_dim_));
+  g_b_proj = register_module("g_b_proj", Lin(head_dim_, HK));
+  o_norm = register_module("o_norm", HeadRMSNorm(head_dim_, c.rms_norm_eps));
+  o_proj = register_module("o_proj", Lin(HK, d));
+}
+
+void KdaAttentionImpl::InitSpecial() {
+  torch::NoGradGuard no_grad;
+  // Conv1d's default: uniform within 1 / sqrt(fan_in), fan_in = the kernel (depthwise).
+  for (ShortConv* conv : {&q_conv1d, &k_conv1d, &v_conv1d}) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>((*conv)->weight.size(2)));
+    (*conv)->weight.uniform_(-bound, bound);
+  }
+  // Spec 1.1: A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1].
+  Tensor a = torch::empty({heads_}, A_log.options().dtype(torch::kFloat32)).uniform_(1.0, 16.0);
+  Tensor dt = torch::exp(torch::empty({heads_ * head_dim_}, dt_bias.options().dtype(torch::kFloat32))
+                             .uniform_(std::log(1e-3), std::log(0.1)));
+  A_log.copy_(a.log());
+  dt_bias.copy_(dt + torch::log(-torch::expm1(-dt)));
+}
+
+void KdaAttentionImpl::RestoreFp32(const Tensor& a_log, const Tensor& dt) {
+  A_log.set_data(a_log.to(A_log.device(), torch::kFloat32));
+  dt_bias.set_data(dt.to(dt_bias.device(), torch::kFloat32));
+}
+
+void KdaAttentionImpl::to(torch::Dtype dtype, bool non_blocking) {
+  const Tensor a = A_log.detach().clone(), dt = dt_bias.detach().clone();
+  torch::nn::Module::to(dtype, non_blocking);
+  RestoreFp32(a, dt);
+}
+
+void KdaAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  const Tensor a = A_log.detach().clone(), dt = dt_bias.detach().clone();
+  torch::nn::Module::to(device, dtype, non_blocking);
+  RestoreFp32(a, dt);
+}
+
+void KdaAttentionImpl::to(torch::Device device, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+}
+
+Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
+  const int64_t B = x.size(0), S = x.size(1), H = heads_, K = head_dim_;
+  auto heads = [&](const Tensor& t) { return t.reshape({B, S, H, K}); };  // (B, S, H, K)
+  Tensor q = L2Norm(heads(torch::silu(q_conv1d(q_proj(x))))).transpose(1, 2);  // (B, H, S, K)
+  Tensor k = L2Norm(heads(torch::silu(k_conv1d(k_proj(x))))).transpose(1, 2);  // (B, H, S, K)
+  Tensor v = heads(torch::silu(v_conv1d(v_proj(x)))).transpose(1, 2);          // (B, H, S, K)
+  // The safe gate in fp32: lb * sigmoid(exp(A_log[h]) (f + dt_bias)) in (lb, 0).
+  Tensor f = f_b_proj(f_a_proj(x)).to(torch::kFloat32) + dt_bias;                    // (B, S, H K)
+  Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.exp().view({H, 1}));     // (B, S, H, K)
+  g = g.transpose(1, 2);                                                             // (B, H, S, K)
+  Tensor beta = torch::sigmoid(b_proj(x).to(torch::kFloat32)).transpose(1, 2);       // (B, H, S)
+  kernels::KdaOptions options;
+  options.chunk_size = chunk_;
+  Tensor o = kernels::KdaChunked(q, k, v, g, beta, Tensor(), options).first;  // (B, H, S, K)
+  Tensor gate = torch::sigmoid(heads(g_b_proj(g_a_proj(x))));                  // (B, S, H, K)
+  return (o_norm(o.transpose(1, 2)) * gate).reshape({B, S, H * K});
+}
+
+Tensor KdaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta) {
+  return PerDocument(x, meta, [this](const Tensor& xd) { return HeadsOfDocument(xd); });
+}
+
+DsaIndexerImpl::DsaIndexerImpl(const ModelConfig& c)
+    : heads_(c.hybrid.index_num_heads), head_dim_(c.hybrid.index_head_dim) {
+  const int64_t d = c.hidden_size;
+  wq = register_module("wq", Lin(d, heads_ * head_dim_));
+  wk = register_module("wk", Lin(d, head_dim_));
+  k_norm = register_module("k_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({head_dim_})));
+  weights_proj = register_module("weights_proj", Lin(d, heads_));
+  pool_gate = register_module("pool_gate", Lin(d, head_dim_));
+  pool_bias = register_parameter("pool_bias", torch::zeros({4, head_dim_}));
+}
+
+DsaIndexerImpl::Out DsaIndexerImpl::forward(const Tensor& x) {
+  const int64_t B = x.size(0), S = x.size(1);
+  Out o;
+  o.q = wq(x).view({B, S, heads_, head_dim_}).transpose(1, 2);                 // (B, HI, S, DI)
+  o.keys = kernels::KeyPool4(k_norm(wk(x)), pool_gate(x), pool_bias);           // (B, S / 4, DI)
+  o.w = weights_proj(x) / std::sqrt(static_cast<double>(heads_));              // (B, S, HI)
+  return o;
+}
+
+DsaAttentionImpl::DsaAttentionImpl(const ModelConfig& c)
+    : heads_(c.num_attention_heads),
+      kv_heads_(c.num_key_value_heads),
+      head_dim_(c.HeadDim()),
+      top_pools_(c.hybrid.index_top_k / 4),
+      stage_(c.hybrid.indexer_stage),
+      loss_weight_(c.hybrid.indexer_loss_weight) {
+  const int64_t d = c.hidden_size;
+  q_proj = register_module("q_proj", Lin(d, heads_ * head_dim_));
+  k_proj = register_module("k_proj", Lin(d, kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", Lin(d, kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", Lin(heads_ * head_dim_, d));
+  indexer = register_module("indexer", DsaIndexer(c));
+}
+
+void DsaAttentionImpl::InitSpecial() {
+  torch::NoGradGuard no_grad;
+  indexer->k_norm->weight.fill_(1.0);
+  indexer->k_norm->bias.zero_();
+  indexer->pool_bias.zero_();
+}
+
+Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend* backend, Kl* kl) {
+  const int64_t B = x.size(0), S = x.size(1), H = heads_, D = head_dim_;
+  Tensor q = q_proj(x).view({B, S, H, D}).transpose(1, 2);          // (B, H, S, D)
+  Tensor k = k_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
+  Tensor v = v_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
+  const bool sparse = stage_ == IndexerStage::kSparse;
+  // The indexer sees a detached input: its selection is not differentiable anyway, and it
+  // learns only from its KL (spec 2.3).
+  DsaIndexerImpl::Out ix;
+  Tensor pool_idx;  // (B, S, top_pools) int32, sparse stage
+  if (kl != nullptr) {
+    ix = indexer(x.detach());  // with grad: the KL's path to the indexer
+  } else if (sparse) {
+    torch::NoGradGuard no_grad;  // only the selection needs it
+    ix = indexer(x.detach());
+  }
+  Tensor out;  // (B, H, S, D)
+  Tensor idx;  // (B, S, 4 top_pools + 3) int32 token indices, sparse stage
+  if (sparse) {
+    kernels::DsaIndexerOptions o;
+    o.top_k = top_pools_;
+    o.pool = 4;
+    pool_idx = kernels::IndexerTopK(ix.q.detach(), ix.keys.detach(), ix.w.detach(), o);  // (B, S, top_pools)
+    idx = kernels::ExpandPoolSelection(pool_idx);              // (B, S, 4 top_pools + 3)
+    out = kernels::SparseAttention(q, k, v, idx);
+  } else {
+    TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
+    out = backend->Forward(q, k, v, AttentionMeta{});
+  }
+  if (kl != nullptr && S >= 4) {
+    // Target: the main attention's probabilities (no grad), head-summed and L1-normalised, summed
+    // within each pool; prediction: the softmax of the indexer's pool scores, over the selected
+    // pools (sparse) or every visible one (dense warm-up). Query blocks bound the working set.
+    const DsaIndexerImpl::Out& live = ix;
+    const int64_t P = S / 4, QB = 64;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    const Tensor kq = kernels::RepeatHeads(k.detach(), H / kv_heads_).to(torch::kFloat32);  // (B, H, S, D)
+    const Tensor qd = q.detach().to(torch::kFloat32);
+    auto lo = torch::TensorOptions().dtype(torch::kLong).device(x.device());
+    Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(x.device()));
+    for (int64_t t0 = 0; t0 < S; t0 += QB) {
+      const int64_t n = std::min(QB, S - t0);
+      Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
+      Tensor target, logits, valid;                              // (B, n, items)
+      {
+        torch::NoGradGuard no_grad;
+        Tensor qb = qd.narrow(2, t0, n);  // (B, H, n, D)
+        if (sparse) {
+          Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong);  // (B, n, kp)
+          valid = pi >= 0;
+          Tensor tok = idx.narrow(1, t0, n).to(torch::kLong);      // (B, n, W)
+          Tensor tok_valid = tok >= 0;
+          Tensor gathered = kq.gather(2, tok.clamp_min(0).view({B, 1, n * tok.size(2), 1})
+                                             .expand({B, H, n * tok.size(2), D}))
+                                .view({B, H, n, tok.size(2), D});           // (B, H, n, W, D)
+          Tensor s = (qb.unsqueeze(3) * gathered).sum(-1) * scale;         // (B, H, n, W)
+          s = s.masked_fill(tok_valid.unsqueeze(1).logical_not(), -kInf);
+          Tensor p = torch::softmax(s, -1).nan_to_num(0.0).sum(1) / static_cast<double>(H);  // (B, n, W)
+          const int64_t kp = pi.size(2);
+          target = p.narrow(2, 0, 4 * kp).view({B, n, kp, 4}).sum(-1);  // (B, n, kp) per selected pool
+        } else {
+          Tensor s = torch::matmul(qb, kq.transpose(2, 3)) * scale;  // (B, H, n, S)
+          Tensor keypos = torch::arange(S, lo).view({1, 1, S});
+          s = s.masked_fill((keypos > t).unsqueeze(1), -kInf);
+          Tensor p = torch::softmax(s, -1).sum(1) / static_cast<double>(H);  // (B, n, S)
+          target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1);         // (B, n, P)
+          valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
+        }
+        target = target.masked_fill(valid.logical_not(), 0.0);
+        target = target / target.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
+      }
+      Tensor qi = live.q.narrow(2, t0, n).to(torch::kFloat32);  // (B, HI, n, DI)
+      Tensor wi = live.w.narrow(1, t0, n).to(torch::kFloat32);  // (B, n, HI)
+      Tensor keys = live.keys.to(torch::kFloat32);              // (B, P, DI)
+      if (sparse) {
+        Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong).clamp_min(0);  // (B, n, kp)
+        const int64_t kp = pi.size(2);
+        Tensor ksel = keys.gather(1, pi.view({B, n * kp, 1}).expand({B, n * kp, keys.size(2)}))
+                          .view({B, n, kp, keys.size(2)});                           // (B, n, kp, DI)
+        Tensor dots = torch::einsum("bhqd,bqpd->bhqp", {qi, ksel}).relu();           // (B, HI, n, kp)
+        logits = (dots * wi.permute({0, 2, 1}).unsqueeze(-1)).sum(1) /
+                 std::sqrt(static_cast<double>(qi.size(3)));                         // (B, n, kp)
+      } else {
+        logits = kernels::IndexerScores(qi, keys, wi);  // (B, n, P)
+      }
+      Tensor row_has = valid.any(-1);  // (B, n)
+      // Rows without a pool (t < 3) get finite logits, so no NaN reaches the backward.
+      Tensor masked = torch::where(row_has.unsqueeze(-1), logits.masked_fill(valid.logical_not(), -kInf),
+                                   torch::zeros({}, logits.options()));
+      Tensor logp = torch::log_softmax(masked, -1);
+      // KL(target || softmax): sum over valid items of target (log target - log p); items of zero
+      // target add nothing (0 log 0 = 0).
+      Tensor term = torch::where(valid & (target > 0), target * (target.clamp_min(1e-30).log() - logp),
+                                 torch::zeros({}, logp.options()));
+      total = total + term.sum();
+      kl->rows += row_has.sum().item<int64_t>();
+    }
+    kl->sum = kl->sum.defined() ? kl->sum + total : total;
+  }
+  return out.transpose(1, 2).reshape({B, S, H * D});
+}
+
+Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
+                               Tensor* indexer_loss) {
+  bool trains = indexer_loss != nullptr && loss_weight_ > 0 && torch::GradMode::is_enabled();
+  if (trains) {
+    bool any = false;
+    for (const auto& p : indexer->parameters()) any = any || p.requires_grad();
+    trains = any;
+  }
+  Kl kl;
+  Tensor y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
+  if (trains && kl.sum.defined()) {
+    Tensor loss = kl.sum / static_cast<double>(std::max<int64_t>(1, kl.rows));
+    last_loss_ = loss.detach();
+    *indexer_loss = loss;
+  }
+  return y;
+}
+
+Tensor InjectAuxLoss(const Tensor& out, const Tensor& aux, double weight) {
+  return AuxLossFunction::apply(out, aux, weight);
+}
+
+bool IsFp32Parameter(const std::string& name) {
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends(".A_log") || ends(".dt_bias");
+}
+
+}  // namespace odyssey::model

@@ -1,0 +1,154 @@
+// The token mixers of the hybrid family (ModelConfig::hybrid, ../shared/specs/hybrid-attention.md):
+// Kimi Delta Attention (spec 1.1, computed by kernels::KdaChunked) and DeepSeek Sparse Attention
+// with GLM-5.3-Flash's pooled-key lightning indexer (spec 2, kernels/dsa.h), plus the indexer's
+// KL loss (spec 2.3). A DecoderLayer holds one of them in place of the dense Attention, under the
+// same name (`self_attn`), so the engine's strategies (recompute, offload, tiled MLP and loss)
+// wrap hybrid layers exactly as dense ones.
+//
+// Parameter names (the tensor names of checkpoints) follow the public Kimi-Linear layer for KDA
+// and DeepSeek-V3.2's indexer where those exist; model/README.md lists them.
+//
+// Packed rows (AttentionMeta::doc_lens) run document by document: the short convolution, the
+// KDA state and the DSA pools restart at every document (pools count from its first token).
+// Thread safety: modules are used by one thread at a time.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+
+#include "model/attention.h"
+#include "model/config.h"
+
+namespace odyssey::model {
+
+// Depthwise causal 1-d convolution over the sequence (no bias): weight (C, 1, kernel), as a
+// Conv1d with groups = C stores it. x (B, S, C) -> (B, S, C); output t sees inputs t-kernel+1..t.
+class ShortConvImpl : public torch::nn::Module {
+ public:
+  ShortConvImpl(int64_t channels, int64_t kernel);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+};
+TORCH_MODULE(ShortConv);
+
+// RMSNorm over the last dimension in fp32, cast back, then scaled (the per-head output norm).
+class HeadRMSNormImpl : public torch::nn::Module {
+ public:
+  HeadRMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(HeadRMSNorm);
+
+// KDA (spec 1.1) with H = HV heads of dim K = V:
+//   q, k = L2norm(SiLU(conv(q_proj x))), v = SiLU(conv(v_proj x))
+//   g    = lb * sigmoid(exp(A_log) * (f_b_proj(f_a_proj x) + dt_bias))   in (lb, 0), fp32
+//   beta = sigmoid(b_proj x)
+//   o    = KDA(q, k, v, g, beta) (chunked, C = kda_chunk_size), then
+//          o_proj(o_norm(o) * sigmoid(g_b_proj(g_a_proj x)))
+// A_log (H,) and dt_bias (H K,) stay fp32 whatever dtype the model is moved to; being 1-d, AdamW
+// applies no weight decay to them.
+class KdaAttentionImpl : public torch::nn::Module {
+ public:
+  explicit KdaAttentionImpl(const ModelConfig& config);
+  // Everything before o_proj: (B, S, hidden) -> (B, S, H * K).
+  torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta);
+  // The spec's initialisation of what a generic init cannot know: conv weights, A_log, dt_bias.
+  void InitSpecial();
+  // Keeps A_log and dt_bias fp32 when the module is converted.
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  ShortConv q_conv1d{nullptr}, k_conv1d{nullptr}, v_conv1d{nullptr};
+  torch::nn::Linear f_a_proj{nullptr}, f_b_proj{nullptr}, b_proj{nullptr}, g_a_proj{nullptr}, g_b_proj{nullptr};
+  HeadRMSNorm o_norm{nullptr};
+  torch::Tensor A_log, dt_bias;
+
+ private:
+  torch::Tensor HeadsOfDocument(const torch::Tensor& x);  // x (1 or B, S, hidden): one document per row
+  void RestoreFp32(const torch::Tensor& a_log, const torch::Tensor& dt_bias);
+  int64_t heads_, head_dim_, chunk_;
+  double lower_bound_;
+};
+TORCH_MODULE(KdaAttention);
+
+// DSA's lightning indexer with GLM-5.3-Flash's pools of 4 keys (spec 2.1, 2.4), NoPE:
+//   q^I = wq x (HI heads of DI), k^I = k_norm(wk x) (LayerNorm), w = weights_proj(x) HI^-1/2,
+//   pooled keys K = KeyPool4(k^I, pool_gate x, pool_bias).
+class DsaIndexerImpl : public torch::nn::Module {
+ public:
+  explicit DsaIndexerImpl(const ModelConfig& config);
+  struct Out {
+    torch::Tensor q;     // (B, HI, S, DI)
+    torch::Tensor keys;  // (B, floor(S / 4), DI) pooled
+    torch::Tensor w;     // (B, S, HI)
+  };
+  Out forward(const torch::Tensor& x);  // x (B, S, hidden)
+  torch::nn::Linear wq{nullptr}, wk{nullptr}, weights_proj{nullptr}, pool_gate{nullptr};
+  torch::nn::LayerNorm k_norm{nullptr};
+  torch::Tensor pool_bias;  // (4, DI)
+
+ private:
+  int64_t heads_, head_dim_;
+};
+TORCH_MODULE(DsaIndexer);
+
+// DSA layer (spec 2): GQA attention (num_attention_heads / num_key_value_heads x head_dim, no
+// RoPE) over the keys the indexer selects: top index_top_k / 4 pools expanded to their tokens,
+// plus the tail (kernels::SparseAttention); rows of at most index_top_k + 3 tokens are dense
+// causal attention exactly. With indexer_stage dense_warmup the main attention is dense causal
+// (the context's backend) instead.
+// The indexer's input is detached: it learns only from its KL loss (spec 2.3), which Heads()
+// returns for the engine to add (see InjectAuxLoss): the target is the main attention's
+// probabilities summed over heads (L1-normalised) and summed within each pool, against the
+// softmax of the indexer's pool scores, over the selected pools (sparse) or every visible pool
+// (dense_warmup), summed per query row and divided by the rows that have a pool.
+class DsaAttentionImpl : public torch::nn::Module {
+ public:
+  explicit DsaAttentionImpl(const ModelConfig& config);
+  // Everything before o_proj: (B, S, hidden) -> (B, S, Hq * D). When `indexer_loss` is given and
+  // the loss can train (grad mode on, the indexer's parameters require grad, weight > 0), it is
+  // set to the indexer KL (fp32 scalar, differentiable w.r.t. the indexer's parameters only);
+  // otherwise left undefined.
+  torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
+                      torch::Tensor* indexer_loss);
+  void InitSpecial();
+  // The indexer KL of the last forward that computed it (detached), undefined before.
+  const torch::Tensor& last_indexer_loss() const { return last_loss_; }
+  double indexer_loss_weight() const { return loss_weight_; }
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  DsaIndexer indexer{nullptr};
+
+ private:
+  struct Kl {
+    torch::Tensor sum;  // fp32 scalar: KL summed over query rows
+    int64_t rows = 0;   // rows with at least one pool
+  };
+  torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
+  int64_t heads_, kv_heads_, head_dim_, top_pools_;
+  IndexerStage stage_;
+  double loss_weight_;
+  torch::Tensor last_loss_;
+};
+TORCH_MODULE(DsaAttention);
+
+// Returns `out` unchanged; its backward passes out's gradient through and gives `aux` (a scalar)
+// the gradient `weight`, as if `weight * aux` were added to the loss. So an auxiliary loss
+// computed inside a layer trains wherever that layer's backward runs: under plain autograd, and
+// inside a recompute's backward (which reruns the layer and so recomputes the loss).
+torch::Tensor InjectAuxLoss(const torch::Tensor& out, const torch::Tensor& aux, double weight);
+
+// Parameters a checkpoint keeps in fp32 whatever dtype the rest is saved in (A_log, dt_bias).
+bool IsFp32Parameter(const std::string& name);
+
+}  // namespace odyssey::model
