@@ -482,8 +482,10 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
     r.loss = loss_sum.item<double>();
     if (!std::isfinite(r.loss)) {
       // Validated inputs keep every term finite (engine/rl_loss.h), so this is the model: its
-      // weights diverged. Gradients that include a non-finite term must not reach OptimStep.
-      return absl::InternalError(absl::StrCat("forward_backward: the loss is ", r.loss,
+      // weights diverged: the session's state, not a fault of the service (FAILED_PRECONDITION,
+      // which LoadCheckpoint mends). Gradients that include a non-finite term must not reach
+      // OptimStep.
+      return absl::FailedPreconditionError(absl::StrCat("forward_backward: the loss is ", r.loss,
                                               " for valid inputs (the weights may have diverged: load a "
                                               "checkpoint); the gradients pending since the last "
                                               "optim_step were dropped"));
