@@ -661,5 +661,14 @@ TEST(SamplerTest, BadInputNamesTheFieldAndTheRule) {
   EXPECT_TRUE(Sample(t->model(), Spec({{1, 2, 3}}, 4), SamplerLimits{64}).ok());
 }
 
+// The hybrid family has no decoding cache yet: refused by name, not run through the dense path.
+TEST(SamplerTest, HybridModelsAreRefused) {
+  model::CausalLM m(model::NamedShape("hybrid-tiny").value());
+  absl::StatusOr<SampleResult> r = Sample(m, Spec({{1, 2, 3}}, 4), SamplerLimits{64});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+  EXPECT_NE(r.status().message().find("hybrid family"), std::string::npos) << r.status();
+}
+
 }  // namespace
 }  // namespace odyssey::engine

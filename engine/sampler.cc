@@ -100,6 +100,13 @@ torch::Tensor ChooseTokens(const torch::Tensor& logits, const SampleSpec& spec, 
 
 absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& spec, const SamplerLimits& limits) {
   const model::ModelConfig& config = model->config();
+  if (config.IsHybrid()) {
+    // model/decode.h caches dense attention's keys and values; the KDA layers' recurrent state
+    // and the DSA layers' index keys have no cache yet.
+    return absl::UnimplementedError(
+        "sample: KV-cache decoding is not implemented for the hybrid family yet (its KDA state and DSA index "
+        "caches are not built); export the weights and sample elsewhere");
+  }
   if (absl::Status s = ValidateSample(spec, config.vocab_size, config.max_position_embeddings, limits); !s.ok())
     return s;
   const absl::Time start = absl::Now();
