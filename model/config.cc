@@ -604,6 +604,11 @@ absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* 
         target_modules.begin() + static_cast<std::ptrdiff_t>(i))
       return absl::InvalidArgumentError(absl::StrCat(prefix, ".target_modules[", i, "]: (\"", t, "\") is named twice"));
   }
+  if (model != nullptr && model->IsHybrid()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, ".rank: (", rank,
+        ") LoRA is not implemented for the hybrid family yet: its KDA and DSA layers have no adapters (set 0)"));
+  }
   if (model != nullptr) {
     for (const std::string& t : Targets()) {
       auto [in, out] = ProjectionDims(*model, t);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
 #include "model/causal_lm.h"
 #include "model/decode.h"
 #include "model/safetensors.h"
@@ -79,10 +80,23 @@ TEST(ModelTest, PackedDocumentsEqualSeparateSequences) {
 // forward on the whole sequence at every position: rows of different prompt lengths prefilled
 // together right-padded, then decoded one token at a time at each row's own position.
 TEST(ModelTest, KvCacheDecodingEqualsTheFullForward) {
-  for (Architecture arch : {Architecture::kLlama, Architecture::kQwen2, Architecture::kQwen3}) {
-    SCOPED_TRACE(static_cast<int>(arch));
+  // The last pass carries LoRA adapters on every projection (B nonzero, so they act): a LoRA
+  // session samples from its adapted weights.
+  const std::vector<std::pair<Architecture, bool>> passes = {
+      {Architecture::kLlama, false}, {Architecture::kQwen2, false}, {Architecture::kQwen3, false}, {Architecture::kLlama, true}};
+  for (const auto& [arch, lora] : passes) {
+    SCOPED_TRACE(absl::StrCat(static_cast<int>(arch), lora ? " with LoRA" : ""));
     CausalLM m(SmallConfig(arch));
     m->InitRandom(5, 0.1);
+    if (lora) {
+      LoraConfig adapters;
+      adapters.rank = 2;
+      adapters.alpha = 4;
+      ASSERT_TRUE(AttachLora(*m, adapters, 3).ok());
+      torch::NoGradGuard no_grad;
+      for (auto& p : m->named_parameters())
+        if (p.key().find(".lora_B.") != std::string::npos) p.value().normal_(0, 0.2);
+    }
     torch::NoGradGuard no_grad;
     const std::vector<int64_t> prompt_len = {5, 9, 2};
     const int64_t B = 3, steps = 4, P = 9;
