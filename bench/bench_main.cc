@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
   app.add_flag("--optimizer-on-host", o.memory.optimizer_on_host,
                "fp32 master weights and moments in host memory, AdamW on CPU threads overlapped with the step");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");
+  app.add_option("--lora-rank", o.lora.rank, "LoRA adapters of this rank on every projection, the base frozen (0: off)")
+      ->capture_default_str();
   app.add_option("--tokens", tokens, "random | kjv (King James bytes)")->capture_default_str();
   app.add_option("--json", json_path, "append the JSON result to this file");
   app.add_flag("!--no-plan", plan, "skip the planner's prediction");
@@ -295,7 +297,7 @@ int main(int argc, char** argv) {
                         {"memory", o.memory.Describe()}, {"fidelity_mean_abs_logprob_diff", sum / n},
                         {"bf16_seconds", bf16_seconds}, {"reference_seconds", ref_seconds},
                         {"fidelity_max_abs_logprob_diff", worst}, {"tokens", n},
-                        {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
+                        {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}, {"lora_rank", o.lora.rank}};
     std::printf("%s\n| fidelity | %s | %lld | %s | mean |d| %.4f | max |d| %.4f |\n", j.dump().c_str(), o.model.c_str(),
                 static_cast<long long>(S), o.memory.Describe().c_str(), sum / n, worst);
     AppendJsonLine(json_path, j);
@@ -367,14 +369,14 @@ int main(int argc, char** argv) {
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
       {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()},
-      {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}};
+      {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}, {"lora_rank", o.lora.rank}};
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
     j["forward_seconds"] = forward_seconds;
   }
   if (plan) {
     odyssey::planner::Request req;
-    req.model = odyssey::planner::ShapeOf(cfg);
+    req.model = odyssey::planner::ShapeOf(cfg, o.lora);
     req.seq_len = S;
     req.batch_size = B;
     req.strategy = o.memory;  // the strategy the run used, as the planner sees it

@@ -55,6 +55,8 @@ Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<
   layer_params_.resize(static_cast<size_t>(model_->config().num_hidden_layers));
   const std::string layers_prefix = "model.layers.";
   for (auto& p : model_->named_parameters()) {
+    // Frozen parameters (a LoRA job's base weights) get no gradient and no optimizer state.
+    if (!p.value().requires_grad()) continue;
     const int64_t index = static_cast<int64_t>(params_.size());
     const std::string& name = p.key();
     if (name.rfind("model.embed_tokens.", 0) == 0) {
@@ -91,6 +93,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);
       !s.ok())
     return s;
+  if (absl::Status s = options.lora.Validate("lora", &*resolved); !s.ok()) return s;
   const ContextParallelOptions& cp = options.context_parallel;
   const int64_t P = cp.degree();
   if (resolved->IsHybrid()) {
@@ -147,6 +150,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
+  if (absl::Status s = model::AttachLora(**m, options.lora, options.seed); !s.ok()) return s;
   const model::ModelConfig& config = (*m)->config();
   if (options.data.seq_len > config.max_position_embeddings)
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
@@ -634,8 +638,19 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
   model::SaveOptions save;
   save.dtype = dtype_;
   save.base_dir = options_.model;  // its tokenizer files, when a folder
-  if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) return s;
   const std::filesystem::path root(dir);
+  if (model_->lora().enabled()) {
+    if (absl::Status s = model::SaveLoraAdapter(model_, dir, dtype_, options_.model); !s.ok()) return s;
+    if (absl::Status s = WriteFileAtomically((root / "config.json").string(),
+                                             model::ToHfConfigJson(model_->config(), model::DtypeName(dtype_)));
+        !s.ok())
+      return s;
+    if (absl::Status s = model::CopyModelFolderFiles(options_.model, dir); !s.ok()) return s;
+    if (options_.lora.merge)
+      if (absl::Status s = model::SaveHfCheckpoint(model_, (root / "merged").string(), save); !s.ok()) return s;
+  } else if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) {
+    return s;
+  }
   if (absl::Status s = model::WriteSafetensors((root / "optimizer.safetensors").string(), optimizer_->StateTensors());
       !s.ok())
     return s;
@@ -650,7 +665,10 @@ absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
   optimizer_->Finish();
   optimizer_->ZeroGrad();
   rl_grads_pending_ = false;
-  if (absl::Status s = model::LoadHfWeights(model_, dir); !s.ok()) return s;
+  // A LoRA job's checkpoint holds its adapters; the frozen base stays as loaded.
+  if (absl::Status s = model_->lora().enabled() ? model::LoadLoraAdapter(model_, dir) : model::LoadHfWeights(model_, dir);
+      !s.ok())
+    return s;
   const std::string opt_path = (std::filesystem::path(dir) / "optimizer.safetensors").string();
   absl::StatusOr<std::unique_ptr<model::SafetensorsFile>> file = model::SafetensorsFile::Open(opt_path);
   if (!file.ok()) return file.status();

@@ -90,7 +90,11 @@ struct TrainerOptions {
   // With memory.optimizer_on_host: the host optimizer's worker threads and chunking (tests also
   // set deferred_cpu; see engine/host_adamw.h).
   HostOptimizerOptions host_optimizer;
-  uint64_t seed = 0;              // model init (named shapes) and data sampling
+  // LoRA adapters (rank > 0): the base weights frozen in their dtype (no gradients, no optimizer
+  // state), only the adapters trained; checkpoints are PEFT adapter folders (model/weights.h
+  // SaveLoraAdapter) plus the optimizer state. Default: none (every parameter trains).
+  model::LoraConfig lora;
+  uint64_t seed = 0;              // model init (named shapes), adapter init and data sampling
   int64_t steps = 300;            // training steps (> 0)
   double grad_clip = 1.0;         // max global grad norm; <= 0 disables
   AdamWOptions optimizer;
@@ -217,6 +221,11 @@ class Trainer {
   // not read).
   absl::StatusOr<std::vector<std::vector<float>>> Forward(const std::vector<Datum>& batch, const RlShard& shard = {});
 
+  // A Hugging Face folder (config.json + weights) plus optimizer.safetensors and
+  // trainer_state.json. With LoRA: the PEFT adapter folder (adapter_config.json +
+  // adapter_model.safetensors), the base's config.json (its shape, for resume checks), the
+  // adapters' optimizer state and trainer_state.json; with lora.merge also merged/, a plain model
+  // folder of the merged weights.
   absl::Status SaveCheckpoint(const std::string& dir);
   // Loads weights, optimizer state and the step counter written by SaveCheckpoint. Drops RL
   // gradients pending since the last OptimStep (they were computed on the replaced weights).

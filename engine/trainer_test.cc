@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include "model/safetensors.h"
 
 namespace odyssey::engine {
 namespace {
@@ -108,6 +111,70 @@ TEST(TrainerTest, CheckpointResumesExactly) {
   std::filesystem::remove_all(dir);
 }
 
+// LoRA: only the adapters train (the frozen base stays bitwise as loaded, the optimizer holds
+// state for the adapters alone), the loss falls, and a checkpoint (the PEFT adapter folder plus
+// the adapters' optimizer state) resumes exactly onto a freshly loaded base.
+TEST(TrainerTest, LoraTrainsOnlyTheAdaptersAndResumesExactly) {
+  auto dir = std::filesystem::temp_directory_path() / "odyssey_trainer_test_lora";
+  std::filesystem::remove_all(dir);
+  TrainerOptions o = TinyKjv(10);
+  o.data.seq_len = 32;
+  o.data.batch_size = 2;
+  o.optimizer.lr = 1e-2;
+  o.schedule.warmup_steps = 0;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  auto a = Trainer::Create(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::map<std::string, torch::Tensor> before;
+  for (auto& p : (*a)->model()->named_parameters()) before[p.key()] = p.value().detach().clone();
+  Batch first = (*a)->data().Next();
+  const double loss0 = (*a)->EvalLoss(first);
+  (*a)->Step(first);
+  for (int i = 0; i < 3; ++i) (*a)->TrainStep();
+  EXPECT_LT((*a)->EvalLoss(first), loss0);
+  int adapters = 0;
+  for (auto& p : (*a)->model()->named_parameters()) {
+    const bool lora = model::IsLoraParameter(p.key());
+    adapters += lora;
+    // B starts at zero and A at random: both move; the base does not change at all.
+    EXPECT_EQ(torch::equal(p.value(), before[p.key()]), !lora) << p.key();
+    EXPECT_EQ(p.value().requires_grad(), lora) << p.key();
+  }
+  EXPECT_EQ(adapters, 4 * 7 * 2);  // 4 layers x 7 projections x (A, B)
+  ASSERT_TRUE((*a)->SaveCheckpoint(dir.string()).ok());
+  EXPECT_TRUE(std::filesystem::exists(dir / "adapter_config.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "adapter_model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "model.safetensors")) << "a LoRA checkpoint holds no base weights";
+  {
+    auto opt = model::SafetensorsFile::Open((dir / "optimizer.safetensors").string());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    // exp_avg and exp_avg_sq of each adapter (fp32 params: no masters) and the step.
+    EXPECT_EQ((*opt)->tensors().size(), static_cast<size_t>(2 * adapters + 1));
+    for (const auto& [name, info] : (*opt)->tensors())
+      EXPECT_TRUE(name == "step" || model::IsLoraParameter(name)) << name;
+  }
+  // A fresh trainer of the same spec (the base from model.name, fresh adapters), then the load.
+  auto b = Trainer::Create(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*b)->LoadCheckpoint(dir.string()).ok());
+  EXPECT_EQ((*b)->step(), 4);
+  for (int i = 0; i < 2; ++i) {
+    Batch batch = (*a)->data().Next();
+    StepResult ra = (*a)->Step(batch), rb = (*b)->Step(batch);
+    EXPECT_DOUBLE_EQ(ra.loss, rb.loss);
+  }
+  auto pb = (*b)->model()->named_parameters();
+  for (auto& p : (*a)->model()->named_parameters()) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
+  // Another rank is refused by name.
+  o.lora.rank = 2;
+  auto c = Trainer::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::Status s = (*c)->LoadCheckpoint(dir.string());
+  EXPECT_NE(s.message().find("rank 4"), std::string::npos) << s;
+  std::filesystem::remove_all(dir);
+}
+
 // The SFT loss is the mean over target positions (loss_mask = 1), not over all positions: a
 // batch with half its positions masked out reports the masked positions' mean -log p, which
 // equals the loss computed here from the model's logits.
@@ -155,6 +222,25 @@ TEST(TrainerTest, BadOptionsNameTheField) {
   r = Trainer::Create(o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("attention backend 'magic'"), std::string::npos) << r.status();
+  o = TinyKjv(1);
+  o.lora.rank = 100;  // tiny: k_proj is 128 -> 64
+  r = Trainer::Create(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("lora.rank: (100) must be <= the smaller dim of k_proj (128 -> 64)"),
+            std::string::npos)
+      << r.status();
+  o.lora.rank = 4;
+  o.lora.dropout = 0.1;
+  r = Trainer::Create(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("lora.dropout: (0.1) must be 0"), std::string::npos) << r.status();
+  o.lora.dropout = 0;
+  o.lora.target_modules = {"q_proj", "lm_head"};
+  r = Trainer::Create(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("lora.target_modules[1]: (\"lm_head\") must be one of q_proj"),
+            std::string::npos)
+      << r.status();
 }
 
 // The largest difference between two trainers' parameters.
@@ -216,6 +302,34 @@ TEST(TrainerTest, HostOptimizerTrainsAsTheDeviceOptimizer) {
 // RL calls accumulate gradients over several backward passes: nothing may go to the host
 // optimizer before OptimStep (deferred_cpu would use the first pass's gradients alone).
 // Forward after OptimStep reads every layer through the waits.
+// LoRA with the optimizer on the host: the adapters' state and update on the CPU threads (the
+// layer hooks waiting for adapters only) train as on the device, with and without recompute.
+TEST(TrainerTest, LoraHostOptimizerTrainsAsTheDeviceOptimizer) {
+  for (planner::Recompute r : {planner::Recompute::kNone, planner::Recompute::kLayer}) {
+    SCOPED_TRACE(std::string(planner::RecomputeName(r)));
+    TrainerOptions o = TinyKjv(10);
+    o.data.seq_len = 32;
+    o.data.batch_size = 2;
+    o.schedule.warmup_steps = 0;
+    o.optimizer.lr = 1e-2;
+    o.lora.rank = 4;
+    o.lora.target_modules = {"k_proj", "o_proj", "up_proj"};
+    o.memory = Recompute(r);
+    auto dev = Trainer::Create(o);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    o.memory.optimizer_on_host = true;
+    o.host_optimizer.deferred_cpu = true;  // an update that is waited for too late shows in the losses
+    auto host = Trainer::Create(o);
+    ASSERT_TRUE(host.ok()) << host.status();
+    for (int i = 0; i < 4; ++i) {
+      Batch batch = (*dev)->data().Next();
+      StepResult a = (*dev)->Step(batch), b = (*host)->Step(batch);
+      EXPECT_NEAR(b.loss, a.loss, 1e-5 * a.loss) << "step " << i;
+    }
+    EXPECT_LT(MaxParamDifference(**dev, **host), 1e-5);
+  }
+}
+
 TEST(TrainerTest, HostOptimizerWaitsForTheLastBackwardInRlSteps) {
   TrainerOptions o = TinyKjv(10);
   o.data.seq_len = 32;

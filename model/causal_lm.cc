@@ -1,6 +1,11 @@
 #include "model/causal_lm.h"
 
+#include <algorithm>
+#include <cmath>
+#include <map>
+
 #include <torch/torch.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 namespace odyssey::model {
 
@@ -83,6 +88,84 @@ torch::Tensor CausalLMImpl::IndexerLoss() const {
     sum = sum.defined() ? sum + layer->dsa->last_indexer_loss() : layer->dsa->last_indexer_loss();
   }
   return sum;
+}
+
+bool IsLoraParameter(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+}
+
+absl::Status AttachLora(CausalLMImpl& m, const LoraConfig& lora, uint64_t seed) {
+  if (m.lora_.enabled()) return absl::FailedPreconditionError("lora: the model already has adapters");
+  if (absl::Status s = lora.Validate("lora", &m.config_); !s.ok()) return s;
+  if (!lora.enabled()) return absl::OkStatus();
+  const std::vector<std::string> targets = lora.Targets();
+  auto wanted = [&](const char* name) { return std::find(targets.begin(), targets.end(), name) != targets.end(); };
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.set_requires_grad(false);
+  // Its own generator: attaching adapters leaves the process's random stream alone.
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  auto attach = [&](torch::nn::Linear& linear, LoraAdapter& adapter, const char* name) {
+    if (!wanted(name)) return;
+    const torch::Tensor& w = linear->weight;  // (out, in)
+    const int64_t out = w.size(0), in = w.size(1);
+    adapter.A = linear->register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in, lora.rank).bias(false)));
+    adapter.B = linear->register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(lora.rank, out).bias(false)));
+    // nn.Linear's default init (kaiming_uniform_(a=sqrt(5))): U(-1/sqrt(in), 1/sqrt(in)).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    torch::Tensor a = torch::empty({lora.rank, in}, torch::kFloat32);  // (rank, in)
+    a.uniform_(-bound, bound, gen);
+    adapter.A->weight.set_data(a.to(w.device(), w.scalar_type()));
+    adapter.B->weight.set_data(torch::zeros({out, lora.rank}, w.options()));  // (out, rank)
+    adapter.A->weight.set_requires_grad(true);
+    adapter.B->weight.set_requires_grad(true);
+    adapter.scale = lora.scale();
+  };
+  for (DecoderLayer& layer : m.model->layer_list) {
+    AttentionImpl& a = *layer->self_attn;
+    attach(a.q_proj, a.q_lora, "q_proj");
+    attach(a.k_proj, a.k_lora, "k_proj");
+    attach(a.v_proj, a.v_lora, "v_proj");
+    attach(a.o_proj, a.o_lora, "o_proj");
+    MlpImpl& f = *layer->mlp;
+    attach(f.gate_proj, f.gate_lora, "gate_proj");
+    attach(f.up_proj, f.up_lora, "up_proj");
+    attach(f.down_proj, f.down_lora, "down_proj");
+  }
+  m.lora_ = lora;
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> MergedParameters(CausalLMImpl& m) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  // Merged weights by the name of the projection's weight.
+  std::map<std::string, torch::Tensor> merged;
+  if (m.lora().enabled()) {
+    for (size_t i = 0; i < m.model->layer_list.size(); ++i) {
+      const std::string prefix = "model.layers." + std::to_string(i) + ".";
+      DecoderLayer& layer = m.model->layer_list[i];
+      AttentionImpl& a = *layer->self_attn;
+      MlpImpl& f = *layer->mlp;
+      const std::pair<std::string, std::pair<torch::nn::Linear*, LoraAdapter*>> all[] = {
+          {"self_attn.q_proj", {&a.q_proj, &a.q_lora}}, {"self_attn.k_proj", {&a.k_proj, &a.k_lora}},
+          {"self_attn.v_proj", {&a.v_proj, &a.v_lora}}, {"self_attn.o_proj", {&a.o_proj, &a.o_lora}},
+          {"mlp.gate_proj", {&f.gate_proj, &f.gate_lora}}, {"mlp.up_proj", {&f.up_proj, &f.up_lora}},
+          {"mlp.down_proj", {&f.down_proj, &f.down_lora}}};
+      for (const auto& [name, pair] : all) {
+        const LoraAdapter& lora = *pair.second;
+        if (!lora) continue;
+        const torch::Tensor& w = (*pair.first)->weight;  // (out, in)
+        torch::Tensor delta = torch::matmul(lora.B->weight.to(torch::kFloat32), lora.A->weight.to(torch::kFloat32));
+        merged[prefix + name + ".weight"] = (w.to(torch::kFloat32) + delta * lora.scale).to(w.scalar_type());
+      }
+    }
+  }
+  for (auto& p : m.named_parameters()) {
+    if (IsLoraParameter(p.key())) continue;
+    auto it = merged.find(p.key());
+    out.emplace_back(p.key(), it != merged.end() ? it->second : p.value().detach());
+  }
+  return out;
 }
 
 absl::StatusOr<CausalLM> MakeCausalLM(const ModelConfig& config) {

@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -76,8 +78,13 @@ class CausalLMImpl : public torch::nn::Module {
   DecoderModel model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // null when tied
 
+  // The adapters AttachLora added (rank 0: none).
+  const LoraConfig& lora() const { return lora_; }
+
  private:
+  friend absl::Status AttachLora(CausalLMImpl& model, const LoraConfig& lora, uint64_t seed);
   ModelConfig config_;
+  LoraConfig lora_;
   std::shared_ptr<const AttentionBackend> backend_;
   torch::Tensor inv_freq_cpu_;  // (D/2,) fp32, moved to the input's device per call
 };
@@ -85,5 +92,18 @@ TORCH_MODULE(CausalLM);
 
 // Builds a model from a validated config. Errors name the config field that is wrong.
 absl::StatusOr<CausalLM> MakeCausalLM(const ModelConfig& config);
+
+// Adds LoRA adapters to every layer's targeted projections, in the base weights' dtype and on
+// their device, initialized as PEFT does (A Kaiming-uniform as nn.Linear's default, drawn from a
+// generator seeded with `seed`; B zeros, so the model's outputs are unchanged), and freezes
+// every base parameter (requires_grad false): only the adapters train. Errors (INVALID_ARGUMENT)
+// name the lora field; FAILED_PRECONDITION when the model already has adapters.
+absl::Status AttachLora(CausalLMImpl& model, const LoraConfig& lora, uint64_t seed);
+// True for the name of an adapter parameter (".lora_A." / ".lora_B.").
+bool IsLoraParameter(const std::string& name);
+// The model's parameters as a plain model holds them: the adapters' W + scale * B A folded into
+// their projections' weights (in fp32, then the weight's dtype), adapter tensors left out. Names
+// are the Hugging Face ones. A model without adapters: its parameters as they are.
+std::vector<std::pair<std::string, torch::Tensor>> MergedParameters(CausalLMImpl& model);
 
 }  // namespace odyssey::model

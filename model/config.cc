@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
+#include "common/wire_text.h"
 #include "nlohmann/json.hpp"
 
 namespace odyssey::model {
@@ -551,6 +552,124 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir) {
   std::error_code ec;
   if (std::filesystem::is_directory(name_or_dir, ec)) return LoadHfConfig(name_or_dir);
   return NamedShape(name_or_dir);
+}
+
+const std::vector<std::string>& LoraTargetNames() {
+  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"};
+  return names;
+}
+
+std::vector<std::string> LoraConfig::Targets() const {
+  if (target_modules.empty()) return LoraTargetNames();
+  std::vector<std::string> out;
+  for (const std::string& name : LoraTargetNames())
+    if (std::find(target_modules.begin(), target_modules.end(), name) != target_modules.end()) out.push_back(name);
+  return out;
+}
+
+namespace {
+// (in, out) features of projection `name` of `m`.
+std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& m, const std::string& name) {
+  const int64_t H = m.hidden_size, q = m.num_attention_heads * m.HeadDim(), kv = m.num_key_value_heads * m.HeadDim();
+  if (name == "q_proj") return {H, q};
+  if (name == "k_proj" || name == "v_proj") return {H, kv};
+  if (name == "o_proj") return {q, H};
+  if (name == "down_proj") return {m.intermediate_size, H};
+  return {H, m.intermediate_size};  // gate_proj, up_proj
+}
+}  // namespace
+
+absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* model) const {
+  if (rank < 0 || rank > 1024)
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ".rank: (", rank, ") must be in [0, 1024] (0 = no LoRA)"));
+  if (rank == 0) {
+    if (alpha != 0 || dropout != 0 || !target_modules.empty() || merge)
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ".rank: (0) must be > 0 when other ", prefix,
+                                                     " fields are set (rank 0 means no LoRA)"));
+    return absl::OkStatus();
+  }
+  if (!std::isfinite(alpha) || alpha < 0)
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ".alpha: (", alpha, ") must be >= 0 and finite (0 = rank)"));
+  if (dropout != 0)
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ".dropout: (", dropout,
+                                                   ") must be 0: dropout on the adapters' input is not implemented"));
+  for (size_t i = 0; i < target_modules.size(); ++i) {
+    const std::string& t = target_modules[i];
+    const auto& names = LoraTargetNames();
+    if (std::find(names.begin(), names.end(), t) == names.end())
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ".target_modules[", i, "]: (\"", WireText(t, 64),
+                                                     "\") must be one of ", absl::StrJoin(names, ", ")));
+    if (std::find(target_modules.begin(), target_modules.begin() + static_cast<std::ptrdiff_t>(i), t) !=
+        target_modules.begin() + static_cast<std::ptrdiff_t>(i))
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ".target_modules[", i, "]: (\"", t, "\") is named twice"));
+  }
+  if (model != nullptr && model->IsHybrid()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, ".rank: (", rank,
+        ") LoRA is not implemented for the hybrid family yet: its KDA and DSA layers have no adapters (set 0)"));
+  }
+  if (model != nullptr) {
+    for (const std::string& t : Targets()) {
+      auto [in, out] = ProjectionDims(*model, t);
+      if (rank > std::min(in, out))
+        return absl::InvalidArgumentError(absl::StrCat(prefix, ".rank: (", rank, ") must be <= the smaller dim of ", t,
+                                                       " (", in, " -> ", out, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t LoraConfig::NumParameters(const ModelConfig& model) const {
+  if (!enabled()) return 0;
+  int64_t per_layer = 0;
+  for (const std::string& t : Targets()) {
+    auto [in, out] = ProjectionDims(model, t);
+    per_layer += rank * (in + out);
+  }
+  return per_layer * model.num_hidden_layers;
+}
+
+std::string ToPeftAdapterConfigJson(const LoraConfig& lora, const std::string& base_model) {
+  json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["base_model_name_or_path"] = base_model;
+  j["r"] = lora.rank;
+  j["lora_alpha"] = lora.alpha > 0 ? lora.alpha : static_cast<double>(lora.rank);
+  j["lora_dropout"] = lora.dropout;
+  j["target_modules"] = lora.Targets();
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["use_rslora"] = false;
+  j["use_dora"] = false;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  j["modules_to_save"] = nullptr;
+  return j.dump(2) + "\n";
+}
+
+absl::StatusOr<LoraConfig> ParsePeftAdapterConfig(const std::string& text, const std::string& source) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  if (!j.contains("peft_type") || j["peft_type"] != "LORA")
+    return absl::InvalidArgumentError(absl::StrCat(source, ": peft_type must be \"LORA\""));
+  LoraConfig c;
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(source, ": r must be a positive integer"));
+  c.rank = j["r"].get<int64_t>();
+  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": lora_alpha must be a number"));
+  c.alpha = j["lora_alpha"].get<double>();
+  if (j.contains("lora_dropout") && j["lora_dropout"].is_number()) c.dropout = j["lora_dropout"].get<double>();
+  if (!j.contains("target_modules") || !j["target_modules"].is_array())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": target_modules must be a list of module names"));
+  for (const json& t : j["target_modules"]) {
+    if (!t.is_string()) return absl::InvalidArgumentError(absl::StrCat(source, ": target_modules must hold strings"));
+    c.target_modules.push_back(t.get<std::string>());
+  }
+  if (absl::Status s = c.Validate(source); !s.ok()) return s;
+  return c;
 }
 
 }  // namespace odyssey::model

@@ -112,4 +112,38 @@ std::vector<std::string> NamedShapeNames();
 // Resolves a model reference: a named shape, or a checkpoint directory with config.json.
 absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir);
 
+// LoRA adapters (PEFT's LoraLayer) on the attention and MLP projections: each targeted
+// projection y = x W^T (+ b) gains scale * (x A^T) B^T with A (rank, in), B (out, rank),
+// scale = alpha / rank. The base weights are frozen (no gradients, no optimizer state); only A and
+// B train. Plain data shared by the controller's validation, the planner and the engine (the
+// JobSpec's LoraSpec converts to it once: planner/memory_spec.h LoraFromProto).
+struct LoraConfig {
+  int64_t rank = 0;      // 0: no adapters (full fine-tuning); else in [1, 1024] and <= every target's dims
+  double alpha = 0;      // > 0 and finite; 0 = rank (scale 1)
+  double dropout = 0;    // must be 0: dropout on the adapters' input is not implemented
+  // Hugging Face module names of the projections that get adapters; empty = all seven.
+  std::vector<std::string> target_modules;
+  // Exports (ExportWeights) write merged weights (W + scale B A, a plain model folder) instead of
+  // the PEFT adapter folder; checkpoints also carry a merged/ model folder. Checkpoints always
+  // hold the adapters themselves (resume needs them).
+  bool merge = false;
+
+  bool enabled() const { return rank > 0; }
+  double scale() const { return (alpha > 0 ? alpha : static_cast<double>(rank)) / static_cast<double>(rank); }
+  // The targets, all seven when target_modules is empty, in LoraTargetNames() order.
+  std::vector<std::string> Targets() const;
+  // Checks every field; messages are "<prefix>.<field>: (<value>) <rule>". With `model`, also
+  // that rank fits every targeted projection's dims.
+  absl::Status Validate(const std::string& prefix = "lora", const ModelConfig* model = nullptr) const;
+  // Trainable parameters (A and B of every targeted projection of every layer).
+  int64_t NumParameters(const ModelConfig& model) const;
+};
+// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
+const std::vector<std::string>& LoraTargetNames();
+// PEFT's adapter_config.json for `lora` on the model loaded from `base_model` (a folder or a
+// named shape): peft.PeftModel.from_pretrained(base, folder) reads it.
+std::string ToPeftAdapterConfigJson(const LoraConfig& lora, const std::string& base_model);
+// Reads a PEFT adapter_config.json text back (rank, alpha, dropout, targets); errors name the key.
+absl::StatusOr<LoraConfig> ParsePeftAdapterConfig(const std::string& json_text, const std::string& source);
+
 }  // namespace odyssey::model

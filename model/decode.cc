@@ -16,10 +16,16 @@ struct CacheStep {
   torch::Tensor key_mask;  // decode: (B, 1, 1, T) bool, the entries each row attends to
 };
 
-// residual + x @ linear.weight^T (+ bias), in the training forward's op order (layers.cc).
-torch::Tensor Residual(const torch::Tensor& residual, const torch::Tensor& x, const torch::nn::Linear& linear) {
-  if (linear->bias.defined()) return residual + torch::nn::functional::linear(x, linear->weight, linear->bias);
-  return kernels::AddLinear(residual, x, linear->weight);
+// residual + x @ linear.weight^T (+ bias) (+ a LoRA adapter's term), in the training forward's
+// op order (layers.cc).
+torch::Tensor Residual(const torch::Tensor& residual, const torch::Tensor& x, const torch::nn::Linear& linear,
+                       const LoraAdapter& lora) {
+  if (linear->bias.defined()) {
+    if (lora) return residual + Project(linear, lora, x);
+    return residual + torch::nn::functional::linear(x, linear->weight, linear->bias);
+  }
+  torch::Tensor y = kernels::AddLinear(residual, x, linear->weight);
+  return lora ? y + LoraDelta(lora, x) : y;
 }
 
 // DecoderLayerImpl::forward with the attention through the layer's cache.
@@ -29,9 +35,10 @@ torch::Tensor LayerForward(const ModelConfig& c, DecoderLayerImpl& layer, const 
   const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.HeadDim();
   AttentionImpl& attn = *layer.self_attn;
   torch::Tensor x = layer.input_layernorm(h);
-  torch::Tensor q = attn.q_proj(x).view({B, S, Hq, D});   // (B, S, Hq, D)
-  torch::Tensor k = attn.k_proj(x).view({B, S, Hkv, D});  // (B, S, Hkv, D)
-  torch::Tensor v = attn.v_proj(x).view({B, S, Hkv, D});
+  // The session's adapters too (a LoRA session samples from its trained weights).
+  torch::Tensor q = Project(attn.q_proj, attn.q_lora, x).view({B, S, Hq, D});   // (B, S, Hq, D)
+  torch::Tensor k = Project(attn.k_proj, attn.k_lora, x).view({B, S, Hkv, D});  // (B, S, Hkv, D)
+  torch::Tensor v = Project(attn.v_proj, attn.v_lora, x).view({B, S, Hkv, D});
   if (attn.q_norm) {
     q = attn.q_norm(q);
     k = attn.k_norm(k);
@@ -55,7 +62,7 @@ torch::Tensor LayerForward(const ModelConfig& c, DecoderLayerImpl& layer, const 
                                            step.key_mask);
   }
   torch::Tensor heads = out.transpose(1, 2).reshape({B, S, Hq * D});  // (B, S, Hq * D)
-  return layer.MlpBlock(Residual(h, heads, attn.o_proj));
+  return layer.MlpBlock(Residual(h, heads, attn.o_proj, attn.o_lora));
 }
 
 torch::Tensor RunLayers(CausalLMImpl& model, const torch::Tensor& ids, const torch::Tensor& positions, KvCache& cache,

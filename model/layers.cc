@@ -80,13 +80,32 @@ torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope) {
   return kernels::Rope(x, rope.cos, rope.sin);  // (B, S, H, D)
 }
 
+torch::Tensor LoraDelta(const LoraAdapter& lora, const torch::Tensor& x) {
+  // (..., rank) first: never an (in, out) product of the two factors.
+  namespace F = torch::nn::functional;
+  return F::linear(F::linear(x, lora.A->weight), lora.B->weight) * lora.scale;  // (..., out)
+}
+
+torch::Tensor Project(const torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x) {
+  torch::Tensor y = torch::nn::functional::linear(x, linear->weight, linear->bias);  // (..., out): Linear's forward
+  if (!lora) return y;
+  return y + LoraDelta(lora, x);  // PEFT's order: base output, then the adapter's term
+}
+
 namespace {
-// residual + x @ linear.weight^T (+ bias): the add rides the GEMM's epilogue where the fused
-// kernels run (see kernels::AddLinear).
-torch::Tensor ResidualLinear(const torch::Tensor& residual, const torch::Tensor& x, const torch::nn::Linear& linear) {
+// residual + x @ linear.weight^T (+ bias) (+ the adapter's term): the add rides the GEMM's
+// epilogue where the fused kernels run (see kernels::AddLinear).
+torch::Tensor ResidualLinear(const torch::Tensor& residual, const torch::Tensor& x, const torch::nn::Linear& linear,
+                             const LoraAdapter& lora) {
+  torch::Tensor y;
   // With a bias, transformers' residual + (x W^T + b): the same order, so the CPU stays bitwise equal.
-  if (linear->bias.defined()) return residual + torch::nn::functional::linear(x, linear->weight, linear->bias);
-  return kernels::AddLinear(residual, x, linear->weight);
+  if (linear->bias.defined()) {
+    if (lora) return residual + Project(linear, lora, x);
+    y = residual + torch::nn::functional::linear(x, linear->weight, linear->bias);
+  } else {
+    y = kernels::AddLinear(residual, x, linear->weight);
+  }
+  return lora ? y + LoraDelta(lora, x) : y;
 }
 }  // namespace
 
@@ -108,9 +127,9 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
 
 torch::Tensor AttentionImpl::Heads(const torch::Tensor& x, const LayerContext& ctx) {
   const int64_t B = x.size(0), S = x.size(1);
-  torch::Tensor q = q_proj(x).view({B, S, heads_, head_dim_});     // (B, S, Hq, D)
-  torch::Tensor k = k_proj(x).view({B, S, kv_heads_, head_dim_});  // (B, S, Hkv, D)
-  torch::Tensor v = v_proj(x).view({B, S, kv_heads_, head_dim_});
+  torch::Tensor q = Project(q_proj, q_lora, x).view({B, S, heads_, head_dim_});     // (B, S, Hq, D)
+  torch::Tensor k = Project(k_proj, k_lora, x).view({B, S, kv_heads_, head_dim_});  // (B, S, Hkv, D)
+  torch::Tensor v = Project(v_proj, v_lora, x).view({B, S, kv_heads_, head_dim_});
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);
@@ -122,7 +141,7 @@ torch::Tensor AttentionImpl::Heads(const torch::Tensor& x, const LayerContext& c
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const LayerContext& ctx) {
-  return o_proj(Heads(x, ctx));
+  return Project(o_proj, o_lora, Heads(x, ctx));
 }
 
 MlpImpl::MlpImpl(const ModelConfig& c) {
@@ -135,10 +154,10 @@ MlpImpl::MlpImpl(const ModelConfig& c) {
 }
 
 torch::Tensor MlpImpl::Hidden(const torch::Tensor& x) {
-  return kernels::SwiGlu(gate_proj(x), up_proj(x));  // (..., intermediate)
+  return kernels::SwiGlu(Project(gate_proj, gate_lora, x), Project(up_proj, up_lora, x));  // (..., intermediate)
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(Hidden(x)); }
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return Project(down_proj, down_lora, Hidden(x)); }
 
 DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
@@ -159,11 +178,11 @@ torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const Lay
                                      dsa->o_proj);
     return indexer_loss.defined() ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight()) : y;
   }
-  return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj);
+  return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj, self_attn->o_lora);
 }
 
 torch::Tensor DecoderLayerImpl::MlpBlock(const torch::Tensor& h) {
-  return ResidualLinear(h, mlp->Hidden(post_attention_layernorm(h)), mlp->down_proj);
+  return ResidualLinear(h, mlp->Hidden(post_attention_layernorm(h)), mlp->down_proj, mlp->down_lora);
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& h, const LayerContext& ctx) {

@@ -48,6 +48,21 @@ RopeTables MakeRopeTables(const torch::Tensor& inv_freq, const torch::Tensor& po
 // x (B, S, H, D) rotated by the tables (B, S, D) (kernels::Rope).
 torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope);
 
+// A LoRA adapter on one projection (PEFT's LoraLayer, dropout 0): the projection's output gains
+// scale * (x A^T) B^T. A = lora_A.weight (rank, in), B = lora_B.weight (out, rank) are Linear
+// modules registered under the projection's own module (AttachLora, model/causal_lm.h), so
+// named_parameters() are PEFT's names: model.layers.N.self_attn.q_proj.lora_A.weight.
+// Null handles (the default) mean no adapter.
+struct LoraAdapter {
+  torch::nn::Linear A{nullptr}, B{nullptr};
+  double scale = 0;
+  explicit operator bool() const { return static_cast<bool>(A); }
+};
+// linear(x) plus the adapter's term when it has one. x (..., in) -> (..., out).
+torch::Tensor Project(const torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x);
+// scale * (x A^T) B^T. REQUIRES: lora. x (..., in) -> (..., out).
+torch::Tensor LoraDelta(const LoraAdapter& lora, const torch::Tensor& x);
+
 // What every layer of one forward pass shares.
 struct LayerContext {
   RopeTables rope;
@@ -63,6 +78,7 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor Heads(const torch::Tensor& x, const LayerContext& ctx);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 only
+  LoraAdapter q_lora, k_lora, v_lora, o_lora;  // set by AttachLora
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -76,6 +92,7 @@ class MlpImpl : public torch::nn::Module {
   // silu(gate_proj(x)) * up_proj(x): (..., hidden) -> (..., intermediate), before down_proj.
   torch::Tensor Hidden(const torch::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  LoraAdapter gate_lora, up_lora, down_lora;  // set by AttachLora
 };
 TORCH_MODULE(Mlp);
 

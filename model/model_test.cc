@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
 #include "model/causal_lm.h"
 #include "model/decode.h"
+#include "model/safetensors.h"
 #include "model/weights.h"
 
 namespace odyssey::model {
@@ -78,10 +80,23 @@ TEST(ModelTest, PackedDocumentsEqualSeparateSequences) {
 // forward on the whole sequence at every position: rows of different prompt lengths prefilled
 // together right-padded, then decoded one token at a time at each row's own position.
 TEST(ModelTest, KvCacheDecodingEqualsTheFullForward) {
-  for (Architecture arch : {Architecture::kLlama, Architecture::kQwen2, Architecture::kQwen3}) {
-    SCOPED_TRACE(static_cast<int>(arch));
+  // The last pass carries LoRA adapters on every projection (B nonzero, so they act): a LoRA
+  // session samples from its adapted weights.
+  const std::vector<std::pair<Architecture, bool>> passes = {
+      {Architecture::kLlama, false}, {Architecture::kQwen2, false}, {Architecture::kQwen3, false}, {Architecture::kLlama, true}};
+  for (const auto& [arch, lora] : passes) {
+    SCOPED_TRACE(absl::StrCat(static_cast<int>(arch), lora ? " with LoRA" : ""));
     CausalLM m(SmallConfig(arch));
     m->InitRandom(5, 0.1);
+    if (lora) {
+      LoraConfig adapters;
+      adapters.rank = 2;
+      adapters.alpha = 4;
+      ASSERT_TRUE(AttachLora(*m, adapters, 3).ok());
+      torch::NoGradGuard no_grad;
+      for (auto& p : m->named_parameters())
+        if (p.key().find(".lora_B.") != std::string::npos) p.value().normal_(0, 0.2);
+    }
     torch::NoGradGuard no_grad;
     const std::vector<int64_t> prompt_len = {5, 9, 2};
     const int64_t B = 3, steps = 4, P = 9;
@@ -400,6 +415,79 @@ TEST(HybridModelTest, SafetensorsRoundTripKeepsTheGatesInFp32) {
       EXPECT_TRUE(torch::equal(p.value(), w.to(torch::kBFloat16).to(torch::kFloat32))) << p.key();
     }
   }
+// LoRA: adapters add scale * B A x to exactly the targeted projections (checked against the
+// formula written out), start as a no-op (B = 0), carry PEFT's tensor names, freeze the base, and
+// merge into weights that give the same logits; the adapter folder round-trips and a folder of
+// another rank is refused by name.
+TEST(ModelTest, LoraAdaptersFollowTheFormulaMergeAndRoundTrip) {
+  torch::manual_seed(1);
+  const ModelConfig c = SmallConfig(Architecture::kQwen2);  // biases on q/k/v
+  CausalLM m(c);
+  m->InitRandom(2, 0.1);
+  torch::Tensor ids = torch::randint(0, c.vocab_size, {2, 9}, torch::kInt64);
+  ForwardInputs in;
+  in.input_ids = ids;
+  torch::NoGradGuard no_grad;
+  const torch::Tensor base = m->Logits(in);  // (B, S, V)
+  LoraConfig lora;
+  lora.rank = 3;
+  lora.alpha = 5;
+  lora.target_modules = {"down_proj", "q_proj", "o_proj", "up_proj"};
+  ASSERT_TRUE(AttachLora(*m, lora, 7).ok());
+  EXPECT_EQ(AttachLora(*m, lora, 7).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(torch::equal(m->Logits(in), base)) << "B starts at zero";
+  std::set<std::string> adapters;
+  for (auto& p : m->named_parameters()) {
+    EXPECT_EQ(p.value().requires_grad(), IsLoraParameter(p.key())) << p.key();
+    if (IsLoraParameter(p.key())) {
+      adapters.insert(p.key());
+      if (p.key().find(".lora_B.") != std::string::npos) p.value().normal_(0.0, 0.2);
+    }
+  }
+  EXPECT_EQ(adapters.size(), 2u * 4u * 2u);
+  EXPECT_TRUE(adapters.count("model.layers.1.self_attn.q_proj.lora_A.weight"));
+  EXPECT_TRUE(adapters.count("model.layers.0.mlp.down_proj.lora_B.weight"));
+  EXPECT_FALSE(adapters.count("model.layers.0.self_attn.k_proj.lora_A.weight"));
+  EXPECT_EQ(lora.NumParameters(c), [&] {
+    int64_t n = 0;
+    for (auto& p : m->named_parameters())
+      if (IsLoraParameter(p.key())) n += p.value().numel();
+    return n;
+  }());
+  // The formula on one projection: q_proj(x) + 5/3 * x A^T B^T.
+  AttentionImpl& a = *m->model->layer_list[0]->self_attn;
+  torch::Tensor x = torch::randn({4, c.hidden_size});
+  torch::Tensor want = torch::nn::functional::linear(x, a.q_proj->weight, a.q_proj->bias) +
+                       torch::matmul(torch::matmul(x, a.q_lora.A->weight.t()), a.q_lora.B->weight.t()) * (5.0 / 3.0);
+  EXPECT_LT((Project(a.q_proj, a.q_lora, x) - want).abs().max().item<double>(), 1e-6);
+  const torch::Tensor adapted = m->Logits(in);
+  EXPECT_GT((adapted - base).abs().max().item<double>(), 1e-3) << "the adapters change the output";
+  // Merged weights in a plain model give the adapted logits.
+  CausalLM plain(c);
+  auto plain_params = plain->named_parameters();
+  const auto merged = MergedParameters(*m);
+  EXPECT_EQ(merged.size(), plain_params.size());
+  for (const auto& [name, t] : merged) plain_params[name].copy_(t);
+  EXPECT_LT((plain->Logits(in) - adapted).abs().max().item<double>(), 1e-5);
+  // The adapter folder: PEFT's names, loaded into fresh adapters.
+  const auto dir = std::filesystem::temp_directory_path() / "odyssey_model_test_lora";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(SaveLoraAdapter(m, dir.string(), torch::kFloat32, "base").ok());
+  auto file = SafetensorsFile::Open((dir / "adapter_model.safetensors").string());
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->tensors().size(), adapters.size());
+  EXPECT_TRUE((*file)->tensors().count("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"));
+  CausalLM loaded(c);
+  for (auto& p : loaded->named_parameters()) p.value().copy_(m->named_parameters()[p.key()]);
+  ASSERT_TRUE(AttachLora(*loaded, lora, 99).ok());
+  ASSERT_TRUE(LoadLoraAdapter(loaded, dir.string()).ok());
+  EXPECT_TRUE(torch::equal(loaded->Logits(in), adapted));
+  CausalLM other(c);
+  LoraConfig rank2 = lora;
+  rank2.rank = 2;
+  ASSERT_TRUE(AttachLora(*other, rank2, 1).ok());
+  absl::Status s = LoadLoraAdapter(other, dir.string());
+  EXPECT_NE(s.message().find("adapters of rank 3"), std::string::npos) << s;
   std::filesystem::remove_all(dir);
 }
 

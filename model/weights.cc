@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/files.h"
 #include "model/safetensors.h"
 #include "common/log.h"
@@ -18,6 +19,7 @@ absl::Status LoadHfWeights(CausalLM& model, const std::string& dir) {
   torch::NoGradGuard no_grad;
   std::set<std::string> used;
   for (auto& p : model->named_parameters()) {
+    if (IsLoraParameter(p.key())) continue;  // adapters load from their own folder (LoadLoraAdapter)
     if (!ckpt->Has(p.key())) {
       return absl::NotFoundError(absl::StrCat("checkpoint ", dir, ": missing tensor '", p.key(),
                                               "' that the model (", model->config().num_hidden_layers,
@@ -69,8 +71,10 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   {
     torch::NoGradGuard no_grad;
-    for (auto& p : model->named_parameters()) {
-      tensors.emplace_back(p.key(), p.value().detach().to(IsFp32Parameter(p.key()) ? torch::kFloat32 : options.dtype));
+    // Adapters folded into their projections: a plain model folder (MergedParameters); the
+    // hybrid layers' fp32 gates stay fp32.
+    for (auto& [name, t] : MergedParameters(*model)) {
+      tensors.emplace_back(name, t.to(IsFp32Parameter(name) ? torch::kFloat32 : options.dtype));
     }
   }
   if (absl::Status s = WriteSafetensorsCheckpoint(dir, tensors, options.max_shard_bytes); !s.ok()) return s;
@@ -78,6 +82,79 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
                                            ToHfConfigJson(model->config(), DtypeName(options.dtype)));
       !s.ok())
     return s;
+  return CopyModelFolderFiles(options.base_dir, dir);
+}
+
+namespace {
+constexpr char kPeftPrefix[] = "base_model.model.";
+}  // namespace
+
+absl::Status SaveLoraAdapter(CausalLM& model, const std::string& dir, torch::Dtype dtype, const std::string& base_model) {
+  if (!model->lora().enabled()) return absl::FailedPreconditionError("the model has no LoRA adapters to save");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create directory (", ec.message(), ")"));
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters())
+      if (IsLoraParameter(p.key())) tensors.emplace_back(kPeftPrefix + p.key(), p.value().detach().to(dtype));
+  }
+  const std::filesystem::path root(dir);
+  if (absl::Status s = WriteSafetensors((root / "adapter_model.safetensors").string(), tensors); !s.ok()) return s;
+  return WriteFileAtomically((root / "adapter_config.json").string(),
+                             ToPeftAdapterConfigJson(model->lora(), base_model));
+}
+
+absl::Status CheckLoraAdapter(CausalLM& model, const std::string& dir) {
+  if (!model->lora().enabled()) return absl::FailedPreconditionError("the model has no LoRA adapters to load into");
+  const std::filesystem::path root(dir);
+  const std::string config_path = (root / "adapter_config.json").string();
+  absl::StatusOr<std::string> text = ReadRegularFile(config_path, size_t{1} << 20);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<LoraConfig> saved = ParsePeftAdapterConfig(*text, config_path);
+  if (!saved.ok()) return saved.status();
+  const LoraConfig& mine = model->lora();
+  if (saved->rank != mine.rank || saved->Targets() != mine.Targets() || saved->scale() != mine.scale())
+    return absl::FailedPreconditionError(absl::StrCat(
+        config_path, ": adapters of rank ", saved->rank, " on ", absl::StrJoin(saved->Targets(), ","), " (scale ",
+        saved->scale(), "), the job's lora is rank ", mine.rank, " on ", absl::StrJoin(mine.Targets(), ","), " (scale ",
+        mine.scale(), ")"));
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::Open((root / "adapter_model.safetensors").string());
+  if (!file.ok()) return file.status();
+  for (auto& p : model->named_parameters()) {
+    if (!IsLoraParameter(p.key())) continue;
+    auto it = (*file)->tensors().find(kPeftPrefix + p.key());
+    if (it == (*file)->tensors().end())
+      return absl::FailedPreconditionError(absl::StrCat(dir, ": adapter_model.safetensors lacks '", kPeftPrefix,
+                                                        p.key(), "'"));
+    if (it->second.shape != p.value().sizes().vec())
+      return absl::FailedPreconditionError(absl::StrCat(dir, ": '", kPeftPrefix, p.key(), "' has shape [",
+                                                        absl::StrJoin(it->second.shape, ", "), "], the model's is [",
+                                                        absl::StrJoin(p.value().sizes().vec(), ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadLoraAdapter(CausalLM& model, const std::string& dir) {
+  if (absl::Status s = CheckLoraAdapter(model, dir); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::Open((std::filesystem::path(dir) / "adapter_model.safetensors").string());
+  if (!file.ok()) return file.status();
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters()) {
+    if (!IsLoraParameter(p.key())) continue;
+    absl::StatusOr<torch::Tensor> t = (*file)->Read(kPeftPrefix + p.key());
+    if (!t.ok()) return t.status();
+    p.value().copy_(*t);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExportModel(CausalLM& model, const std::string& dir, const SaveOptions& options) {
+  if (!model->lora().enabled() || model->lora().merge) return SaveHfCheckpoint(model, dir, options);
+  if (absl::Status s = SaveLoraAdapter(model, dir, options.dtype, options.base_dir); !s.ok()) return s;
   return CopyModelFolderFiles(options.base_dir, dir);
 }
 

@@ -13,7 +13,7 @@
 
 namespace odyssey::model {
 
-// Copies every parameter of `model` from the checkpoint in `dir` (dtype converted to the
+// Copies every parameter of `model` but LoRA adapters from the checkpoint in `dir` (dtype converted to the
 // parameter's). Errors name the file and the tensor: a missing tensor, a wrong shape, an
 // integer tensor where a float is expected. Tensors the model does not use are ignored.
 absl::Status LoadHfWeights(CausalLM& model, const std::string& dir);
@@ -33,10 +33,29 @@ struct SaveOptions {
   // CopyModelFolderFiles copies into the saved folder from there, when it is a folder.
   std::string base_dir{};
 };
-// Writes config.json and the weights to `dir` (created if needed), then the tokenizer and
+// Writes config.json and the weights to `dir` (created if needed; LoRA adapters merged into
+// their projections, MergedParameters), then the tokenizer and
 // generation files of options.base_dir (CopyModelFolderFiles), so the folder is a complete model
 // that transformers and vLLM load as is.
 absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const SaveOptions& options = {});
+
+// A PEFT adapter folder for the model's LoRA adapters: adapter_config.json (ToPeftAdapterConfigJson,
+// naming `base_model`) and adapter_model.safetensors with PEFT's tensor names
+// ("base_model.model." + the parameter's name, e.g. base_model.model.model.layers.0.self_attn.
+// q_proj.lora_A.weight) in `dtype`: peft.PeftModel.from_pretrained(base, dir) loads it.
+// FAILED_PRECONDITION when the model has no adapters.
+absl::Status SaveLoraAdapter(CausalLM& model, const std::string& dir, torch::Dtype dtype, const std::string& base_model);
+// Checks that `dir` holds adapters of the model's LoRA config (rank, targets, scale) with every
+// tensor at the model's shape, reading no tensor data; errors name the file and the mismatch.
+absl::Status CheckLoraAdapter(CausalLM& model, const std::string& dir);
+// CheckLoraAdapter, then copies the adapters from `dir` into the model (nothing is copied when
+// the check fails).
+absl::Status LoadLoraAdapter(CausalLM& model, const std::string& dir);
+
+// What an export writes (ExportWeights): for a model with LoRA adapters, the PEFT adapter folder
+// (SaveLoraAdapter, naming options.base_dir as the base model) plus the base folder's tokenizer
+// and generation files, or with lora().merge the merged model folder; otherwise SaveHfCheckpoint.
+absl::Status ExportModel(CausalLM& model, const std::string& dir, const SaveOptions& options);
 
 // The files of a Hugging Face model folder that are not weights or config.json and that a
 // loader needs beside them: tokenizer files (tokenizer.json, tokenizer_config.json,

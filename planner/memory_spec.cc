@@ -85,18 +85,31 @@ int64_t RankSeqLen(const v1::JobSpec& spec) {
   return (spec.data().seq_len() + cp - 1) / cp;
 }
 
+absl::StatusOr<model::LoraConfig> LoraFromProto(const v1::LoraSpec& spec, absl::string_view prefix) {
+  model::LoraConfig c;
+  c.rank = spec.rank();
+  c.alpha = spec.alpha();
+  c.dropout = spec.dropout();
+  c.target_modules.assign(spec.target_modules().begin(), spec.target_modules().end());
+  c.merge = spec.merge();
+  if (absl::Status s = c.Validate(std::string(prefix)); !s.ok()) return s;
+  return c;
+}
+
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware) {
-  absl::StatusOr<MemoryFields> fields = MemoryFieldsFromProto(spec.memory());
-  if (!fields.ok()) return fields.status();
-  return PlanModelJob(spec.model().name(), spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields,
-                      hardware);
+  absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(spec.model().name());
+  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
+  return PlanJobSpec(spec, *config, hardware);
 }
 
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,
                                     const Hardware& hardware) {
   absl::StatusOr<MemoryFields> fields = MemoryFieldsFromProto(spec.memory());
   if (!fields.ok()) return fields.status();
-  return PlanModelJob(config, spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields, hardware);
+  absl::StatusOr<model::LoraConfig> lora = LoraFromProto(spec.lora());
+  if (!lora.ok()) return lora.status();
+  return PlanModelJob(config, spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields, hardware,
+                      *lora);
 }
 
 }  // namespace odyssey::planner

@@ -18,6 +18,9 @@ namespace odyssey::planner {
 // "<prefix>.<field>" and the rule for a value no strategy can take ("spec.memory.offload:
 // ('sometimes') must be on, off, auto or empty"), in server/validation.h's "field: rule" form.
 absl::StatusOr<MemoryFields> MemoryFieldsFromProto(const v1::MemorySpec& spec, absl::string_view prefix = "spec.memory");
+// JobSpec.lora as the engine's LoraConfig, validated (model-free rules); INVALID_ARGUMENT naming
+// "<prefix>.<field>" and the rule. The dims rule needs the model: PlanModelJob checks it.
+absl::StatusOr<model::LoraConfig> LoraFromProto(const v1::LoraSpec& spec, absl::string_view prefix = "spec.lora");
 // Every field of `strategy` written out (nothing left unset).
 void MemoryStrategyToProto(const MemoryStrategy& strategy, v1::MemorySpec* out);
 

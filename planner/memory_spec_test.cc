@@ -100,6 +100,46 @@ v1::JobSpec Spec3B(int64_t seq_len);
 // A field set alone acts: device_resident without offload makes the planner offload (it counts
 // offloaded inputs kept on the GPU), and where nothing chooses (a CPU worker applies the fields
 // over the defaults) it is refused, naming the field, rather than ignored.
+// JobSpec.lora arrives as set, and each refusal names spec.lora.<field> and the rule.
+TEST(MemorySpecTest, LoraSpecArrivesOrIsRefusedByName) {
+  v1::LoraSpec spec;
+  auto none = LoraFromProto(spec);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->enabled());
+  spec.set_rank(8);
+  spec.set_alpha(16);
+  spec.add_target_modules("v_proj");
+  spec.add_target_modules("q_proj");
+  spec.set_merge(true);
+  auto lora = LoraFromProto(spec);
+  ASSERT_TRUE(lora.ok()) << lora.status();
+  EXPECT_EQ(lora->rank, 8);
+  EXPECT_EQ(lora->scale(), 2.0);
+  EXPECT_TRUE(lora->merge);
+  EXPECT_EQ(lora->Targets(), (std::vector<std::string>{"q_proj", "v_proj"}));
+  struct Case {
+    std::function<void(v1::LoraSpec&)> set;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::LoraSpec& l) { l.set_rank(-1); }, "spec.lora.rank: (-1) must be in [0, 1024]"},
+      {[](v1::LoraSpec& l) { l.set_rank(0); }, "spec.lora.rank: (0) must be > 0 when other spec.lora fields are set"},
+      {[](v1::LoraSpec& l) { l.set_alpha(-2); }, "spec.lora.alpha: (-2) must be >= 0 and finite"},
+      {[](v1::LoraSpec& l) { l.set_dropout(0.05); }, "spec.lora.dropout: (0.05) must be 0"},
+      {[](v1::LoraSpec& l) { l.add_target_modules("embed_tokens"); },
+       "spec.lora.target_modules[2]: (\"embed_tokens\") must be one of q_proj, k_proj"},
+      {[](v1::LoraSpec& l) { l.add_target_modules("q_proj"); }, "spec.lora.target_modules[2]: (\"q_proj\") is named twice"},
+  };
+  for (const Case& c : cases) {
+    v1::LoraSpec bad = spec;
+    c.set(bad);
+    auto r = LoraFromProto(bad);
+    ASSERT_FALSE(r.ok()) << c.message;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(c.message), std::string::npos) << r.status();
+  }
+}
+
 TEST(MemorySpecTest, DeviceResidentAloneActsOrIsRefused) {
   v1::JobSpec spec = Spec3B(65536);
   spec.mutable_memory()->set_device_resident(2);

@@ -65,7 +65,7 @@ Request RequestFor(const ModelShape& model, int64_t seq_len, int64_t batch_size,
 
 }  // namespace
 
-ModelShape ShapeOf(const model::ModelConfig& c) {
+ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
   ModelShape m;
   m.layers = c.num_hidden_layers;
   m.hidden = c.hidden_size;
@@ -90,6 +90,11 @@ ModelShape ShapeOf(const model::ModelConfig& c) {
     m.index_top_k = c.hybrid.index_top_k;
     m.largest = std::max(m.largest, m.kda_heads * m.kda_head_dim * c.hidden_size);
   }
+  if (lora.enabled()) {
+    m.lora_params = lora.NumParameters(c);
+    // B of gate/up (intermediate x rank) or of q (heads x head_dim x rank) is the largest.
+    m.lora_largest = lora.rank * std::max({c.intermediate_size, c.hidden_size, c.num_attention_heads * c.HeadDim()});
+  }
   return m;
 }
 
@@ -109,11 +114,16 @@ Prediction Predict(const Request& r) {
 
   // Persistent through the step: the parameters and, with the optimizer on the device, its
   // fp32 state (master + two moments in bf16 training; fp32 training has no master).
+  // With LoRA the base is frozen: its params only; the adapters (in the params' dtype) carry
+  // the optimizer state, and only they (not the head) get gradients.
+  const bool lora = m.lora_params > 0;
+  const int64_t trainable = m.Trainable();
   Terms persistent;
-  persistent.emplace_back("params", m.params * e);
+  persistent.emplace_back(lora ? "params (frozen base)" : "params", m.params * e);
+  if (lora) persistent.emplace_back("LoRA adapters", m.lora_params * e);
   if (!st.optimizer_on_host) {
     persistent.emplace_back(e == 4 ? "optimizer state (fp32 moments)" : "optimizer state (fp32 master and moments)",
-                            m.params * (e == 4 ? 8 : 12));
+                            trainable * (e == 4 ? 8 : 12));
   }
   persistent.emplace_back("workspaces and small buffers", kOverhead);
 
@@ -128,10 +138,10 @@ Prediction Predict(const Request& r) {
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
   // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
   // each layer's gradients leave the GPU as they are produced.
-  const int64_t layer_params = (m.params - m.vocab * H) / L;
-  const int64_t head_grad = m.vocab * H * e;
+  const int64_t layer_params = lora ? m.lora_params / L : (m.params - m.vocab * H) / L;
+  const int64_t head_grad = lora ? 0 : m.vocab * H * e;
   const int64_t grads_bottom = st.optimizer_on_host ? head_grad + layer_params * e
-                                                    : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
+                                                    : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
   const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
   // Without recompute every layer's autograd state stays until backward reaches it: the
   // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
@@ -195,7 +205,7 @@ Prediction Predict(const Request& r) {
   // logits, their fp32 copy and the softmax (10 bytes per logit), the head gradient's fp32
   // accumulator; untiled, autograd's logits, log-softmax and their gradients (~12 bytes each).
   const int64_t loss_work = st.loss_tile > 0 && st.loss_tile < T
-                                ? std::min(st.loss_tile, T) * m.vocab * 10 + m.vocab * H * 4
+                                ? std::min(st.loss_tile, T) * m.vocab * 10 + (lora ? 0 : m.vocab * H * 4)
                                 : T * m.vocab * 12;
 
   Terms loss_phase = {{"final hidden state, its gradient, the final norm's input", 3 * act},
@@ -231,8 +241,8 @@ Prediction Predict(const Request& r) {
   };
   // The step: every gradient (on the host: the last in flight) and, on a CPU rank (libtorch's
   // AdamW ops), fp32 transients of the largest parameter; the fused GPU kernel allocates none.
-  const int64_t step_transients = r.hardware.cpu ? m.largest * 4 * 3 : 0;
-  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : m.params * e}};
+  const int64_t step_transients = r.hardware.cpu ? m.LargestTrainable() * 4 * 3 : 0;
+  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.LargestTrainable() * e : trainable * e}};
   if (step_transients > 0) step_phase.emplace_back("AdamW transients (largest parameter)", step_transients);
 
   const std::vector<std::pair<std::string, Terms>> phases = {{"loss backward", loss_phase},
@@ -258,7 +268,7 @@ Prediction Predict(const Request& r) {
   // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
-  if (st.optimizer_on_host) p.host_bytes += m.params * (12 + e);
+  if (st.optimizer_on_host) p.host_bytes += trainable * (12 + e);
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
   p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
@@ -417,14 +427,17 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     const model::LoraConfig& lora) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     const model::LoraConfig& lora) {
+  if (absl::Status s = lora.Validate("spec.lora", &config); !s.ok()) return s;
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
                                                    ") must divide the model's num_key_value_heads (",
@@ -442,7 +455,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
       return absl::InvalidArgumentError(absl::StrCat("spec.memory.keep_attention (true", why));
   }
   JobPlanRequest q;
-  q.model = ShapeOf(config);
+  q.model = ShapeOf(config, lora);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

@@ -48,8 +48,14 @@ struct ModelShape {
   int64_t kda_layers = 0, dsa_layers = 0;
   int64_t kda_heads = 0, kda_head_dim = 0, kda_chunk = 64;
   int64_t index_heads = 0, index_head_dim = 0, index_top_k = 0;
+  // > 0: LoRA (model::LoraConfig): the `params` are frozen (no gradients, masters or moments) and
+  // only these adapter parameters train; `lora_largest` is the largest adapter tensor.
+  int64_t lora_params = 0, lora_largest = 0;
+  int64_t Trainable() const { return lora_params > 0 ? lora_params : params; }
+  int64_t LargestTrainable() const { return lora_params > 0 ? lora_largest : largest; }
 };
-ModelShape ShapeOf(const model::ModelConfig& config);
+// `lora` (rank 0: none) adds the adapters and freezes the rest.
+ModelShape ShapeOf(const model::ModelConfig& config, const model::LoraConfig& lora = {});
 
 struct Hardware {
   int64_t gpu_bytes = int64_t{136} << 30;   // what the allocator may use (H200: 139 GiB less context)
@@ -130,10 +136,14 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
 // planner/memory_spec.h) and the worker all apply. INVALID_ARGUMENT naming the JobSpec field
 // ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware);
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     const model::LoraConfig& lora = {});
 // The same for a model already resolved (callers that need its config anyway resolve it once).
+// `lora`: the job's adapters (rank 0: full fine-tuning); INVALID_ARGUMENT naming spec.lora.<field>
+// when they cannot run on the model.
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware);
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     const model::LoraConfig& lora = {});
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);

@@ -195,6 +195,49 @@ TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   EXPECT_FALSE(Choose(Llama3B(), max + 16384 * 2, 1, h200).ok());
 }
 
+// LoRA on the 8B shape: the frozen bf16 base is 2 bytes per parameter with no masters, moments
+// or gradients; the adapters carry the fp32 state and the only gradients (the head has none, nor
+// its fp32 accumulator); the activation terms are those of full fine-tuning. It fits where full
+// fine-tuning does not, and the longest sequence grows.
+TEST(PlannerTest, LoraFreezesTheBaseAndTheSavingShowsOnThe8BShape) {
+  const model::ModelConfig config = *model::NamedShape("llama-3.1-8b");
+  model::LoraConfig lora;
+  lora.rank = 16;
+  const ModelShape full = ShapeOf(config), adapted = ShapeOf(config, lora);
+  // 32 layers x 16 x (q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate and up
+  // 4096+14336 each, down 14336+4096).
+  const int64_t per_layer = 16 * (8192 + 5120 + 5120 + 8192 + 3 * 18432);
+  EXPECT_EQ(adapted.lora_params, 32 * per_layer);
+  EXPECT_EQ(adapted.lora_params, lora.NumParameters(config));
+  Request r;
+  r.model = adapted;
+  r.seq_len = 65536;
+  r.strategy = StrategyOf("layer", 2, false, 0, 8192, 2048, 1);
+  const Prediction p = Predict(r);
+  EXPECT_EQ(Term(p, "params (frozen base)"), full.params * 2);
+  EXPECT_EQ(Term(p, "LoRA adapters"), adapted.lora_params * 2);
+  EXPECT_EQ(Term(p, "optimizer state"), adapted.lora_params * 12);
+  r.model = full;
+  const Prediction f = Predict(r);
+  EXPECT_EQ(Term(f, "optimizer state"), full.params * 12);
+  EXPECT_EQ(Term(p, "one layer's activations"), Term(f, "one layer's activations"));
+  EXPECT_EQ(Term(p, "checkpointed"), Term(f, "checkpointed"));
+  EXPECT_LT(p.gpu_peak_bytes, f.gpu_peak_bytes - full.params * 12);
+  Hardware h200;
+  const int64_t full_max = MaxSeqLen(full, h200), lora_max = MaxSeqLen(adapted, h200);
+  std::cout << "llama-3.1-8b on one H200: longest sequence " << full_max << " full, " << lora_max
+            << " with LoRA rank 16\n";
+  EXPECT_GT(lora_max, full_max);
+  // The one planning rule reads the adapters, and names the field it refuses.
+  MemoryFields none;
+  auto plan = PlanModelJob(config, "bfloat16", 65536, 1, none, h200, lora);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Term(plan->prediction, "LoRA adapters"), adapted.lora_params * 2);
+  lora.rank = 2000;
+  EXPECT_NE(PlanModelJob(config, "bfloat16", 65536, 1, none, h200, lora).status().message().find("spec.lora.rank: (2000)"),
+            std::string::npos);
+}
+
 // A job's memory fields over the planner's choice, as a worker applies them.
 TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
   const MemoryStrategy chosen = StrategyOf("layer", 2, true, 10, 8192, 2048, 4);

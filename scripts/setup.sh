@@ -6,8 +6,9 @@
 # for promtool, which checks deploy/prometheus/alerts.yml and fires each alert in a test,
 # bazel-bootstrap for the Bazel build beside CMake, scripts/bazel-test.sh and docs/build.md) and a
 # project-local Python venv (.venv) with torch==2.11.0 (the libtorch the build links) and
-# transformers (parity tests), grpcio + grpcio-tools + setuptools >= 70.1 (the Python client and
-# its tests), kubernetes-validate (deploy/'s manifests against the Kubernetes schemas). Idempotent: a second run only checks.
+# transformers and peft (parity tests), grpcio + grpcio-tools + setuptools >= 70.1 (the Python
+# client and its tests), kubernetes-validate (deploy/'s manifests against the Kubernetes schemas),
+# matplotlib (`odyssey plot`). Idempotent: a second run only checks.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -38,6 +39,11 @@ if ! .venv/bin/python -c 'import torch, transformers, safetensors; assert torch.
   echo "setup: installing torch==2.11.0 and transformers into .venv (large download, once)"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.11.0" "transformers>=4.56,<5" safetensors numpy pyyaml grpcio grpcio-tools
+fi
+# peft (tests/parity/run_parity.py loads odyssey's LoRA adapter folders with it); a few seconds.
+if ! .venv/bin/python -c 'import peft' 2>/dev/null; then
+  echo "setup: installing peft into .venv"
+  .venv/bin/pip install -q "peft>=0.13,<1"
 fi
 # The Python client's tests (client/python/tests) build and install the package offline
 # (pip --no-build-isolation): they need grpcio-tools to generate its stubs and a setuptools that

@@ -59,7 +59,7 @@ std::string Shape(const odyssey::model::ModelConfig& c) {
 // spec.resume_from: a checkpoint folder an odyssey job wrote (weights, optimizer state and
 // trainer_state.json), of the model's shape and, for SFT, before `steps`.
 absl::Status CheckResumeFrom(const v1::JobSpec& spec, const odyssey::model::ModelConfig& model, const std::string& p,
-                             bool rl) {
+                             bool rl, const odyssey::model::LoraConfig& lora) {
   const std::string field = p + ".resume_from";
   const std::string& dir = spec.resume_from();
   ODYSSEY_RETURN_IF_ERROR(CheckDirectory(dir, field, /*required=*/true));
@@ -76,6 +76,15 @@ absl::Status CheckResumeFrom(const v1::JobSpec& spec, const odyssey::model::Mode
                                          "weights only: to start from its weights with a fresh optimizer, name it "
                                          "in model.name instead)"));
     }
+  }
+  // A LoRA job resumes from its adapters, a full one from weights: the checkpoint must be of its kind.
+  const bool has_adapters = std::filesystem::exists(std::filesystem::path(dir) / "adapter_config.json", ec);
+  if (lora.enabled() != has_adapters) {
+    return Invalid(field, lora.enabled()
+                              ? absl::StrCat(Quote(dir), " has no adapter_config.json: a job with ", p,
+                                             ".lora resumes from a checkpoint of a LoRA job")
+                              : absl::StrCat(Quote(dir), " is a LoRA checkpoint (adapter_config.json): set ", p,
+                                             ".lora as it was trained to resume from it"));
   }
   absl::StatusOr<odyssey::model::ModelConfig> saved = odyssey::model::ResolveModelConfig(dir);
   if (!saved.ok()) {
@@ -218,6 +227,14 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                    absl::StrCat("(", cp, ") must be 1 (or 0) or parallel.world_size (", world,
                                 "): data parallel over context-parallel groups is not implemented yet"));
   }
+  // LoRA: the converter the worker uses too; the rank against the model's dims here.
+  absl::StatusOr<odyssey::model::LoraConfig> lora = odyssey::planner::LoraFromProto(spec.lora(), p + ".lora");
+  if (!lora.ok()) return lora.status();
+  ODYSSEY_RETURN_IF_ERROR(lora->Validate(p + ".lora", &*config));
+  if (lora->enabled() && par.shard_params()) {
+    return Invalid(p + ".lora.rank", absl::StrCat("(", lora->rank, ") LoRA together with ", p,
+                                                  ".parallel.shard_params is not implemented yet: set one of them"));
+  }
   if (par.shard_params()) {
     return Invalid(p + ".parallel.shard_params",
                    "is not implemented yet: sharded parameters/gradients/optimizer state are planned; every rank "
@@ -328,7 +345,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
   if (spec.restart_limit() < 0) {
     return Invalid(p + ".restart_limit", absl::StrCat("(", spec.restart_limit(), ") must be >= 0"));
   }
-  if (!plan && !spec.resume_from().empty()) ODYSSEY_RETURN_IF_ERROR(CheckResumeFrom(spec, *config, p, rl));
+  if (!plan && !spec.resume_from().empty()) ODYSSEY_RETURN_IF_ERROR(CheckResumeFrom(spec, *config, p, rl, *lora));
   return absl::OkStatus();
 }
 

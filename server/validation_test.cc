@@ -143,6 +143,16 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
        }, absl::StatusCode::kInvalidArgument, "spec.rl.idle_timeout_seconds"},
       {[](v1::JobSpec& s) { s.mutable_rl()->set_idle_timeout_seconds(5); }, absl::StatusCode::kInvalidArgument,
        "spec.rl.idle_timeout_seconds"},
+      {[](v1::JobSpec& s) { s.mutable_lora()->set_rank(65); }, absl::StatusCode::kInvalidArgument,
+       "spec.lora.rank"},
+      {[](v1::JobSpec& s) {
+         s.mutable_lora()->set_rank(4);
+         s.mutable_lora()->set_dropout(0.1);
+       }, absl::StatusCode::kInvalidArgument, "spec.lora.dropout"},
+      {[](v1::JobSpec& s) {
+         s.mutable_lora()->set_rank(4);
+         s.mutable_lora()->add_target_modules("lm_head");
+       }, absl::StatusCode::kInvalidArgument, "spec.lora.target_modules[0]"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     v1::JobSpec spec = GoodSpec();
@@ -151,6 +161,21 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
     EXPECT_EQ(s.code(), cases[i].code) << "case " << i << ": " << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(cases[i].field + ":")) << "case " << i;
   }
+}
+
+// LoRA is accepted for SFT jobs and RL sessions; with shard_params it is refused naming both.
+TEST(ValidationTest, LoraSpec) {
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_lora()->set_rank(8);
+  spec.mutable_lora()->set_alpha(16);
+  spec.mutable_lora()->add_target_modules("q_proj");
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.set_kind(v1::RL_SESSION);
+  spec.clear_steps();
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_shard_params(true);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("spec.lora.rank: (8) LoRA together with spec.parallel.shard_params is not implemented yet"));
 }
 
 // Context parallel over all of an SFT job's ranks is accepted; over part of them (data parallel
@@ -256,6 +281,15 @@ TEST(ValidationTest, ResumeFromMustBeACheckpointOfTheModelBeforeSteps) {
   // An exported folder is named as a base model instead: model.name.
   spec.set_resume_from((root / "exported").string());
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("name it in model.name instead"));
+  // A LoRA job resumes from a LoRA checkpoint (adapter_config.json), a full one from weights.
+  spec.set_resume_from((root / "good").string());
+  spec.mutable_lora()->set_rank(4);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("has no adapter_config.json"));
+  std::ofstream(root / "good" / "adapter_config.json") << "{}";
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.clear_lora();
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), HasSubstr("is a LoRA checkpoint (adapter_config.json)"));
+  std::filesystem::remove(root / "good" / "adapter_config.json");
   // RL sessions have no step target: a checkpoint at any step resumes.
   spec.set_kind(v1::RL_SESSION);
   spec.clear_steps();

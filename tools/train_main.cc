@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq-len", o.data.seq_len, "positions per row")->capture_default_str();
   app.add_option("--batch-size", o.data.batch_size, "rows per step")->capture_default_str();
   app.add_option("--seed", o.seed, "init and sampling seed")->capture_default_str();
+  app.add_option("--lora-rank", o.lora.rank, "train LoRA adapters of this rank on a frozen base (0: full)")
+      ->capture_default_str();
+  app.add_option("--lora-alpha", o.lora.alpha, "LoRA alpha (0: the rank)")->capture_default_str();
+  app.add_option("--lora-targets", o.lora.target_modules, "projections with adapters (default: all seven)");
   app.add_option("--out", out_dir, "write a checkpoint (HF dir + optimizer state) here at the end");
   app.add_option("--resume", resume, "resume from a checkpoint written by --out");
   app.add_option("--log-every", log_every, "print progress every N steps")->capture_default_str();

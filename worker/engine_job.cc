@@ -125,7 +125,7 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   }
   // One rank holds seq_len / context_parallel positions (planner::RankSeqLen).
   const int64_t rank_seq = (j.seq_len + std::max(1, j.context_parallel) - 1) / std::max(1, j.context_parallel);
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw);
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw, j.lora);
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
@@ -155,6 +155,7 @@ absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptio
   o.schedule.warmup_steps = j.warmup_steps;
   o.schedule.min_lr_ratio = j.min_lr_ratio;
   o.grad_clip = j.grad_clip;
+  o.lora = j.lora;
   if (absl::Status s = ChooseMemory(j, &o); !s.ok()) return s;
   o.data.format = j.data_format;
   o.data.path = j.data_path;

@@ -39,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "model/config.h"
 #include "planner/memory_strategy.h"
 #include "worker/checkpoint_folder.h"
 
@@ -59,6 +60,8 @@ struct EngineJobOptions {
   // are the planner's choice on a GPU (planner::PlanModelJob: the fastest strategy that fits the
   // device and host memory with the set fields fixed); on a CPU unset means off.
   planner::MemoryFields memory;
+  // JobSpec.lora (planner::LoraFromProto); rank 0 = full fine-tuning.
+  model::LoraConfig lora;
   std::string data_format = "kjv";
   std::string data_path;
   int64_t seq_len = 256;

@@ -43,6 +43,9 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   absl::StatusOr<planner::MemoryFields> memory = planner::MemoryFieldsFromProto(spec.memory());
   if (!memory.ok()) return memory.status();
   o.memory = *memory;
+  absl::StatusOr<model::LoraConfig> lora = planner::LoraFromProto(spec.lora());
+  if (!lora.ok()) return lora.status();
+  o.lora = *lora;
   o.data_format = spec.data().format().empty() ? "kjv" : spec.data().format();
   o.data_path = spec.data().path();
   o.seq_len = spec.data().seq_len();

@@ -85,6 +85,11 @@ struct RlSession::Impl {
         return absl::FailedPreconditionError(absl::StrCat("directory: \"", dir, "\" is not a checkpoint SaveCheckpoint "
                                                           "wrote (no ", file, ")"));
     }
+    if (trainer->model()->lora().enabled()) {  // a LoRA session's checkpoints hold its adapters
+      if (absl::Status s = model::CheckLoraAdapter(trainer->model(), dir); !s.ok())
+        return absl::FailedPreconditionError(absl::StrCat("directory: ", s.message(), "; nothing was loaded"));
+      return absl::OkStatus();
+    }
     absl::StatusOr<model::SafetensorsCheckpoint> ckpt = model::SafetensorsCheckpoint::Open(dir);
     if (!ckpt.ok()) return absl::Status(ckpt.status().code(), absl::StrCat("directory: ", ckpt.status().message()));
     for (const auto& p : trainer->model()->named_parameters()) {
@@ -236,7 +241,7 @@ struct RlSession::Impl {
         absl::StatusOr<std::string> path =
             WriteFolderAtomically(req.directory, "directory", options.checkpoint_owner,
                                   [&t, &save](const std::string& tmp) {
-              return model::SaveHfCheckpoint(t.model(), tmp, save);
+              return model::ExportModel(t.model(), tmp, save);
             });
         if (!path.ok()) {
           out.status = path.status();

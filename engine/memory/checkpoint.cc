@@ -133,15 +133,16 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
 // d/d logits = (softmax - onehot(label)) * coef per row, returns (d hidden, d W) in their
 // dtypes. Both tiled head Functions use it (the loss: coef = mask * upstream; per-token
 // logprobs: coef = -upstream). hidden (B, S, H), W (V, H), labels (B, S), coef (B*S,) fp32.
+// With weight_grad false (a frozen head: LoRA) d W is undefined and no accumulator exists.
 std::pair<torch::Tensor, torch::Tensor> HeadBackward(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                      const torch::Tensor& labels, const torch::Tensor& coef,
-                                                     int64_t tile) {
+                                                     int64_t tile, bool weight_grad) {
   torch::Tensor h = hidden.reshape({-1, hidden.size(-1)});  // (N, H)
   torch::Tensor y = labels.reshape({-1});                    // (N,)
   torch::Tensor gh = torch::empty_like(h);                   // (N, H)
   // fp32 accumulator for the head's gradient: summing bf16 tile products in bf16 would lose
   // the small ones. (V, H) is the size of the weight itself, not of the sequence.
-  torch::Tensor gw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+  torch::Tensor gw = weight_grad ? torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32)) : torch::Tensor();
   for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
     const int64_t n = std::min(tile, h.size(0) - t0);
     torch::Tensor ht = h.narrow(0, t0, n);                                                  // (n, H)
@@ -150,9 +151,9 @@ std::pair<torch::Tensor, torch::Tensor> HeadBackward(const torch::Tensor& hidden
     p.mul_(coef.narrow(0, t0, n).unsqueeze(1));
     torch::Tensor pd = p.to(weight.scalar_type());
     gh.narrow(0, t0, n).copy_(torch::matmul(pd, weight));  // (n, H)
-    gw.add_(torch::matmul(pd.t(), ht));                     // (V, H)
+    if (weight_grad) gw.add_(torch::matmul(pd.t(), ht));    // (V, H)
   }
-  return {gh.view(hidden.sizes()), gw.to(weight.scalar_type())};
+  return {gh.view(hidden.sizes()), weight_grad ? gw.to(weight.scalar_type()) : torch::Tensor()};
 }
 
 class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
@@ -184,7 +185,7 @@ class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
     ProfilePhase phase("loss backward");
     // d loss / d logits = (softmax - onehot) * mask * upstream.
     torch::Tensor coef = saved[3].reshape({-1}).to(torch::kFloat32) * grads[0].to(torch::kFloat32);  // (N,)
-    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile);
+    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile, ctx->needs_input_grad(1));
     return {gh, gw, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -215,7 +216,7 @@ class TiledLogprobFunction : public torch::autograd::Function<TiledLogprobFuncti
     const int64_t tile = ctx->saved_data["tile"].toInt();
     // d logp / d logits = (onehot - softmax) * upstream = (softmax - onehot) * -upstream.
     torch::Tensor coef = -grads[0].reshape({-1}).to(torch::kFloat32);  // (N,)
-    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile);
+    auto [gh, gw] = HeadBackward(hidden, weight, saved[2], coef, tile, ctx->needs_input_grad(1));
     return {gh, gw, torch::Tensor(), torch::Tensor()};
   }
 };

@@ -101,6 +101,7 @@ struct RunSetup {
   torch::Dtype dtype = torch::kFloat32;
   std::string attention = "math";
   std::vector<std::vector<int64_t>> doc_lens;  // packed documents per row; empty = none
+  model::LoraConfig lora;  // rank > 0: adapters on a frozen base (B drawn nonzero, so A gets gradients too)
 };
 
 Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
@@ -108,6 +109,13 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   model::CausalLM m(c);
   m->InitRandom(11, 0.1);
   m->to(setup.device, setup.dtype);
+  if (setup.lora.enabled()) {
+    EXPECT_TRUE(model::AttachLora(*m, setup.lora, 3).ok());
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(4);
+    for (auto& p : m->named_parameters())
+      if (p.key().find(".lora_B.") != std::string::npos) p.value().copy_(0.1 * torch::randn(p.value().sizes()));  // CPU draws: the same in every dtype
+  }
   auto stack = MemoryStack::Create(options, c.num_hidden_layers);
   EXPECT_TRUE(stack.ok()) << stack.status();
   Result r;
@@ -146,7 +154,10 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   }
   r.mlp_forwards = silu.calls();
   r.stash_bytes_after = (*stack)->attention_stash()->bytes();
-  for (auto& p : m->named_parameters()) r.grads[p.key()] = p.value().grad().to(torch::kCPU, torch::kFloat32);
+  // Frozen parameters (a LoRA base) have none; a strategy that loses a gradient shows as a
+  // missing name in ExpectSameGradients.
+  for (auto& p : m->named_parameters())
+    if (p.value().grad().defined()) r.grads[p.key()] = p.value().grad().to(torch::kCPU, torch::kFloat32);
   return r;
 }
 
@@ -377,6 +388,78 @@ TEST_F(HybridMemoryStrategyTest, EachStrategyGivesPlainAutogradsGradients) {
   all.mlp_tile = 9;
   all.loss_tile = 11;
   ExpectSameGradients(RunStrategy(all, 1, /*steps=*/2, HybridSetup()), *plain_);
+// LoRA: every strategy gives plain autograd's adapter gradients, and the frozen base gets none
+// (the recompute's nested backward, the tiled MLP's per-tile backward and the tiled loss all run
+// with frozen weights beside trainable adapters).
+class LoraStrategyTest : public ::testing::Test {
+ protected:
+  static RunSetup Setup() {
+    RunSetup setup;
+    setup.lora.rank = 3;
+    setup.lora.alpha = 6;
+    setup.lora.target_modules = {"q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"};
+    return setup;
+  }
+  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(planner::MemoryStrategy{}, 1, 1, Setup())); }
+  static Result* plain_;
+};
+Result* LoraStrategyTest::plain_ = nullptr;
+
+TEST_F(LoraStrategyTest, PlainAutogradTrainsOnlyTheAdapters) {
+  // 5 targets x (A, B) x 5 layers, each nonzero; nothing else has a gradient.
+  EXPECT_EQ(plain_->grads.size(), static_cast<size_t>(5 * 2 * kLayers));
+  for (const auto& [name, g] : plain_->grads) {
+    EXPECT_TRUE(model::IsLoraParameter(name)) << name;
+    EXPECT_GT(g.norm().item<double>(), 0.0) << name;
+  }
+}
+
+TEST_F(LoraStrategyTest, LayerRecompute) {
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  o.recompute = planner::Recompute::kEveryK;
+  o.every_k = 2;
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+}
+
+TEST_F(LoraStrategyTest, Offload) {
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
+  o.offload = true;
+  o.device_resident = 1;
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+}
+
+TEST_F(LoraStrategyTest, TiledMlp) {
+  planner::MemoryStrategy o;
+  o.mlp_tile = 7;
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  o.recompute = planner::Recompute::kLayer;  // the recompute's skipped forward tiles too
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+}
+
+TEST_F(LoraStrategyTest, TiledLoss) {
+  planner::MemoryStrategy o;
+  o.loss_tile = 13;
+  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+}
+
+TEST_F(LoraStrategyTest, KeptAttentionWithHeadGroups) {
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kLayer;
+  o.keep_attention = true;
+  ExpectSameGradients(RunStrategy(o, /*head_groups=*/2, 1, Setup()), *plain_);
+}
+
+TEST_F(LoraStrategyTest, EverythingTogether) {
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kEveryK;
+  o.every_k = 3;
+  o.offload = true;
+  o.mlp_tile = 16;
+  o.loss_tile = 32;
+  ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2, Setup()), *plain_);
 }
 
 TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
@@ -571,6 +654,23 @@ TEST(MemoryStrategyGpuTest, Bf16StrategiesAreAsAccurateAsPlainAutograd) {
     EXPECT_NEAR(got.loss, plain.loss, 2e-2 * std::abs(plain.loss));
     for (const auto& [name, g] : ref.grads) {
       EXPECT_LE(error(got, name), 2 * error(plain, name) + 1e-3) << name;
+    }
+  }
+  // LoRA on a frozen bf16 base: the adapters' gradients, against the fp32 run of the same model.
+  setup.lora.rank = 8;
+  setup.lora.alpha = 16;
+  fp32.lora = setup.lora;
+  const Result lora_ref = RunStrategy(planner::MemoryStrategy{}, 1, 1, fp32);
+  const Result lora_plain = RunStrategy(planner::MemoryStrategy{}, 1, 1, setup);
+  ASSERT_EQ(lora_ref.grads.size(), 2u * 7u * 5u);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string("LoRA, ") + c.what);
+    const Result got = RunStrategy(c.o, c.groups, 2, setup);
+    ASSERT_EQ(got.grads.size(), lora_ref.grads.size());
+    for (const auto& [name, g] : lora_ref.grads) {
+      const double e = (got.grads.at(name) - g).norm().item<double>() / g.norm().item<double>();
+      const double e_plain = (lora_plain.grads.at(name) - g).norm().item<double>() / g.norm().item<double>();
+      EXPECT_LE(e, 2 * e_plain + 1e-3) << name;
     }
   }
 }

@@ -91,5 +91,53 @@ TEST(HfParity, LogprobsGradientsAndRoundTrip) {
   }
 }
 
+// LoRA adapters written as a PEFT folder: run_parity.py loads each onto the transformers model
+// with peft and compares its logprobs with the ones written here (and the merged export's in
+// plain transformers). Adapters on a subset of projections, B drawn nonzero so they matter.
+TEST(HfParity, LoraAdapterFoldersForPeft) {
+  const char* dir_env = std::getenv("ODYSSEY_PARITY_DIR");
+  ASSERT_NE(dir_env, nullptr) << "run through tests/parity/run_parity.py (ctest -R hf_parity)";
+  const std::filesystem::path root(dir_env);
+  for (const std::string& c : Cases()) {
+    SCOPED_TRACE(c);
+    auto model = model::LoadPretrained((root / c).string(), torch::kFloat32, torch::kCPU);
+    ASSERT_TRUE(model.ok()) << model.status();
+    (*model)->set_attention_backend(kernels::MakeAttentionBackend("math").value());
+    model::LoraConfig lora;
+    lora.rank = 4;
+    lora.alpha = 12;
+    lora.target_modules = {"q_proj", "v_proj", "o_proj", "up_proj", "down_proj"};
+    ASSERT_TRUE(model::AttachLora(**model, lora, 5).ok());
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(6);
+    for (auto& p : (*model)->named_parameters())
+      if (p.key().find(".lora_B.") != std::string::npos) p.value().normal_(0.0, 0.05);
+    auto refs = model::SafetensorsFile::Open((root / c / "refs.safetensors").string());
+    ASSERT_TRUE(refs.ok()) << refs.status();
+    torch::Tensor tokens = (*refs)->Read("tokens").value();  // (2, S+1)
+    const int64_t S = tokens.size(1) - 1;
+    model::ForwardInputs in;
+    in.input_ids = tokens.narrow(1, 0, S);
+    torch::Tensor logp = engine::TokenLogprobs((*model)->Hidden(in), (*model)->HeadWeight(), tokens.narrow(1, 1, S));
+    // The adapters must move the logprobs, or the comparison could not tell them from the base.
+    EXPECT_GT((logp - (*refs)->Read("logprobs").value()).abs().max().item<double>(), 1e-2);
+    model::SaveOptions save;
+    save.dtype = torch::kFloat32;
+    save.base_dir = (root / c).string();
+    const std::filesystem::path adapter = root / (c + "_lora");
+    ASSERT_TRUE(model::ExportModel(*model, adapter.string(), save).ok());
+    ASSERT_TRUE(model::WriteSafetensors((adapter / "odyssey_logprobs.safetensors").string(),
+                                        {{"logprobs", logp.contiguous()}}).ok());
+    EXPECT_FALSE(std::filesystem::exists(adapter / "model.safetensors"));
+    model::LoraConfig merged_lora = lora;
+    merged_lora.merge = true;
+    auto merged_model = model::LoadPretrained((root / c).string(), torch::kFloat32, torch::kCPU);
+    ASSERT_TRUE(merged_model.ok()) << merged_model.status();
+    ASSERT_TRUE(model::AttachLora(**merged_model, merged_lora, 5).ok());
+    ASSERT_TRUE(model::LoadLoraAdapter(*merged_model, adapter.string()).ok());
+    ASSERT_TRUE(model::ExportModel(*merged_model, (root / (c + "_lora_merged")).string(), save).ok());
+  }
+}
+
 }  // namespace
 }  // namespace odyssey

@@ -11,6 +11,10 @@
    (bit for bit: max |d| = 0) and gradients (relative <= 4e-6, about 3x the measured 1.2e-6),
    and saves the model back: fp32 single file, and bf16 sharded with an index.
 4. Loads what odyssey wrote with transformers and checks every tensor is identical.
+5. LoRA: loads each PEFT adapter folder odyssey wrote (adapters of rank 4 on five projections)
+   onto the transformers model with peft, and the merged export with transformers alone, and
+   checks both give odyssey's logprobs (fp32; within LORA_TOLERANCE: the residual add after
+   o_proj/down_proj runs in another order than PEFT's, so not bit for bit).
 """
 import argparse
 import os
@@ -18,12 +22,16 @@ import shutil
 import subprocess
 import sys
 
+import peft
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 CASES = ("llama", "llama_scaled", "qwen2", "qwen3")
 SEQ = 48
+# Worst |d| of the logprobs measured on the 2-core CI machine (2026-12-02, peft 0.21.2): 1.4e-6
+# with peft's adapters, 2.9e-6 for the merged export (the merge rounds W + B A once); ~10x that.
+LORA_TOLERANCE = 3e-5
 
 
 def make_config(case):
@@ -88,6 +96,32 @@ def check_saved(case, original, path, dtype):
     return len(ref)
 
 
+def token_logprobs(model, tokens):
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits.float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def check_lora(case, root):
+    """Worst |d| of peft's (adapter folder) and transformers' (merged folder) logprobs vs odyssey's."""
+    adapter = os.path.join(root, case + "_lora")
+    tokens = load_file(os.path.join(root, case, "refs.safetensors"))["tokens"]
+    want = load_file(os.path.join(adapter, "odyssey_logprobs.safetensors"))["logprobs"]
+    base = model_class(case).from_pretrained(os.path.join(root, case), torch_dtype=torch.float32,
+                                             attn_implementation="eager")
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter)
+    names = [n for n, _ in with_adapter.named_parameters() if "lora_" in n]
+    if len(names) != 2 * 5 * base.config.num_hidden_layers:
+        raise AssertionError(f"{adapter}: peft made {len(names)} adapter tensors")
+    d_peft = (token_logprobs(with_adapter, tokens) - want).abs().max().item()
+    merged = model_class(case).from_pretrained(os.path.join(root, case + "_lora_merged"), torch_dtype=torch.float32,
+                                               attn_implementation="eager")
+    d_merged = (token_logprobs(merged, tokens) - want).abs().max().item()
+    if not (d_peft <= LORA_TOLERANCE and d_merged <= LORA_TOLERANCE):
+        raise AssertionError(f"{case}: LoRA logprobs differ: peft {d_peft:.2e}, merged {d_merged:.2e}")
+    return d_peft, d_merged
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", required=True)
@@ -110,6 +144,9 @@ def main():
             raise AssertionError(f"{shards}: expected a sharded checkpoint with an index")
         check_saved(case, models[case], shards, torch.bfloat16)
         print(f"{case}: round trip through odyssey identical in transformers ({n} tensors, fp32 and sharded bf16)")
+        d_peft, d_merged = check_lora(case, args.workdir)
+        print(f"{case}: odyssey's LoRA adapter folder in peft {peft.__version__}: logprobs max |d| {d_peft:.2e}; "
+              f"merged export in transformers: {d_merged:.2e}")
     print("hf parity: ok")
     return 0
 
