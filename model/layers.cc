@@ -171,11 +171,11 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
 }
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
-  if (kda) return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention), kda->o_proj);
+  if (kda) return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention), kda->o_proj, LoraAdapter{});
   if (dsa) {
     torch::Tensor indexer_loss;  // set when the indexer trains in this pass
     torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss),
-                                     dsa->o_proj);
+                                     dsa->o_proj, LoraAdapter{});
     return indexer_loss.defined() ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight()) : y;
   }
   return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj, self_attn->o_lora);

@@ -415,6 +415,9 @@ TEST(HybridModelTest, SafetensorsRoundTripKeepsTheGatesInFp32) {
       EXPECT_TRUE(torch::equal(p.value(), w.to(torch::kBFloat16).to(torch::kFloat32))) << p.key();
     }
   }
+  std::filesystem::remove_all(dir);
+}
+
 // LoRA: adapters add scale * B A x to exactly the targeted projections (checked against the
 // formula written out), start as a no-op (B = 0), carry PEFT's tensor names, freeze the base, and
 // merge into weights that give the same logits; the adapter folder round-trips and a folder of

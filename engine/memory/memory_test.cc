@@ -388,19 +388,21 @@ TEST_F(HybridMemoryStrategyTest, EachStrategyGivesPlainAutogradsGradients) {
   all.mlp_tile = 9;
   all.loss_tile = 11;
   ExpectSameGradients(RunStrategy(all, 1, /*steps=*/2, HybridSetup()), *plain_);
+}
+
 // LoRA: every strategy gives plain autograd's adapter gradients, and the frozen base gets none
 // (the recompute's nested backward, the tiled MLP's per-tile backward and the tiled loss all run
 // with frozen weights beside trainable adapters).
 class LoraStrategyTest : public ::testing::Test {
  protected:
-  static RunSetup Setup() {
+  static RunSetup Adapters() {
     RunSetup setup;
     setup.lora.rank = 3;
     setup.lora.alpha = 6;
     setup.lora.target_modules = {"q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"};
     return setup;
   }
-  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(planner::MemoryStrategy{}, 1, 1, Setup())); }
+  static void SetUpTestSuite() { plain_ = new Result(RunStrategy(planner::MemoryStrategy{}, 1, 1, Adapters())); }
   static Result* plain_;
 };
 Result* LoraStrategyTest::plain_ = nullptr;
@@ -417,10 +419,10 @@ TEST_F(LoraStrategyTest, PlainAutogradTrainsOnlyTheAdapters) {
 TEST_F(LoraStrategyTest, LayerRecompute) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
   o.recompute = planner::Recompute::kEveryK;
   o.every_k = 2;
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
 }
 
 TEST_F(LoraStrategyTest, Offload) {
@@ -428,28 +430,28 @@ TEST_F(LoraStrategyTest, Offload) {
   o.recompute = planner::Recompute::kLayer;
   o.offload = true;
   o.device_resident = 1;
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
 }
 
 TEST_F(LoraStrategyTest, TiledMlp) {
   planner::MemoryStrategy o;
   o.mlp_tile = 7;
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
   o.recompute = planner::Recompute::kLayer;  // the recompute's skipped forward tiles too
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
 }
 
 TEST_F(LoraStrategyTest, TiledLoss) {
   planner::MemoryStrategy o;
   o.loss_tile = 13;
-  ExpectSameGradients(RunStrategy(o, 1, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 1, 1, Adapters()), *plain_);
 }
 
 TEST_F(LoraStrategyTest, KeptAttentionWithHeadGroups) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
   o.keep_attention = true;
-  ExpectSameGradients(RunStrategy(o, /*head_groups=*/2, 1, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, /*head_groups=*/2, 1, Adapters()), *plain_);
 }
 
 TEST_F(LoraStrategyTest, EverythingTogether) {
@@ -459,7 +461,7 @@ TEST_F(LoraStrategyTest, EverythingTogether) {
   o.offload = true;
   o.mlp_tile = 16;
   o.loss_tile = 32;
-  ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2, Setup()), *plain_);
+  ExpectSameGradients(RunStrategy(o, 2, /*steps=*/2, Adapters()), *plain_);
 }
 
 TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
