@@ -108,12 +108,18 @@ Prediction Predict(const Request& r) {
   using Terms = std::vector<std::pair<std::string, int64_t>>;
 
   // Persistent through the step: the parameters and, with the optimizer on the device, its
-  // fp32 state (master + two moments in bf16 training; fp32 training has no master).
+  // fp32 state (master + two moments in bf16 training; fp32 training has no master). Sharded:
+  // this rank's 1/P of both, and the whole weights of the units in use.
+  const int64_t shards = std::max<int64_t>(1, m.shard_ranks);
+  const int64_t owned = (m.params + shards - 1) / shards;  // parameters this rank keeps
+  const int64_t layer_params = (m.params - m.vocab * H) / L;
   Terms persistent;
-  persistent.emplace_back("params", m.params * e);
+  persistent.emplace_back(shards > 1 ? "params (this rank's shard)" : "params", owned * e);
+  if (shards > 1)
+    persistent.emplace_back("whole params in use (embedding, head, two layers)", (2 * m.vocab * H + 2 * layer_params) * e);
   if (!st.optimizer_on_host) {
     persistent.emplace_back(e == 4 ? "optimizer state (fp32 moments)" : "optimizer state (fp32 master and moments)",
-                            m.params * (e == 4 ? 8 : 12));
+                            owned * (e == 4 ? 8 : 12));
   }
   persistent.emplace_back("workspaces and small buffers", kOverhead);
 
@@ -128,10 +134,12 @@ Prediction Predict(const Request& r) {
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
   // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
   // each layer's gradients leave the GPU as they are produced.
-  const int64_t layer_params = (m.params - m.vocab * H) / L;
+  // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
+  // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = m.vocab * H * e;
-  const int64_t grads_bottom = st.optimizer_on_host ? head_grad + layer_params * e
-                                                    : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
+  const int64_t grads_bottom = shards > 1              ? owned * e + head_grad + layer_params * e
+                               : st.optimizer_on_host ? head_grad + layer_params * e
+                                                      : std::max<int64_t>(head_grad, (m.params - layer_params) * e);
   const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
   // Without recompute every layer's autograd state stays until backward reaches it: the
   // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
@@ -212,7 +220,7 @@ Prediction Predict(const Request& r) {
                    (top ? ckpt_top : ckpt_bottom) * act);
     if (keep) t.emplace_back("kept attention outputs and log-sum-exp", (top ? L : 1) * kept_per_layer);
     if (!recompute) t.emplace_back("every layer's saved activations", (top ? L : 1) * saved_per_layer);
-    t.emplace_back("gradients so far", top ? head_grad : grads_bottom);
+    t.emplace_back("gradients so far", top ? head_grad + (shards > 1 ? owned * e : 0) : grads_bottom);
     t.emplace_back("incoming gradient", act);
     if (m.hybrid) {
       // Split so a plan names the hybrid terms (not yet measured on a GPU).
@@ -232,7 +240,7 @@ Prediction Predict(const Request& r) {
   // The step: every gradient (on the host: the last in flight) and, on a CPU rank (libtorch's
   // AdamW ops), fp32 transients of the largest parameter; the fused GPU kernel allocates none.
   const int64_t step_transients = r.hardware.cpu ? m.largest * 4 * 3 : 0;
-  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : m.params * e}};
+  Terms step_phase = {{"gradients", st.optimizer_on_host ? m.largest * e : owned * e}};
   if (step_transients > 0) step_phase.emplace_back("AdamW transients (largest parameter)", step_transients);
 
   const std::vector<std::pair<std::string, Terms>> phases = {{"loss backward", loss_phase},
@@ -258,7 +266,7 @@ Prediction Predict(const Request& r) {
   // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
-  if (st.optimizer_on_host) p.host_bytes += m.params * (12 + e);
+  if (st.optimizer_on_host) p.host_bytes += owned * (12 + e);
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
   p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
@@ -417,14 +425,16 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     int64_t shard_ranks) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, shard_ranks);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
-                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware) {
+                                     int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
+                                     int64_t shard_ranks) {
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
                                                    ") must divide the model's num_key_value_heads (",
@@ -443,6 +453,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   }
   JobPlanRequest q;
   q.model = ShapeOf(config);
+  q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

@@ -218,10 +218,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                    absl::StrCat("(", cp, ") must be 1 (or 0) or parallel.world_size (", world,
                                 "): data parallel over context-parallel groups is not implemented yet"));
   }
-  if (par.shard_params()) {
+  // ZeRO-3 over all of the job's ranks (engine/parallel/sharding.h): SFT steps only; an RL
+  // session's ranks run different datums (and an empty slice runs nothing), which the per-layer
+  // all-gathers cannot follow.
+  if (par.shard_params() && rl) {
     return Invalid(p + ".parallel.shard_params",
-                   "is not implemented yet: sharded parameters/gradients/optimizer state are planned; every rank "
-                   "holds the whole model (set false)");
+                   "is not implemented for RL_SESSION jobs yet: their ranks hold the whole model (set false)");
   }
 
   // Memory: the converter the worker uses too (planner/memory_spec.h), so both read a spec alike.
