@@ -71,8 +71,10 @@ Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<
     named.emplace_back(name, p.value());
     params_.push_back(p.value());
   }
-  optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host,
-                                       options_.host_optimizer);
+  // Sharded: the optimizer is built over the shards (ShardParameters), never over whole tensors.
+  if (!options_.shard_params)
+    optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host,
+                                         options_.host_optimizer);
   if (options_.schedule.total_steps == 0) options_.schedule.total_steps = options_.steps;
 }
 
@@ -170,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
   trainer->memory_ = *std::move(memory);
   trainer->runner_ = trainer->memory_->Runner();
-  if (options.memory.optimizer_on_host) trainer->HookHostOptimizer();
+  if (options.memory.optimizer_on_host || options.shard_params) trainer->HookHostOptimizer();
   // Data parallel, applied to the plain model from outside its steps: every rank starts from
   // rank 0's weights, and the steps sum the ranks' gradients through one reducer (identities
   // on one rank).
@@ -182,6 +184,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     if (absl::Status s = comm->Broadcast(params, 0); !s.ok()) return s;
     if (P > 1)
       if (absl::Status s = cp.group->Broadcast(params, 0); !s.ok()) return s;
+  }
+  if (options.shard_params) {
+    // ZeRO-3 over the job's ranks, after every rank holds rank 0's weights.
+    if (options.lora.enabled())
+      return absl::UnimplementedError("shard_params: sharding a LoRA job is not implemented (its adapters are small: "
+                                      "train them unsharded)");
+    if (trainer->model_->config().IsHybrid())
+      return absl::UnimplementedError(
+          "shard_params: sharding the hybrid family is not implemented (its fp32 gates share units with bf16 weights)");
+    if (P > 1 && comm->world_size() > 1)
+      return absl::UnimplementedError(absl::StrCat("shard_params: sharding over both the context-parallel group (", P,
+                                                   ") and data-parallel ranks (", comm->world_size(),
+                                                   ") is not implemented; shard over one of them"));
+    if (absl::Status s = trainer->ShardParameters(P > 1 ? *cp.group : *comm); !s.ok()) return s;
   }
   trainer->gradients_ = std::make_unique<GradientReducer>(*comm, trainer->params_);
   if (P > 1) trainer->cp_gradients_ = std::make_unique<GradientReducer>(*cp.group, trainer->params_);
@@ -199,21 +215,46 @@ std::vector<int64_t> Trainer::LayerParams(int64_t first, int64_t count) const {
 
 void Trainer::HookHostOptimizer() {
   memory::LayerHooks hooks;
-  hooks.before_forward = [this](int64_t first, int64_t count) { optimizer_->WaitParams(LayerParams(first, count)); };
+  hooks.before_forward = [this](int64_t first, int64_t count) {
+    optimizer_->WaitParams(LayerParams(first, count));
+    if (!shards_) return;
+    // Unit 1 + l is layer l; the next group's layers travel while this one computes.
+    for (int64_t l = first; l < first + count; ++l) GatherUnit(1 + l);
+    const int64_t L = static_cast<int64_t>(layer_params_.size());
+    for (int64_t l = first + count; l < std::min(first + 2 * count, L); ++l) PrefetchUnit(1 + l);
+  };
   // Runs on autograd's device thread on CUDA, while the training thread waits in backward().
   hooks.after_backward = [this](int64_t first, int64_t count) {
+    if (shards_)
+      for (int64_t l = first; l < first + count; ++l) shards_->ReduceGradients(1 + l);
     if (send_grads_early_) optimizer_->GradsReady(LayerParams(first, count));
   };
+  if (options_.shard_params) {  // shards_ is built after the hooks
+    hooks.after_forward = [this](int64_t first, int64_t count, bool kept) {
+      if (kept) return;  // autograd holds the whole weights for the backward: freed after it
+      for (int64_t l = first; l < first + count; ++l) shards_->Release(1 + l);
+    };
+    hooks.before_recompute = [this](int64_t first, int64_t count) {
+      for (int64_t l = first; l < first + count; ++l) GatherUnit(1 + l);
+      for (int64_t l = std::max<int64_t>(0, first - count); l < first; ++l) PrefetchUnit(1 + l);
+    };
+  }
   memory_->set_layer_hooks(std::move(hooks));
 }
 
 torch::Tensor Trainer::Hidden(const model::ForwardInputs& in) {
+  const int64_t L = static_cast<int64_t>(layer_params_.size());
+  if (shards_) {
+    GatherUnit(0);  // the embedding (and a tied head), whole until the backward ends
+    if (!hooked_runner_)
+      for (int64_t l = 0; l < L; ++l) GatherUnit(1 + l);  // a caller's runner fires no hooks
+  }
   optimizer_->WaitParams(embed_params_);
-  if (!hooked_runner_) optimizer_->WaitParams(LayerParams(0, static_cast<int64_t>(layer_params_.size())));
+  if (!hooked_runner_) optimizer_->WaitParams(LayerParams(0, L));
   // The final norm (and an untied head, read by the loss) after the layers: their update is
   // the last the host threads do.
-  model::LayerStackRunner runner = [this](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
-                                          const model::LayerContext& ctx) {
+  model::LayerStackRunner runner = [this, L](const std::vector<model::DecoderLayer>& layers, const torch::Tensor& h0,
+                                             const model::LayerContext& ctx) {
     torch::Tensor h = h0;  // (B, S, hidden)
     if (runner_) {
       h = runner_(layers, h0, ctx);
@@ -221,6 +262,7 @@ torch::Tensor Trainer::Hidden(const model::ForwardInputs& in) {
       for (model::DecoderLayer layer : layers) h = layer->forward(h, ctx);  // holders are shared_ptrs
     }
     optimizer_->WaitParams(tail_params_);
+    if (shards_) GatherUnit(1 + L);
     return h;
   };
   return model_->Hidden(in, runner);
@@ -261,6 +303,14 @@ absl::StatusOr<TokenShare> Trainer::ShareTokens(int64_t local_targets, int64_t l
 }
 
 absl::Status Trainer::ReduceGradients(std::vector<torch::Tensor>& riders) {
+  if (shards_) {
+    // The layers' gradients were reduce-scattered by their backward hooks; the units still whole
+    // (embedding, head, layers without recompute) are now. Only the riders are summed whole.
+    if (absl::Status s = shards_->FinishBackward(); !s.ok()) return s;
+    if (cp_gradients_)
+      if (absl::Status s = options_.context_parallel.group->AllReduce(riders, ReduceOp::kSum); !s.ok()) return s;
+    return comm_->AllReduce(riders, ReduceOp::kSum);
+  }
   if (cp_gradients_)
     if (absl::Status s = cp_gradients_->Reduce(riders); !s.ok()) return s;
   return gradients_->Reduce(riders);
@@ -287,6 +337,7 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
     // The gradients of a half-done step (and what was sent of them) must not reach the next.
     send_grads_early_ = false;
     optimizer_->ZeroGrad();
+    if (shards_) shards_->ReleaseAll();
     throw;
   }
   send_grads_early_ = false;
@@ -308,8 +359,13 @@ absl::StatusOr<BatchGradients> Trainer::Gradients(const Batch& batch) {
   if (!loss.ok()) return loss.status();
   BatchGradients out;
   out.loss = loss->item<double>();
+  if (shards_) {
+    absl::StatusOr<std::map<std::string, torch::Tensor>> whole = shards_->WholeGradients();
+    if (!whole.ok()) return whole.status();
+    out.grads = *std::move(whole);
+  }
   for (auto& p : model_->named_parameters())
-    if (p.value().grad().defined()) out.grads[p.key()] = p.value().grad().detach().clone();
+    if (!shards_ && p.value().grad().defined()) out.grads[p.key()] = p.value().grad().detach().clone();
   optimizer_->ZeroGrad();
   return out;
 }
@@ -331,7 +387,13 @@ StepResult Trainer::Step(const Batch& whole) {
   GradClip clip;
   {
     ProfilePhase phase("optimizer");
-    clip = GradClipScale(params_, options_.grad_clip);
+    absl::StatusOr<GradClip> clipped = ClipGradients();
+    if (!clipped.ok()) {
+      optimizer_->ZeroGrad();
+      r.status = clipped.status();
+      return r;
+    }
+    clip = *std::move(clipped);
     r.lr = ScheduledLr(options_.optimizer.lr, optimizer_->steps(), options_.schedule);
     optimizer_->Step(r.lr, clip.scale);
     optimizer_->ZeroGrad();
@@ -354,6 +416,7 @@ double Trainer::EvalLoss(const Batch& whole) {
   model_->eval();
   int64_t targets = 0;
   const torch::Tensor mean = Loss(LocalShard(whole), &targets);  // () over this rank's targets
+  if (shards_) shards_->ReleaseAll();  // no backward follows
   if (!cp_gradients_) return mean.item<double>();
   // The shards' sums and counts over the group: the whole batch's mean on every rank.
   std::vector<torch::Tensor> sums = {
@@ -526,6 +589,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
   const auto t0 = std::chrono::steady_clock::now();
   if (ContextParallelDegree() > 1)
     return absl::UnimplementedError("forward_backward: context parallelism is not implemented for RL calls yet");
+  if (shards_) return absl::UnimplementedError("forward_backward: shard_params is not implemented for RL calls yet");
   // Validation, then every rank learns whether any refused its slice, and the whole batch's W
   // (the sum of the slices' weight sums) when the shard lacks it.
   const absl::Status valid = ValidateRl(batch, &loss, shard, /*allow_empty=*/DataParallel());
@@ -588,6 +652,7 @@ absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOption
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
+  if (shards_) return absl::UnimplementedError("optim_step: shard_params is not implemented for RL calls yet");
   // Every rank learns whether any refused `adam`, and how many ranks have pending gradients.
   absl::StatusOr<double> ranks_with_grads = AgreeAcrossRanks(
       adam.Validate(), rl_grads_pending_ ? 1.0 : 0.0,
@@ -613,6 +678,7 @@ absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vect
                                                                  const RlShard& shard) {
   if (ContextParallelDegree() > 1)
     return absl::UnimplementedError("forward: context parallelism is not implemented for RL calls yet");
+  if (shards_) return absl::UnimplementedError("forward: shard_params is not implemented for RL calls yet");
   if (absl::Status s = ValidateRl(batch, nullptr, shard, /*allow_empty=*/DataParallel()); !s.ok()) return s;
   std::vector<std::vector<float>> out;
   if (batch.empty()) return out;
@@ -634,7 +700,13 @@ absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vect
 }
 
 absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
+  if (shards_) return SaveShardedCheckpoint(dir);
   optimizer_->Finish();  // the weights written are the updated ones
+  return WriteCheckpointFiles(dir, optimizer_->StateTensors());
+}
+
+absl::Status Trainer::WriteCheckpointFiles(const std::string& dir,
+                                           const std::vector<std::pair<std::string, torch::Tensor>>& optimizer_state) {
   model::SaveOptions save;
   save.dtype = dtype_;
   save.base_dir = options_.model;  // its tokenizer files, when a folder
@@ -651,7 +723,7 @@ absl::Status Trainer::SaveCheckpoint(const std::string& dir) {
   } else if (absl::Status s = model::SaveHfCheckpoint(model_, dir, save); !s.ok()) {
     return s;
   }
-  if (absl::Status s = model::WriteSafetensors((root / "optimizer.safetensors").string(), optimizer_->StateTensors());
+  if (absl::Status s = model::WriteSafetensors((root / "optimizer.safetensors").string(), optimizer_state);
       !s.ok())
     return s;
   nlohmann::json state = {{"step", optimizer_->steps()}, {"model", options_.model}, {"seed", options_.seed}};
@@ -665,10 +737,20 @@ absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
   optimizer_->Finish();
   optimizer_->ZeroGrad();
   rl_grads_pending_ = false;
-  // A LoRA job's checkpoint holds its adapters; the frozen base stays as loaded.
-  if (absl::Status s = model_->lora().enabled() ? model::LoadLoraAdapter(model_, dir) : model::LoadHfWeights(model_, dir);
-      !s.ok())
+  if (shards_) {
+    // The whole weights from the files, then this rank's slices of them (any world size saved it).
+    // (LoRA with sharding is refused at Create.)
+    absl::Status loaded = shards_->GatherAll();
+    if (loaded.ok()) loaded = model::LoadHfWeights(model_, dir);
+    if (loaded.ok()) shards_->ShardWholeParameters();
+    shards_->ReleaseAll();
+    if (!loaded.ok()) return loaded;
+  } else if (absl::Status s = model_->lora().enabled() ? model::LoadLoraAdapter(model_, dir)
+                                                       : model::LoadHfWeights(model_, dir);
+             !s.ok()) {
+    // A LoRA job's checkpoint holds its adapters; the frozen base stays as loaded.
     return s;
+  }
   const std::string opt_path = (std::filesystem::path(dir) / "optimizer.safetensors").string();
   absl::StatusOr<std::unique_ptr<model::SafetensorsFile>> file = model::SafetensorsFile::Open(opt_path);
   if (!file.ok()) return file.status();
@@ -678,7 +760,85 @@ absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
     if (!t.ok()) return t.status();
     tensors.emplace_back(name, t->to(device_));
   }
+  if (shards_) {
+    // "exp_avg.<param>", "exp_avg_sq.<param>", "master.<param>": whole in the file, cut to this
+    // rank's shard ("step" as it is).
+    for (auto& [name, t] : tensors) {
+      const size_t dot = name.find('.');
+      if (dot == std::string::npos) continue;
+      absl::StatusOr<torch::Tensor> mine = shards_->ShardOf(name.substr(dot + 1), t);
+      if (!mine.ok())
+        return absl::InvalidArgumentError(absl::StrCat(opt_path, ": ", name, ": ", mine.status().message()));
+      t = *std::move(mine);
+    }
+  }
   return optimizer_->LoadStateTensors(tensors);
+}
+
+}  // namespace odyssey::engine
+
+// ---------------------------------------------------------------------------------------------
+// Parameter sharding (engine/parallel/sharding.h).
+
+namespace odyssey::engine {
+
+std::vector<int64_t> Trainer::UnitParams(int64_t u) const {
+  const int64_t L = static_cast<int64_t>(layer_params_.size());
+  if (u == 0) return embed_params_;
+  if (u == L + 1) return tail_params_;
+  return layer_params_.at(static_cast<size_t>(u - 1));
+}
+
+void Trainer::GatherUnit(int64_t u) {
+  optimizer_->WaitParams(UnitParams(u));  // a host update of the shards must land first
+  shards_->Gather(u);
+}
+
+void Trainer::PrefetchUnit(int64_t u) {
+  optimizer_->WaitParams(UnitParams(u));
+  shards_->Prefetch(u);
+}
+
+absl::Status Trainer::ShardParameters(Communicator& group) {
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (auto& p : model_->named_parameters()) named.emplace_back(p.key(), p.value());
+  const int64_t L = static_cast<int64_t>(layer_params_.size());
+  std::vector<std::vector<int64_t>> units;
+  for (int64_t u = 0; u < L + 2; ++u) units.push_back(UnitParams(u));
+  absl::StatusOr<std::unique_ptr<ShardedParameters>> shards = ShardedParameters::Create(group, named, units);
+  if (!shards.ok()) return shards.status();
+  shards_ = *std::move(shards);
+  // The optimizer's index i is parameter i's shard: the host optimizer's per-layer seams
+  // (WaitParams, GradsReady) keep their meaning.
+  optimizer_ = std::make_unique<AdamW>(shards_->NamedShards(), options_.optimizer, options_.memory.optimizer_on_host,
+                                       options_.host_optimizer);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GradClip> Trainer::ClipGradients() {
+  if (shards_) return shards_->ClipScale(options_.grad_clip);
+  return GradClipScale(params_, options_.grad_clip);
+}
+
+absl::Status Trainer::SaveShardedCheckpoint(const std::string& dir) {
+  optimizer_->Finish();  // the shards written are the updated ones
+  // Every rank gathers (collectives in the same order everywhere); rank 0 of the group writes the
+  // files an unsharded run writes.
+  std::vector<std::pair<std::string, torch::Tensor>> state;
+  for (const auto& [name, t] : optimizer_->StateTensors()) {
+    const size_t dot = name.find('.');  // "exp_avg.<param>" ...; "step" is whole already
+    if (dot == std::string::npos) {
+      state.emplace_back(name, t);
+      continue;
+    }
+    absl::StatusOr<torch::Tensor> whole = shards_->GatherWhole(name.substr(dot + 1), t);
+    if (!whole.ok()) return whole.status();
+    state.emplace_back(name, *std::move(whole));
+  }
+  absl::Status written = shards_->GatherAll();
+  if (written.ok() && shards_->group().rank() == 0) written = WriteCheckpointFiles(dir, state);
+  shards_->ReleaseAll();
+  return written;
 }
 
 }  // namespace odyssey::engine

@@ -56,6 +56,19 @@
 // (see ForwardBackward). Forward is local (no collectives); checkpoints are local files (the
 // controller saves from rank 0 and loads on every rank). Every rank must make the same
 // ForwardBackward and OptimStep calls in the same order, as for Step.
+//
+// Sharded (TrainerOptions::shard_params): each rank keeps a 1/P slice of every parameter, of its
+// gradient and of its AdamW state (fp32 master and moments; on the host too with
+// optimizer_on_host), engine/parallel/sharding.h; the memory stack's layer hooks all-gather a
+// layer's weights before its forward (and its recompute) with the next layer's prefetched, and
+// reduce-scatter its gradients after its backward; the embedding and the final norm and head are
+// whole from their first use to the end of the backward. The clip uses the global norm. The
+// model's parameters are empty outside a forward (model() shows them so): read weights through
+// a checkpoint. SaveCheckpoint and LoadCheckpoint are collectives then: every rank of the group
+// calls; the whole weights and optimizer state are gathered and rank 0 writes the same files as
+// an unsharded run (the other ranks' `dir` is not read), and a load cuts this rank's slices out
+// of the whole files, so a checkpoint saved at one world size loads at any other (sharded or
+// not). RL calls are refused (UNIMPLEMENTED) under sharding.
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -73,6 +86,7 @@
 #include "engine/parallel/communicator.h"
 #include "engine/parallel/context_parallel.h"
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/sharding.h"
 #include "engine/rl_loss.h"
 #include "model/causal_lm.h"
 
@@ -109,6 +123,10 @@ struct TrainerOptions {
   // Context parallel when its group has more than one rank (see the file comment); the default
   // trains on whole rows.
   ContextParallelOptions context_parallel;
+  // ZeRO-3 parameter sharding over the job's ranks (the context-parallel group when it has more
+  // than one rank, else the communicator's; not both): see "Sharded" in the file comment.
+  // false: every rank holds the whole model and optimizer.
+  bool shard_params = false;
   absl::Status Validate() const;
 };
 
@@ -265,6 +283,20 @@ class Trainer {
   absl::StatusOr<TokenShare> ShareTokens(int64_t local_targets, int64_t local_positions);
   // Sums the gradients (and riders) over the context-parallel group, then the data-parallel ranks.
   absl::Status ReduceGradients(std::vector<torch::Tensor>& riders);
+  // The global gradient norm and clip factor (over the shards when sharded: a collective).
+  absl::StatusOr<GradClip> ClipGradients();
+  // Sharding: builds shards_ over `group` and the optimizer over the shards.
+  absl::Status ShardParameters(Communicator& group);
+  // Sharding: gathers unit u (0 the embedding, 1 + l decoder layer l, L + 1 the final norm and
+  // head) or starts its prefetch, after the host optimizer's update of it.
+  void GatherUnit(int64_t u);
+  void PrefetchUnit(int64_t u);
+  std::vector<int64_t> UnitParams(int64_t u) const;
+  // config.json + model.safetensors, optimizer.safetensors (`optimizer_state`) and
+  // trainer_state.json. REQUIRES: the model's parameters are whole.
+  absl::Status WriteCheckpointFiles(const std::string& dir,
+                                    const std::vector<std::pair<std::string, torch::Tensor>>& optimizer_state);
+  absl::Status SaveShardedCheckpoint(const std::string& dir);
   int64_t ContextParallelDegree() const { return options_.context_parallel.degree(); }
   // model_->Hidden through runner_, waiting for the host optimizer's update of each part of the
   // model before it is read.
@@ -309,6 +341,7 @@ class Trainer {
   Communicator* comm_ = nullptr;         // options_.communicator or alone_
   std::unique_ptr<GradientReducer> gradients_;
   std::unique_ptr<GradientReducer> cp_gradients_;  // over the context-parallel group, when P > 1
+  std::unique_ptr<ShardedParameters> shards_;      // shard_params: what the optimizer updates
   model::CausalLM model_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<AdamW> optimizer_;

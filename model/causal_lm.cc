@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <mutex>
+#include <optional>
 
 #include <torch/torch.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 
 namespace odyssey::model {
@@ -61,14 +64,26 @@ torch::Tensor CausalLMImpl::Logits(const ForwardInputs& in) {
 
 void CausalLMImpl::InitRandom(uint64_t seed, double std) {
   // Drawn on the parameters' own device (a 8B model initializes in seconds on a GPU, minutes
-  // on a CPU), from the process generator seeded here.
+  // on a CPU). On a CPU from a generator of its own, seeded here: ranks run as threads of one
+  // process (the CPU tests) build and initialize their models concurrently, and module
+  // construction draws from the process generator. On a GPU from the process generator seeded
+  // here, one init at a time per process (simulated ranks on one device). Both give the values
+  // the process generator gives after manual_seed(seed).
+  static std::mutex init_mutex;
+  std::lock_guard<std::mutex> lock(init_mutex);
   torch::NoGradGuard no_grad;
-  torch::manual_seed(seed);
+  std::optional<at::Generator> gen;
+  const std::vector<torch::Tensor> params = parameters();
+  if (params.empty() || params[0].device().is_cpu()) {
+    gen = at::detail::createCPUGenerator(seed);
+  } else {
+    torch::manual_seed(seed);
+  }
   for (auto& p : named_parameters()) {
     torch::Tensor& t = p.value();
     const std::string& name = p.key();
     if (name.size() >= 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && t.dim() == 2) {
-      t.normal_(0.0, std);
+      t.normal_(0.0, std, gen);
     } else if (name.find("norm") != std::string::npos) {
       t.fill_(1.0);
     } else {
@@ -76,8 +91,8 @@ void CausalLMImpl::InitRandom(uint64_t seed, double std) {
     }
   }
   for (DecoderLayer& layer : model->layer_list) {  // what the generic rule cannot know
-    if (layer->kda) layer->kda->InitSpecial();
-    if (layer->dsa) layer->dsa->InitSpecial();
+    if (layer->kda) layer->kda->InitSpecial(gen);
+    if (layer->dsa) layer->dsa->InitSpecial(gen);
   }
 }
 

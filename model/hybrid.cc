@@ -110,17 +110,17 @@ KdaAttentionImpl::KdaAttentionImpl(const ModelConfig& c)
   o_proj = register_module("o_proj", Lin(HK, d));
 }
 
-void KdaAttentionImpl::InitSpecial() {
+void KdaAttentionImpl::InitSpecial(const std::optional<at::Generator>& gen) {
   torch::NoGradGuard no_grad;
   // Conv1d's default: uniform within 1 / sqrt(fan_in), fan_in = the kernel (depthwise).
   for (ShortConv* conv : {&q_conv1d, &k_conv1d, &v_conv1d}) {
     const double bound = 1.0 / std::sqrt(static_cast<double>((*conv)->weight.size(2)));
-    (*conv)->weight.uniform_(-bound, bound);
+    (*conv)->weight.uniform_(-bound, bound, gen);
   }
   // Spec 1.1: A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1].
-  Tensor a = torch::empty({heads_}, A_log.options().dtype(torch::kFloat32)).uniform_(1.0, 16.0);
+  Tensor a = torch::empty({heads_}, A_log.options().dtype(torch::kFloat32)).uniform_(1.0, 16.0, gen);
   Tensor dt = torch::exp(torch::empty({heads_ * head_dim_}, dt_bias.options().dtype(torch::kFloat32))
-                             .uniform_(std::log(1e-3), std::log(0.1)));
+                             .uniform_(std::log(1e-3), std::log(0.1), gen));
   A_log.copy_(a.log());
   dt_bias.copy_(dt + torch::log(-torch::expm1(-dt)));
 }
@@ -203,7 +203,7 @@ DsaAttentionImpl::DsaAttentionImpl(const ModelConfig& c)
   indexer = register_module("indexer", DsaIndexer(c));
 }
 
-void DsaAttentionImpl::InitSpecial() {
+void DsaAttentionImpl::InitSpecial(const std::optional<at::Generator>& /*gen*/) {
   torch::NoGradGuard no_grad;
   indexer->k_norm->weight.fill_(1.0);
   indexer->k_norm->bias.zero_();

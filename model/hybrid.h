@@ -13,6 +13,8 @@
 // Thread safety: modules are used by one thread at a time.
 #pragma once
 
+#include <optional>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
@@ -61,7 +63,8 @@ class KdaAttentionImpl : public torch::nn::Module {
   // Everything before o_proj: (B, S, hidden) -> (B, S, H * K).
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta);
   // The spec's initialisation of what a generic init cannot know: conv weights, A_log, dt_bias.
-  void InitSpecial();
+  // `gen`: the generator InitRandom draws from (none: the process generator).
+  void InitSpecial(const std::optional<at::Generator>& gen);
   // Keeps A_log and dt_bias fp32 when the module is converted.
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
@@ -121,7 +124,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   // otherwise left undefined.
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
                       torch::Tensor* indexer_loss);
-  void InitSpecial();
+  void InitSpecial(const std::optional<at::Generator>& gen);  // draws nothing today
   // The indexer KL of the last forward that computed it (detached), undefined before.
   const torch::Tensor& last_indexer_loss() const { return last_loss_; }
   double indexer_loss_weight() const { return loss_weight_; }

@@ -80,6 +80,10 @@ Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes,
   return h;
 }
 
+int64_t ShardRanks(const v1::JobSpec& spec) {
+  return spec.parallel().shard_params() ? std::max<int64_t>(1, spec.parallel().world_size()) : 1;
+}
+
 int64_t RankSeqLen(const v1::JobSpec& spec) {
   const int64_t cp = std::max<int64_t>(1, spec.parallel().context_parallel());
   return (spec.data().seq_len() + cp - 1) / cp;
@@ -109,7 +113,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelC
   absl::StatusOr<model::LoraConfig> lora = LoraFromProto(spec.lora());
   if (!lora.ok()) return lora.status();
   return PlanModelJob(config, spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields, hardware,
-                      *lora);
+                      *lora, ShardRanks(spec));
 }
 
 }  // namespace odyssey::planner

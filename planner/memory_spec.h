@@ -38,6 +38,9 @@ Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes,
 // round, S x Hq/P heads, are the same element count as the sharded (S/P, Hq) tensors the
 // per-rank model counts). The planner plans one rank at this length.
 int64_t RankSeqLen(const v1::JobSpec& spec);
+// The ranks a job's parameters are sharded over: parallel.world_size with parallel.shard_params
+// (ZeRO-3 over all of the job's ranks), else 1 (planner::ModelShape::shard_ranks).
+int64_t ShardRanks(const v1::JobSpec& spec);
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware);
 // The same for spec.model.name already resolved to `config`.
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,

@@ -115,12 +115,21 @@ Prediction Predict(const Request& r) {
   // Persistent through the step: the parameters and, with the optimizer on the device, its
   // fp32 state (master + two moments in bf16 training; fp32 training has no master).
   // With LoRA the base is frozen: its params only; the adapters (in the params' dtype) carry
-  // the optimizer state, and only they (not the head) get gradients.
+  // the optimizer state, and only they (not the head) get gradients. Sharded: this rank's 1/P
+  // of the parameters and their state, and the whole weights of the units in use (LoRA with
+  // sharding is refused by CreateJob; the terms still add up).
   const bool lora = m.lora_params > 0;
-  const int64_t trainable = m.Trainable();
+  const int64_t shards = std::max<int64_t>(1, m.shard_ranks);
+  const int64_t owned = (m.params + shards - 1) / shards;  // parameters this rank keeps
+  const int64_t trainable = lora ? m.Trainable() : owned;  // what this rank's optimizer updates
+  const int64_t layer_params = lora ? m.lora_params / L : (m.params - m.vocab * H) / L;
   Terms persistent;
-  persistent.emplace_back(lora ? "params (frozen base)" : "params", m.params * e);
+  persistent.emplace_back(lora ? "params (frozen base)" : shards > 1 ? "params (this rank's shard)" : "params",
+                          owned * e);
   if (lora) persistent.emplace_back("LoRA adapters", m.lora_params * e);
+  if (shards > 1)
+    persistent.emplace_back("whole params in use (embedding, head, two layers)",
+                            (2 * m.vocab * H + 2 * ((m.params - m.vocab * H) / L)) * e);
   if (!st.optimizer_on_host) {
     persistent.emplace_back(e == 4 ? "optimizer state (fp32 moments)" : "optimizer state (fp32 master and moments)",
                             trainable * (e == 4 ? 8 : 12));
@@ -138,10 +147,12 @@ Prediction Predict(const Request& r) {
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
   // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
   // each layer's gradients leave the GPU as they are produced.
-  const int64_t layer_params = lora ? m.lora_params / L : (m.params - m.vocab * H) / L;
+  // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
+  // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = lora ? 0 : m.vocab * H * e;
-  const int64_t grads_bottom = st.optimizer_on_host ? head_grad + layer_params * e
-                                                    : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
+  const int64_t grads_bottom = shards > 1              ? owned * e + head_grad + layer_params * e
+                               : st.optimizer_on_host ? head_grad + layer_params * e
+                                                      : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
   const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
   // Without recompute every layer's autograd state stays until backward reaches it: the
   // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
@@ -222,7 +233,7 @@ Prediction Predict(const Request& r) {
                    (top ? ckpt_top : ckpt_bottom) * act);
     if (keep) t.emplace_back("kept attention outputs and log-sum-exp", (top ? L : 1) * kept_per_layer);
     if (!recompute) t.emplace_back("every layer's saved activations", (top ? L : 1) * saved_per_layer);
-    t.emplace_back("gradients so far", top ? head_grad : grads_bottom);
+    t.emplace_back("gradients so far", top ? head_grad + (shards > 1 ? owned * e : 0) : grads_bottom);
     t.emplace_back("incoming gradient", act);
     if (m.hybrid) {
       // Split so a plan names the hybrid terms (not yet measured on a GPU).
@@ -428,15 +439,15 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora, shard_ranks);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks) {
   if (absl::Status s = lora.Validate("spec.lora", &config); !s.ok()) return s;
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
@@ -456,6 +467,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   }
   JobPlanRequest q;
   q.model = ShapeOf(config, lora);
+  q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

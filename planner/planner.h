@@ -40,6 +40,11 @@ struct ModelShape {
   int64_t params = 0;       // all parameters (tied embeddings once)
   int64_t largest = 0;      // elements of the largest parameter tensor
   bool qk_norm = false;
+  // Ranks the parameters are sharded over (ZeRO-3, parallel.shard_params): each keeps
+  // ceil(params / shard_ranks) of the weights, gradients and optimizer state, plus the whole
+  // weights of the units in use (embedding, head and two layers: the current one and the
+  // prefetched one). 1: not sharded.
+  int64_t shard_ranks = 1;
   // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
   // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() are
   // derived from the tensors of the libtorch reference path that runs them today (fp32 inside
@@ -135,15 +140,16 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
 // positions and memory fields: the rule CreateJob, PlannerService.Plan (through
 // planner/memory_spec.h) and the worker all apply. INVALID_ARGUMENT naming the JobSpec field
 // ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
+// `shard_ranks`: ModelShape::shard_ranks (parallel.world_size when parallel.shard_params).
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora = {});
+                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1);
 // The same for a model already resolved (callers that need its config anyway resolve it once).
 // `lora`: the job's adapters (rank 0: full fine-tuning); INVALID_ARGUMENT naming spec.lora.<field>
 // when they cannot run on the model.
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora = {});
+                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);

@@ -174,6 +174,39 @@ TEST(PlannerTest, OptimizerOnHostMovesTheStateAndStagesTheCopies) {
   EXPECT_TRUE(c->strategy.optimizer_on_host);
 }
 
+// ZeRO-3 over P ranks: a rank keeps ceil(params / P) of the weights, gradients and optimizer
+// state, plus the whole weights in use (embedding, head, two layers); PlanModelJob plans it.
+TEST(PlannerTest, ShardedRanksKeepOnePthOfTheParametersAndTheirState) {
+  Request r;
+  r.model = ShapeOf(*model::NamedShape("llama-3.1-8b"));
+  r.seq_len = 131072;
+  r.strategy = StrategyOf("layer", 2, true, 0, 8192, 2048, 1);
+  const Prediction whole = Predict(r);
+  r.model.shard_ranks = 8;
+  const Prediction sharded = Predict(r);
+  const int64_t owned = (r.model.params + 7) / 8;
+  const int64_t H = r.model.hidden;
+  const int64_t layer_params = (r.model.params - r.model.vocab * H) / r.model.layers;
+  EXPECT_EQ(Term(sharded, "params"), owned * 2);
+  EXPECT_EQ(Term(sharded, "optimizer state"), owned * 12);
+  EXPECT_EQ(Term(sharded, "whole params in use"), (2 * r.model.vocab * H + 2 * layer_params) * 2);
+  EXPECT_EQ(Term(whole, "whole params in use"), -1);
+  // At least the optimizer state's 7/8 is saved (the weights' and gradients' too, less the whole
+  // weights in use).
+  EXPECT_GT(whole.gpu_peak_bytes - sharded.gpu_peak_bytes, (r.model.params - owned) * 12);
+  int64_t sum = 0;
+  for (const auto& [name, bytes] : sharded.terms) sum += bytes;
+  EXPECT_EQ(sum, sharded.gpu_peak_bytes);
+  // The one planning rule takes the shard count.
+  MemoryFields fields;
+  fields.recompute = Recompute::kLayer;
+  auto plain = PlanModelJob("llama-3.1-8b", "bfloat16", 131072, 1, fields, Hardware{});
+  auto eight = PlanModelJob("llama-3.1-8b", "bfloat16", 131072, 1, fields, Hardware{}, {}, 8);
+  ASSERT_TRUE(plain.ok() && eight.ok());
+  EXPECT_LT(eight->prediction.gpu_peak_bytes, plain->prediction.gpu_peak_bytes);
+  EXPECT_EQ(Term(eight->prediction, "params"), owned * 2);
+}
+
 TEST(PlannerTest, KeptAttentionOutputsAreChosenOnlyWhereTheyFitAndAllowed) {
   Hardware h200;
   auto c = Choose(Llama3B(), 65536, 1, h200, KeepAttention());

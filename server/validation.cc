@@ -235,10 +235,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     return Invalid(p + ".lora.rank", absl::StrCat("(", lora->rank, ") LoRA together with ", p,
                                                   ".parallel.shard_params is not implemented yet: set one of them"));
   }
-  if (par.shard_params()) {
+  // ZeRO-3 over all of the job's ranks (engine/parallel/sharding.h): SFT steps only; an RL
+  // session's ranks run different datums (and an empty slice runs nothing), which the per-layer
+  // all-gathers cannot follow.
+  if (par.shard_params() && rl) {
     return Invalid(p + ".parallel.shard_params",
-                   "is not implemented yet: sharded parameters/gradients/optimizer state are planned; every rank "
-                   "holds the whole model (set false)");
+                   "is not implemented for RL_SESSION jobs yet: their ranks hold the whole model (set false)");
   }
 
   // Memory: the converter the worker uses too (planner/memory_spec.h), so both read a spec alike.
@@ -252,6 +254,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     const std::string why = absl::StrCat(" is not implemented for the hybrid family (model ", Quote(model.name()),
                                          "): its KDA and DSA layers do not run through the dense attention backend");
     if (cp > 1) return Invalid(p + ".parallel.context_parallel", absl::StrCat("(", cp, ")", why));
+    if (par.shard_params()) return Invalid(p + ".parallel.shard_params", why.substr(1));
     if (memory->head_groups && *memory->head_groups > 1)
       return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", why));
     if (memory->keep_attention && *memory->keep_attention) return Invalid(p + ".memory.keep_attention", why.substr(1));

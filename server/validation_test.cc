@@ -215,6 +215,22 @@ TEST(ValidationTest, RlSessionSpec) {
   spec.mutable_parallel()->set_context_parallel(2);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
               HasSubstr("context_parallel: (2) must be 1 (or 0) for RL_SESSION jobs"));
+  // Sharding is for SFT jobs.
+  spec.mutable_parallel()->set_context_parallel(1);
+  spec.mutable_parallel()->set_shard_params(true);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("shard_params: is not implemented for RL_SESSION jobs yet"));
+}
+
+// Parameter sharding acts for SFT jobs: data parallel or context parallel ranks, or one rank.
+TEST(ValidationTest, ShardParamsSpec) {
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_parallel()->set_shard_params(true);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_world_size(2);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_context_parallel(2);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
 }
 
 // Plan reads model, data.seq_len, data.batch_size and memory only: a spec without lr or steps

@@ -125,7 +125,9 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   }
   // One rank holds seq_len / context_parallel positions (planner::RankSeqLen).
   const int64_t rank_seq = (j.seq_len + std::max(1, j.context_parallel) - 1) / std::max(1, j.context_parallel);
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw, j.lora);
+  // Sharded, a rank keeps 1/world_size of the parameters and their state (planner::ShardRanks).
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw,
+                                                                j.lora, j.shard_params ? j.world_size : 1);
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
@@ -145,6 +147,7 @@ absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptio
   o.device = j.device;
   o.dtype = j.dtype;
   o.attention = j.attention;
+  o.shard_params = j.shard_params;
   o.seed = j.seed;
   o.steps = j.steps;
   o.optimizer.lr = j.lr;
@@ -264,10 +267,17 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     s.host_memory_peak_bytes = PeakRssBytes();
     if (peak_flops > 0 && r.seconds > 0)
       s.mfu = TrainingFlops(cfg, r.tokens, o.data.seq_len) / (r.seconds * peak_flops * j.world_size);
-    if (writes_checkpoints && ((j.every_steps > 0 && r.step % j.every_steps == 0) || r.step == o.steps)) {
+    const bool checkpoint_step =
+        !j.checkpoint_dir.empty() && ((j.every_steps > 0 && r.step % j.every_steps == 0) || r.step == o.steps);
+    if (writes_checkpoints && checkpoint_step) {
       absl::StatusOr<std::string> path = WriteCheckpoint(t, j.checkpoint_dir, j.keep, j.checkpoint_owner);
       if (!path.ok()) return fail(path.status());
       out.last_checkpoint = s.checkpoint = *path;
+    } else if (checkpoint_step && j.shard_params) {
+      // Sharded: the other ranks join rank 0's gather of the whole weights and state (they write
+      // nothing; a rank 0 that failed before it leaves their collective, which then fails).
+      if (absl::Status saved = t.SaveCheckpoint(""); !saved.ok())
+        return fail(absl::Status(saved.code(), absl::StrCat("checkpoint at step ", r.step, ": ", saved.message())));
     }
     on_step(s);
   }

@@ -72,6 +72,10 @@ struct EngineJobOptions {
   int world_size = 1;
   // Ranks sharing each sequence (parallel.context_parallel; 0 or 1 = none). 1 or world_size.
   int context_parallel = 1;
+  // ZeRO-3 sharding of parameters, gradients and optimizer state over all world_size ranks
+  // (parallel.shard_params; engine/parallel/sharding.h). Checkpoints are then gathered by every
+  // rank together (rank 0 writes them).
+  bool shard_params = false;
   std::string rendezvous;      // host:port, for world_size > 1
   std::string resume_from;     // checkpoint folder; empty = fresh
   std::string resume_field = "resume_from";  // what errors of the resume call it

@@ -54,6 +54,7 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.rank = a.rank();
   o.world_size = std::max(1, a.world_size());
   o.context_parallel = std::max(1, spec.parallel().context_parallel());
+  o.shard_params = spec.parallel().shard_params();
   if (o.rank < 0 || o.rank >= o.world_size)
     return absl::InvalidArgumentError(absl::StrCat("rank (", o.rank, ") must be in [0, world_size (", o.world_size, "))"));
   o.rendezvous = a.rendezvous();

@@ -49,6 +49,7 @@ model::LayerStackRunner MemoryStack::Runner() {
         ProfilePhase phase(absl::StrCat("layer ", i, " forward"));
         if (hooks_.before_forward) hooks_.before_forward(i, 1);
         h = RunLayer(layers[static_cast<size_t>(i)], h, ctx);
+        if (hooks_.after_forward) hooks_.after_forward(i, 1, torch::GradMode::is_enabled());
       }
       return h;
     }
@@ -59,7 +60,8 @@ model::LayerStackRunner MemoryStack::Runner() {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * k, count = std::min(k, L - first);
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
-      BlockBody body = [this, group, ctx, first](const torch::Tensor& x, bool recompute) {
+      BlockBody body = [this, group, ctx, first, count](const torch::Tensor& x, bool recompute) {
+        if (recompute && hooks_.before_recompute) hooks_.before_recompute(first, count);
         torch::Tensor y = x;
         if (strategy_.keep_attention) {  // recompute == "layer": one layer per group
           stash_.Begin(first, recompute ? AttentionStash::Mode::kReplay : AttentionStash::Mode::kRecord);
@@ -93,6 +95,7 @@ model::LayerStackRunner MemoryStack::Runner() {
       if (hooks_.before_forward) hooks_.before_forward(first, count);
       h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward),
                           count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1));
+      if (hooks_.after_forward) hooks_.after_forward(first, count, /*kept=*/false);
     }
     return h;
   };

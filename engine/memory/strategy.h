@@ -40,11 +40,17 @@ namespace odyssey::engine::memory {
 // unit (a layer, or every_k layers). before_forward: before the group's forward (each pass
 // through the runner; not before backward's recompute). after_backward: the group's backward
 // has accumulated its parameters' gradients; only where a checkpoint gives the group a backward
-// of its own (recompute layer / every_k), and it may run on autograd's device thread. Either
-// may be empty.
+// of its own (recompute layer / every_k), and it may run on autograd's device thread.
+// after_forward: after the group's forward; `kept` says whether autograd holds the group's
+// parameters for a backward (grad enabled and no recompute) or nothing of the forward refers to
+// them any more (no grad, or a checkpoint that recomputes). before_recompute: before backward
+// recomputes the group (a checkpoint's backward; autograd's thread, as after_backward).
+// (Parameter sharding gathers and frees a layer's weights through these.) Any may be empty.
 struct LayerHooks {
   std::function<void(int64_t first, int64_t count)> before_forward;
   std::function<void(int64_t first, int64_t count)> after_backward;
+  std::function<void(int64_t first, int64_t count, bool kept)> after_forward;
+  std::function<void(int64_t first, int64_t count)> before_recompute;
 };
 
 class MemoryStack {

@@ -120,6 +120,37 @@ absl::StatusOr<torch::Tensor> Communicator::AllToAll(const torch::Tensor& input,
   return flat.view(shape).movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).to(input.device()).contiguous();
 }
 
+absl::StatusOr<torch::Tensor> Communicator::AllGather(const torch::Tensor& shard) {
+  TORCH_CHECK(shard.defined(), "communicator: all-gather of an undefined tensor");
+  const int64_t P = world_size();
+  if (P == 1) return shard.reshape({-1});
+  // Row j goes to rank j: every row is this rank's shard, so row i received is rank i's.
+  torch::Tensor flat = shard.detach().reshape({1, -1}).to(torch::kCPU).expand({P, shard.numel()}).contiguous();  // (P, n)
+  if (flat.numel() > 0)
+    if (absl::Status s = AllToAllFlat(flat); !s.ok()) return s;
+  return flat.view({-1}).to(shard.device());
+}
+
+std::unique_ptr<PendingCollective> Communicator::StartAllGather(const torch::Tensor& shard) {
+  return std::make_unique<FinishedCollective>(AllGather(shard));
+}
+
+absl::StatusOr<torch::Tensor> Communicator::ReduceScatter(const torch::Tensor& full, ReduceOp op) {
+  TORCH_CHECK(full.defined(), "communicator: reduce-scatter of an undefined tensor");
+  const int64_t P = world_size();
+  if (full.numel() % P != 0)
+    return absl::InvalidArgumentError(absl::StrCat("reduce-scatter: world_size (", P,
+                                                   ") must divide the tensor's element count (", full.numel(), ")"));
+  if (P == 1) return full.reshape({-1});
+  // The whole sum, then this rank's slice: the same bits as the slice of an AllReduce.
+  torch::Tensor flat = full.detach().reshape({-1}).to(torch::kCPU).contiguous();  // (P n)
+  if (flat.data_ptr() == full.data_ptr()) flat = flat.clone();  // never write into the caller's tensor
+  const int64_t n = flat.numel() / P;
+  if (flat.numel() > 0)
+    if (absl::Status s = AllReduceFlat(flat, op); !s.ok()) return s;
+  return flat.slice(0, rank() * n, (rank() + 1) * n).clone().to(full.device());
+}
+
 absl::Status Communicator::Barrier() {
   if (world_size() == 1) return absl::OkStatus();
   torch::Tensor one = torch::ones({1}, torch::kInt32);

@@ -1,5 +1,5 @@
 // Communicator: the collectives the ranks of one job use (all-reduce, broadcast, barrier,
-// all-to-all), behind one small interface so the engine's parallel math does not care how ranks talk.
+// all-to-all, all-gather, reduce-scatter), behind one small interface so the engine's parallel math does not care how ranks talk.
 //
 // Implementations:
 //   SingleRankCommunicator  a world of one rank: every collective is the identity (the
@@ -8,7 +8,10 @@
 //   InProcessGroup  every rank is a thread of one process (tests of the parallel math).
 //   TcpCommunicator every rank is a process; rank 0 hosts a rendezvous at host:port and the
 //                   collectives run over a star of TCP connections through rank 0 (CPU jobs on
-//                   loopback or a LAN; NCCL replaces it on GPUs).
+//                   loopback or a LAN).
+//   NcclCommunicator every rank is a process with a GPU: c10d ProcessGroupNCCL over a TCPStore
+//                   rendezvous (engine/parallel/nccl_communicator.h; built only where the
+//                   linked libtorch has NCCL).
 // Semantics shared by all implementations:
 //   - Every rank calls the same collectives in the same order with tensors of the same count,
 //     shapes and dtypes (a mismatch is detected where cheap and reported as INTERNAL).
@@ -36,6 +39,26 @@
 namespace odyssey::engine {
 
 enum class ReduceOp { kSum, kAvg };
+
+// A collective in flight (Communicator::StartAllGather). Wait() returns its result once; a
+// communicator whose transport runs collectives synchronously hands back a finished one.
+// Thread safety: one thread (the rank's).
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // REQUIRES: called at most once.
+  virtual absl::StatusOr<torch::Tensor> Wait() = 0;
+};
+
+// A collective that finished when it was started (its result or its error).
+class FinishedCollective : public PendingCollective {
+ public:
+  explicit FinishedCollective(absl::StatusOr<torch::Tensor> result) : result_(std::move(result)) {}
+  absl::StatusOr<torch::Tensor> Wait() override { return std::move(result_); }
+
+ private:
+  absl::StatusOr<torch::Tensor> result_;
+};
 
 class Communicator {
  public:
@@ -65,6 +88,22 @@ class Communicator {
   // Errors: INVALID_ARGUMENT when a dim is out of range or world_size() does not divide
   // input.size(split_dim) (naming both), otherwise the transport's (a missing rank times out).
   virtual absl::StatusOr<torch::Tensor> AllToAll(const torch::Tensor& input, int64_t split_dim, int64_t concat_dim);
+  // All-gather (parameter sharding): every rank passes its shard of n elements (any shape);
+  // returns (P n,) 1-D, rank 0's elements first, then rank 1's, ..., on the shard's device and in
+  // its dtype (the bytes travel as they are). On one rank: the shard flattened.
+  // REQUIRES: every rank passes the same numel and dtype.
+  virtual absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& shard);
+  // The same, started now and waited for later (a layer's parameters fetched while the layer
+  // before it computes). Collectives started and not yet waited for still count in the
+  // every-rank-same-order rule. The default runs AllGather now and returns it finished.
+  virtual std::unique_ptr<PendingCollective> StartAllGather(const torch::Tensor& shard);
+  // Reduce-scatter (sharded gradients): `full` (P n elements, any shape) is summed (or
+  // averaged) over the ranks and this rank gets elements [rank n, (rank + 1) n) of the result,
+  // (n,) 1-D on full's device and in its dtype; narrower floats accumulate in fp32, the
+  // reduction in rank order, bitwise the slice an AllReduce would give. One rank: full flattened.
+  // REQUIRES: every rank passes the same numel (a multiple of world_size()) and dtype.
+  // Errors: INVALID_ARGUMENT when world_size() does not divide full.numel() (naming both).
+  virtual absl::StatusOr<torch::Tensor> ReduceScatter(const torch::Tensor& full, ReduceOp op = ReduceOp::kSum);
 
  protected:
   // The primitives the grouping above is built on. `flat` is a contiguous CPU tensor, 1-D.

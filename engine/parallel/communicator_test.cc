@@ -205,6 +205,41 @@ TEST_P(CommunicatorTest, AllToAllRefusesASplitTheRanksDoNotDivide) {
   });
 }
 
+// All-gather returns the ranks' shards in rank order (any shape, any dtype, bytes as they are);
+// reduce-scatter gives each rank its slice of the sum, the bits an all-reduce would give.
+TEST_P(CommunicatorTest, AllGatherAndReduceScatter) {
+  for (int world_size : {1, 3}) {
+    auto comms = Make(world_size);
+    std::vector<torch::Tensor> shards, fulls;
+    for (int r = 0; r < world_size; ++r) {
+      shards.push_back(RankTensors(r)[2].slice(0, 0, 7).view({7}));   // bf16 (7,)
+      fulls.push_back(RankTensors(r)[2].slice(0, 0, 6 * world_size));  // bf16: fp32 accumulation
+    }
+    std::vector<torch::Tensor> want_sum = {torch::zeros({6 * world_size}, torch::kFloat32)};
+    for (const auto& f : fulls) want_sum[0] += f.to(torch::kFloat32);
+    RunRanks(comms, [&](Communicator& c) {
+      const int r = c.rank();
+      absl::StatusOr<torch::Tensor> g = c.AllGather(shards[static_cast<size_t>(r)]);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_TRUE(torch::equal(*g, torch::cat(shards))) << "rank " << r;
+      absl::StatusOr<torch::Tensor> later = c.StartAllGather(shards[static_cast<size_t>(r)].view({1, 7}))->Wait();
+      ASSERT_TRUE(later.ok()) << later.status();
+      EXPECT_TRUE(torch::equal(*later, torch::cat(shards))) << "rank " << r;
+      absl::StatusOr<torch::Tensor> mine = c.ReduceScatter(fulls[static_cast<size_t>(r)].view({world_size, 6}));
+      ASSERT_TRUE(mine.ok()) << mine.status();
+      EXPECT_TRUE(torch::equal(*mine, want_sum[0].to(torch::kBFloat16).slice(0, 6 * r, 6 * (r + 1)))) << "rank " << r;
+      if (world_size > 1) {
+        absl::StatusOr<torch::Tensor> bad = c.ReduceScatter(torch::ones({4}));
+        EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_NE(bad.status().message().find("world_size (3) must divide the tensor's element count (4)"),
+                  std::string::npos)
+            << bad.status();
+        ASSERT_TRUE(c.Barrier().ok());  // the refusal sent nothing
+      }
+    });
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Impl, CommunicatorTest, ::testing::Values("in_process", "tcp"),
                          [](const auto& info) { return info.param; });
 
