@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -30,6 +31,24 @@ std::vector<std::string> ListCheckpoints(const std::string& dir) {
   }
   std::sort(out.begin(), out.end());  // zero-padded: lexicographic = numeric
   return out;
+}
+
+std::string RestartCheckpoint(const std::string& dir, const std::string& owner, const std::string& recorded) {
+  std::string newest;
+  for (const std::string& path : ListCheckpoints(dir))
+    if (ReadOwner(path) == owner) newest = path;  // oldest first: the last one is the newest
+  if (newest.empty() || newest == recorded) return recorded;
+  std::error_code ec;
+  if (!fs::exists(recorded, ec)) return newest;
+  // Both exist: the newer by step number (a recorded folder of another name stays).
+  const std::string name = fs::path(recorded).filename().string();
+  int64_t step = 0;
+  if (!(name.size() == 13 && absl::StartsWith(name, "step-") && absl::SimpleAtoi(name.substr(5), &step))) {
+    return recorded;
+  }
+  int64_t newest_step = 0;
+  if (!absl::SimpleAtoi(fs::path(newest).filename().string().substr(5), &newest_step)) return recorded;
+  return newest_step >= step ? newest : recorded;
 }
 
 std::string ReadOwner(const std::string& folder) {

@@ -57,6 +57,13 @@ absl::Status CheckReplaceable(const std::string& folder, const std::string& owne
 // none removed). Other owners' step folders are neither removed nor counted.
 void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep);
 
+// The checkpoint a restarted run of `owner` resumes from, given `recorded`, the one the controller
+// last heard of: the newest of `owner`'s step folders in `dir` when it is at least as new as
+// `recorded` (a run the controller lost may have gone on writing, and pruning keep-K, past what it
+// reported: `recorded` may be gone), else `recorded`. A `recorded` that is not a step folder
+// (step-NNNNNNNN) counts as older than any step folder only when it no longer exists.
+std::string RestartCheckpoint(const std::string& dir, const std::string& owner, const std::string& recorded);
+
 // Removes the staging folders (".step-*") in `dir` that a run of `owner` left when it died
 // mid-write, and those that name no owner.
 void RemoveStagingLeftovers(const std::string& dir, const std::string& owner);

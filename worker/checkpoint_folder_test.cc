@@ -74,6 +74,29 @@ TEST_F(CheckpointFolderTest, PruningCountsAndRemovesOnlyOwnSteps) {
   EXPECT_EQ(ListCheckpoints(dir_).size(), 5u);
 }
 
+// A restart resumes from the job's newest own step folder, also when the controller's recorded
+// one was pruned by a run it had lost track of; never from another owner's, never back in time.
+TEST_F(CheckpointFolderTest, RestartResumesFromTheNewestOwnStep) {
+  const std::string recorded = Step(4, kMine);
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, recorded), recorded);  // nothing newer
+  Step(6, kMine);
+  Step(9, kTheirs);  // newer, but another job's
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, recorded), CheckpointPath(dir_, 6));
+  PruneCheckpoints(dir_, kMine, 1);  // the lost run's keep-1 removed the recorded step-4
+  ASSERT_FALSE(fs::exists(recorded));
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, recorded), CheckpointPath(dir_, 6));
+  // A recorded step newer than any own folder here (written elsewhere) stays.
+  const std::string elsewhere = (fs::path(dir_) / "other" / "step-00000012").string();
+  fs::create_directories(elsewhere);
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, elsewhere), elsewhere);
+  // A recorded folder of another name (an RL session's save) that still exists stays.
+  const std::string saved = (fs::path(dir_) / "my-save").string();
+  fs::create_directories(saved);
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, saved), saved);
+  EXPECT_EQ(RestartCheckpoint(dir_, kMine, saved + "-gone"), CheckpointPath(dir_, 6));
+  EXPECT_EQ(RestartCheckpoint(dir_ + "/missing", kMine, recorded), recorded);  // no folder: as recorded
+}
+
 TEST_F(CheckpointFolderTest, OnlyEmptyOrOwnFoldersAreReplaced) {
   EXPECT_TRUE(CheckReplaceable(dir_ + "/new", kMine, "directory").ok());
   fs::create_directories(dir_ + "/empty");

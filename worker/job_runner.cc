@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/wire_text.h"
 #include "planner/memory_spec.h"
+#include "worker/checkpoint_folder.h"
 #include "worker/rl_calls.h"
 #include "worker/rl_session.h"
 #include "worker/worker_metrics.h"
@@ -64,6 +65,10 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.resume_field = a.resume_from().empty() ? "spec.resume_from" : "resume_from";
   o.checkpoint_dir = a.checkpoint_dir().empty() ? spec.checkpoint().directory() : a.checkpoint_dir();
   o.checkpoint_owner = a.checkpoint_owner().empty() ? a.job() : a.checkpoint_owner();  // an older controller's
+  // A restart (the controller's resume_from) takes the job's newest own step folder when it is
+  // newer: a run the controller lost may have gone on, and pruned what the controller recorded.
+  if (!a.resume_from().empty() && !o.checkpoint_dir.empty())
+    o.resume_from = RestartCheckpoint(o.checkpoint_dir, o.checkpoint_owner, a.resume_from());
   o.every_steps = spec.checkpoint().every_steps();
   o.keep = spec.checkpoint().keep();
   if (rl) {
