@@ -8,9 +8,9 @@
 
 int main(int argc, char** argv) {
   std::string model = "llama-3.2-3b";
-  int64_t seq_len = 65536, layers = 0;
+  int64_t seq_len = 65536, layers = 0, context_parallel = 1, head_groups = 0;
   double gpu_gib = 136, host_gib = 110;
-  bool max = false, keep = false;
+  bool max = false, keep = false, shard = false;
   odyssey::model::LoraConfig lora;
   CLI::App app{"odyssey-plan: predicted memory and the chosen strategy"};
   app.set_version_flag("--version", odyssey::VersionLine("odyssey-plan"));
@@ -20,6 +20,13 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-gib", gpu_gib, "GPU memory the allocator may use")->capture_default_str();
   app.add_option("--host-gib", host_gib, "pinned host memory the pool may use")->capture_default_str();
   app.add_flag("--max", max, "print the longest sequence that fits");
+  app.add_option("--context-parallel", context_parallel,
+                 "Ulysses ranks one sequence is spread over (one GPU each); the plan is per rank, at seq-len / P")
+      ->capture_default_str();
+  app.add_option("--head-groups", head_groups,
+                 "fix the attention head groups (head-chunked attention; 1 = none; 0 = the planner's choice)")
+      ->capture_default_str();
+  app.add_flag("--shard", shard, "shard parameters, gradients and optimizer state over those ranks (ZeRO-3)");
   app.add_flag("--keep-attention", keep, "allow keeping attention outputs (skips the attention re-forward)");
   app.add_option("--lora-rank", lora.rank, "LoRA adapters of this rank, the base frozen (0 = full fine-tuning)")
       ->capture_default_str();
@@ -39,13 +46,41 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "odyssey-plan: %s\n", std::string(s.message()).c_str());
     return 2;
   }
-  const auto shape = odyssey::planner::ShapeOf(*config, lora);
-  if (max) {
-    std::printf("longest sequence that fits: %lld tokens\n",
-                static_cast<long long>(odyssey::planner::MaxSeqLen(shape, hw)));
+  if (context_parallel < 1 || config->num_attention_heads % context_parallel != 0) {
+    std::fprintf(stderr, "odyssey-plan: --context-parallel (%lld) must be >= 1 and divide the query heads (%lld)\n",
+                 static_cast<long long>(context_parallel), static_cast<long long>(config->num_attention_heads));
+    return 2;
   }
+  if (shard && lora.enabled()) {
+    std::fprintf(stderr, "odyssey-plan: --shard with --lora-rank is not implemented (CreateJob refuses it)\n");
+    return 2;
+  }
+  auto shape = odyssey::planner::ShapeOf(*config, lora);
+  if (shard) shape.shard_ranks = context_parallel;
+  const int64_t P = context_parallel;
   odyssey::planner::ChooseOptions options;
   options.allow_keep_attention = keep;
+  if (head_groups < 0) {
+    std::fprintf(stderr, "odyssey-plan: --head-groups (%lld) must be >= 0\n", static_cast<long long>(head_groups));
+    return 2;
+  }
+  if (head_groups > 0) options.fixed.head_groups = head_groups;
+  if (max) {
+    // Each rank holds S / P positions: the longest per rank, times P.
+    const int64_t per_rank = odyssey::planner::MaxSeqLen(shape, hw, 16384, options);
+    if (P > 1) {
+      std::printf("longest sequence that fits: %lld tokens (%lld ranks x %lld)\n",
+                  static_cast<long long>(per_rank * P), static_cast<long long>(P), static_cast<long long>(per_rank));
+    } else {
+      std::printf("longest sequence that fits: %lld tokens\n", static_cast<long long>(per_rank));
+    }
+  }
+  if (seq_len % P != 0) {
+    std::fprintf(stderr, "odyssey-plan: --context-parallel (%lld) must divide --seq-len (%lld)\n",
+                 static_cast<long long>(P), static_cast<long long>(seq_len));
+    return 2;
+  }
+  seq_len /= P;  // the plan of one rank
   auto choice = odyssey::planner::Choose(shape, seq_len, 1, hw, options);
   if (!choice.ok()) {
     std::printf("%s\n", std::string(choice.status().message()).c_str());

@@ -486,9 +486,9 @@ Hardware CpuHardware(int64_t host_memory_bytes, int64_t spec_budget_bytes) {
   return h;
 }
 
-int64_t MaxSeqLen(const ModelShape& model, const Hardware& hw, int64_t granularity) {
+int64_t MaxSeqLen(const ModelShape& model, const Hardware& hw, int64_t granularity, const ChooseOptions& options) {
   int64_t lo = 0, hi = granularity;
-  while (Choose(model, hi, 1, hw).ok()) {
+  while (Choose(model, hi, 1, hw, options).ok()) {
     lo = hi;
     hi *= 2;
     if (hi > (int64_t{1} << 34)) return lo;
@@ -496,7 +496,7 @@ int64_t MaxSeqLen(const ModelShape& model, const Hardware& hw, int64_t granulari
   while (hi - lo > granularity) {
     const int64_t mid = (lo + hi) / 2 / granularity * granularity;
     if (mid <= lo) break;
-    if (Choose(model, mid, 1, hw).ok()) {
+    if (Choose(model, mid, 1, hw, options).ok()) {
       lo = mid;
     } else {
       hi = mid;

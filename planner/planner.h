@@ -152,6 +152,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
                                      const model::LoraConfig& lora = {}, int64_t shard_ranks = 1);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
-int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384);
+int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384,
+                  const ChooseOptions& options = {});
 
 }  // namespace odyssey::planner

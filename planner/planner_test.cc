@@ -228,6 +228,20 @@ TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   EXPECT_FALSE(Choose(Llama3B(), max + 16384 * 2, 1, h200).ok());
 }
 
+// MaxSeqLen under fixed fields: without head chunking (head_groups 1) the longest is shorter,
+// and what it returns fits with that field.
+TEST(PlannerTest, MaxSeqLenHonoursFixedFields) {
+  Hardware h200;
+  ChooseOptions one_group;
+  one_group.fixed.head_groups = 1;
+  const int64_t free_max = MaxSeqLen(Llama3B(), h200), fixed_max = MaxSeqLen(Llama3B(), h200, 16384, one_group);
+  EXPECT_LT(fixed_max, free_max);
+  auto c = Choose(Llama3B(), fixed_max, 1, h200, one_group);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->strategy.head_groups, 1);
+  EXPECT_FALSE(Choose(Llama3B(), fixed_max + 16384 * 2, 1, h200, one_group).ok());
+}
+
 // LoRA on the 8B shape: the frozen bf16 base is 2 bytes per parameter with no masters, moments
 // or gradients; the adapters carry the fp32 state and the only gradients (the head has none, nor
 // its fp32 accumulator); the activation terms are those of full fine-tuning. It fits where full
