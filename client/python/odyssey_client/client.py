@@ -182,7 +182,9 @@ class ServiceClient:
                        attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                        optimizer_on_host: Optional[bool] = None, grad_clip: float = 0.0,
                        seed: int = 0, display_name: str = "",
-                       checkpoint_directory: str = "", priority: int = 0, request_id: Optional[str] = None,
+                       checkpoint_directory: str = "", priority: int = 0, lora_rank: int = 0,
+                       lora_alpha: float = 0.0, lora_target_modules: Sequence[str] = (), lora_merge: bool = False,
+                       request_id: Optional[str] = None,
                        wait: bool = True, wait_timeout: Optional[float] = 300.0) -> "TrainingClient":
         """Creates an RL session (a job of kind RL_SESSION) and, with `wait`, waits until it is
         RUNNING on a worker.
@@ -199,6 +201,10 @@ class ServiceClient:
         the session runs on, data parallel (0 = 1); the controller splits each batch between them
         by datums, so seq_len x batch_size then bounds each worker's share and a batch may hold
         world_size times as many positions.
+        lora_rank > 0: LoRA (JobSpec.lora): adapters of this rank (lora_alpha: 0 = rank) on
+        lora_target_modules (empty: all seven projections) train on the frozen base; checkpoints
+        hold the adapters, export_weights writes a PEFT adapter folder (or, with lora_merge, merged
+        weights).
         request_id: idempotency key (a retry with the same id returns the same job); a random one
         by default. Raises JobFailedError when the job fails to start, SessionTimeoutError when it
         is not RUNNING after wait_timeout seconds.
@@ -210,7 +216,8 @@ class ServiceClient:
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
                              keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
                              grad_clip=grad_clip, seed=seed, display_name=display_name,
-                             checkpoint_directory=checkpoint_directory, priority=priority)
+                             checkpoint_directory=checkpoint_directory, priority=priority, lora_rank=lora_rank,
+                             lora_alpha=lora_alpha, lora_target_modules=lora_target_modules, lora_merge=lora_merge)
         request = pb.CreateJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
         job = self._call("CreateJob", self.jobs.CreateJob, request)
         session = TrainingClient(self, job.name, max_positions=seq_len * max(1, batch_size))
@@ -223,7 +230,8 @@ class ServiceClient:
                      loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                      attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                      optimizer_on_host: Optional[bool] = None, gpu_bytes: int = 0, host_bytes: int = 0,
-                     max_seq_len: bool = False) -> "pb.PlanResponse":
+                     max_seq_len: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
+                     lora_target_modules: Sequence[str] = ()) -> "pb.PlanResponse":
         """What create_session with these arguments would need per GPU rank, from the
         controller's planner, creating nothing (PlannerService.Plan; server/README.md): `fits`,
         `message` (why not), the strategy (`memory`, `device_resident`, `attention_head_groups`,
@@ -235,7 +243,8 @@ class ServiceClient:
                              recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
-                             keep_attention=keep_attention, optimizer_on_host=optimizer_on_host)
+                             keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
+                             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
         return self._call("Plan", self.planner.Plan, pb.PlanRequest(spec=spec, gpu_bytes=gpu_bytes,
                                                                     host_bytes=host_bytes, max_seq_len=max_seq_len))
 
@@ -243,6 +252,15 @@ class ServiceClient:
         """Tinker's name for create_session: `base_model` is create_session's `model`; the other
         keyword arguments are create_session's."""
         return self.create_session(base_model, **kwargs)
+
+    def create_lora_training_client(self, base_model: str = "tiny", rank: int = 32, **kwargs) -> "TrainingClient":
+        """Tinker's name for a LoRA session: create_session(base_model, lora_rank=rank, ...); the
+        other keyword arguments are create_session's (lora_alpha, lora_target_modules, ...)."""
+        return self.create_session(base_model, lora_rank=rank, **kwargs)
+
+    async def create_lora_training_client_async(self, base_model: str = "tiny", rank: int = 32,
+                                                **kwargs) -> "TrainingClient":
+        return await asyncio.to_thread(self.create_session, base_model, lora_rank=rank, **kwargs)
 
     async def create_session_async(self, model: str = "tiny", **kwargs) -> "TrainingClient":
         """create_session without blocking the event loop (it runs on a thread: creating a
@@ -278,7 +296,8 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
                   device_resident: Optional[int] = None, attention_head_groups: int = 0,
                   keep_attention: Optional[bool] = None, optimizer_on_host: Optional[bool] = None,
                   grad_clip: float = 0.0, seed: int = 0, display_name: str = "", checkpoint_directory: str = "",
-                  priority: int = 0) -> "pb.JobSpec":
+                  priority: int = 0, lora_rank: int = 0, lora_alpha: float = 0.0,
+                  lora_target_modules: Sequence[str] = (), lora_merge: bool = False) -> "pb.JobSpec":
     """The JobSpec of an RL session (create_session's and plan_session's arguments)."""
     memory = pb.MemorySpec(recompute=recompute, recompute_every_k=recompute_every_k, offload=offload,
                            mlp_tile_tokens=mlp_tile_tokens, loss_tile_tokens=loss_tile_tokens,
@@ -298,7 +317,8 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
         optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
         data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
         checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),
-        rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds))
+        rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds),
+        lora=pb.LoraSpec(rank=lora_rank, alpha=lora_alpha, target_modules=list(lora_target_modules), merge=lora_merge))
 
 
 LossLike = Union[str, Loss, dict, None]

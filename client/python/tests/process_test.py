@@ -356,6 +356,36 @@ def case_api(args, cluster, site):
         name = s.name
     job = client.get_job(name)
     expect(job.state == "CANCELLED", f"after the with block the session is {job.state}")
+
+    # LoRA (Tinker's create_lora_training_client): adapters on the frozen base of the same seed.
+    # Training moves the loss; the export is a PEFT adapter folder that peft loads onto the base
+    # (the first session's untrained export, the same seed-7 weights) with the session's
+    # logprobs; greedy sampling decodes through the adapters (its logprobs are Forward's).
+    from peft import PeftModel
+    with client.create_lora_training_client("tiny", rank=4, lora_alpha=8, dtype="float32", seq_len=32, batch_size=4,
+                                            seed=7, idle_timeout_seconds=300, display_name="api-lora") as ls:
+        pairs = [(ls.forward_backward(batch, loss="cross_entropy"), ls.optim_step(lr=2e-2)) for _ in range(4)]
+        lora_losses = [fb.result().loss for fb, _ in pairs]
+        expect(lora_losses[-1] < lora_losses[0] - 0.05, f"LoRA loss did not fall: {lora_losses}")
+        f1 = ls.forward(batch).result()
+        adapter = ls.export_weights(os.path.join(cluster.workdir, "lora-export"), dtype="float32").result()
+        expect(os.path.exists(os.path.join(adapter, "adapter_config.json"))
+               and os.path.exists(os.path.join(adapter, "adapter_model.safetensors")), f"{adapter}: no PEFT folder")
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32),
+                                               adapter)
+        worst = 0.0
+        with torch.no_grad():
+            for d, lp in zip(batch, f1.logprobs):
+                logits = peft_model(input_ids=torch.tensor([d.tokens])).logits[0].float()
+                hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(d.target_tokens)[:, None])[:, 0]
+                worst = max(worst, (hf - torch.tensor(lp)).abs().max().item())
+        expect(worst < 1e-4, f"LoRA forward and peft on the base disagree by {worst}")
+        res = ls.sample([batch[0].tokens[:5]], sampling_params={"max_tokens": 6, "temperature": 0}).result()
+        lp = ls.compute_logprobs(batch[0].tokens[:5] + res.sequences[0].tokens).result()
+        gap = max(abs(a - b) for a, b in zip(lp[5:], res.sequences[0].logprobs))
+        expect(gap < 1e-4, f"LoRA greedy sample's logprobs differ from compute_logprobs by {gap}")
+        print(f"LoRA session: loss {lora_losses[0]:.3f} -> {lora_losses[-1]:.3f}; peft on the base = forward "
+              f"({worst:.1e}); greedy sample logprobs = compute_logprobs ({gap:.1e})")
     try:
         client.get_job("jobs/987654")
         raise Failure("get_job of a missing job succeeded")

@@ -447,6 +447,17 @@ class SessionTest(unittest.TestCase):
         self.assertEqual((given.device_resident, given.attention_head_groups, given.keep_attention,
                           given.optimizer_on_host), (0, 2, False, True))
 
+    def test_lora_sessions_carry_the_lora_spec(self):
+        self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
+        self.jobs.script["jobs/2"] = [(pb.Job.RUNNING, "")]
+        self.client.create_session("tiny", seq_len=8, batch_size=1)
+        self.client.create_lora_training_client("tiny", rank=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
+                                                seq_len=8, batch_size=1)
+        plain, lora = self.jobs.created[0].spec.lora, self.jobs.created[1].spec.lora
+        self.assertEqual(plain.rank, 0)  # full fine-tuning
+        self.assertEqual((lora.rank, lora.alpha, list(lora.target_modules), lora.merge),
+                         (4, 8.0, ["q_proj", "v_proj"], False))
+
     def test_create_job_retries_unavailable_with_the_same_request_id(self):
         self.jobs.unavailable = 2
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
