@@ -226,9 +226,10 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   const auto& cfg = t.model()->config();
   LogInfo(absl::StrFormat("job=%s rank=%d/%d %s model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
                           j.job, j.rank, j.world_size,
-                          j.context_parallel > 1   ? absl::StrCat("context_parallel=", j.context_parallel)
-                          : j.world_size > 1       ? std::string("data_parallel")
-                                                   : std::string("alone"),
+                          absl::StrCat(j.context_parallel > 1 ? absl::StrCat("context_parallel=", j.context_parallel)
+                                       : j.world_size > 1     ? std::string("data_parallel")
+                                                              : std::string("alone"),
+                                       o.shard_params ? absl::StrCat(" shard_params=", j.world_size) : ""),
                           o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
                           c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
                           t.step(), o.steps));

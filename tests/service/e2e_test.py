@@ -331,7 +331,8 @@ def case_data_parallel(c):
 def case_context_parallel(c):
     """An SFT job of world_size 2 and context_parallel 2 on two CPU workers: both ranks train on
     the same batches, each on half of every row, and the per-step losses equal those of the same
-    job on one worker (fp32; the ranks sum the same terms in another order: 1e-5 relative)."""
+    job on one worker (fp32; the ranks sum the same terms in another order: 1e-5 relative); so do
+    those of the same job with parallel.shard_params (ZeRO-3 over the pair)."""
     c.start_controller()
     c.start_worker("w1")
     c.start_worker("w2")
@@ -363,6 +364,24 @@ def case_context_parallel(c):
     for w in ("w1", "w2"):
         if not re.search(r"rank=[01]/2 context_parallel=2 model", c.log(w)):
             raise Failure(f"{w}'s log does not show a rank of the context-parallel run")
+    # The same job with its parameters, gradients and AdamW state sharded over the two ranks
+    # (ZeRO-3): the same losses again.
+    spec["parallel"] = {"world_size": 2, "contextParallel": 2, "shardParams": True}
+    sharded = c.submit(spec)
+    sharded_steps = c.watch(sharded)
+    job = c.wait_state(sharded, "SUCCEEDED")
+    wait_for("the sharded run's final step event", lambda: sharded_steps and sharded_steps[-1][0] == steps, timeout=30)
+    sharded_loss = dict(sharded_steps)
+    both = sorted(set(one_loss) & set(sharded_loss))
+    if len(both) < 5:
+        raise Failure(f"only steps {both} were seen by both watches (sharded)")
+    worst = max(abs(sharded_loss[s] - one_loss[s]) / abs(one_loss[s]) for s in both)
+    print(f"sharded (ZeRO-3 over the context-parallel pair): largest relative difference {worst:.2e}")
+    if worst > 1e-5:
+        raise Failure(f"sharded losses differ from one worker's by {worst:.2e} (relative)")
+    for w in ("w1", "w2"):
+        if not re.search(r"rank=[01]/2 context_parallel=2 shard_params=2 model", c.log(w)):
+            raise Failure(f"{w}'s log does not show a rank of the sharded run")
 
 
 def case_rank_loss(c):
