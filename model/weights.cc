@@ -82,7 +82,7 @@ absl::Status SaveHfCheckpoint(CausalLM& model, const std::string& dir, const Sav
                                            ToHfConfigJson(model->config(), DtypeName(options.dtype)));
       !s.ok())
     return s;
-  return CopyModelFolderFiles(options.base_dir, dir);
+  return CopyModelFolderFiles(options.base_dir, dir);  // the base model's tokenizer and generation files
 }
 
 namespace {
