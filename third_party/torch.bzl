@@ -44,10 +44,13 @@ cc_library(
     defines = ["_GLIBCXX_USE_CXX11_ABI={abi}"],
     linkopts = [
         "-L{lib}",
-        "-Wl,--no-as-needed",
+        # push/pop, not a trailing --as-needed: that would turn as-needed on for every library
+        # named after these (protobuf, gRPC, fmt) and drop them from binaries whose own objects
+        # do not call them while the shared libraries of their deps do (worker tests).
+        "-Wl,--push-state,--no-as-needed",
         "-ltorch_cpu",
         "-lc10",
-        "-Wl,--as-needed",
+        "-Wl,--pop-state",
         "-Wl,-rpath,{lib}",
     ],
 )
