@@ -341,48 +341,41 @@ def case_context_parallel(c):
     one = c.submit(spec)
     one_steps = c.watch(one)
     c.wait_state(one, "SUCCEEDED")
-    spec["parallel"] = {"world_size": 2, "contextParallel": 2}
-    cp = c.submit(spec)
-    cp_steps = c.watch(cp)
-    job = c.wait_state(cp, "SUCCEEDED")
-    if job.step != steps or sorted(job.workers) != ["w1", "w2"]:
-        raise Failure(f"{cp}: step {job.step}, workers {list(job.workers)}")
-    # A watch opened after the first steps sees the latest one first, then every later one.
-    wait_for("both runs' final step events",
-             lambda: one_steps and cp_steps and one_steps[-1][0] == steps and cp_steps[-1][0] == steps, timeout=30)
-    one_loss, cp_loss = dict(one_steps), dict(cp_steps)
-    common = sorted(set(one_loss) & set(cp_loss))
-    print(f"steps seen by both watches: {common}")
-    for s in common:
-        print(f"step {s}: one worker {one_loss[s]:.9f}, context parallel {cp_loss[s]:.9f}")
-    if len(common) < 5:
-        raise Failure(f"only steps {common} were seen by both watches")
-    worst = max(abs(cp_loss[s] - one_loss[s]) / abs(one_loss[s]) for s in common)
-    print(f"largest relative difference {worst:.2e}")
-    if worst > 1e-5:
-        raise Failure(f"context-parallel losses differ from one worker's by {worst:.2e} (relative)")
-    for w in ("w1", "w2"):
-        if not re.search(r"rank=[01]/2 context_parallel=2 model", c.log(w)):
-            raise Failure(f"{w}'s log does not show a rank of the context-parallel run")
+    one_loss = dict(one_steps)
+
+    def run_matches_one_worker(parallel, what, log_pattern):
+        """Runs `spec` with `parallel` on w1 and w2 to SUCCEEDED; its per-step losses must equal
+        the one-worker run's (1e-5 relative) and both workers' logs must show a rank of it."""
+        spec["parallel"] = parallel
+        name = c.submit(spec)
+        seen = c.watch(name)
+        job = c.wait_state(name, "SUCCEEDED")
+        if job.step != steps or sorted(job.workers) != ["w1", "w2"]:
+            raise Failure(f"{name}: step {job.step}, workers {list(job.workers)}")
+        # A watch opened after the first steps sees the latest one first, then every later one.
+        wait_for(f"the {what} run's final step event",
+                 lambda: one_steps and seen and one_steps[-1][0] == steps and seen[-1][0] == steps, timeout=30)
+        loss = dict(seen)
+        common = sorted(set(one_loss) & set(loss))
+        print(f"{what}: steps seen by both watches: {common}")
+        for s in common:
+            print(f"step {s}: one worker {one_loss[s]:.9f}, {what} {loss[s]:.9f}")
+        if len(common) < 5:
+            raise Failure(f"only steps {common} were seen by both watches ({what})")
+        worst = max(abs(loss[s] - one_loss[s]) / abs(one_loss[s]) for s in common)
+        print(f"{what}: largest relative difference {worst:.2e}")
+        if worst > 1e-5:
+            raise Failure(f"{what} losses differ from one worker's by {worst:.2e} (relative)")
+        for w in ("w1", "w2"):
+            if not re.search(log_pattern, c.log(w)):
+                raise Failure(f"{w}'s log does not show a rank of the {what} run")
+
+    run_matches_one_worker({"world_size": 2, "contextParallel": 2}, "context parallel",
+                           r"rank=[01]/2 context_parallel=2 model")
     # The same job with its parameters, gradients and AdamW state sharded over the two ranks
     # (ZeRO-3): the same losses again.
-    spec["parallel"] = {"world_size": 2, "contextParallel": 2, "shardParams": True}
-    sharded = c.submit(spec)
-    sharded_steps = c.watch(sharded)
-    job = c.wait_state(sharded, "SUCCEEDED")
-    wait_for("the sharded run's final step event", lambda: sharded_steps and sharded_steps[-1][0] == steps, timeout=30)
-    sharded_loss = dict(sharded_steps)
-    both = sorted(set(one_loss) & set(sharded_loss))
-    if len(both) < 5:
-        raise Failure(f"only steps {both} were seen by both watches (sharded)")
-    worst = max(abs(sharded_loss[s] - one_loss[s]) / abs(one_loss[s]) for s in both)
-    print(f"sharded (ZeRO-3 over the context-parallel pair): largest relative difference {worst:.2e}")
-    if worst > 1e-5:
-        raise Failure(f"sharded losses differ from one worker's by {worst:.2e} (relative)")
-    for w in ("w1", "w2"):
-        if not re.search(r"rank=[01]/2 context_parallel=2 shard_params=2 model", c.log(w)):
-            raise Failure(f"{w}'s log does not show a rank of the sharded run")
-
+    run_matches_one_worker({"world_size": 2, "contextParallel": 2, "shardParams": True}, "sharded",
+                           r"rank=[01]/2 context_parallel=2 shard_params=2 model")
 
 def case_rank_loss(c):
     """kill -9 of one worker of a 2-rank job: the surviving rank stops on the controller's

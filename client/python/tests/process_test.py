@@ -165,6 +165,19 @@ def case_example(args, cluster, site):
 # ---------------------------------------------------------------------------------------------
 # api
 
+def largest_logprob_gap(model, batch, logprobs):
+    """The largest |logprob difference| between a transformers model's log-softmax at each datum's
+    targets and the session's logprobs for them."""
+    import torch
+    worst = 0.0
+    with torch.no_grad():
+        for d, lp in zip(batch, logprobs):
+            logits = model(input_ids=torch.tensor([d.tokens])).logits[0].float()
+            hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(d.target_tokens)[:, None])[:, 0]
+            worst = max(worst, (hf - torch.tensor(lp)).abs().max().item())
+    return worst
+
+
 def case_api(args, cluster, site):
     """Every Session method against the real server through the installed client, checking
     what a user relies on: results that agree with each other and with transformers, issue
@@ -217,12 +230,7 @@ def case_api(args, cluster, site):
         expect([len(r) for r in f0.logprobs] == [32, 32], f"forward logprob lengths {[len(r) for r in f0.logprobs]}")
         export = s.export_weights(os.path.join(cluster.workdir, "export"), dtype="float32").result()
         model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-        worst = 0.0
-        with torch.no_grad():
-            for d, lp in zip(batch, f0.logprobs):
-                logits = model(input_ids=torch.tensor([d.tokens])).logits[0].float()
-                hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(d.target_tokens)[:, None])[:, 0]
-                worst = max(worst, (hf - torch.tensor(lp)).abs().max().item())
+        worst = largest_logprob_gap(model, batch, f0.logprobs)
         print(f"forward vs transformers on the export: max |logp diff| {worst:.2e}")
         expect(worst < 1e-4, f"forward and transformers disagree by {worst}")
 
@@ -373,12 +381,7 @@ def case_api(args, cluster, site):
                and os.path.exists(os.path.join(adapter, "adapter_model.safetensors")), f"{adapter}: no PEFT folder")
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32),
                                                adapter)
-        worst = 0.0
-        with torch.no_grad():
-            for d, lp in zip(batch, f1.logprobs):
-                logits = peft_model(input_ids=torch.tensor([d.tokens])).logits[0].float()
-                hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(d.target_tokens)[:, None])[:, 0]
-                worst = max(worst, (hf - torch.tensor(lp)).abs().max().item())
+        worst = largest_logprob_gap(peft_model, batch, f1.logprobs)
         expect(worst < 1e-4, f"LoRA forward and peft on the base disagree by {worst}")
         res = ls.sample([batch[0].tokens[:5]], sampling_params={"max_tokens": 6, "temperature": 0}).result()
         lp = ls.compute_logprobs(batch[0].tokens[:5] + res.sequences[0].tokens).result()
