@@ -166,12 +166,17 @@ int main(int argc, char** argv) {
   app.add_flag("--reference-kernels", reference_kernels,
                "run libtorch's reference ops instead of odyssey's CUDA kernels (RMSNorm, SwiGLU, RoPE, AdamW, "
                "residual GEMM)");
+  bool cudnn_expand_kv = false;
+  app.add_flag("--cudnn-expand-kv", cudnn_expand_kv,
+               "the kept-attention cuDNN kernels get K/V expanded to one head per query head (the older path) "
+               "instead of their own KV heads");
   std::string rl_loss;
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
   CLI11_PARSE(app, argc, argv);
   odyssey::kernels::SetFusedKernels(!reference_kernels);
+  odyssey::kernels::SetCudnnExpandKv(cudnn_expand_kv);
   if (absl::StatusOr<odyssey::planner::Recompute> r = odyssey::planner::ParseRecompute(recompute, "--recompute");
       r.ok()) {
     o.memory.recompute = *r;
@@ -363,7 +368,7 @@ int main(int argc, char** argv) {
   const double flops = ModelFlops(cfg, B, S);
   nlohmann::json j = {
       {"model", o.model}, {"layers", cfg.num_hidden_layers}, {"seq_len", S}, {"batch_size", B},
-      {"memory", o.memory.Describe()}, {"attention", t.model()->attention_backend().name()},
+      {"memory", o.memory.Describe()}, {"attention", t.model()->attention_backend().name()}, {"cudnn_expand_kv", cudnn_expand_kv},
       {"head_groups", o.memory.head_groups}, {"attention_kernel", kernel}, {"seconds_per_step", sec},
       {"tokens_per_second", sec > 0 ? static_cast<double>(B * S) / sec : 0.0},
       {"mfu", sec > 0 ? flops / sec / kPeakFlops : 0.0}, {"model_flops_per_step", flops},

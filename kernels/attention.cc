@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <limits>
 #include <optional>
 
@@ -57,6 +58,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> AttentionBackend::Causal
 }
 
 namespace {
+
+std::atomic<bool> g_cudnn_expand_kv{false};
+bool CudnnExpandsKv() { return g_cudnn_expand_kv.load(std::memory_order_relaxed); }
 
 // k, v (B, Hkv, S, D) -> (B, Hq, S, D) for kernels that need one KV head per query head.
 torch::Tensor ExpandKv(const torch::Tensor& t, int64_t q_heads) { return RepeatHeads(t, q_heads / t.size(1)); }
@@ -159,13 +163,16 @@ class CudnnAttention : public AttentionBackend {
                                             /*enable_gqa=*/q.size(1) != k.size(1));
   }
 
-  // The cuDNN kernels called directly (what SDPA's cuDNN path calls), with K/V expanded to one
-  // head per query head; its gradients are summed back per KV head.
+  // The cuDNN kernels called directly (what SDPA's cuDNN path calls). K/V go in with their own
+  // KV heads (cuDNN's grouped-query support) unless SetCudnnExpandKv(true) asks for the older
+  // path: K/V expanded to one head per query head, the gradients summed back per KV head.
   bool SupportsStats(const torch::Device& device) const override { return device.is_cuda(); }
 
   std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
                                                            const torch::Tensor& v, double scale) const override {
-    auto r = at::_scaled_dot_product_cudnn_attention(q, ExpandKv(k, q.size(1)), ExpandKv(v, q.size(1)), std::nullopt,
+    const bool expand = CudnnExpandsKv();
+    auto r = at::_scaled_dot_product_cudnn_attention(q, expand ? ExpandKv(k, q.size(1)) : k,
+                                                     expand ? ExpandKv(v, q.size(1)) : v, std::nullopt,
                                                      /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true,
                                                      /*return_debug_mask=*/false, scale);
     AttentionStats stats;
@@ -179,9 +186,12 @@ class CudnnAttention : public AttentionBackend {
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
       const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       const torch::Tensor& out, const AttentionStats& st, double scale) const override {
+    const bool expand = CudnnExpandsKv();
     auto [dq, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
-        grad_out.contiguous(), q, ExpandKv(k, q.size(1)), ExpandKv(v, q.size(1)), out, st.lse, st.extra[2],
-        st.extra[3], torch::Tensor(), st.extra[0], st.extra[1], st.max_q, st.max_k, 0.0, /*is_causal=*/true, scale);
+        grad_out.contiguous(), q, expand ? ExpandKv(k, q.size(1)) : k, expand ? ExpandKv(v, q.size(1)) : v, out,
+        st.lse, st.extra[2], st.extra[3], torch::Tensor(), st.extra[0], st.extra[1], st.max_q, st.max_k, 0.0,
+        /*is_causal=*/true, scale);
+    // Expanded: one gradient per query head, summed per KV head here; native: cuDNN sums them.
     return {dq, ReduceKv(dk, k.size(1)), ReduceKv(dv, v.size(1))};
   }
 };
@@ -295,5 +305,7 @@ torch::Tensor SumHeadRepeats(const torch::Tensor& g, int64_t heads) {
   if (f == 1) return g;
   return g.view({g.size(0), heads, f, g.size(2), g.size(3)}).sum(2);
 }
+
+void SetCudnnExpandKv(bool expand) { g_cudnn_expand_kv.store(expand, std::memory_order_relaxed); }
 
 }  // namespace odyssey::kernels

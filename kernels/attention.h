@@ -96,4 +96,10 @@ std::shared_ptr<const AttentionBackend> WrapHeadGroups(std::shared_ptr<const Att
 // "cudnn", "efficient", "math", ...), with cuDNN first in the order when cudnn_first. For logs.
 std::string SdpaKernelFor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool cudnn_first);
 
+// The cudnn backend's kept-attention kernels (CausalWithStats / CausalBackward) take K/V with
+// their own KV heads (false, the default: cuDNN's grouped-query support) or expanded to one head
+// per query head by repeat_interleave, their gradients summed back (true: the older path, kept
+// for side-by-side benchmarks, odyssey-bench --cudnn-expand-kv). Process-global.
+void SetCudnnExpandKv(bool expand);
+
 }  // namespace odyssey::kernels

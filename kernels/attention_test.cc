@@ -95,15 +95,19 @@ constexpr Case kCases[] = {{97, 4, 2}, {257, 4, 2}, {97, 4, 4}, {257, 4, 4}};
 struct BackendParam {
   std::string kind;
   bool cuda;
+  bool expand_kv = false;  // cuDNN's kept-attention kernels on K/V expanded to the query heads
 };
-void PrintTo(const BackendParam& p, std::ostream* os) { *os << p.kind << (p.cuda ? " on CUDA" : " on the CPU"); }
+void PrintTo(const BackendParam& p, std::ostream* os) {
+  *os << p.kind << (p.expand_kv ? " (K/V expanded)" : "") << (p.cuda ? " on CUDA" : " on the CPU");
+}
 std::string ParamName(const testing::TestParamInfo<BackendParam>& info) {
-  return info.param.kind + (info.param.cuda ? "_cuda" : "_cpu");
+  return info.param.kind + (info.param.expand_kv ? "_expandkv" : "") + (info.param.cuda ? "_cuda" : "_cpu");
 }
 
 class AttentionBackendTest : public testing::TestWithParam<BackendParam> {
  protected:
   void SetUp() override {
+    SetCudnnExpandKv(GetParam().expand_kv);
     if (GetParam().cuda && !torch::cuda::is_available()) {
 #ifdef ODYSSEY_WITH_CUDA
       GTEST_SKIP() << "no CUDA device visible: the " << GetParam().kind << " CUDA case runs on the GPU host";
@@ -112,6 +116,7 @@ class AttentionBackendTest : public testing::TestWithParam<BackendParam> {
 #endif
     }
   }
+  void TearDown() override { SetCudnnExpandKv(false); }
   // fp32 on the CPU; bf16 on CUDA (what cuDNN and flash run).
   torch::TensorOptions Options() const {
     return GetParam().cuda ? torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA)
@@ -205,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, AttentionBackendTest,
                          testing::Values(BackendParam{"math", false}, BackendParam{"sdpa", false},
                                          BackendParam{"auto", false}, BackendParam{"math", true},
                                          BackendParam{"sdpa", true}, BackendParam{"cudnn", true},
-                                         BackendParam{"auto", true}),
+                                         BackendParam{"cudnn", true, /*expand_kv=*/true}, BackendParam{"auto", true}),
                          ParamName);
 
 TEST(MakeAttentionBackendTest, NamesKindsAndRejectsBadOptions) {

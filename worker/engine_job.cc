@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/rank_group.h"
 #include "engine/trainer.h"
 #include "model/config.h"
 #include "planner/planner.h"
@@ -191,21 +192,25 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     return fail(absl::UnimplementedError(absl::StrCat(
         "parallel.context_parallel (", j.context_parallel, ") must be 1 or parallel.world_size (", j.world_size,
         "): data parallel over context-parallel groups is not implemented yet")));
-  std::unique_ptr<engine::TcpCommunicator> comm;
+  std::unique_ptr<engine::Communicator> comm;
   if (j.world_size > 1) {
-    engine::TcpCommunicatorOptions co;
-    co.rendezvous = j.rendezvous;
-    co.rank = j.rank;
-    co.world_size = j.world_size;
-    co.connect_timeout = absl::Seconds(120);
-    co.abort = [&stop] { return stop(absl::ZeroDuration()); };
-    absl::StatusOr<std::unique_ptr<engine::TcpCommunicator>> c = engine::TcpCommunicator::Create(co);
-    if (absl::IsCancelled(c.status())) {
+    absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
+    if (!device.ok()) return fail(device.status());
+    engine::RankGroupOptions go;
+    go.rendezvous = j.rendezvous;
+    go.rank = j.rank;
+    go.world_size = j.world_size;
+    go.device = *device;
+    go.abort = [&stop] { return stop(absl::ZeroDuration()); };
+    absl::StatusOr<engine::RankGroup> g = engine::ConnectRanks(go);
+    if (absl::IsCancelled(g.status())) {
       out.stopped = true;
       return out;
     }
-    if (!c.ok()) return fail(c.status());
-    comm = *std::move(c);
+    if (!g.ok()) return fail(g.status());
+    LogInfo(absl::StrFormat("job=%s rank=%d/%d collectives over %s (%s)", j.job, j.rank, j.world_size,
+                            engine::BackendName(g->choice.backend), g->choice.reason));
+    comm = std::move(g->comm);
     // One group of all ranks: context parallel (every rank the same batches, its shard of each
     // row) or data parallel (every rank its own batches).
     if (j.context_parallel > 1) {

@@ -10,8 +10,10 @@
 // RunEngineJob, in order:
 //   0. Picks the memory strategy: fields the spec leaves unset are the planner's choice on a
 //      GPU (planner::Choose for the model, sequence length and this device's memory).
-//   1. For world_size > 1, joins the job's ranks through a TcpCommunicator at `rendezvous`
-//      (rank 0 hosts it) and trains data parallel, or, with context_parallel = world_size,
+//   1. For world_size > 1, joins the job's ranks at `rendezvous` (rank 0 hosts it) through
+//      engine::ConnectRanks, which moves the collectives to NCCL when every rank holds a GPU of
+//      its own and keeps the TCP star otherwise (the log line says which and why), and trains
+//      data parallel, or, with context_parallel = world_size,
 //      context parallel (every rank on the same batches, S / world_size positions each;
 //      engine/parallel/context_parallel.h). Groups of context_parallel < world_size ranks
 //      (data parallel over context-parallel groups) are refused (UNIMPLEMENTED).

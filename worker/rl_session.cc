@@ -12,8 +12,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
+#include "common/log.h"
 #include "engine/device_stats.h"
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/rank_group.h"
 #include "engine/rl_loss.h"
 #include "engine/sampler.h"
 #include "engine/trainer.h"
@@ -62,7 +64,7 @@ struct RlSession::Impl {
   EngineJobOptions options;
   engine::TrainerOptions trainer_options;
   // world_size > 1: the ranks' group; declared before the trainer, which uses it until destroyed.
-  std::unique_ptr<engine::TcpCommunicator> comm;
+  std::unique_ptr<engine::Communicator> comm;
   std::unique_ptr<engine::Trainer> trainer;
 
   engine::RlShard Shard(const RlRequest& req) const {
@@ -274,15 +276,19 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
     }
     if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
     if (options.world_size > 1) {  // as an SFT data-parallel run (engine_job.cc)
-      engine::TcpCommunicatorOptions co;
-      co.rendezvous = options.rendezvous;
-      co.rank = options.rank;
-      co.world_size = options.world_size;
-      co.connect_timeout = absl::Seconds(120);
-      if (abort) co.abort = abort;
-      absl::StatusOr<std::unique_ptr<engine::TcpCommunicator>> c = engine::TcpCommunicator::Create(co);
-      if (!c.ok()) return c.status();
-      impl->comm = *std::move(c);
+      absl::StatusOr<torch::Device> device = engine::ParseDevice(impl->trainer_options.device);
+      if (!device.ok()) return device.status();
+      engine::RankGroupOptions go;
+      go.rendezvous = options.rendezvous;
+      go.rank = options.rank;
+      go.world_size = options.world_size;
+      go.device = *device;
+      if (abort) go.abort = abort;
+      absl::StatusOr<engine::RankGroup> g = engine::ConnectRanks(go);
+      if (!g.ok()) return g.status();
+      LogInfo(absl::StrFormat("session rank=%d/%d collectives over %s (%s)", options.rank, options.world_size,
+                              engine::BackendName(g->choice.backend), g->choice.reason));
+      impl->comm = std::move(g->comm);
       impl->trainer_options.communicator = impl->comm.get();
     }
     absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(impl->trainer_options);

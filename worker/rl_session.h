@@ -11,7 +11,8 @@
 // optimizer state, step counter).
 //
 // Several ranks (world_size > 1, data parallel): like an SFT data-parallel run, Create joins the
-// TcpCommunicator rendezvous at options.rendezvous (rank 0 hosts it) and the Trainer broadcasts
+// rendezvous at options.rendezvous (rank 0 hosts it; engine::ConnectRanks: NCCL when every rank
+// holds a GPU of its own, the TCP star otherwise) and the Trainer broadcasts
 // rank 0's weights; every rank resumes from the same `resume_from`. The controller sends each
 // rank its slice of every forward_backward / forward (RlRequest::weight_sum, datum_offset) and
 // every optim_step / load_checkpoint, in the same order on every rank: the engine's collectives

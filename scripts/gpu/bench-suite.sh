@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | hybrid | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -19,8 +19,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 what=",${1:-all},"
 has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
 only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
-ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh memory_test rl_loss_test fused_ops_test optimizer_test odyssey-bench \
-  odyssey-plan odyssey-kernel-bench >"$out/build.log" 2>&1 \
+targets="memory_test rl_loss_test fused_ops_test optimizer_test odyssey-bench odyssey-plan odyssey-kernel-bench"
+only paralleltests && targets="$targets attention_test communicator_test context_parallel_test"
+only hybrid && targets="$targets odyssey-hybrid-bench"
+ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 source "$root/scripts/gpu/env.sh"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
@@ -123,6 +125,39 @@ if only long1b-wait; then
   if kill -0 "$pid" 2>/dev/null; then echo "long1b-wait: pid $pid still running after ${waited} s"; else echo "long1b-wait: pid $pid has exited"; fi
   tail -5 "$log"
   cp "$log" "${log%.log}.jsonl" "$out/" 2>/dev/null || true
+fi
+# paralleltests: the GPU cases of the attention, communicator and context-parallel binaries:
+# cuDNN's kept-attention kernels with native grouped-query K/V and with K/V expanded, ranks
+# sharing one GPU keeping the TCP star, and two process-ranks of one context-parallel group in
+# bf16 on the one GPU against one rank (ContextParallelGpuTest).
+if only paralleltests; then
+  build-gpu/kernels/attention_test --gtest_filter='*_cuda' 2>&1 | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) |Failure|error' | tail -16
+  build-gpu/engine/communicator_test --gtest_filter='NcclCommunicatorTest.*:ConnectRanks*' 2>&1 \
+    | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) |Failure|error' | tail -10
+  build-gpu/engine/context_parallel_test --gtest_filter='ContextParallelGpuTest.*' 2>&1 \
+    | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) |Failure|error|bf16|loss:|rank' | tail -12
+fi
+# hybrid: odyssey-hybrid-bench (KDA chunked, sparse attention, dense SDPA on as many keys) at
+# HYB_LENS (default 65536,262144), then fla's chunk_kda on the same shapes (fla-core and einops
+# wheels from .whl/, installed into a private folder: a benchmark peer, never a dependency).
+if only hybrid; then
+  build-gpu/kernels/odyssey-hybrid-bench --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
+  site="${TMPDIR:-/tmp}/odyssey-peer-site"
+  if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${HYB_LENS//,/ } \
+      --json "$out/hybrid.jsonl" 2>&1 | tail -6
+  else
+    echo "hybrid: no .whl/fla_core-*.whl: the fla peer was not run"
+  fi
+fi
+# gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
+# expanded to the query heads (--cudnn-expand-kv, the older path), the peer mode's flags; run it
+# beside `peer`, whose odyssey row has the default (native grouped-query K/V).
+if only gqa; then
+  run build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len "${GQA_LEN:-65536}" \
+    ${PEER_FLAGS:---recompute layer --keep-attention --offload --mlp-tile 16384 --loss-tile 4096} --steps 2 \
+    --cudnn-expand-kv --json "$out/gqa.jsonl"
 fi
 # 512K full depth: 10 of 28 layer inputs stay on the GPU (peak ~118 GiB), the rest in pinned memory.
 only 512k && run $B --seq-len 524288 --recompute layer --offload --device-resident 10 --head-groups 4 --warmup 0 --steps 1

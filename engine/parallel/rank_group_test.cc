@@ -1,0 +1,112 @@
+// ConnectRanks and ChooseBackend: NCCL only where every rank holds a GPU of its own, the TCP
+// star otherwise; the group a rank gets works, and all ranks reach the same choice.
+#include "engine/parallel/rank_group.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <functional>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace odyssey::engine {
+namespace {
+
+RankPlace Gpu(uint64_t host, uint64_t uuid) { return {host, true, 7, uuid}; }
+
+TEST(ChooseBackendTest, NcclOnlyWhenEveryRankHoldsItsOwnGpu) {
+  EXPECT_EQ(ChooseBackend({Gpu(1, 10), Gpu(1, 11)}, true).backend, CollectiveBackend::kNccl);
+  // Two hosts whose GPUs happen to carry the same UUID bytes in this test: distinct places.
+  EXPECT_EQ(ChooseBackend({Gpu(1, 10), Gpu(2, 10)}, true).backend, CollectiveBackend::kNccl);
+
+  BackendChoice shared = ChooseBackend({Gpu(1, 10), Gpu(1, 11), Gpu(1, 10)}, true);
+  EXPECT_EQ(shared.backend, CollectiveBackend::kTcp);
+  EXPECT_EQ(shared.reason, "ranks 0 and 2 share one GPU (NCCL needs a GPU per rank)");
+
+  BackendChoice cpu = ChooseBackend({Gpu(1, 10), RankPlace{1, false, 0, 0}}, true);
+  EXPECT_EQ(cpu.backend, CollectiveBackend::kTcp);
+  EXPECT_EQ(cpu.reason, "rank 1 computes on the CPU");
+
+  BackendChoice unbuilt = ChooseBackend({Gpu(1, 10), Gpu(1, 11)}, false);
+  EXPECT_EQ(unbuilt.backend, CollectiveBackend::kTcp);
+  EXPECT_EQ(unbuilt.reason, "this build has no NCCL");
+
+  EXPECT_EQ(ChooseBackend({Gpu(1, 10)}, true).backend, CollectiveBackend::kTcp);
+  EXPECT_STREQ(BackendName(CollectiveBackend::kNccl), "nccl");
+  EXPECT_STREQ(BackendName(CollectiveBackend::kTcp), "tcp");
+}
+
+int FreeLocalPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// P ranks in threads, rank r on device_of(r); each sums its rank + 1 over the group.
+void ExpectGroupWorks(int P, const std::function<torch::Device(int)>& device_of, CollectiveBackend want, const std::string& want_reason) {
+  const std::string rendezvous = "127.0.0.1:" + std::to_string(FreeLocalPort());
+  std::vector<absl::StatusOr<RankGroup>> groups(static_cast<size_t>(P));  // UNKNOWN until run
+  std::vector<torch::Tensor> sums(static_cast<size_t>(P));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r) {
+    threads.emplace_back([&, r] {
+      RankGroupOptions o;
+      o.rendezvous = rendezvous;
+      o.rank = r;
+      o.world_size = P;
+      o.device = device_of(r);
+      o.connect_timeout = absl::Seconds(60);
+      groups[static_cast<size_t>(r)] = ConnectRanks(o);
+      if (!groups[static_cast<size_t>(r)].ok()) return;
+      std::vector<torch::Tensor> t = {torch::full({3}, static_cast<double>(r + 1), torch::TensorOptions(o.device))};
+      if (groups[static_cast<size_t>(r)]->comm->AllReduce(t).ok()) sums[static_cast<size_t>(r)] = t[0].cpu();
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double want_sum = P * (P + 1) / 2.0;
+  for (int r = 0; r < P; ++r) {
+    const auto& g = groups[static_cast<size_t>(r)];
+    ASSERT_TRUE(g.ok()) << "rank " << r << ": " << g.status();
+    EXPECT_EQ(g->choice.backend, want) << "rank " << r << ": " << g->choice.reason;
+    EXPECT_EQ(g->choice.reason, want_reason) << "rank " << r;
+    EXPECT_EQ(g->comm->rank(), r);
+    EXPECT_EQ(g->comm->world_size(), P);
+    ASSERT_TRUE(sums[static_cast<size_t>(r)].defined()) << "rank " << r << ": the all-reduce failed";
+    EXPECT_TRUE(torch::equal(sums[static_cast<size_t>(r)], torch::full({3}, want_sum))) << "rank " << r;
+  }
+}
+
+TEST(ConnectRanksTest, RanksOnTheCpuKeepTheTcpGroup) {
+  ExpectGroupWorks(2, [](int) { return torch::Device(torch::kCPU); }, CollectiveBackend::kTcp,
+                   NcclBuilt() ? "rank 0 computes on the CPU" : "this build has no NCCL");
+  ExpectGroupWorks(3, [](int) { return torch::Device(torch::kCPU); }, CollectiveBackend::kTcp,
+                   NcclBuilt() ? "rank 0 computes on the CPU" : "this build has no NCCL");
+}
+
+// On a GPU host: two ranks on one GPU cannot use NCCL and keep the TCP star (the one-GPU
+// context-parallel runs depend on it); where there are two GPUs, one each moves to NCCL.
+TEST(ConnectRanksGpuTest, RanksSharingOneGpuKeepTheTcpGroup) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ExpectGroupWorks(2, [](int) { return torch::Device(torch::kCUDA, 0); }, CollectiveBackend::kTcp,
+                   NcclBuilt() ? "ranks 0 and 1 share one GPU (NCCL needs a GPU per rank)" : "this build has no NCCL");
+}
+
+TEST(ConnectRanksGpuTest, RanksOnTwoGpusMoveToNccl) {
+  if (!NcclBuilt() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs NCCL and two GPUs";
+  // Thread-ranks of one process, one GPU each: ChooseBackend sees two UUIDs.
+  ExpectGroupWorks(2, [](int r) { return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(r)); },
+                   CollectiveBackend::kNccl, "every rank on a GPU of its own");
+}
+
+}  // namespace
+}  // namespace odyssey::engine

@@ -1,0 +1,165 @@
+// odyssey-hybrid-bench: the hybrid layers' attention paths on one CUDA device, at hybrid-3b's
+// shapes (or the flags'), forward and forward + backward:
+//   - KDA: kernels::KdaChunked (the libtorch chunked form, C = 64) over T tokens, 24 heads of
+//     128, bf16 inputs; the same shapes as bench/fla_kda_bench.py times fla's chunk_kda with.
+//   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128)
+//     against dense causal SDPA (cuDNN/flash through ATen) over the same number of keys (queries
+//     of a W-token window attending to all of it), as TFLOP/s of the work each does:
+//     4 * H * D * (keys per query) FLOP per query forward, 2.5x that forward + backward.
+// One JSON line per row with --json.
+//
+//   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --json out/hybrid.jsonl
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "kernels/dsa.h"
+#include "kernels/kda.h"
+
+namespace {
+
+double Seconds(const std::function<void()>& f, int iters) {
+  f();  // warm-up (allocator, cuDNN plans)
+  torch::cuda::synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) f();
+  torch::cuda::synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
+void Json(const std::string& path, const std::string& line) {
+  if (path.empty()) return;
+  std::ofstream(path, std::ios::app) << line << "\n";
+}
+
+std::vector<int64_t> ParseList(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> tokens = {65536, 262144};
+  int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3;
+  std::string json;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--tokens") tokens = ParseList(v);
+    else if (a == "--heads") heads = std::stoll(v);
+    else if (a == "--kv-heads") kv_heads = std::stoll(v);
+    else if (a == "--dim") dim = std::stoll(v);
+    else if (a == "--selected") selected = std::stoll(v);
+    else if (a == "--iters") iters = std::stoll(v);
+    else if (a == "--json") json = v;
+    else {
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --json)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: needs a CUDA device\n");
+    return 1;
+  }
+  torch::manual_seed(0);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  std::printf("| op | tokens | forward ms | forward + backward ms | tok/s (fwd + bwd) | TFLOP/s (fwd + bwd) |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- |\n");
+  for (int64_t T : tokens) {
+    // KDA, (B, H, T, K) layout; q, k L2-normalised, log-decay g < 0 near 0, beta in (0, 1).
+    {
+      auto q = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
+                                                torch::nn::functional::NormalizeFuncOptions().dim(-1));
+      auto k = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
+                                                torch::nn::functional::NormalizeFuncOptions().dim(-1));
+      auto v = torch::randn({1, heads, T, dim}, bf16);
+      auto g = torch::log_sigmoid(torch::randn({1, heads, T, dim}, bf16.dtype(torch::kFloat32)) + 4.0);
+      auto beta = torch::sigmoid(torch::randn({1, heads, T}, bf16));
+      for (auto* t : {&q, &k, &v, &g, &beta}) t->requires_grad_(true);
+      auto dout = torch::randn({1, heads, T, dim}, bf16);
+      const double fwd = Seconds([&] {
+        torch::NoGradGuard no_grad;
+        odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
+      }, static_cast<int>(iters));
+      const double both = Seconds([&] {
+        auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
+        torch::autograd::backward({o}, {dout});
+        for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
+      }, static_cast<int>(iters));
+      std::printf("| KDA chunked (libtorch) | %lld | %.1f | %.1f | %.0f | |\n", static_cast<long long>(T), fwd * 1e3,
+                  both * 1e3, static_cast<double>(T) / both);
+      std::fflush(stdout);
+      Json(json, "{\"op\":\"kda_chunked\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
+                     ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
+    }
+    // Sparse attention over `selected` keys per query against dense SDPA over as many.
+    {
+      auto q = torch::randn({1, heads, T, dim}, bf16).requires_grad_(true);
+      auto k = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
+      auto v = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
+      // Query t selects the `selected` keys up to itself (a sliding window; fewer, padded with
+      // -1, near the start): distinct, causal, and gathered as any selection is.
+      auto t_idx = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA)).view({T, 1});
+      auto offs = torch::arange(selected, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA)).view({1, selected});
+      auto idx = t_idx - offs;
+      idx = torch::where(idx >= 0, idx, torch::full_like(idx, -1)).to(torch::kInt32).unsqueeze(0);
+      auto dout = torch::randn({1, heads, T, dim}, bf16);
+      const double fwd = Seconds([&] {
+        torch::NoGradGuard no_grad;
+        odyssey::kernels::SparseAttention(q, k, v, idx);
+      }, static_cast<int>(iters));
+      const double both = Seconds([&] {
+        auto o = odyssey::kernels::SparseAttention(q, k, v, idx);
+        torch::autograd::backward({o}, {dout});
+        for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
+      }, static_cast<int>(iters));
+      const double flop = 4.0 * heads * dim * static_cast<double>(selected) * static_cast<double>(T);
+      std::printf("| sparse attention (libtorch), %lld keys | %lld | %.1f | %.1f | %.0f | %.1f |\n",
+                  static_cast<long long>(selected), static_cast<long long>(T), fwd * 1e3, both * 1e3,
+                  static_cast<double>(T) / both, 2.5 * flop / both / 1e12);
+      std::fflush(stdout);
+      Json(json, "{\"op\":\"sparse_attention\",\"tokens\":" + std::to_string(T) + ",\"selected\":" +
+                     std::to_string(selected) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"forward_backward_ms\":" + std::to_string(both * 1e3) +
+                     ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) + "}");
+    }
+  }
+  // Dense SDPA over the same key count: windows of `selected` tokens, every query attending to
+  // the whole window (no mask), T / selected windows as the batch: `selected` keys per query.
+  for (int64_t T : tokens) {
+    const int64_t windows = T / selected;
+    auto q = torch::randn({windows, heads, selected, dim}, bf16).requires_grad_(true);
+    auto k = torch::randn({windows, heads, selected, dim}, bf16).requires_grad_(true);
+    auto v = torch::randn({windows, heads, selected, dim}, bf16).requires_grad_(true);
+    auto dout = torch::randn({windows, heads, selected, dim}, bf16);
+    const double fwd = Seconds([&] {
+      torch::NoGradGuard no_grad;
+      at::scaled_dot_product_attention(q, k, v);
+    }, static_cast<int>(iters));
+    const double both = Seconds([&] {
+      auto o = at::scaled_dot_product_attention(q, k, v);
+      torch::autograd::backward({o}, {dout});
+      for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
+    }, static_cast<int>(iters));
+    const double flop = 4.0 * heads * dim * static_cast<double>(selected) * static_cast<double>(windows * selected);
+    std::printf("| dense SDPA, %lld keys per query | %lld | %.1f | %.1f | %.0f | %.1f |\n", static_cast<long long>(selected),
+                static_cast<long long>(windows * selected), fwd * 1e3, both * 1e3,
+                static_cast<double>(windows * selected) / both, 2.5 * flop / both / 1e12);
+    std::fflush(stdout);
+    Json(json, "{\"op\":\"dense_sdpa_window\",\"tokens\":" + std::to_string(windows * selected) + ",\"selected\":" +
+                   std::to_string(selected) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                   ",\"forward_backward_ms\":" + std::to_string(both * 1e3) +
+                   ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) + "}");
+  }
+  return 0;
+}
