@@ -94,8 +94,10 @@ def disk_files(folder):
 
 
 def gtest_filter_excludes(env_filter, pattern):
-    """Whether a GTEST_FILTER value of negative patterns only ("-A.*:B.*") names pattern."""
-    return env_filter.startswith("-") and pattern in env_filter[1:].split(":")
+    """Whether a GTEST_FILTER value of negative patterns only ("-A.*:B.*") names every pattern of
+    `pattern` (itself one or several joined by ':')."""
+    excluded = env_filter[1:].split(":") if env_filter.startswith("-") else []
+    return all(p in excluded for p in pattern.split(":"))
 
 
 def bazel_query(bazel, expr, output=None):
