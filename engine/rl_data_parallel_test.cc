@@ -12,12 +12,15 @@
 #include <torch/torch.h>
 
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/parallel_testing.h"
 #include "engine/rl_loss.h"
 #include "engine/rl_test_batch.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
 namespace {
+
+using parallel_testing::CopyWeights;
 
 constexpr int64_t kVocab = 256;  // the tiny model's byte vocabulary
 
@@ -55,14 +58,6 @@ void OnRanks(int world_size, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) threads.emplace_back(fn, r);
   for (std::thread& t : threads) t.join();
-}
-
-// Random init draws from the process generator, so trainers created concurrently do not get the
-// seed's weights; the broadcast makes the ranks agree and this gives the reference their start.
-void CopyWeights(Trainer& from, Trainer& to) {
-  torch::NoGradGuard no_grad;
-  auto src = from.model()->named_parameters();
-  for (auto& p : to.model()->named_parameters()) p.value().copy_(src[p.key()]);
 }
 
 World MakeWorld() {

@@ -440,12 +440,14 @@ absl::Status Trainer::ValidateRl(const std::vector<Datum>& batch, const LossSpec
 }
 
 absl::Status Trainer::PrepareRlMemory(const std::vector<Datum>& batch) {
-  // The host pool (offload) must hold the largest group's padded rows.
+  // The host pool (offload) must hold the largest group's padded rows (this rank's positions of
+  // them under context parallelism).
+  const int64_t P = ContextParallelDegree();
   int64_t positions = 0;
   for (const auto& [begin, end] : RlGroups(batch)) {
     int64_t longest = 0;
     for (size_t i = begin; i < end; ++i) longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()));
-    positions = std::max<int64_t>(positions, longest * static_cast<int64_t>(end - begin));
+    positions = std::max<int64_t>(positions, (longest + P - 1) / P * static_cast<int64_t>(end - begin));
   }
   if (positions == 0) return absl::OkStatus();  // nothing runs
   return memory_->Prepare(1, positions, model_->config().hidden_size, dtype_);
@@ -479,10 +481,12 @@ std::vector<std::pair<size_t, size_t>> Trainer::RlGroups(const std::vector<Datum
   return groups;
 }
 
-std::vector<torch::Tensor> Trainer::GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end) {
+Trainer::RlGroupRun Trainer::GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end) {
   const int64_t R = static_cast<int64_t>(end - begin);
+  const int64_t P = ContextParallelDegree();
   int64_t S = 0;
   for (size_t i = begin; i < end; ++i) S = std::max<int64_t>(S, static_cast<int64_t>(batch[i].tokens.size()));
+  S = (S + P - 1) / P * P;  // every rank the same number of positions
   // Right padding with id 0: causal attention keeps it out of the real positions, and its
   // logprobs are cut off below.
   torch::Tensor ids = torch::zeros({R, S}, torch::kInt64);      // (R, S)
@@ -493,18 +497,55 @@ std::vector<torch::Tensor> Trainer::GroupLogprobs(const std::vector<Datum>& batc
     ids[r].slice(0, 0, n).copy_(torch::tensor(torch::ArrayRef<int64_t>(d.tokens), torch::kInt64));
     targets[r].slice(0, 0, n).copy_(torch::tensor(torch::ArrayRef<int64_t>(d.target_tokens), torch::kInt64));
   }
+  RlGroupRun run;
+  run.width = S / P;
+  run.first = P > 1 ? options_.context_parallel.group->rank() * run.width : 0;
   model::ForwardInputs in;
-  in.input_ids = ids.to(device_);
-  const torch::Tensor hidden = Hidden(in);                                                    // (R, S, hidden)
+  in.input_ids = ids.narrow(1, run.first, run.width).to(device_);  // (R, S/P)
+  // A shard's RoPE positions are global (the whole-row default only when there is one shard).
+  if (P > 1)
+    in.position_ids = torch::arange(run.first, run.first + run.width, torch::kInt64).unsqueeze(0).expand({R, run.width})
+                          .contiguous()
+                          .to(device_);
+  const torch::Tensor hidden = Hidden(in);  // (R, S/P, hidden)
   // Tiled when the job's memory plan tiles the loss: no (R, S, vocab) logits at long S.
-  const torch::Tensor logp = memory_->TokenLogprobs(hidden, model_->HeadWeight(), targets.to(device_));  // (R, S)
+  const torch::Tensor logp = memory_->TokenLogprobs(hidden, model_->HeadWeight(),
+                                                    targets.narrow(1, run.first, run.width).to(device_));  // (R, S/P)
+  run.rows = logp.detach();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = static_cast<int64_t>(batch[begin + static_cast<size_t>(r)].tokens.size());
+    run.local.push_back(logp[r].slice(0, 0, std::clamp<int64_t>(n - run.first, 0, run.width)));
+  }
+  return run;
+}
+
+std::vector<torch::Tensor> Trainer::WholeLogprobs(const RlGroupRun& run, const std::vector<Datum>& batch,
+                                                  size_t begin, size_t end) {
   std::vector<torch::Tensor> out;
+  const int64_t P = ContextParallelDegree();
+  if (P == 1) {
+    for (const torch::Tensor& l : run.local) out.push_back(l.detach());
+    return out;
+  }
+  const int64_t R = static_cast<int64_t>(end - begin);
+  absl::StatusOr<torch::Tensor> gathered = options_.context_parallel.group->AllGather(run.rows.contiguous());
+  TORCH_CHECK(gathered.ok(), "context-parallel all-gather of the logprobs failed: ", gathered.status().ToString());
+  // (P R width,) rank-major -> (R, P width): each row's shards in position order.
+  const torch::Tensor rows = gathered->view({P, R, run.width}).permute({1, 0, 2}).reshape({R, P * run.width});
   for (int64_t r = 0; r < R; ++r)
-    out.push_back(logp[r].slice(0, 0, static_cast<int64_t>(batch[begin + static_cast<size_t>(r)].tokens.size())));
+    out.push_back(rows[r].slice(0, 0, static_cast<int64_t>(batch[begin + static_cast<size_t>(r)].tokens.size())));
   return out;
 }
 
 namespace {
+
+// The datum's loss inputs at positions [first, first + len) (len 0: empty tensors).
+DatumTensors SliceTensors(const DatumTensors& in, int64_t first, int64_t len) {
+  auto cut = [&](const torch::Tensor& t) {
+    return t.defined() ? t.narrow(0, std::min<int64_t>(first, t.size(0)), len) : t;
+  };
+  return DatumTensors{cut(in.weights), cut(in.sampler_logprobs), cut(in.advantages)};
+}
 
 std::vector<float> ToVector(const torch::Tensor& t) {
   const torch::Tensor cpu = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();  // (S,)
@@ -529,21 +570,29 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
     std::vector<DatumTensors> inputs;
     torch::Tensor loss_sum = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
     for (const auto& [begin, end] : RlGroups(batch)) {
-      std::vector<torch::Tensor> group = GroupLogprobs(batch, begin, end);  // per datum (S_i,)
+      const RlGroupRun run = GroupLogprobs(batch, begin, end);
       // Each datum's term is divided by the whole batch's W (every rank's slice), so the summed
       // gradients are those of the batch loss; the group's backward frees its activations
-      // before the next runs.
+      // before the next runs. A context-parallel rank's terms cover its positions only.
       torch::Tensor term = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));  // ()
       for (size_t i = begin; i < end; ++i) {
         DatumTensors in = ToTensors(batch[i], device_);
-        const torch::Tensor& logp = group[i - begin];
-        term = term + DatumLossSum(logp, in, loss) / W;
-        logps.push_back(logp.detach());
+        const torch::Tensor& local = run.local[i - begin];
+        term = term + DatumLossSum(local, SliceTensors(in, run.first, local.size(0)), loss) / W;
         inputs.push_back(std::move(in));
         r.tokens += static_cast<int64_t>(batch[i].tokens.size());
       }
       term.backward();
       loss_sum += term.detach();
+      for (torch::Tensor& l : WholeLogprobs(run, batch, begin, end)) logps.push_back(std::move(l));
+    }
+    if (ContextParallelDegree() > 1) {
+      std::vector<torch::Tensor> sums = {loss_sum.to(torch::kCPU, torch::kFloat64).reshape({1})};  // (1,)
+      if (absl::Status s = options_.context_parallel.group->AllReduce(sums, ReduceOp::kSum); !s.ok())
+        return absl::Status(s.code(), absl::StrCat("forward_backward: the context-parallel loss sum failed: ",
+                                                   s.message(), "; the gradients pending since the last optim_step "
+                                                   "were dropped"));
+      loss_sum = sums[0][0];
     }
     // Metrics after all the compute is queued: the host waits on the device once.
     r.loss = loss_sum.item<double>();
@@ -575,7 +624,7 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
 absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, double value,
                                                  absl::string_view refused_elsewhere) {
   std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, value}, torch::kFloat64)};  // (2,)
-  if (absl::Status s = comm_->AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+  if (absl::Status s = RlRanks().AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
     DropRlGradients();
     return s;
   }
@@ -587,8 +636,6 @@ absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, doub
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
                                                                const RlShard& shard) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (ContextParallelDegree() > 1)
-    return absl::UnimplementedError("forward_backward: context parallelism is not implemented for RL calls yet");
   if (shards_) return absl::UnimplementedError("forward_backward: shard_params is not implemented for RL calls yet");
   // Validation, then every rank learns whether any refused its slice, and the whole batch's W
   // (the sum of the slices' weight sums) when the shard lacks it.
@@ -598,8 +645,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
       "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
   if (!summed_w.ok()) return summed_w.status();
   ForwardBackwardResult r;
-  // Every rank sees the same all-reduced sum, so they agree on W and on this check.
-  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : *summed_w;
+  // Every rank sees the same all-reduced sum, so they agree on W and on this check. A
+  // context-parallel rank holds the whole batch: its own sum is W.
+  r.weight_sum = shard.weight_sum > 0           ? shard.weight_sum
+                 : ContextParallelDegree() > 1 ? BatchWeightSum(batch)
+                                               : *summed_w;
   if (!(r.weight_sum > 0))
     return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
 
@@ -611,7 +661,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
   // (the host pool could not be prepared) the pending gradients are still whole and stay.
   std::vector<torch::Tensor> outcome = {
       torch::tensor({computed.ok() ? 0.0 : 1.0, ran ? 1.0 : 0.0}, torch::kFloat64)};  // (2,) failed, ran
-  if (absl::Status s = comm_->AllReduce(outcome, ReduceOp::kSum); !s.ok()) {
+  if (absl::Status s = RlRanks().AllReduce(outcome, ReduceOp::kSum); !s.ok()) {
     DropRlGradients();
     return s;
   }
@@ -663,8 +713,14 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
                                                       DataParallel() ? " on any rank" : "",
                                                       "; call forward_backward first"));
   // Gradients summed over the ranks (each already divided by the whole batch's W; a rank
-  // without any contributes zeros, a parameter no rank has one for stays without).
+  // without any contributes zeros, a parameter no rank has one for stays without): over the
+  // context-parallel group first (each rank's positions), then the data-parallel ranks.
   std::vector<torch::Tensor> no_riders;
+  if (cp_gradients_)
+    if (absl::Status s = cp_gradients_->Reduce(no_riders); !s.ok()) {
+      DropRlGradients();
+      return s;
+    }
   if (absl::Status s = gradients_->Reduce(no_riders); !s.ok()) {
     DropRlGradients();
     return s;
@@ -676,8 +732,6 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWOptions& adam) {
 
 absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vector<Datum>& batch,
                                                                  const RlShard& shard) {
-  if (ContextParallelDegree() > 1)
-    return absl::UnimplementedError("forward: context parallelism is not implemented for RL calls yet");
   if (shards_) return absl::UnimplementedError("forward: shard_params is not implemented for RL calls yet");
   if (absl::Status s = ValidateRl(batch, nullptr, shard, /*allow_empty=*/DataParallel()); !s.ok()) return s;
   std::vector<std::vector<float>> out;
@@ -688,7 +742,8 @@ absl::StatusOr<std::vector<std::vector<float>>> Trainer::Forward(const std::vect
   try {
     std::vector<torch::Tensor> logps;  // per datum (S,) fp32
     for (const auto& [begin, end] : RlGroups(batch)) {
-      for (torch::Tensor& l : GroupLogprobs(batch, begin, end)) logps.push_back(std::move(l));
+      for (torch::Tensor& l : WholeLogprobs(GroupLogprobs(batch, begin, end), batch, begin, end))
+        logps.push_back(std::move(l));
     }
     for (const torch::Tensor& l : logps) out.push_back(ToVector(l));
   } catch (const c10::Error& e) {

@@ -34,7 +34,12 @@
 // gradients are summed over the group (and then over the data-parallel communicator, when both
 // are set) before the clip, so the step equals one rank's step on whole rows; the memory
 // strategies (recompute, offload, tiles, kept attention) run on the shards unchanged. RL calls
-// are refused under context parallelism (UNIMPLEMENTED) until their padded rows are sharded.
+// run under context parallelism too: every rank of the group gets the whole batch, each padded
+// group of datums is right-padded to a multiple of P and rank r runs positions
+// [r S'/P, (r+1) S'/P) of its rows (global RoPE positions); each rank's loss terms cover its
+// positions only (the RL losses are sums over tokens), the logprobs are all-gathered so every
+// rank returns the whole batch's, and OptimStep sums the pending gradients over the group before
+// the clip. Sampling (engine/sampler.h) decodes whole rows and stays refused there.
 //
 // RL sessions (DESIGN.md section 2) drive the same model, memory runner and optimizer through
 // ForwardBackward / OptimStep / Forward instead of Step: batches of Datums (engine/rl_loss.h)
@@ -320,7 +325,7 @@ class Trainer {
   // caller drops them). Catches every exception.
   absl::Status RunForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss, double W,
                                   ForwardBackwardResult& r);
-  // One all-reduce of (1 if this rank refuses, `value`) so that every rank decides alike:
+  // One all-reduce over RlRanks() of (1 if this rank refuses, `value`) so that every rank decides alike:
   // returns the sum of `value` over the ranks; this rank's `valid` when it refuses;
   // INVALID_ARGUMENT `refused_elsewhere` when another rank does; a collective's failure (the
   // pending gradients dropped). One rank: `valid`, else `value`.
@@ -332,9 +337,25 @@ class Trainer {
   void DropRlGradients();
   // Groups of consecutive datums, [begin, end), that run as one padded batch (none when empty).
   std::vector<std::pair<size_t, size_t>> RlGroups(const std::vector<Datum>& batch) const;
-  // The model's logprobs of the target tokens of datums [begin, end), one (S_i,) fp32 tensor per
-  // datum (differentiable under grad mode).
-  std::vector<torch::Tensor> GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end);
+  // One padded group of datums run forward: under context parallelism this rank's positions
+  // [first, first + width) of every (right-padded) row; else all of them (first 0).
+  struct RlGroupRun {
+    // Per datum, the model's logprobs of the target tokens at this rank's positions
+    // [first, first + local[i].size(0)) of the datum (fp32, differentiable under grad mode; empty
+    // where the datum ends before `first`).
+    std::vector<torch::Tensor> local;
+    int64_t first = 0;
+    int64_t width = 0;
+    torch::Tensor rows;  // (R, width) fp32 detached: this rank's logprobs of every row
+  };
+  RlGroupRun GroupLogprobs(const std::vector<Datum>& batch, size_t begin, size_t end);
+  // Each datum's logprobs of the whole datum, (S_i,) fp32 detached: the context-parallel group's
+  // shards all-gathered (a collective: every rank calls, for the same group), else run.local.
+  std::vector<torch::Tensor> WholeLogprobs(const RlGroupRun& run, const std::vector<Datum>& batch, size_t begin,
+                                           size_t end);
+  // The ranks an RL call agrees over: the context-parallel group when P > 1 (every rank of it
+  // holds the whole batch), else the data-parallel communicator.
+  Communicator& RlRanks() const { return ContextParallelDegree() > 1 ? *options_.context_parallel.group : *comm_; }
 
   TrainerOptions options_;
   std::unique_ptr<Communicator> alone_;  // when options_.communicator is null

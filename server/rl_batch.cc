@@ -113,8 +113,30 @@ int64_t RankPositionLimit(const v1::JobSpec& spec) {
   return spec.data().seq_len() * std::max<int64_t>(1, spec.data().batch_size());
 }
 
+bool ContextParallelSession(const v1::JobSpec& spec) { return spec.parallel().context_parallel() > 1; }
+
 absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world, const v1::JobSpec& spec) {
   const int64_t limit = RankPositionLimit(spec);
+  if (ContextParallelSession(spec) && (call.has_forward_backward() || call.has_forward())) {
+    // One context-parallel group: every rank runs its positions of every datum, so each gets the
+    // whole batch, and seq_len x batch_size bounds the whole batch (the planner checked seq_len /
+    // context_parallel positions per rank).
+    const int64_t positions = BatchPositions(call);
+    if (positions > limit) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch: ", positions, " token positions exceed the session's limit of ", limit, " (spec.data.seq_len ",
+          spec.data().seq_len(), " x spec.data.batch_size ", std::max<int64_t>(1, spec.data().batch_size()),
+          ", the memory the planner checked, spread over parallel.context_parallel ",
+          spec.parallel().context_parallel(), " ranks); split the batch"));
+    }
+    if (call.has_forward_backward()) {
+      const double weight_sum = WeightSum(call.forward_backward().batch());
+      call.set_weight_sum(std::isfinite(weight_sum) && weight_sum > 0 ? weight_sum : 0);
+    }
+    std::vector<RankCall> targets;
+    for (int r = 0; r < world; ++r) targets.push_back({r, call});
+    return targets;
+  }
   const std::string limit_why =
       absl::StrCat("spec.data.seq_len ", spec.data().seq_len(), " x spec.data.batch_size ",
                    std::max<int64_t>(1, spec.data().batch_size()), ", the memory the planner checked per rank");
@@ -170,12 +192,15 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world
   return targets;
 }
 
-absl::StatusOr<v1::TrainingReply> MergeReplies(v1::TrainingCall::CallCase kind,
+absl::StatusOr<v1::TrainingReply> MergeReplies(v1::TrainingCall::CallCase kind, bool context_parallel,
                                                std::vector<v1::TrainingReply> replies) {
   if (const v1::TrainingReply* error = FirstError(replies)) {
     return absl::Status(static_cast<absl::StatusCode>(error->code()), error->message());
   }
-  const bool split = kind == v1::TrainingCall::kForwardBackward || kind == v1::TrainingCall::kForward;
+  // A context-parallel group's ranks each answer for the whole batch (the same logprobs, loss
+  // and counts): rank 0's reply is the call's.
+  const bool split = (kind == v1::TrainingCall::kForwardBackward || kind == v1::TrainingCall::kForward) &&
+                     !context_parallel;
   if (replies.size() == 1 || !split) {
     return std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
   }

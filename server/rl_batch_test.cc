@@ -161,6 +161,47 @@ TEST(SplitCallTest, BatchLimitIsPerRank) {
   EXPECT_TRUE(SplitCall(Fb({MakeDatum(16), MakeDatum(16)}), 2, Spec()).ok());
 }
 
+// A context-parallel session: every rank gets the whole batch of forward_backward (with the
+// whole W, offset 0) and forward; the limit bounds the whole batch; other calls as without.
+TEST(SplitCallTest, ContextParallelSendsTheWholeBatchToEveryRank) {
+  v1::JobSpec spec = Spec();
+  spec.mutable_parallel()->set_world_size(2);
+  spec.mutable_parallel()->set_context_parallel(2);
+  EXPECT_TRUE(ContextParallelSession(spec));
+  EXPECT_FALSE(ContextParallelSession(Spec()));
+  const v1::TrainingCall fb = Fb({MakeDatum(5, 2.0f), MakeDatum(3)});
+  auto calls = SplitCall(fb, 2, spec);
+  ASSERT_TRUE(calls.ok()) << calls.status();
+  ASSERT_EQ(calls->size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    const v1::TrainingCall& c = (*calls)[static_cast<size_t>(r)].call;
+    EXPECT_EQ((*calls)[static_cast<size_t>(r)].rank, r);
+    ASSERT_EQ(c.forward_backward().batch_size(), 2);
+    EXPECT_EQ(c.forward_backward().batch(1).tokens_size(), 3);
+    EXPECT_EQ(c.datum_offset(), 0);
+    EXPECT_DOUBLE_EQ(c.weight_sum(), 5 * 2.0 + 3);  // absent weights count 1
+  }
+  v1::TrainingCall f;
+  *f.mutable_forward()->add_batch() = MakeDatum(5);
+  calls = SplitCall(f, 2, spec);
+  ASSERT_TRUE(calls.ok()) << calls.status();
+  ASSERT_EQ(calls->size(), 2u);
+  EXPECT_EQ((*calls)[1].call.forward().batch_size(), 1);
+  EXPECT_EQ((*calls)[1].call.weight_sum(), 0);
+  // seq_len 8 x batch_size 2 bounds the whole batch, not each rank's part.
+  calls = SplitCall(Fb({MakeDatum(16), MakeDatum(1)}), 2, spec);
+  EXPECT_EQ(calls.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(calls.status().message()),
+              HasSubstr("batch: 17 token positions exceed the session's limit of 16 (spec.data.seq_len 8 x "
+                        "spec.data.batch_size 2, the memory the planner checked, spread over "
+                        "parallel.context_parallel 2 ranks)"));
+  v1::TrainingCall save;
+  save.mutable_save_checkpoint()->set_directory("/ckpt/b");
+  calls = SplitCall(save, 2, spec);
+  ASSERT_TRUE(calls.ok()) << calls.status();
+  EXPECT_EQ(calls->size(), 1u);
+}
+
 v1::TrainingReply FbReply(int logprob_datums, double loss, double mismatch_mean, double mismatch_max,
                           int64_t mismatch_tokens, int64_t clipped, int64_t tokens, double seconds) {
   v1::TrainingReply r;
@@ -182,7 +223,7 @@ v1::TrainingReply FbReply(int logprob_datums, double loss, double mismatch_mean,
 // forward_backward: logprobs in rank (= datum) order, losses summed, W kept, mismatch
 // token-weighted and its max, counts summed, the slowest rank's seconds.
 TEST(MergeRepliesTest, ForwardBackward) {
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward,
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
                              {FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0)});
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_EQ(merged->call_id(), 7);
@@ -201,7 +242,7 @@ TEST(MergeRepliesTest, ForwardBackward) {
   EXPECT_EQ(fb.tokens(), 12);
   EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
   // No mismatch tokens anywhere: the mean stays 0 (no division by zero).
-  merged = MergeReplies(v1::TrainingCall::kForwardBackward,
+  merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
                         {FbReply(1, 1, 0, 0, 0, 0, 4, 1), FbReply(1, 1, 0, 0, 0, 0, 4, 1)});
   ASSERT_TRUE(merged.ok());
   EXPECT_EQ(merged->forward_backward().mismatch_mean(), 0);
@@ -213,7 +254,7 @@ TEST(MergeRepliesTest, ForwardConcatenatesLogprobsInRankOrder) {
   replies[1].mutable_forward();  // an empty slice
   replies[2].mutable_forward()->add_logprobs()->add_values(-3);
   replies[2].mutable_forward()->add_logprobs()->add_values(-4);
-  auto merged = MergeReplies(v1::TrainingCall::kForward, replies);
+  auto merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/false, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
   ASSERT_EQ(merged->forward().logprobs_size(), 3);
   EXPECT_FLOAT_EQ(merged->forward().logprobs(0).values(0), -1);
@@ -228,9 +269,25 @@ TEST(MergeRepliesTest, OtherCallsAreRankZerosReply) {
   replies[0].mutable_optim_step()->set_grad_norm(0.5);
   replies[1].mutable_optim_step()->set_step(3);
   replies[1].mutable_optim_step()->set_grad_norm(0.7);
-  auto merged = MergeReplies(v1::TrainingCall::kOptimStep, replies);
+  auto merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_DOUBLE_EQ(merged->optim_step().grad_norm(), 0.5);
+}
+
+// A context-parallel session's ranks each answer for the whole batch: rank 0's reply, nothing
+// summed or concatenated.
+TEST(MergeRepliesTest, ContextParallelIsRankZerosReply) {
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/true,
+                             {FbReply(2, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(2, 1.25, 0.125, 0.2, 2, 2, 6, 2.0)});
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->forward_backward().logprobs_size(), 2);
+  EXPECT_DOUBLE_EQ(merged->forward_backward().loss(), 1.25);
+  EXPECT_EQ(merged->forward_backward().tokens(), 6);
+  std::vector<v1::TrainingReply> replies(2);
+  for (auto& r : replies) r.mutable_forward()->add_logprobs()->add_values(-2);
+  merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/true, replies);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->forward().logprobs_size(), 1);
 }
 
 v1::TrainingReply Error(absl::StatusCode code, const std::string& message) {
@@ -244,18 +301,18 @@ v1::TrainingReply Error(absl::StatusCode code, const std::string& message) {
 // the first in rank order; one OK rank does not hide another's error.
 TEST(MergeRepliesTest, TheSpecificErrorWins) {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward,
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
                              {Error(kInvalid, "batch: refused on another rank (its slice of the batch is invalid)"),
                               Error(kInvalid, "batch[3].target_tokens[1] (999) must be in [0, 256)")});
   EXPECT_EQ(merged.status(), absl::InvalidArgumentError("batch[3].target_tokens[1] (999) must be in [0, 256)"));
-  merged = MergeReplies(v1::TrainingCall::kOptimStep,
+  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false,
                         {Error(absl::StatusCode::kInternal, "optim_step failed on another rank; first"),
                          Error(absl::StatusCode::kInternal, "optim_step failed on another rank; second")});
   EXPECT_EQ(merged.status(), absl::InternalError("optim_step failed on another rank; first"));
   std::vector<v1::TrainingReply> replies = {v1::TrainingReply(), Error(absl::StatusCode::kFailedPrecondition, "no gradients"),
                                             Error(kInvalid, "later")};
   replies[0].mutable_optim_step()->set_step(1);
-  merged = MergeReplies(v1::TrainingCall::kOptimStep, replies);
+  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false, replies);
   EXPECT_EQ(merged.status(), absl::FailedPreconditionError("no gradients"));
 }
 

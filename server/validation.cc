@@ -199,13 +199,6 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                    absl::StrCat("(", par.context_parallel(), ") must be >= 0 (0 = 1)"));
   }
   const int32_t cp = std::max(1, par.context_parallel());
-  // An RL session's ranks are data parallel only: the controller splits each batch between them
-  // by datums, and the engine's RL calls have no sequence-sharded path.
-  if (rl && cp != 1) {
-    return Invalid(p + ".parallel.context_parallel",
-                   absl::StrCat("(", par.context_parallel(), ") must be 1 (or 0) for RL_SESSION jobs: their ranks "
-                                "are data parallel only (each runs whole datums)"));
-  }
   if (world % cp != 0) {
     return Invalid(p + ".parallel.context_parallel",
                    absl::StrCat("(", cp, ") must divide parallel.world_size (", world, ")"));

@@ -207,10 +207,13 @@ struct RlSession::Impl {
       }
       case RlMethod::kSample: {
         // The current weights: t.model() waits for a host optimizer update in flight. Decoding
-        // runs on whole rows, so a context-parallel group (never an RL session's today) is
-        // refused rather than sampled from one shard.
+        // runs on whole rows, so a context-parallel session is refused rather than sampled from
+        // one shard (its model's attention would wait for the other ranks' all-to-alls).
         if (trainer_options.context_parallel.degree() > 1) {
-          out.status = absl::UnimplementedError("sample: context parallelism is not implemented for sampling");
+          out.status = absl::UnimplementedError(absl::StrCat(
+              "sample: sampling from a context-parallel session (parallel.context_parallel ",
+              trainer_options.context_parallel.degree(), ") is not implemented; export_weights and sample "
+              "from a session without context parallelism, or from the inference engine"));
           return out;
         }
         engine::SampleSpec spec = req.sample;
@@ -275,7 +278,11 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
       RemoveStagingLeftovers(options.checkpoint_dir, options.checkpoint_owner);  // of a run that died mid-write
     }
     if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
-    if (options.world_size > 1) {  // as an SFT data-parallel run (engine_job.cc)
+    if (options.context_parallel > 1 && options.context_parallel != options.world_size)
+      return absl::UnimplementedError(absl::StrCat(
+          "parallel.context_parallel (", options.context_parallel, ") must be 1 or parallel.world_size (",
+          options.world_size, "): data parallel over context-parallel groups is not implemented yet"));
+    if (options.world_size > 1) {  // as an SFT run (engine_job.cc)
       absl::StatusOr<torch::Device> device = engine::ParseDevice(impl->trainer_options.device);
       if (!device.ok()) return device.status();
       engine::RankGroupOptions go;
@@ -289,7 +296,13 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
       LogInfo(absl::StrFormat("session rank=%d/%d collectives over %s (%s)", options.rank, options.world_size,
                               engine::BackendName(g->choice.backend), g->choice.reason));
       impl->comm = std::move(g->comm);
-      impl->trainer_options.communicator = impl->comm.get();
+      // One group of all ranks: context parallel (every rank the whole batch, its positions of
+      // each row) or data parallel (every rank its slice of the batch's datums).
+      if (options.context_parallel > 1) {
+        impl->trainer_options.context_parallel.group = impl->comm.get();
+      } else {
+        impl->trainer_options.communicator = impl->comm.get();
+      }
     }
     absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(impl->trainer_options);
     if (!created.ok()) return created.status();

@@ -16,12 +16,16 @@
 // rank 0's weights; every rank resumes from the same `resume_from`. The controller sends each
 // rank its slice of every forward_backward / forward (RlRequest::weight_sum, datum_offset) and
 // every optim_step / load_checkpoint, in the same order on every rank: the engine's collectives
-// (inside ForwardBackward and OptimStep) pair up the ranks' calls by their order.
+// (inside ForwardBackward and OptimStep) pair up the ranks' calls by their order. With
+// context_parallel = world_size the ranks are one context-parallel group instead: the
+// controller sends every rank the whole batch, each runs its positions of every row
+// (engine/trainer.h) and returns the whole batch's logprobs and loss.
+// context_parallel other than 1 or world_size is UNIMPLEMENTED.
 //
 // Run() executes one call. Errors come back in RlResponse::status with the engine's codes and
 // messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;
 // FAILED_PRECONDITION for optim_step without gradients; UNIMPLEMENTED for sample under context
-// parallelism (an RL session runs without it: spec.parallel.context_parallel must be 1); RESOURCE_EXHAUSTED out of memory;
+// parallelism (decoding runs on whole rows); RESOURCE_EXHAUSTED out of memory;
 // INTERNAL otherwise); a libtorch exception never escapes. Checkpoints and exports are written
 // atomically: into a hidden temp folder beside the target, fsynced, then renamed; they carry the
 // session's owner file and replace only an empty folder or the session's own

@@ -254,7 +254,16 @@ bool Worker::Serve() {
   if (metrics_) metrics_->connected->Set(0);
   stream->WritesDone();
   // When the controller ended the call, Finish() reports its status (e.g. a refused token);
-  // cancelling first would replace that with CANCELLED.
+  // cancelling first would replace that with CANCELLED. Otherwise (shutting down) the half-close
+  // lets the controller read what was written, the cancelled job's result last, and end the
+  // call: a cancel sent at once could overtake those messages and the job would be handled as
+  // a lost worker's. The wait is bounded, so a controller that does not answer cannot hold the
+  // shutdown.
+  if (!controller_ended) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stream_broken_), absl::Seconds(5));
+    controller_ended = stream_broken_;
+  }
   if (!controller_ended) ctx.TryCancel();
   reader.join();
   grpc::Status s = stream->Finish();

@@ -16,9 +16,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -64,17 +61,6 @@ std::vector<torch::Tensor> Flatten(const BatchGradients& g) {
   return out;
 }
 
-int FreeLocalPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // A rank's role: join the group, take the gradients of the first batch, save them. Returns the
 // exit code (0 = saved).
@@ -131,7 +117,7 @@ TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("odyssey-cp-gpu-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
-  const std::string rendezvous = "127.0.0.1:" + std::to_string(FreeLocalPort());
+  const std::string rendezvous = "127.0.0.1:" + std::to_string(*FreePort(/*loopback=*/true));
 
   // The ranks first (they take a while to start), then the references in this process.
   std::vector<pid_t> pids;

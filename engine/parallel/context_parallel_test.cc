@@ -2,20 +2,29 @@
 // holding S/P positions each take the step one rank takes on whole rows (loss, gradient norm,
 // weights after the update within 1e-5), with the tiny model's GQA (2 KV heads: = P at P = 2,
 // replicated at P = 4), packed documents whose boundaries fall inside shards (global RoPE
-// positions, labels crossing shard boundaries), head-chunked rounds, and every memory strategy.
+// positions, labels crossing shard boundaries), head-chunked rounds, and every memory strategy;
+// and an RL session's calls (whole batches on every rank, padded rows sharded) equal one rank's.
 #include "engine/parallel/context_parallel.h"
 
+#include <cmath>
 #include <functional>
 #include <thread>
+#include <utility>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "engine/parallel/communicator.h"
+#include "engine/rl_test_batch.h"
+#include "engine/parallel/parallel_testing.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
 namespace {
+
+using parallel_testing::CopyWeights;
+using parallel_testing::ExpectWeightsEqual;
+using parallel_testing::ExpectGradientsClose;
 
 TrainerOptions Tiny() {
   TrainerOptions o;
@@ -52,31 +61,6 @@ Batch Packed(Batch b, const std::vector<int64_t>& lens) {
     }
   }
   return b;
-}
-
-void CopyWeights(Trainer& from, Trainer& to) {
-  torch::NoGradGuard no_grad;
-  auto src = from.model()->named_parameters();
-  for (auto& p : to.model()->named_parameters()) p.value().copy_(src[p.key()]);
-}
-
-void ExpectWeightsEqual(Trainer& a, Trainer& b, const std::string& what) {
-  auto pa = a.model()->named_parameters();
-  auto pb = b.model()->named_parameters();
-  for (auto& p : pa) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << what << ": " << p.key();
-}
-
-// Every parameter's gradient within `rtol` of the largest entry of want's.
-void ExpectGradientsClose(const BatchGradients& got, const BatchGradients& want, double rtol, const std::string& what) {
-  EXPECT_NEAR(got.loss, want.loss, rtol * want.loss) << what << " loss";
-  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
-  for (const auto& [name, g] : want.grads) {
-    ASSERT_TRUE(got.grads.count(name)) << what << ": no gradient for " << name;
-    const double scale = g.abs().max().item<double>();
-    const double err = (got.grads.at(name) - g).abs().max().item<double>();
-    EXPECT_GT(scale, 0) << what << ": " << name;
-    EXPECT_LE(err, rtol * scale) << what << ": " << name << " (largest entry " << scale << ")";
-  }
 }
 
 // P thread-ranks of one context-parallel group, each with its trainer.
@@ -263,27 +247,114 @@ TEST(ContextParallelTest, BadLayoutsAreRefusedNamingBothNumbers) {
   EXPECT_EQ(Trainer::Create(o).status().message(), "context_parallel (2) must divide data.seq_len (63)");
 }
 
-TEST(ContextParallelTest, RlCallsAreRefused) {
-  auto group = InProcessGroup::Create(2, absl::Seconds(60));
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
-  std::vector<std::unique_ptr<Trainer>> ranks(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      TrainerOptions o = Tiny();
-      o.context_parallel.group = comms[static_cast<size_t>(r)].get();
-      auto t = Trainer::Create(o);
-      if (t.ok()) ranks[static_cast<size_t>(r)] = *std::move(t);
-    });
+void ExpectLogprobsClose(const std::vector<std::vector<float>>& got, const std::vector<std::vector<float>>& want,
+                         const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].size(), want[i].size()) << what << " datum " << i;
+    for (size_t k = 0; k < want[i].size(); ++k)
+      ASSERT_NEAR(got[i][k], want[i][k], 1e-5 * std::abs(want[i][k])) << what << " datum " << i << " token " << k;
   }
-  for (auto& t : threads) t.join();
-  ASSERT_TRUE(ranks[0]);
-  Datum d;
-  d.tokens = {1, 2, 3};
-  d.target_tokens = {2, 3, 4};
-  EXPECT_EQ(ranks[0]->Forward({d}).status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(ranks[0]->ForwardBackward({d}, LossSpec{}).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+// An RL session's calls on P ranks (every rank the whole batch, its positions of each padded
+// row) equal one rank's: Forward's logprobs, two accumulated ForwardBackward calls (loss,
+// logprobs, mismatch, clipped tokens) and the OptimStep's gradient norm, ranks bitwise alike.
+void ExpectRlEqualsOneRank(int P, TrainerOptions options, const std::string& what) {
+  options.rl_group_tokens = 80;  // [37, 5] and [64]; [64] and [29, 6]
+  TrainerOptions one = options;
+  auto single = Trainer::Create(one);
+  ASSERT_TRUE(single.ok()) << single.status();
+  Group g = MakeGroup(P, options);
+  for (const auto& t : g.ranks) ASSERT_TRUE(t);
+  CopyWeights(*g.ranks[0], **single);
+  const std::string at = what + " P " + std::to_string(P);
+  // Lengths P does not divide, one datum shorter than a rank's first position (it lies wholly
+  // on rank 0), two padded groups per batch.
+  const std::vector<Datum> first = rl_testing::RandomBatch(**single, 1, {37, 5, 64});
+  const std::vector<Datum> second = rl_testing::RandomBatch(**single, 2, {64, 29, 6});
+
+  std::vector<absl::StatusOr<std::vector<std::vector<float>>>> fwd(static_cast<size_t>(P), absl::UnknownError(""));
+  g.Run([&](int r) { fwd[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->Forward(first); });
+  absl::StatusOr<std::vector<std::vector<float>>> want_fwd = (*single)->Forward(first);
+  ASSERT_TRUE(want_fwd.ok()) << want_fwd.status();
+  for (int r = 0; r < P; ++r) {
+    ASSERT_TRUE(fwd[static_cast<size_t>(r)].ok()) << at << ": " << fwd[static_cast<size_t>(r)].status();
+    ExpectLogprobsClose(*fwd[static_cast<size_t>(r)], *want_fwd, at + " forward rank " + std::to_string(r));
+  }
+
+  LossSpec ppo;
+  ppo.kind = LossKind::kPpo;
+  ppo.clip_low = 0.2;
+  ppo.clip_high = 0.2;
+  LossSpec ce;
+  ce.kind = LossKind::kCrossEntropy;
+  for (const auto& [batch, loss] : {std::pair{&first, ppo}, std::pair{&second, ce}}) {
+    std::vector<absl::StatusOr<ForwardBackwardResult>> got(static_cast<size_t>(P), absl::UnknownError(""));
+    g.Run([&](int r) { got[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->ForwardBackward(*batch, loss); });
+    absl::StatusOr<ForwardBackwardResult> want = (*single)->ForwardBackward(*batch, loss);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (int r = 0; r < P; ++r) {
+      const std::string rank = at + " forward_backward rank " + std::to_string(r);
+      ASSERT_TRUE(got[static_cast<size_t>(r)].ok()) << rank << ": " << got[static_cast<size_t>(r)].status();
+      const ForwardBackwardResult& res = *got[static_cast<size_t>(r)];
+      EXPECT_NEAR(res.loss, want->loss, 1e-5 * std::abs(want->loss)) << rank;
+      EXPECT_EQ(res.loss, got[0]->loss) << rank << ": the ranks agree bitwise";
+      EXPECT_DOUBLE_EQ(res.weight_sum, want->weight_sum) << rank;
+      EXPECT_EQ(res.tokens, want->tokens) << rank;
+      EXPECT_EQ(res.clipped_tokens, want->clipped_tokens) << rank;
+      EXPECT_EQ(res.mismatch.tokens, want->mismatch.tokens) << rank;
+      EXPECT_NEAR(res.mismatch.mean_abs(), want->mismatch.mean_abs(), 1e-5 * want->mismatch.mean_abs()) << rank;
+      ExpectLogprobsClose(res.logprobs, want->logprobs, rank);
+    }
+  }
+  AdamWOptions adam = options.optimizer;
+  std::vector<absl::StatusOr<OptimStepResult>> steps(static_cast<size_t>(P), absl::UnknownError(""));
+  g.Run([&](int r) { steps[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->OptimStep(adam); });
+  absl::StatusOr<OptimStepResult> want_step = (*single)->OptimStep(adam);
+  ASSERT_TRUE(want_step.ok()) << want_step.status();
+  for (int r = 0; r < P; ++r) {
+    ASSERT_TRUE(steps[static_cast<size_t>(r)].ok()) << at << ": " << steps[static_cast<size_t>(r)].status();
+    EXPECT_NEAR(steps[static_cast<size_t>(r)]->grad_norm, want_step->grad_norm, 1e-5 * want_step->grad_norm) << at;
+    EXPECT_EQ(steps[static_cast<size_t>(r)]->step, 1) << at;
+  }
+  // The same update on every rank (AdamW against one rank's: see ExpectEqualsOneRank).
+  for (int r = 1; r < P; ++r) ExpectWeightsEqual(*g.ranks[0], *g.ranks[static_cast<size_t>(r)], at + " ranks");
+  // A second optim_step without a forward_backward is refused on every rank alike.
+  g.Run([&](int r) { steps[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->OptimStep(adam); });
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(steps[static_cast<size_t>(r)].status().code(), absl::StatusCode::kFailedPrecondition) << at;
+}
+
+TEST(ContextParallelTest, RlCallsEqualOneRank) {
+  torch::set_num_threads(1);
+  TrainerOptions o = Tiny();
+  ExpectRlEqualsOneRank(2, o, "plain");
+  ExpectRlEqualsOneRank(4, o, "plain");
+  // The memory stack on the shards of padded rows: recompute, offload, tiles that divide
+  // nothing, kept attention.
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.memory.offload = true;
+  o.memory.mlp_tile = 6;
+  o.memory.loss_tile = 9;
+  o.memory.keep_attention = true;
+  ExpectRlEqualsOneRank(2, o, "everything");
+}
+
+// An invalid datum is refused on every rank, naming it, before anything runs.
+TEST(ContextParallelTest, RlBadBatchIsRefusedOnEveryRank) {
+  auto single = Trainer::Create(Tiny());
+  ASSERT_TRUE(single.ok()) << single.status();
+  std::vector<Datum> batch = rl_testing::RandomBatch(**single, 3, {9, 12});
+  Group g = MakeGroup(2, Tiny());
+  for (const auto& t : g.ranks) ASSERT_TRUE(t);
+  batch[1].target_tokens[2] = 1 << 20;  // past the vocabulary
+  std::vector<absl::Status> got(2);
+  g.Run([&](int r) { got[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->ForwardBackward(batch, LossSpec{}).status(); });
+  for (const absl::Status& s : got) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("batch[1].target_tokens[2]"), std::string::npos) << s;
+  }
 }
 
 }  // namespace

@@ -7,10 +7,13 @@
 
 #include "engine/parallel/communicator.h"
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/parallel_testing.h"
 #include "engine/trainer.h"
 
 namespace odyssey::engine {
 namespace {
+
+using parallel_testing::CopyWeights;
 
 // Parameters a (a gradient on every rank), b (only on rank 1) and c (on none), and a rider.
 TEST(GradientReducerTest, SumsGradientsAndKeepsAbsentOnesAbsent) {
@@ -85,15 +88,6 @@ TrainerOptions Tiny() {
   o.data.batch_size = 2;
   o.seed = 3;
   return o;
-}
-
-// Random init draws from the process generator, so trainers created concurrently (the ranks'
-// threads) do not get the seed's weights; the broadcast from rank 0 makes the ranks agree, and
-// this gives the single-rank reference the same start.
-void CopyWeights(Trainer& from, Trainer& to) {
-  torch::NoGradGuard no_grad;
-  auto src = from.model()->named_parameters();
-  for (auto& p : to.model()->named_parameters()) p.value().copy_(src[p.key()]);
 }
 
 void ExpectClose(Trainer& a, Trainer& b, double rtol, double atol, const std::string& what) {

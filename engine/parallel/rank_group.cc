@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -46,31 +47,28 @@ uint64_t AsUnsigned(int64_t v) {
   return u;
 }
 
-#ifdef ODYSSEY_WITH_NCCL
-// A port free now on this host (bound to port 0, read back, closed). Another process may take
-// it before NCCL's store binds it; the store's bind then fails and the job reports UNAVAILABLE.
-absl::StatusOr<int> FreePort() {
+
+}  // namespace
+
+const char* BackendName(CollectiveBackend backend) { return backend == CollectiveBackend::kNccl ? "nccl" : "tcp"; }
+
+absl::StatusOr<int> FreePort(bool loopback) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("picking a free port: socket: ", std::strerror(errno)));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_addr.s_addr = htonl(loopback ? INADDR_LOOPBACK : INADDR_ANY);
   addr.sin_port = 0;
   socklen_t len = sizeof(addr);
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     const std::string why = std::strerror(errno);
     close(fd);
-    return absl::UnavailableError(absl::StrCat("picking a port for the nccl store: ", why));
+    return absl::UnavailableError(absl::StrCat("picking a free port: ", why));
   }
   close(fd);
   return static_cast<int>(ntohs(addr.sin_port));
 }
-#endif
-
-}  // namespace
-
-const char* BackendName(CollectiveBackend backend) { return backend == CollectiveBackend::kNccl ? "nccl" : "tcp"; }
 
 bool NcclBuilt() {
 #ifdef ODYSSEY_WITH_NCCL
@@ -165,7 +163,7 @@ absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
   torch::Tensor picked = torch::zeros({1}, torch::kInt64);
   absl::Status pick_status;
   if (options.rank == 0) {
-    absl::StatusOr<int> free_port = FreePort();
+    absl::StatusOr<int> free_port = FreePort(/*loopback=*/false);
     if (free_port.ok()) picked[0] = *free_port;
     else pick_status = free_port.status();  // sent as port 0: every rank fails alike
   }

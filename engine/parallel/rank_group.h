@@ -47,6 +47,11 @@ BackendChoice ChooseBackend(const std::vector<RankPlace>& places, bool nccl_buil
 // Whether this build has NCCL (ODYSSEY_WITH_NCCL).
 bool NcclBuilt();
 
+// A TCP port free now on this host (bound to port 0 on the loopback or every address, read
+// back, closed): for a rendezvous or store another process binds next. Another process may take
+// it first; that bind then fails. UNAVAILABLE naming the system error.
+absl::StatusOr<int> FreePort(bool loopback);
+
 // This process's place when it computes on `device`.
 RankPlace PlaceOf(const torch::Device& device);
 

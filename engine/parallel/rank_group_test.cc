@@ -2,11 +2,6 @@
 // star otherwise; the group a rank gets works, and all ranks reach the same choice.
 #include "engine/parallel/rank_group.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <functional>
 #include <thread>
 
@@ -40,21 +35,10 @@ TEST(ChooseBackendTest, NcclOnlyWhenEveryRankHoldsItsOwnGpu) {
   EXPECT_STREQ(BackendName(CollectiveBackend::kTcp), "tcp");
 }
 
-int FreeLocalPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // P ranks in threads, rank r on device_of(r); each sums its rank + 1 over the group.
 void ExpectGroupWorks(int P, const std::function<torch::Device(int)>& device_of, CollectiveBackend want, const std::string& want_reason) {
-  const std::string rendezvous = "127.0.0.1:" + std::to_string(FreeLocalPort());
+  const std::string rendezvous = "127.0.0.1:" + std::to_string(*FreePort(/*loopback=*/true));
   std::vector<absl::StatusOr<RankGroup>> groups(static_cast<size_t>(P));  // UNKNOWN until run
   std::vector<torch::Tensor> sums(static_cast<size_t>(P));
   std::vector<std::thread> threads;

@@ -19,11 +19,14 @@
 #include <torch/torch.h>
 
 #include "engine/parallel/communicator.h"
+#include "engine/parallel/parallel_testing.h"
 #include "engine/trainer.h"
 #include "model/safetensors.h"
 
 namespace odyssey::engine {
 namespace {
+
+using parallel_testing::ExpectGradientsClose;
 
 TrainerOptions Tiny() {
   TrainerOptions o;
@@ -78,19 +81,6 @@ Ranks MakeRanks(int P, TrainerOptions o, bool context_parallel) {
   });
   for (const absl::Status& s : created) EXPECT_TRUE(s.ok()) << s;
   return g;
-}
-
-void ExpectGradientsClose(const BatchGradients& got, const BatchGradients& want, double rtol, const std::string& what) {
-  EXPECT_NEAR(got.loss, want.loss, rtol * want.loss) << what << " loss";
-  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
-  for (const auto& [name, g] : want.grads) {
-    ASSERT_TRUE(got.grads.count(name)) << what << ": no gradient for " << name;
-    ASSERT_EQ(got.grads.at(name).sizes(), g.sizes()) << what << ": " << name;
-    const double scale = g.abs().max().item<double>();
-    const double err = (got.grads.at(name) - g).abs().max().item<double>();
-    EXPECT_GT(scale, 0) << what << ": " << name;
-    EXPECT_LE(err, rtol * scale) << what << ": " << name << " (largest entry " << scale << ")";
-  }
 }
 
 // Every rank saves (rank 0 writes `dir`); returns the weights read back.

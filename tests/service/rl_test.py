@@ -44,6 +44,15 @@ Cases (--case):
                ExportWeights of the 2-rank session loads in transformers and matches its forward
                (<= 1e-4); a bad datum at whole-batch index 3 (in rank 1's slice) comes back
                INVALID_ARGUMENT naming batch[3], and the session still trains.
+  context_parallel
+               a session of parallel.world_size 2 with context_parallel 2 (every worker the whole
+               batch, its half of each datum's positions) against a 1-worker session: the same
+               logprobs and loss within 1e-5 on datums of odd lengths with weights, sampler
+               logprobs and advantages (ppo: the same mismatch and clipped counts); 3
+               forward_backward + optim_step rounds give the same grad norms and then the same
+               forward within 1e-4; its ExportWeights loads in transformers and matches its
+               forward; a bad datum is INVALID_ARGUMENT naming it; Sample is UNIMPLEMENTED naming
+               context_parallel; a batch over the whole-batch limit is refused naming it.
 
 Every wait is on a condition with a deadline.
 """
@@ -73,9 +82,10 @@ class RlCluster(Cluster):
         self.metrics_port = wait_for_port_file(metrics_file, "the controller's metrics port")
         self.training = self.pbg.TrainingServiceStub(self.channel)
 
-    def session(self, idle_timeout=0, restart_limit=0, world_size=1):
+    def session(self, idle_timeout=0, restart_limit=0, world_size=1, context_parallel=0):
         spec = self.pb.JobSpec(kind=self.pb.RL_SESSION, display_name="rl-test")
         spec.parallel.world_size = world_size
+        spec.parallel.context_parallel = context_parallel
         spec.model.name = "tiny"
         spec.model.dtype = "float32"
         spec.data.seq_len = SEQ_LEN
@@ -603,10 +613,86 @@ def case_data_parallel(c):
         raise Failure(f"optim_step after the refused batch returned step {step}, want 4")
 
 
+def case_context_parallel(c):
+    c.start_controller()
+    for w in ("w1", "w2", "w3"):
+        c.start_worker(w)
+    single = c.session()
+    cp = c.session(world_size=2, context_parallel=2)
+    workers = list(c.get(cp).workers)
+    print(f"1-rank session {single} on {list(c.get(single).workers)}; context-parallel session {cp} on {workers}")
+    if len(workers) != 2:
+        raise Failure(f"the context-parallel session runs on {workers}")
+    # Odd lengths (each padded to a multiple of 2, the padding on rank 1), one datum shorter than
+    # rank 1's first position, a prompt outside the loss, sampler logprobs and advantages for ppo.
+    rng = random.Random(21)
+    batch = []
+    for n in (33, 19, 3, 41, 26):
+        batch.append(c.datum([rng.randrange(VOCAB) for _ in range(n + 1)],
+                             weights=[0.0] * 2 + [0.5 + rng.random() for _ in range(n - 2)],
+                             sampler_logprobs=[-6.0 + rng.random() for _ in range(n)],
+                             advantages=[2 * rng.random() - 1 for _ in range(n)]))
+    lengths = [len(d.tokens) for d in batch]
+    for kind in ("cross_entropy", "ppo"):
+        a, b = c.fb(single, batch, kind), c.fb(cp, batch, kind)
+        lp_diff = max_diff([l.values for l in a.logprobs], [l.values for l in b.logprobs])
+        print(f"forward_backward {kind}: loss {a.loss:.6f} (1 rank) vs {b.loss:.6f} (CP 2), logprobs max |diff| "
+              f"{lp_diff:.2e}, mismatch {a.mismatch_mean:.6f} / {b.mismatch_mean:.6f}, clipped {a.clipped_tokens} / "
+              f"{b.clipped_tokens}")
+        if [len(l.values) for l in b.logprobs] != lengths:
+            raise Failure(f"the CP reply holds logprob rows of {[len(l.values) for l in b.logprobs]} tokens, "
+                          f"want {lengths}")
+        if (lp_diff > 1e-5 or abs(a.loss - b.loss) > 1e-5 * max(1.0, abs(a.loss))
+                or abs(a.weight_sum - b.weight_sum) > 1e-9 or b.tokens != sum(lengths)
+                or a.mismatch_tokens != b.mismatch_tokens or abs(a.mismatch_mean - b.mismatch_mean) > 1e-5
+                or a.clipped_tokens != b.clipped_tokens):
+            raise Failure(f"the CP forward_backward ({kind}) differs: loss {b.loss} vs {a.loss}, W {b.weight_sum} vs "
+                          f"{a.weight_sum}, tokens {b.tokens}, logprobs {lp_diff}, mismatch {b.mismatch_mean} vs "
+                          f"{a.mismatch_mean}, clipped {b.clipped_tokens} vs {a.clipped_tokens}")
+    for i in range(3):
+        if i > 0:
+            c.fb(single, batch)
+            c.fb(cp, batch)
+        s1, s2 = c.step(single), c.step(cp)
+        if s1.step != i + 1 or s2.step != i + 1 or abs(s1.grad_norm - s2.grad_norm) > 1e-4 * max(1.0, s1.grad_norm):
+            raise Failure(f"optim_step {i + 1}: step {s1.step} / {s2.step}, grad_norm {s1.grad_norm} / {s2.grad_norm}")
+    probe = c.batch(seed=22, n=3, length=41) + [c.datum([7, 8, 9])]
+    ours, theirs = c.forward(cp, probe), c.forward(single, probe)
+    trained = max_diff(ours, theirs)
+    print(f"after 3 rounds: forward max |diff| {trained:.2e} (grad_norm {s1.grad_norm:.4f} / {s2.grad_norm:.4f})")
+    if trained > 1e-4:
+        raise Failure(f"after 3 rounds the CP session's logprobs differ by {trained}")
+
+    export = os.path.join(c.workdir, "export-cp")
+    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=cp, directory=export, dtype="float32"), timeout=120)
+    worst = transformers_max_diff(export, probe, ours)
+    print(f"ExportWeights of the CP session vs its forward, in transformers: max |diff| {worst:.2e}")
+    if worst > 1e-4:
+        raise Failure(f"the CP session's export differs from its forward by {worst}")
+
+    bad = list(batch)
+    bad[3] = c.datum([1, 2, 300, 4] + [5] * 8)
+    msg = expect_code("a bad datum", lambda: c.fb(cp, bad), c.grpc.StatusCode.INVALID_ARGUMENT, "batch[3].tokens[2]",
+                      "[0, 256)")
+    if "another rank" in msg:
+        raise Failure(f"the error is another rank's echo, not the bad datum's: {msg}")
+    expect_code("Sample", lambda: c.sample(cp, [[1, 2, 3]], max_tokens=4), c.grpc.StatusCode.UNIMPLEMENTED,
+                "context_parallel")
+    # seq_len x batch_size (256) bounds the whole batch: each rank plans for half of it.
+    big = [c.datum([1] * (SEQ_LEN + 1)) for _ in range(BATCH_SIZE)] + [c.datum([1, 2])]
+    expect_code("a batch over the limit", lambda: c.fb(cp, big), c.grpc.StatusCode.INVALID_ARGUMENT,
+                "257 token positions exceed the session's limit of 256", "parallel.context_parallel 2")
+    c.fb(cp, batch)
+    step = c.step(cp).step
+    print(f"the CP session still trains after the refused calls: optim_step {step}")
+    if step != 4:
+        raise Failure(f"optim_step after the refused calls returned step {step}, want 4")
+
+
 def main():
     ap = arg_parser(cli="the odyssey CLI (the cancel case submits the example spec with it)")
     ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss",
-                                                          "data_parallel"])
+                                                          "data_parallel", "context_parallel"])
     args = parse_args(ap)
     outcome = run_test(f"rl {args.case}", f"odyssey-rl-{args.case}-", args.keep, lambda workdir: RlCluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))
