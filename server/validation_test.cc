@@ -186,17 +186,24 @@ TEST(ValidationTest, LoraSpec) {
               HasSubstr("spec.lora.rank: (8) LoRA together with spec.parallel.shard_params is not implemented yet"));
 }
 
-// Context parallel over all of an SFT job's ranks is accepted; over part of them (data parallel
-// over groups) it is refused until the engine has it, and the ranks must split the sequence.
+// Context parallel over all of an SFT job's ranks, or data parallel over groups of them, is
+// accepted (sharding only over all of them); the ranks must split the sequence.
 TEST(ValidationTest, ContextParallelSpec) {
   v1::JobSpec spec = GoodSpec();
   spec.mutable_parallel()->set_world_size(2);
   spec.mutable_parallel()->set_context_parallel(2);
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_world_size(4);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_shard_params(true);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
-              HasSubstr("context_parallel: (2) must be 1 (or 0) or parallel.world_size (4): data parallel over "
-                        "context-parallel groups is not implemented yet"));
+              HasSubstr("spec.parallel.shard_params: with parallel.context_parallel (2) between 1 and "
+                        "parallel.world_size (4) is not implemented"));
+  spec.mutable_parallel()->set_shard_params(false);
+  spec.mutable_parallel()->set_world_size(6);
+  spec.mutable_parallel()->set_context_parallel(4);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("context_parallel: (4) must divide parallel.world_size (6)"));
   spec.mutable_parallel()->set_world_size(4);
   spec.mutable_parallel()->set_context_parallel(4);
   spec.mutable_data()->set_seq_len(66);
@@ -221,7 +228,7 @@ TEST(ValidationTest, RlSessionSpec) {
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_world_size(4);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
-              HasSubstr("context_parallel: (2) must be 1 (or 0) or parallel.world_size (4)"));
+              HasSubstr("context_parallel: (2) must be 1 (or 0) or parallel.world_size (4) for RL_SESSION jobs"));
   spec.mutable_parallel()->set_world_size(2);
   // Sharding is for SFT jobs.
   spec.mutable_parallel()->set_context_parallel(1);

@@ -188,12 +188,38 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   engine::TrainerOptions o;
   if (absl::Status s = BuildTrainerOptions(j, &o); !s.ok()) return fail(s);
 
-  if (j.context_parallel > 1 && j.context_parallel != j.world_size)
-    return fail(absl::UnimplementedError(absl::StrCat(
-        "parallel.context_parallel (", j.context_parallel, ") must be 1 or parallel.world_size (", j.world_size,
-        "): data parallel over context-parallel groups is not implemented yet")));
-  std::unique_ptr<engine::Communicator> comm;
-  if (j.world_size > 1) {
+  if (j.context_parallel > 1 && j.world_size % j.context_parallel != 0)
+    return fail(absl::InvalidArgumentError(absl::StrCat("parallel.context_parallel (", j.context_parallel,
+                                                        ") must divide parallel.world_size (", j.world_size, ")")));
+  // Declared before the trainer, which uses them until it is destroyed.
+  std::unique_ptr<engine::Communicator> comm, data_comm;
+  if (j.world_size > 1 && j.context_parallel > 1 && j.context_parallel < j.world_size) {
+    // Data parallel over context-parallel groups: rank r shares its sequences with the ranks of
+    // its group [r / P * P, ...) and sums gradients with the ranks r % P, r % P + P, ...
+    absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
+    if (!device.ok()) return fail(device.status());
+    engine::RankGroupOptions go;
+    go.rendezvous = j.rendezvous;
+    go.rank = j.rank;
+    go.world_size = j.world_size;
+    go.device = *device;
+    go.abort = [&stop] { return stop(absl::ZeroDuration()); };
+    absl::StatusOr<engine::RankLayout> layout = engine::ConnectRankLayout(go, j.context_parallel);
+    if (absl::IsCancelled(layout.status())) {
+      out.stopped = true;
+      return out;
+    }
+    if (!layout.ok()) return fail(layout.status());
+    LogInfo(absl::StrFormat("job=%s rank=%d/%d context group of %d over %s (%s), data group of %d over %s (%s)", j.job,
+                            j.rank, j.world_size, layout->context_parallel,
+                            engine::BackendName(layout->context.choice.backend), layout->context.choice.reason,
+                            layout->data_parallel, engine::BackendName(layout->data.choice.backend),
+                            layout->data.choice.reason));
+    comm = std::move(layout->context.comm);
+    data_comm = std::move(layout->data.comm);
+    o.context_parallel.group = comm.get();
+    o.communicator = data_comm.get();
+  } else if (j.world_size > 1) {
     absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
     if (!device.ok()) return fail(device.status());
     engine::RankGroupOptions go;
@@ -231,7 +257,10 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
   const auto& cfg = t.model()->config();
   LogInfo(absl::StrFormat("job=%s rank=%d/%d %s model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
                           j.job, j.rank, j.world_size,
-                          absl::StrCat(j.context_parallel > 1 ? absl::StrCat("context_parallel=", j.context_parallel)
+                          absl::StrCat(j.context_parallel > 1 ? absl::StrCat("context_parallel=", j.context_parallel,
+                                                                          j.context_parallel < j.world_size
+                                                                              ? absl::StrCat(" data_parallel=", j.world_size / j.context_parallel)
+                                                                              : "")
                                        : j.world_size > 1     ? std::string("data_parallel")
                                                               : std::string("alone"),
                                        o.shard_params ? absl::StrCat(" shard_params=", j.world_size) : ""),

@@ -15,8 +15,9 @@
 //      its own and keeps the TCP star otherwise (the log line says which and why), and trains
 //      data parallel, or, with context_parallel = world_size,
 //      context parallel (every rank on the same batches, S / world_size positions each;
-//      engine/parallel/context_parallel.h). Groups of context_parallel < world_size ranks
-//      (data parallel over context-parallel groups) are refused (UNIMPLEMENTED).
+//      engine/parallel/context_parallel.h). With 1 < context_parallel < world_size the ranks
+//      are world_size / context_parallel data-parallel replicas of context-parallel groups of
+//      consecutive ranks (engine::ConnectRankLayout: each group picks its own backend).
 //   2. Resumes from `resume_from` when set: weights, optimizer state and step counter, then
 //      replays the data stream up to that step, so a resumed run sees the batches an
 //      uninterrupted run would have seen.
@@ -72,7 +73,7 @@ struct EngineJobOptions {
   // Where this rank stands.
   int rank = 0;
   int world_size = 1;
-  // Ranks sharing each sequence (parallel.context_parallel; 0 or 1 = none). 1 or world_size.
+  // Ranks sharing each sequence (parallel.context_parallel; 0 or 1 = none); divides world_size.
   int context_parallel = 1;
   // ZeRO-3 sharding of parameters, gradients and optimizer state over all world_size ranks
   // (parallel.shard_params; engine/parallel/sharding.h). Checkpoints are then gathered by every

@@ -18,6 +18,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
 namespace odyssey::engine {
@@ -368,6 +369,17 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& host, int port, bool passiv
   return res;
 }
 
+// The numeric host of a peer's address ("10.1.2.3", "::1"; an IPv4-mapped IPv6 address in its
+// IPv4 form); empty when it cannot be printed.
+std::string NumericHost(const sockaddr_storage& addr, socklen_t len) {
+  char host[NI_MAXHOST] = {};
+  if (::getnameinfo(reinterpret_cast<const sockaddr*>(&addr), len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) != 0)
+    return "";
+  absl::string_view h = host;
+  absl::ConsumePrefix(&h, "::ffff:");
+  return std::string(h);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TcpCommunicator>> TcpCommunicator::Listen(const TcpCommunicatorOptions& options) {
@@ -418,6 +430,11 @@ absl::Status TcpCommunicator::Join() {
   if (W == 1) return absl::OkStatus();
   if (options_.rank == 0) {
     peers_.assign(W, -1);
+    peer_hosts_.assign(W, "");
+    std::string host;
+    int port = 0;
+    if (absl::Status s = ParseHostPort(options_.rendezvous, "rendezvous", &host, &port); !s.ok()) return s;
+    peer_hosts_[0] = host;
     for (int joined = 1; joined < W;) {
       // Waits in slices so that an abort is noticed.
       if (aborted()) return cancelled;
@@ -426,7 +443,9 @@ absl::Status TcpCommunicator::Join() {
                  absl::StrCat("rendezvous: waiting for ", W - joined, " rank(s) to join"));
       if (absl::IsDeadlineExceeded(waited) && absl::Now() < deadline) continue;
       if (!waited.ok()) return waited;
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      sockaddr_storage from{};
+      socklen_t from_len = sizeof(from);
+      const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
         return Errno("rendezvous: accept");
@@ -442,6 +461,7 @@ absl::Status TcpCommunicator::Join() {
         continue;
       }
       peers_[h.rank] = fd;
+      peer_hosts_[h.rank] = NumericHost(from, from_len);
       ++joined;
     }
     // Tell every rank that the group is complete.

@@ -194,6 +194,10 @@ class TcpCommunicator : public Communicator {
   int rank() const override { return options_.rank; }
   int world_size() const override { return options_.world_size; }
   int bound_port() const { return bound_port_; }  // rank 0: the port listened on
+  // Rank 0, after Join: the numeric address rank r's connection came from (r >= 1), which the
+  // other ranks can reach it at too where the network is symmetric (one host, a pod network);
+  // for r = 0 the rendezvous host. Other ranks: empty.
+  const std::vector<std::string>& peer_hosts() const { return peer_hosts_; }
 
  protected:
   absl::Status AllReduceFlat(torch::Tensor& flat, ReduceOp op) override;
@@ -211,6 +215,7 @@ class TcpCommunicator : public Communicator {
   int listen_fd_ = -1;
   int bound_port_ = 0;
   std::vector<int> peers_;  // rank 0: fd of rank r at peers_[r] (peers_[0] = -1); others: {fd to 0}
+  std::vector<std::string> peer_hosts_;  // rank 0: see peer_hosts()
   uint64_t seq_ = 0;        // collectives issued, checked against the peer's on every message
 };
 

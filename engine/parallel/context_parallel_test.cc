@@ -234,6 +234,76 @@ TEST(ContextParallelTest, MemoryStrategiesOnShardsEqualOneRank) {
   ExpectEqualsOneRank(4, o, /*packed=*/true, "everything");
 }
 
+// Data parallel over context-parallel groups: 2 replicas of CP groups of 2 (rank r in CP group
+// r / 2 and data group r % 2, ConnectRankLayout's layout) take the step 2 data-parallel ranks on
+// whole rows take on the same two batches: gradients, loss and norm within 1e-5; the ranks end
+// bitwise alike.
+TEST(ContextParallelTest, DataParallelOverContextGroupsEqualsDataParallel) {
+  torch::set_num_threads(1);
+  TrainerOptions o = Tiny();
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.memory.loss_tile = 9;
+  constexpr int kP = 2, kD = 2, kW = kP * kD;
+  auto dp_only = InProcessGroup::Create(kD, absl::Seconds(120));
+  std::vector<std::shared_ptr<InProcessGroup>> cp_groups, dp_groups;
+  for (int g = 0; g < kD; ++g) cp_groups.push_back(InProcessGroup::Create(kP, absl::Seconds(120)));
+  for (int g = 0; g < kP; ++g) dp_groups.push_back(InProcessGroup::Create(kD, absl::Seconds(120)));
+  std::vector<std::unique_ptr<Communicator>> ref_comms, cp_comms, dp_comms;
+  for (int r = 0; r < kD; ++r) ref_comms.push_back(dp_only->Rank(r));
+  for (int r = 0; r < kW; ++r) {
+    cp_comms.push_back(cp_groups[static_cast<size_t>(r / kP)]->Rank(r % kP));
+    dp_comms.push_back(dp_groups[static_cast<size_t>(r % kP)]->Rank(r / kP));
+  }
+  std::vector<std::unique_ptr<Trainer>> ref(kD), ranks(kW);
+  auto on = [](int n, const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) threads.emplace_back(fn, r);
+    for (auto& t : threads) t.join();
+  };
+  on(kD, [&](int r) {
+    TrainerOptions t = o;
+    t.communicator = ref_comms[static_cast<size_t>(r)].get();
+    auto made = Trainer::Create(t);
+    if (made.ok()) ref[static_cast<size_t>(r)] = *std::move(made);
+  });
+  on(kW, [&](int r) {
+    TrainerOptions t = o;
+    t.communicator = dp_comms[static_cast<size_t>(r)].get();
+    t.context_parallel.group = cp_comms[static_cast<size_t>(r)].get();
+    auto made = Trainer::Create(t);
+    if (made.ok()) ranks[static_cast<size_t>(r)] = *std::move(made);
+  });
+  for (const auto& t : ref) ASSERT_TRUE(t);
+  for (const auto& t : ranks) ASSERT_TRUE(t);
+  for (const auto& t : ref) CopyWeights(*ranks[0], *t);
+  // Data-parallel rank g's batches: its own stream (the data seed plus its data rank), the same
+  // for both ranks of CP group g.
+  std::vector<Batch> batches = {ref[0]->data().Next(), ref[1]->data().Next()};
+  for (int g = 0; g < kD; ++g)
+    EXPECT_TRUE(torch::equal(ranks[static_cast<size_t>(g * kP)]->data().Next().input_ids,
+                             batches[static_cast<size_t>(g)].input_ids))
+        << "CP group " << g << " reads data rank " << g << "'s stream";
+  std::vector<absl::StatusOr<BatchGradients>> want(kD, absl::UnknownError("")), got(kW, absl::UnknownError(""));
+  on(kD, [&](int r) { want[static_cast<size_t>(r)] = ref[static_cast<size_t>(r)]->Gradients(batches[static_cast<size_t>(r)]); });
+  on(kW, [&](int r) { got[static_cast<size_t>(r)] = ranks[static_cast<size_t>(r)]->Gradients(batches[static_cast<size_t>(r / kP)]); });
+  ASSERT_TRUE(want[0].ok()) << want[0].status();
+  for (int r = 0; r < kW; ++r) {
+    ASSERT_TRUE(got[static_cast<size_t>(r)].ok()) << got[static_cast<size_t>(r)].status();
+    ExpectGradientsClose(*got[static_cast<size_t>(r)], *want[0], 1e-5, "rank " + std::to_string(r));
+  }
+  std::vector<StepResult> want_step(kD), got_step(kW);
+  on(kD, [&](int r) { want_step[static_cast<size_t>(r)] = ref[static_cast<size_t>(r)]->Step(batches[static_cast<size_t>(r)]); });
+  on(kW, [&](int r) { got_step[static_cast<size_t>(r)] = ranks[static_cast<size_t>(r)]->Step(batches[static_cast<size_t>(r / kP)]); });
+  for (int r = 0; r < kW; ++r) {
+    const StepResult& g = got_step[static_cast<size_t>(r)];
+    ASSERT_TRUE(g.status.ok()) << g.status;
+    EXPECT_NEAR(g.loss, want_step[0].loss, 1e-5 * want_step[0].loss) << "rank " << r;
+    EXPECT_NEAR(g.grad_norm, want_step[0].grad_norm, 1e-5 * want_step[0].grad_norm) << "rank " << r;
+    EXPECT_EQ(g.tokens, want_step[0].tokens) << "rank " << r << ": every rank counts the global positions";
+  }
+  for (int r = 1; r < kW; ++r) ExpectWeightsEqual(*ranks[0], *ranks[static_cast<size_t>(r)], "rank " + std::to_string(r));
+}
+
 TEST(ContextParallelTest, BadLayoutsAreRefusedNamingBothNumbers) {
   auto group = InProcessGroup::Create(3, absl::Seconds(1));
   auto comm = group->Rank(0);

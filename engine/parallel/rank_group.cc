@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #ifdef ODYSSEY_WITH_NCCL
@@ -125,7 +126,9 @@ RankPlace PlaceOf(const torch::Device& device) {
   return p;
 }
 
-absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
+namespace {
+
+TcpCommunicatorOptions TcpOptions(const RankGroupOptions& options) {
   TcpCommunicatorOptions co;
   co.rendezvous = options.rendezvous;
   co.rank = options.rank;
@@ -133,7 +136,13 @@ absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
   co.connect_timeout = options.connect_timeout;
   co.op_timeout = options.op_timeout;
   co.abort = options.abort;
-  absl::StatusOr<std::unique_ptr<TcpCommunicator>> tcp = TcpCommunicator::Create(co);
+  return co;
+}
+
+// The group's backend over its joined TCP star `tcp` (every rank calls): the star itself, or NCCL
+// set up over it.
+absl::StatusOr<RankGroup> ChooseAndConnect(const RankGroupOptions& options,
+                                           absl::StatusOr<std::unique_ptr<TcpCommunicator>> tcp) {
   if (!tcp.ok()) return tcp.status();
 
   // Where every rank runs: (P, 4) int64 rows of host, cuda, UUID.
@@ -187,6 +196,96 @@ absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
 #else
   return absl::InternalError("nccl chosen in a build without NCCL");
 #endif
+}
+
+// "host:port", the host bracketed when it is an IPv6 address.
+std::string JoinHostPort(const std::string& host, int64_t port) {
+  return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
+  return ChooseAndConnect(options, TcpCommunicator::Create(TcpOptions(options)));
+}
+
+absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel) {
+  const int W = options.world_size, P = context_parallel;
+  if (P < 1 || W % P != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("context_parallel (", P, ") must be >= 1 and divide world_size (", W, ")"));
+  RankLayout layout;
+  layout.context_parallel = P;
+  layout.data_parallel = W / P;
+  if (P == 1 || P == W) {  // one group of every rank
+    absl::StatusOr<RankGroup> all = ConnectRanks(options);
+    if (!all.ok()) return all.status();
+    (P == 1 ? layout.data : layout.context) = *std::move(all);
+    return layout;
+  }
+  // The job's star first: every rank's address as rank 0 saw it, and the ports the two kinds of
+  // group leaders (rank g P of context group g, rank j of data group j) listen on.
+  absl::StatusOr<std::unique_ptr<TcpCommunicator>> world = TcpCommunicator::Create(TcpOptions(options));
+  if (!world.ok()) return world.status();
+  constexpr int64_t kHostBytes = 64;
+  torch::Tensor hosts = torch::zeros({W, kHostBytes}, torch::kUInt8);  // (W, 64) NUL-padded
+  if (options.rank == 0) {
+    const std::vector<std::string>& seen = (*world)->peer_hosts();
+    for (int r = 0; r < W; ++r) {
+      const std::string& h = seen[static_cast<size_t>(r)];
+      if (h.empty() || static_cast<int64_t>(h.size()) >= kHostBytes)
+        return absl::InternalError(absl::StrCat("rank layout: no usable address for rank ", r, " ('", h, "')"));
+      std::memcpy(hosts[r].data_ptr<uint8_t>(), h.data(), h.size());
+    }
+  }
+  std::vector<torch::Tensor> to_send = {hosts};
+  if (absl::Status s = (*world)->Broadcast(to_send, 0); !s.ok()) return s;
+  auto host_of = [&](int r) {
+    const torch::Tensor row = to_send[0][r].contiguous();
+    return std::string(reinterpret_cast<const char*>(row.data_ptr<uint8_t>()));
+  };
+  const int rank = options.rank;
+  const int cp_group = rank / P, cp_rank = rank % P;  // context group cp_group holds ranks [g P, (g + 1) P)
+  const int dp_group = rank % P, dp_rank = rank / P;  // data group j holds ranks j, j + P, ...
+  RankGroupOptions cp = options, dp = options;
+  cp.rank = cp_rank;
+  cp.world_size = P;
+  dp.rank = dp_rank;
+  dp.world_size = W / P;
+  // A leader listens on a port the system picks, at its own address (as rank 0 saw it).
+  std::unique_ptr<TcpCommunicator> cp_star, dp_star;
+  torch::Tensor ports = torch::zeros({2}, torch::kInt64);  // (2,) this rank's: as context, as data leader
+  for (auto [group_options, star, slot] : {std::tuple{&cp, &cp_star, 0}, std::tuple{&dp, &dp_star, 1}}) {
+    if (group_options->rank != 0) continue;
+    group_options->rendezvous = JoinHostPort(host_of(rank), 0);
+    absl::StatusOr<std::unique_ptr<TcpCommunicator>> listening = TcpCommunicator::Listen(TcpOptions(*group_options));
+    if (!listening.ok()) return listening.status();
+    *star = *std::move(listening);
+    ports[slot] = (*star)->bound_port();
+  }
+  absl::StatusOr<torch::Tensor> all_ports = (*world)->AllGather(ports);  // (2 W,) rank-major
+  if (!all_ports.ok()) return all_ports.status();
+  const int cp_leader = cp_group * P, dp_leader = dp_group;
+  cp.rendezvous = JoinHostPort(host_of(cp_leader), (*all_ports)[2 * cp_leader].item<int64_t>());
+  dp.rendezvous = JoinHostPort(host_of(dp_leader), (*all_ports)[2 * dp_leader + 1].item<int64_t>());
+  // Context groups first on every rank, then data groups: each join waits only for ranks that
+  // are joining the same kind of group.
+  auto join = [](const RankGroupOptions& o, std::unique_ptr<TcpCommunicator> star) {
+    if (!star) return ChooseAndConnect(o, TcpCommunicator::Create(TcpOptions(o)));
+    if (absl::Status s = star->Join(); !s.ok()) return absl::StatusOr<RankGroup>(s);
+    return ChooseAndConnect(o, std::move(star));
+  };
+  absl::StatusOr<RankGroup> context = join(cp, std::move(cp_star));
+  if (!context.ok())
+    return absl::Status(context.status().code(), absl::StrCat("context-parallel group ", cp_group, ": ",
+                                                              context.status().message()));
+  absl::StatusOr<RankGroup> data = join(dp, std::move(dp_star));
+  if (!data.ok())
+    return absl::Status(data.status().code(),
+                        absl::StrCat("data-parallel group ", dp_group, ": ", data.status().message()));
+  layout.context = *std::move(context);
+  layout.data = *std::move(data);
+  return layout;
 }
 
 }  // namespace odyssey::engine

@@ -75,4 +75,25 @@ struct RankGroup {
 // CANCELLED) and, when NCCL is chosen, of NcclCommunicator::Create, prefixed "nccl: ".
 absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options);
 
+// A job's ranks as D = world_size / P data-parallel replicas of context-parallel groups of P
+// consecutive ranks: rank r is rank r % P of context group r / P (the ranks sharing its
+// sequences) and rank r / P of data group r % P (the ranks holding the same positions of
+// different batches).
+struct RankLayout {
+  int context_parallel = 1;  // P
+  int data_parallel = 1;     // D
+  RankGroup context;         // comm null when P == 1
+  RankGroup data;            // comm null when D == 1
+};
+
+// Joins the layout (every rank calls with the same P; options as for ConnectRanks, the job's
+// rendezvous). P == 1 or P == world_size: one ConnectRanks group of every rank. Otherwise the
+// job's TCP star first (rank 0 tells every rank the address each connected from), then each
+// group's first rank listens on a port the system picks at that address, and every rank joins
+// its context group and then its data group, each group choosing its backend as ConnectRanks
+// does. Needs addresses the ranks reach each other at as rank 0 saw them (one host, or a flat
+// network such as a Kubernetes pod network; not through NAT). Errors: INVALID_ARGUMENT when P
+// does not divide world_size; ConnectRanks' errors, prefixed with the group they happened in.
+absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel);
+
 }  // namespace odyssey::engine

@@ -77,6 +77,84 @@ TEST(ConnectRanksTest, RanksOnTheCpuKeepTheTcpGroup) {
                    NcclBuilt() ? "rank 0 computes on the CPU" : "this build has no NCCL");
 }
 
+// W thread-ranks join ConnectRankLayout(P) on the loopback; each sums rank + 1 over its context
+// group and 10 (rank + 1) over its data group. Rank r is rank r % P of context group r / P and
+// rank r / P of data group r % P.
+void ExpectLayoutWorks(int W, int P) {
+  const std::string rendezvous = "127.0.0.1:" + std::to_string(*FreePort(/*loopback=*/true));
+  std::vector<absl::StatusOr<RankLayout>> layouts;  // move-only: filled one by one
+  for (int r = 0; r < W; ++r) layouts.emplace_back(absl::UnknownError("not run"));
+  std::vector<double> cp_sums(static_cast<size_t>(W), -1), dp_sums(static_cast<size_t>(W), -1);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      RankGroupOptions o;
+      o.rendezvous = rendezvous;
+      o.rank = r;
+      o.world_size = W;
+      // Short: a broken layout fails in seconds rather than waiting out the defaults.
+      o.connect_timeout = absl::Seconds(15);
+      o.op_timeout = absl::Seconds(15);
+      auto& layout = layouts[static_cast<size_t>(r)];
+      layout = ConnectRankLayout(o, P);
+      if (!layout.ok()) return;
+      if (layout->context.comm) {
+        std::vector<torch::Tensor> t = {torch::full({2}, static_cast<double>(r + 1))};
+        if (layout->context.comm->AllReduce(t).ok()) cp_sums[static_cast<size_t>(r)] = t[0][0].item<double>();
+      }
+      if (layout->data.comm) {
+        std::vector<torch::Tensor> t = {torch::full({2}, 10.0 * (r + 1))};
+        if (layout->data.comm->AllReduce(t).ok()) dp_sums[static_cast<size_t>(r)] = t[0][0].item<double>();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const int D = W / P;
+  for (int r = 0; r < W; ++r) {
+    const std::string at = "W " + std::to_string(W) + " P " + std::to_string(P) + " rank " + std::to_string(r);
+    const auto& layout = layouts[static_cast<size_t>(r)];
+    ASSERT_TRUE(layout.ok()) << at << ": " << layout.status();
+    EXPECT_EQ(layout->context_parallel, P) << at;
+    EXPECT_EQ(layout->data_parallel, D) << at;
+    double cp_want = 0, dp_want = 0;
+    for (int q = r / P * P; q < r / P * P + P; ++q) cp_want += q + 1;
+    for (int q = r % P; q < W; q += P) dp_want += 10.0 * (q + 1);
+    if (P > 1) {
+      ASSERT_TRUE(layout->context.comm) << at;
+      EXPECT_EQ(layout->context.comm->rank(), r % P) << at;
+      EXPECT_EQ(layout->context.comm->world_size(), P) << at;
+      EXPECT_EQ(cp_sums[static_cast<size_t>(r)], cp_want) << at << ": the context group's all-reduce";
+    } else {
+      EXPECT_FALSE(layout->context.comm) << at;
+    }
+    if (D > 1) {
+      ASSERT_TRUE(layout->data.comm) << at;
+      EXPECT_EQ(layout->data.comm->rank(), r / P) << at;
+      EXPECT_EQ(layout->data.comm->world_size(), D) << at;
+      EXPECT_EQ(dp_sums[static_cast<size_t>(r)], dp_want) << at << ": the data group's all-reduce";
+    } else {
+      EXPECT_FALSE(layout->data.comm) << at;
+    }
+  }
+}
+
+TEST(ConnectRankLayoutTest, DataParallelOverContextGroups) {
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutWorks(4, 2));  // 2 x 2
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutWorks(6, 3));  // 2 data replicas of 3
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutWorks(6, 2));  // 3 data replicas of 2
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutWorks(2, 2));  // one context group
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutWorks(3, 1));  // data parallel only
+}
+
+TEST(ConnectRankLayoutTest, ContextParallelMustDivideTheWorld) {
+  RankGroupOptions o;
+  o.rendezvous = "127.0.0.1:1";
+  o.world_size = 6;
+  EXPECT_EQ(ConnectRankLayout(o, 4).status(),
+            absl::InvalidArgumentError("context_parallel (4) must be >= 1 and divide world_size (6)"));
+  EXPECT_EQ(ConnectRankLayout(o, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // On a GPU host: two ranks on one GPU cannot use NCCL and keep the TCP star (the one-GPU
 // context-parallel runs depend on it); where there are two GPUs, one each moves to NCCL.
 TEST(ConnectRanksGpuTest, RanksSharingOneGpuKeepTheTcpGroup) {

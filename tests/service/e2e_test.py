@@ -16,6 +16,9 @@ Cases (--case):
   context_parallel a job of world_size 2 with context_parallel 2 (each rank holds half of every
                    row; Ulysses all-to-alls over the TCP communicator) on two CPU workers gives
                    the one-worker run's losses, step by step (<= 1e-5 relative).
+  dp_over_cp       a job of world_size 4 with context_parallel 2 (two data-parallel replicas of
+                   context-parallel pairs, a TCP group per pair and per replica rank) on four CPU
+                   workers gives the losses of the same job data parallel on two workers.
   rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
                    checkpoint (the newest the watch saw, and the one both new ranks' logs say
                    they start from) on the surviving and a spare worker and succeeds.
@@ -328,6 +331,34 @@ def case_data_parallel(c):
             raise Failure(f"{wid} ran {m['odyssey_steps_total']} steps / {m['odyssey_worker_tokens_total']} tokens")
 
 
+def run_step_losses(c, spec, workers, what):
+    """Runs `spec` to SUCCEEDED on `workers` (all of them; None: any) and returns its per-step
+    losses as a watch saw them ({step: loss}); the final step's event must arrive."""
+    name = c.submit(spec)
+    seen = c.watch(name)
+    job = c.wait_state(name, "SUCCEEDED")
+    steps = int(spec["steps"])
+    if job.step != steps or (workers is not None and sorted(job.workers) != sorted(workers)):
+        raise Failure(f"{name} ({what}): step {job.step}, workers {list(job.workers)}")
+    # A watch opened after the first steps sees the latest one first, then every later one.
+    wait_for(f"the {what} run's final step event", lambda: seen and seen[-1][0] == steps, timeout=30)
+    return dict(seen)
+
+
+def expect_same_losses(want, got, want_what, what):
+    """The steps both watches saw (at least 5) have losses within 1e-5 relative."""
+    common = sorted(set(want) & set(got))
+    print(f"{what}: steps seen by both watches: {common}")
+    for s in common:
+        print(f"step {s}: {want_what} {want[s]:.9f}, {what} {got[s]:.9f}")
+    if len(common) < 5:
+        raise Failure(f"only steps {common} were seen by both watches ({what})")
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in common)
+    print(f"{what}: largest relative difference {worst:.2e}")
+    if worst > 1e-5:
+        raise Failure(f"{what} losses differ from the {want_what} run's by {worst:.2e} (relative)")
+
+
 def case_context_parallel(c):
     """An SFT job of world_size 2 and context_parallel 2 on two CPU workers: both ranks train on
     the same batches, each on half of every row, and the per-step losses equal those of the same
@@ -336,36 +367,14 @@ def case_context_parallel(c):
     c.start_controller()
     c.start_worker("w1")
     c.start_worker("w2")
-    steps = 8
-    spec = tiny_spec(steps=steps, every=0)
-    one = c.submit(spec)
-    one_steps = c.watch(one)
-    c.wait_state(one, "SUCCEEDED")
-    one_loss = dict(one_steps)
+    spec = tiny_spec(steps=8, every=0)
+    one_loss = run_step_losses(c, spec, None, "one worker")
 
     def run_matches_one_worker(parallel, what, log_pattern):
-        """Runs `spec` with `parallel` on w1 and w2 to SUCCEEDED; its per-step losses must equal
-        the one-worker run's (1e-5 relative) and both workers' logs must show a rank of it."""
+        """Runs `spec` with `parallel` on w1 and w2; its per-step losses must equal the one-worker
+        run's and both workers' logs must show a rank of it."""
         spec["parallel"] = parallel
-        name = c.submit(spec)
-        seen = c.watch(name)
-        job = c.wait_state(name, "SUCCEEDED")
-        if job.step != steps or sorted(job.workers) != ["w1", "w2"]:
-            raise Failure(f"{name}: step {job.step}, workers {list(job.workers)}")
-        # A watch opened after the first steps sees the latest one first, then every later one.
-        wait_for(f"the {what} run's final step event",
-                 lambda: one_steps and seen and one_steps[-1][0] == steps and seen[-1][0] == steps, timeout=30)
-        loss = dict(seen)
-        common = sorted(set(one_loss) & set(loss))
-        print(f"{what}: steps seen by both watches: {common}")
-        for s in common:
-            print(f"step {s}: one worker {one_loss[s]:.9f}, {what} {loss[s]:.9f}")
-        if len(common) < 5:
-            raise Failure(f"only steps {common} were seen by both watches ({what})")
-        worst = max(abs(loss[s] - one_loss[s]) / abs(one_loss[s]) for s in common)
-        print(f"{what}: largest relative difference {worst:.2e}")
-        if worst > 1e-5:
-            raise Failure(f"{what} losses differ from one worker's by {worst:.2e} (relative)")
+        expect_same_losses(one_loss, run_step_losses(c, spec, ["w1", "w2"], what), "one worker", what)
         for w in ("w1", "w2"):
             if not re.search(log_pattern, c.log(w)):
                 raise Failure(f"{w}'s log does not show a rank of the {what} run")
@@ -376,6 +385,29 @@ def case_context_parallel(c):
     # (ZeRO-3): the same losses again.
     run_matches_one_worker({"world_size": 2, "contextParallel": 2, "shardParams": True}, "sharded",
                            r"rank=[01]/2 context_parallel=2 shard_params=2 model")
+
+
+def case_dp_over_cp(c):
+    """An SFT job of world_size 4 and context_parallel 2 on four CPU workers (two data-parallel
+    replicas of context-parallel pairs, each pair with a TCP group of its own) gives the per-step
+    losses of the same job data parallel on two workers (each replica reads the batches of the
+    data rank it is; 1e-5 relative), and every worker's log shows its two groups."""
+    c.start_controller()
+    workers = ["w1", "w2", "w3", "w4"]
+    for w in workers:
+        c.start_worker(w)
+    spec = tiny_spec(steps=8, every=0)
+    spec["parallel"] = {"world_size": 2}
+    dp_loss = run_step_losses(c, spec, None, "data parallel")
+    spec["parallel"] = {"world_size": 4, "contextParallel": 2}
+    expect_same_losses(dp_loss, run_step_losses(c, spec, workers, "2 x context parallel 2"), "data parallel",
+                       "2 x context parallel 2")
+    for w in workers:
+        if not re.search(r"rank=[0-3]/4 context group of 2 over tcp \(.*\), data group of 2 over tcp", c.log(w)):
+            raise Failure(f"{w}'s log does not show its context and data groups")
+        if not re.search(r"rank=[0-3]/4 context_parallel=2 data_parallel=2 model", c.log(w)):
+            raise Failure(f"{w}'s log does not show a rank of the 2 x context parallel 2 run")
+
 
 def case_rank_loss(c):
     """kill -9 of one worker of a 2-rank job: the surviving rank stops on the controller's
@@ -561,7 +593,8 @@ def main():
     ap = arg_parser(cli="the odyssey CLI (empty: submit through gRPC)")
     ap.add_argument("--case", required=True, choices=["sft", "worker_kill", "controller_kill", "data_parallel",
                                                   "context_parallel", "rank_loss", "cancel", "result_while_controller_down",
-                                                  "shared_checkpoint_folder", "worker_sigterm", "resume_from_spec"])
+                                                  "shared_checkpoint_folder", "worker_sigterm", "resume_from_spec",
+                                                  "dp_over_cp"])
     args = parse_args(ap)
     outcome = run_test(args.case, f"odyssey-e2e-{args.case}-", args.keep, lambda workdir: Cluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))
