@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "engine/loss.h"
+#include "model/moe.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 
@@ -59,6 +60,9 @@ TEST(HfParity, LogprobsGradientsAndRoundTrip) {
     EXPECT_GT(ref_logp.abs().mean().item<double>(), 1.0);
 
     torch::Tensor loss = -(logp * weights).sum();
+    const model::MoeConfig& moe = (*model)->config().moe;
+    if (moe.enabled() && moe.output_router_logits)  // transformers' loss += coef * aux_loss
+      loss = loss + model::MoeAuxLoss(model::MoeLayers(**model), moe.router_aux_loss_coef, hidden);
     loss.backward();
     int checked = 0;
     double worst_rel = 0;
