@@ -14,6 +14,7 @@
 #include "engine/loss.h"
 #include "engine/parallel/ulysses.h"
 #include "engine/profiler.h"
+#include "model/moe.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "nlohmann/json.hpp"
@@ -278,7 +279,15 @@ torch::Tensor Trainer::Loss(const Batch& batch, int64_t* targets) {
   *targets = batch.NumTargets();
   ProfilePhase phase("loss");
   torch::Tensor sum = memory_->LossSum(hidden, model_->HeadWeight(), batch.labels.to(device_), mask);
-  return sum / static_cast<double>(std::max<int64_t>(1, *targets));
+  torch::Tensor loss = sum / static_cast<double>(std::max<int64_t>(1, *targets));
+  aux_loss_ = torch::Tensor();
+  const model::MoeConfig& moe = model_->config().moe;
+  if (moe.enabled() && moe.output_router_logits && moe.router_aux_loss_coef > 0) {
+    // transformers' rule: loss += router_aux_loss_coef * load-balancing loss (model/moe.h).
+    aux_loss_ = model::MoeAuxLoss(model::MoeLayers(*model_), moe.router_aux_loss_coef, hidden);
+    loss = loss + aux_loss_;
+  }
+  return loss;
 }
 
 Batch Trainer::LocalShard(const Batch& batch) const {
@@ -405,6 +414,8 @@ StepResult Trainer::Step(const Batch& whole) {
   r.tokens = share->positions;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_second = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
+  if (aux_loss_.defined()) r.aux_loss = aux_loss_.item<double>();
+  r.expert_tokens = model::MoeExpertTokens(model::MoeLayers(*model_));
   return r;
 }
 

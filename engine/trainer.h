@@ -147,6 +147,11 @@ struct StepResult {
   int64_t target_tokens = 0; // positions in the loss, summed over the ranks
   double seconds = 0;
   double tokens_per_second = 0;
+  // MoE models (model/moe.h), this rank's forward: the load-balancing term included in `loss`
+  // (0 without one) and the routing slots each expert took, summed over the MoE layers (empty
+  // without MoE layers; their sum is this rank's tokens x top-k x MoE layers).
+  double aux_loss = 0;
+  std::vector<int64_t> expert_tokens;
   // Not OK when a collective failed (data parallel): nothing was updated, and the ranks must
   // stop (the group is broken).
   absl::Status status;
@@ -377,6 +382,7 @@ class Trainer {
   std::vector<int64_t> embed_params_, tail_params_;
   std::vector<std::vector<int64_t>> layer_params_;
   bool hooked_runner_ = true;       // runner_ is the memory stack's (its hooks fire)
+  torch::Tensor aux_loss_;          // the last Loss()'s MoE load-balancing term (undefined: none)
   bool send_grads_early_ = false;   // inside an SFT backward whose gradients are final per group
 };
 

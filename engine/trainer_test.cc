@@ -83,6 +83,80 @@ TEST(TrainerTest, HybridTinyLossFallsInAFewSteps) {
       << refused.status();
 }
 
+// The named MoE shape trains (model/moe.h): over 40 steps the loss falls, with the
+// load-balancing term in it, and the step reports each expert's load (every token's top-2 slots
+// in each of its 2 MoE layers), with layer recompute and a tiled MLP so the experts run in tiles
+// and their recompute replays the forward's routing. LoRA on it is refused by name.
+TEST(TrainerTest, MoeModelTrainsAndReportsExpertLoad) {
+  torch::set_num_threads(2);
+  TrainerOptions o = TinyKjv(40);
+  o.model = "qwen3-moe-tiny";
+  o.data.seq_len = 128;
+  o.data.batch_size = 4;
+  o.schedule.warmup_steps = 5;
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.memory.mlp_tile = 100;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  Batch held_out = (*t)->data().Next();
+  const double before = (*t)->EvalLoss(held_out);
+  StepResult r;
+  for (int i = 0; i < 40; ++i) {
+    r = (*t)->TrainStep();
+    ASSERT_TRUE(std::isfinite(r.loss));
+  }
+  const double after = (*t)->EvalLoss(held_out);
+  std::printf("moe loss %.3f -> %.3f, aux %.4f\n", before, after, r.aux_loss);
+  EXPECT_LT(after, before - 1.0);
+  // coef 0.01 x the balance term, which is top-k (2) at perfect balance and more otherwise.
+  EXPECT_GT(r.aux_loss, 0.015);
+  ASSERT_EQ(r.expert_tokens.size(), 8u);
+  int64_t slots = 0;
+  for (int64_t n : r.expert_tokens) slots += n;
+  EXPECT_EQ(slots, r.tokens * 2 * 2);
+  // LoRA on an MoE model is refused by name (the experts have no adapters).
+  o.lora.rank = 4;
+  auto refused = Trainer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("lora.rank: (4) LoRA is not implemented for MoE models"),
+            std::string::npos)
+      << refused.status();
+}
+
+// Both families' auxiliary losses in one model: hybrid-tiny-moe (KDA and DSA layers, the experts
+// and a shared expert in every MLP) trains with layer recompute and experts in tiles; the step
+// reports the indexer KL, the load-balancing term and every MoE layer's routing slots.
+TEST(TrainerTest, HybridMoeTinyTrainsWithTheIndexerAndLoadBalancingLosses) {
+  torch::set_num_threads(2);
+  TrainerOptions o = TinyKjv(16);
+  o.model = "hybrid-tiny-moe";
+  o.data.seq_len = 64;
+  o.data.batch_size = 4;
+  o.schedule.warmup_steps = 2;
+  o.optimizer.lr = 1e-2;
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.memory.mlp_tile = 50;  // 256 tokens: 5 full tiles and one of 6
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  Batch held_out = (*t)->data().Next();
+  const double before = (*t)->EvalLoss(held_out);
+  StepResult r;
+  for (int64_t i = 0; i < o.steps; ++i) {
+    r = (*t)->TrainStep();
+    ASSERT_TRUE(std::isfinite(r.loss) && std::isfinite(r.indexer_loss) && std::isfinite(r.aux_loss));
+  }
+  const double after = (*t)->EvalLoss(held_out);
+  std::printf("hybrid-tiny-moe: loss %.3f -> %.3f, indexer KL %.4f, aux %.4f\n", before, after, r.indexer_loss,
+              r.aux_loss);
+  EXPECT_LT(after, before - 0.5);
+  EXPECT_GT(r.indexer_loss, 0.0);
+  EXPECT_GT(r.aux_loss, 0.01);  // coef 0.01 x the balance term (top-k, 2, at perfect balance)
+  ASSERT_EQ(r.expert_tokens.size(), 8u);
+  int64_t slots = 0;
+  for (int64_t n : r.expert_tokens) slots += n;
+  EXPECT_EQ(slots, r.tokens * 2 * 4);  // top-2 in each of the 4 layers
+}
+
 // A checkpoint resumes exactly: training 4 steps, saving, and 2 more steps equals a trainer
 // restored from the checkpoint doing the same 2 steps.
 TEST(TrainerTest, CheckpointResumesExactly) {

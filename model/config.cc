@@ -87,6 +87,14 @@ absl::Status ValidateHybrid(const ModelConfig& c);
 }  // namespace
 
 int64_t ModelConfig::NumParameters() const {
+  // MoE layers swap the dense MLP (`mlp` parameters) for the router, the experts and the shared
+  // expert.
+  auto moe_delta = [this](int64_t mlp) {
+    int64_t delta = 0;
+    for (int64_t i = 0; i < num_hidden_layers; ++i)
+      if (moe.IsMoeLayer(i)) delta += moe.LayerParameters(hidden_size) - mlp;
+    return delta;
+  };
   if (IsHybrid()) {
     const int64_t h = hidden_size, d = HeadDim(), Hq = num_attention_heads, Hkv = num_key_value_heads;
     const int64_t Hk = hybrid.kda_num_heads, K = hybrid.kda_head_dim, HK = Hk * K;
@@ -99,7 +107,8 @@ int64_t ModelConfig::NumParameters() const {
     const int64_t dsa = 2 * h * Hq * d + 2 * h * Hkv * d + h * HI * DI + h * DI + 2 * DI + h * HI + h * DI + 4 * DI;
     const int64_t common = 3 * h * intermediate_size + 2 * h;
     const int64_t emb = vocab_size * h * (tie_word_embeddings ? 1 : 2);
-    return NumLayersOfKind('K') * (kda + common) + NumLayersOfKind('D') * (dsa + common) + emb + h;
+    return NumLayersOfKind('K') * (kda + common) + NumLayersOfKind('D') * (dsa + common) + emb + h +
+           moe_delta(3 * h * intermediate_size);
   }
   const int64_t d = HeadDim();
   int64_t attn = hidden_size * num_attention_heads * d * 2 + hidden_size * num_key_value_heads * d * 2;
@@ -110,7 +119,7 @@ int64_t ModelConfig::NumParameters() const {
   if (mlp_bias) mlp += 2 * intermediate_size + hidden_size;
   const int64_t layer = attn + mlp + 2 * hidden_size;
   const int64_t emb = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2);
-  return num_hidden_layers * layer + emb + hidden_size;
+  return num_hidden_layers * layer + emb + hidden_size + moe_delta(mlp);
 }
 
 absl::Status ModelConfig::Validate() const {
@@ -140,6 +149,17 @@ absl::Status ModelConfig::Validate() const {
       return absl::InvalidArgumentError("rope_scaling.high_freq_factor must be > rope_scaling.low_freq_factor");
     RETURN_IF_ERROR_CFG(Positive("rope_scaling.original_max_position_embeddings",
                                  rope_scaling.original_max_position_embeddings));
+  }
+  RETURN_IF_ERROR_CFG(moe.Validate(num_hidden_layers));
+  if (moe.enabled()) {
+    if (architecture == Architecture::kLlama)
+      return absl::InvalidArgumentError(absl::StrCat("num_experts (", moe.num_experts,
+                                                     ") must be 0 for llama: MoE needs the qwen3 (qwen3_moe), qwen2 "
+                                                     "(qwen2_moe) or hybrid (odyssey_hybrid) architecture"));
+    if ((architecture == Architecture::kQwen2) != (moe.shared_expert_intermediate_size > 0))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shared_expert_intermediate_size (", moe.shared_expert_intermediate_size,
+          ") must be > 0 exactly for qwen2 (qwen2_moe has a shared expert, qwen3_moe none)"));
   }
   return absl::OkStatus();
 }
@@ -187,11 +207,14 @@ absl::Status ValidateHybrid(const ModelConfig& c) {
       return absl::InvalidArgumentError(absl::StrCat("indexer_loss_weight (", y.indexer_loss_weight,
                                                      ") must be finite and >= 0"));
   }
+  // The MLP of any layer may be the experts, with or without a shared expert.
+  RETURN_IF_ERROR_CFG(c.moe.Validate(num_hidden_layers));
   return absl::OkStatus();
 }
 
-// Every key a hybrid config.json may have (ToHfConfigJson writes them all): anything else is
-// refused by name, so a field meant to change the math is never silently ignored.
+// Every key a hybrid config.json may have besides the MoE fields (HfMoeFieldNames; ToHfConfigJson
+// writes them all): anything else is refused by name, so a field meant to change the math is
+// never silently ignored.
 const std::vector<std::string>& HybridKeys() {
   static const std::vector<std::string> keys = {
       "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -203,25 +226,33 @@ const std::vector<std::string>& HybridKeys() {
 }
 
 absl::StatusOr<ModelConfig> ParseHybridConfig(const json& j, const std::string& source) {
-  for (const char* moe : {"num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                          "n_shared_experts", "num_local_experts"}) {
+  // Other models' names for the experts: refused by name, pointing at the names read here.
+  for (const char* moe : {"n_routed_experts", "n_shared_experts", "num_local_experts"}) {
     if (j.contains(moe))
       return absl::InvalidArgumentError(absl::StrCat(source, ": ", moe,
-                                                     " is not supported: the hybrid family's MLP is dense SwiGLU "
-                                                     "(an MoE MLP is not implemented yet)"));
+                                                     " is not supported: the hybrid family's MoE fields are ",
+                                                     absl::StrJoin(HfMoeFieldNames(), ", ")));
   }
+  bool has_moe = false;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const auto& keys = HybridKeys();
+    const auto& moe_keys = HfMoeFieldNames();
+    if (std::find(moe_keys.begin(), moe_keys.end(), it.key()) != moe_keys.end()) {
+      has_moe = true;
+      continue;
+    }
     if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
       return absl::InvalidArgumentError(absl::StrCat(source, ": field '", it.key(),
                                                      "' is not a field of the odyssey_hybrid config (",
-                                                     absl::StrJoin(keys, ", "), ")"));
+                                                     absl::StrJoin(keys, ", "), ", and the MoE fields ",
+                                                     absl::StrJoin(moe_keys, ", "), ")"));
   }
   if (auto it = j.find("hidden_act"); it != j.end() && !(it->is_string() && it->get<std::string>() == "silu"))
     return absl::InvalidArgumentError(absl::StrCat(source, ": hidden_act ", it->dump(),
                                                    " is not supported: the MLP is SwiGLU (silu)"));
   ModelConfig c;
   c.architecture = Architecture::kHybrid;
+  if (has_moe) RETURN_IF_ERROR_CFG(ParseHfMoeFields(j, source, SharedExpert::kOptional, &c.moe));
   HybridConfig& y = c.hybrid;
   RETURN_IF_ERROR_CFG(GetInt(j, "vocab_size", &c.vocab_size, source, true));
   RETURN_IF_ERROR_CFG(GetInt(j, "hidden_size", &c.hidden_size, source, true));
@@ -274,12 +305,18 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const std::string& text, const std::st
     c.architecture = Architecture::kLlama;
   } else if (model_type == "qwen2") {
     c.architecture = Architecture::kQwen2;
-  } else if (model_type == "qwen3") {
+  } else if (model_type == "qwen3" || model_type == "qwen3_moe") {
     c.architecture = Architecture::kQwen3;
+  } else if (model_type == "qwen2_moe") {
+    c.architecture = Architecture::kQwen2;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": model_type '", model_type,
-                                                   "' is not supported (llama, qwen2, qwen3, odyssey_hybrid)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": model_type '", WireText(model_type, 64),
+                     "' is not supported (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, odyssey_hybrid)"));
   }
+  if (model_type == "qwen3_moe" || model_type == "qwen2_moe")
+    RETURN_IF_ERROR_CFG(ParseHfMoeFields(
+        j, source, model_type == "qwen2_moe" ? SharedExpert::kRequired : SharedExpert::kNone, &c.moe));
   // Accepted means computed: a field whose value changes the math of a layer this model does not
   // implement is refused, naming the field, its value and what is supported, rather than loaded
   // and computed as something else.
@@ -400,6 +437,7 @@ std::string ToHfConfigJson(const ModelConfig& c, const std::string& torch_dtype)
     j["indexer_stage"] = IndexerStageName(y.indexer_stage);
     if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
     if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
+    if (c.moe.enabled()) WriteHfMoeFields(c.moe, &j);
     return j.dump(2) + "\n";
   }
   const char* type = c.architecture == Architecture::kLlama   ? "llama"
@@ -408,6 +446,11 @@ std::string ToHfConfigJson(const ModelConfig& c, const std::string& torch_dtype)
   const char* arch = c.architecture == Architecture::kLlama   ? "LlamaForCausalLM"
                      : c.architecture == Architecture::kQwen2 ? "Qwen2ForCausalLM"
                                                                : "Qwen3ForCausalLM";
+  if (c.moe.enabled()) {
+    type = c.architecture == Architecture::kQwen2 ? "qwen2_moe" : "qwen3_moe";
+    arch = c.architecture == Architecture::kQwen2 ? "Qwen2MoeForCausalLM" : "Qwen3MoeForCausalLM";
+    WriteHfMoeFields(c.moe, &j);
+  }
   j["model_type"] = type;
   j["architectures"] = json::array({arch});
   j["vocab_size"] = c.vocab_size;
@@ -469,7 +512,8 @@ ModelConfig Llama3(int64_t hidden, int64_t inter, int64_t layers, int64_t heads,
 }  // namespace
 
 std::vector<std::string> NamedShapeNames() {
-  return {"tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "hybrid-tiny", "hybrid-3b"};
+  return {"tiny",        "llama-3.2-1b",   "llama-3.2-3b",    "llama-3.1-8b", "hybrid-tiny",
+          "hybrid-3b",   "qwen3-moe-tiny", "hybrid-tiny-moe", "hybrid-3b-moe"};
 }
 
 absl::StatusOr<ModelConfig> NamedShape(const std::string& name) {
@@ -537,6 +581,56 @@ absl::StatusOr<ModelConfig> NamedShape(const std::string& name) {
     c.hybrid.index_head_dim = 128;
     c.hybrid.index_top_k = 2048;
     c.hybrid.indexer_loss_weight = 1.0;
+    return c;
+  }
+  if (name == "qwen3-moe-tiny") {
+    // Byte-level Qwen3-MoE for tests: 8 experts, top-2, every layer sparse, load-balancing on.
+    ModelConfig c;
+    c.architecture = Architecture::kQwen3;
+    c.vocab_size = 256;
+    c.hidden_size = 64;
+    c.intermediate_size = 128;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.max_position_embeddings = 4096;
+    c.rms_norm_eps = 1e-6;
+    c.rope_theta = 10000.0;
+    c.tie_word_embeddings = true;
+    c.moe.num_experts = 8;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 32;
+    c.moe.norm_topk_prob = true;
+    c.moe.output_router_logits = true;
+    c.moe.router_aux_loss_coef = 0.01;
+    return c;
+  }
+  if (name == "hybrid-tiny-moe") {
+    // hybrid-tiny with MoE MLPs in every layer (tests, CPU): 8 experts of 32, top-2, a shared
+    // expert of 64, load-balancing on.
+    ModelConfig c = *NamedShape("hybrid-tiny");
+    c.moe.num_experts = 8;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 32;
+    c.moe.shared_expert_intermediate_size = 64;
+    c.moe.norm_topk_prob = true;
+    c.moe.output_router_logits = true;
+    c.moe.router_aux_loss_coef = 0.01;
+    return c;
+  }
+  if (name == "hybrid-3b-moe") {
+    // hybrid-3b with MoE MLPs in every layer: 16 experts of 2048, top-2, and a shared expert of
+    // 4096, so a token's MLP is 2 x 2048 + 4096 = 8192 wide, hybrid-3b's dense width (the same
+    // MLP FLOPs per token); the load-balancing loss at Qwen-MoE's default coefficient.
+    ModelConfig c = *NamedShape("hybrid-3b");
+    c.moe.num_experts = 16;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 2048;
+    c.moe.shared_expert_intermediate_size = 4096;
+    c.moe.norm_topk_prob = true;
+    c.moe.output_router_logits = true;
+    c.moe.router_aux_loss_coef = 0.001;
     return c;
   }
   if (name == "llama-3.2-1b") return Llama3(2048, 8192, 16, 32, 8, true, 500000.0, 32.0);
@@ -608,6 +702,11 @@ absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* 
     return absl::InvalidArgumentError(absl::StrCat(
         prefix, ".rank: (", rank,
         ") LoRA is not implemented for the hybrid family yet: its KDA and DSA layers have no adapters (set 0)"));
+  }
+  if (model != nullptr && model->moe.enabled()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, ".rank: (", rank, ") LoRA is not implemented for MoE models yet (num_experts ", model->moe.num_experts,
+        "): their experts and router have no adapters (set 0)"));
   }
   if (model != nullptr) {
     for (const std::string& t : Targets()) {

@@ -1,6 +1,7 @@
 // Model configuration for the dense decoder family (Llama 3.x, Qwen2, Qwen3) and the hybrid
 // family (Kimi Delta Attention and DeepSeek Sparse Attention layers by a layer pattern,
-// ../shared/specs/hybrid-attention.md).
+// ../shared/specs/hybrid-attention.md), either with optional Mixture-of-Experts MLPs
+// (model/moe_config.h).
 //
 // A ModelConfig is plain data: built from a Hugging Face config.json, from a named random-init
 // shape, or by hand, then checked with Validate(). It links no libtorch, so the planner, the
@@ -13,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/moe_config.h"
 
 namespace odyssey::model {
 
@@ -75,6 +77,10 @@ struct ModelConfig {
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
   HybridConfig hybrid;  // read only when architecture == kHybrid
+  // Mixture-of-Experts MLPs (model/moe_config.h), in either family: in the dense one as Qwen3-MoE
+  // (qwen3, no shared expert) or Qwen2-MoE (qwen2, with one); in the hybrid one with or without a
+  // shared expert. num_experts 0: every MLP is dense.
+  MoeConfig moe;
 
   bool IsHybrid() const { return architecture == Architecture::kHybrid; }
   // 'K' or 'D' for layer i of a hybrid model; 'A' (dense attention) otherwise.
@@ -105,7 +111,7 @@ absl::StatusOr<IndexerStage> ParseIndexerStage(const std::string& name);
 const char* IndexerStageName(IndexerStage stage);
 
 // Named random-init shapes: tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, hybrid-tiny,
-// hybrid-3b.
+// hybrid-3b, and with MoE MLPs qwen3-moe-tiny, hybrid-tiny-moe, hybrid-3b-moe.
 absl::StatusOr<ModelConfig> NamedShape(const std::string& name);
 std::vector<std::string> NamedShapeNames();
 

@@ -122,7 +122,8 @@ TEST(ConfigTest, FieldsThatChangeTheMathAreRefusedNotIgnored) {
 }
 
 // The hybrid family's config.json: written and read back field for field (layer pattern and
-// indexer settings included); unknown fields, MoE fields and invalid values are refused by name.
+// indexer settings included); unknown fields, other models' MoE fields and invalid values are
+// refused by name (its own MoE fields: moe_test).
 TEST(ConfigTest, HybridConfigRoundTripsAndRefusesWhatItCannotCompute) {
   absl::StatusOr<ModelConfig> tiny = NamedShape("hybrid-tiny");
   ASSERT_TRUE(tiny.ok()) << tiny.status();
@@ -172,7 +173,7 @@ TEST(ConfigTest, HybridConfigRoundTripsAndRefusesWhatItCannotCompute) {
   refused("\"indexer_stage\": \"dense_warmup\"", "\"indexer_stage\": \"later\"", "indexer_stage 'later'");
   refused("\"indexer_loss_weight\": 0.25", "\"indexer_loss_weight\": -1", "indexer_loss_weight");
   refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"use_rope\": true", "field 'use_rope'");
-  refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"num_experts\": 16", "num_experts is not supported");
+  refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"n_routed_experts\": 16", "n_routed_experts is not supported");
   refused("\"kda_num_heads\": 4", "\"kda_num_heads\": \"four\"", "'kda_num_heads' must be an integer");
 }
 

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "kernels/fused_ops.h"
+#include "model/moe.h"
 
 namespace odyssey::model {
 
@@ -167,7 +168,11 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
     default: self_attn = register_module("self_attn", Attention(c)); break;
   }
   post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-  mlp = register_module("mlp", Mlp(c));
+  if (c.moe.IsMoeLayer(index)) {
+    moe = register_module("mlp", std::make_shared<MoeMlpImpl>(c));
+  } else {
+    mlp = register_module("mlp", Mlp(c));
+  }
 }
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
@@ -182,6 +187,7 @@ torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const Lay
 }
 
 torch::Tensor DecoderLayerImpl::MlpBlock(const torch::Tensor& h) {
+  if (moe) return h + moe->forward(post_attention_layernorm(h));  // transformers' residual + moe(norm(h))
   return ResidualLinear(h, mlp->Hidden(post_attention_layernorm(h)), mlp->down_proj, mlp->down_lora);
 }
 

@@ -96,9 +96,13 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-// One decoder layer: pre-norm token mixer + pre-norm SwiGLU MLP. The mixer is the dense
-// Attention, or for layer `index` of a hybrid model KDA or DSA (ModelConfig::LayerKind), always
-// registered as `self_attn`; exactly one of self_attn, kda, dsa is set.
+class MoeMlpImpl;  // model/moe.h
+
+// One decoder layer: pre-norm token mixer + pre-norm MLP. The mixer is the dense Attention, or
+// for layer `index` of a hybrid model KDA or DSA (ModelConfig::LayerKind), always registered as
+// `self_attn`; exactly one of self_attn, kda, dsa is set. The MLP is the dense SwiGLU (`mlp`), or
+// in any family the Mixture-of-Experts MLP (`moe`, model/moe.h) when config.moe.IsMoeLayer(index),
+// always registered as `mlp`; exactly one of mlp, moe is set.
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   explicit DecoderLayerImpl(const ModelConfig& config, int64_t index = 0);
@@ -112,7 +116,8 @@ class DecoderLayerImpl : public torch::nn::Module {
   Attention self_attn{nullptr};
   KdaAttention kda{nullptr};
   DsaAttention dsa{nullptr};
-  Mlp mlp{nullptr};
+  Mlp mlp{nullptr};                 // null in an MoE layer
+  std::shared_ptr<MoeMlpImpl> moe;  // registered as "mlp" in an MoE layer, else null
 };
 TORCH_MODULE(DecoderLayer);
 

@@ -90,6 +90,13 @@ ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
     m.index_top_k = c.hybrid.index_top_k;
     m.largest = std::max(m.largest, m.kda_heads * m.kda_head_dim * c.hidden_size);
   }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) m.moe_layers += c.moe.IsMoeLayer(i) ? 1 : 0;
+  if (m.moe_layers > 0) {
+    m.experts = c.moe.num_experts;
+    m.top_k = c.moe.num_experts_per_tok;
+    m.moe_intermediate = c.moe.moe_intermediate_size;
+    m.shared_intermediate = c.moe.shared_expert_intermediate_size;
+  }
   if (lora.enabled()) {
     m.lora_params = lora.NumParameters(c);
     // B of gate/up (intermediate x rank) or of q (heads x head_dim x rank) is the largest.
@@ -159,7 +166,9 @@ Prediction Predict(const Request& r) {
   // and the MLP's (with a tiled MLP only its input, already counted; untiled: gate, up, their
   // product and the norm output).
   int64_t saved_per_layer =
-      recompute ? 0 : T * (e * (3 * H + 2 * qd + 2 * kvd) + 4 * m.heads) + (st.mlp_tile > 0 ? 0 : T * (3 * I + H) * e);
+      recompute ? 0
+                : T * (e * (3 * H + 2 * qd + 2 * kvd) + 4 * m.heads) +
+                      (st.mlp_tile > 0 || m.moe_layers == L ? 0 : T * (3 * I + H) * e);  // MoE saves its input only
   // One layer's recompute and backward (fitted to the peaks measured on one H200, 3B and 1B
   // shapes at 64K-1M): the recomputed activations autograd saves and the gradient buffers,
   // ~7.8 activations of (T, hidden) with one head group; the attention kernel's gradients
@@ -168,8 +177,25 @@ Prediction Predict(const Request& r) {
   // MLP's tile (untiled: the whole sequence's intermediates).
   int64_t working = T * e * (39 * H + 39 * qd) / 10 + 6 * T * qd * e / groups;
   if (recompute && !keep) working += T * qd * e / 2 + 4 * T * m.heads;
-  working += st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
-  if (!recompute) working = 6 * T * qd * e / groups + 3 * T * I * e;  // the rest is in saved_per_layer
+  int64_t mlp_work = st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
+  // An MoE layer's MLP works one tile at a time (the whole sequence without mlp_tile), forward
+  // and recompute alike (model/moe.h): autograd's state of the tile's k x n gathered rows and
+  // their SwiGLU intermediates (each expert's run is at most n rows, however uneven the
+  // routing), the tile's input, output and their gradients, the router's fp32 logits,
+  // probabilities and gradient, and the shared expert's intermediates on every row.
+  int64_t moe_work = 0;
+  if (m.moe_layers > 0) {
+    const int64_t n = st.mlp_tile > 0 ? std::min(st.mlp_tile, T) : T;
+    moe_work = n * (m.top_k * (H + 3 * m.moe_intermediate) + 4 * H) * e + n * m.experts * 4 * 3;
+    if (m.shared_intermediate > 0) moe_work += n * 3 * m.shared_intermediate * e;
+    mlp_work = std::max(m.moe_layers < L ? mlp_work : 0, moe_work);
+  }
+  working += mlp_work;
+  // Without recompute the rest is in saved_per_layer.
+  if (!recompute) working = 6 * T * qd * e / groups + (m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
+  // Each MoE layer's routing (top-k expert indices, int32) lives from its forward to its
+  // backward, so a recompute replays it.
+  const int64_t routing_per_layer = m.moe_layers > 0 ? T * m.top_k * 4 : 0;
   // Hybrid layers (not yet measured on a GPU; derived from the CPU path's tensors, model/hybrid.cc
   // and kernels/kda.cc, dsa.cc): one layer's working set is the larger of a KDA and a DSA layer.
   int64_t hybrid_saved_per_layer = 0;
@@ -195,7 +221,6 @@ Prediction Predict(const Request& r) {
     const int64_t dsa_blocks = 64 * 256 * HI * 4 * 2 + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
     const int64_t kda_work = m.kda_layers > 0 ? kda_saved + kda_recompute : 0;
     const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
-    const int64_t mlp_work = st.mlp_tile > 0 ? 2 * std::min(st.mlp_tile, T) * I * e : 6 * T * I * e;
     // The layer's norms, residuals and incoming-gradient copies (4 of (T, hidden)).
     working = std::max(kda_work, dsa_work) + mlp_work + 4 * act;
     if (kda_work >= dsa_work) {
@@ -207,8 +232,9 @@ Prediction Predict(const Request& r) {
     }
     // Without recompute every layer keeps its autograd state: averaged over the layer kinds.
     hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * (dsa_per_token - dsa_indices / 3)) / L +
-                             (st.mlp_tile > 0 ? 0 : T * (3 * I + H) * e) + 3 * act;
-    if (!recompute) working = std::max(kda_recompute, dsa_blocks) + (st.mlp_tile > 0 ? mlp_work : 3 * T * I * e);
+                             (st.mlp_tile > 0 || m.moe_layers == L ? 0 : T * (3 * I + H) * e) + 3 * act;
+    if (!recompute)
+      working = std::max(kda_recompute, dsa_blocks) + (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
   const int64_t group_inputs = st.recompute == Recompute::kEveryK ? (st.every_k - 1) * act : 0;
@@ -226,6 +252,8 @@ Prediction Predict(const Request& r) {
   if (keep) loss_phase.emplace_back("kept attention outputs and log-sum-exp (every layer)", L * kept_per_layer);
   if (!recompute) loss_phase.emplace_back("every layer's saved activations", L * saved_per_layer);
   if (recompute) loss_phase.emplace_back("checkpointed layer inputs on the GPU", on_gpu * act);
+  if (routing_per_layer > 0)
+    loss_phase.emplace_back("MoE routing records (top-k indices)", m.moe_layers * routing_per_layer);
 
   auto layer_phase = [&](bool top) {
     Terms t;
@@ -248,6 +276,8 @@ Prediction Predict(const Request& r) {
       t.emplace_back("one layer's activations and gradients", working);
     }
     if (group_inputs > 0) t.emplace_back("inputs of the group being recomputed", group_inputs);
+    if (routing_per_layer > 0)
+      t.emplace_back("MoE routing records (top-k indices)", (top ? m.moe_layers : 1) * routing_per_layer);
     return t;
   };
   // The step: every gradient (on the host: the last in flight) and, on a CPU rank (libtorch's

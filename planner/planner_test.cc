@@ -78,6 +78,63 @@ TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
   EXPECT_EQ(Term(p, "inputs of the group"), 3 * act);
 }
 
+// An MoE MLP works a tile at a time (model/moe.h): untiled, its working set is the whole
+// sequence's k gathered rows and intermediates; with mlp_tile, a tile's. Each MoE layer's routing
+// (top-k int32 indices) waits for its backward and is counted.
+TEST(PlannerTest, MoeTilesBoundTheExpertsWorkingSetAndRoutingIsCounted) {
+  model::ModelConfig c = *model::NamedShape("llama-3.2-3b");
+  c.architecture = model::Architecture::kQwen3;
+  c.moe.num_experts = 16;
+  c.moe.num_experts_per_tok = 2;
+  c.moe.moe_intermediate_size = 1536;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  const ModelShape m = ShapeOf(c);
+  EXPECT_EQ(m.moe_layers, 28);
+  EXPECT_EQ(m.params, c.NumParameters());
+  Request r;
+  r.model = m;
+  r.seq_len = 262144;
+  r.strategy = StrategyOf("layer", 0, false, 0, 8192, 2048, 1);
+  const Prediction tiled = Predict(r);
+  EXPECT_EQ(tiled.peak_phase, "last layer's backward");
+  EXPECT_EQ(Term(tiled, "MoE routing"), int64_t{28} * 262144 * 2 * 4);
+  r.strategy.mlp_tile = 0;
+  const Prediction untiled = Predict(r);
+  // 256K x (2 x (3072 + 3 x 1536) + 4 x 3072) x 2 bytes = 13.6 GiB untiled, 0.4 GiB in 8K tiles.
+  EXPECT_GT(untiled.gpu_peak_bytes - tiled.gpu_peak_bytes, int64_t{12} << 30);
+  EXPECT_LT(untiled.gpu_peak_bytes - tiled.gpu_peak_bytes, int64_t{15} << 30);
+}
+
+// hybrid-3b-moe: the hybrid layers' terms and the MoE MLP's in one plan. All 28 MLPs are the
+// experts, so the MLP part of a layer's working set is the experts' tile: untiled it is the
+// whole 128K sequence's, the difference exactly (T - tile) x the experts' bytes per row.
+TEST(PlannerTest, HybridMoeModelCountsKdaDsaAndExpertTerms) {
+  absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-3b-moe");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ModelShape m = ShapeOf(*c);
+  EXPECT_TRUE(m.hybrid);
+  EXPECT_EQ(m.moe_layers, 28);
+  EXPECT_EQ(m.experts, 16);
+  EXPECT_EQ(m.shared_intermediate, 4096);
+  EXPECT_EQ(m.params, c->NumParameters());
+  const int64_t T = int64_t{1} << 17;
+  Request r;
+  r.model = m;
+  r.seq_len = T;
+  r.strategy = StrategyOf("layer", 0, false, 0, 8192, 2048, 1);
+  const Prediction tiled = Predict(r);
+  ASSERT_EQ(tiled.peak_phase, "last layer's backward") << tiled.Describe();
+  EXPECT_EQ(Term(tiled, "MoE routing"), int64_t{28} * T * 2 * 4);
+  EXPECT_GT(Term(tiled, "KDA layer"), 0) << tiled.Describe();
+  r.strategy.mlp_tile = 0;
+  const Prediction untiled = Predict(r);
+  ASSERT_EQ(untiled.peak_phase, "last layer's backward") << untiled.Describe();
+  // Per row: k gathered rows with their SwiGLU intermediates, input, output and gradients (bf16),
+  // the router's fp32 logits, probabilities and gradient, the shared expert's intermediates.
+  const int64_t per_row = (2 * (3072 + 3 * 2048) + 4 * 3072) * 2 + 16 * 4 * 3 + 3 * 4096 * 2;
+  EXPECT_EQ(untiled.gpu_peak_bytes - tiled.gpu_peak_bytes, (T - 8192) * per_row);
+}
+
 TEST(PlannerTest, PeakGrowsWithLengthAndShrinksWithHeadGroupsAndTiles) {
   Request r;
   r.model = Llama3B();

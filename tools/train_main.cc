@@ -10,8 +10,10 @@
 #include "engine/trainer.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/version.h"
+#include "model/config.h"
 
 int main(int argc, char** argv) {
   odyssey::engine::TrainerOptions o;
@@ -28,7 +30,9 @@ int main(int argc, char** argv) {
 
   CLI::App app{"odyssey-train: train a decoder model on one device"};
   app.set_version_flag("--version", odyssey::VersionLine("odyssey-train"));
-  app.add_option("--model", o.model, "named shape (tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or HF checkpoint dir")
+  app.add_option("--model", o.model,
+                 absl::StrCat("named shape (", absl::StrJoin(odyssey::model::NamedShapeNames(), ", "),
+                              ") or HF checkpoint dir"))
       ->capture_default_str();
   app.add_option("--device", o.device, "auto | cpu | cuda | cuda:N")->capture_default_str();
   app.add_option("--dtype", o.dtype, "auto | float32 | bfloat16")->capture_default_str();
@@ -85,6 +89,7 @@ int main(int argc, char** argv) {
       std::printf("step %5lld/%lld  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s", static_cast<long long>(r.step),
                   static_cast<long long>(o.steps), r.loss, r.grad_norm, r.lr, r.tokens_per_second);
       if (t.model()->config().IsHybrid()) std::printf("  indexer_kl %.4f", r.indexer_loss);
+      if (t.model()->config().moe.enabled()) std::printf("  moe_aux %.4f", r.aux_loss);
       std::printf("\n");
       std::fflush(stdout);
     }

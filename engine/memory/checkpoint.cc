@@ -247,6 +247,7 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
 
 torch::Tensor TiledMlpBlock(model::DecoderLayer layer, const torch::Tensor& h, int64_t tile_tokens,
                             bool output_unused) {
+  TORCH_CHECK(layer->mlp, "TiledMlpBlock needs a dense MLP: an MoE layer tiles itself (model/moe.h)");
   if (!torch::GradMode::is_enabled()) {
     torch::Tensor flat = h.reshape({-1, h.size(-1)});  // (N, H)
     torch::Tensor out = torch::empty_like(flat);

@@ -6,6 +6,7 @@
 #include "engine/loss.h"
 #include "engine/memory/checkpoint.h"
 #include "engine/profiler.h"
+#include "model/moe.h"
 
 namespace odyssey::engine::memory {
 
@@ -34,8 +35,16 @@ absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::D
 }
 
 torch::Tensor MemoryStack::RunLayer(model::DecoderLayer layer, const torch::Tensor& h,
-                                    const model::LayerContext& ctx, bool output_unused) {
+                                    const model::LayerContext& ctx, bool output_unused, bool replay) {
   torch::Tensor a = layer->AttentionBlock(h, ctx);  // (B, S, H)
+  if (layer->moe) {
+    // The experts tile themselves at the MLP's tile (model/moe.h); a recompute reuses the
+    // routing the forward decided.
+    layer->moe->set_tile_tokens(strategy_.mlp_tile);
+    model::MoePassScope pass(layer->moe.get(), replay ? model::RoutingMode::kReplay : model::RoutingMode::kDecide,
+                             output_unused);
+    return layer->MlpBlock(a);
+  }
   return strategy_.mlp_tile > 0 ? TiledMlpBlock(layer, a, strategy_.mlp_tile, output_unused) : layer->MlpBlock(a);
 }
 
@@ -65,7 +74,7 @@ model::LayerStackRunner MemoryStack::Runner() {
         torch::Tensor y = x;
         if (strategy_.keep_attention) {  // recompute == "layer": one layer per group
           stash_.Begin(first, recompute ? AttentionStash::Mode::kReplay : AttentionStash::Mode::kRecord);
-          y = RunLayer(group[0], y, ctx, /*output_unused=*/recompute);
+          y = RunLayer(group[0], y, ctx, /*output_unused=*/recompute, /*replay=*/recompute);
           stash_.End();
           return y;
         }
@@ -74,7 +83,7 @@ model::LayerStackRunner MemoryStack::Runner() {
           return y;
         }
         // Recomputing for backward: the block's output value is never read, only its graph.
-        if (group.size() == 1) return RunLayer(group[0], y, ctx, /*output_unused=*/true);
+        if (group.size() == 1) return RunLayer(group[0], y, ctx, /*output_unused=*/true, /*replay=*/true);
         // Nested: while this group's backward runs, its layers' inputs stay on the device and
         // each layer is recomputed again on its own, so only one layer's activations live.
         auto inner = std::make_shared<SavedInputs>(nullptr, 0);
@@ -84,7 +93,8 @@ model::LayerStackRunner MemoryStack::Runner() {
           y = CheckpointBlock(
               y,
               [this, layer, ctx](const torch::Tensor& xi, bool inner_recompute) {
-                return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute);
+                // Both inner passes replay the routing of the group's first forward.
+                return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute, /*replay=*/true);
               },
               inner.get(), static_cast<int64_t>(j), inner, nullptr, absl::StrCat("layer ", first + static_cast<int64_t>(j)));
         }

@@ -10,7 +10,8 @@
 //              backward runs), trading one more forward for k times fewer saved inputs.
 //   offload    the saved inputs go to a pinned host pool (see SavedInputs), except the last
 //              `device_resident` ones; the pool holds at most host_budget_bytes.
-//   mlp_tile   the MLP half of every layer runs over tiles of this many positions.
+//   mlp_tile   the MLP half of every layer runs over tiles of this many positions (an MoE
+//              layer's routing, dispatch and experts too: model/moe.h).
 //   loss_tile  the LM head + cross-entropy runs over tiles of this many positions.
 //   keep_attention  (with recompute=layer) each layer's attention output and log-sum-exp from
 //              the first forward are kept on the device; the recompute runs only the
@@ -83,9 +84,10 @@ class MemoryStack {
 
  private:
   MemoryStack(const planner::MemoryStrategy& strategy, int64_t num_layers);
-  // output_unused: only back-propagated through (see TiledMlpBlock).
+  // output_unused: only back-propagated through (see TiledMlpBlock). replay: an MoE layer reuses
+  // the routing its last deciding pass recorded (a recompute; model/moe.h).
   torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx,
-                         bool output_unused = false);
+                         bool output_unused = false, bool replay = false);
 
   planner::MemoryStrategy strategy_;
   int64_t num_layers_;

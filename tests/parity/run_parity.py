@@ -27,7 +27,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-CASES = ("llama", "llama_scaled", "qwen2", "qwen3")
+CASES = ("llama", "llama_scaled", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+# Mixture-of-Experts cases: the loss adds router_aux_loss_coef x the load-balancing loss
+# (output_router_logits), computed over the S input positions.
+MOE_CASES = ("qwen3_moe", "qwen2_moe")
 SEQ = 48
 # Worst |d| of the logprobs measured on the 2-core CI machine (2026-12-02, peft 0.21.2): 1.4e-6
 # with peft's adapters, 2.9e-6 for the merged export (the merge rounds W + B A once); ~10x that.
@@ -50,12 +53,25 @@ def make_config(case):
     if case == "qwen3":
         return transformers.Qwen3Config(**common, rope_theta=1000000.0, tie_word_embeddings=True,
                                         attention_bias=False)
+    if case == "qwen3_moe":  # layer 2 dense (mlp_only_layers), the others 6 experts, top-2
+        return transformers.Qwen3MoeConfig(**common, rope_theta=1000000.0, tie_word_embeddings=True,
+                                           attention_bias=False, num_experts=6, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                           mlp_only_layers=[2], router_aux_loss_coef=0.05,
+                                           output_router_logits=True)
+    if case == "qwen2_moe":  # layers 1 and 3 MoE (decoder_sparse_step 2) with a gated shared expert
+        return transformers.Qwen2MoeConfig(**common, rope_theta=1000000.0, tie_word_embeddings=False,
+                                           num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                           shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                           decoder_sparse_step=2, router_aux_loss_coef=0.05,
+                                           output_router_logits=True)
     raise ValueError(case)
 
 
 def model_class(case):
     return {"llama": transformers.LlamaForCausalLM, "llama_scaled": transformers.LlamaForCausalLM,
-            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[case]
+            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+            "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM}[case]
 
 
 def make_case(case, root, seed):
@@ -75,9 +91,15 @@ def make_case(case, root, seed):
     model.save_pretrained(d, safe_serialization=True)
     tokens = torch.randint(0, config.vocab_size, (2, SEQ + 1))
     weights = torch.rand(2, SEQ)
-    logits = model(tokens).logits[:, :-1].float()
+    if case in MOE_CASES:
+        out = model(tokens[:, :-1], output_router_logits=True)
+        logits = out.logits.float()
+    else:
+        logits = model(tokens).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     loss = -(logprobs * weights).sum()
+    if case in MOE_CASES:
+        loss = loss + config.router_aux_loss_coef * out.aux_loss
     loss.backward()
     refs = {"tokens": tokens.contiguous(), "weights": weights.contiguous(), "logprobs": logprobs.detach().contiguous()}
     for name, p in model.named_parameters():
@@ -144,6 +166,8 @@ def main():
             raise AssertionError(f"{shards}: expected a sharded checkpoint with an index")
         check_saved(case, models[case], shards, torch.bfloat16)
         print(f"{case}: round trip through odyssey identical in transformers ({n} tensors, fp32 and sharded bf16)")
+        if case in MOE_CASES:  # LoRA on MoE models is refused (hf_parity_test checks the refusal)
+            continue
         d_peft, d_merged = check_lora(case, args.workdir)
         print(f"{case}: odyssey's LoRA adapter folder in peft {peft.__version__}: logprobs max |d| {d_peft:.2e}; "
               f"merged export in transformers: {d_merged:.2e}")
