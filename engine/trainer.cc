@@ -632,16 +632,29 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
   return absl::OkStatus();
 }
 
+absl::Status Trainer::SumOverRlRanks(torch::Tensor& flags, torch::Tensor& values) {
+  std::vector<torch::Tensor> both = {flags, values};
+  if (absl::Status s = comm_->AllReduce(both, ReduceOp::kSum); !s.ok()) return s;
+  flags = both[0];
+  values = both[1];
+  if (ContextParallelDegree() == 1) return absl::OkStatus();
+  std::vector<torch::Tensor> group = {flags};
+  if (absl::Status s = options_.context_parallel.group->AllReduce(group, ReduceOp::kSum); !s.ok()) return s;
+  flags = group[0];
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> Trainer::AgreeAcrossRanks(const absl::Status& valid, double value,
                                                  absl::string_view refused_elsewhere) {
-  std::vector<torch::Tensor> agreed = {torch::tensor({valid.ok() ? 0.0 : 1.0, value}, torch::kFloat64)};  // (2,)
-  if (absl::Status s = RlRanks().AllReduce(agreed, ReduceOp::kSum); !s.ok()) {
+  torch::Tensor refused = torch::tensor({valid.ok() ? 0.0 : 1.0}, torch::kFloat64);  // (1,)
+  torch::Tensor summed = torch::tensor({value}, torch::kFloat64);                     // (1,)
+  if (absl::Status s = SumOverRlRanks(refused, summed); !s.ok()) {
     DropRlGradients();
     return s;
   }
   if (!valid.ok()) return valid;
-  if (agreed[0][0].item<double>() > 0) return absl::InvalidArgumentError(refused_elsewhere);
-  return agreed[0][1].item<double>();
+  if (refused[0].item<double>() > 0) return absl::InvalidArgumentError(refused_elsewhere);
+  return summed[0].item<double>();
 }
 
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss,
@@ -656,11 +669,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
       "batch: refused on another rank (that rank's reply names the datum and the rule); nothing ran on any rank");
   if (!summed_w.ok()) return summed_w.status();
   ForwardBackwardResult r;
-  // Every rank sees the same all-reduced sum, so they agree on W and on this check. A
-  // context-parallel rank holds the whole batch: its own sum is W.
-  r.weight_sum = shard.weight_sum > 0           ? shard.weight_sum
-                 : ContextParallelDegree() > 1 ? BatchWeightSum(batch)
-                                               : *summed_w;
+  // Every rank sees the same all-reduced sum (the data-parallel slices' sums; a context-parallel
+  // group's ranks hold the same slice), so they agree on W and on this check.
+  r.weight_sum = shard.weight_sum > 0 ? shard.weight_sum : *summed_w;
   if (!(r.weight_sum > 0))
     return absl::InvalidArgumentError("batch: the weights sum to 0 over the batch; at least one token needs weight > 0");
 
@@ -670,14 +681,14 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
   // Every rank learns whether any failed, and whether any ran: gradients are kept only where
   // all succeeded, so a later OptimStep never sums a partial batch; where nothing ran anywhere
   // (the host pool could not be prepared) the pending gradients are still whole and stay.
-  std::vector<torch::Tensor> outcome = {
-      torch::tensor({computed.ok() ? 0.0 : 1.0, ran ? 1.0 : 0.0}, torch::kFloat64)};  // (2,) failed, ran
-  if (absl::Status s = RlRanks().AllReduce(outcome, ReduceOp::kSum); !s.ok()) {
+  torch::Tensor outcome = torch::tensor({computed.ok() ? 0.0 : 1.0, ran ? 1.0 : 0.0}, torch::kFloat64);  // (2,)
+  torch::Tensor unused = torch::zeros({1}, torch::kFloat64);
+  if (absl::Status s = SumOverRlRanks(outcome, unused); !s.ok()) {
     DropRlGradients();
     return s;
   }
-  const bool any_failed = outcome[0][0].item<double>() > 0;
-  const bool any_ran = outcome[0][1].item<double>() > 0;
+  const bool any_failed = outcome[0].item<double>() > 0;
+  const bool any_ran = outcome[1].item<double>() > 0;
   if (any_failed && any_ran) DropRlGradients();
   if (!computed.ok()) return computed;
   if (any_failed) {

@@ -39,7 +39,9 @@
 // [r S'/P, (r+1) S'/P) of its rows (global RoPE positions); each rank's loss terms cover its
 // positions only (the RL losses are sums over tokens), the logprobs are all-gathered so every
 // rank returns the whole batch's, and OptimStep sums the pending gradients over the group before
-// the clip. Sampling (engine/sampler.h) decodes whole rows and stays refused there.
+// the clip. With a data-parallel communicator as well, each context-parallel group holds one
+// data-parallel slice of the batch (the same slice on each of its ranks). Sampling
+// (engine/sampler.h) decodes whole rows and stays refused there.
 //
 // RL sessions (DESIGN.md section 2) drive the same model, memory runner and optimizer through
 // ForwardBackward / OptimStep / Forward instead of Step: batches of Datums (engine/rl_loss.h)
@@ -330,7 +332,11 @@ class Trainer {
   // caller drops them). Catches every exception.
   absl::Status RunForwardBackward(const std::vector<Datum>& batch, const LossSpec& loss, double W,
                                   ForwardBackwardResult& r);
-  // One all-reduce over RlRanks() of (1 if this rank refuses, `value`) so that every rank decides alike:
+  // Sums `flags` over every rank of an RL call (the data-parallel ranks, then the context-parallel
+  // group) and `values` over the data-parallel ranks only (a context-parallel group's ranks hold
+  // the same slice, so its values count once). CPU float64 tensors; replaced by the sums.
+  absl::Status SumOverRlRanks(torch::Tensor& flags, torch::Tensor& values);
+  // SumOverRlRanks of (1 if this rank refuses, `value`) so that every rank decides alike:
   // returns the sum of `value` over the ranks; this rank's `valid` when it refuses;
   // INVALID_ARGUMENT `refused_elsewhere` when another rank does; a collective's failure (the
   // pending gradients dropped). One rank: `valid`, else `value`.
@@ -358,9 +364,6 @@ class Trainer {
   // shards all-gathered (a collective: every rank calls, for the same group), else run.local.
   std::vector<torch::Tensor> WholeLogprobs(const RlGroupRun& run, const std::vector<Datum>& batch, size_t begin,
                                            size_t end);
-  // The ranks an RL call agrees over: the context-parallel group when P > 1 (every rank of it
-  // holds the whole batch), else the data-parallel communicator.
-  Communicator& RlRanks() const { return ContextParallelDegree() > 1 ? *options_.context_parallel.group : *comm_; }
 
   TrainerOptions options_;
   std::unique_ptr<Communicator> alone_;  // when options_.communicator is null

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -399,11 +400,16 @@ absl::StatusOr<std::shared_ptr<JobWatch>> Controller::WatchJob(int64_t id, const
 absl::StatusOr<v1::ListJobEventsResponse> Controller::ListJobEvents(int64_t id,
                                                                    const v1::ListJobEventsRequest& request,
                                                                    const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
-  if (absl::StatusOr<v1::Job*> found = FindTenantJob(id, tenant); !found.ok()) return found.status();
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::StatusOr<v1::Job*> found = FindTenantJob(id, tenant); !found.ok()) return found.status();
+  }
+  // The page is read outside mu_: the store serializes its own connection, and a slow read of a
+  // long history must not hold up the workers' streams and the other calls.
   const int64_t page_size = request.page_size() == 0 ? kDefaultEventPageSize : request.page_size();
-  int64_t after = 0;
-  if (!request.page_token().empty()) after = std::stoll(request.page_token());
+  int64_t after = 0;  // validated (ValidateListJobEventsRequest): a positive event number
+  if (!request.page_token().empty() && !absl::SimpleAtoi(request.page_token(), &after))
+    return absl::InvalidArgumentError(absl::StrCat("page_token: \"", request.page_token(), "\" is not a token"));
   // One more than the page: whether it is there decides next_page_token.
   auto events = store_->LoadEventPage(id, after, page_size + 1);
   if (!events.ok()) return absl::InternalError(absl::StrCat("the job store: ", events.status().message()));

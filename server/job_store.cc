@@ -330,22 +330,6 @@ absl::Status JobStore::AppendEvent(int64_t job_id, const v1::JobEvent& event) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<v1::JobEvent>> JobStore::LoadEvents(int64_t job_id) {
-  absl::MutexLock lock(&mu_);
-  Statement select(db_, "SELECT event FROM events WHERE job_id = ? ORDER BY seq;");
-  if (!select.ok()) return Error("prepare select events");
-  select.BindInt(1, job_id);
-  std::vector<v1::JobEvent> events;
-  int rc;
-  while ((rc = select.Step()) == SQLITE_ROW) {
-    v1::JobEvent event;
-    if (!event.ParseFromString(select.ColumnBytes(0))) return absl::DataLossError("event does not parse");
-    events.push_back(std::move(event));
-  }
-  if (rc != SQLITE_DONE) return Error("select events");
-  return events;
-}
-
 absl::StatusOr<std::vector<std::pair<int64_t, v1::JobEvent>>> JobStore::LoadEventPage(int64_t job_id,
                                                                                        int64_t after_seq,
                                                                                        int64_t limit) {

@@ -65,7 +65,6 @@ class JobStore {
   absl::StatusOr<std::vector<RequestId>> LoadRequestIds();
 
   absl::Status AppendEvent(int64_t job_id, const odyssey::v1::JobEvent& event);
-  absl::StatusOr<std::vector<odyssey::v1::JobEvent>> LoadEvents(int64_t job_id);
   // At most `limit` events of a job recorded after the event numbered `after_seq` (0 = from the
   // first), oldest first, each with its number (events of all jobs share one ascending sequence).
   absl::StatusOr<std::vector<std::pair<int64_t, odyssey::v1::JobEvent>>> LoadEventPage(int64_t job_id,

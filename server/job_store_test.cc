@@ -71,9 +71,11 @@ TEST(JobStoreTest, JobsEventsCheckpointsAndRequestIdsSurviveReopen) {
   EXPECT_EQ((*rids)[1].tenant, "bob");
   EXPECT_EQ((*rids)[1].request_id, "req-1");
   EXPECT_EQ((*rids)[1].job_id, (*jobs)[2].first);
-  auto events = (*store)->LoadEvents((*jobs)[0].first);
+  auto events = (*store)->LoadEventPage((*jobs)[0].first, 0, 100);
+  ASSERT_TRUE(events.ok()) << events.status();
   ASSERT_EQ(events->size(), 2u);
-  EXPECT_EQ((*events)[1].checkpoint(), "/ckpt/3");
+  EXPECT_LT((*events)[0].first, (*events)[1].first);
+  EXPECT_EQ((*events)[1].second.checkpoint(), "/ckpt/3");
   auto ckpts = (*store)->LoadCheckpoints((*jobs)[0].first);
   ASSERT_EQ(ckpts->size(), 1u);
   EXPECT_EQ((*ckpts)[0].second, "/ckpt/3");

@@ -113,43 +113,33 @@ int64_t RankPositionLimit(const v1::JobSpec& spec) {
   return spec.data().seq_len() * std::max<int64_t>(1, spec.data().batch_size());
 }
 
-bool ContextParallelSession(const v1::JobSpec& spec) { return spec.parallel().context_parallel() > 1; }
+int ContextParallelDegree(const v1::JobSpec& spec) { return std::max(1, spec.parallel().context_parallel()); }
 
 absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world, const v1::JobSpec& spec) {
   const int64_t limit = RankPositionLimit(spec);
-  if (ContextParallelSession(spec) && (call.has_forward_backward() || call.has_forward())) {
-    // One context-parallel group: every rank runs its positions of every datum, so each gets the
-    // whole batch, and seq_len x batch_size bounds the whole batch (the planner checked seq_len /
-    // context_parallel positions per rank).
-    const int64_t positions = BatchPositions(call);
-    if (positions > limit) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch: ", positions, " token positions exceed the session's limit of ", limit, " (spec.data.seq_len ",
-          spec.data().seq_len(), " x spec.data.batch_size ", std::max<int64_t>(1, spec.data().batch_size()),
-          ", the memory the planner checked, spread over parallel.context_parallel ",
-          spec.parallel().context_parallel(), " ranks); split the batch"));
-    }
-    if (call.has_forward_backward()) {
-      const double weight_sum = WeightSum(call.forward_backward().batch());
-      call.set_weight_sum(std::isfinite(weight_sum) && weight_sum > 0 ? weight_sum : 0);
-    }
-    std::vector<RankCall> targets;
-    for (int r = 0; r < world; ++r) targets.push_back({r, call});
-    return targets;
-  }
+  // The batch is split between D = world / P data-parallel units; a unit is one rank, or a
+  // context-parallel group of P consecutive ranks that all get the unit's slice (each runs its
+  // positions of every datum: seq_len x batch_size bounds the slice, the planner having checked
+  // seq_len / P positions per rank).
+  const int P = ContextParallelDegree(spec);
+  const int D = std::max(1, world / P);
   const std::string limit_why =
       absl::StrCat("spec.data.seq_len ", spec.data().seq_len(), " x spec.data.batch_size ",
-                   std::max<int64_t>(1, spec.data().batch_size()), ", the memory the planner checked per rank");
+                   std::max<int64_t>(1, spec.data().batch_size()),
+                   P > 1 ? absl::StrCat(", the memory the planner checked, spread over parallel.context_parallel ", P,
+                                        " ranks")
+                         : std::string(", the memory the planner checked per rank"));
   std::vector<RankCall> targets;
   if (call.has_forward_backward() || call.has_forward()) {
     google::protobuf::RepeatedPtrField<v1::Datum> batch;
     batch.Swap(call.has_forward_backward() ? call.mutable_forward_backward()->mutable_batch()
                                            : call.mutable_forward()->mutable_batch());
     const int64_t positions = Positions(batch);
-    if (positions > limit * world) {
+    if (positions > limit * D) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "batch: ", positions, " token positions exceed the session's limit of ", limit * world, " (",
-          world, " ranks x ", limit, ": ", limit_why, "); split the batch"));
+          "batch: ", positions, " token positions exceed the session's limit of ", limit * D, " (",
+          D > 1 ? absl::StrCat(D, P > 1 ? " context-parallel groups x " : " ranks x ", limit, ": ") : "", limit_why,
+          "); split the batch"));
     }
     // A W that is not a positive finite number (a NaN or infinite weight, all weights 0) is not
     // sent: the engine then sums the slices' weights itself, and its validation names the bad
@@ -159,17 +149,19 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world
       weight_sum = WeightSum(batch);
       if (!(std::isfinite(weight_sum) && weight_sum > 0)) weight_sum = 0;
     }
-    const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, world);
-    for (int r = 0; r < world; ++r) {
-      const auto [begin, end] = ranges[static_cast<size_t>(r)];
+    const std::vector<std::pair<int, int>> ranges = SplitBatch(batch, D);
+    for (int u = 0; u < D; ++u) {
+      const auto [begin, end] = ranges[static_cast<size_t>(u)];
       int64_t slice = 0;
       for (int i = begin; i < end; ++i) slice += batch[i].tokens_size();
       if (slice > limit) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "batch: rank ", r, "'s slice (batch[", begin, "..", end - 1, "]) holds ", slice,
-            " token positions, over the per-rank limit of ", limit, " (", limit_why,
-            "); the batch is split between the session's ", world,
-            " ranks in datum order, balanced by tokens: split the batch or shorten its longest datums"));
+            "batch: ", P > 1 ? absl::StrCat("context-parallel group ", u, " (ranks ", u * P, "..", u * P + P - 1, ")")
+                             : absl::StrCat("rank ", u),
+            "'s slice (batch[", begin, "..", end - 1, "]) holds ", slice, " token positions, over the per-",
+            P > 1 ? "group" : "rank", " limit of ", limit, " (", limit_why, "); the batch is split between the session's ",
+            D, P > 1 ? " context-parallel groups" : " ranks",
+            " in datum order, balanced by tokens: split the batch or shorten its longest datums"));
       }
       v1::TrainingCall rc = call;  // the call without its batch
       google::protobuf::RepeatedPtrField<v1::Datum>* out =
@@ -178,7 +170,7 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world
       for (int i = begin; i < end; ++i) *out->Add() = batch[i];
       rc.set_datum_offset(begin);
       if (rc.has_forward_backward()) rc.set_weight_sum(weight_sum);
-      targets.push_back({r, std::move(rc)});
+      for (int r = u * P; r < u * P + P; ++r) targets.push_back({r, rc});
     }
   } else if (call.has_optim_step() || call.has_load_checkpoint()) {
     // The engine's OptimStep all-reduces the gradients; LoadCheckpoint must reach every rank's
@@ -192,15 +184,20 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(v1::TrainingCall call, int world
   return targets;
 }
 
-absl::StatusOr<v1::TrainingReply> MergeReplies(v1::TrainingCall::CallCase kind, bool context_parallel,
+absl::StatusOr<v1::TrainingReply> MergeReplies(v1::TrainingCall::CallCase kind, int context_parallel,
                                                std::vector<v1::TrainingReply> replies) {
   if (const v1::TrainingReply* error = FirstError(replies)) {
     return absl::Status(static_cast<absl::StatusCode>(error->code()), error->message());
   }
-  // A context-parallel group's ranks each answer for the whole batch (the same logprobs, loss
-  // and counts): rank 0's reply is the call's.
-  const bool split = (kind == v1::TrainingCall::kForwardBackward || kind == v1::TrainingCall::kForward) &&
-                     !context_parallel;
+  const bool split = kind == v1::TrainingCall::kForwardBackward || kind == v1::TrainingCall::kForward;
+  if (split && context_parallel > 1) {
+    // A context-parallel group's ranks each answer for the group's whole slice (the same
+    // logprobs, loss and counts): the group's first rank's reply is the group's.
+    std::vector<v1::TrainingReply> groups;
+    for (size_t r = 0; r < replies.size(); r += static_cast<size_t>(context_parallel))
+      groups.push_back(std::move(replies[r]));
+    replies = std::move(groups);
+  }
   if (replies.size() == 1 || !split) {
     return std::move(replies[0]);  // rank 0's: the same step, grad_norm, ... on every rank
   }

@@ -44,14 +44,15 @@ struct RankCall {
   odyssey::v1::TrainingCall call;  // call_id and job not set (the router's)
 };
 
-// True when the session's ranks form one context-parallel group (spec.parallel.context_parallel
-// > 1, which validation keeps equal to the world size): every rank then gets the whole batch of
-// forward_backward and forward (with the batch's weight_sum) and each answers for all of it.
-bool ContextParallelSession(const odyssey::v1::JobSpec& spec);
+// P, the session's context-parallel degree (spec.parallel.context_parallel; 0 counts 1), which
+// validation keeps dividing the world size: the session's ranks are world / P data-parallel
+// units, each a context-parallel group of P consecutive ranks that all get the unit's slice of a
+// forward_backward or forward and each answer for all of it.
+int ContextParallelDegree(const odyssey::v1::JobSpec& spec);
 
 // The calls the ranks of a `world`-rank session of `spec` get for `call` (rank order), as above,
-// or the whole call for every rank of a context-parallel session (INVALID_ARGUMENT, naming
-// `batch`, when the batch holds more than RankPositionLimit(spec) positions).
+// with the batch split between world / P units (every rank of a context-parallel group gets its
+// group's slice; the limits are per unit).
 // INVALID_ARGUMENT (naming `batch` and the limit) when the batch holds more than world x
 // RankPositionLimit(spec) positions, or one rank's slice more than RankPositionLimit(spec).
 // REQUIRES: world >= 1; `call` has none of the shard fields (weight_sum, datum_offset) set.
@@ -59,13 +60,13 @@ absl::StatusOr<std::vector<RankCall>> SplitCall(odyssey::v1::TrainingCall call, 
                                                 const odyssey::v1::JobSpec& spec);
 
 // The caller's reply out of `replies` (one per RankCall of SplitCall, in its order) to a call of
-// kind `kind`: the merge above when every reply is OK (rank 0's reply when `context_parallel`,
-// ContextParallelSession of the session's spec); else the status of the first failed reply
+// kind `kind`: the merge above when every reply is OK, over the first rank of each
+// context-parallel group of `context_parallel` ranks (ContextParallelDegree of the spec); else the status of the first failed reply
 // in rank order that names its own cause, skipping the engine's echoes of another rank's failure
 // ("... on another rank ..."); the first echo when every error is one. REQUIRES: replies is not
 // empty.
 absl::StatusOr<odyssey::v1::TrainingReply> MergeReplies(odyssey::v1::TrainingCall::CallCase kind,
-                                                        bool context_parallel,
+                                                        int context_parallel,
                                                         std::vector<odyssey::v1::TrainingReply> replies);
 
 }  // namespace odyssey::server

@@ -167,8 +167,8 @@ TEST(SplitCallTest, ContextParallelSendsTheWholeBatchToEveryRank) {
   v1::JobSpec spec = Spec();
   spec.mutable_parallel()->set_world_size(2);
   spec.mutable_parallel()->set_context_parallel(2);
-  EXPECT_TRUE(ContextParallelSession(spec));
-  EXPECT_FALSE(ContextParallelSession(Spec()));
+  EXPECT_EQ(ContextParallelDegree(spec), 2);
+  EXPECT_EQ(ContextParallelDegree(Spec()), 1);
   const v1::TrainingCall fb = Fb({MakeDatum(5, 2.0f), MakeDatum(3)});
   auto calls = SplitCall(fb, 2, spec);
   ASSERT_TRUE(calls.ok()) << calls.status();
@@ -202,6 +202,34 @@ TEST(SplitCallTest, ContextParallelSendsTheWholeBatchToEveryRank) {
   EXPECT_EQ(calls->size(), 1u);
 }
 
+// Data parallel over context-parallel groups (world 4, P 2): each group's two ranks get the
+// group's slice (its offset, the whole W); the limits are per group.
+TEST(SplitCallTest, ContextParallelGroupsShareTheirSlice) {
+  v1::JobSpec spec = Spec();
+  spec.mutable_parallel()->set_world_size(4);
+  spec.mutable_parallel()->set_context_parallel(2);
+  const v1::TrainingCall fb = Fb({MakeDatum(6), MakeDatum(7), MakeDatum(5)});
+  auto calls = SplitCall(fb, 4, spec);
+  ASSERT_TRUE(calls.ok()) << calls.status();
+  ASSERT_EQ(calls->size(), 4u);
+  for (int r = 0; r < 4; ++r) {
+    const v1::TrainingCall& c = (*calls)[static_cast<size_t>(r)].call;
+    EXPECT_EQ((*calls)[static_cast<size_t>(r)].rank, r);
+    EXPECT_DOUBLE_EQ(c.weight_sum(), 18) << r;
+    EXPECT_EQ(c.forward_backward().batch_size(), r < 2 ? 1 : 2) << r;  // cut nearest 9 of 18 tokens
+    EXPECT_EQ(c.datum_offset(), r < 2 ? 0 : 1) << r;
+  }
+  EXPECT_EQ((*calls)[2].call.SerializeAsString(), (*calls)[3].call.SerializeAsString());
+  calls = SplitCall(Fb({MakeDatum(2), MakeDatum(20)}), 4, spec);
+  EXPECT_EQ(calls.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(calls.status().message()),
+              HasSubstr("batch: context-parallel group 1 (ranks 2..3)'s slice (batch[1..1]) holds 20 token positions, "
+                        "over the per-group limit of 16"));
+  calls = SplitCall(Fb({MakeDatum(16), MakeDatum(16), MakeDatum(1)}), 4, spec);
+  EXPECT_THAT(std::string(calls.status().message()),
+              HasSubstr("batch: 33 token positions exceed the session's limit of 32 (2 context-parallel groups x 16"));
+}
+
 v1::TrainingReply FbReply(int logprob_datums, double loss, double mismatch_mean, double mismatch_max,
                           int64_t mismatch_tokens, int64_t clipped, int64_t tokens, double seconds) {
   v1::TrainingReply r;
@@ -223,7 +251,7 @@ v1::TrainingReply FbReply(int logprob_datums, double loss, double mismatch_mean,
 // forward_backward: logprobs in rank (= datum) order, losses summed, W kept, mismatch
 // token-weighted and its max, counts summed, the slowest rank's seconds.
 TEST(MergeRepliesTest, ForwardBackward) {
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/1,
                              {FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0)});
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_EQ(merged->call_id(), 7);
@@ -242,7 +270,7 @@ TEST(MergeRepliesTest, ForwardBackward) {
   EXPECT_EQ(fb.tokens(), 12);
   EXPECT_DOUBLE_EQ(fb.seconds(), 3.0);
   // No mismatch tokens anywhere: the mean stays 0 (no division by zero).
-  merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
+  merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/1,
                         {FbReply(1, 1, 0, 0, 0, 0, 4, 1), FbReply(1, 1, 0, 0, 0, 0, 4, 1)});
   ASSERT_TRUE(merged.ok());
   EXPECT_EQ(merged->forward_backward().mismatch_mean(), 0);
@@ -254,7 +282,7 @@ TEST(MergeRepliesTest, ForwardConcatenatesLogprobsInRankOrder) {
   replies[1].mutable_forward();  // an empty slice
   replies[2].mutable_forward()->add_logprobs()->add_values(-3);
   replies[2].mutable_forward()->add_logprobs()->add_values(-4);
-  auto merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/false, replies);
+  auto merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/1, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
   ASSERT_EQ(merged->forward().logprobs_size(), 3);
   EXPECT_FLOAT_EQ(merged->forward().logprobs(0).values(0), -1);
@@ -269,7 +297,7 @@ TEST(MergeRepliesTest, OtherCallsAreRankZerosReply) {
   replies[0].mutable_optim_step()->set_grad_norm(0.5);
   replies[1].mutable_optim_step()->set_step(3);
   replies[1].mutable_optim_step()->set_grad_norm(0.7);
-  auto merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false, replies);
+  auto merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/1, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_DOUBLE_EQ(merged->optim_step().grad_norm(), 0.5);
 }
@@ -277,7 +305,7 @@ TEST(MergeRepliesTest, OtherCallsAreRankZerosReply) {
 // A context-parallel session's ranks each answer for the whole batch: rank 0's reply, nothing
 // summed or concatenated.
 TEST(MergeRepliesTest, ContextParallelIsRankZerosReply) {
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/true,
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/2,
                              {FbReply(2, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(2, 1.25, 0.125, 0.2, 2, 2, 6, 2.0)});
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_EQ(merged->forward_backward().logprobs_size(), 2);
@@ -285,9 +313,22 @@ TEST(MergeRepliesTest, ContextParallelIsRankZerosReply) {
   EXPECT_EQ(merged->forward_backward().tokens(), 6);
   std::vector<v1::TrainingReply> replies(2);
   for (auto& r : replies) r.mutable_forward()->add_logprobs()->add_values(-2);
-  merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/true, replies);
+  merged = MergeReplies(v1::TrainingCall::kForward, /*context_parallel=*/2, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_EQ(merged->forward().logprobs_size(), 1);
+}
+
+// Two context-parallel groups of two: each group's first reply, merged as two data-parallel
+// ranks' (losses summed, logprobs concatenated in group order).
+TEST(MergeRepliesTest, ContextParallelGroupsMergeTheirFirstReplies) {
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/2,
+                             {FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0),
+                              FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0), FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0)});
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->forward_backward().logprobs_size(), 4);
+  EXPECT_DOUBLE_EQ(merged->forward_backward().loss(), 1.75);
+  EXPECT_EQ(merged->forward_backward().tokens(), 12);
+  EXPECT_EQ(merged->forward_backward().clipped_tokens(), 3);
 }
 
 v1::TrainingReply Error(absl::StatusCode code, const std::string& message) {
@@ -301,18 +342,18 @@ v1::TrainingReply Error(absl::StatusCode code, const std::string& message) {
 // the first in rank order; one OK rank does not hide another's error.
 TEST(MergeRepliesTest, TheSpecificErrorWins) {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/false,
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/1,
                              {Error(kInvalid, "batch: refused on another rank (its slice of the batch is invalid)"),
                               Error(kInvalid, "batch[3].target_tokens[1] (999) must be in [0, 256)")});
   EXPECT_EQ(merged.status(), absl::InvalidArgumentError("batch[3].target_tokens[1] (999) must be in [0, 256)"));
-  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false,
+  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/1,
                         {Error(absl::StatusCode::kInternal, "optim_step failed on another rank; first"),
                          Error(absl::StatusCode::kInternal, "optim_step failed on another rank; second")});
   EXPECT_EQ(merged.status(), absl::InternalError("optim_step failed on another rank; first"));
   std::vector<v1::TrainingReply> replies = {v1::TrainingReply(), Error(absl::StatusCode::kFailedPrecondition, "no gradients"),
                                             Error(kInvalid, "later")};
   replies[0].mutable_optim_step()->set_step(1);
-  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/false, replies);
+  merged = MergeReplies(v1::TrainingCall::kOptimStep, /*context_parallel=*/1, replies);
   EXPECT_EQ(merged.status(), absl::FailedPreconditionError("no gradients"));
 }
 

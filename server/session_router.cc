@@ -226,7 +226,7 @@ absl::StatusOr<v1::TrainingReply> Controller::TrainRanks(int64_t id, v1::Trainin
                                                          const std::function<bool()>& cancelled) {
   const v1::Job& job = *FindJob(id);
   const v1::TrainingCall::CallCase kind = call.call_case();
-  const bool context_parallel = ContextParallelSession(job.spec());  // `job` is not read after the wait
+  const int context_parallel = ContextParallelDegree(job.spec());  // `job` is not read after the wait
   // The ranks this call goes to, with their calls (rank order).
   absl::StatusOr<std::vector<RankCall>> split = SplitCall(std::move(call), job.workers_size(), job.spec());
   if (!split.ok()) return split.status();

@@ -214,15 +214,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     return Invalid(p + ".parallel.context_parallel",
                    absl::StrCat("(", cp, ") must divide spec.data.seq_len (", spec.data().seq_len(), ")"));
   }
-  // Accepted means acted on: until the engine has them, these are refused, not ignored. SFT
-  // jobs run data parallel over context-parallel groups of cp consecutive ranks; an RL
-  // session's ranks are one group or none.
-  if (rl && cp > 1 && cp != world) {
-    return Invalid(p + ".parallel.context_parallel",
-                   absl::StrCat("(", cp, ") must be 1 (or 0) or parallel.world_size (", world,
-                                ") for RL_SESSION jobs: data parallel over context-parallel groups is not "
-                                "implemented for RL sessions yet"));
-  }
+  // Accepted means acted on: until the engine has them, these are refused, not ignored. Jobs
+  // and sessions run data parallel over context-parallel groups of cp consecutive ranks.
   if (par.shard_params() && cp > 1 && cp != world) {
     return Invalid(p + ".parallel.shard_params",
                    absl::StrCat("with parallel.context_parallel (", cp, ") between 1 and parallel.world_size (", world,

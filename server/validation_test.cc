@@ -134,8 +134,8 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
       {[](v1::JobSpec& s) { s.set_kind(static_cast<v1::JobKind>(9)); }, absl::StatusCode::kInvalidArgument, "spec.kind"},
       {[](v1::JobSpec& s) {
          s.set_kind(v1::RL_SESSION);
-         s.mutable_parallel()->set_world_size(4);
-         s.mutable_parallel()->set_context_parallel(2);
+         s.mutable_parallel()->set_world_size(6);
+         s.mutable_parallel()->set_context_parallel(4);
        }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
       {[](v1::JobSpec& s) {
          s.set_kind(v1::RL_SESSION);
@@ -220,15 +220,17 @@ TEST(ValidationTest, RlSessionSpec) {
   spec.mutable_rl()->set_idle_timeout_seconds(60);
   spec.mutable_optimizer()->clear_lr();  // each OptimStep carries its lr
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
-  // Data parallel over several workers, or one context-parallel group of them; data parallel
-  // over context-parallel groups is refused, as for SFT jobs.
+  // Data parallel over several workers, one context-parallel group of them, or data parallel
+  // over context-parallel groups.
   spec.mutable_parallel()->set_world_size(2);
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_context_parallel(2);
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_world_size(4);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_world_size(3);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
-              HasSubstr("context_parallel: (2) must be 1 (or 0) or parallel.world_size (4) for RL_SESSION jobs"));
+              HasSubstr("context_parallel: (2) must divide parallel.world_size (3)"));
   spec.mutable_parallel()->set_world_size(2);
   // Sharding is for SFT jobs.
   spec.mutable_parallel()->set_context_parallel(1);

@@ -193,9 +193,11 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
                                                         ") must divide parallel.world_size (", j.world_size, ")")));
   // Declared before the trainer, which uses them until it is destroyed.
   std::unique_ptr<engine::Communicator> comm, data_comm;
-  if (j.world_size > 1 && j.context_parallel > 1 && j.context_parallel < j.world_size) {
-    // Data parallel over context-parallel groups: rank r shares its sequences with the ranks of
-    // its group [r / P * P, ...) and sums gradients with the ranks r % P, r % P + P, ...
+  if (j.world_size > 1) {
+    // One group of all ranks (context parallel: every rank the same batches, its shard of each
+    // row; data parallel: every rank its own batches), or data parallel over context-parallel
+    // groups: rank r shares its sequences with the ranks of its group [r / P * P, ...) and sums
+    // gradients with the ranks r % P, r % P + P, ...
     absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
     if (!device.ok()) return fail(device.status());
     engine::RankGroupOptions go;
@@ -204,46 +206,27 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     go.world_size = j.world_size;
     go.device = *device;
     go.abort = [&stop] { return stop(absl::ZeroDuration()); };
-    absl::StatusOr<engine::RankLayout> layout = engine::ConnectRankLayout(go, j.context_parallel);
+    absl::StatusOr<engine::RankLayout> layout = engine::ConnectRankLayout(go, std::max(1, j.context_parallel));
     if (absl::IsCancelled(layout.status())) {
       out.stopped = true;
       return out;
     }
     if (!layout.ok()) return fail(layout.status());
-    LogInfo(absl::StrFormat("job=%s rank=%d/%d context group of %d over %s (%s), data group of %d over %s (%s)", j.job,
-                            j.rank, j.world_size, layout->context_parallel,
-                            engine::BackendName(layout->context.choice.backend), layout->context.choice.reason,
-                            layout->data_parallel, engine::BackendName(layout->data.choice.backend),
-                            layout->data.choice.reason));
+    auto describe = [](const engine::RankGroup& g) {
+      return absl::StrCat(engine::BackendName(g.choice.backend), " (", g.choice.reason, ")");
+    };
+    if (layout->context.comm && layout->data.comm) {
+      LogInfo(absl::StrFormat("job=%s rank=%d/%d context group of %d over %s, data group of %d over %s", j.job, j.rank,
+                              j.world_size, layout->context_parallel, describe(layout->context),
+                              layout->data_parallel, describe(layout->data)));
+    } else {
+      LogInfo(absl::StrFormat("job=%s rank=%d/%d collectives over %s", j.job, j.rank, j.world_size,
+                              describe(layout->context.comm ? layout->context : layout->data)));
+    }
     comm = std::move(layout->context.comm);
     data_comm = std::move(layout->data.comm);
-    o.context_parallel.group = comm.get();
-    o.communicator = data_comm.get();
-  } else if (j.world_size > 1) {
-    absl::StatusOr<torch::Device> device = engine::ParseDevice(j.device);
-    if (!device.ok()) return fail(device.status());
-    engine::RankGroupOptions go;
-    go.rendezvous = j.rendezvous;
-    go.rank = j.rank;
-    go.world_size = j.world_size;
-    go.device = *device;
-    go.abort = [&stop] { return stop(absl::ZeroDuration()); };
-    absl::StatusOr<engine::RankGroup> g = engine::ConnectRanks(go);
-    if (absl::IsCancelled(g.status())) {
-      out.stopped = true;
-      return out;
-    }
-    if (!g.ok()) return fail(g.status());
-    LogInfo(absl::StrFormat("job=%s rank=%d/%d collectives over %s (%s)", j.job, j.rank, j.world_size,
-                            engine::BackendName(g->choice.backend), g->choice.reason));
-    comm = std::move(g->comm);
-    // One group of all ranks: context parallel (every rank the same batches, its shard of each
-    // row) or data parallel (every rank its own batches).
-    if (j.context_parallel > 1) {
-      o.context_parallel.group = comm.get();
-    } else {
-      o.communicator = comm.get();
-    }
+    o.context_parallel.group = comm.get();  // null: no context parallelism
+    o.communicator = data_comm.get();       // null: one data-parallel rank
   }
   absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(o);
   if (!created.ok()) return fail(created.status());

@@ -63,8 +63,9 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
 struct RlSession::Impl {
   EngineJobOptions options;
   engine::TrainerOptions trainer_options;
-  // world_size > 1: the ranks' group; declared before the trainer, which uses it until destroyed.
-  std::unique_ptr<engine::Communicator> comm;
+  // world_size > 1: the ranks' groups (context-parallel, data-parallel; either may be null);
+  // declared before the trainer, which uses them until destroyed.
+  std::unique_ptr<engine::Communicator> comm, data_comm;
   std::unique_ptr<engine::Trainer> trainer;
 
   engine::RlShard Shard(const RlRequest& req) const {
@@ -278,10 +279,6 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
       RemoveStagingLeftovers(options.checkpoint_dir, options.checkpoint_owner);  // of a run that died mid-write
     }
     if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
-    if (options.context_parallel > 1 && options.context_parallel != options.world_size)
-      return absl::UnimplementedError(absl::StrCat(
-          "parallel.context_parallel (", options.context_parallel, ") must be 1 or parallel.world_size (",
-          options.world_size, "): data parallel over context-parallel groups is not implemented yet"));
     if (options.world_size > 1) {  // as an SFT run (engine_job.cc)
       absl::StatusOr<torch::Device> device = engine::ParseDevice(impl->trainer_options.device);
       if (!device.ok()) return device.status();
@@ -291,18 +288,22 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
       go.world_size = options.world_size;
       go.device = *device;
       if (abort) go.abort = abort;
-      absl::StatusOr<engine::RankGroup> g = engine::ConnectRanks(go);
-      if (!g.ok()) return g.status();
-      LogInfo(absl::StrFormat("session rank=%d/%d collectives over %s (%s)", options.rank, options.world_size,
-                              engine::BackendName(g->choice.backend), g->choice.reason));
-      impl->comm = std::move(g->comm);
-      // One group of all ranks: context parallel (every rank the whole batch, its positions of
-      // each row) or data parallel (every rank its slice of the batch's datums).
-      if (options.context_parallel > 1) {
-        impl->trainer_options.context_parallel.group = impl->comm.get();
-      } else {
-        impl->trainer_options.communicator = impl->comm.get();
+      // One group of all ranks (context parallel: every rank the whole batch, its positions of
+      // each row; data parallel: every rank its slice of the batch's datums), or data parallel
+      // over context-parallel groups (each group one slice).
+      absl::StatusOr<engine::RankLayout> layout =
+          engine::ConnectRankLayout(go, std::max(1, options.context_parallel));
+      if (!layout.ok()) return layout.status();
+      for (const engine::RankGroup* g : {&layout->context, &layout->data}) {
+        if (!g->comm) continue;
+        LogInfo(absl::StrFormat("session rank=%d/%d %s group of %d over %s (%s)", options.rank, options.world_size,
+                                g == &layout->context ? "context-parallel" : "data-parallel", g->comm->world_size(),
+                                engine::BackendName(g->choice.backend), g->choice.reason));
       }
+      impl->comm = std::move(layout->context.comm);
+      impl->data_comm = std::move(layout->data.comm);
+      impl->trainer_options.context_parallel.group = impl->comm.get();  // null: none
+      impl->trainer_options.communicator = impl->data_comm.get();       // null: one data-parallel rank
     }
     absl::StatusOr<std::unique_ptr<engine::Trainer>> created = engine::Trainer::Create(impl->trainer_options);
     if (!created.ok()) return created.status();

@@ -19,8 +19,9 @@
 // (inside ForwardBackward and OptimStep) pair up the ranks' calls by their order. With
 // context_parallel = world_size the ranks are one context-parallel group instead: the
 // controller sends every rank the whole batch, each runs its positions of every row
-// (engine/trainer.h) and returns the whole batch's logprobs and loss.
-// context_parallel other than 1 or world_size is UNIMPLEMENTED.
+// (engine/trainer.h) and returns the whole batch's logprobs and loss. With 1 < context_parallel
+// < world_size, world_size / context_parallel such groups of consecutive ranks are data
+// parallel (engine::ConnectRankLayout), each group getting one slice.
 //
 // Run() executes one call. Errors come back in RlResponse::status with the engine's codes and
 // messages unchanged (INVALID_ARGUMENT naming batch[i].field[j] and the rule for bad batches;

@@ -234,6 +234,60 @@ TEST(ContextParallelTest, MemoryStrategiesOnShardsEqualOneRank) {
   ExpectEqualsOneRank(4, o, /*packed=*/true, "everything");
 }
 
+// 2 data-parallel replicas of context-parallel pairs (rank r in CP group r / 2 and data group
+// r % 2, ConnectRankLayout's layout) beside the reference: 2 data-parallel ranks on whole rows,
+// all from ranks[0]'s weights.
+struct DpOverCp {
+  static constexpr int kP = 2, kD = 2, kW = kP * kD;
+  std::vector<std::unique_ptr<Communicator>> comms;  // each keeps its thread group alive
+  std::vector<std::unique_ptr<Trainer>> ref, ranks;  // kD, kW; null where Create failed
+
+  // Runs fn(r) for r in [0, n) on n threads.
+  static void On(int n, const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) threads.emplace_back(fn, r);
+    for (auto& t : threads) t.join();
+  }
+};
+
+DpOverCp MakeDpOverCp(const TrainerOptions& o) {
+  using L = DpOverCp;
+  DpOverCp l;
+  auto dp_only = InProcessGroup::Create(L::kD, absl::Seconds(120));
+  std::vector<std::shared_ptr<InProcessGroup>> cp_groups, dp_groups;
+  for (int g = 0; g < L::kD; ++g) cp_groups.push_back(InProcessGroup::Create(L::kP, absl::Seconds(120)));
+  for (int g = 0; g < L::kP; ++g) dp_groups.push_back(InProcessGroup::Create(L::kD, absl::Seconds(120)));
+  std::vector<Communicator*> ref_comm, cp_comm, dp_comm;
+  auto keep = [&](std::unique_ptr<Communicator> c) {
+    l.comms.push_back(std::move(c));
+    return l.comms.back().get();
+  };
+  for (int r = 0; r < L::kD; ++r) ref_comm.push_back(keep(dp_only->Rank(r)));
+  for (int r = 0; r < L::kW; ++r) {
+    cp_comm.push_back(keep(cp_groups[static_cast<size_t>(r / L::kP)]->Rank(r % L::kP)));
+    dp_comm.push_back(keep(dp_groups[static_cast<size_t>(r % L::kP)]->Rank(r / L::kP)));
+  }
+  l.ref.resize(L::kD);
+  l.ranks.resize(L::kW);
+  L::On(L::kD, [&](int r) {
+    TrainerOptions t = o;
+    t.communicator = ref_comm[static_cast<size_t>(r)];
+    auto made = Trainer::Create(t);
+    if (made.ok()) l.ref[static_cast<size_t>(r)] = *std::move(made);
+  });
+  L::On(L::kW, [&](int r) {
+    TrainerOptions t = o;
+    t.communicator = dp_comm[static_cast<size_t>(r)];
+    t.context_parallel.group = cp_comm[static_cast<size_t>(r)];
+    auto made = Trainer::Create(t);
+    if (made.ok()) l.ranks[static_cast<size_t>(r)] = *std::move(made);
+  });
+  if (l.ranks[0])
+    for (const auto& t : l.ref)
+      if (t) CopyWeights(*l.ranks[0], *t);
+  return l;
+}
+
 // Data parallel over context-parallel groups: 2 replicas of CP groups of 2 (rank r in CP group
 // r / 2 and data group r % 2, ConnectRankLayout's layout) take the step 2 data-parallel ranks on
 // whole rows take on the same two batches: gradients, loss and norm within 1e-5; the ranks end
@@ -243,39 +297,13 @@ TEST(ContextParallelTest, DataParallelOverContextGroupsEqualsDataParallel) {
   TrainerOptions o = Tiny();
   o.memory.recompute = planner::Recompute::kLayer;
   o.memory.loss_tile = 9;
-  constexpr int kP = 2, kD = 2, kW = kP * kD;
-  auto dp_only = InProcessGroup::Create(kD, absl::Seconds(120));
-  std::vector<std::shared_ptr<InProcessGroup>> cp_groups, dp_groups;
-  for (int g = 0; g < kD; ++g) cp_groups.push_back(InProcessGroup::Create(kP, absl::Seconds(120)));
-  for (int g = 0; g < kP; ++g) dp_groups.push_back(InProcessGroup::Create(kD, absl::Seconds(120)));
-  std::vector<std::unique_ptr<Communicator>> ref_comms, cp_comms, dp_comms;
-  for (int r = 0; r < kD; ++r) ref_comms.push_back(dp_only->Rank(r));
-  for (int r = 0; r < kW; ++r) {
-    cp_comms.push_back(cp_groups[static_cast<size_t>(r / kP)]->Rank(r % kP));
-    dp_comms.push_back(dp_groups[static_cast<size_t>(r % kP)]->Rank(r / kP));
-  }
-  std::vector<std::unique_ptr<Trainer>> ref(kD), ranks(kW);
-  auto on = [](int n, const std::function<void(int)>& fn) {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) threads.emplace_back(fn, r);
-    for (auto& t : threads) t.join();
-  };
-  on(kD, [&](int r) {
-    TrainerOptions t = o;
-    t.communicator = ref_comms[static_cast<size_t>(r)].get();
-    auto made = Trainer::Create(t);
-    if (made.ok()) ref[static_cast<size_t>(r)] = *std::move(made);
-  });
-  on(kW, [&](int r) {
-    TrainerOptions t = o;
-    t.communicator = dp_comms[static_cast<size_t>(r)].get();
-    t.context_parallel.group = cp_comms[static_cast<size_t>(r)].get();
-    auto made = Trainer::Create(t);
-    if (made.ok()) ranks[static_cast<size_t>(r)] = *std::move(made);
-  });
-  for (const auto& t : ref) ASSERT_TRUE(t);
-  for (const auto& t : ranks) ASSERT_TRUE(t);
-  for (const auto& t : ref) CopyWeights(*ranks[0], *t);
+  constexpr int kP = DpOverCp::kP, kD = DpOverCp::kD, kW = DpOverCp::kW;
+  DpOverCp layout = MakeDpOverCp(o);
+  for (const auto& t : layout.ref) ASSERT_TRUE(t);
+  for (const auto& t : layout.ranks) ASSERT_TRUE(t);
+  std::vector<std::unique_ptr<Trainer>>& ref = layout.ref;
+  std::vector<std::unique_ptr<Trainer>>& ranks = layout.ranks;
+  const auto& on = DpOverCp::On;
   // Data-parallel rank g's batches: its own stream (the data seed plus its data rank), the same
   // for both ranks of CP group g.
   std::vector<Batch> batches = {ref[0]->data().Next(), ref[1]->data().Next()};
@@ -424,6 +452,80 @@ TEST(ContextParallelTest, RlBadBatchIsRefusedOnEveryRank) {
   for (const absl::Status& s : got) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("batch[1].target_tokens[2]"), std::string::npos) << s;
+  }
+}
+
+// RL data parallel over context-parallel groups: 2 groups of 2 thread-ranks, each group one
+// data-parallel slice of the batch, give the logprobs, loss and grad norm of 2 data-parallel
+// ranks with the same slices (1e-5); the four ranks end bitwise alike.
+TEST(ContextParallelTest, RlDataParallelOverContextGroupsEqualsDataParallel) {
+  torch::set_num_threads(1);
+  TrainerOptions o = Tiny();
+  o.rl_group_tokens = 80;
+  constexpr int kP = DpOverCp::kP, kD = DpOverCp::kD, kW = DpOverCp::kW;
+  DpOverCp layout = MakeDpOverCp(o);
+  for (const auto& t : layout.ref) ASSERT_TRUE(t);
+  for (const auto& t : layout.ranks) ASSERT_TRUE(t);
+  std::vector<std::unique_ptr<Trainer>>& ref = layout.ref;
+  std::vector<std::unique_ptr<Trainer>>& ranks = layout.ranks;
+  const auto& on = DpOverCp::On;
+  auto single = Trainer::Create(o);
+  ASSERT_TRUE(single.ok()) << single.status();
+  CopyWeights(*ranks[0], **single);
+  // The whole batch's slices as the controller cuts them, datum offsets and the whole W.
+  const std::vector<Datum> whole = rl_testing::RandomBatch(**single, 4, {37, 5, 64, 29});
+  const std::vector<std::vector<Datum>> slices = {{whole[0], whole[1]}, {whole[2], whole[3]}};
+  double W = 0;
+  for (const Datum& d : whole)
+    for (float w : d.weights) W += w;
+  auto shard_of = [&](int g) {
+    RlShard s;
+    s.weight_sum = W;
+    s.datum_offset = g == 0 ? 0 : 2;
+    return s;
+  };
+  LossSpec ppo;
+  ppo.kind = LossKind::kPpo;
+  std::vector<absl::StatusOr<ForwardBackwardResult>> want(kD, absl::UnknownError("")), got(kW, absl::UnknownError(""));
+  on(kD, [&](int r) {
+    want[static_cast<size_t>(r)] = ref[static_cast<size_t>(r)]->ForwardBackward(slices[static_cast<size_t>(r)], ppo, shard_of(r));
+  });
+  on(kW, [&](int r) {
+    got[static_cast<size_t>(r)] =
+        ranks[static_cast<size_t>(r)]->ForwardBackward(slices[static_cast<size_t>(r / kP)], ppo, shard_of(r / kP));
+  });
+  for (int r = 0; r < kW; ++r) {
+    ASSERT_TRUE(got[static_cast<size_t>(r)].ok()) << got[static_cast<size_t>(r)].status();
+    const ForwardBackwardResult& w = *want[static_cast<size_t>(r / kP)];
+    EXPECT_NEAR(got[static_cast<size_t>(r)]->loss, w.loss, 1e-5 * std::abs(w.loss)) << "rank " << r;
+    EXPECT_EQ(got[static_cast<size_t>(r)]->clipped_tokens, w.clipped_tokens) << "rank " << r;
+    ExpectLogprobsClose(got[static_cast<size_t>(r)]->logprobs, w.logprobs, "rank " + std::to_string(r));
+  }
+  AdamWOptions adam = o.optimizer;
+  std::vector<absl::StatusOr<OptimStepResult>> want_step(kD, absl::UnknownError("")), got_step(kW, absl::UnknownError(""));
+  on(kD, [&](int r) { want_step[static_cast<size_t>(r)] = ref[static_cast<size_t>(r)]->OptimStep(adam); });
+  on(kW, [&](int r) { got_step[static_cast<size_t>(r)] = ranks[static_cast<size_t>(r)]->OptimStep(adam); });
+  ASSERT_TRUE(want_step[0].ok()) << want_step[0].status();
+  for (int r = 0; r < kW; ++r) {
+    ASSERT_TRUE(got_step[static_cast<size_t>(r)].ok()) << got_step[static_cast<size_t>(r)].status();
+    EXPECT_NEAR(got_step[static_cast<size_t>(r)]->grad_norm, want_step[0]->grad_norm, 1e-5 * want_step[0]->grad_norm)
+        << "rank " << r;
+  }
+  for (int r = 1; r < kW; ++r) ExpectWeightsEqual(*ranks[0], *ranks[static_cast<size_t>(r)], "rank " + std::to_string(r));
+  // A bad datum in group 1's slice is refused on every rank; group 0's ranks hear of it.
+  std::vector<Datum> bad = slices[1];
+  bad[1].tokens[3] = 1 << 20;
+  std::vector<absl::Status> refused(kW);
+  on(kW, [&](int r) {
+    refused[static_cast<size_t>(r)] =
+        ranks[static_cast<size_t>(r)]->ForwardBackward(r < kP ? slices[0] : bad, ppo, shard_of(r / kP)).status();
+  });
+  for (int r = 0; r < kW; ++r) {
+    EXPECT_EQ(refused[static_cast<size_t>(r)].code(), absl::StatusCode::kInvalidArgument) << refused[static_cast<size_t>(r)];
+    if (r >= kP) {
+      EXPECT_NE(refused[static_cast<size_t>(r)].message().find("batch[3].tokens[3]"), std::string::npos)
+          << refused[static_cast<size_t>(r)];
+    }
   }
 }
 

@@ -53,6 +53,11 @@ Cases (--case):
                forward within 1e-4; its ExportWeights loads in transformers and matches its
                forward; a bad datum is INVALID_ARGUMENT naming it; Sample is UNIMPLEMENTED naming
                context_parallel; a batch over the whole-batch limit is refused naming it.
+  dp_over_cp   a session of parallel.world_size 4 with context_parallel 2 (two data-parallel
+               context-parallel pairs, each one slice of the batch) against a 1-worker session:
+               the same logprobs, loss and counts within 1e-5, 3 rounds of training alike,
+               its export loads in transformers, a bad datum in the second group's slice is
+               INVALID_ARGUMENT naming it.
 
 Every wait is on a condition with a deadline.
 """
@@ -550,6 +555,33 @@ def case_worker_loss(c):
         raise Failure(f"the restarted session is not the saved one: workers {list(j.workers)}, diff {back}, step {step}")
 
 
+def expect_trains_like_one_rank(c, single, multi, batch, probe_seed, what):
+    """`multi` (a session of several ranks, its first forward_backward on `batch` already made, as
+    on `single`) trains like the 1-rank `single`: 3 optim_step rounds (with 2 more
+    forward_backwards of `batch`) give the same steps and grad norms (1e-4), forward on a probe
+    batch then agrees within 1e-4, and its float32 ExportWeights loads in transformers and
+    matches its forward (1e-4)."""
+    for i in range(3):
+        if i > 0:
+            c.fb(single, batch)
+            c.fb(multi, batch)
+        s1, s2 = c.step(single), c.step(multi)
+        if s1.step != i + 1 or s2.step != i + 1 or abs(s1.grad_norm - s2.grad_norm) > 1e-4 * max(1.0, s1.grad_norm):
+            raise Failure(f"optim_step {i + 1}: step {s1.step} / {s2.step}, grad_norm {s1.grad_norm} / {s2.grad_norm}")
+    probe = c.batch(seed=probe_seed, n=3, length=41) + [c.datum([7, 8, 9])]
+    ours, theirs = c.forward(multi, probe), c.forward(single, probe)
+    trained = max_diff(ours, theirs)
+    print(f"after 3 rounds: forward max |diff| {trained:.2e} (grad_norm {s1.grad_norm:.4f} / {s2.grad_norm:.4f})")
+    if trained > 1e-4:
+        raise Failure(f"after 3 rounds {what}'s logprobs differ by {trained}")
+    export = os.path.join(c.workdir, f"export-{multi.replace('/', '-')}")
+    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=multi, directory=export, dtype="float32"), timeout=120)
+    worst = transformers_max_diff(export, probe, ours)
+    print(f"ExportWeights of {what} vs its forward, in transformers: max |diff| {worst:.2e}")
+    if worst > 1e-4:
+        raise Failure(f"{what}'s export differs from its forward by {worst}")
+
+
 def case_data_parallel(c):
     c.start_controller()
     for w in ("w1", "w2", "w3"):
@@ -574,26 +606,7 @@ def case_data_parallel(c):
     if lp_diff > 1e-5 or abs(a.loss - b.loss) > 1e-5 or abs(a.weight_sum - b.weight_sum) > 1e-9 or b.tokens != 128:
         raise Failure(f"the 2-rank forward_backward differs: loss {b.loss} vs {a.loss}, W {b.weight_sum} vs "
                       f"{a.weight_sum}, tokens {b.tokens}, logprobs {lp_diff}")
-    for i in range(3):
-        if i > 0:
-            c.fb(single, batch)
-            c.fb(dp, batch)
-        s1, s2 = c.step(single), c.step(dp)
-        if s1.step != i + 1 or s2.step != i + 1 or abs(s1.grad_norm - s2.grad_norm) > 1e-4 * max(1.0, s1.grad_norm):
-            raise Failure(f"optim_step {i + 1}: step {s1.step} / {s2.step}, grad_norm {s1.grad_norm} / {s2.grad_norm}")
-    probe = c.batch(seed=12, n=3, length=41) + [c.datum([7, 8, 9])]
-    ours, theirs = c.forward(dp, probe), c.forward(single, probe)
-    trained = max_diff(ours, theirs)
-    print(f"after 3 rounds: forward max |diff| {trained:.2e} (grad_norm {s1.grad_norm:.4f} / {s2.grad_norm:.4f})")
-    if trained > 1e-4:
-        raise Failure(f"after 3 rounds the 2-rank session's logprobs differ by {trained}")
-
-    export = os.path.join(c.workdir, "export-dp")
-    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=dp, directory=export, dtype="float32"), timeout=120)
-    worst = transformers_max_diff(export, probe, ours)
-    print(f"ExportWeights of the 2-rank session vs its forward, in transformers: max |diff| {worst:.2e}")
-    if worst > 1e-4:
-        raise Failure(f"the 2-rank session's export differs from its forward by {worst}")
+    expect_trains_like_one_rank(c, single, dp, batch, probe_seed=12, what="the 2-rank session")
 
     bad = list(batch)
     bad[3] = c.datum([1, 2, 300, 4] + [5] * 8)  # 11 tokens like the datum it replaces: still rank 1's
@@ -649,26 +662,7 @@ def case_context_parallel(c):
             raise Failure(f"the CP forward_backward ({kind}) differs: loss {b.loss} vs {a.loss}, W {b.weight_sum} vs "
                           f"{a.weight_sum}, tokens {b.tokens}, logprobs {lp_diff}, mismatch {b.mismatch_mean} vs "
                           f"{a.mismatch_mean}, clipped {b.clipped_tokens} vs {a.clipped_tokens}")
-    for i in range(3):
-        if i > 0:
-            c.fb(single, batch)
-            c.fb(cp, batch)
-        s1, s2 = c.step(single), c.step(cp)
-        if s1.step != i + 1 or s2.step != i + 1 or abs(s1.grad_norm - s2.grad_norm) > 1e-4 * max(1.0, s1.grad_norm):
-            raise Failure(f"optim_step {i + 1}: step {s1.step} / {s2.step}, grad_norm {s1.grad_norm} / {s2.grad_norm}")
-    probe = c.batch(seed=22, n=3, length=41) + [c.datum([7, 8, 9])]
-    ours, theirs = c.forward(cp, probe), c.forward(single, probe)
-    trained = max_diff(ours, theirs)
-    print(f"after 3 rounds: forward max |diff| {trained:.2e} (grad_norm {s1.grad_norm:.4f} / {s2.grad_norm:.4f})")
-    if trained > 1e-4:
-        raise Failure(f"after 3 rounds the CP session's logprobs differ by {trained}")
-
-    export = os.path.join(c.workdir, "export-cp")
-    c.training.ExportWeights(c.pb.ExportWeightsRequest(job=cp, directory=export, dtype="float32"), timeout=120)
-    worst = transformers_max_diff(export, probe, ours)
-    print(f"ExportWeights of the CP session vs its forward, in transformers: max |diff| {worst:.2e}")
-    if worst > 1e-4:
-        raise Failure(f"the CP session's export differs from its forward by {worst}")
+    expect_trains_like_one_rank(c, single, cp, batch, probe_seed=22, what="the CP session")
 
     bad = list(batch)
     bad[3] = c.datum([1, 2, 300, 4] + [5] * 8)
@@ -689,10 +683,49 @@ def case_context_parallel(c):
         raise Failure(f"optim_step after the refused calls returned step {step}, want 4")
 
 
+def case_dp_over_cp(c):
+    c.start_controller()
+    for w in ("w1", "w2", "w3", "w4", "w5"):
+        c.start_worker(w)
+    single = c.session()
+    multi = c.session(world_size=4, context_parallel=2)
+    workers = list(c.get(multi).workers)
+    print(f"1-rank session {single}; 2 x context-parallel-2 session {multi} on {workers}")
+    if len(workers) != 4:
+        raise Failure(f"the 2 x CP 2 session runs on {workers}")
+    # Two context-parallel groups, each one slice: the controller cuts after datum 2 (63 of 130
+    # tokens), odd lengths are padded per group.
+    rng = random.Random(31)
+    batch = [c.datum([rng.randrange(VOCAB) for _ in range(n + 1)],
+                     weights=[0.5 + rng.random() for _ in range(n)],
+                     sampler_logprobs=[-6.0 + rng.random() for _ in range(n)],
+                     advantages=[2 * rng.random() - 1 for _ in range(n)])
+             for n in (33, 19, 11, 41, 26)]
+    # cross_entropy: ppo's clipped tokens leave many parameters a near-zero gradient, which
+    # AdamW turns into lr-sized updates of either sign, so 3 rounds would compare rounding noise
+    # (ppo under context parallelism: ContextParallelTest.Rl*, and the context_parallel case).
+    a, b = c.fb(single, batch), c.fb(multi, batch)
+    lp_diff = max_diff([l.values for l in a.logprobs], [l.values for l in b.logprobs])
+    print(f"forward_backward cross_entropy: loss {a.loss:.6f} (1 rank) vs {b.loss:.6f} (2 x CP 2), logprobs max |diff| "
+          f"{lp_diff:.2e}, clipped {a.clipped_tokens} / {b.clipped_tokens}, tokens {a.tokens} / {b.tokens}")
+    if ([len(l.values) for l in b.logprobs] != [len(d.tokens) for d in batch] or lp_diff > 1e-5
+            or abs(a.loss - b.loss) > 1e-5 * max(1.0, abs(a.loss)) or a.clipped_tokens != b.clipped_tokens
+            or a.tokens != b.tokens or a.mismatch_tokens != b.mismatch_tokens):
+        raise Failure(f"the 2 x CP 2 forward_backward differs: loss {b.loss} vs {a.loss}, logprobs {lp_diff}, "
+                      f"clipped {b.clipped_tokens} vs {a.clipped_tokens}, tokens {b.tokens} vs {a.tokens}")
+    expect_trains_like_one_rank(c, single, multi, batch, probe_seed=32, what="the 2 x CP 2 session")
+    bad = list(batch)
+    bad[4] = c.datum([1, 2, 300, 4] + [5] * 22)  # 26 tokens like the datum it replaces: group 1's
+    msg = expect_code("a bad datum in group 1's slice", lambda: c.fb(multi, bad), c.grpc.StatusCode.INVALID_ARGUMENT,
+                      "batch[4].tokens[2]", "[0, 256)")
+    if "another rank" in msg:
+        raise Failure(f"the error is another rank's echo, not the bad datum's: {msg}")
+
+
 def main():
     ap = arg_parser(cli="the odyssey CLI (the cancel case submits the example spec with it)")
     ap.add_argument("--case", required=True, choices=["train", "hf_parity", "bad_input", "cancel", "worker_loss",
-                                                          "data_parallel", "context_parallel"])
+                                                          "data_parallel", "context_parallel", "dp_over_cp"])
     args = parse_args(ap)
     outcome = run_test(f"rl {args.case}", f"odyssey-rl-{args.case}-", args.keep, lambda workdir: RlCluster(args, workdir),
                        lambda c: globals()[f"case_{args.case}"](c))
