@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "model/causal_lm.h"
+#include "model/grad_sums.h"
 
 namespace odyssey::model {
 namespace {
@@ -52,7 +53,7 @@ class MoeTilesFunction : public torch::autograd::Function<MoeTilesFunction> {
     std::vector<torch::Tensor> weights = state->moe->TileParameters();
     // fp32 sums written into .grad once: adding each tile into a bf16 .grad would round the
     // running sum once per tile.
-    std::vector<torch::Tensor> sums(weights.size());
+    Fp32GradSums sums(weights);
     for (int64_t t0 = 0; t0 < N; t0 += tile) {
       const int64_t n = std::min(tile, N - t0);
       torch::Tensor xt = x.narrow(0, t0, n).detach().requires_grad_(true);  // (n, H)
@@ -78,25 +79,9 @@ class MoeTilesFunction : public torch::autograd::Function<MoeTilesFunction> {
       } else {
         gx.narrow(0, t0, n).zero_();
       }
-      for (size_t i = 0; i < weights.size(); ++i) {
-        if (!d[i + 1].defined()) continue;  // an expert no token of this tile chose
-        if (sums[i].defined()) {
-          sums[i].add_(d[i + 1]);
-        } else {
-          sums[i] = d[i + 1].to(torch::kFloat32);
-        }
-      }
+      sums.Add(std::vector<torch::Tensor>(d.begin() + 1, d.end()));  // undefined: an expert no token chose
     }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < weights.size(); ++i) {
-      if (!sums[i].defined()) continue;
-      torch::Tensor& grad = weights[i].mutable_grad();
-      if (grad.defined()) {
-        grad.add_(sums[i]);
-      } else {
-        grad = sums[i].to(weights[i].scalar_type());
-      }
-    }
+    sums.WriteGrads();
     return {gx, torch::Tensor()};
   }
 };

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "engine/profiler.h"
+#include "model/grad_sums.h"
 
 namespace odyssey::engine::memory {
 namespace {
@@ -85,14 +86,13 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
     torch::Tensor flat = h.reshape({-1, h.size(-1)});       // (N, H)
     torch::Tensor g = grads[0].reshape({-1, h.size(-1)});   // (N, H)
     torch::Tensor gh = torch::empty_like(flat);             // one (N, H) buffer, filled per tile
-    // The block's weights (norm + MLP): each tile's gradient is added to an fp32 accumulator and
-    // .grad is written once at the end. Letting each tile's backward add into the bf16 .grad
-    // would round the running sum once per tile (~96 times at 1M tokens).
+    // The block's weights (norm + MLP), their gradients summed in fp32 over the tiles
+    // (model/grad_sums.h).
     std::vector<torch::Tensor> weights;
     for (const auto& p : state->layer->post_attention_layernorm->parameters()) weights.push_back(p);
     for (const auto& p : state->layer->mlp->parameters()) weights.push_back(p);
     std::erase_if(weights, [](const torch::Tensor& p) { return !p.requires_grad(); });
-    std::vector<torch::Tensor> sums(weights.size());  // fp32, each its weight's shape
+    model::Fp32GradSums sums(weights);
     for (int64_t t0 = 0; t0 < flat.size(0); t0 += state->tile) {
       const int64_t n = std::min(state->tile, flat.size(0) - t0);
       torch::Tensor x = flat.narrow(0, t0, n).detach().requires_grad_(true);
@@ -106,25 +106,9 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
       std::vector<torch::Tensor> d = torch::autograd::grad({y}, inputs, {g.narrow(0, t0, n)}, /*retain_graph=*/false,
                                                            /*create_graph=*/false, /*allow_unused=*/true);
       gh.narrow(0, t0, n).copy_(d[0]);
-      for (size_t i = 0; i < weights.size(); ++i) {
-        if (!d[i + 1].defined()) continue;
-        if (sums[i].defined()) {
-          sums[i].add_(d[i + 1]);
-        } else {
-          sums[i] = d[i + 1].to(torch::kFloat32);
-        }
-      }
+      sums.Add(std::vector<torch::Tensor>(d.begin() + 1, d.end()));
     }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < weights.size(); ++i) {
-      if (!sums[i].defined()) continue;
-      torch::Tensor& grad = weights[i].mutable_grad();
-      if (grad.defined()) {
-        grad.add_(sums[i]);  // one rounding of the whole sum into what earlier backwards left
-      } else {
-        grad = sums[i].to(weights[i].scalar_type());
-      }
-    }
+    sums.WriteGrads();
     return {gh.view(h.sizes()), torch::Tensor()};
   }
 };
