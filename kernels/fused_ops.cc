@@ -31,10 +31,7 @@ bool NormKernelApplies(const torch::Tensor& x2d, const torch::Tensor& w) {
          w.numel() == H && w.device() == x2d.device();
 }
 void* Stream(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-void Check(int error, const char* what) {
-  g_launches.fetch_add(1, std::memory_order_relaxed);
-  TORCH_CHECK(error == 0, "odyssey kernel ", what, " failed to launch: ", cuda::ErrorString(error));
-}
+void Check(int error, const char* what) { CheckKernelLaunch(error, what); }
 #endif
 
 // Rows per chunk of the reference norm: its fp32 temporaries are a few (rows, H) tensors, so at
@@ -113,6 +110,14 @@ bool FusedKernelsBuilt() {
 void SetFusedKernels(bool enabled) { g_enabled = enabled; }
 bool FusedKernelsEnabled() { return g_enabled && FusedKernelsBuilt(); }
 int64_t FusedKernelLaunches() { return g_launches.load(std::memory_order_relaxed); }
+void CheckKernelLaunch(int error, const char* what) {
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+#ifdef ODYSSEY_KERNELS_CUDA
+  TORCH_CHECK(error == 0, "odyssey kernel ", what, " failed to launch: ", cuda::ErrorString(error));
+#else
+  TORCH_CHECK(error == 0, "odyssey kernel ", what, " failed to launch (error ", error, ")");
+#endif
+}
 
 torch::Tensor RmsNormRows(const torch::Tensor& x2d, const torch::Tensor& w, double eps, int64_t chunk_elements,
                           torch::Tensor* rstd_out) {

@@ -30,6 +30,10 @@ bool FusedKernelsEnabled();
 // ran; the benchmark reports them).
 int64_t FusedKernelLaunches();
 
+// For this library's other kernel files: counts one launch of an odyssey CUDA kernel and fails
+// with the CUDA error text (naming `what`) when error != 0.
+void CheckKernelLaunch(int error, const char* what);
+
 // RMSNorm over rows as transformers computes it: y = w * (x * rstd).to(x.dtype) with
 // rstd = rsqrt(mean(x^2) + eps) in fp32. x2d (N, H), w (H) -> y (N, H) in x's dtype; rstd
 // (N, 1) fp32 is written when given. The reference runs over chunks of about chunk_elements

@@ -1,14 +1,16 @@
 // odyssey-hybrid-bench: the hybrid layers' attention paths on one CUDA device, at hybrid-3b's
 // shapes (or the flags'), forward and forward + backward:
-//   - KDA: kernels::KdaChunked (the libtorch chunked form, C = 64) over T tokens, 24 heads of
-//     128, bf16 inputs; the same shapes as bench/fla_kda_bench.py times fla's chunk_kda with.
+//   - KDA: kernels::KdaChunked (C = 64) over T tokens, 24 heads of 128, bf16 inputs, with its
+//     state scans as the CUDA kernels of kernels/cuda/kda_scan.cu and, up to
+//     --reference-tokens, as the libtorch loops; the same shapes as bench/fla_kda_bench.py times
+//     fla's chunk_kda with.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128)
 //     against dense causal SDPA (cuDNN/flash through ATen) over the same number of keys (queries
 //     of a W-token window attending to all of it), as TFLOP/s of the work each does:
 //     4 * H * D * (keys per query) FLOP per query forward, 2.5x that forward + backward.
 // One JSON line per row with --json.
 //
-//   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --json out/hybrid.jsonl
+//   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --ops kda,sparse,dense --json out/hybrid.jsonl
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -20,6 +22,7 @@
 #include <torch/torch.h>
 
 #include "kernels/dsa.h"
+#include "kernels/fused_ops.h"
 #include "kernels/kda.h"
 
 namespace {
@@ -50,8 +53,8 @@ std::vector<int64_t> ParseList(const std::string& s) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
-  int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3;
-  std::string json;
+  int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
+  std::string json, ops = "kda,sparse,dense";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -61,8 +64,10 @@ int main(int argc, char** argv) {
     else if (a == "--selected") selected = std::stoll(v);
     else if (a == "--iters") iters = std::stoll(v);
     else if (a == "--json") json = v;
+    else if (a == "--ops") ops = "," + v + ",";
+    else if (a == "--reference-tokens") reference_tokens = std::stoll(v);
     else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --json)\n", a.c_str());
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --json)\n", a.c_str());
       return 2;
     }
   }
@@ -70,13 +75,28 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "odyssey-hybrid-bench: needs a CUDA device\n");
     return 1;
   }
+  if (ops.front() != ',') ops = "," + ops + ",";
+  {
+    std::stringstream in(ops.substr(1));
+    std::string op;
+    while (std::getline(in, op, ',')) {
+      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense") {
+        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense)\n", op.c_str());
+        return 2;
+      }
+    }
+  }
+  auto wants = [&](const char* op) { return ops.find("," + std::string(op) + ",") != std::string::npos; };
   torch::manual_seed(0);
   const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   std::printf("| op | tokens | forward ms | forward + backward ms | tok/s (fwd + bwd) | TFLOP/s (fwd + bwd) |\n");
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   for (int64_t T : tokens) {
     // KDA, (B, H, T, K) layout; q, k L2-normalised, log-decay g < 0 near 0, beta in (0, 1).
-    {
+    for (bool kernels : {true, false}) {
+      if (!wants("kda") || (!kernels && T > reference_tokens)) continue;
+      if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
+      odyssey::kernels::SetFusedKernels(kernels);
       auto q = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
                                                 torch::nn::functional::NormalizeFuncOptions().dim(-1));
       auto k = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
@@ -95,15 +115,16 @@ int main(int argc, char** argv) {
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
       }, static_cast<int>(iters));
-      std::printf("| KDA chunked (libtorch) | %lld | %.1f | %.1f | %.0f | |\n", static_cast<long long>(T), fwd * 1e3,
-                  both * 1e3, static_cast<double>(T) / both);
+      std::printf("| KDA chunked, %s scans | %lld | %.1f | %.1f | %.0f | |\n", kernels ? "CUDA kernel" : "libtorch",
+                  static_cast<long long>(T), fwd * 1e3, both * 1e3, static_cast<double>(T) / both);
       std::fflush(stdout);
-      Json(json, "{\"op\":\"kda_chunked\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
+      odyssey::kernels::SetFusedKernels(true);
+      Json(json, std::string("{\"op\":\"") + (kernels ? "kda_chunked_kernel" : "kda_chunked_libtorch") + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }
     // Sparse attention over `selected` keys per query against dense SDPA over as many.
-    {
+    if (wants("sparse")) {
       auto q = torch::randn({1, heads, T, dim}, bf16).requires_grad_(true);
       auto k = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
       auto v = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
@@ -137,6 +158,7 @@ int main(int argc, char** argv) {
   // Dense SDPA over the same key count: windows of `selected` tokens, every query attending to
   // the whole window (no mask), T / selected windows as the batch: `selected` keys per query.
   for (int64_t T : tokens) {
+    if (!wants("dense")) break;
     const int64_t windows = T / selected;
     auto q = torch::randn({windows, heads, selected, dim}, bf16).requires_grad_(true);
     auto k = torch::randn({windows, heads, selected, dim}, bf16).requires_grad_(true);

@@ -1,10 +1,19 @@
 #include "kernels/kda.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include <torch/torch.h>
 
+#ifdef ODYSSEY_KERNELS_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/cuda/kda_scan.h"
+#endif
+#include "kernels/fused_ops.h"
 #include "kernels/heads.h"
 
 namespace odyssey::kernels {
@@ -69,12 +78,9 @@ Tensor Chunk(const Tensor& x, int64_t C) {
   return p.reshape(shape);
 }
 
-// q already scaled and expanded to HV heads; all in the compute dtype. With T_saved (the
-// forward's inverse) the backward's graph reuses it: T_saved + (M - M) with M = T (I + A) T has
-// T_saved's value exactly and the inverse's derivative dT = -T dA T, so no second forward
-// substitution runs.
+// q already scaled and expanded to HV heads; all in the compute dtype.
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                   int64_t C, const Tensor& T_saved) {
+                   int64_t C) {
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
   Tensor G = Chunk(g, C).cumsum(-2);             // (B, HV, N, C, K) chunk-local, fp32/fp64
@@ -83,15 +89,10 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   Tensor Akk = KdaDecayedGram(kc, kc, G, /*strict=*/true) * bc;  // (B, HV, N, C, C)
   Tensor I = torch::eye(C, Akk.options());
   Intra in;
-  if (T_saved.defined()) {
-    Tensor M = T_saved.matmul(I + Akk).matmul(T_saved);
-    in.T = T_saved + (M.detach() - M);
-  } else {
-    // (I + A_kk) is unit lower triangular: its inverse by forward substitution (LAPACK's trsm,
-    // in the compute dtype). The GPU kernel's 16x16-blocks-then-merge is the same solve.
-    in.T = torch::linalg_solve_triangular(I + Akk, I.expand_as(Akk), /*upper=*/false, /*left=*/true,
-                                          /*unitriangular=*/true);
-  }
+  // (I + A_kk) is unit lower triangular: its inverse by forward substitution (batched trsm in
+  // the compute dtype), differentiable (dT = -T dA T) for the backward's graph.
+  in.T = torch::linalg_solve_triangular(I + Akk, I.expand_as(Akk), /*upper=*/false, /*left=*/true,
+                                        /*unitriangular=*/true);
   in.W = in.T.matmul(bc * kc * eG);
   in.U = in.T.matmul(bc * vc);
   Tensor GC = G.narrow(-2, C - 1, 1);  // (B, HV, N, 1, K)
@@ -102,76 +103,201 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   return in;
 }
 
-// The inter-chunk scan (spec 1.3 step 3-4) from state h0 (B, HV, K, V). Returns o (B, HV, N*C, V)
-// and the final state; with `states`, also each chunk's starting state h_c (the backward's).
-std::pair<Tensor, Tensor> Scan(const Intra& in, const Tensor& h0, std::vector<Tensor>* states) {
+// The inter-chunk scan (spec 1.3 steps 3-4) of one segment's chunks, all (B, HV, n, ., .).
+struct ScanResult {
+  Tensor o;       // (B, HV, n, C, V) when asked for
+  Tensor vt;      // (B, HV, n, C, V) the new values U - W S, with the states
+  Tensor states;  // (B, HV, n, K, V) the state before each chunk, when asked for
+  Tensor S;       // (B, HV, K, V) the state after the last chunk
+};
+// The reverse scan (spec 1.4 step 3) from dSN, the gradient of the state after the last chunk.
+struct ReverseResult {
+  Tensor dvt;  // (B, HV, n, C, V)
+  Tensor dS;   // (B, HV, n, K, V) the gradient of the state after each chunk
+  Tensor dS0;  // (B, HV, K, V) the gradient of the state before the first
+};
+
+// The libtorch loops, one step per chunk: the CPU path and the CUDA kernels' reference.
+ScanResult ScanLoop(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
   const int64_t N = in.W.size(2);
   Tensor S = h0;  // (B, HV, K, V) the fp32/fp64 accumulator
-  std::vector<Tensor> os;
-  os.reserve(N);
+  std::vector<Tensor> os, vts, states;
   for (int64_t c = 0; c < N; ++c) {
-    if (states != nullptr) states->push_back(S);
+    if (want_states) states.push_back(S);
     Tensor vt = in.U.select(2, c) - in.W.select(2, c).matmul(S);  // (B, HV, C, V) new values
-    os.push_back(in.qg.select(2, c).matmul(S) + in.Aqk.select(2, c).matmul(vt));
+    if (want_states) vts.push_back(vt);
+    if (want_o) os.push_back(in.qg.select(2, c).matmul(S) + in.Aqk.select(2, c).matmul(vt));
     S = in.eGC.select(2, c).unsqueeze(-1) * S + in.kg.select(2, c).transpose(-1, -2).matmul(vt);
   }
-  Tensor o = torch::stack(os, 2);  // (B, HV, N, C, V)
-  return {o.reshape({o.size(0), o.size(1), -1, o.size(-1)}), S};
+  ScanResult r;
+  if (want_o) r.o = torch::stack(os, 2);
+  if (want_states) r.vt = torch::stack(vts, 2), r.states = torch::stack(states, 2);
+  r.S = S;
+  return r;
 }
 
-// Inputs: q (scaled), k, v, g, beta all (B, HV, T, .) in the compute dtype, h0 (B, HV, K, V).
-// Saved for backward: those six and T (spec 1.3's list less A_qk, which the backward recomputes
-// because its own gradient needs the decayed Gram's graph anyway).
+ReverseResult ReverseLoop(const Intra& in, const Tensor& dO, const Tensor& P, const Tensor& dSN) {
+  const int64_t N = in.W.size(2);
+  Tensor dS = dSN;
+  std::vector<Tensor> dvts(N), dSs(N);
+  for (int64_t c = N - 1; c >= 0; --c) {
+    dSs[c] = dS;
+    Tensor dvt = P.select(2, c) + in.kg.select(2, c).matmul(dS);  // (B, HV, C, V)
+    dvts[c] = dvt;
+    dS = in.qg.select(2, c).transpose(-1, -2).matmul(dO.select(2, c)) + in.eGC.select(2, c).unsqueeze(-1) * dS -
+         in.W.select(2, c).transpose(-1, -2).matmul(dvt);
+  }
+  return {torch::stack(dvts, 2), torch::stack(dSs, 2), dS};
+}
+
+#ifdef ODYSSEY_KERNELS_CUDA
+bool KernelScans(const Intra& in) {
+  return FusedKernelsEnabled() && in.W.is_cuda() && in.W.scalar_type() == torch::kFloat32 &&
+         in.W.size(0) * in.W.size(1) <= 65535 && cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
+}
+// Contiguous, starting on a 16-byte boundary (the kernels' float4 accesses).
+Tensor Dense(const Tensor& t) {
+  Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
+  const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),
+                V = in.U.size(4);
+  c10::cuda::CUDAGuard guard(in.W.device());
+  Tensor W = Dense(in.W), U = Dense(in.U), kg = Dense(in.kg), eGC = Dense(in.eGC), h = Dense(h0);
+  Tensor qg = want_o ? Dense(in.qg) : Tensor(), Aqk = want_o ? Dense(in.Aqk) : Tensor();
+  auto opts = U.options();
+  ScanResult r;
+  if (want_o) r.o = torch::empty({B, HV, N, C, V}, opts);
+  if (want_states) r.vt = torch::empty({B, HV, N, C, V}, opts), r.states = torch::empty({B, HV, N, K, V}, opts);
+  r.S = torch::empty({B, HV, K, V}, opts);
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  cuda::KdaScanForwardArgs a{ptr(W), ptr(U), ptr(kg), ptr(eGC), ptr(qg), ptr(Aqk), ptr(h),
+                             ptr(r.o), ptr(r.vt), ptr(r.states), ptr(r.S), B * HV, N, C, K, V};
+  CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
+  return r;
+}
+
+ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& P, const Tensor& dSN) {
+  const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),
+                V = in.U.size(4);
+  c10::cuda::CUDAGuard guard(in.W.device());
+  Tensor W = Dense(in.W), kg = Dense(in.kg), eGC = Dense(in.eGC), qg = Dense(in.qg), dOd = Dense(dO),
+         Pd = Dense(P), dSNd = Dense(dSN);
+  auto opts = W.options();
+  ReverseResult r{torch::empty({B, HV, N, C, V}, opts), torch::empty({B, HV, N, K, V}, opts),
+                  torch::empty({B, HV, K, V}, opts)};
+  cuda::KdaScanBackwardArgs a{W.data_ptr<float>(), kg.data_ptr<float>(), eGC.data_ptr<float>(),
+                              qg.data_ptr<float>(), dOd.data_ptr<float>(), Pd.data_ptr<float>(),
+                              dSNd.data_ptr<float>(), r.dvt.data_ptr<float>(), r.dS.data_ptr<float>(),
+                              r.dS0.data_ptr<float>(), B * HV, N, C, K, V};
+  CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");
+  return r;
+}
+#endif
+
+ScanResult ScanForward(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (KernelScans(in)) return ScanKernel(in, h0, want_o, want_states);
+#endif
+  return ScanLoop(in, h0, want_o, want_states);
+}
+
+ReverseResult ScanBackward(const Intra& in, const Tensor& dO, const Tensor& P, const Tensor& dSN) {
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (KernelScans(in)) return ReverseKernel(in, dO, P, dSN);
+#endif
+  return ReverseLoop(in, dO, P, dSN);
+}
+
+// One segment's inputs in the compute dtype, q and k expanded to the HV value heads, q scaled.
+struct Segment {
+  Tensor q, k, v, g, beta;
+};
+Segment Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                torch::ScalarType ct, int64_t HV, double scale) {
+  return {ExpandHeads(q.to(ct), HV) * scale, ExpandHeads(k.to(ct), HV), v.to(ct), g.to(ct), beta.to(ct)};
+}
+
+// Inputs as the caller gave them (q, k with H heads, any float dtype), h0 (B, HV, K, V) in the
+// compute dtype. The sequence runs in segments of `segment` tokens (a multiple of C): all
+// chunk-parallel work is batched over a segment's chunks, and the backward holds one segment's
+// intermediates (its per-chunk states among them) at a time. Saved for backward: the inputs
+// themselves (no copies) and the state entering each segment; the backward recomputes a
+// segment's chunk quantities (spec 1.3's list, the UT inverse included), reruns its state scan
+// from the saved entry state, runs the reverse scan and gets the parameter gradients of the
+// chunk quantities as batched products, then autograd of the chunk-parallel graph.
 struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& g, const Tensor& beta, const Tensor& h0, int64_t C) {
-    Intra in = ComputeIntra(q, k, v, g, beta, C, Tensor());
-    auto [o, S] = Scan(in, h0, nullptr);
-    ctx->save_for_backward({q, k, v, g, beta, h0, in.T});
+                               const Tensor& g, const Tensor& beta, const Tensor& h0, double scale, int64_t C,
+                               int64_t segment) {
+    const auto ct = h0.scalar_type();
+    const int64_t T = q.size(2), HV = v.size(1);
+    Tensor o = torch::empty(v.sizes(), v.options());
+    Tensor S = h0;
+    std::vector<Tensor> entry;
+    for (int64_t t0 = 0; t0 < T; t0 += segment) {
+      const int64_t len = std::min(segment, T - t0);
+      entry.push_back(S);
+      Segment x = Prepare(q.narrow(2, t0, len), k.narrow(2, t0, len), v.narrow(2, t0, len), g.narrow(2, t0, len),
+                          beta.narrow(2, t0, len), ct, HV, scale);
+      Intra in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+      ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
+      o.narrow(2, t0, len).copy_(r.o.reshape({r.o.size(0), r.o.size(1), -1, r.o.size(-1)}).narrow(2, 0, len));
+      S = r.S;
+    }
+    ctx->save_for_backward({q, k, v, g, beta, torch::stack(entry, 0)});
+    ctx->saved_data["scale"] = scale;
     ctx->saved_data["C"] = C;
-    return {o.narrow(2, 0, q.size(2)).clone(), S};
+    ctx->saved_data["segment"] = segment;
+    return {o, S};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list s = ctx->get_saved_variables();
-    const int64_t C = ctx->saved_data["C"].toInt();
-    variable_list leaves;
-    for (int i = 0; i < 5; ++i) leaves.push_back(s[i].detach().requires_grad_(true));
-    Intra in;
-    {
-      torch::AutoGradMode enable(true);
-      in = ComputeIntra(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], C, s[6]);
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t C = ctx->saved_data["C"].toInt(), segment = ctx->saved_data["segment"].toInt();
+    const Tensor& entry = s[5];  // (segments, B, HV, K, V)
+    const auto ct = entry.scalar_type();
+    const int64_t T = s[0].size(2), HV = s[2].size(1);
+    variable_list dx;
+    for (int i = 0; i < 5; ++i) dx.push_back(torch::zeros_like(s[i]));
+    Tensor dS = grads[1].defined() ? grads[1].to(ct) : torch::zeros_like(entry[0]);  // (B, HV, K, V)
+    for (int64_t seg = entry.size(0) - 1; seg >= 0; --seg) {
+      const int64_t t0 = seg * segment, len = std::min(segment, T - t0);
+      variable_list leaves;
+      for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
+      Intra in;
+      {
+        torch::AutoGradMode enable(true);
+        Segment x = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
+        in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+      }
+      torch::NoGradGuard no_grad;
+      ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
+      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct), C)
+                                     : torch::zeros_like(in.U);  // (B, HV, n, C, V)
+      Tensor P = in.Aqk.transpose(-1, -2).matmul(dO);
+      ReverseResult r = ScanBackward(in, dO, P, dS);
+      // The gradients of the chunk quantities, batched over the segment's chunks.
+      Tensor hT = f.states.transpose(-1, -2);  // (B, HV, n, V, K)
+      Tensor dqg = dO.matmul(hT), dW = -r.dvt.matmul(hT);
+      Tensor dkg = f.vt.matmul(r.dS.transpose(-1, -2));
+      Tensor dAqk = dO.matmul(f.vt.transpose(-1, -2));
+      Tensor deGC = (f.states * r.dS).sum(-1);
+      // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
+      // chunk-parallel graph built above.
+      variable_list d = torch::autograd::grad({in.qg, in.kg, in.W, in.U, in.Aqk, in.eGC}, leaves,
+                                              {dqg, dkg, dW, r.dvt, dAqk, deGC}, /*retain_graph=*/false,
+                                              /*create_graph=*/false, /*allow_unused=*/true);
+      for (int i = 0; i < 5; ++i) {
+        if (d[i].defined()) dx[i].narrow(2, t0, len).copy_(d[i]);
+      }
+      dS = r.dS0;
     }
-    torch::NoGradGuard no_grad;
-    std::vector<Tensor> states;  // per chunk, freed when backward returns
-    Scan(in, s[5], &states);
-    const int64_t N = in.W.size(2);
-    Tensor dO = grads[0].defined() ? Chunk(grads[0], C) : torch::zeros_like(in.U);  // (B, HV, N, C, V)
-    Tensor dS = grads[1].defined() ? grads[1].clone() : torch::zeros_like(s[5]);    // (B, HV, K, V)
-    Tensor dqg = torch::empty_like(in.qg), dkg = torch::empty_like(in.kg), dW = torch::empty_like(in.W);
-    Tensor dU = torch::empty_like(in.U), dAqk = torch::empty_like(in.Aqk), deGC = torch::empty_like(in.eGC);
-    // Reverse chunk scan (spec 1.4 step 3): dS is the gradient of the state after chunk c.
-    for (int64_t c = N - 1; c >= 0; --c) {
-      const Tensor& h = states[c];                                   // (B, HV, K, V)
-      Tensor W = in.W.select(2, c), kg = in.kg.select(2, c);          // (B, HV, C, K)
-      Tensor vt = in.U.select(2, c) - W.matmul(h);                    // (B, HV, C, V)
-      Tensor dOc = dO.select(2, c);                                   // (B, HV, C, V)
-      Tensor dvt = in.Aqk.select(2, c).transpose(-1, -2).matmul(dOc) + kg.matmul(dS);
-      dAqk.select(2, c).copy_(dOc.matmul(vt.transpose(-1, -2)));
-      dqg.select(2, c).copy_(dOc.matmul(h.transpose(-1, -2)));
-      dkg.select(2, c).copy_(vt.matmul(dS.transpose(-1, -2)));
-      deGC.select(2, c).copy_((h * dS).sum(-1));
-      dU.select(2, c).copy_(dvt);
-      dW.select(2, c).copy_(-dvt.matmul(h.transpose(-1, -2)));
-      dS = in.qg.select(2, c).transpose(-1, -2).matmul(dOc) + in.eGC.select(2, c).unsqueeze(-1) * dS -
-           W.transpose(-1, -2).matmul(dvt);
-    }
-    // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
-    // chunk-parallel graph built above.
-    variable_list d = torch::autograd::grad({in.qg, in.kg, in.W, in.U, in.Aqk, in.eGC}, leaves,
-                                            {dqg, dkg, dW, dU, dAqk, deGC}, /*retain_graph=*/false,
-                                            /*create_graph=*/false, /*allow_unused=*/true);
-    return {d[0], d[1], d[2], d[3], d[4], dS, Tensor()};
+    return {dx[0], dx[1], dx[2], dx[3], dx[4], dS, Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -235,12 +361,13 @@ std::pair<Tensor, Tensor> KdaChunked(const Tensor& q, const Tensor& k, const Ten
   const Dims d = CheckShapes(q, k, v, g, beta, h0);
   TORCH_CHECK(options.chunk_size > 0 && options.chunk_size % kSub == 0, "KDA: chunk_size (",
               options.chunk_size, ") must be a positive multiple of ", kSub);
+  TORCH_CHECK(options.segment > 0 && options.segment % options.chunk_size == 0, "KDA: segment (", options.segment,
+              ") must be a positive multiple of chunk_size (", options.chunk_size, ")");
   const auto ct = ComputeType(q, k, v, g);
-  Tensor qs = ExpandHeads(q.to(ct), d.HV) * Scale(options, d.K), ks = ExpandHeads(k.to(ct), d.HV);
   Tensor S0 = h0.defined() ? h0.to(ct) : torch::zeros({d.B, d.HV, d.K, d.V}, q.options().dtype(ct));
-  variable_list out =
-      KdaChunkFunction::apply(qs, ks, v.to(ct), g.to(ct), beta.to(ct), S0, options.chunk_size);
-  return {out[0].to(v.scalar_type()), out[1]};
+  variable_list out = KdaChunkFunction::apply(q, k, v, g, beta, S0, Scale(options, d.K), options.chunk_size,
+                                              options.segment);
+  return {out[0], out[1]};
 }
 
 }  // namespace odyssey::kernels

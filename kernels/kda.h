@@ -27,6 +27,10 @@ namespace odyssey::kernels {
 struct KdaOptions {
   double scale = 0.0;       // on q; 0 = 1 / sqrt(K)
   int64_t chunk_size = 64;  // C of the chunked form; a positive multiple of 16 (spec: 32 or 64)
+  // Tokens per segment of KdaChunked, a positive multiple of chunk_size: the chunk-parallel work
+  // is batched over one segment's chunks, and the backward holds one segment's intermediates
+  // (fp32, ~ 10 tensors of (B, HV, segment, K) plus the per-chunk states) at a time.
+  int64_t segment = 32768;
 };
 
 // Returns (o, final state). Plain libtorch ops in a loop over t: differentiable by autograd
@@ -41,9 +45,12 @@ std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const t
 // the UT transform (WY representation) in parallel, between chunks a sequential fp32 state scan.
 // Lengths that are not a multiple of C are padded inside with g = 0, beta = 0, k = v = q = 0
 // tokens, which leave the state unchanged. Differentiable through a custom autograd Function whose
-// forward keeps only q, k, v, g, beta, h0 and the UT inverse T (no per-chunk or per-token states);
-// its backward recomputes the rest, reruns the state scan and runs the reverse scan of spec 1.4.
-// The final state's gradient (a state carried into a next call) flows back like o's.
+// forward keeps only the inputs (no copies) and the state entering each segment; its backward
+// recomputes a segment's chunk quantities, reruns its state scan and runs the reverse scan of
+// spec 1.4, segment by segment from the last. The final state's gradient (a state carried into a
+// next call) flows back like o's. On CUDA fp32 compute with C in {32, 64}, K in {32, 64, 128}
+// and V a multiple of 32, the two scans are the kernels of kernels/cuda/kda_scan.cu (when
+// FusedKernelsEnabled()); everything else is batched libtorch ops, on every device.
 // REQUIRES: shapes as in the file comment; g <= 0 (the stability argument of spec 1.5 needs it;
 // not checked per element).
 std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const torch::Tensor& k,

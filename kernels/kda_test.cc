@@ -20,6 +20,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "kernels/fused_ops.h"
+
 namespace odyssey::kernels {
 namespace {
 
@@ -33,8 +35,8 @@ double RelRms(const Tensor& x, const Tensor& ref) {
 
 struct Inputs {
   Tensor q, k, v, g, beta, h0;
-  Inputs To(torch::ScalarType t) const {
-    return {q.to(t), k.to(t), v.to(t), g.to(t), beta.to(t), h0.defined() ? h0.to(t) : Tensor()};
+  Inputs To(torch::ScalarType t, torch::Device d = torch::kCPU) const {
+    return {q.to(d, t), k.to(d, t), v.to(d, t), g.to(d, t), beta.to(d, t), h0.defined() ? h0.to(d, t) : Tensor()};
   }
 };
 
@@ -97,18 +99,24 @@ TEST(Kda, ChunkedForwardFp32WithinTwiceTheRecurrencesError) {
 
 // Gradients of q, k, v, g, beta, h0 through sum(o * dO) + sum(S_T * dS): the final state's
 // gradient is exercised too (a state carried into a next call).
-std::vector<Tensor> Grads(bool chunked, const Inputs& in, const Tensor& dO, const Tensor& dS, int64_t C = 64) {
+// With `forward`, o and S_T are appended (detached).
+std::vector<Tensor> Grads(bool chunked, const Inputs& in, const Tensor& dO, const Tensor& dS, const KdaOptions& opt,
+                          bool forward = false) {
   std::vector<Tensor> leaves{in.q.clone().requires_grad_(), in.k.clone().requires_grad_(),
                              in.v.clone().requires_grad_(), in.g.clone().requires_grad_(),
                              in.beta.clone().requires_grad_(), in.h0.clone().requires_grad_()};
-  KdaOptions opt;
-  opt.chunk_size = C;
   auto [o, s] = chunked ? KdaChunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], opt)
                         : KdaNaive(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], opt);
   ((o.to(dO.scalar_type()) * dO).sum() + (s.to(dS.scalar_type()) * dS).sum()).backward();
   std::vector<Tensor> g;
   for (const Tensor& l : leaves) g.push_back(l.grad());
+  if (forward) g.push_back(o.detach()), g.push_back(s.detach());
   return g;
+}
+std::vector<Tensor> Grads(bool chunked, const Inputs& in, const Tensor& dO, const Tensor& dS, int64_t C = 64) {
+  KdaOptions opt;
+  opt.chunk_size = C;
+  return Grads(chunked, in, dO, dS, opt);
 }
 
 const char* kGradNames[] = {"dq", "dk", "dv", "dg", "dbeta", "dh0"};
@@ -182,6 +190,75 @@ TEST(Kda, ChunkSize32EqualsChunkSize64) {
   EXPECT_LT(RelRms(sb, sa), 1e-12);
   std::vector<Tensor> g64 = Grads(true, in, dO, dS, 64), g32 = Grads(true, in, dO, dS, 32);
   for (size_t i = 0; i < g64.size(); ++i) EXPECT_LT(RelRms(g32[i], g64[i]), 1e-10) << kGradNames[i];
+}
+
+// Segments (KdaOptions::segment) change the batching and what the backward holds, not the math:
+// segments of 3 chunks (the last one partial) and of one chunk against one segment, forward and
+// every gradient, in fp64.
+TEST(Kda, SegmentsEqualOneSegmentFp64) {
+  const Case c{1, 2, 4, 200, 60, 40, -0.5};
+  Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 11);
+  Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+  Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+  KdaOptions whole;
+  whole.chunk_size = 16;
+  std::vector<Tensor> ref = Grads(true, in, dO, dS, whole, /*forward=*/true);
+  for (int64_t segment : {48, 16}) {
+    KdaOptions opt = whole;
+    opt.segment = segment;
+    std::vector<Tensor> got = Grads(true, in, dO, dS, opt, /*forward=*/true);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
+      EXPECT_LT(RelRms(got[i], ref[i]), 1e-12) << "segment " << segment << " " << what;
+    }
+  }
+  KdaOptions bad = whole;
+  bad.segment = 40;
+  try {
+    KdaChunked(in.q, in.k, in.v, in.g, in.beta, in.h0, bad);
+    ADD_FAILURE() << "a segment that is not a multiple of chunk_size was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("segment (40) must be a positive multiple of chunk_size (16)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// On CUDA the two state scans are kernels/cuda/kda_scan.cu's. Their results, forward and every
+// gradient, against the fp64 truth: within twice the error of the libtorch scans on the same
+// device (the house bar; the dg floor as in the fp32 backward test above). Every supported
+// (C, K), lengths that are not a multiple of C, several segments, HV > H, h0 and a final-state
+// gradient; the launch counter shows the kernels ran.
+TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 1, 2, 1000, 64, 96, -5.0},
+                        Case{1, 2, 2, 200, 32, 32, -0.02}}) {
+    for (int64_t C : {64, 32}) {
+      Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 12);
+      Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+      Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+      KdaOptions opt;
+      opt.chunk_size = C;
+      opt.segment = 4 * C;
+      std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
+      Inputs f = in.To(torch::kFloat32, torch::kCUDA);
+      Tensor dOf = dO.to(torch::kCUDA, torch::kFloat32), dSf = dS.to(torch::kCUDA, torch::kFloat32);
+      SetFusedKernels(false);
+      std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      SetFusedKernels(true);
+      const int64_t launches = FusedKernelLaunches();
+      std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      EXPECT_GE(FusedKernelLaunches() - launches, 2) << Name(c) << " C" << C << ": the scan kernels did not run";
+      for (size_t i = 0; i < truth.size(); ++i) {
+        const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
+        const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+        EXPECT_LE(RelRms(got[i].cpu(), truth[i]), 2 * RelRms(ref[i].cpu(), truth[i]) + floor)
+            << Name(c) << " C" << C << " " << what;
+      }
+    }
+  }
 }
 
 // The special cases of spec 4, each against its own recurrence written out here (so a shared

@@ -1,0 +1,47 @@
+// Launchers of the sequential part of chunked KDA (kernels/cuda/kda_scan.cu): the inter-chunk
+// fp32 state scan of ../shared/specs/hybrid-attention.md 1.3 steps 3-4 and its reverse scan
+// (1.4 step 3). Everything chunk-local (the UT transform, the decayed Grams, the parameter
+// gradients given the states) is batched matmuls over all chunks at once in kernels/kda.cc; only
+// the chain S_c -> S_{c+1} is inherently sequential, and these kernels run it with the state in
+// shared memory, one thread block per (batch x head, 32 value columns): value columns of the
+// state never mix, so a head's V columns split across blocks.
+//
+// Raw device pointers (no CUDA or libtorch headers here), all fp32 and contiguous, BH = batch x
+// value heads, N chunks of C tokens:
+//   W, kg, qg (BH, N, C, K)   U, vt, o, dO, P, dvt (BH, N, C, V)   Aqk (BH, N, C, C)
+//   eGC (BH, N, K)            states, dS (BH, N, K, V)             h0, hN, dSN, dS0 (BH, K, V)
+// Supported: C in {32, 64}, K in {32, 64, 128}, V a multiple of 32, 16-byte aligned pointers
+// (ScanSupported says). Each launcher returns the launch's cudaError_t as an int (0 = success).
+// Only built with ODYSSEY_CUDA.
+#pragma once
+
+#include <cstdint>
+
+namespace odyssey::kernels::cuda {
+
+bool KdaScanSupported(int64_t C, int64_t K, int64_t V);
+
+// Forward scan from h0 (null = zeros). Per chunk c with S the state before it:
+//   vt_c = U_c - W_c S,  o_c = qg_c S + Aqk_c vt_c,  S <- eGC_c (.) S + kg_c^T vt_c.
+// qg, Aqk and o may be null together (no output: the backward's recompute of the states); vt and
+// states (S before each chunk) are written where not null. hN gets the final state.
+struct KdaScanForwardArgs {
+  const float *W, *U, *kg, *eGC, *qg, *Aqk, *h0;
+  float *o, *vt, *states, *hN;
+  int64_t BH, N, C, K, V;
+};
+int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
+
+// Reverse scan from dSN (the gradient of the final state; null = zeros), chunks N-1 down to 0,
+// with dS the gradient of the state after chunk c and P_c = Aqk_c^T dO_c:
+//   dS_c = dS (written out),  dvt_c = P_c + kg_c dS,
+//   dS <- eGC_c (.) dS + qg_c^T dO_c - W_c^T dvt_c.
+// dS0 gets the gradient of h0.
+struct KdaScanBackwardArgs {
+  const float *W, *kg, *eGC, *qg, *dO, *P, *dSN;
+  float *dvt, *dS, *dS0;
+  int64_t BH, N, C, K, V;
+};
+int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
+
+}  // namespace odyssey::kernels::cuda
