@@ -310,6 +310,18 @@ Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool st
   Tensor tri = torch::ones({kSub, kSub}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
                    .tril(strict ? -1 : 0);  // (16, 16) [i, j] kept where j < i (or <=)
   Tensor tri3 = tri.unsqueeze(-1);
+  // The diagonal blocks as one matmul each around the block's middle row m,
+  // exp(G_i - G_m) * exp(G_m - G_j), when no block decays by more than kMaxBlockDecay in any
+  // channel: every factor is then within exp(+-kMaxBlockDecay) (finite and exact to rounding in
+  // fp32), and the product's rounding is that of the element-wise form. Stronger decay (a gate
+  // far below the layer's bounded one) takes the element-wise form, which only forms exponents
+  // <= 0. One reduction decides for the whole call.
+  constexpr double kMaxBlockDecay = 60.0;
+  const bool diag_matmul = [&] {
+    torch::NoGradGuard no_grad;
+    Tensor Gb = G.detach().unflatten(-2, {nb, kSub});
+    return (Gb.select(-2, 0) - Gb.select(-2, kSub - 1)).max().item<double>() <= kMaxBlockDecay;
+  }();
   std::vector<Tensor> rows;
   for (int64_t bi = 0; bi < nb; ++bi) {
     const int64_t r0 = bi * kSub;
@@ -322,11 +334,17 @@ Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool st
       Tensor b = y.narrow(-2, 0, r0) * (Gr - G.narrow(-2, 0, r0)).exp();  // (..., r0, K)
       parts.push_back(a.matmul(b.transpose(-1, -2)));              // (..., 16, r0)
     }
-    // The diagonal block element-wise; the exponent is masked to 0 above the diagonal before exp
-    // (it would be positive there), then the product masked to 0.
-    Tensor diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3);  // (..., 16, 16, K) [i, j] = G_i - G_j
-    Tensor e = torch::where(tri3, diff, torch::zeros({}, diff.options())).exp() * tri3;
-    parts.push_back((xi.unsqueeze(-2) * yi.unsqueeze(-3) * e).sum(-1));  // (..., 16, 16)
+    if (diag_matmul) {
+      Tensor Gm = Gi.narrow(-2, kSub / 2, 1);  // (..., 1, K)
+      Tensor blk = (xi * (Gi - Gm).exp()).matmul((yi * (Gm - Gi).exp()).transpose(-1, -2));  // (..., 16, 16)
+      parts.push_back(torch::where(tri, blk, torch::zeros({}, blk.options())));
+    } else {
+      // Element-wise; the exponent is masked to 0 above the diagonal before exp (it would be
+      // positive there), then the product masked to 0.
+      Tensor diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3);  // (..., 16, 16, K) [i, j] = G_i - G_j
+      Tensor e = torch::where(tri3, diff, torch::zeros({}, diff.options())).exp() * tri3;
+      parts.push_back((xi.unsqueeze(-2) * yi.unsqueeze(-3) * e).sum(-1));  // (..., 16, 16)
+    }
     if (bi < nb - 1) {
       std::vector<int64_t> shape(xi.sizes().begin(), xi.sizes().end());
       shape.back() = C - r0 - kSub;

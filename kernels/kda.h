@@ -60,9 +60,11 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G
-// non-increasing along C (a cumulative sum of g <= 0). Only exponents <= 0 are ever formed: the
-// 16x16 diagonal blocks element-wise, the blocks below them as one matmul each with the
-// block's first row r as reference, exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1 (spec 1.5).
+// non-increasing along C (a cumulative sum of g <= 0). The blocks below the 16x16 diagonal ones
+// are one matmul each with the block's first row r as reference, exp(G_i - G_r) * exp(G_r - G_j),
+// both factors <= 1 (spec 1.5). The diagonal blocks are one matmul each around their middle row
+// when no 16-token block decays by more than 60 (e-folds) in any channel (factors within
+// exp(+-60): finite, exact to rounding); otherwise element-wise, forming only exponents <= 0.
 // Exposed for the test of intermediates.
 torch::Tensor KdaDecayedGram(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& G, bool strict);
 

@@ -324,13 +324,17 @@ TEST(Kda, Bf16InputsComputeInFp32) {
   EXPECT_LT(RelRms(s_h, s_f), 1e-5);   // the state never leaves fp32
 }
 
+// Both forms of the diagonal blocks: per-token decay up to 1 (blocks decay by < 16: the matmul
+// around the middle row) and up to 8 (blocks decay by up to 128 > 60: element-wise).
 TEST(Kda, DecayedGramEqualsItsDefinition) {
   torch::manual_seed(10);
-  Tensor x = torch::randn({3, 64, 20}, torch::kFloat64), y = torch::randn({3, 64, 20}, torch::kFloat64);
-  Tensor G = (-torch::rand({3, 64, 20}, torch::kFloat64)).cumsum(1);
-  Tensor full = (x.unsqueeze(2) * y.unsqueeze(1) * (G.unsqueeze(2) - G.unsqueeze(1)).exp()).sum(-1);  // [i, j]
-  EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, false), full.tril(0)), 1e-13);
-  EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, true), full.tril(-1)), 1e-13);
+  for (double decay : {1.0, 8.0}) {
+    Tensor x = torch::randn({3, 64, 20}, torch::kFloat64), y = torch::randn({3, 64, 20}, torch::kFloat64);
+    Tensor G = (-decay * torch::rand({3, 64, 20}, torch::kFloat64)).cumsum(1);
+    Tensor full = (x.unsqueeze(2) * y.unsqueeze(1) * (G.unsqueeze(2) - G.unsqueeze(1)).exp()).sum(-1);  // [i, j]
+    EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, false), full.tril(0)), 1e-13) << "decay " << decay;
+    EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, true), full.tril(-1)), 1e-13) << "decay " << decay;
+  }
 }
 
 }  // namespace
