@@ -13,6 +13,10 @@
 # every mutated file is byte-for-byte what it was before.
 #
 # Usage: scripts/mutants.sh [NAME_REGEX]   (needs build/ configured and built: scripts/build.sh)
+#        scripts/mutants.sh --lines          (no build: only checks that every entry's file exists
+#                                             and holds its `from` line exactly once; the test
+#                                             suite runs it as ctest `mutant_lines`, so a moved
+#                                             line fails in seconds, not after the whole check)
 # Environment: ODYSSEY_MUTANT_JOBS (ninja -j, default 2), ODYSSEY_MUTANT_TIMEOUT (seconds per
 # test run, default 600), ODYSSEY_MUTANT_WHOLE=1 (run each mutant's whole test binary or
 # unittest file instead of the one named test: how the "before" counts in docs/architecture.md
@@ -21,12 +25,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 only="${1:-}"
+lines_only=0
+if [ "$only" = "--lines" ]; then lines_only=1; only=""; fi
 jobs="${ODYSSEY_MUTANT_JOBS:-2}"
 limit="${ODYSSEY_MUTANT_TIMEOUT:-600}"
 table="scripts/mutants.txt"
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
-[ -f build/build.ninja ] || { echo "mutants: build/ is not configured (run scripts/build.sh first)" >&2; exit 2; }
+[ "$lines_only" = 1 ] || [ -f build/build.ninja ] || { echo "mutants: build/ is not configured (run scripts/build.sh first)" >&2; exit 2; }
 
 backup_dir="$(mktemp -d)"
 current=""  # the file mutated right now (restored by the trap)
@@ -83,6 +89,22 @@ while IFS= read -r line || [ -n "$line" ]; do
   esac
 done < "$table"
 flush
+
+if [ "$lines_only" = 1 ]; then
+  bad=0
+  for i in "${!names[@]}"; do
+    f="${files[$i]}"
+    if [ ! -f "$f" ]; then echo "mutant ${names[$i]}: BROKEN: $f does not exist"; bad=$((bad + 1)); continue; fi
+    n=$(python3 -c 'import sys; print(open(sys.argv[1]).read().split("\n").count(sys.argv[2]))' "$f" "${froms[$i]}")
+    if [ "$n" != 1 ]; then
+      echo "mutant ${names[$i]}: BROKEN: its line occurs $n times in $f (want exactly 1): ${froms[$i]## }"
+      bad=$((bad + 1))
+    fi
+  done
+  echo "mutants: ${#names[@]} entries, $bad with a missing or repeated line"
+  [ "$bad" -eq 0 ]
+  exit
+fi
 
 killed=0 survived=() broken=() targets=() sums=()
 start=$(date +%s)
