@@ -3,7 +3,8 @@
 //   - KDA: kernels::KdaChunked (C = 64) over T tokens, 24 heads of 128, bf16 inputs, with its
 //     state scans as the CUDA kernels of kernels/cuda/kda_scan.cu and, up to
 //     --reference-tokens, as the libtorch loops; the same shapes as bench/fla_kda_bench.py times
-//     fla's chunk_kda with.
+//     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
+//     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128)
 //     against dense causal SDPA (cuDNN/flash through ATen) over the same number of keys (queries
 //     of a W-token window attending to all of it), as TFLOP/s of the work each does:
@@ -13,6 +14,7 @@
 //   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --ops kda,sparse,dense --json out/hybrid.jsonl
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -21,6 +23,7 @@
 
 #include <torch/torch.h>
 
+#include "engine/profiler.h"
 #include "kernels/dsa.h"
 #include "kernels/fused_ops.h"
 #include "kernels/kda.h"
@@ -54,7 +57,7 @@ std::vector<int64_t> ParseList(const std::string& s) {
 int main(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
-  std::string json, ops = "kda,sparse,dense";
+  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -66,14 +69,20 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = v;
     else if (a == "--ops") ops = "," + v + ",";
     else if (a == "--reference-tokens") reference_tokens = std::stoll(v);
+    else if (a == "--gate") gate = v;
+    else if (a == "--profile") profile_dir = v;
     else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --json)\n", a.c_str());
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --json)\n", a.c_str());
       return 2;
     }
   }
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "odyssey-hybrid-bench: needs a CUDA device\n");
     return 1;
+  }
+  if (gate != "mild" && gate != "strong") {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", gate.c_str());
+    return 2;
   }
   if (ops.front() != ',') ops = "," + ops + ",";
   {
@@ -102,7 +111,11 @@ int main(int argc, char** argv) {
       auto k = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
                                                 torch::nn::functional::NormalizeFuncOptions().dim(-1));
       auto v = torch::randn({1, heads, T, dim}, bf16);
-      auto g = torch::log_sigmoid(torch::randn({1, heads, T, dim}, bf16.dtype(torch::kFloat32)) + 4.0);
+      // mild: logsigmoid(x + 4), ~0.025 e-folds a token (a chunk of 64 decays ~1.6: the Grams'
+      // whole-chunk form); strong: the safe gate's range, -5 sigmoid(x), ~2.5 a token (~160 a
+      // chunk, ~40 a 16-token sub-block: the sub-block form).
+      auto x = torch::randn({1, heads, T, dim}, bf16.dtype(torch::kFloat32));
+      auto g = gate == "mild" ? torch::log_sigmoid(x + 4.0) : -5.0 * torch::sigmoid(x);
       auto beta = torch::sigmoid(torch::randn({1, heads, T}, bf16));
       for (auto* t : {&q, &k, &v, &g, &beta}) t->requires_grad_(true);
       auto dout = torch::randn({1, heads, T, dim}, bf16);
@@ -115,11 +128,35 @@ int main(int argc, char** argv) {
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
       }, static_cast<int>(iters));
-      std::printf("| KDA chunked, %s scans | %lld | %.1f | %.1f | %.0f | |\n", kernels ? "CUDA kernel" : "libtorch",
-                  static_cast<long long>(T), fwd * 1e3, both * 1e3, static_cast<double>(T) / both);
+      std::printf("| KDA chunked, %s scans, %s gate | %lld | %.1f | %.1f | %.0f | |\n",
+                  kernels ? "CUDA kernel" : "libtorch", gate.c_str(), static_cast<long long>(T), fwd * 1e3,
+                  both * 1e3, static_cast<double>(T) / both);
       std::fflush(stdout);
+      if (!profile_dir.empty() && kernels && T == tokens.back()) {
+        // One more forward + backward under the profiler: kda.cc's phases ("kda forward",
+        // "kda backward: ...") and every kernel; bench/profile_report.py summarizes the trace.
+        std::error_code ec;
+        std::filesystem::create_directories(profile_dir, ec);
+        const std::string trace = profile_dir + "/kda_trace.json";
+        if (absl::Status st = odyssey::engine::StartProfile(/*cuda=*/true, /*memory=*/false); !st.ok()) {
+          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+        {
+          auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
+          torch::autograd::backward({o}, {dout});
+          for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
+        }
+        torch::cuda::synchronize();
+        if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
+          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+        std::fprintf(stderr, "odyssey-hybrid-bench: profiled one KDA forward + backward at %lld tokens: %s\n",
+                     static_cast<long long>(T), trace.c_str());
+      }
       odyssey::kernels::SetFusedKernels(true);
-      Json(json, std::string("{\"op\":\"") + (kernels ? "kda_chunked_kernel" : "kda_chunked_libtorch") + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
+      Json(json, std::string("{\"op\":\"") + (kernels ? "kda_chunked_kernel" : "kda_chunked_libtorch") + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -243,7 +244,13 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       entry.push_back(S);
       Segment x = Prepare(q.narrow(2, t0, len), k.narrow(2, t0, len), v.narrow(2, t0, len), g.narrow(2, t0, len),
                           beta.narrow(2, t0, len), ct, HV, scale);
-      Intra in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+      // (Profiler phases: user scopes, free when no profiler runs.)
+      Intra in;
+      {
+        RECORD_USER_SCOPE("kda forward: intra");
+        in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+      }
+      RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
       o.narrow(2, t0, len).copy_(r.o.reshape({r.o.size(0), r.o.size(1), -1, r.o.size(-1)}).narrow(2, 0, len));
       S = r.S;
@@ -271,11 +278,14 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
       Intra in;
       {
+        RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::AutoGradMode enable(true);
         Segment x = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
         in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
       }
       torch::NoGradGuard no_grad;
+      at::RecordFunction scans(at::RecordScope::USER_SCOPE);
+      if (scans.isActive()) scans.before("kda backward: scans and chunk gradients");
       ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
       Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct), C)
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)
@@ -287,6 +297,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       Tensor dkg = f.vt.matmul(r.dS.transpose(-1, -2));
       Tensor dAqk = dO.matmul(f.vt.transpose(-1, -2));
       Tensor deGC = (f.states * r.dS).sum(-1);
+      scans.end();
+      RECORD_USER_SCOPE("kda backward: intra autograd");
       // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
       // chunk-parallel graph built above.
       variable_list d = torch::autograd::grad({in.qg, in.kg, in.W, in.U, in.Aqk, in.eGC}, leaves,
@@ -303,25 +315,36 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
 
 }  // namespace
 
+KdaGramForm KdaDecayedGramForm(const Tensor& G) {
+  constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits
+  const int64_t C = G.size(-2);
+  TORCH_CHECK(C % kSub == 0, "KdaDecayedGram: C (", C, ") must be a multiple of ", kSub);
+  torch::NoGradGuard no_grad;
+  Tensor Gb = G.detach().unflatten(-2, {C / kSub, kSub});
+  // One reduction, one sync: the largest decay of a whole chunk and of a sub-block.
+  Tensor d = torch::stack({(G.detach().select(-2, 0) - G.detach().select(-2, C - 1)).max(),
+                           (Gb.select(-2, 0) - Gb.select(-2, kSub - 1)).max()})
+                 .cpu();
+  const double chunk = d[0].item<double>(), block = d[1].item<double>();
+  if (chunk <= kMaxDecay) return KdaGramForm::kWholeChunk;
+  return block <= kMaxDecay ? KdaGramForm::kSubBlocks : KdaGramForm::kElementwiseDiagonal;
+}
+
 Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict) {
   const int64_t C = x.size(-2);
-  TORCH_CHECK(C % kSub == 0, "KdaDecayedGram: C (", C, ") must be a multiple of ", kSub);
+  const KdaGramForm form = KdaDecayedGramForm(G);
+  if (form == KdaGramForm::kWholeChunk) {
+    Tensor Gm = G.narrow(-2, C / 2, 1);  // (..., 1, K)
+    Tensor m = (x * (G - Gm).exp()).matmul((y * (Gm - G).exp()).transpose(-1, -2));  // (..., C, C)
+    Tensor tri = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
+                     .tril(strict ? -1 : 0);
+    return torch::where(tri, m, torch::zeros({}, m.options()));
+  }
   const int64_t nb = C / kSub;
   Tensor tri = torch::ones({kSub, kSub}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
                    .tril(strict ? -1 : 0);  // (16, 16) [i, j] kept where j < i (or <=)
   Tensor tri3 = tri.unsqueeze(-1);
-  // The diagonal blocks as one matmul each around the block's middle row m,
-  // exp(G_i - G_m) * exp(G_m - G_j), when no block decays by more than kMaxBlockDecay in any
-  // channel: every factor is then within exp(+-kMaxBlockDecay) (finite and exact to rounding in
-  // fp32), and the product's rounding is that of the element-wise form. Stronger decay (a gate
-  // far below the layer's bounded one) takes the element-wise form, which only forms exponents
-  // <= 0. One reduction decides for the whole call.
-  constexpr double kMaxBlockDecay = 60.0;
-  const bool diag_matmul = [&] {
-    torch::NoGradGuard no_grad;
-    Tensor Gb = G.detach().unflatten(-2, {nb, kSub});
-    return (Gb.select(-2, 0) - Gb.select(-2, kSub - 1)).max().item<double>() <= kMaxBlockDecay;
-  }();
+  const bool diag_matmul = form == KdaGramForm::kSubBlocks;
   std::vector<Tensor> rows;
   for (int64_t bi = 0; bi < nb; ++bi) {
     const int64_t r0 = bi * kSub;

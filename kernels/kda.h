@@ -60,12 +60,19 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G
-// non-increasing along C (a cumulative sum of g <= 0). The blocks below the 16x16 diagonal ones
-// are one matmul each with the block's first row r as reference, exp(G_i - G_r) * exp(G_r - G_j),
-// both factors <= 1 (spec 1.5). The diagonal blocks are one matmul each around their middle row
-// when no 16-token block decays by more than 60 (e-folds) in any channel (factors within
-// exp(+-60): finite, exact to rounding); otherwise element-wise, forming only exponents <= 0.
-// Exposed for the test of intermediates.
+// non-increasing along C (a cumulative sum of g <= 0). Three forms, one chosen per call by one
+// reduction of G (KdaDecayedGramForm):
+//  - kWholeChunk, when no chunk decays by more than 60 (e-folds) in any channel: the whole C x C
+//    product is one matmul around the chunk's middle row m, exp(G_i - G_m) * exp(G_m - G_j),
+//    every factor within exp(+-60) (finite, exact to rounding in fp32), then masked;
+//  - otherwise by 16-token sub-blocks (spec 1.5): the blocks below the diagonal ones are one
+//    matmul each with the block's first row r as reference, both factors <= 1, and the diagonal
+//    blocks one matmul each around their middle row when no sub-block decays by more than 60
+//    (kSubBlocks), or element-wise, forming only exponents <= 0 (kElementwiseDiagonal).
+// Every form's rounding is of the order of the element-wise definition's. Exposed for the test of
+// intermediates.
+enum class KdaGramForm { kWholeChunk, kSubBlocks, kElementwiseDiagonal };
+KdaGramForm KdaDecayedGramForm(const torch::Tensor& G);
 torch::Tensor KdaDecayedGram(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& G, bool strict);
 
 }  // namespace odyssey::kernels

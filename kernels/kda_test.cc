@@ -328,9 +328,16 @@ TEST(Kda, Bf16InputsComputeInFp32) {
 // around the middle row) and up to 8 (blocks decay by up to 128 > 60: element-wise).
 TEST(Kda, DecayedGramEqualsItsDefinition) {
   torch::manual_seed(10);
-  for (double decay : {1.0, 8.0}) {
+  // Per-token decay uniform in [0, decay]: a chunk of 64 decays by ~32 e-folds at 1 (one matmul
+  // for the whole chunk), ~80 at 2.5 (16-token sub-blocks, diagonal blocks as matmuls: ~20 per
+  // sub-block) and ~256 at 8 (sub-blocks of ~64: element-wise diagonal blocks).
+  const std::vector<std::pair<double, KdaGramForm>> cases = {{1.0, KdaGramForm::kWholeChunk},
+                                                             {2.5, KdaGramForm::kSubBlocks},
+                                                             {8.0, KdaGramForm::kElementwiseDiagonal}};
+  for (const auto& [decay, form] : cases) {
     Tensor x = torch::randn({3, 64, 20}, torch::kFloat64), y = torch::randn({3, 64, 20}, torch::kFloat64);
     Tensor G = (-decay * torch::rand({3, 64, 20}, torch::kFloat64)).cumsum(1);
+    EXPECT_EQ(KdaDecayedGramForm(G), form) << "decay " << decay;
     Tensor full = (x.unsqueeze(2) * y.unsqueeze(1) * (G.unsqueeze(2) - G.unsqueeze(1)).exp()).sum(-1);  // [i, j]
     EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, false), full.tril(0)), 1e-13) << "decay " << decay;
     EXPECT_LT(RelRms(KdaDecayedGram(x, y, G, true), full.tril(-1)), 1e-13) << "decay " << decay;
