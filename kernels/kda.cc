@@ -79,29 +79,111 @@ Tensor Chunk(const Tensor& x, int64_t C) {
   return p.reshape(shape);
 }
 
-// q already scaled and expanded to HV heads; all in the compute dtype.
+Tensor DecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict, KdaGramForm form);
+
+// What the hand-written backward of the whole-chunk form (IntraBackward) reads, kept by
+// ComputeIntra when asked: every tensor (B, HV, N, C, .) of the segment's chunks.
+struct IntraCache {
+  Tensor qc, kc, vc, bc;  // the chunked inputs (bc: beta (.., C, 1))
+  Tensor eG;              // exp(G)
+  Tensor Ep, Em;          // exp(G - G_0), exp(G_0 - G) against the chunk's first row
+  Tensor qp, kp, km;      // q * Ep, k * Ep, k * Em
+  Tensor Lkk;             // strict-lower (k Ep)(k Em)^T: A_kk before beta's row scaling
+  Tensor X, Y;            // beta k exp(G), beta v: W = T X, U = T Y
+  Tensor EC;              // exp(G_C - G): kg = k * EC
+};
+
+// q already scaled and expanded to HV heads; all in the compute dtype. With `cache` (the
+// backward's recompute, no autograd) and the whole-chunk Gram form, keeps what IntraBackward
+// reads and returns true; false when the form is another one (the caller then differentiates
+// the graph by autograd).
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                   int64_t C) {
+                   int64_t C, IntraCache* cache = nullptr, bool* cached = nullptr) {
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
   Tensor G = Chunk(g, C).cumsum(-2);             // (B, HV, N, C, K) chunk-local, fp32/fp64
   Tensor bc = Chunk(beta, C).unsqueeze(-1);      // (B, HV, N, C, 1)
   Tensor eG = G.exp();                           // <= 1
-  Tensor Akk = KdaDecayedGram(kc, kc, G, /*strict=*/true) * bc;  // (B, HV, N, C, C)
-  Tensor I = torch::eye(C, Akk.options());
+  const KdaGramForm form = KdaDecayedGramForm(G);
   Intra in;
+  Tensor Akk;
+  if (cache != nullptr && form == KdaGramForm::kWholeChunk) {
+    // DecayedGram's whole-chunk form, its factors kept for the backward.
+    IntraCache& c = *cache;
+    Tensor G0 = G.narrow(-2, 0, 1);
+    c.Ep = (G - G0).exp(), c.Em = (G0 - G).exp();
+    c.qp = qc * c.Ep, c.kp = kc * c.Ep, c.km = kc * c.Em;
+    Tensor strict = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).tril(-1);
+    Tensor tri = torch::ones({C, C}, strict.options()).tril(0);
+    Tensor kmT = c.km.transpose(-1, -2);
+    c.Lkk = torch::where(strict, c.kp.matmul(kmT), torch::zeros({}, kc.options()));
+    Akk = c.Lkk * bc;
+    in.Aqk = torch::where(tri, c.qp.matmul(kmT), torch::zeros({}, kc.options()));
+    c.qc = qc, c.kc = kc, c.vc = vc, c.bc = bc, c.eG = eG;
+    if (cached != nullptr) *cached = true;
+  } else {
+    Akk = DecayedGram(kc, kc, G, /*strict=*/true, form) * bc;  // (B, HV, N, C, C)
+    in.Aqk = DecayedGram(qc, kc, G, /*strict=*/false, form);
+    if (cached != nullptr) *cached = false;
+  }
+  Tensor I = torch::eye(C, Akk.options());
   // (I + A_kk) is unit lower triangular: its inverse by forward substitution (batched trsm in
   // the compute dtype), differentiable (dT = -T dA T) for the backward's graph.
   in.T = torch::linalg_solve_triangular(I + Akk, I.expand_as(Akk), /*upper=*/false, /*left=*/true,
                                         /*unitriangular=*/true);
-  in.W = in.T.matmul(bc * kc * eG);
-  in.U = in.T.matmul(bc * vc);
+  Tensor X = bc * kc * eG, Y = bc * vc;
+  in.W = in.T.matmul(X);
+  in.U = in.T.matmul(Y);
+  if (cache != nullptr) cache->X = X, cache->Y = Y;
   Tensor GC = G.narrow(-2, C - 1, 1);  // (B, HV, N, 1, K)
-  in.kg = kc * (GC - G).exp();         // exponent <= 0
+  Tensor EC = (GC - G).exp();          // exponent <= 0
+  in.kg = kc * EC;
+  if (cache != nullptr) cache->EC = EC;
   in.qg = qc * eG;
-  in.Aqk = KdaDecayedGram(qc, kc, G, /*strict=*/false);
   in.eGC = GC.squeeze(-2).exp();
   return in;
+}
+
+// The gradients of one segment's chunk-parallel inputs (B, HV, len, .) in the compute dtype (q
+// as scaled and expanded, k expanded) from those of the chunk quantities, for the whole-chunk
+// Gram form: spec 1.4 steps 4-6 by hand (the UT inverse, the Grams against the first row, the
+// gates and beta, the chunk-local cumsum), each a batched product or one element-wise pass.
+struct IntraGrads {
+  Tensor dq, dk, dv, dg, dbeta;
+};
+IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg, const Tensor& dkg,
+                         const Tensor& dW, const Tensor& dU, const Tensor& dAqk, const Tensor& deGC, int64_t len) {
+  const int64_t C = in.T.size(-1);
+  Tensor TT = in.T.transpose(-1, -2);
+  // W = T X, U = T Y; T = M^-1 with M = I + A_kk unit lower: dM = -T^T dT T^T on the strict part.
+  Tensor dT = dW.matmul(c.X.transpose(-1, -2)) + dU.matmul(c.Y.transpose(-1, -2));
+  Tensor dX = TT.matmul(dW), dY = TT.matmul(dU);
+  Tensor strict = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(dT.device())).tril(-1);
+  Tensor tri = torch::ones({C, C}, strict.options()).tril(0);
+  Tensor zero = torch::zeros({}, dT.options());
+  Tensor dAkk = torch::where(strict, -TT.matmul(dT).matmul(TT), zero);
+  // A_kk = diag(beta) L_kk; L_kk = strict((k Ep)(k Em)^T), A_qk = lower((q Ep)(k Em)^T).
+  Tensor dbeta = (dAkk * c.Lkk).sum(-1) + (dX * c.kc * c.eG).sum(-1) + (dY * c.vc).sum(-1);  // (.., C)
+  Tensor dL = dAkk * c.bc;
+  Tensor dA = torch::where(tri, dAqk, zero);
+  Tensor dkp = dL.matmul(c.km), dqp = dA.matmul(c.km);
+  Tensor dkm = dL.transpose(-1, -2).matmul(c.kp) + dA.transpose(-1, -2).matmul(c.qp);
+  Tensor kg = in.kg, qg = in.qg;
+  Tensor dq = dqp * c.Ep + dqg * c.eG;
+  Tensor dk = dkp * c.Ep + dkm * c.Em + dX * c.bc * c.eG + dkg * c.EC;
+  Tensor dv = dY * c.bc;
+  // dG: every factor's exponent; the last row's G_C gets the sum of the kg terms it enters with
+  // the opposite sign. The reference row G_0 needs no such term: a Gram depends on differences
+  // G_i - G_j only, so its terms sum to zero over the chunk.
+  Tensor dkgkg = dkg * kg;
+  Tensor dG = dqp * c.qp + dkp * c.kp - dkm * c.km + dX * c.X - dkgkg + dqg * qg;
+  dG.narrow(-2, C - 1, 1).add_(dkgkg.sum(-2, /*keepdim=*/true) + (deGC * in.eGC).unsqueeze(-2));
+  // G = cumsum(g) within the chunk: dg_r = sum_{i >= r} dG_i.
+  Tensor dg = dG.flip(-2).cumsum(-2).flip(-2);
+  auto unchunk = [len](const Tensor& t) {  // (B, HV, N, C, D) -> (B, HV, len, D)
+    return t.flatten(2, 3).narrow(2, 0, len);
+  };
+  return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
 }
 
 // The inter-chunk scan (spec 1.3 steps 3-4) of one segment's chunks, all (B, HV, n, ., .).
@@ -229,7 +311,8 @@ Segment Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
 // themselves (no copies) and the state entering each segment; the backward recomputes a
 // segment's chunk quantities (spec 1.3's list, the UT inverse included), reruns its state scan
 // from the saved entry state, runs the reverse scan and gets the parameter gradients of the
-// chunk quantities as batched products, then autograd of the chunk-parallel graph.
+// chunk quantities as batched products, then the backward of the chunk-parallel graph: by hand
+// (IntraBackward) for the whole-chunk Gram form, by autograd of the recomputed graph otherwise.
 struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g, const Tensor& beta, const Tensor& h0, double scale, int64_t C,
@@ -268,20 +351,35 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     const int64_t C = ctx->saved_data["C"].toInt(), segment = ctx->saved_data["segment"].toInt();
     const Tensor& entry = s[5];  // (segments, B, HV, K, V)
     const auto ct = entry.scalar_type();
-    const int64_t T = s[0].size(2), HV = s[2].size(1);
+    const int64_t T = s[0].size(2), H = s[0].size(1), HV = s[2].size(1);
     variable_list dx;
     for (int i = 0; i < 5; ++i) dx.push_back(torch::zeros_like(s[i]));
     Tensor dS = grads[1].defined() ? grads[1].to(ct) : torch::zeros_like(entry[0]);  // (B, HV, K, V)
     for (int64_t seg = entry.size(0) - 1; seg >= 0; --seg) {
       const int64_t t0 = seg * segment, len = std::min(segment, T - t0);
+      // The whole-chunk Gram form (no chunk decays by more than 60 e-folds) is differentiated by
+      // hand from a recompute without autograd (IntraBackward); the sub-block forms by autograd
+      // of the recomputed graph.
+      const bool by_hand =
+          KdaDecayedGramForm(Chunk(s[3].narrow(2, t0, len).to(ct), C).cumsum(-2)) == KdaGramForm::kWholeChunk;
       variable_list leaves;
-      for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
       Intra in;
+      IntraCache cache;
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
-        torch::AutoGradMode enable(true);
-        Segment x = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
-        in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+        if (by_hand) {
+          torch::NoGradGuard no_grad;
+          Segment x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
+                              s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
+          bool cached = false;
+          in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C, &cache, &cached);
+          TORCH_CHECK(cached, "KDA backward: the Gram form changed between two evaluations of the same gates");
+        } else {
+          for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
+          torch::AutoGradMode enable(true);
+          Segment x = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
+          in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+        }
       }
       torch::NoGradGuard no_grad;
       at::RecordFunction scans(at::RecordScope::USER_SCOPE);
@@ -298,14 +396,24 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       Tensor dAqk = dO.matmul(f.vt.transpose(-1, -2));
       Tensor deGC = (f.states * r.dS).sum(-1);
       scans.end();
-      RECORD_USER_SCOPE("kda backward: intra autograd");
-      // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
-      // chunk-parallel graph built above.
-      variable_list d = torch::autograd::grad({in.qg, in.kg, in.W, in.U, in.Aqk, in.eGC}, leaves,
-                                              {dqg, dkg, dW, r.dvt, dAqk, deGC}, /*retain_graph=*/false,
-                                              /*create_graph=*/false, /*allow_unused=*/true);
-      for (int i = 0; i < 5; ++i) {
-        if (d[i].defined()) dx[i].narrow(2, t0, len).copy_(d[i]);
+      if (by_hand) {
+        RECORD_USER_SCOPE("kda backward: intra by hand");
+        IntraGrads d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+        dx[0].narrow(2, t0, len).copy_(SumHeadRepeats(d.dq, H) * scale);
+        dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
+        dx[2].narrow(2, t0, len).copy_(d.dv);
+        dx[3].narrow(2, t0, len).copy_(d.dg);
+        dx[4].narrow(2, t0, len).copy_(d.dbeta);
+      } else {
+        RECORD_USER_SCOPE("kda backward: intra autograd");
+        // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
+        // chunk-parallel graph built above.
+        variable_list d = torch::autograd::grad({in.qg, in.kg, in.W, in.U, in.Aqk, in.eGC}, leaves,
+                                                {dqg, dkg, dW, r.dvt, dAqk, deGC}, /*retain_graph=*/false,
+                                                /*create_graph=*/false, /*allow_unused=*/true);
+        for (int i = 0; i < 5; ++i) {
+          if (d[i].defined()) dx[i].narrow(2, t0, len).copy_(d[i]);
+        }
       }
       dS = r.dS0;
     }
@@ -330,38 +438,43 @@ KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   return block <= kMaxDecay ? KdaGramForm::kSubBlocks : KdaGramForm::kElementwiseDiagonal;
 }
 
-Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict) {
+namespace {
+Tensor DecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict, KdaGramForm form) {
   const int64_t C = x.size(-2);
-  const KdaGramForm form = KdaDecayedGramForm(G);
   if (form == KdaGramForm::kWholeChunk) {
-    Tensor Gm = G.narrow(-2, C / 2, 1);  // (..., 1, K)
-    Tensor m = (x * (G - Gm).exp()).matmul((y * (Gm - G).exp()).transpose(-1, -2));  // (..., C, C)
+    Tensor G0 = G.narrow(-2, 0, 1);  // (..., 1, K)
+    Tensor m = (x * (G - G0).exp()).matmul((y * (G0 - G).exp()).transpose(-1, -2));  // (..., C, C)
     Tensor tri = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
                      .tril(strict ? -1 : 0);
     return torch::where(tri, m, torch::zeros({}, m.options()));
   }
   const int64_t nb = C / kSub;
-  Tensor tri = torch::ones({kSub, kSub}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
-                   .tril(strict ? -1 : 0);  // (16, 16) [i, j] kept where j < i (or <=)
+  const auto mask_options = torch::TensorOptions().dtype(torch::kBool).device(x.device());
+  Tensor lower = torch::ones({C, C}, mask_options).tril(strict ? -1 : 0);  // [i, j] kept where j < i (or <=)
+  Tensor tri = lower.narrow(0, 0, kSub).narrow(1, 0, kSub);                // (16, 16)
   Tensor tri3 = tri.unsqueeze(-1);
   const bool diag_matmul = form == KdaGramForm::kSubBlocks;
   std::vector<Tensor> rows;
   for (int64_t bi = 0; bi < nb; ++bi) {
     const int64_t r0 = bi * kSub;
     Tensor xi = x.narrow(-2, r0, kSub), yi = y.narrow(-2, r0, kSub), Gi = G.narrow(-2, r0, kSub);
+    // Every factor is taken against the block's first row r0: a row's entries then depend on no
+    // later token, not even by rounding.
+    Tensor Gr = G.narrow(-2, r0, 1);          // (..., 1, K)
+    Tensor a = xi * (Gi - Gr).exp();          // (..., 16, K), exponents <= 0
     std::vector<Tensor> parts;
-    if (bi > 0) {
-      // Keys before the block: reference row r0, both exponents <= 0.
-      Tensor Gr = G.narrow(-2, r0, 1);                             // (..., 1, K)
-      Tensor a = xi * (Gi - Gr).exp();                             // (..., 16, K)
-      Tensor b = y.narrow(-2, 0, r0) * (Gr - G.narrow(-2, 0, r0)).exp();  // (..., r0, K)
-      parts.push_back(a.matmul(b.transpose(-1, -2)));              // (..., 16, r0)
-    }
     if (diag_matmul) {
-      Tensor Gm = Gi.narrow(-2, kSub / 2, 1);  // (..., 1, K)
-      Tensor blk = (xi * (Gi - Gm).exp()).matmul((yi * (Gm - Gi).exp()).transpose(-1, -2));  // (..., 16, 16)
-      parts.push_back(torch::where(tri, blk, torch::zeros({}, blk.options())));
+      // The keys before the block (exponents <= 0) and the block's own (>= 0, at most 60) in one
+      // product, then masked.
+      const int64_t n = r0 + kSub;
+      Tensor b = y.narrow(-2, 0, n) * (Gr - G.narrow(-2, 0, n)).exp();  // (..., n, K)
+      Tensor blk = a.matmul(b.transpose(-1, -2));                       // (..., 16, n)
+      parts.push_back(torch::where(lower.narrow(0, r0, kSub).narrow(1, 0, n), blk, torch::zeros({}, blk.options())));
     } else {
+      if (bi > 0) {
+        Tensor b = y.narrow(-2, 0, r0) * (Gr - G.narrow(-2, 0, r0)).exp();  // (..., r0, K), exponents <= 0
+        parts.push_back(a.matmul(b.transpose(-1, -2)));                     // (..., 16, r0)
+      }
       // Element-wise; the exponent is masked to 0 above the diagonal before exp (it would be
       // positive there), then the product masked to 0.
       Tensor diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3);  // (..., 16, 16, K) [i, j] = G_i - G_j
@@ -376,6 +489,11 @@ Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool st
     rows.push_back(torch::cat(parts, -1));
   }
   return torch::cat(rows, -2);
+}
+}  // namespace
+
+Tensor KdaDecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict) {
+  return DecayedGram(x, y, G, strict, KdaDecayedGramForm(G));
 }
 
 std::pair<Tensor, Tensor> KdaNaive(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,

@@ -63,12 +63,15 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
 // non-increasing along C (a cumulative sum of g <= 0). Three forms, one chosen per call by one
 // reduction of G (KdaDecayedGramForm):
 //  - kWholeChunk, when no chunk decays by more than 60 (e-folds) in any channel: the whole C x C
-//    product is one matmul around the chunk's middle row m, exp(G_i - G_m) * exp(G_m - G_j),
-//    every factor within exp(+-60) (finite, exact to rounding in fp32), then masked;
-//  - otherwise by 16-token sub-blocks (spec 1.5): the blocks below the diagonal ones are one
-//    matmul each with the block's first row r as reference, both factors <= 1, and the diagonal
-//    blocks one matmul each around their middle row when no sub-block decays by more than 60
-//    (kSubBlocks), or element-wise, forming only exponents <= 0 (kElementwiseDiagonal).
+//    product is one matmul against the chunk's first row, exp(G_i - G_0) * exp(G_0 - G_j), the
+//    query factor in [e^-60, 1], the key factor in [1, e^60] (finite, exact to rounding in fp32),
+//    then masked;
+//  - otherwise by 16-token sub-blocks (spec 1.5), every factor against the block's first row r:
+//    when no sub-block decays by more than 60 (kSubBlocks) a block row is one matmul over the
+//    keys before it and its own; else (kElementwiseDiagonal) the keys before it are one matmul
+//    (both factors <= 1) and the diagonal block is element-wise, forming only exponents <= 0.
+// Each row's entries depend on no later token, not even by rounding (a reference row after a
+// query would make its result depend on the tokens between them).
 // Every form's rounding is of the order of the element-wise definition's. Exposed for the test of
 // intermediates.
 enum class KdaGramForm { kWholeChunk, kSubBlocks, kElementwiseDiagonal };

@@ -62,6 +62,13 @@ struct Case {
   double lb;
 };
 
+// The Gram form KdaChunked's chunks of 64 take for these gates (kernels/kda.h).
+KdaGramForm FormOf(const Tensor& g) {
+  const int64_t T = g.size(2), N = (T + 63) / 64;
+  Tensor p = at::constant_pad_nd(g, {0, 0, 0, N * 64 - T}, 0.0);
+  return KdaDecayedGramForm(p.unflatten(2, {N, 64}).cumsum(-2));
+}
+
 std::string Name(const Case& c) {
   return "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + " HV" + std::to_string(c.HV) + " T" +
          std::to_string(c.T) + " K" + std::to_string(c.K) + " V" + std::to_string(c.V) + " lb" +
@@ -125,6 +132,9 @@ TEST(Kda, ChunkedBackwardEqualsAutogradOfRecurrenceFp64) {
   for (const Case& c : {Case{1, 1, 2, 63, 60, 40, -5.0}, Case{2, 1, 2, 200, 100, 48, -0.05},
                         Case{1, 2, 2, 130, 60, 60, -1e-3}}) {
     Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 3);
+    // lb -5: the sub-block forms (autograd); the others the whole-chunk form (by hand), with
+    // HV > H (the head sum) and padding (T not a multiple of 64).
+    EXPECT_EQ(FormOf(in.g) == KdaGramForm::kWholeChunk, c.lb > -1) << Name(c);
     Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
     Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
     std::vector<Tensor> ref = Grads(false, in, dO, dS), got = Grads(true, in, dO, dS);
@@ -137,22 +147,49 @@ TEST(Kda, ChunkedBackwardEqualsAutogradOfRecurrenceFp64) {
 }
 
 TEST(Kda, ChunkedBackwardFp32WithinTwiceTheRecurrencesError) {
-  const Case c{1, 1, 2, 300, 60, 48, -5.0};
-  Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 4);
-  Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
-  Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
-  std::vector<Tensor> truth = Grads(false, in, dO, dS);
-  Inputs f = in.To(torch::kFloat32);
-  std::vector<Tensor> naive = Grads(false, f, dO.to(torch::kFloat32), dS.to(torch::kFloat32));
-  std::vector<Tensor> got = Grads(true, f, dO.to(torch::kFloat32), dS.to(torch::kFloat32));
-  for (size_t i = 0; i < truth.size(); ++i) {
-    // dg alone: the chunked form differentiates through the chunk-local cumulative sum G and
-    // back through its reverse cumsum (spec 1.4 step 6), sums of up to C = 64 terms that cancel
-    // to the per-token gradient; that loses up to C fp32 ulps the per-step recurrence never
-    // pays (measured 3.4e-6 against the recurrence's 1.0e-7 here; spec 4's public bar for dg
-    // in bf16 is 0.02).
-    const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-    EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(naive[i], truth[i]) + floor) << kGradNames[i];
+  // The backward of each Gram form: the sub-block forms by autograd of the recomputed graph
+  // (lb -5: ~160 e-folds a chunk), the whole-chunk form by hand (kda.cc, IntraBackward) near its
+  // 60 e-fold limit (lb -1.3: ~42 e-folds a chunk on average, under 60 in every channel) and near 0.
+  for (const auto& [lb, form] : std::vector<std::pair<double, KdaGramForm>>{
+           {-5.0, KdaGramForm::kSubBlocks}, {-1.3, KdaGramForm::kWholeChunk}, {-0.05, KdaGramForm::kWholeChunk}}) {
+    const Case c{1, 1, 2, 300, 60, 48, lb};
+    Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 4);
+    ASSERT_EQ(FormOf(in.g), form) << Name(c);
+    Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+    Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+    std::vector<Tensor> truth = Grads(false, in, dO, dS);
+    Inputs f = in.To(torch::kFloat32);
+    std::vector<Tensor> naive = Grads(false, f, dO.to(torch::kFloat32), dS.to(torch::kFloat32));
+    std::vector<Tensor> got = Grads(true, f, dO.to(torch::kFloat32), dS.to(torch::kFloat32));
+    for (size_t i = 0; i < truth.size(); ++i) {
+      // dg alone: the chunked form differentiates through the chunk-local cumulative sum G and
+      // back through its reverse cumsum (spec 1.4 step 6), sums of up to C = 64 terms that cancel
+      // to the per-token gradient; that loses up to C fp32 ulps the per-step recurrence never
+      // pays (measured 3.4e-6 against the recurrence's 1.0e-7 here; spec 4's public bar for dg
+      // in bf16 is 0.02).
+      const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+      EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(naive[i], truth[i]) + floor) << Name(c) << " " << kGradNames[i];
+    }
+  }
+}
+
+// Causal to the last bit in every Gram form: changing token 20's k, v, g and beta changes no
+// output before it. (A reference row after the query, e.g. a chunk's or sub-block's middle row,
+// would let tokens 0-19 see token 20 through rounding.)
+TEST(Kda, OutputsBeforeATokenDoNotDependOnItBitwise) {
+  for (const auto& [lb, form] : std::vector<std::pair<double, KdaGramForm>>{
+           {-0.05, KdaGramForm::kWholeChunk}, {-2.0, KdaGramForm::kSubBlocks},
+           {-10.0, KdaGramForm::kElementwiseDiagonal}}) {
+    Inputs in = MakeInputs(1, 1, 2, 128, 64, 32, lb, true, 11).To(torch::kFloat32);
+    ASSERT_EQ(FormOf(in.g), form) << lb;
+    Inputs other = in;
+    other.k = in.k.clone(), other.v = in.v.clone(), other.g = in.g.clone(), other.beta = in.beta.clone();
+    other.k.select(2, 20).mul_(-1.0), other.v.select(2, 20).add_(1.0), other.g.select(2, 20).mul_(0.5);
+    other.beta.select(2, 20).mul_(0.5);
+    auto [o, s] = KdaChunked(in.q, in.k, in.v, in.g, in.beta, in.h0);
+    auto [p, t] = KdaChunked(other.q, other.k, other.v, other.g, other.beta, other.h0);
+    EXPECT_EQ((o.narrow(2, 0, 20) - p.narrow(2, 0, 20)).abs().max().item<double>(), 0.0) << lb;
+    EXPECT_GT((o.narrow(2, 20, 108) - p.narrow(2, 20, 108)).abs().max().item<double>(), 1e-3) << lb;
   }
 }
 
