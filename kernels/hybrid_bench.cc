@@ -123,11 +123,12 @@ int main(int argc, char** argv) {
         torch::NoGradGuard no_grad;
         odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
       }, static_cast<int>(iters));
-      const double both = Seconds([&] {
+      auto forward_backward = [&] {
         auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
-      }, static_cast<int>(iters));
+      };
+      const double both = Seconds(forward_backward, static_cast<int>(iters));
       std::printf("| KDA chunked, %s scans, %s gate | %lld | %.1f | %.1f | %.0f | |\n",
                   kernels ? "CUDA kernel" : "libtorch", gate.c_str(), static_cast<long long>(T), fwd * 1e3,
                   both * 1e3, static_cast<double>(T) / both);
@@ -142,11 +143,7 @@ int main(int argc, char** argv) {
           std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
           return 1;
         }
-        {
-          auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
-          torch::autograd::backward({o}, {dout});
-          for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
-        }
+        forward_backward();
         torch::cuda::synchronize();
         if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
           std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());

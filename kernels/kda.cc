@@ -81,50 +81,59 @@ Tensor Chunk(const Tensor& x, int64_t C) {
 
 Tensor DecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool strict, KdaGramForm form);
 
+// (n, n) bool, [i, j] kept where j < i (strict) or j <= i.
+Tensor LowerMask(int64_t n, bool strict, const torch::Device& device) {
+  return torch::ones({n, n}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril(strict ? -1 : 0);
+}
+// a b^T with the entries above the diagonal (on it too when strict) set to zero.
+Tensor LowerProduct(const Tensor& a, const Tensor& b, bool strict) {
+  Tensor m = a.matmul(b.transpose(-1, -2));
+  return torch::where(LowerMask(m.size(-1), strict, m.device()), m, torch::zeros({}, m.options()));
+}
+
+// G = the chunk-local cumulative sum of g (B, HV, T, K) -> (B, HV, N, C, K), fp32/fp64.
+Tensor ChunkCumsum(const Tensor& g, int64_t C) { return Chunk(g, C).cumsum(-2); }
+
 // What the hand-written backward of the whole-chunk form (IntraBackward) reads, kept by
 // ComputeIntra when asked: every tensor (B, HV, N, C, .) of the segment's chunks.
 struct IntraCache {
-  Tensor qc, kc, vc, bc;  // the chunked inputs (bc: beta (.., C, 1))
-  Tensor eG;              // exp(G)
-  Tensor Ep, Em;          // exp(G - G_0), exp(G_0 - G) against the chunk's first row
-  Tensor qp, kp, km;      // q * Ep, k * Ep, k * Em
-  Tensor Lkk;             // strict-lower (k Ep)(k Em)^T: A_kk before beta's row scaling
-  Tensor X, Y;            // beta k exp(G), beta v: W = T X, U = T Y
-  Tensor EC;              // exp(G_C - G): kg = k * EC
+  Tensor kc, vc, bc;  // the chunked inputs (bc: beta (.., C, 1))
+  Tensor eG;          // exp(G)
+  Tensor Ep, Em;      // exp(G - G_0), exp(G_0 - G) against the chunk's first row
+  Tensor qp, kp, km;  // q * Ep, k * Ep, k * Em
+  Tensor Lkk;         // strict-lower (k Ep)(k Em)^T: A_kk before beta's row scaling
+  Tensor X, Y;        // beta k exp(G), beta v: W = T X, U = T Y
+  Tensor EC;          // exp(G_C - G): kg = k * EC
 };
 
-// q already scaled and expanded to HV heads; all in the compute dtype. With `cache` (the
-// backward's recompute, no autograd) and the whole-chunk Gram form, keeps what IntraBackward
-// reads and returns true; false when the form is another one (the caller then differentiates
-// the graph by autograd).
-Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                   int64_t C, IntraCache* cache = nullptr, bool* cached = nullptr) {
+// q already scaled and expanded to HV heads, G = ChunkCumsum(g, C), `form` =
+// KdaDecayedGramForm(G); all in the compute dtype. The whole-chunk form shares its factors
+// between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
+// autograd) keeps what IntraBackward reads.
+Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
+                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr) {
+  TORCH_CHECK(cache == nullptr || form == KdaGramForm::kWholeChunk,
+              "KDA: the hand backward's cache is for the whole-chunk Gram form only");
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
-  Tensor G = Chunk(g, C).cumsum(-2);             // (B, HV, N, C, K) chunk-local, fp32/fp64
-  Tensor bc = Chunk(beta, C).unsqueeze(-1);      // (B, HV, N, C, 1)
-  Tensor eG = G.exp();                           // <= 1
-  const KdaGramForm form = KdaDecayedGramForm(G);
+  Tensor bc = Chunk(beta, C).unsqueeze(-1);  // (B, HV, N, C, 1)
+  Tensor eG = G.exp();                       // <= 1
   Intra in;
   Tensor Akk;
-  if (cache != nullptr && form == KdaGramForm::kWholeChunk) {
-    // DecayedGram's whole-chunk form, its factors kept for the backward.
-    IntraCache& c = *cache;
+  if (form == KdaGramForm::kWholeChunk) {
+    // DecayedGram's whole-chunk form, both Grams from the same factors.
+    IntraCache local;
+    IntraCache& c = cache != nullptr ? *cache : local;
     Tensor G0 = G.narrow(-2, 0, 1);
     c.Ep = (G - G0).exp(), c.Em = (G0 - G).exp();
     c.qp = qc * c.Ep, c.kp = kc * c.Ep, c.km = kc * c.Em;
-    Tensor strict = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).tril(-1);
-    Tensor tri = torch::ones({C, C}, strict.options()).tril(0);
-    Tensor kmT = c.km.transpose(-1, -2);
-    c.Lkk = torch::where(strict, c.kp.matmul(kmT), torch::zeros({}, kc.options()));
+    c.Lkk = LowerProduct(c.kp, c.km, /*strict=*/true);
     Akk = c.Lkk * bc;
-    in.Aqk = torch::where(tri, c.qp.matmul(kmT), torch::zeros({}, kc.options()));
-    c.qc = qc, c.kc = kc, c.vc = vc, c.bc = bc, c.eG = eG;
-    if (cached != nullptr) *cached = true;
+    in.Aqk = LowerProduct(c.qp, c.km, /*strict=*/false);
+    c.kc = kc, c.vc = vc, c.bc = bc, c.eG = eG;
   } else {
     Akk = DecayedGram(kc, kc, G, /*strict=*/true, form) * bc;  // (B, HV, N, C, C)
     in.Aqk = DecayedGram(qc, kc, G, /*strict=*/false, form);
-    if (cached != nullptr) *cached = false;
   }
   Tensor I = torch::eye(C, Akk.options());
   // (I + A_kk) is unit lower triangular: its inverse by forward substitution (batched trsm in
@@ -134,13 +143,12 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   Tensor X = bc * kc * eG, Y = bc * vc;
   in.W = in.T.matmul(X);
   in.U = in.T.matmul(Y);
-  if (cache != nullptr) cache->X = X, cache->Y = Y;
   Tensor GC = G.narrow(-2, C - 1, 1);  // (B, HV, N, 1, K)
   Tensor EC = (GC - G).exp();          // exponent <= 0
   in.kg = kc * EC;
-  if (cache != nullptr) cache->EC = EC;
   in.qg = qc * eG;
   in.eGC = GC.squeeze(-2).exp();
+  if (cache != nullptr) cache->X = X, cache->Y = Y, cache->EC = EC;
   return in;
 }
 
@@ -158,25 +166,22 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
   // W = T X, U = T Y; T = M^-1 with M = I + A_kk unit lower: dM = -T^T dT T^T on the strict part.
   Tensor dT = dW.matmul(c.X.transpose(-1, -2)) + dU.matmul(c.Y.transpose(-1, -2));
   Tensor dX = TT.matmul(dW), dY = TT.matmul(dU);
-  Tensor strict = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(dT.device())).tril(-1);
-  Tensor tri = torch::ones({C, C}, strict.options()).tril(0);
   Tensor zero = torch::zeros({}, dT.options());
-  Tensor dAkk = torch::where(strict, -TT.matmul(dT).matmul(TT), zero);
+  Tensor dAkk = torch::where(LowerMask(C, /*strict=*/true, dT.device()), -TT.matmul(dT).matmul(TT), zero);
   // A_kk = diag(beta) L_kk; L_kk = strict((k Ep)(k Em)^T), A_qk = lower((q Ep)(k Em)^T).
   Tensor dbeta = (dAkk * c.Lkk).sum(-1) + (dX * c.kc * c.eG).sum(-1) + (dY * c.vc).sum(-1);  // (.., C)
   Tensor dL = dAkk * c.bc;
-  Tensor dA = torch::where(tri, dAqk, zero);
+  Tensor dA = torch::where(LowerMask(C, /*strict=*/false, dT.device()), dAqk, zero);
   Tensor dkp = dL.matmul(c.km), dqp = dA.matmul(c.km);
   Tensor dkm = dL.transpose(-1, -2).matmul(c.kp) + dA.transpose(-1, -2).matmul(c.qp);
-  Tensor kg = in.kg, qg = in.qg;
   Tensor dq = dqp * c.Ep + dqg * c.eG;
   Tensor dk = dkp * c.Ep + dkm * c.Em + dX * c.bc * c.eG + dkg * c.EC;
   Tensor dv = dY * c.bc;
   // dG: every factor's exponent; the last row's G_C gets the sum of the kg terms it enters with
   // the opposite sign. The reference row G_0 needs no such term: a Gram depends on differences
   // G_i - G_j only, so its terms sum to zero over the chunk.
-  Tensor dkgkg = dkg * kg;
-  Tensor dG = dqp * c.qp + dkp * c.kp - dkm * c.km + dX * c.X - dkgkg + dqg * qg;
+  Tensor dkgkg = dkg * in.kg;
+  Tensor dG = dqp * c.qp + dkp * c.kp - dkm * c.km + dX * c.X - dkgkg + dqg * in.qg;
   dG.narrow(-2, C - 1, 1).add_(dkgkg.sum(-2, /*keepdim=*/true) + (deGC * in.eGC).unsqueeze(-2));
   // G = cumsum(g) within the chunk: dg_r = sum_{i >= r} dG_i.
   Tensor dg = dG.flip(-2).cumsum(-2).flip(-2);
@@ -331,7 +336,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       Intra in;
       {
         RECORD_USER_SCOPE("kda forward: intra");
-        in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+        Tensor G = ChunkCumsum(x.g, C);
+        in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, KdaDecayedGramForm(G));
       }
       RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
@@ -360,25 +366,25 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       // The whole-chunk Gram form (no chunk decays by more than 60 e-folds) is differentiated by
       // hand from a recompute without autograd (IntraBackward); the sub-block forms by autograd
       // of the recomputed graph.
-      const bool by_hand =
-          KdaDecayedGramForm(Chunk(s[3].narrow(2, t0, len).to(ct), C).cumsum(-2)) == KdaGramForm::kWholeChunk;
       variable_list leaves;
       Intra in;
       IntraCache cache;
+      bool by_hand = false;
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
+        torch::NoGradGuard no_grad;
+        Tensor G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
+        const KdaGramForm form = KdaDecayedGramForm(G);
+        by_hand = form == KdaGramForm::kWholeChunk;
         if (by_hand) {
-          torch::NoGradGuard no_grad;
           Segment x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
                               s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          bool cached = false;
-          in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C, &cache, &cached);
-          TORCH_CHECK(cached, "KDA backward: the Gram form changed between two evaluations of the same gates");
+          in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, form, &cache);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);
-          Segment x = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
-          in = ComputeIntra(x.q, x.k, x.v, x.g, x.beta, C);
+          Segment xl = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
+          in = ComputeIntra(xl.q, xl.k, xl.v, ChunkCumsum(xl.g, C), xl.beta, C, form);
         }
       }
       torch::NoGradGuard no_grad;
@@ -443,14 +449,10 @@ Tensor DecayedGram(const Tensor& x, const Tensor& y, const Tensor& G, bool stric
   const int64_t C = x.size(-2);
   if (form == KdaGramForm::kWholeChunk) {
     Tensor G0 = G.narrow(-2, 0, 1);  // (..., 1, K)
-    Tensor m = (x * (G - G0).exp()).matmul((y * (G0 - G).exp()).transpose(-1, -2));  // (..., C, C)
-    Tensor tri = torch::ones({C, C}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
-                     .tril(strict ? -1 : 0);
-    return torch::where(tri, m, torch::zeros({}, m.options()));
+    return LowerProduct(x * (G - G0).exp(), y * (G0 - G).exp(), strict);  // (..., C, C)
   }
   const int64_t nb = C / kSub;
-  const auto mask_options = torch::TensorOptions().dtype(torch::kBool).device(x.device());
-  Tensor lower = torch::ones({C, C}, mask_options).tril(strict ? -1 : 0);  // [i, j] kept where j < i (or <=)
+  Tensor lower = LowerMask(C, strict, x.device());
   Tensor tri = lower.narrow(0, 0, kSub).narrow(1, 0, kSub);                // (16, 16)
   Tensor tri3 = tri.unsqueeze(-1);
   const bool diag_matmul = form == KdaGramForm::kSubBlocks;
