@@ -181,10 +181,16 @@ void Controller::OnHeld(Worker& w, const v1::HeldJobs& held) {
       w.job = *id;
       if (*id == expected) holds_expected = true;
       spdlog::info("job={} worker={} re-attached and still runs it", name, w.id);
-    } else if (w.job != *id) {
+    } else if (!listed || w.job != *id) {
       // A job the controller gave up on here (restarted elsewhere, cancelled, ended) or a result
       // not yet released: told to stop, and the worker is busy until its JobResult arrives
-      // (the worker re-sends unreleased results right after `held`).
+      // (the worker re-sends unreleased results right after `held`). That includes the job it
+      // was last given when that job ended while the worker was away (a cancel it never got):
+      // the worker still runs it, so it is no longer this worker's job but it is held.
+      if (w.job == *id) {
+        w.job = 0;
+        if (*id == expected) holds_expected = true;
+      }
       v1::ControllerMessage cancel;
       cancel.set_cancel(name);
       SendTo(w.id, cancel);

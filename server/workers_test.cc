@@ -229,6 +229,33 @@ TEST_F(ControllerTest, AReturningWorkerStillRunningALostJobGetsNothingUntilItSto
   EXPECT_EQ(Get(lost.name()).restarts(), 1);
 }
 
+// A job cancelled while its worker was away (the cancel never reached it) still runs there when
+// the worker comes back: it is told to stop and gets nothing until it has (it used to count as
+// idle at once, and refuse the next assignments as busy: FAILED; the soak's seed 3816).
+TEST_F(ControllerTest, AReturningWorkerStillRunningAJobCancelledWhileAwayGetsNothingUntilItStops) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1), kAnon);
+  controller_->DetachWorker(w1.session);
+  ASSERT_TRUE(controller_->CancelJob(*ParseJobName(job.name()), "").ok());
+  ASSERT_EQ(Get(job.name()).state(), v1::Job::CANCELLED);
+  auto next = *controller_->CreateJob(Request(1), kAnon);
+
+  auto back = Attach("w1", "127.0.0.1", /*send_held=*/false);
+  v1::WorkerMessage held;
+  held.mutable_held()->add_jobs(job.name());
+  controller_->OnWorkerMessage(back.session, held);
+  EXPECT_EQ(back.conn->Count(v1::ControllerMessage::kCancel), 1);
+  EXPECT_EQ(controller_->Workers()[0].state, "stopping");
+  EXPECT_EQ(back.conn->Assignments().size(), 0u);
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::PENDING);
+
+  Result(back, job.name(), 0, false, "cancelled by the controller");
+  EXPECT_EQ(Get(job.name()).state(), v1::Job::CANCELLED);
+  ASSERT_EQ(back.conn->Assignments().size(), 1u);
+  EXPECT_EQ(back.conn->Assignments()[0].job(), next.name());
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::RUNNING);
+}
+
 // A worker that came back while its job still runs on it (a short network drop) continues it.
 TEST_F(ControllerTest, AReturningWorkerStillRunningItsJobContinues) {
   auto w1 = Attach("w1");
