@@ -7,6 +7,14 @@
 
 #include <torch/torch.h>
 
+#ifdef ODYSSEY_KERNELS_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/cuda/sparse_attention.h"
+#endif
+#include "kernels/fused_ops.h"
+
 namespace odyssey::kernels {
 namespace {
 
@@ -139,6 +147,101 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
   }
 };
 
+#ifdef ODYSSEY_KERNELS_CUDA
+// The CUDA path (kernels/cuda/sparse_attention.h): q, k, v in fp32 or bf16 alike, head dims 64
+// or 128, computed in fp32 without upcasting the inputs.
+bool SparseKernel(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const auto t = q.scalar_type();
+  return FusedKernelsEnabled() && q.is_cuda() && (t == torch::kFloat32 || t == torch::kBFloat16) &&
+         k.scalar_type() == t && v.scalar_type() == t && cuda::SparseAttentionSupported(q.size(3), v.size(3)) &&
+         q.size(0) <= 65535 && q.size(1) <= 65535 && q.size(0) * q.size(2) < std::numeric_limits<int32_t>::max();
+}
+
+// x as the kernels read it: the last dim contiguous, rows 16-byte aligned (the pointer and every
+// stride a multiple of 16 bytes), else a contiguous copy.
+Tensor Rows(const Tensor& x) {
+  const int64_t align = 16 / static_cast<int64_t>(x.element_size());
+  auto ok = [&](const Tensor& t) {
+    return t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % align == 0 &&
+           t.stride(1) % align == 0 && t.stride(2) % align == 0;
+  };
+  if (ok(x)) return x;
+  Tensor c = x.contiguous();
+  return ok(c) ? c : c.clone();
+}
+cuda::SparseRows In(const Tensor& x) { return {x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)}; }
+cuda::SparseOutRows Out(const Tensor& x) { return {x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)}; }
+void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+cuda::SparseAttentionArgs KernelArgs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx,
+                                     double scale) {
+  return {q.scalar_type() == torch::kBFloat16, In(q), In(k), In(v), idx.data_ptr<int32_t>(), q.size(0), q.size(1),
+          k.size(1), q.size(2), idx.size(2), q.size(3), v.size(3), static_cast<float>(scale)};
+}
+
+// Saved: q, k, v (as the kernels read them), the indices, o and the log-sum-exp. The backward's
+// key side sorts the selection by key a segment of queries at a time (at most `pairs` (query,
+// key) pairs per segment, stable: each key's queries in increasing order, deterministic sums)
+// and accumulates dk, dv in fp32.
+struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAttentionKernelFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                               const Tensor& idx_in, double scale, int64_t pairs) {
+    c10::cuda::CUDAGuard guard(q_in.device());
+    Tensor q = Rows(q_in), k = Rows(k_in), v = Rows(v_in), idx = idx_in.contiguous();
+    const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dv = v.size(3);
+    Tensor o = torch::empty({B, S, H, Dv}, v.options()).permute({0, 2, 1, 3});  // (B, H, S, Dv) view
+    Tensor lse = torch::empty({B, H, S}, q.options().dtype(torch::kFloat32));
+    CheckKernelLaunch(cuda::SparseAttentionForward(KernelArgs(q, k, v, idx, scale), Out(o), lse.data_ptr<float>(),
+                                                   Stream(q)),
+                      "sparse attention forward");
+    ctx->save_for_backward({q, k, v, idx, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["pairs"] = pairs;
+    return {o};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list sv = ctx->get_saved_variables();
+    const Tensor &q = sv[0], &k = sv[1], &v = sv[2], &idx = sv[3], &lse = sv[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t pairs = ctx->saved_data["pairs"].toInt();
+    c10::cuda::CUDAGuard guard(q.device());
+    const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), Dv = v.size(3),
+                  W = idx.size(2);
+    Tensor dO = Rows(grads[0].to(q.scalar_type()));
+    const cuda::SparseAttentionArgs a = KernelArgs(q, k, v, idx, scale);
+    Tensor dq = torch::empty({B, S, H, D}, q.options()).permute({0, 2, 1, 3});
+    Tensor delta = torch::empty({B, H, S}, lse.options());
+    CheckKernelLaunch(cuda::SparseAttentionBackwardQuery(a, In(dO), lse.data_ptr<float>(), Out(dq),
+                                                         delta.data_ptr<float>(), Stream(q)),
+                      "sparse attention backward (queries)");
+    auto f32 = q.options().dtype(torch::kFloat32);
+    Tensor dk = torch::zeros({B, Hkv, S, D}, f32), dv = torch::zeros({B, Hkv, S, Dv}, f32);
+    auto i32 = idx.options();
+    const Tensor batch_base = torch::arange(B, i32).view({B, 1, 1}) * static_cast<int32_t>(S);
+    const Tensor key_grid = torch::arange(B * S + 1, i32);
+    const int64_t seg = std::max<int64_t>(1, pairs / std::max<int64_t>(W, 1));
+    for (int64_t t0 = 0; t0 < S && W > 0; t0 += seg) {
+      const int64_t Sq = std::min(seg, S - t0);
+      Tensor part = idx.narrow(1, t0, Sq);  // (B, Sq, W)
+      const int64_t key_end = part.max().item<int32_t>() + 1;
+      if (key_end <= 0) continue;  // no valid index in the segment
+      // Key b * S + j for a valid index, B * S (after every real key) for -1.
+      Tensor keys = torch::where(part >= 0, part + batch_base, torch::full({}, static_cast<int32_t>(B * S), i32));
+      auto [sorted, order] = torch::sort(keys.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      Tensor pair_t = (order.div(W, "floor").remainder(Sq) + t0).to(torch::kInt32);
+      Tensor offsets = torch::searchsorted(sorted, key_grid);  // int64 (B * S + 1)
+      CheckKernelLaunch(cuda::SparseAttentionBackwardKeys(a, In(dO), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                                                          offsets.data_ptr<int64_t>(), pair_t.data_ptr<int32_t>(),
+                                                          key_end, dk.data_ptr<float>(), dv.data_ptr<float>(),
+                                                          Stream(q)),
+                        "sparse attention backward (keys)");
+    }
+    return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), Tensor(), Tensor(), Tensor()};
+  }
+};
+#endif
+
 }  // namespace
 
 Tensor IndexerScores(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w) {
@@ -218,7 +321,7 @@ Tensor ExpandPoolSelection(const Tensor& pool_idx) {
 }
 
 Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices, double scale,
-                       int64_t query_block) {
+                       int64_t query_block, int64_t backward_pairs) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "SparseAttention: q, k, v must be 4-d");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
               "SparseAttention: k must be (B, Hkv, S, D)");
@@ -229,12 +332,16 @@ Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const 
                   indices.size(1) == q.size(2),
               "SparseAttention: indices must be (B, S, W) int32");
   TORCH_CHECK(query_block >= 1, "SparseAttention: query_block must be >= 1");
+  TORCH_CHECK(backward_pairs >= 1, "SparseAttention: backward_pairs must be >= 1");
   if (indices.numel() > 0) {
     TORCH_CHECK(indices.min().item<int32_t>() >= -1 && indices.max().item<int32_t>() < q.size(2),
                 "SparseAttention: indices must lie in [-1, S)");
   }
-  const auto ct = ComputeType({&q, &k, &v});
   const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (SparseKernel(q, k, v)) return SparseAttentionKernelFunction::apply(q, k, v, indices, sc, backward_pairs)[0];
+#endif
+  const auto ct = ComputeType({&q, &k, &v});
   return SparseAttentionFunction::apply(q.to(ct), k.to(ct), v.to(ct), indices, sc, query_block)[0].to(
       q.scalar_type());
 }

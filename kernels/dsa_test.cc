@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include "kernels/attention.h"
+#include "kernels/fused_ops.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -190,9 +191,10 @@ Qkv MakeQkv(int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t Dv,
   return {torch::randn({B, H, S, D}, o), torch::randn({B, Hkv, S, D}, o), torch::randn({B, Hkv, S, Dv}, o)};
 }
 
-std::vector<Tensor> RunAttention(bool sparse, const Qkv& x, const Tensor& idx, const Tensor& dO, int64_t qblock = 128) {
+std::vector<Tensor> RunAttention(bool sparse, const Qkv& x, const Tensor& idx, const Tensor& dO, int64_t qblock = 128,
+                                 int64_t pairs = int64_t{1} << 27) {
   Tensor q = x.q.clone().requires_grad_(), k = x.k.clone().requires_grad_(), v = x.v.clone().requires_grad_();
-  Tensor o = sparse ? SparseAttention(q, k, v, idx, 0.0, qblock) : MaskedDense(q, k, v, idx);
+  Tensor o = sparse ? SparseAttention(q, k, v, idx, 0.0, qblock, pairs) : MaskedDense(q, k, v, idx);
   (o.to(dO.scalar_type()) * dO).sum().backward();
   return {o.detach(), q.grad(), k.grad(), v.grad()};
 }
@@ -268,6 +270,62 @@ TEST(DsaSparseAttention, FullSelectionEqualsDenseCausalAttention) {
     std::vector<Tensor> got = RunAttention(true, x, idx, dO);
     // The math backend computes in fp32 whatever the input: the bar is its precision.
     for (int i = 0; i < 4; ++i) EXPECT_LT(MaxErr(got[i], ref[i]), 2e-5) << kNames[i] << " width " << idx.size(2);
+  }
+}
+
+// The CUDA kernels (kernels/cuda/sparse_attention.h) against the fp64 truth on the same rounded
+// inputs: output and every gradient within twice the error of the libtorch path on the same
+// device and dtype (plus eight fp32 ulps at the tensor's scale), fp32 and bf16; every head
+// grouping the kernels take (G = 3, 8 -> 4 + 4, 2, 1), D and Dv of 64 and 128, q read through
+// the strides of a (B, S, H, D) tensor, a query with no valid key (zeros), the key-side backward
+// in one segment and in many; the backward is deterministic (bitwise equal when run twice) and
+// the launch counter shows the kernels ran.
+TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  struct Case {
+    int64_t B, H, Hkv, S, D, Dv, top_k, pairs;
+    bool strided;
+  };
+  for (const Case& c : {Case{2, 6, 2, 300, 128, 128, 100, int64_t{1} << 27, true},
+                        Case{1, 8, 1, 257, 64, 64, 64, 1000, false}, Case{1, 4, 2, 200, 128, 64, 300, 5000, false},
+                        Case{1, 5, 5, 150, 64, 128, 40, 3000, true}}) {
+    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+      const std::string name = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
+                               " D" + std::to_string(c.D) + "/" + std::to_string(c.Dv) +
+                               (dt == torch::kBFloat16 ? " bf16" : " fp32");
+      Qkv x = MakeQkv(c.B, c.H, c.Hkv, c.S, c.D, c.Dv, 31);
+      auto round = [&](const Tensor& t) { return t.to(dt).to(torch::kFloat64); };
+      Qkv r{round(x.q), round(x.k), round(x.v)};
+      Indexer ix = MakeIndexer(c.B, 2, c.S, 8, torch::kFloat64, 32);
+      DsaIndexerOptions o;
+      o.top_k = c.top_k;
+      Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+      idx.select(1, 7).fill_(-1);  // query 7 selects nothing
+      Tensor dO = round(torch::randn({c.B, c.H, c.S, c.Dv}, torch::kFloat64));
+      std::vector<Tensor> truth = RunAttention(true, r, idx, dO);
+      auto dev = [&](const Tensor& t) { return t.to(torch::kCUDA, dt); };
+      Tensor qd = c.strided ? dev(r.q.transpose(1, 2).contiguous()).transpose(1, 2) : dev(r.q);
+      Qkv g{qd, dev(r.k), dev(r.v)};
+      Tensor idxd = idx.cuda(), dOd = dev(dO);
+      SetFusedKernels(false);
+      std::vector<Tensor> ref = RunAttention(true, g, idxd, dOd);
+      SetFusedKernels(true);
+      const int64_t launches = FusedKernelLaunches();
+      std::vector<Tensor> got = RunAttention(true, g, idxd, dOd, 128, c.pairs);
+      EXPECT_GE(FusedKernelLaunches() - launches, 3) << name << ": the kernels did not run";
+      std::vector<Tensor> again = RunAttention(true, g, idxd, dOd, 128, c.pairs);
+      for (int i = 0; i < 4; ++i) {
+        const double scale = truth[i].abs().max().item<double>();
+        EXPECT_LE(MaxErr(got[i].cpu(), truth[i]), 2 * MaxErr(ref[i].cpu(), truth[i]) + 8 * FLT_EPSILON * scale)
+            << name << " " << kNames[i];
+        EXPECT_EQ(got[i].scalar_type(), dt) << name << " " << kNames[i];
+        EXPECT_TRUE(torch::equal(got[i], again[i])) << name << " " << kNames[i] << ": not deterministic";
+      }
+      EXPECT_EQ(got[0].select(2, 7).abs().max().item<double>(), 0.0) << name << ": a query without keys";
+      EXPECT_EQ(got[1].select(2, 7).abs().max().item<double>(), 0.0) << name << ": its dq";
+    }
   }
 }
 

@@ -5,9 +5,11 @@
 //     --reference-tokens, as the libtorch loops; the same shapes as bench/fla_kda_bench.py times
 //     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
-//   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128)
-//     against dense causal SDPA (cuDNN/flash through ATen) over the same number of keys (queries
-//     of a W-token window attending to all of it), as TFLOP/s of the work each does:
+//   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
+//     its CUDA kernels and (up to --reference-tokens) its libtorch path, --selection window (the
+//     W keys before each query) or random (uniform over the causal prefix, per query), against
+//     dense SDPA (cuDNN/flash through ATen) over the same number of keys (queries of a W-token
+//     window attending to all of it), as TFLOP/s of the work each does:
 //     4 * H * D * (keys per query) FLOP per query forward, 2.5x that forward + backward.
 // One JSON line per row with --json.
 //
@@ -57,7 +59,7 @@ std::vector<int64_t> ParseList(const std::string& s) {
 int main(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
-  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir;
+  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "window";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -71,8 +73,9 @@ int main(int argc, char** argv) {
     else if (a == "--reference-tokens") reference_tokens = std::stoll(v);
     else if (a == "--gate") gate = v;
     else if (a == "--profile") profile_dir = v;
+    else if (a == "--selection") selection = v;
     else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --json)\n", a.c_str());
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --json)\n", a.c_str());
       return 2;
     }
   }
@@ -82,6 +85,10 @@ int main(int argc, char** argv) {
   }
   if (gate != "mild" && gate != "strong") {
     std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", gate.c_str());
+    return 2;
+  }
+  if (selection != "window" && selection != "random") {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --selection: %s is neither window nor random\n", selection.c_str());
     return 2;
   }
   if (ops.front() != ',') ops = "," + ops + ",";
@@ -157,17 +164,31 @@ int main(int argc, char** argv) {
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }
-    // Sparse attention over `selected` keys per query against dense SDPA over as many.
-    if (wants("sparse")) {
+    // Sparse attention over `selected` keys per query against dense SDPA over as many: the CUDA
+    // kernels, and up to --reference-tokens the libtorch path.
+    for (bool kernels : {true, false}) {
+      if (!wants("sparse") || (!kernels && T > reference_tokens)) continue;
+      if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
+      odyssey::kernels::SetFusedKernels(kernels);
       auto q = torch::randn({1, heads, T, dim}, bf16).requires_grad_(true);
       auto k = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
       auto v = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
-      // Query t selects the `selected` keys up to itself (a sliding window; fewer, padded with
-      // -1, near the start): distinct, causal, and gathered as any selection is.
-      auto t_idx = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA)).view({T, 1});
-      auto offs = torch::arange(selected, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA)).view({1, selected});
-      auto idx = t_idx - offs;
-      idx = torch::where(idx >= 0, idx, torch::full_like(idx, -1)).to(torch::kInt32).unsqueeze(0);
+      auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA);
+      auto t_idx = torch::arange(T, i64).view({T, 1});
+      torch::Tensor idx;
+      if (selection == "window") {
+        // Query t selects the `selected` keys up to itself (fewer, padded with -1, near the
+        // start): neighbours share all but one key, the cache's best case.
+        idx = t_idx - torch::arange(selected, i64).view({1, selected});
+        idx = torch::where(idx >= 0, idx, torch::full_like(idx, -1));
+      } else {
+        // Uniform over the causal prefix, independently per query: the cache's worst case.
+        // (Rare repeats in short prefixes cost the same as distinct keys.)
+        idx = (torch::rand({T, selected}, i64.dtype(torch::kFloat32)) * (t_idx + 1).to(torch::kFloat32))
+                  .to(torch::kInt64)
+                  .clamp_max(t_idx);
+      }
+      idx = idx.to(torch::kInt32).unsqueeze(0);
       auto dout = torch::randn({1, heads, T, dim}, bf16);
       const double fwd = Seconds([&] {
         torch::NoGradGuard no_grad;
@@ -178,12 +199,15 @@ int main(int argc, char** argv) {
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
       }, static_cast<int>(iters));
+      odyssey::kernels::SetFusedKernels(true);
       const double flop = 4.0 * heads * dim * static_cast<double>(selected) * static_cast<double>(T);
-      std::printf("| sparse attention (libtorch), %lld keys | %lld | %.1f | %.1f | %.0f | %.1f |\n",
-                  static_cast<long long>(selected), static_cast<long long>(T), fwd * 1e3, both * 1e3,
-                  static_cast<double>(T) / both, 2.5 * flop / both / 1e12);
+      std::printf("| sparse attention (%s), %lld keys, %s selection | %lld | %.1f (%.1f TFLOP/s) | %.1f | %.0f | %.1f |\n",
+                  kernels ? "CUDA kernels" : "libtorch", static_cast<long long>(selected), selection.c_str(),
+                  static_cast<long long>(T), fwd * 1e3, flop / fwd / 1e12, both * 1e3, static_cast<double>(T) / both,
+                  2.5 * flop / both / 1e12);
       std::fflush(stdout);
-      Json(json, "{\"op\":\"sparse_attention\",\"tokens\":" + std::to_string(T) + ",\"selected\":" +
+      Json(json, std::string("{\"op\":\"") + (kernels ? "sparse_attention_kernel" : "sparse_attention_libtorch") +
+                     "\",\"selection\":\"" + selection + "\",\"tokens\":" + std::to_string(T) + ",\"selected\":" +
                      std::to_string(selected) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) +
                      ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) + "}");

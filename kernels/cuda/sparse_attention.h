@@ -1,0 +1,67 @@
+// Launchers of sparse attention over selected keys (kernels/cuda/sparse_attention.cu), the CUDA
+// path of kernels::SparseAttention (kernels/dsa.h): query t of head h attends to the keys
+// idx[b, t, :] (int32, -1 = no key) of its KV head h / G, G = H / Hkv.
+//
+// Three kernels, fp32 arithmetic on CUDA cores over fp32 or bf16 tensors (the gathered rows give
+// ~3 FLOP per byte at G = 3: the work is bound by the gather, not by the FMAs):
+//   - Forward: one block per (token, group of Gs heads sharing a KV head); each warp takes 32
+//     selected keys at a time, one key per lane for the scores (the whole row against the
+//     queries in shared memory), lanes across the value columns for P V, with an online softmax;
+//     the four warps' partial results merge at the end. Writes o and the log-sum-exp.
+//   - Backward, query side: the same walk recomputing p from the log-sum-exp; dq = sum ds k, and
+//     delta = dO . o (in fp32, from the walk), which the key side needs.
+//   - Backward, key side: one block per (key, KV head) over the list of (query) pairs that
+//     selected the key, as the caller builds it (a stable sort of the selection by key: each
+//     key's queries in increasing order, so the sums are deterministic). No atomics: a block owns
+//     its key's rows of the fp32 accumulators dk, dv and adds to them, so the caller can sort
+//     and run the selection a segment of queries at a time in bounded memory.
+//
+// Raw device pointers, no CUDA or libtorch headers here. q, k, v, o, dO, dq: element strides for
+// batch, head and token; the head dim contiguous; 16-byte aligned rows (SparseAttentionSupported
+// says which shapes). idx (B, S, W) int32 contiguous; lse, delta (B, H, S) fp32 contiguous;
+// dk_acc (B, Hkv, S, D), dv_acc (B, Hkv, S, Dv) fp32 contiguous. Each launcher returns the
+// launch's cudaError_t as an int (0 = success). Only built with ODYSSEY_CUDA.
+#pragma once
+
+#include <cstdint>
+
+namespace odyssey::kernels::cuda {
+
+// D and Dv in {64, 128}; any G >= 1 (heads run in groups of 4, 3, 2 or 1, the largest that
+// divides G).
+bool SparseAttentionSupported(int64_t D, int64_t Dv);
+
+struct SparseRows {
+  const void* p;
+  int64_t sb, sh, ss;  // element strides of batch, head, token
+};
+struct SparseOutRows {
+  void* p;
+  int64_t sb, sh, ss;
+};
+
+struct SparseAttentionArgs {
+  bool bf16;  // every q, k, v, o, dO, dq tensor: bf16 (else fp32)
+  SparseRows q, k, v;
+  const int32_t* idx;
+  int64_t B, H, Hkv, S, W, D, Dv;
+  float scale;
+};
+
+// o (B, H, S, Dv) strided; lse (B, H, S): the natural log-sum-exp of the scaled scores, -inf for
+// a query with no valid index (whose o is 0).
+int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float* lse, void* stream);
+
+// dq (B, H, S, D) strided, delta (B, H, S) = dO . o, computed in fp32 as sum_j p_j (dO . v_j)
+// (not from the rounded o).
+int SparseAttentionBackwardQuery(const SparseAttentionArgs& a, SparseRows dO, const float* lse, SparseOutRows dq,
+                                 float* delta, void* stream);
+
+// Pairs of one query segment: keys_offsets (B * S + 1) int64, the start of key b * S + j's run in
+// pair_t; pair_t the selecting queries' token indices. Adds each key's dk, dv over its pairs to
+// dk_acc, dv_acc, for keys j < key_end.
+int SparseAttentionBackwardKeys(const SparseAttentionArgs& a, SparseRows dO, const float* lse, const float* delta,
+                                const int64_t* key_offsets, const int32_t* pair_t, int64_t key_end, float* dk_acc,
+                                float* dv_acc, void* stream);
+
+}  // namespace odyssey::kernels::cuda
