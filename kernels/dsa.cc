@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/cuda/dsa_indexer.h"
 #include "kernels/cuda/sparse_attention.h"
 #endif
 #include "kernels/fused_ops.h"
@@ -36,8 +37,8 @@ void CheckIndexer(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIn
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(3), "DSA indexer: k must be (B, P, D) with q's B, D");
   TORCH_CHECK(w.size(0) == q.size(0) && w.size(1) == q.size(2) && w.size(2) == q.size(1),
               "DSA indexer: w must be (B, S, HI)");
-  TORCH_CHECK(o.top_k >= 1 && o.pool >= 1 && o.query_block >= 1 && o.key_block >= 1,
-              "DSA indexer: top_k, pool, query_block and key_block must be >= 1");
+  TORCH_CHECK(o.top_k >= 1 && o.pool >= 1 && o.query_block >= 1 && o.key_block >= 1 && o.workspace_bytes >= 1,
+              "DSA indexer: top_k, pool, query_block, key_block and workspace_bytes must be >= 1");
 }
 
 // (Sq, P) true where item p (of those from `first`) is visible to query t (of those from `t0`).
@@ -265,8 +266,90 @@ Tensor IndexerTopKNaive(const Tensor& q, const Tensor& k, const Tensor& w, const
   return torch::where(torch::isinf(tv), torch::full({}, -1, ti.options()), ti).to(torch::kInt32);
 }
 
+#ifdef ODYSSEY_KERNELS_CUDA
+namespace {
+
+bool IndexerKernel(const Tensor& q, const Tensor& k, const DsaIndexerOptions& o) {
+  return FusedKernelsEnabled() && q.is_cuda() && k.is_cuda() && q.scalar_type() == torch::kBFloat16 &&
+         k.scalar_type() == torch::kBFloat16 && cuda::IndexerSelectSupported(q.size(3), q.size(1), o.top_k) &&
+         q.size(2) < std::numeric_limits<int32_t>::max() && k.size(1) < std::numeric_limits<int32_t>::max() &&
+         q.size(2) > 0;
+}
+
+// x with its last dim contiguous and its rows 16-byte aligned (the pointer and every other
+// stride a multiple of 8 bf16 elements), else a contiguous copy.
+Tensor AlignedRows(const Tensor& x) {
+  bool ok = x.stride(-1) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) ok = ok && x.stride(d) % 8 == 0;
+  return ok ? x : x.contiguous();
+}
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Query chunks [t0, t0 + rows) whose scores (rows x ld fp32, ld the chunk's visible items
+// rounded up to the item tile) fit in `floats`, at least 64 rows (the score block's queries).
+struct IndexerPlan {
+  struct Chunk {
+    int64_t t0, rows, ld;
+  };
+  std::vector<Chunk> chunks;
+  int64_t max_floats = 0;
+};
+IndexerPlan PlanIndexerChunks(int64_t S, int64_t P, int64_t pool, int64_t floats) {
+  IndexerPlan plan;
+  auto ld_of = [&](int64_t t0, int64_t rows) {
+    return RoundUp(std::min(P, (t0 + rows) / pool), cuda::kIndexerItemTile);
+  };
+  for (int64_t t0 = 0; t0 < S;) {
+    int64_t rows = S - t0;
+    for (int it = 0; it < 3 && rows * ld_of(t0, rows) > floats; ++it) {
+      rows = std::max<int64_t>(64, floats / std::max<int64_t>(1, ld_of(t0, rows)) / 64 * 64);
+      rows = std::min(rows, S - t0);
+    }
+    const int64_t ld = ld_of(t0, rows);
+    plan.chunks.push_back({t0, rows, ld});
+    plan.max_floats = std::max(plan.max_floats, rows * ld);
+    t0 += rows;
+  }
+  return plan;
+}
+
+Tensor IndexerTopKCuda(const Tensor& q_in, const Tensor& k_in, const Tensor& w, const DsaIndexerOptions& o) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = AlignedRows(q_in), k = AlignedRows(k_in);
+  const Tensor wf = w.to(torch::kFloat32).contiguous();  // (B, S, HI)
+  const int64_t B = q.size(0), HI = q.size(1), S = q.size(2), D = q.size(3), P = k.size(1);
+  Tensor out = torch::empty({B, S, o.top_k}, q.options().dtype(torch::kInt32));
+  const IndexerPlan plan = PlanIndexerChunks(S, P, o.pool, std::max<int64_t>(1, o.workspace_bytes / 4));
+  Tensor ws = torch::empty({std::max<int64_t>(1, plan.max_floats)}, q.options().dtype(torch::kFloat32));
+  for (int64_t b = 0; b < B; ++b) {
+    for (const IndexerPlan::Chunk& ch : plan.chunks) {
+      cuda::IndexerChunk c;
+      c.q = static_cast<const at::BFloat16*>(q.data_ptr()) + b * q.stride(0);
+      c.q_sh = q.stride(1);
+      c.q_ss = q.stride(2);
+      c.k = static_cast<const at::BFloat16*>(k.data_ptr()) + b * k.stride(0);
+      c.k_ss = k.stride(1);
+      c.w = wf.data_ptr<float>() + b * S * HI;
+      c.S = S, c.P = P, c.D = D, c.HI = HI, c.pool = o.pool, c.top_k = o.top_k;
+      c.t0 = ch.t0, c.rows = ch.rows, c.ld = ch.ld;
+      c.scores = ws.data_ptr<float>();
+      c.out = out.data_ptr<int32_t>() + b * S * o.top_k;
+      CheckKernelLaunch(cuda::IndexerScores(c, Stream(q)), "DSA indexer scores");
+      CheckKernelLaunch(cuda::IndexerSelect(c, Stream(q)), "DSA indexer selection");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+#endif
+
 Tensor IndexerTopK(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
   CheckIndexer(q, k, w, o);
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (IndexerKernel(q, k, o)) return IndexerTopKCuda(q, k, w, o);
+#endif
   const int64_t B = q.size(0), S = q.size(2), P = k.size(1);
   const auto ct = ComputeType({&q, &k, &w});
   auto lo = q.options().dtype(torch::kLong);

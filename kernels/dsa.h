@@ -27,6 +27,10 @@ struct DsaIndexerOptions {
   int64_t pool = 1;          // tokens per key item: 1 (token keys, V3.2) or 4 (pooled keys, GLM)
   int64_t query_block = 64;  // queries scored together by the chunked selection
   int64_t key_block = 256;   // key items per step of its streaming top-k
+  // CUDA path (kernels/cuda/dsa_indexer.h): bytes of fp32 scores of one chunk of queries against
+  // the items they see; the chunk is sized to fit (at least 64 queries). Working memory of the
+  // selection besides its output.
+  int64_t workspace_bytes = int64_t{256} << 20;
 };
 
 // Scores of queries q_idx (B, HI, Sq, D), w (B, Sq, HI) against key items k_idx (B, P, D):
@@ -39,11 +43,18 @@ torch::Tensor IndexerScores(const torch::Tensor& q_idx, const torch::Tensor& k_i
 torch::Tensor IndexerTopKNaive(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                                const DsaIndexerOptions& options);
 
-// Chunked selection, equal to IndexerTopKNaive: blocks of query_block queries, each scored
-// against key_block items at a time (only the items its last query can see), a running top_k
-// merged with each key block. Working memory O(HI * query_block * key_block + query_block *
-// (top_k + key_block)) per batch row; never a (S, P) matrix.
-// REQUIRES: as IndexerTopKNaive; query_block, key_block >= 1.
+// Chunked selection, equal to IndexerTopKNaive. Two paths:
+//   - CUDA kernels (kernels/cuda/dsa_indexer.h) while FusedKernelsEnabled(), for bf16 CUDA q and
+//     k with D in {64, 128}, HI <= 64, top_k <= 4096: chunks of queries scored on the tensor
+//     cores into a workspace of at most workspace_bytes (never the (S, P) matrix at length),
+//     each row's top_k found by an exact radix select and sorted by the rule. Scores are fp32
+//     sums of bf16 products in another order than the libtorch path's, so near-equal scores may
+//     order differently; exactly representable scores select identically.
+//   - libtorch otherwise: blocks of query_block queries, each scored against key_block items at
+//     a time (only the items its last query can see), a running top_k merged with each key
+//     block. Working memory O(HI * query_block * key_block + query_block * (top_k + key_block))
+//     per batch row.
+// REQUIRES: as IndexerTopKNaive; query_block, key_block >= 1; workspace_bytes >= 1.
 torch::Tensor IndexerTopK(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                           const DsaIndexerOptions& options);
 

@@ -329,6 +329,72 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
   }
 }
 
+// The CUDA indexer (kernels/cuda/dsa_indexer.h) against the libtorch selection on the same GPU
+// tensors. Small-integer q, k and power-of-two w make every score exact in both (the fp32 sums
+// of products of small integers are exact in any order, and both divide by the same sqrt(D)), and
+// full of ties: the selections must be equal, the tie rule included, at awkward lengths, D 64 and
+// 128, HI 32 and 5, pools of 4 and 1, top_k below and above the visible items, and a workspace so
+// small that the sequence runs in many chunks. Normal inputs: the kernel's picks score (in fp64)
+// as the libtorch picks do, position by position, within fp32 rounding of the row's scale.
+TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  struct Case {
+    int64_t B, HI, S, D, pool, top_k, workspace;
+  };
+  for (const Case& c : {Case{2, 32, 1237, 128, 4, 64, int64_t{1} << 28}, Case{1, 5, 3001, 64, 4, 97, 64 * 1024},
+                        Case{1, 32, 2050, 128, 1, 512, 200 * 1024}, Case{2, 7, 700, 128, 1, 1000, int64_t{1} << 28},
+                        Case{1, 32, 4099, 128, 4, 512, 1 << 20}}) {
+    const std::string name = "B" + std::to_string(c.B) + " HI" + std::to_string(c.HI) + " S" + std::to_string(c.S) +
+                             " D" + std::to_string(c.D) + " pool" + std::to_string(c.pool) + " top_k" +
+                             std::to_string(c.top_k) + " ws" + std::to_string(c.workspace);
+    const int64_t P = c.pool == 1 ? c.S : c.S / c.pool;
+    DsaIndexerOptions o;
+    o.top_k = c.top_k;
+    o.pool = c.pool;
+    o.workspace_bytes = c.workspace;
+    auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    for (bool exact : {true, false}) {
+      torch::manual_seed(40 + c.S);
+      Tensor q, k, w;
+      if (exact) {
+        q = torch::randint(-2, 3, {c.B, c.HI, c.S, c.D}).to(bf);
+        k = torch::randint(-2, 3, {c.B, P, c.D}).to(bf);
+        w = torch::pow(2.0, torch::randint(-3, 1, {c.B, c.S, c.HI})) * (torch::randint(0, 2, {c.B, c.S, c.HI}) * 2 - 1);
+        w = w.to(bf);
+      } else {
+        q = torch::randn({c.B, c.HI, c.S, c.D}).to(bf);
+        k = torch::randn({c.B, P, c.D}).to(bf);
+        w = torch::randn({c.B, c.S, c.HI}).to(bf);
+      }
+      SetFusedKernels(false);
+      Tensor ref = IndexerTopK(q, k, w, o).cpu();
+      SetFusedKernels(true);
+      const int64_t launches = FusedKernelLaunches();
+      Tensor got = IndexerTopK(q, k, w, o);
+      EXPECT_GE(FusedKernelLaunches() - launches, 2) << name << ": the kernels did not run";
+      ASSERT_EQ(got.sizes(), ref.sizes()) << name;
+      got = got.cpu();
+      Tensor scores = IndexerScores(q.to(torch::kFloat64), k.to(torch::kFloat64), w.to(torch::kFloat64)).cpu();
+      int64_t rows = 0;
+      if (exact) {
+        EXPECT_TRUE(torch::equal(got, ref)) << name << ": " << got.ne(ref).sum().item<int64_t>() << " entries differ";
+        ExpectFollowsRule(got, scores, c.top_k, c.pool, &rows);
+        EXPECT_EQ(rows, c.B * c.S) << name;
+      } else {
+        EXPECT_TRUE(torch::equal(got.lt(0), ref.lt(0))) << name << ": padding differs";
+        auto at = [&](const Tensor& sel) {
+          return scores.gather(2, sel.clamp_min(0).to(torch::kLong)).masked_fill(sel.lt(0), 0.0);
+        };
+        const double scale = scores.abs().max().item<double>();
+        EXPECT_LE((at(got) - at(ref)).abs().max().item<double>(), 1e-5 * scale) << name;
+        EXPECT_GT(got.eq(ref).to(torch::kFloat64).mean().item<double>(), 0.99) << name << ": too few equal picks";
+      }
+    }
+  }
+}
+
 TEST(DsaSparseAttention, RejectsIndicesOutOfRange) {
   Qkv x = MakeQkv(1, 2, 1, 8, 4, 4, 27);
   Tensor idx = torch::full({1, 8, 2}, 8, torch::kInt32);

@@ -11,6 +11,10 @@
 //     dense SDPA (cuDNN/flash through ATen) over the same number of keys (queries of a W-token
 //     window attending to all of it), as TFLOP/s of the work each does:
 //     4 * H * D * (keys per query) FLOP per query forward, 2.5x that forward + backward.
+//   - indexer: kernels::IndexerTopK, GLM's lightning indexer over pools of 4 keys (32 index heads
+//     of 128, top --selected / 4 pools), its CUDA kernels and (up to --reference-tokens) the
+//     libtorch streaming selection; TFLOP/s of the causal scoring, 2 * HI * DI FLOP per visible
+//     (query, pool) pair.
 // One JSON line per row with --json.
 //
 //   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --ops kda,sparse,dense --json out/hybrid.jsonl
@@ -59,6 +63,7 @@ std::vector<int64_t> ParseList(const std::string& s) {
 int main(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
+  int64_t index_heads = 32, index_dim = 128;
   std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "window";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -96,8 +101,8 @@ int main(int argc, char** argv) {
     std::stringstream in(ops.substr(1));
     std::string op;
     while (std::getline(in, op, ',')) {
-      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense") {
-        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense)\n", op.c_str());
+      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer") {
+        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer)\n", op.c_str());
         return 2;
       }
     }
@@ -163,6 +168,32 @@ int main(int argc, char** argv) {
       Json(json, std::string("{\"op\":\"") + (kernels ? "kda_chunked_kernel" : "kda_chunked_libtorch") + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
+    }
+    // The lightning indexer's selection: top selected / 4 pools of 4 keys per query.
+    for (bool kernels : {true, false}) {
+      if (!wants("indexer") || (!kernels && T > reference_tokens)) continue;
+      if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
+      odyssey::kernels::SetFusedKernels(kernels);
+      auto q = torch::randn({1, index_heads, T, index_dim}, bf16);
+      auto keys = torch::randn({1, T / 4, index_dim}, bf16);
+      auto w = torch::randn({1, T, index_heads}, bf16) / std::sqrt(static_cast<double>(index_heads));
+      odyssey::kernels::DsaIndexerOptions o;
+      o.top_k = selected / 4;
+      o.pool = 4;
+      const double t = Seconds([&] { odyssey::kernels::IndexerTopK(q, keys, w, o); }, static_cast<int>(iters));
+      odyssey::kernels::SetFusedKernels(true);
+      // Visible (query, pool) pairs: query t sees floor((t + 1) / 4) pools.
+      const double pairs = static_cast<double>(T / 4) * static_cast<double>(T / 4 + 1) * 2.0;
+      const double flop = 2.0 * index_heads * index_dim * pairs;
+      std::printf("| indexer top-%lld pools (%s), %lld x %lld heads | %lld | %.1f | | %.0f | %.1f |\n",
+                  static_cast<long long>(o.top_k), kernels ? "CUDA kernels" : "libtorch",
+                  static_cast<long long>(index_heads), static_cast<long long>(index_dim), static_cast<long long>(T),
+                  t * 1e3, static_cast<double>(T) / t, flop / t / 1e12);
+      std::fflush(stdout);
+      Json(json, std::string("{\"op\":\"") + (kernels ? "indexer_kernel" : "indexer_libtorch") +
+                     "\",\"tokens\":" + std::to_string(T) + ",\"top_pools\":" + std::to_string(o.top_k) +
+                     ",\"forward_ms\":" + std::to_string(t * 1e3) + ",\"tflops\":" + std::to_string(flop / t / 1e12) +
+                     "}");
     }
     // Sparse attention over `selected` keys per query against dense SDPA over as many: the CUDA
     // kernels, and up to --reference-tokens the libtorch path.

@@ -212,13 +212,16 @@ Prediction Predict(const Request& r) {
     // DSA: q, k, v, the output (params' dtype) and their fp32 copies and gradients in the sparse
     // kernel, the log-sum-exp; the token indices (top_k + 3 int32 per token, with the int64
     // transients of the expansion) and the pool indices; the indexer's q, k, w (fp32 for the KL)
-    // and gradients; query-block constants: the indexer's scores (64 x 256 x HI fp32), the sparse
-    // kernel's gathered keys and values (128 queries) and the KL's gathered keys (64 queries).
+    // and gradients; query-block constants: the indexer's scores (the CUDA selection's workspace
+    // of 256 MiB, kernels::DsaIndexerOptions::workspace_bytes, above the libtorch path's 64 x 256 x
+    // HI fp32 blocks), the sparse kernel's gathered keys and values (128 queries) and the KL's
+    // gathered keys (64 queries).
     const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim;
     const int64_t dsa_indices = T * (W * 4 + W * 8 + m.index_top_k);
     const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 8 * (qd + 2 * kvd) + 4 * qd + 4 * m.heads) +
                                   dsa_indices + T * (2 * HI * DI + HI + 2 * DI) * 4 * 2;
-    const int64_t dsa_blocks = 64 * 256 * HI * 4 * 2 + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
+    const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
+    const int64_t dsa_blocks = indexer_scores + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
     const int64_t kda_work = m.kda_layers > 0 ? kda_saved + kda_recompute : 0;
     const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
     // The layer's norms, residuals and incoming-gradient copies (4 of (T, hidden)).

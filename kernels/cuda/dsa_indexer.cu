@@ -1,0 +1,337 @@
+// The lightning indexer's scores and top-k selection (see dsa_indexer.h).
+//
+// Scores: a block of 4 warps owns 64 queries x 128 items. The items' keys (128 x D bf16) sit in
+// shared memory for the whole block; the queries of one index head at a time (64 x D bf16) stream
+// through two cp.async buffers, the next head's in flight while this one's products run. A warp
+// computes its 16 queries x 128 items as two halves of 64 (8 m16n8 accumulator tiles each) with
+// mma.sync over D / 16 steps, A and B fragments by ldmatrix from rows padded by 16 bytes (row
+// stride D + 8 elements: 8 consecutive rows start in 8 different 16-byte bank groups, so ldmatrix
+// is conflict-free). Each half's products go relu, times w[t, j], into fp32 accumulators in
+// registers; after the last head the block writes its tile of scores divided by sqrt(D) (the
+// reference's order of operations, so exactly representable inputs give the reference's bits).
+//
+// Select: keys are the scores' bits made order-preserving as unsigned integers (-0 folded into
+// +0, which compares equal to it). Four 8-bit radix passes over the row find the top_k-th
+// largest key T and how many of the keys equal to T belong in (those of the lowest indices: the
+// rule); one pass gathers the items above T (any order) and, in index order, the first of those
+// equal to T; a bitonic sort of (key << 32 | ~index) orders them by the rule.
+#include "kernels/cuda/dsa_indexer.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace odyssey::kernels::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kQueries = 64;   // queries per score block
+constexpr int kItems = static_cast<int>(kIndexerItemTile);  // items per score block
+constexpr int kScoreThreads = 128;
+constexpr int kSelectThreads = 256;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void Ldsm4(unsigned (&r)[4], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// c += a (16 x 16, row) * b (16 x 8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void Mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Visible items of query t: item p covers tokens [pool p, pool p + pool - 1].
+__device__ __forceinline__ int64_t VisibleItems(int64_t t, int64_t pool, int64_t P) {
+  const int64_t n = (t + 1) / pool;
+  return n < P ? n : P;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerChunk c) {
+  constexpr int LD = D + 8;  // padded smem row, elements
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);          // (kItems, LD)
+  bf16* qs = ks + kItems * LD;                        // (2, kQueries, LD)
+  float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (kQueries, HI)
+  const int HI = static_cast<int>(c.HI);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kQueries;  // first row of the block (in the chunk)
+  const int64_t last_row = min(r0 + kQueries, c.rows) - 1;
+  const int64_t t_last = c.t0 + last_row;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kItems;
+  if (i0 >= VisibleItems(t_last, c.pool, c.P)) return;  // no query of the block sees the tile
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  // Keys of the tile (rows past the last item clamped: their scores are never read).
+  const bf16* kg = static_cast<const bf16*>(c.k);
+  for (int i = tid; i < kItems * kChunks; i += kScoreThreads) {
+    const int row = i / kChunks, ch = i % kChunks;
+    const int64_t item = min(i0 + row, c.P - 1);
+    CpAsync16(ks + row * LD + ch * 8, kg + item * c.k_ss + ch * 8);
+  }
+  const bf16* qg = static_cast<const bf16*>(c.q);
+  auto stage_queries = [&](int head, int buf) {
+    bf16* dst = qs + buf * kQueries * LD;
+    for (int i = tid; i < kQueries * kChunks; i += kScoreThreads) {
+      const int row = i / kChunks, ch = i % kChunks;
+      const int64_t t = c.t0 + min(r0 + row, last_row);
+      CpAsync16(dst + row * LD + ch * 8, qg + head * c.q_sh + t * c.q_ss + ch * 8);
+    }
+  };
+  stage_queries(0, 0);
+  CpAsyncCommit();  // group: keys + head 0
+  for (int i = tid; i < kQueries * HI; i += kScoreThreads) {
+    const int row = i / HI, j = i % HI;
+    ws[i] = c.w[(c.t0 + min(r0 + row, last_row)) * c.HI + j];
+  }
+
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+  }
+  const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
+  for (int head = 0; head < HI; ++head) {
+    if (head + 1 < HI) {
+      stage_queries(head + 1, (head + 1) & 1);
+      CpAsyncCommit();
+      CpAsyncWait<1>();  // this head's group (and the keys) landed
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    const bf16* qb = qs + (head & 1) * kQueries * LD + warp * 16 * LD;
+    const float w0 = ws[(warp * 16 + g) * HI + head], w1 = ws[(warp * 16 + g + 8) * HI + head];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float s[8][4];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[4];
+        // Lanes 0-15: rows 0-15 at column kk*16; lanes 16-31: the same rows at kk*16 + 8.
+        Ldsm4(a, qb + (lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          // Matrix m = lane / 8: items n0 + (m / 2) * 8 + lane % 8, dims kk*16 + (m % 2) * 8.
+          unsigned b[4];
+          const int item = half * 64 + np * 16 + (lane / 16) * 8 + (lane % 8);
+          Ldsm4(b, ks + item * LD + kk * 16 + ((lane / 8) % 2) * 8);
+          Mma(s[2 * np], a, b[0], b[1]);
+          Mma(s[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        acc[half * 8 + n][0] += w0 * fmaxf(s[n][0], 0.f);
+        acc[half * 8 + n][1] += w0 * fmaxf(s[n][1], 0.f);
+        acc[half * 8 + n][2] += w1 * fmaxf(s[n][2], 0.f);
+        acc[half * 8 + n][3] += w1 * fmaxf(s[n][3], 0.f);
+      }
+    }
+    __syncthreads();  // the buffer this head used is the one the head after next fills
+  }
+  const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(D)));
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int64_t row = r0 + warp * 16 + g + hr * 8;
+    if (row >= c.rows) continue;
+    float* out = c.scores + row * c.ld + i0 + (lane % 4) * 2;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      *reinterpret_cast<float2*>(out + n * 8) = make_float2(acc[n][2 * hr] / sqrt_d, acc[n][2 * hr + 1] / sqrt_d);
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned OrderKey(float f) {
+  const unsigned u = __float_as_uint(f == 0.f ? 0.f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+// Larger is better: the key, then the lower index.
+__device__ __forceinline__ unsigned long long Composite(unsigned key, int64_t item) {
+  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(item));
+}
+
+// Calls f(i, key) for every visible item of a row, 16-byte loads (ld is a multiple of 4).
+template <typename F>
+__device__ __forceinline__ void ForRow(const float* row, int64_t n, F&& f) {
+  const int64_t n4 = n / 4;
+  for (int64_t i = threadIdx.x; i < n4; i += kSelectThreads) {
+    const float4 v = reinterpret_cast<const float4*>(row)[i];
+    f(4 * i, OrderKey(v.x));
+    f(4 * i + 1, OrderKey(v.y));
+    f(4 * i + 2, OrderKey(v.z));
+    f(4 * i + 3, OrderKey(v.w));
+  }
+  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kSelectThreads) f(i, OrderKey(row[i]));
+}
+
+template <int kCap>
+__global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
+  __shared__ unsigned long long sel[kCap];
+  __shared__ unsigned hist[256];
+  __shared__ unsigned s_bin, s_remaining, s_gt, s_eq_base;
+  __shared__ unsigned warp_count[kSelectThreads / 32];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t r = blockIdx.x;
+  const int64_t t = c.t0 + r;
+  const int64_t n = VisibleItems(t, c.pool, c.P);
+  const int k = static_cast<int>(c.top_k);
+  const float* row = c.scores + r * c.ld;
+  int taken;
+  if (n <= k) {
+    for (int64_t i = tid; i < n; i += kSelectThreads) sel[i] = Composite(OrderKey(row[i]), i);
+    taken = static_cast<int>(n);
+  } else {
+    unsigned prefix = 0, mask = 0, remaining = static_cast<unsigned>(k);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = tid; i < 256; i += kSelectThreads) hist[i] = 0;
+      __syncthreads();
+      ForRow(row, n, [&](int64_t, unsigned key) {
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+      });
+      __syncthreads();
+      if (warp == 0) {
+        // Lane l holds bins 8l .. 8l + 7; counts above a bin are those of higher bins.
+        unsigned cnt[8], sum = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum += (cnt[e] = hist[lane * 8 + e]);
+        unsigned suffix = sum;  // bins of lanes >= this one
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const unsigned v = __shfl_down_sync(kFull, suffix, off);
+          if (lane + off < 32) suffix += v;
+        }
+        unsigned above = suffix - sum;
+        if (above < remaining && remaining <= suffix) {
+          for (int e = 7; e >= 0; --e) {
+            if (above + cnt[e] >= remaining) {
+              s_bin = lane * 8 + e;
+              s_remaining = remaining - above;
+              break;
+            }
+            above += cnt[e];
+          }
+        }
+      }
+      __syncthreads();
+      prefix |= s_bin << shift;
+      mask |= 255u << shift;
+      remaining = s_remaining;
+      __syncthreads();  // s_bin, s_remaining are rewritten by the next pass
+    }
+    // prefix is the top_k-th largest key T: k - remaining keys lie above it, and the first
+    // `remaining` (by index) of those equal to it complete the selection.
+    const unsigned threshold = prefix;
+    const unsigned above = static_cast<unsigned>(k) - remaining;
+    if (tid == 0) s_gt = 0, s_eq_base = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < n; base += kSelectThreads) {
+      const int64_t i = base + tid;
+      const unsigned key = i < n ? OrderKey(row[i]) : 0u;
+      const bool gt = i < n && key > threshold, eq = i < n && key == threshold;
+      if (gt) sel[atomicAdd(&s_gt, 1u)] = Composite(key, i);
+      const unsigned ballot = __ballot_sync(kFull, eq);
+      if (lane == 0) warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      unsigned pos = s_eq_base + __popc(ballot & ((1u << lane) - 1u));
+      for (int w = 0; w < warp; ++w) pos += warp_count[w];
+      if (eq && pos < remaining) sel[above + pos] = Composite(key, i);
+      __syncthreads();
+      if (tid == 0) {
+        unsigned total = 0;
+        for (int w = 0; w < kSelectThreads / 32; ++w) total += warp_count[w];
+        s_eq_base += total;
+      }
+      __syncthreads();
+    }
+    taken = k;
+  }
+  for (int i = taken + tid; i < kCap; i += kSelectThreads) sel[i] = 0ull;  // below every item
+  __syncthreads();
+  // Bitonic sort, descending.
+  for (int size = 2; size <= kCap; size <<= 1) {
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = tid; i < kCap; i += kSelectThreads) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long a = sel[i], b = sel[j];
+          const bool descending = (i & size) == 0;
+          if ((a < b) == descending) sel[i] = b, sel[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  int32_t* out = c.out + t * c.top_k;
+  for (int i = tid; i < k; i += kSelectThreads) {
+    out[i] = i < taken ? static_cast<int32_t>(0xffffffffu - static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
+  }
+}
+
+template <int D>
+int LaunchScores(const IndexerChunk& c, cudaStream_t stream) {
+  const size_t smem = (static_cast<size_t>(kItems) + 2 * kQueries) * (D + 8) * sizeof(bf16) +
+                      static_cast<size_t>(kQueries) * c.HI * sizeof(float);
+  cudaError_t e = cudaFuncSetAttribute(ScoreKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  const dim3 grid(static_cast<unsigned>(c.ld / kItems), static_cast<unsigned>((c.rows + kQueries - 1) / kQueries));
+  ScoreKernel<D><<<grid, kScoreThreads, smem, stream>>>(c);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int kCap>
+int LaunchSelect(const IndexerChunk& c, cudaStream_t stream) {
+  SelectKernel<kCap><<<static_cast<unsigned>(c.rows), kSelectThreads, 0, stream>>>(c);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+bool IndexerSelectSupported(int64_t D, int64_t HI, int64_t top_k) {
+  return (D == 64 || D == 128) && HI >= 1 && HI <= 64 && top_k >= 1 && top_k <= 4096;
+}
+
+int IndexerScores(const IndexerChunk& c, void* stream) {
+  if (c.ld <= 0 || c.rows <= 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  return c.D == 64 ? LaunchScores<64>(c, s) : LaunchScores<128>(c, s);
+}
+
+int IndexerSelect(const IndexerChunk& c, void* stream) {
+  if (c.rows <= 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (c.top_k <= 256) return LaunchSelect<256>(c, s);
+  if (c.top_k <= 512) return LaunchSelect<512>(c, s);
+  if (c.top_k <= 1024) return LaunchSelect<1024>(c, s);
+  if (c.top_k <= 2048) return LaunchSelect<2048>(c, s);
+  return LaunchSelect<4096>(c, s);
+}
+
+}  // namespace odyssey::kernels::cuda
