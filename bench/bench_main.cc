@@ -89,13 +89,24 @@ class BlockedFloat32Attention : public odyssey::kernels::AttentionBackend {
   const int64_t block_;  // queries per block; 0 = as many as ~2 GiB of scores allow
 };
 
+// 6 N T for the matmuls plus attention: dense causal 6 S^2 H D per layer; for the hybrid family
+// the DSA layers' attention over the selected keys (query t sees min(t + 1, index_top_k + 3);
+// forward 4 H D per key, backward twice that) and the indexer's causal scoring (forward only:
+// 2 HI DI per visible (query, pool) pair, ~S^2 / 8 pairs). KDA's chunk work is not counted.
 double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
   const double matmul_params = static_cast<double>(c.NumParameters()) -
                                (c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size * c.hidden_size));
-  const double tokens = static_cast<double>(B * S);
-  const double attention = 6.0 * static_cast<double>(B) * static_cast<double>(S) * static_cast<double>(S) *
-                           static_cast<double>(c.num_attention_heads * c.HeadDim()) *
-                           static_cast<double>(c.num_hidden_layers);
+  const double tokens = static_cast<double>(B * S), s = static_cast<double>(S);
+  const double hd = static_cast<double>(c.num_attention_heads * c.HeadDim());
+  if (c.IsHybrid()) {
+    const double w = static_cast<double>(c.hybrid.index_top_k + 3);
+    const double keys = s <= w ? s * (s + 1) / 2 : w * (w + 1) / 2 + (s - w) * w;  // sum over queries
+    const double per_layer = 12.0 * keys * hd + s * s / 8.0 * 2.0 * static_cast<double>(c.hybrid.index_num_heads *
+                                                                                          c.hybrid.index_head_dim);
+    return 6.0 * matmul_params * tokens +
+           static_cast<double>(B) * per_layer * static_cast<double>(c.NumLayersOfKind('D'));
+  }
+  const double attention = 6.0 * static_cast<double>(B) * s * s * hd * static_cast<double>(c.num_hidden_layers);
   return 6.0 * matmul_params * tokens + attention;
 }
 

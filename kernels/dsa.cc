@@ -403,6 +403,138 @@ Tensor ExpandPoolSelection(const Tensor& pool_idx) {
   return out.to(torch::kInt32);
 }
 
+Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indices, double scale,
+                            int64_t query_block) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "SparseAttentionProbs: q (B, H, Sq, D), k (B, Hkv, Sk, D)");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "SparseAttentionProbs: Hkv (", k.size(1), ") must divide H (", q.size(1),
+              ")");
+  TORCH_CHECK(indices.dim() == 3 && indices.scalar_type() == torch::kInt32 && indices.size(0) == q.size(0) &&
+                  indices.size(1) == q.size(2),
+              "SparseAttentionProbs: indices must be (B, Sq, W) int32");
+  TORCH_CHECK(query_block >= 1, "SparseAttentionProbs: query_block must be >= 1");
+  torch::NoGradGuard no_grad;
+  const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3),
+                W = indices.size(2), G = H / Hkv;
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (SparseKernel(q, k, k)) {
+    c10::cuda::CUDAGuard guard(q.device());
+    Tensor qr = Rows(q), kr = Rows(k), idx = indices.contiguous();
+    Tensor probs = torch::empty({B, Sq, W}, q.options().dtype(torch::kFloat32));
+    CheckKernelLaunch(cuda::SparseAttentionProbs(KernelArgs(qr, kr, kr, idx, sc), probs.data_ptr<float>(), Stream(qr)),
+                      "sparse attention probabilities");
+    return probs;
+  }
+#endif
+  const auto ct = ComputeType({&q, &k});
+  Tensor out = torch::empty({B, Sq, W}, q.options().dtype(ct));
+  const Tensor k_flat = FlatRows(k.to(ct));  // (B * Sk, Hkv, D)
+  for (int64_t t0 = 0; t0 < Sq; t0 += query_block) {
+    const int64_t n = std::min(query_block, Sq - t0);
+    Tensor il = indices.narrow(1, t0, n).to(torch::kLong);                             // (B, n, W)
+    Tensor ks = GatherKeys(k_flat, il.clamp_min(0), Sk);                               // (B, Hkv, n, W, D)
+    Tensor qb = q.narrow(2, t0, n).to(ct).view({B, Hkv, G, n, D}).permute({0, 1, 3, 2, 4});  // (B, Hkv, n, G, D)
+    Tensor s = torch::matmul(qb, ks.transpose(-1, -2)) * sc;                           // (B, Hkv, n, G, W)
+    s = s.masked_fill((il < 0).view({B, 1, n, 1, W}), -kInf);
+    Tensor p = torch::softmax(s, -1).nan_to_num(0.0);  // rows without a key: 0
+    out.narrow(1, t0, n).copy_(p.sum({1, 3}) / static_cast<double>(H));
+  }
+  return out;
+}
+
+namespace {
+
+// One block of rows of the KL loss, recomputed from the inputs: the selected pools' keys, the
+// per-head dot products, the scores and the log-softmax over the valid selected pools.
+struct KlBlock {
+  Tensor qi, wi, ksel, dots, valid, pic, logp, p, target;
+};
+KlBlock KlRows(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& pool_idx, const Tensor& target,
+               int64_t t0, int64_t n, torch::ScalarType ct) {
+  const int64_t B = q.size(0), P = k.size(1), DI = q.size(3), kp = pool_idx.size(2);
+  KlBlock r;
+  r.qi = q.narrow(2, t0, n).to(ct);  // (B, HI, n, DI)
+  r.wi = w.narrow(1, t0, n).to(ct);  // (B, n, HI)
+  Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong);  // (B, n, kp)
+  r.valid = pi >= 0;
+  r.pic = pi.clamp_min(0) + torch::arange(B, pi.options()).view({B, 1, 1}) * P;  // rows of k as (B * P, DI)
+  r.ksel = k.to(ct).reshape({B * P, DI}).index_select(0, r.pic.reshape(-1)).view({B, n, kp, DI});
+  r.dots = torch::einsum("bhqd,bqpd->bhqp", {r.qi, r.ksel});  // (B, HI, n, kp)
+  Tensor logits = (r.dots.relu() * r.wi.permute({0, 2, 1}).unsqueeze(-1)).sum(1) / std::sqrt(double(DI));
+  Tensor row_has = r.valid.any(-1, /*keepdim=*/true);
+  // Rows without a pool get finite logits (their target is 0, so they add nothing).
+  Tensor masked = torch::where(row_has, logits.masked_fill(r.valid.logical_not(), -kInf),
+                               torch::zeros({}, logits.options()));
+  r.logp = torch::log_softmax(masked, -1);
+  r.p = r.logp.exp();
+  r.target = target.narrow(1, t0, n).to(ct).masked_fill(r.valid.logical_not(), 0.0);
+  return r;
+}
+
+Tensor KlTerm(const KlBlock& r) {  // sum of target (log target - log p) over entries of target > 0
+  Tensor pos = r.target > 0;
+  return torch::where(pos, r.target * (r.target.clamp_min(1e-30).log() - r.logp), torch::zeros({}, r.logp.options()))
+      .sum();
+}
+
+struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& w,
+                               const Tensor& pool_idx, const Tensor& target, int64_t block) {
+    const auto ct = ComputeType({&q, &k, &w});
+    Tensor total = torch::zeros({}, q.options().dtype(ct));
+    for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
+      total += KlTerm(KlRows(q, k, w, pool_idx, target, t0, std::min(block, q.size(2) - t0), ct));
+    }
+    ctx->save_for_backward({q, k, w, pool_idx, target});
+    ctx->saved_data["block"] = block;
+    return {total};
+  }
+
+  // d KL / d logits = p * (sum of the row's target) - target on the valid entries; then through
+  // logits = sum_j w_j relu(dots_j) / sqrt(DI) and dots_j = q_j . k[pool] by hand.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list sv = ctx->get_saved_variables();
+    const Tensor &q = sv[0], &k = sv[1], &w = sv[2], &pool_idx = sv[3], &target = sv[4];
+    const int64_t block = ctx->saved_data["block"].toInt();
+    const auto ct = ComputeType({&q, &k, &w});
+    const int64_t B = q.size(0), P = k.size(1), DI = q.size(3), kp = pool_idx.size(2);
+    const double inv_sqrt = 1.0 / std::sqrt(double(DI));
+    const Tensor g = grads[0].to(ct);
+    Tensor dq = torch::zeros(q.sizes(), q.options().dtype(ct));
+    Tensor dw = torch::zeros(w.sizes(), w.options().dtype(ct));
+    Tensor dk = torch::zeros({B * P, DI}, k.options().dtype(ct));
+    for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
+      const int64_t n = std::min(block, q.size(2) - t0);
+      const KlBlock r = KlRows(q, k, w, pool_idx, target, t0, n, ct);
+      Tensor dlog = ((r.p * r.target.sum(-1, /*keepdim=*/true) - r.target) * g * inv_sqrt)
+                        .masked_fill(r.valid.logical_not(), 0.0);  // (B, n, kp), the 1 / sqrt(DI) folded in
+      dw.narrow(1, t0, n).copy_(torch::einsum("bhqp,bqp->bqh", {r.dots.relu(), dlog}));
+      Tensor ddots = (r.dots > 0).to(ct) * dlog.unsqueeze(1) * r.wi.permute({0, 2, 1}).unsqueeze(-1);  // (B, HI, n, kp)
+      dq.narrow(2, t0, n).copy_(torch::einsum("bhqp,bqpd->bhqd", {ddots, r.ksel}));
+      Tensor dksel = torch::einsum("bhqp,bhqd->bqpd", {ddots, r.qi});  // (B, n, kp, DI); 0 at invalid entries
+      dk.index_add_(0, r.pic.reshape(-1), dksel.reshape({B * n * kp, DI}));
+    }
+    return {dq.to(q.scalar_type()), dk.view({B, P, DI}).to(k.scalar_type()), dw.to(w.scalar_type()), Tensor(),
+            Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& pool_idx,
+                     const Tensor& target, int64_t query_block) {
+  TORCH_CHECK(q_idx.dim() == 4 && k_idx.dim() == 3 && w.dim() == 3 && k_idx.size(0) == q_idx.size(0) &&
+                  k_idx.size(2) == q_idx.size(3) && w.sizes() == torch::IntArrayRef({q_idx.size(0), q_idx.size(2),
+                                                                                     q_idx.size(1)}),
+              "IndexerKlLoss: q_idx (B, HI, S, D), k_idx (B, P, D), w (B, S, HI)");
+  TORCH_CHECK(pool_idx.dim() == 3 && pool_idx.scalar_type() == torch::kInt32 && pool_idx.size(0) == q_idx.size(0) &&
+                  pool_idx.size(1) == q_idx.size(2) && target.sizes() == pool_idx.sizes(),
+              "IndexerKlLoss: pool_idx (B, S, kp) int32 and target of its shape");
+  TORCH_CHECK(query_block >= 1, "IndexerKlLoss: query_block must be >= 1");
+  return IndexerKlFunction::apply(q_idx, k_idx, w, pool_idx, target.detach(), query_block)[0];
+}
+
 Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices, double scale,
                        int64_t query_block, int64_t backward_pairs) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "SparseAttention: q, k, v must be 4-d");

@@ -94,4 +94,29 @@ torch::Tensor SparseAttention(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& indices, double scale = 0.0, int64_t query_block = 128,
                               int64_t backward_pairs = int64_t{1} << 27);
 
+// Head-mean attention probabilities at the selected keys, for the indexer's KL target (spec 2.3):
+// P[b, t, j] = (1 / H) sum_h softmax_j(scale q[h, t] . k[h', idx[t, j]]) over the row's valid j
+// (h' = h / (H / Hkv)), 0 at -1 entries and in rows without a valid key. q (B, H, Sq, D) may be
+// a chunk of a longer sequence's queries, idx (B, Sq, W) its rows (indices into k's Sk rows);
+// k (B, Hkv, Sk, D). No gradient. Returns (B, Sq, W) in the compute dtype (fp32; fp64 for fp64
+// inputs). CUDA kernel (SparseAttentionProbs of cuda/sparse_attention.h: two walks over the
+// selection per head group, deterministic) under the conditions of SparseAttention's, else
+// libtorch in blocks of query_block queries (the gathered keys of one block at a time).
+// REQUIRES: indices in [-1, Sk) without duplicates in a row; query_block >= 1.
+torch::Tensor SparseAttentionProbs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& indices,
+                                   double scale = 0.0, int64_t query_block = 64);
+
+// The indexer's KL loss over its selected pools (spec 2.3, sparse stage), summed over rows:
+// sum_t sum_i target[t, i] (log target[t, i] - log softmax_i(I[t, pool_idx[t, i]])) over the
+// valid i (pool_idx >= 0), I the score of IndexerScores; rows without a valid pool add 0. q_idx
+// (B, HI, S, D), k_idx (B, P, D), w (B, S, HI): differentiable; pool_idx (B, S, kp) int32,
+// target (B, S, kp) (0 at invalid entries; each row sums to 1 or 0), not. A custom autograd
+// Function that keeps only its inputs and recomputes the gathered keys query_block rows at a
+// time in backward, so memory does not grow with the sequence (an autograd graph per block
+// would keep ~256 KB of gathered keys per token). Computed in fp32 (fp64 for fp64 inputs);
+// returns a 0-d tensor of that dtype.
+// REQUIRES: the shapes above; pool_idx entries in [-1, P); query_block >= 1.
+torch::Tensor IndexerKlLoss(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
+                            const torch::Tensor& pool_idx, const torch::Tensor& target, int64_t query_block = 256);
+
 }  // namespace odyssey::kernels

@@ -10,6 +10,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -391,6 +392,121 @@ TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
         EXPECT_LE((at(got) - at(ref)).abs().max().item<double>(), 1e-5 * scale) << name;
         EXPECT_GT(got.eq(ref).to(torch::kFloat64).mean().item<double>(), 0.99) << name << ": too few equal picks";
       }
+    }
+  }
+}
+
+// The KL target's probabilities: softmax of the dense scores masked to the selected keys, averaged
+// over heads and read at the selected entries (fp64, GQA 6/2, a row without keys); a chunk of the
+// queries against all keys gives the same rows.
+TEST(DsaSparseAttention, ProbsEqualTheMaskedDenseSoftmaxFp64) {
+  const int64_t B = 2, H = 6, Hkv = 2, S = 150, D = 16;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, D, 51);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 52);
+  DsaIndexerOptions o;
+  o.top_k = 40;
+  Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+  idx.select(1, 9).fill_(-1);  // query 9 selects nothing
+  Tensor got = SparseAttentionProbs(x.q, x.k, idx, 0.0, 17);
+  ASSERT_EQ(got.sizes(), torch::IntArrayRef({B, S, o.top_k}));
+  // Reference: (B, H, S, S) scores, -inf off the selection, softmax, head mean, then gathered.
+  Tensor il = idx.to(torch::kLong);
+  Tensor sel = torch::zeros({B, S, S + 1}, torch::kBool).scatter_(2, torch::where(il >= 0, il, S), true)
+                   .narrow(2, 0, S);  // (B, S, S) selected keys
+  Tensor kq = x.k.repeat_interleave(H / Hkv, 1);
+  Tensor sc = torch::matmul(x.q, kq.transpose(2, 3)) / std::sqrt(double(D));
+  sc = sc.masked_fill(sel.unsqueeze(1).logical_not(), -std::numeric_limits<double>::infinity());
+  Tensor mean = torch::softmax(sc, -1).nan_to_num(0.0).mean(1);  // (B, S, S)
+  Tensor want = mean.gather(2, il.clamp_min(0)).masked_fill(il < 0, 0.0);
+  EXPECT_LT(MaxErr(got, want), 1e-12);
+  EXPECT_EQ(got.select(1, 9).abs().max().item<double>(), 0.0);
+  // Each row with keys sums to 1.
+  EXPECT_LT((got.sum(-1).narrow(1, 10, S - 10) - 1).abs().max().item<double>(), 1e-12);
+  Tensor part = SparseAttentionProbs(x.q.narrow(2, 50, 60), x.k, idx.narrow(1, 50, 60));
+  EXPECT_LT(MaxErr(part, got.narrow(1, 50, 60)), 1e-12);
+}
+
+// The indexer's KL loss over its selected pools, its value and gradients against plain autograd
+// of the formula over the whole sequence at once (fp64), with pools (-1 for the first rows) and a
+// row of no pool, in one block and in awkward blocks.
+TEST(DsaIndexer, KlLossEqualsAutogradOfTheFormulaFp64) {
+  const int64_t B = 2, HI = 3, S = 121, D = 16;
+  Indexer ix = MakeIndexer(B, HI, S, D, torch::kFloat64, 61);
+  torch::manual_seed(62);
+  Tensor keys = torch::randn({B, S / 4, D}, torch::kFloat64);
+  DsaIndexerOptions o;
+  o.top_k = 8;
+  o.pool = 4;
+  Tensor pool_idx = IndexerTopK(ix.q, keys, ix.w, o);  // (B, S, 8)
+  Tensor valid = pool_idx >= 0;
+  Tensor target = torch::rand({B, S, o.top_k}, torch::kFloat64).masked_fill(valid.logical_not(), 0.0);
+  target = target / target.sum(-1, true).clamp_min(1e-30);
+  ASSERT_EQ(valid.select(2, 0).logical_not().sum().item<int64_t>(), 3 * B);  // rows 0..2 hold no pool
+  auto leaf = [](const Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  Tensor q0 = leaf(ix.q), k0 = leaf(keys), w0 = leaf(ix.w);
+  // Reference: every row at once, by autograd.
+  Tensor pl = pool_idx.to(torch::kLong).clamp_min(0);
+  Tensor ksel = k0.gather(1, pl.view({B, S * o.top_k, 1}).expand({B, S * o.top_k, D})).view({B, S, o.top_k, D});
+  Tensor logits = (torch::einsum("bhqd,bqpd->bhqp", {q0, ksel}).relu() * w0.permute({0, 2, 1}).unsqueeze(-1)).sum(1) /
+                  std::sqrt(double(D));
+  Tensor row_has = valid.any(-1, true);
+  Tensor logp = torch::log_softmax(
+      torch::where(row_has, logits.masked_fill(valid.logical_not(), -std::numeric_limits<double>::infinity()),
+                   torch::zeros({}, logits.options())),
+      -1);
+  Tensor want = torch::where(target > 0, target * (target.clamp_min(1e-30).log() - logp),
+                             torch::zeros({}, logp.options()))
+                    .sum();
+  want.backward();
+  for (int64_t block : {int64_t{256}, int64_t{7}}) {
+    Tensor q1 = leaf(ix.q), k1 = leaf(keys), w1 = leaf(ix.w);
+    Tensor got = IndexerKlLoss(q1, k1, w1, pool_idx, target, block);
+    EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-12) << "block " << block;
+    (got * 2.5).backward();  // an upstream gradient other than 1
+    EXPECT_LT(MaxErr(q1.grad(), q0.grad() * 2.5), 1e-10) << "dq, block " << block;
+    EXPECT_LT(MaxErr(k1.grad(), k0.grad() * 2.5), 1e-10) << "dk, block " << block;
+    EXPECT_LT(MaxErr(w1.grad(), w0.grad() * 2.5), 1e-10) << "dw, block " << block;
+    EXPECT_GT(k1.grad().abs().max().item<double>(), 0.0);
+  }
+}
+
+// The probabilities' kernel (bf16 and fp32 inputs, GQA 24/8 and MHA, D 64 and 128, a query chunk
+// against all keys, a row without keys) within twice the libtorch path's error against fp64, and
+// deterministic.
+TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  struct Case {
+    int64_t B, H, Hkv, S, D, top_k;
+  };
+  for (const Case& c : {Case{1, 24, 8, 700, 128, 300}, Case{2, 5, 5, 257, 64, 64}}) {
+    for (auto dt : {torch::kBFloat16, torch::kFloat32}) {
+      const std::string name = "H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) + " D" + std::to_string(c.D) +
+                               (dt == torch::kBFloat16 ? " bf16" : " fp32");
+      Qkv x = MakeQkv(c.B, c.H, c.Hkv, c.S, c.D, c.D, 71);
+      Indexer ix = MakeIndexer(c.B, 2, c.S, 8, torch::kFloat64, 72);
+      DsaIndexerOptions o;
+      o.top_k = c.top_k;
+      Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+      idx.select(1, 30).fill_(-1);
+      const int64_t t0 = 20, n = c.S - 40;
+      auto round = [&](const Tensor& t) { return t.to(dt).to(torch::kFloat64); };
+      Tensor qr = round(x.q).narrow(2, t0, n), kr = round(x.k);
+      Tensor truth = SparseAttentionProbs(qr, kr, idx.narrow(1, t0, n));
+      auto dev = [&](const Tensor& t) { return t.to(torch::kCUDA, dt); };
+      Tensor qd = dev(qr), kd = dev(kr), id = idx.narrow(1, t0, n).cuda();
+      SetFusedKernels(false);
+      Tensor ref = SparseAttentionProbs(qd, kd, id).cpu();
+      SetFusedKernels(true);
+      const int64_t launches = FusedKernelLaunches();
+      Tensor got = SparseAttentionProbs(qd, kd, id);
+      EXPECT_GE(FusedKernelLaunches() - launches, 1) << name << ": the kernel did not run";
+      Tensor again = SparseAttentionProbs(qd, kd, id);
+      EXPECT_TRUE(torch::equal(got, again)) << name << ": not deterministic";
+      got = got.cpu();
+      EXPECT_LE(MaxErr(got, truth), 2 * MaxErr(ref, truth) + 8 * FLT_EPSILON) << name;
+      EXPECT_EQ(got.select(1, 30 - t0).abs().max().item<double>(), 0.0) << name << ": a row without keys";
     }
   }
 }

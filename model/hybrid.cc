@@ -239,10 +239,36 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
     out = backend->Forward(q, k, v, AttentionMeta{});
   }
-  if (kl != nullptr && S >= 4) {
-    // Target: the main attention's probabilities (no grad), head-summed and L1-normalised, summed
-    // within each pool; prediction: the softmax of the indexer's pool scores, over the selected
-    // pools (sparse) or every visible one (dense warm-up). Query blocks bound the working set.
+  if (kl != nullptr && S >= 4 && sparse) {
+    // Target: the main attention's probabilities (no grad), head-mean, summed within each
+    // selected pool and L1-normalised over them; prediction: the softmax of the indexer's scores
+    // of the selected pools (kernels::IndexerKlLoss, which recomputes its gathers in backward).
+    // The probabilities go chunk by chunk into the (B, S, kp) target: ~256 MiB of (rows, W) at a
+    // time.
+    const int64_t kp = pool_idx.size(2), W = idx.size(2);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    Tensor target;  // (B, S, kp)
+    {
+      torch::NoGradGuard no_grad;
+      const Tensor qd = q.detach(), kd = k.detach();
+      const int64_t rows = std::max<int64_t>(64, (int64_t{256} << 20) / std::max<int64_t>(1, B * W * 4));
+      for (int64_t t0 = 0; t0 < S; t0 += rows) {
+        const int64_t n = std::min(rows, S - t0);
+        Tensor p = kernels::SparseAttentionProbs(qd.narrow(2, t0, n), kd, idx.narrow(1, t0, n), scale);  // (B, n, W)
+        Tensor valid = pool_idx.narrow(1, t0, n) >= 0;                                                 // (B, n, kp)
+        Tensor tg = p.narrow(2, 0, 4 * kp).reshape({B, n, kp, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
+        tg = tg / tg.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
+        if (!target.defined()) target = torch::empty({B, S, kp}, tg.options());
+        target.narrow(1, t0, n).copy_(tg);
+      }
+    }
+    Tensor total = kernels::IndexerKlLoss(ix.q, ix.keys, ix.w, pool_idx, target);
+    kl->rows += (pool_idx.select(2, 0) >= 0).sum().item<int64_t>();
+    kl->sum = kl->sum.defined() ? kl->sum + total : total;
+  } else if (kl != nullptr && S >= 4) {
+    // Dense warm-up: the target is the main attention's probabilities (no grad), head-summed and
+    // L1-normalised, summed within each pool; the prediction the softmax of the indexer's pool
+    // scores over every visible pool. Query blocks bound the working set.
     const DsaIndexerImpl::Out& live = ix;
     const int64_t P = S / 4, QB = 64;
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -253,49 +279,24 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     for (int64_t t0 = 0; t0 < S; t0 += QB) {
       const int64_t n = std::min(QB, S - t0);
       Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
-      Tensor target, logits, valid;                              // (B, n, items)
+      Tensor target, valid;                                      // (B, n, P)
       {
         torch::NoGradGuard no_grad;
-        Tensor qb = qd.narrow(2, t0, n);  // (B, H, n, D)
-        if (sparse) {
-          Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong);  // (B, n, kp)
-          valid = pi >= 0;
-          Tensor tok = idx.narrow(1, t0, n).to(torch::kLong);      // (B, n, W)
-          Tensor tok_valid = tok >= 0;
-          Tensor gathered = kq.gather(2, tok.clamp_min(0).view({B, 1, n * tok.size(2), 1})
-                                             .expand({B, H, n * tok.size(2), D}))
-                                .view({B, H, n, tok.size(2), D});           // (B, H, n, W, D)
-          Tensor s = (qb.unsqueeze(3) * gathered).sum(-1) * scale;         // (B, H, n, W)
-          s = s.masked_fill(tok_valid.unsqueeze(1).logical_not(), -kInf);
-          Tensor p = torch::softmax(s, -1).nan_to_num(0.0).sum(1) / static_cast<double>(H);  // (B, n, W)
-          const int64_t kp = pi.size(2);
-          target = p.narrow(2, 0, 4 * kp).view({B, n, kp, 4}).sum(-1);  // (B, n, kp) per selected pool
-        } else {
-          Tensor s = torch::matmul(qb, kq.transpose(2, 3)) * scale;  // (B, H, n, S)
-          Tensor keypos = torch::arange(S, lo).view({1, 1, S});
-          s = s.masked_fill((keypos > t).unsqueeze(1), -kInf);
-          Tensor p = torch::softmax(s, -1).sum(1) / static_cast<double>(H);  // (B, n, S)
-          target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1);         // (B, n, P)
-          valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
-        }
+        Tensor qb = qd.narrow(2, t0, n);                            // (B, H, n, D)
+        Tensor s = torch::matmul(qb, kq.transpose(2, 3)) * scale;  // (B, H, n, S)
+        Tensor keypos = torch::arange(S, lo).view({1, 1, S});
+        s = s.masked_fill((keypos > t).unsqueeze(1), -kInf);
+        Tensor p = torch::softmax(s, -1).sum(1) / static_cast<double>(H);  // (B, n, S)
+        target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1);         // (B, n, P)
+        valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
         target = target.masked_fill(valid.logical_not(), 0.0);
         target = target / target.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
       }
       Tensor qi = live.q.narrow(2, t0, n).to(torch::kFloat32);  // (B, HI, n, DI)
       Tensor wi = live.w.narrow(1, t0, n).to(torch::kFloat32);  // (B, n, HI)
       Tensor keys = live.keys.to(torch::kFloat32);              // (B, P, DI)
-      if (sparse) {
-        Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong).clamp_min(0);  // (B, n, kp)
-        const int64_t kp = pi.size(2);
-        Tensor ksel = keys.gather(1, pi.view({B, n * kp, 1}).expand({B, n * kp, keys.size(2)}))
-                          .view({B, n, kp, keys.size(2)});                           // (B, n, kp, DI)
-        Tensor dots = torch::einsum("bhqd,bqpd->bhqp", {qi, ksel}).relu();           // (B, HI, n, kp)
-        logits = (dots * wi.permute({0, 2, 1}).unsqueeze(-1)).sum(1) /
-                 std::sqrt(static_cast<double>(qi.size(3)));                         // (B, n, kp)
-      } else {
-        logits = kernels::IndexerScores(qi, keys, wi);  // (B, n, P)
-      }
-      Tensor row_has = valid.any(-1);  // (B, n)
+      Tensor logits = kernels::IndexerScores(qi, keys, wi);     // (B, n, P)
+      Tensor row_has = valid.any(-1);                           // (B, n)
       // Rows without a pool (t < 3) get finite logits, so no NaN reaches the backward.
       Tensor masked = torch::where(row_has.unsqueeze(-1), logits.masked_fill(valid.logical_not(), -kInf),
                                    torch::zeros({}, logits.options()));
