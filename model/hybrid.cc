@@ -9,6 +9,7 @@
 #include "kernels/dsa.h"
 #include "kernels/heads.h"
 #include "kernels/kda.h"
+#include "model/grad_sums.h"
 
 namespace odyssey::model {
 namespace {
@@ -91,6 +92,7 @@ KdaAttentionImpl::KdaAttentionImpl(const ModelConfig& c)
     : heads_(c.hybrid.kda_num_heads),
       head_dim_(c.hybrid.kda_head_dim),
       chunk_(c.hybrid.kda_chunk_size),
+      conv_kernel_(c.hybrid.kda_conv_kernel),
       lower_bound_(c.hybrid.kda_gate_lower_bound) {
   const int64_t d = c.hidden_size, HK = heads_ * head_dim_, kernel = c.hybrid.kda_conv_kernel;
   q_proj = register_module("q_proj", Lin(d, HK));
@@ -146,22 +148,120 @@ void KdaAttentionImpl::to(torch::Device device, bool non_blocking) {
   torch::nn::Module::to(device, non_blocking);
 }
 
-Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
-  const int64_t B = x.size(0), S = x.size(1), H = heads_, K = head_dim_;
-  auto heads = [&](const Tensor& t) { return t.reshape({B, S, H, K}); };  // (B, S, H, K)
-  Tensor q = L2Norm(heads(torch::silu(q_conv1d(q_proj(x))))).transpose(1, 2);  // (B, H, S, K)
-  Tensor k = L2Norm(heads(torch::silu(k_conv1d(k_proj(x))))).transpose(1, 2);  // (B, H, S, K)
-  Tensor v = heads(torch::silu(v_conv1d(v_proj(x)))).transpose(1, 2);          // (B, H, S, K)
+Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tensor& h0, Tensor* h_out) {
+  const int64_t B = x_ctx.size(0), n = x_ctx.size(1) - ctx, H = heads_, K = head_dim_;
+  auto heads = [&](const Tensor& t) { return t.reshape({B, n, H, K}); };  // (B, n, H, K)
+  // The convolutions see the context; everything after them only the tile's tokens.
+  auto conv = [&](ShortConv& c, torch::nn::Linear& proj) { return c(proj(x_ctx)).narrow(1, ctx, n); };
+  const Tensor x = x_ctx.narrow(1, ctx, n);
+  Tensor q = L2Norm(heads(torch::silu(conv(q_conv1d, q_proj)))).transpose(1, 2);  // (B, H, n, K)
+  Tensor k = L2Norm(heads(torch::silu(conv(k_conv1d, k_proj)))).transpose(1, 2);  // (B, H, n, K)
+  Tensor v = heads(torch::silu(conv(v_conv1d, v_proj))).transpose(1, 2);          // (B, H, n, K)
   // The safe gate in fp32: lb * sigmoid(exp(A_log[h]) (f + dt_bias)) in (lb, 0).
-  Tensor f = f_b_proj(f_a_proj(x)).to(torch::kFloat32) + dt_bias;                    // (B, S, H K)
-  Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.exp().view({H, 1}));     // (B, S, H, K)
-  g = g.transpose(1, 2);                                                             // (B, H, S, K)
-  Tensor beta = torch::sigmoid(b_proj(x).to(torch::kFloat32)).transpose(1, 2);       // (B, H, S)
+  Tensor f = f_b_proj(f_a_proj(x)).to(torch::kFloat32) + dt_bias;                    // (B, n, H K)
+  Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.exp().view({H, 1}));     // (B, n, H, K)
+  g = g.transpose(1, 2);                                                             // (B, H, n, K)
+  Tensor beta = torch::sigmoid(b_proj(x).to(torch::kFloat32)).transpose(1, 2);       // (B, H, n)
   kernels::KdaOptions options;
   options.chunk_size = chunk_;
-  Tensor o = kernels::KdaChunked(q, k, v, g, beta, Tensor(), options).first;  // (B, H, S, K)
-  Tensor gate = torch::sigmoid(heads(g_b_proj(g_a_proj(x))));                  // (B, S, H, K)
-  return (o_norm(o.transpose(1, 2)) * gate).reshape({B, S, H * K});
+  auto [o, state] = kernels::KdaChunked(q, k, v, g, beta, h0, options);  // (B, H, n, K), (B, H, K, K)
+  if (h_out != nullptr) *h_out = state;
+  Tensor gate = torch::sigmoid(heads(g_b_proj(g_a_proj(x))));  // (B, n, H, K)
+  return (o_norm(o.transpose(1, 2)) * gate).reshape({B, n, H * K});
+}
+
+namespace {
+
+struct KdaTileState : torch::CustomClassHolder {
+  KdaAttentionImpl* mixer = nullptr;
+  int64_t tile = 0;
+};
+
+// x (B, S, hidden) -> (B, S, H K) tile by tile (see KdaAttentionImpl::Heads). Saved: x and the
+// state entering each tile after the first (B, H, K, K) fp32.
+class KdaTiledFunction : public torch::autograd::Function<KdaTiledFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, c10::intrusive_ptr<KdaTileState> st) {
+    torch::NoGradGuard no_grad;
+    std::vector<Tensor> states;
+    Tensor out = Run(*st->mixer, x, st->tile, &states);
+    states.insert(states.begin(), x);
+    ctx->save_for_backward(states);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto st = c10::static_intrusive_pointer_cast<KdaTileState>(ctx->saved_data["state"].toCapsule());
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const Tensor& x = saved[0];
+    const Tensor& gy = grads[0];  // (B, S, H K)
+    KdaAttentionImpl& m = *st->mixer;
+    const int64_t S = x.size(1), c = m.conv_context();
+    std::vector<Tensor> weights;
+    for (const auto& p : m.parameters()) {
+      if (p.requires_grad()) weights.push_back(p);
+    }
+    Fp32GradSums sums(weights);
+    Tensor dx = torch::zeros_like(x);
+    Tensor dh;  // gradient of the state the current tile hands on (undefined: none)
+    const int64_t tiles = (S + st->tile - 1) / st->tile;
+    for (int64_t i = tiles - 1; i >= 0; --i) {
+      const int64_t t0 = i * st->tile, n = std::min(st->tile, S - t0), ctx_n = std::min(c, t0);
+      Tensor xt = x.narrow(1, t0 - ctx_n, ctx_n + n).detach().requires_grad_(true);
+      Tensor h0 = i == 0 ? Tensor() : saved[static_cast<size_t>(i)].detach().requires_grad_(true);
+      Tensor y, h_next;
+      {
+        torch::AutoGradMode grad(true);
+        y = m.TileHeads(xt, ctx_n, h0, &h_next);
+      }
+      std::vector<Tensor> outputs = {y}, grad_outputs = {gy.narrow(1, t0, n)};
+      if (dh.defined()) {
+        outputs.push_back(h_next);
+        grad_outputs.push_back(dh);
+      }
+      std::vector<Tensor> inputs = {xt};
+      if (h0.defined()) inputs.push_back(h0);
+      inputs.insert(inputs.end(), weights.begin(), weights.end());
+      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+      if (d[0].defined()) dx.narrow(1, t0 - ctx_n, ctx_n + n).add_(d[0]);
+      size_t next = 1;
+      if (h0.defined()) dh = d[next++];
+      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+    }
+    sums.WriteGrads();
+    return {dx, Tensor()};
+  }
+
+  // The tiles without a graph; *states gets the state entering each tile after the first.
+  static Tensor Run(KdaAttentionImpl& m, const Tensor& x, int64_t tile, std::vector<Tensor>* states) {
+    const int64_t S = x.size(1), c = m.conv_context();
+    std::vector<Tensor> parts;
+    Tensor h;
+    for (int64_t t0 = 0; t0 < S; t0 += tile) {
+      const int64_t n = std::min(tile, S - t0), ctx_n = std::min(c, t0);
+      if (t0 > 0 && states != nullptr) states->push_back(h);
+      Tensor next;
+      parts.push_back(m.TileHeads(x.narrow(1, t0 - ctx_n, ctx_n + n), ctx_n, h, &next));
+      h = next;
+    }
+    return torch::cat(parts, 1);
+  }
+};
+
+}  // namespace
+
+Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
+  if (tile_ <= 0 || x.size(1) <= tile_) return TileHeads(x, 0, Tensor(), nullptr);
+  if (!torch::GradMode::is_enabled()) return KdaTiledFunction::Run(*this, x, tile_, nullptr);
+  auto st = c10::make_intrusive<KdaTileState>();
+  st->mixer = this;
+  st->tile = tile_;
+  // The Function records a backward node only for inputs that need grad; the mixer's
+  // parameters need it even when x does not.
+  return KdaTiledFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
 }
 
 Tensor KdaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta) {

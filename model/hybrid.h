@@ -60,8 +60,23 @@ TORCH_MODULE(HeadRMSNorm);
 class KdaAttentionImpl : public torch::nn::Module {
  public:
   explicit KdaAttentionImpl(const ModelConfig& config);
-  // Everything before o_proj: (B, S, hidden) -> (B, S, H * K).
+  // Everything before o_proj: (B, S, hidden) -> (B, S, H * K). Documents longer than tile()
+  // tokens run in sequence tiles with the KDA state carried from one to the next (the short
+  // convolution reading the kernel - 1 tokens before each tile): without grad tile by tile; with
+  // grad through a Function that keeps only x and the state entering each tile and, in
+  // backward, recomputes and back-propagates one tile at a time from the last (the state's
+  // gradient handed back), the weight gradients summed over tiles in fp32 (model/grad_sums.h).
+  // Its working memory is one tile's, not the sequence's (~200 KB a token for hybrid-3b).
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta);
+  // Tokens per sequence tile (0: never tiled). Default kDefaultTile.
+  static constexpr int64_t kDefaultTile = 32768;
+  int64_t tile() const { return tile_; }
+  void set_tile(int64_t tokens) { tile_ = tokens; }
+  // One tile: x_ctx (B, ctx + n, hidden), its first ctx tokens only context for the convolution;
+  // h0 (B, H, K, K) fp32 the entering state (undefined: zero). Returns the n tokens' heads
+  // (B, n, H * K) and sets *h_out to the state after the tile.
+  torch::Tensor TileHeads(const torch::Tensor& x_ctx, int64_t ctx, const torch::Tensor& h0, torch::Tensor* h_out);
+  int64_t conv_context() const { return conv_kernel_ - 1; }
   // The spec's initialisation of what a generic init cannot know: conv weights, A_log, dt_bias.
   // `gen`: the generator InitRandom draws from (none: the process generator).
   void InitSpecial(const std::optional<at::Generator>& gen);
@@ -79,8 +94,9 @@ class KdaAttentionImpl : public torch::nn::Module {
  private:
   torch::Tensor HeadsOfDocument(const torch::Tensor& x);  // x (1 or B, S, hidden): one document per row
   void RestoreFp32(const torch::Tensor& a_log, const torch::Tensor& dt_bias);
-  int64_t heads_, head_dim_, chunk_;
+  int64_t heads_, head_dim_, chunk_, conv_kernel_;
   double lower_bound_;
+  int64_t tile_ = kDefaultTile;
 };
 TORCH_MODULE(KdaAttention);
 

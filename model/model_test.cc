@@ -352,6 +352,53 @@ TEST(HybridModelTest, PackedDocumentsEqualSeparateSequencesAndOutputIsCausal) {
   EXPECT_GT((a.narrow(1, 30, 7) - b.narrow(1, 30, 7)).abs().max().item<double>(), 0.0);
 }
 
+// The KDA mixer in sequence tiles (the state carried, the convolution reading the tokens before
+// each tile) equals the untiled mixer: outputs, the input's gradient and every parameter's, with
+// tiles that are and are not multiples of the chunk, a last tile of one token, and without grad.
+// The model is fp64 but its gate and beta are fp32 by design, and the projections feeding them
+// round differently when run over fewer rows: the bar is fp32's 1e-5 relative (a lost state or
+// conv context is off by orders more).
+TEST(HybridModelTest, KdaTilesEqualTheUntiledMixer) {
+  ModelConfig c = TinyHybrid();
+  KdaAttention m(c);
+  m->InitSpecial(std::nullopt);
+  m->to(torch::kFloat64);
+  torch::manual_seed(21);
+  for (auto& p : m->parameters()) {
+    torch::NoGradGuard no_grad;
+    if (p.dim() >= 2) p.copy_(torch::randn_like(p) * 0.2);
+  }
+  const int64_t S = 161;
+  torch::Tensor x = torch::randn({2, S, c.hidden_size}, torch::kFloat64);
+  torch::Tensor gy = torch::randn({2, S, c.hybrid.kda_num_heads * c.hybrid.kda_head_dim}, torch::kFloat64);
+  auto run = [&](int64_t tile) {
+    m->set_tile(tile);
+    m->zero_grad();
+    torch::Tensor xi = x.clone().requires_grad_(true);
+    torch::Tensor y = m->Heads(xi, AttentionMeta{});
+    y.backward(gy);
+    std::map<std::string, torch::Tensor> out = {{"y", y.detach()}, {"dx", xi.grad()}};
+    for (auto& p : m->named_parameters()) {
+      if (p.key().rfind("o_proj.", 0) == 0) continue;  // after Heads
+      EXPECT_TRUE(p.value().grad().defined()) << p.key() << " tile " << tile;
+      if (p.value().grad().defined()) out[p.key()] = p.value().grad().clone();
+    }
+    return out;
+  };
+  auto plain = run(0);
+  ASSERT_GT(plain["dx"].abs().max().item<double>(), 0.0);
+  for (int64_t tile : {int64_t{37}, int64_t{64}, int64_t{160}}) {
+    auto tiled = run(tile);
+    for (const auto& [name, want] : plain) {
+      const double scale = 1.0 + want.abs().max().item<double>();
+      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), 1e-5 * scale) << name << " tile " << tile;
+    }
+    torch::NoGradGuard no_grad;
+    EXPECT_LT((m->Heads(x, AttentionMeta{}) - plain["y"]).abs().max().item<double>(), 1e-5) << "no grad, tile " << tile;
+  }
+  m->set_tile(KdaAttentionImpl::kDefaultTile);
+}
+
 // The indexer KL (spec 2.3) trains the indexer and nothing else: the other parameters' gradients
 // are the LM loss's alone (equal with the KL's weight 0), and the indexer's are the weight times
 // the KL's, in both stages.

@@ -206,9 +206,16 @@ Prediction Predict(const Request& r) {
     // fp32 L2 norms, gate chain and output norm (5 fp32 (T, HK)); the chunked op's saved q, k, v,
     // g (fp32), beta and UT inverse T (T x Hk x C fp32); its backward's recomputed W, U, kg, qg, V~
     // and A_qk, the per-chunk states h [T / C, Hk, K, V] fp32, and the gradients dq dk dv dg.
-    const int64_t kda_saved = T * (13 * HK * e + 20 * HK) + T * (16 * HK + 4 * Hk + 4 * Hk * C);
-    const int64_t kda_state = T / C * Hk * K * K * 4;
-    const int64_t kda_recompute = T * (20 * HK + 4 * Hk * C) + kda_state + T * 16 * HK;
+    // The mixer runs in sequence tiles of kKdaTile tokens when the sequence is longer
+    // (model::KdaAttentionImpl::kDefaultTile): these terms are one tile's, and the full length
+    // keeps only the tiled Function's saved input and its gradient buffer and o_proj's saved
+    // input and its gradient (4 of (T, hidden or H K) in the params' dtype).
+    constexpr int64_t kKdaTile = 32768;
+    const int64_t Tt = std::min(T, kKdaTile);
+    const int64_t kda_full = T > kKdaTile ? T * (2 * m.hidden + 2 * HK) * e : 0;
+    const int64_t kda_saved = Tt * (13 * HK * e + 20 * HK) + Tt * (16 * HK + 4 * Hk + 4 * Hk * C) + kda_full;
+    const int64_t kda_state = Tt / C * Hk * K * K * 4;
+    const int64_t kda_recompute = Tt * (20 * HK + 4 * Hk * C) + kda_state + Tt * 16 * HK;
     // DSA: q, k, v, the output (params' dtype) and their fp32 copies and gradients in the sparse
     // kernel, the log-sum-exp; the token indices (top_k + 3 int32 per token, with the int64
     // transients of the expansion) and the pool indices; the indexer's q, k, w (fp32 for the KL)
