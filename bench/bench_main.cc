@@ -333,6 +333,26 @@ int main(int argc, char** argv) {
     return fb->loss;
   };
 
+  // The planner's figures for the strategy this run uses, before any step: a run the planner
+  // would refuse (odyssey-bench runs it anyway, to measure) says so first, so a process killed
+  // for host memory leaves a reason in its log.
+  odyssey::planner::Prediction planned;
+  if (plan) {
+    odyssey::planner::Request req;
+    req.model = odyssey::planner::ShapeOf(cfg, o.lora);
+    req.seq_len = S;
+    req.batch_size = B;
+    req.strategy = o.memory;  // the strategy the run used, as the planner sees it
+    planned = odyssey::planner::Predict(req);
+    const odyssey::planner::Hardware hw;
+    if (dev.is_cuda() && (planned.gpu_peak_bytes > hw.gpu_bytes || planned.host_bytes > hw.host_bytes)) {
+      std::fprintf(stderr,
+                   "odyssey-bench: warning: the planner predicts %s GiB GPU and %s GiB host memory for this strategy, "
+                   "over its %s GiB GPU / %s GiB host budget; the run may fail or be killed\n",
+                   GiB(planned.gpu_peak_bytes).c_str(), GiB(planned.host_bytes).c_str(), GiB(hw.gpu_bytes).c_str(),
+                   GiB(hw.host_bytes).c_str());
+    }
+  }
   std::vector<double> times;
   double loss = 0;
   for (int i = 0; i < warmup + steps; ++i) {
@@ -391,14 +411,8 @@ int main(int argc, char** argv) {
     j["forward_seconds"] = forward_seconds;
   }
   if (plan) {
-    odyssey::planner::Request req;
-    req.model = odyssey::planner::ShapeOf(cfg, o.lora);
-    req.seq_len = S;
-    req.batch_size = B;
-    req.strategy = o.memory;  // the strategy the run used, as the planner sees it
-    const auto p = odyssey::planner::Predict(req);
-    j["planned_gpu_peak_bytes"] = p.gpu_peak_bytes;
-    j["planned_host_bytes"] = p.host_bytes;
+    j["planned_gpu_peak_bytes"] = planned.gpu_peak_bytes;
+    j["planned_host_bytes"] = planned.host_bytes;
   }
   std::printf("%s\n", j.dump().c_str());
   std::printf("| model | layers | seq | memory | GPU peak alloc / reserved GiB | pinned GiB | s/step | tok/s | MFU |\n");
