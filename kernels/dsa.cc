@@ -387,20 +387,40 @@ Tensor KeyPool4(const Tensor& k, const Tensor& z, const Tensor& bias) {
   return (torch::softmax(zz, 2) * kk).sum(2).to(k.scalar_type());  // (B, P, D)
 }
 
-Tensor ExpandPoolSelection(const Tensor& pool_idx) {
-  TORCH_CHECK(pool_idx.dim() == 3 && pool_idx.scalar_type() == torch::kInt32,
-              "ExpandPoolSelection: pool_idx must be (B, S, kp) int32");
+namespace {
+
+// Rows t0 .. t0 + n - 1 of ExpandPoolSelection, pool_idx (B, n, kp) those rows' selections:
+// (B, n, 4 kp + 3) int32, through int64 transients of those rows only.
+Tensor ExpandPoolRows(const Tensor& pool_idx, int64_t t0) {
   const int64_t B = pool_idx.size(0), S = pool_idx.size(1), kp = pool_idx.size(2);
   auto lo = pool_idx.options().dtype(torch::kLong);
   Tensor p = pool_idx.to(torch::kLong).unsqueeze(-1);                                 // (B, S, kp, 1)
   Tensor tok = torch::where(p >= 0, p * 4 + torch::arange(4, lo), torch::full({}, -1, lo)).view({B, S, 4 * kp});
   Tensor out = torch::cat({tok, torch::full({B, S, 3}, -1, lo)}, -1);  // (B, S, 4 kp + 3)
-  Tensor t = torch::arange(S, lo).view({1, S, 1});
+  Tensor t = torch::arange(t0, t0 + S, lo).view({1, S, 1});
   Tensor n_valid = (pool_idx >= 0).sum(-1, /*keepdim=*/true).to(torch::kLong) * 4;  // (B, S, 1)
   Tensor tail = (t + 1).div(4, "floor") * 4 + torch::arange(3, lo);                  // (1, S, 3)
   out.scatter_(-1, (n_valid + torch::arange(3, lo)).expand({B, S, 3}),
                torch::where(tail <= t, tail, torch::full({}, -1, lo)).expand({B, S, 3}));
   return out.to(torch::kInt32);
+}
+
+}  // namespace
+
+Tensor ExpandPoolSelection(const Tensor& pool_idx) {
+  TORCH_CHECK(pool_idx.dim() == 3 && pool_idx.scalar_type() == torch::kInt32,
+              "ExpandPoolSelection: pool_idx must be (B, S, kp) int32");
+  const int64_t B = pool_idx.size(0), S = pool_idx.size(1), kp = pool_idx.size(2);
+  // Rows in blocks: the int64 transients (~6 of (rows, 4 kp) int64) are a block's, not the
+  // sequence's (at 1M tokens and 512 pools the whole-sequence transients were ~50 GB).
+  constexpr int64_t kRows = 16384;
+  if (S <= kRows) return ExpandPoolRows(pool_idx, 0);
+  Tensor out = torch::empty({B, S, 4 * kp + 3}, pool_idx.options());
+  for (int64_t t0 = 0; t0 < S; t0 += kRows) {
+    const int64_t n = std::min(kRows, S - t0);
+    out.narrow(1, t0, n).copy_(ExpandPoolRows(pool_idx.narrow(1, t0, n), t0));
+  }
+  return out;
 }
 
 Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indices, double scale,
@@ -501,8 +521,10 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
     const int64_t B = q.size(0), P = k.size(1), DI = q.size(3), kp = pool_idx.size(2);
     const double inv_sqrt = 1.0 / std::sqrt(double(DI));
     const Tensor g = grads[0].to(ct);
-    Tensor dq = torch::zeros(q.sizes(), q.options().dtype(ct));
-    Tensor dw = torch::zeros(w.sizes(), w.options().dtype(ct));
+    // dq and dw are written once per row (one rounding), so they take the inputs' dtype: no
+    // full-length fp32 buffer (16 KB a token of hybrid-3b's indexer queries) and no copy back.
+    Tensor dq = torch::empty(q.sizes(), q.options());
+    Tensor dw = torch::empty(w.sizes(), w.options());
     Tensor dk = torch::zeros({B * P, DI}, k.options().dtype(ct));
     for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
       const int64_t n = std::min(block, q.size(2) - t0);
@@ -515,8 +537,7 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
       Tensor dksel = torch::einsum("bhqp,bhqd->bqpd", {ddots, r.qi});  // (B, n, kp, DI); 0 at invalid entries
       dk.index_add_(0, r.pic.reshape(-1), dksel.reshape({B * n * kp, DI}));
     }
-    return {dq.to(q.scalar_type()), dk.view({B, P, DI}).to(k.scalar_type()), dw.to(w.scalar_type()), Tensor(),
-            Tensor(), Tensor()};
+    return {dq, dk.view({B, P, DI}).to(k.scalar_type()), dw, Tensor(), Tensor(), Tensor()};
   }
 };
 

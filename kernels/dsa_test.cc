@@ -126,6 +126,34 @@ TEST(DsaIndexer, TiesAreBrokenByLowerIndexInBothSelections) {
   EXPECT_EQ(flat[0][100][23].item<int32_t>(), 23);
 }
 
+// A long selection expands in blocks of rows: every row as written out by hand (its pools'
+// tokens in selection order, then the tail, then -1), at the block boundaries and at random rows.
+TEST(DsaIndexer, LongPoolSelectionExpandsRowByRow) {
+  torch::manual_seed(15);
+  const int64_t S = 40000, kp = 3;
+  // Row t: up to kp visible pools (p <= (t + 1) / 4 - 1), valid entries first.
+  Tensor pool_idx = torch::full({1, S, kp}, -1, torch::kInt32);
+  auto w = pool_idx.accessor<int32_t, 3>();
+  for (int64_t t = 0; t < S; ++t) {
+    const int64_t visible = (t + 1) / 4;
+    for (int64_t j = 0; j < std::min(kp, visible); ++j) w[0][t][j] = static_cast<int32_t>(visible - 1 - 7 * j % visible);
+  }
+  Tensor out = ExpandPoolSelection(pool_idx);
+  ASSERT_EQ(out.sizes(), torch::IntArrayRef({1, S, 4 * kp + 3}));
+  auto a = out.accessor<int32_t, 3>();
+  std::vector<int64_t> rows = {0, 1, 2, 3, 4, 16382, 16383, 16384, 16385, 32767, 32768, 32769, S - 1};
+  for (int i = 0; i < 200; ++i) rows.push_back(torch::randint(0, S, {1}).item<int64_t>());
+  for (int64_t t : rows) {
+    std::vector<int32_t> want;
+    for (int64_t j = 0; j < kp && w[0][t][j] >= 0; ++j) {
+      for (int32_t e = 0; e < 4; ++e) want.push_back(4 * w[0][t][j] + e);
+    }
+    for (int64_t u = 4 * ((t + 1) / 4); u <= t; ++u) want.push_back(static_cast<int32_t>(u));
+    while (static_cast<int64_t>(want.size()) < 4 * kp + 3) want.push_back(-1);
+    for (int64_t j = 0; j < 4 * kp + 3; ++j) ASSERT_EQ(a[0][t][j], want[static_cast<size_t>(j)]) << "row " << t << " slot " << j;
+  }
+}
+
 TEST(DsaIndexer, PooledKeysZeroGateIsMeanAndPoolSelectionCountsMatch) {
   torch::manual_seed(13);
   const int64_t B = 2, S = 203, D = 16;  // 50 complete pools and 3 tokens left over

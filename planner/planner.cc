@@ -224,9 +224,12 @@ Prediction Predict(const Request& r) {
     // HI fp32 blocks), the sparse kernel's gathered keys and values (128 queries) and the KL's
     // gathered keys (64 queries).
     const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim;
-    const int64_t dsa_indices = T * (W * 4 + W * 8 + m.index_top_k);
+    // The token indices' int64 transients are one block's of 16384 rows (ExpandPoolSelection);
+    // the indexer's q, k, w and their gradients are in the params' dtype (the KL's fp32 copies
+    // are one block's: kernels::IndexerKlLoss).
+    const int64_t dsa_indices = T * (W * 4 + m.index_top_k) + std::min<int64_t>(T, 16384) * W * 8;
     const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 8 * (qd + 2 * kvd) + 4 * qd + 4 * m.heads) +
-                                  dsa_indices + T * (2 * HI * DI + HI + 2 * DI) * 4 * 2;
+                                  dsa_indices + T * (2 * HI * DI + HI + 2 * DI) * e * 2;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
     const int64_t kda_work = m.kda_layers > 0 ? kda_saved + kda_recompute : 0;

@@ -564,8 +564,9 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
     }
     EXPECT_TRUE(state) << Predict(k).Describe();
   }
-  // The DSA layer's indices: (2048 + 3) int32 per token and the int64 transients of their
-  // expansion, with the pool indices: counted where a DSA layer's working set is the larger.
+  // The DSA layer's indices: (2048 + 3) int32 per token with the pool indices, and the int64
+  // transients of one block of their expansion: counted where a DSA layer's working set is the
+  // larger.
   ModelShape dsa_only = ShapeOf(*c);
   dsa_only.kda_layers = 0;
   dsa_only.dsa_layers = dsa_only.layers;
@@ -580,7 +581,7 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   for (const auto& [name, bytes] : Predict(r).terms) {
     if (name.find("selected indices") != std::string::npos) {
       indices = true;
-      EXPECT_EQ(bytes, T * (2051 * 12 + 2048));
+      EXPECT_EQ(bytes, T * (2051 * 4 + 2048) + 16384 * 2051 * 8);
     }
   }
   EXPECT_TRUE(indices) << Predict(r).Describe();
