@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | paralleltests | hybrid | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | hybrid | hybridstep | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -150,6 +150,21 @@ if only hybrid; then
   else
     echo "hybrid: no .whl/fla_core-*.whl: the fla peer was not run"
   fi
+fi
+# hybridstep: one full-depth hybrid-3b step (no warm-up) at each length of HYBSTEP_LENS (default
+# 65536 262144), flags HYBSTEP_FLAGS, each under HYBSTEP_TIMEOUT seconds (default 400: the
+# process's start takes ~50 s before its first step); a run that fails or is killed prints its
+# log's tail (stderr included: an out-of-memory kill leaves only the shell's "Killed").
+if only hybridstep; then
+  for s in ${HYBSTEP_LENS:-65536 262144}; do
+    log="$out/hybridstep-$s.log"
+    echo "+ hybrid-3b $s" >&2
+    timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "$s" \
+      ${HYBSTEP_FLAGS:---recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host} \
+      --warmup 0 --steps 1 --json "$out/hybridstep.jsonl" >"$log" 2>&1
+    rc=$?
+    grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; }
+  done
 fi
 # gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
 # expanded to the query heads (--cudnn-expand-kv, the older path), the peer mode's flags; run it
