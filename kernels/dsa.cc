@@ -302,6 +302,8 @@ IndexerPlan PlanIndexerChunks(int64_t S, int64_t P, int64_t pool, int64_t floats
   };
   for (int64_t t0 = 0; t0 < S;) {
     int64_t rows = S - t0;
+    // At most 65535 score blocks of 64 queries (the grid's y limit).
+    rows = std::min(rows, int64_t{65535} * 64);
     for (int it = 0; it < 3 && rows * ld_of(t0, rows) > floats; ++it) {
       rows = std::max<int64_t>(64, floats / std::max<int64_t>(1, ld_of(t0, rows)) / 64 * 64);
       rows = std::min(rows, S - t0);
@@ -479,7 +481,8 @@ KlBlock KlRows(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& 
   Tensor pi = pool_idx.narrow(1, t0, n).to(torch::kLong);  // (B, n, kp)
   r.valid = pi >= 0;
   r.pic = pi.clamp_min(0) + torch::arange(B, pi.options()).view({B, 1, 1}) * P;  // rows of k as (B * P, DI)
-  r.ksel = k.to(ct).reshape({B * P, DI}).index_select(0, r.pic.reshape(-1)).view({B, n, kp, DI});
+  // Gathered in the keys' dtype, then converted: only the block's rows, never all of k.
+  r.ksel = k.reshape({B * P, DI}).index_select(0, r.pic.reshape(-1)).to(ct).view({B, n, kp, DI});
   r.dots = torch::einsum("bhqd,bqpd->bhqp", {r.qi, r.ksel});  // (B, HI, n, kp)
   Tensor logits = (r.dots.relu() * r.wi.permute({0, 2, 1}).unsqueeze(-1)).sum(1) / std::sqrt(double(DI));
   Tensor row_has = r.valid.any(-1, /*keepdim=*/true);
