@@ -159,12 +159,13 @@ bool SparseKernel(const Tensor& q, const Tensor& k, const Tensor& v) {
 }
 
 // x as the kernels read it: the last dim contiguous, rows 16-byte aligned (the pointer and every
-// stride a multiple of 16 bytes), else a contiguous copy.
+// other stride a multiple of 16 bytes), else a contiguous copy.
 Tensor Rows(const Tensor& x) {
   const int64_t align = 16 / static_cast<int64_t>(x.element_size());
   auto ok = [&](const Tensor& t) {
-    return t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % align == 0 &&
-           t.stride(1) % align == 0 && t.stride(2) % align == 0;
+    bool aligned = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d) aligned = aligned && t.stride(d) % align == 0;
+    return aligned;
   };
   if (ok(x)) return x;
   Tensor c = x.contiguous();
@@ -276,14 +277,6 @@ bool IndexerKernel(const Tensor& q, const Tensor& k, const DsaIndexerOptions& o)
          q.size(2) > 0;
 }
 
-// x with its last dim contiguous and its rows 16-byte aligned (the pointer and every other
-// stride a multiple of 8 bf16 elements), else a contiguous copy.
-Tensor AlignedRows(const Tensor& x) {
-  bool ok = x.stride(-1) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) ok = ok && x.stride(d) % 8 == 0;
-  return ok ? x : x.contiguous();
-}
-
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Query chunks [t0, t0 + rows) whose scores (rows x ld fp32, ld the chunk's visible items
@@ -318,7 +311,7 @@ IndexerPlan PlanIndexerChunks(int64_t S, int64_t P, int64_t pool, int64_t floats
 
 Tensor IndexerTopKCuda(const Tensor& q_in, const Tensor& k_in, const Tensor& w, const DsaIndexerOptions& o) {
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = AlignedRows(q_in), k = AlignedRows(k_in);
+  const Tensor q = Rows(q_in), k = Rows(k_in);
   const Tensor wf = w.to(torch::kFloat32).contiguous();  // (B, S, HI)
   const int64_t B = q.size(0), HI = q.size(1), S = q.size(2), D = q.size(3), P = k.size(1);
   Tensor out = torch::empty({B, S, o.top_k}, q.options().dtype(torch::kInt32));
@@ -465,12 +458,24 @@ Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indi
   return out;
 }
 
+Tensor MaskedLogSoftmax(const Tensor& logits, const Tensor& valid) {
+  Tensor row_has = valid.any(-1, /*keepdim=*/true);
+  Tensor masked = torch::where(row_has, logits.masked_fill(valid.logical_not(), -kInf),
+                               torch::zeros({}, logits.options()));
+  return torch::log_softmax(masked, -1);
+}
+
+Tensor KlSum(const Tensor& target, const Tensor& logp) {
+  return torch::where(target > 0, target * (target.clamp_min(1e-30).log() - logp), torch::zeros({}, logp.options()))
+      .sum();
+}
+
 namespace {
 
 // One block of rows of the KL loss, recomputed from the inputs: the selected pools' keys, the
 // per-head dot products, the scores and the log-softmax over the valid selected pools.
 struct KlBlock {
-  Tensor qi, wi, ksel, dots, valid, pic, logp, p, target;
+  Tensor qi, wi, ksel, dots, valid, pic, logp, target;
 };
 KlBlock KlRows(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& pool_idx, const Tensor& target,
                int64_t t0, int64_t n, torch::ScalarType ct) {
@@ -485,20 +490,9 @@ KlBlock KlRows(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& 
   r.ksel = k.reshape({B * P, DI}).index_select(0, r.pic.reshape(-1)).to(ct).view({B, n, kp, DI});
   r.dots = torch::einsum("bhqd,bqpd->bhqp", {r.qi, r.ksel});  // (B, HI, n, kp)
   Tensor logits = (r.dots.relu() * r.wi.permute({0, 2, 1}).unsqueeze(-1)).sum(1) / std::sqrt(double(DI));
-  Tensor row_has = r.valid.any(-1, /*keepdim=*/true);
-  // Rows without a pool get finite logits (their target is 0, so they add nothing).
-  Tensor masked = torch::where(row_has, logits.masked_fill(r.valid.logical_not(), -kInf),
-                               torch::zeros({}, logits.options()));
-  r.logp = torch::log_softmax(masked, -1);
-  r.p = r.logp.exp();
+  r.logp = MaskedLogSoftmax(logits, r.valid);
   r.target = target.narrow(1, t0, n).to(ct).masked_fill(r.valid.logical_not(), 0.0);
   return r;
-}
-
-Tensor KlTerm(const KlBlock& r) {  // sum of target (log target - log p) over entries of target > 0
-  Tensor pos = r.target > 0;
-  return torch::where(pos, r.target * (r.target.clamp_min(1e-30).log() - r.logp), torch::zeros({}, r.logp.options()))
-      .sum();
 }
 
 struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
@@ -507,7 +501,8 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
     const auto ct = ComputeType({&q, &k, &w});
     Tensor total = torch::zeros({}, q.options().dtype(ct));
     for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
-      total += KlTerm(KlRows(q, k, w, pool_idx, target, t0, std::min(block, q.size(2) - t0), ct));
+      const KlBlock r = KlRows(q, k, w, pool_idx, target, t0, std::min(block, q.size(2) - t0), ct);
+      total += KlSum(r.target, r.logp);
     }
     ctx->save_for_backward({q, k, w, pool_idx, target});
     ctx->saved_data["block"] = block;
@@ -532,7 +527,7 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
     for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
       const int64_t n = std::min(block, q.size(2) - t0);
       const KlBlock r = KlRows(q, k, w, pool_idx, target, t0, n, ct);
-      Tensor dlog = ((r.p * r.target.sum(-1, /*keepdim=*/true) - r.target) * g * inv_sqrt)
+      Tensor dlog = ((r.logp.exp() * r.target.sum(-1, /*keepdim=*/true) - r.target) * g * inv_sqrt)
                         .masked_fill(r.valid.logical_not(), 0.0);  // (B, n, kp), the 1 / sqrt(DI) folded in
       dw.narrow(1, t0, n).copy_(torch::einsum("bhqp,bqp->bqh", {r.dots.relu(), dlog}));
       Tensor ddots = (r.dots > 0).to(ct) * dlog.unsqueeze(1) * r.wi.permute({0, 2, 1}).unsqueeze(-1);  // (B, HI, n, kp)

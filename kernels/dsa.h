@@ -106,6 +106,14 @@ torch::Tensor SparseAttention(const torch::Tensor& q, const torch::Tensor& k, co
 torch::Tensor SparseAttentionProbs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& indices,
                                    double scale = 0.0, int64_t query_block = 64);
 
+// The indexer KL's formula, shared by its sparse stage (IndexerKlLoss) and the model's dense
+// warm-up: MaskedLogSoftmax is the log-softmax of logits (B, n, items) over the valid entries,
+// rows without a valid entry getting finite values (logits 0) so that no NaN reaches a backward;
+// KlSum is sum of target (log target - logp) over the entries where target > 0 (target 0 off the
+// valid entries; 0 log 0 = 0). Differentiable by autograd.
+torch::Tensor MaskedLogSoftmax(const torch::Tensor& logits, const torch::Tensor& valid);
+torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
+
 // The indexer's KL loss over its selected pools (spec 2.3, sparse stage), summed over rows:
 // sum_t sum_i target[t, i] (log target[t, i] - log softmax_i(I[t, pool_idx[t, i]])) over the
 // valid i (pool_idx >= 0), I the score of IndexerScores; rows without a valid pool add 0. q_idx

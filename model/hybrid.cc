@@ -396,17 +396,9 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
       Tensor wi = live.w.narrow(1, t0, n).to(torch::kFloat32);  // (B, n, HI)
       Tensor keys = live.keys.to(torch::kFloat32);              // (B, P, DI)
       Tensor logits = kernels::IndexerScores(qi, keys, wi);     // (B, n, P)
-      Tensor row_has = valid.any(-1);                           // (B, n)
-      // Rows without a pool (t < 3) get finite logits, so no NaN reaches the backward.
-      Tensor masked = torch::where(row_has.unsqueeze(-1), logits.masked_fill(valid.logical_not(), -kInf),
-                                   torch::zeros({}, logits.options()));
-      Tensor logp = torch::log_softmax(masked, -1);
-      // KL(target || softmax): sum over valid items of target (log target - log p); items of zero
-      // target add nothing (0 log 0 = 0).
-      Tensor term = torch::where(valid & (target > 0), target * (target.clamp_min(1e-30).log() - logp),
-                                 torch::zeros({}, logp.options()));
-      total = total + term.sum();
-      kl->rows += row_has.sum().item<int64_t>();
+      // KL(target || softmax over the visible pools); rows without a pool (t < 3) add nothing.
+      total = total + kernels::KlSum(target, kernels::MaskedLogSoftmax(logits, valid));
+      kl->rows += valid.any(-1).sum().item<int64_t>();
     }
     kl->sum = kl->sum.defined() ? kl->sum + total : total;
   }

@@ -545,16 +545,20 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   }
   EXPECT_TRUE(unmeasured);
   // The KDA layer's per-chunk states are one sequence tile's (32768 tokens) at any longer length.
-  ModelShape kda_only = ShapeOf(*c);
-  kda_only.dsa_layers = 0;
-  kda_only.kda_layers = kda_only.layers;
+  // hybrid-3b with every layer of one kind, layer recompute, tiles 4096 / 1024.
+  auto one_kind = [&](char kind, int64_t len) {
+    Request req;
+    req.model = ShapeOf(*c);
+    req.model.kda_layers = kind == 'K' ? req.model.layers : 0;
+    req.model.dsa_layers = kind == 'D' ? req.model.layers : 0;
+    req.seq_len = len;
+    req.strategy.recompute = Recompute::kLayer;
+    req.strategy.mlp_tile = 4096;
+    req.strategy.loss_tile = 1024;
+    return req;
+  };
   for (int64_t len : {int64_t{16384}, int64_t{1} << 17, int64_t{1} << 20}) {
-    Request k;
-    k.model = kda_only;
-    k.seq_len = len;
-    k.strategy.recompute = Recompute::kLayer;
-    k.strategy.mlp_tile = 4096;
-    k.strategy.loss_tile = 1024;
+    const Request k = one_kind('K', len);
     bool state = false;
     for (const auto& [name, bytes] : Predict(k).terms) {
       if (name.find("per-chunk states h") != std::string::npos) {
@@ -567,16 +571,8 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   // The DSA layer's indices: (2048 + 3) int32 per token with the pool indices, and the int64
   // transients of one block of their expansion: counted where a DSA layer's working set is the
   // larger.
-  ModelShape dsa_only = ShapeOf(*c);
-  dsa_only.kda_layers = 0;
-  dsa_only.dsa_layers = dsa_only.layers;
-  Request r;
   T = int64_t{1} << 20;
-  r.model = dsa_only;
-  r.seq_len = T;
-  r.strategy.recompute = Recompute::kLayer;
-  r.strategy.mlp_tile = 4096;
-  r.strategy.loss_tile = 1024;
+  const Request r = one_kind('D', T);
   bool indices = false;
   for (const auto& [name, bytes] : Predict(r).terms) {
     if (name.find("selected indices") != std::string::npos) {
