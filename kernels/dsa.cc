@@ -182,9 +182,10 @@ cuda::SparseAttentionArgs KernelArgs(const Tensor& q, const Tensor& k, const Ten
 }
 
 // Saved: q, k, v (as the kernels read them), the indices, o and the log-sum-exp. The backward's
-// key side sorts the selection by key a segment of queries at a time (at most `pairs` (query,
-// key) pairs per segment, stable: each key's queries in increasing order, deterministic sums)
-// and accumulates dk, dv in fp32.
+// key side groups the selection into units (a query's run of entries in one aligned block of 4
+// keys: a selected pool) and sorts them by block, a segment of queries at a time (at most `pairs`
+// entries per segment; a stable sort: each block's units in increasing order, deterministic
+// sums), and accumulates dk, dv in fp32.
 struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAttentionKernelFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                const Tensor& idx_in, double scale, int64_t pairs) {
@@ -219,24 +220,29 @@ struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAt
                       "sparse attention backward (queries)");
     auto f32 = q.options().dtype(torch::kFloat32);
     Tensor dk = torch::zeros({B, Hkv, S, D}, f32), dv = torch::zeros({B, Hkv, S, Dv}, f32);
-    auto i32 = idx.options();
-    const Tensor batch_base = torch::arange(B, i32).view({B, 1, 1}) * static_cast<int32_t>(S);
-    const Tensor key_grid = torch::arange(B * S + 1, i32);
-    const int64_t seg = std::max<int64_t>(1, pairs / std::max<int64_t>(W, 1));
+    const int64_t nb = (S + 3) / 4;  // aligned blocks of 4 keys
+    const Tensor block_grid = torch::arange(B * nb + 1, idx.options().dtype(torch::kLong));
+    const Tensor batch_base = torch::arange(B, idx.options()).view({B, 1, 1}) * static_cast<int32_t>(nb);
+    // Rows per segment: at most `pairs` entries (and int32 entry numbers) at a time.
+    const int64_t seg = std::max<int64_t>(1, pairs / std::max<int64_t>(W * B, 1));
     for (int64_t t0 = 0; t0 < S && W > 0; t0 += seg) {
       const int64_t Sq = std::min(seg, S - t0);
       Tensor part = idx.narrow(1, t0, Sq);  // (B, Sq, W)
       const int64_t key_end = part.max().item<int32_t>() + 1;
       if (key_end <= 0) continue;  // no valid index in the segment
-      // Key b * S + j for a valid index, B * S (after every real key) for -1.
-      Tensor keys = torch::where(part >= 0, part + batch_base, torch::full({}, static_cast<int32_t>(B * S), i32));
-      auto [sorted, order] = torch::sort(keys.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-      Tensor pair_t = (order.div(W, "floor").remainder(Sq) + t0).to(torch::kInt32);
-      Tensor offsets = torch::searchsorted(sorted, key_grid);  // int64 (B * S + 1)
+      // A unit starts where the entry before is not a smaller key of the same block.
+      Tensor prev = torch::cat({torch::full({B, Sq, 1}, -1, part.options()), part.narrow(2, 0, W - 1)}, 2);
+      Tensor block = part.div(4, "floor");
+      Tensor head = (part >= 0).logical_and_(block.ne(prev.div(4, "floor")).logical_or_(part.le(prev)));
+      Tensor first = head.reshape(-1).nonzero().squeeze(1);  // int64 entry numbers, increasing
+      Tensor unit_block = (block + batch_base).reshape(-1).index_select(0, first);
+      auto [sorted, order] = torch::sort(unit_block, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      Tensor unit_first = first.index_select(0, order).to(torch::kInt32);
+      Tensor offsets = torch::searchsorted(sorted, block_grid);  // int64 (B * nb + 1)
+      const cuda::SparseKeyUnits units{offsets.data_ptr<int64_t>(), unit_first.data_ptr<int32_t>(), t0, Sq};
       CheckKernelLaunch(cuda::SparseAttentionBackwardKeys(a, In(dO), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                                                          offsets.data_ptr<int64_t>(), pair_t.data_ptr<int32_t>(),
-                                                          key_end, dk.data_ptr<float>(), dv.data_ptr<float>(),
-                                                          Stream(q)),
+                                                          units, (key_end + 3) / 4, dk.data_ptr<float>(),
+                                                          dv.data_ptr<float>(), Stream(q)),
                         "sparse attention backward (keys)");
     }
     return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), Tensor(), Tensor(), Tensor()};
@@ -566,7 +572,8 @@ Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const 
                   indices.size(1) == q.size(2),
               "SparseAttention: indices must be (B, S, W) int32");
   TORCH_CHECK(query_block >= 1, "SparseAttention: query_block must be >= 1");
-  TORCH_CHECK(backward_pairs >= 1, "SparseAttention: backward_pairs must be >= 1");
+  TORCH_CHECK(backward_pairs >= 1 && backward_pairs <= std::numeric_limits<int32_t>::max(),
+              "SparseAttention: backward_pairs must be in [1, 2^31 - 1] (the key side numbers its entries in int32)");
   if (indices.numel() > 0) {
     TORCH_CHECK(indices.min().item<int32_t>() >= -1 && indices.max().item<int32_t>() < q.size(2),
                 "SparseAttention: indices must lie in [-1, S)");

@@ -81,15 +81,17 @@ torch::Tensor ExpandPoolSelection(const torch::Tensor& pool_idx);
 //     tensors q, k, v all fp32 or all bf16 with D and Dv in {64, 128}: fp32 arithmetic on the
 //     inputs as they are (no upcast copies), strided q, k, v read in place. The backward keeps q,
 //     k, v, the indices and the log-sum-exp (B, H, S), recomputes the probabilities, and computes
-//     dk, dv key by key over the queries that selected each key: the selection sorted by key (a
-//     stable sort, so the sums are deterministic) at most `backward_pairs` (query, key) pairs at
-//     a time, with fp32 accumulators (B, Hkv, S, D + Dv).
+//     dk, dv by aligned blocks of 4 keys over the queries that selected keys of each block, a
+//     query's run of entries in one block (a selected pool) read once for all of them: the runs
+//     sorted by block (a stable sort, so the sums are deterministic) at most `backward_pairs`
+//     (query, key) entries at a time, with fp32 accumulators (B, Hkv, S, D + Dv).
 //   - libtorch otherwise (the CPU path and the reference): computed in fp32 (fp64 for fp64
 //     inputs) through a custom autograd Function that keeps q, k, v, the indices, the output and
 //     the log-sum-exp and recomputes the gathered keys and probabilities block by block
 //     (query_block queries at a time) in backward.
 // REQUIRES: indices in [-1, S) (checked), without duplicates in a row (a duplicate would count
-// its key twice; not checked); scale > 0 or 0 for 1 / sqrt(D); query_block, backward_pairs >= 1.
+// its key twice; not checked); scale > 0 or 0 for 1 / sqrt(D); query_block >= 1; backward_pairs in
+// [1, 2^31 - 1].
 torch::Tensor SparseAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& indices, double scale = 0.0, int64_t query_block = 128,
                               int64_t backward_pairs = int64_t{1} << 27);

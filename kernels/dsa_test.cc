@@ -307,7 +307,8 @@ TEST(DsaSparseAttention, FullSelectionEqualsDenseCausalAttention) {
 // device and dtype (plus eight fp32 ulps at the tensor's scale), fp32 and bf16; every head
 // grouping the kernels take (G = 3, 8 -> 4 + 4, 2, 1), D and Dv of 64 and 128, q read through
 // the strides of a (B, S, H, D) tensor, a query with no valid key (zeros), the key-side backward
-// in one segment and in many; the backward is deterministic (bitwise equal when run twice) and
+// in one segment and in many, over token selections, pool selections (a run of 4 keys per pool)
+// and pool selections reversed (no runs); the backward is deterministic (bitwise equal when run twice) and
 // the launch counter shows the kernels ran.
 TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
@@ -321,7 +322,7 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
                         Case{1, 8, 1, 257, 64, 64, 64, 1000, false}, Case{1, 4, 2, 200, 128, 64, 300, 5000, false},
                         Case{1, 5, 5, 150, 64, 128, 40, 3000, true}}) {
     for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
-      const std::string name = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
+      const std::string base = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
                                " D" + std::to_string(c.D) + "/" + std::to_string(c.Dv) +
                                (dt == torch::kBFloat16 ? " bf16" : " fp32");
       Qkv x = MakeQkv(c.B, c.H, c.Hkv, c.S, c.D, c.Dv, 31);
@@ -330,30 +331,41 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
       Indexer ix = MakeIndexer(c.B, 2, c.S, 8, torch::kFloat64, 32);
       DsaIndexerOptions o;
       o.top_k = c.top_k;
-      Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
-      idx.select(1, 7).fill_(-1);  // query 7 selects nothing
+      DsaIndexerOptions pools = o;
+      pools.pool = 4;
+      pools.top_k = std::max<int64_t>(1, c.top_k / 4);
+      Tensor pooled = KeyPool4(ix.k, torch::randn_like(ix.k), torch::randn({4, 8}, torch::kFloat64));
+      Tensor by_pool = ExpandPoolSelection(IndexerTopK(ix.q, pooled, ix.w, pools));
       Tensor dO = round(torch::randn({c.B, c.H, c.S, c.Dv}, torch::kFloat64));
-      std::vector<Tensor> truth = RunAttention(true, r, idx, dO);
-      auto dev = [&](const Tensor& t) { return t.to(torch::kCUDA, dt); };
-      Tensor qd = c.strided ? dev(r.q.transpose(1, 2).contiguous()).transpose(1, 2) : dev(r.q);
-      Qkv g{qd, dev(r.k), dev(r.v)};
-      Tensor idxd = idx.cuda(), dOd = dev(dO);
-      SetFusedKernels(false);
-      std::vector<Tensor> ref = RunAttention(true, g, idxd, dOd);
-      SetFusedKernels(true);
-      const int64_t launches = FusedKernelLaunches();
-      std::vector<Tensor> got = RunAttention(true, g, idxd, dOd, 128, c.pairs);
-      EXPECT_GE(FusedKernelLaunches() - launches, 3) << name << ": the kernels did not run";
-      std::vector<Tensor> again = RunAttention(true, g, idxd, dOd, 128, c.pairs);
-      for (int i = 0; i < 4; ++i) {
-        const double scale = truth[i].abs().max().item<double>();
-        EXPECT_LE(MaxErr(got[i].cpu(), truth[i]), 2 * MaxErr(ref[i].cpu(), truth[i]) + 8 * FLT_EPSILON * scale)
-            << name << " " << kNames[i];
-        EXPECT_EQ(got[i].scalar_type(), dt) << name << " " << kNames[i];
-        EXPECT_TRUE(torch::equal(got[i], again[i])) << name << " " << kNames[i] << ": not deterministic";
+      // Token selections (few runs within a block of 4 keys), pool selections (a run per pool,
+      // and the tail), and the pool selections reversed (keys falling: every entry its own run).
+      for (const auto& [what, sel] : {std::pair<std::string, Tensor>{"tokens", IndexerTopK(ix.q, ix.k, ix.w, o)},
+                                      {"pools", by_pool}, {"pools reversed", by_pool.flip(2)}}) {
+        const std::string name = base + " " + what;
+        Tensor idx = sel.contiguous();
+        idx.select(1, 7).fill_(-1);  // query 7 selects nothing
+        std::vector<Tensor> truth = RunAttention(true, r, idx, dO);
+        auto dev = [&](const Tensor& t) { return t.to(torch::kCUDA, dt); };
+        Tensor qd = c.strided ? dev(r.q.transpose(1, 2).contiguous()).transpose(1, 2) : dev(r.q);
+        Qkv g{qd, dev(r.k), dev(r.v)};
+        Tensor idxd = idx.cuda(), dOd = dev(dO);
+        SetFusedKernels(false);
+        std::vector<Tensor> ref = RunAttention(true, g, idxd, dOd);
+        SetFusedKernels(true);
+        const int64_t launches = FusedKernelLaunches();
+        std::vector<Tensor> got = RunAttention(true, g, idxd, dOd, 128, c.pairs);
+        EXPECT_GE(FusedKernelLaunches() - launches, 3) << name << ": the kernels did not run";
+        std::vector<Tensor> again = RunAttention(true, g, idxd, dOd, 128, c.pairs);
+        for (int i = 0; i < 4; ++i) {
+          const double scale = truth[i].abs().max().item<double>();
+          EXPECT_LE(MaxErr(got[i].cpu(), truth[i]), 2 * MaxErr(ref[i].cpu(), truth[i]) + 8 * FLT_EPSILON * scale)
+              << name << " " << kNames[i];
+          EXPECT_EQ(got[i].scalar_type(), dt) << name << " " << kNames[i];
+          EXPECT_TRUE(torch::equal(got[i], again[i])) << name << " " << kNames[i] << ": not deterministic";
+        }
+        EXPECT_EQ(got[0].select(2, 7).abs().max().item<double>(), 0.0) << name << ": a query without keys";
+        EXPECT_EQ(got[1].select(2, 7).abs().max().item<double>(), 0.0) << name << ": its dq";
       }
-      EXPECT_EQ(got[0].select(2, 7).abs().max().item<double>(), 0.0) << name << ": a query without keys";
-      EXPECT_EQ(got[1].select(2, 7).abs().max().item<double>(), 0.0) << name << ": its dq";
     }
   }
 }

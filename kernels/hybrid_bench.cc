@@ -6,11 +6,12 @@
 //     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
-//     its CUDA kernels and (up to --reference-tokens) its libtorch path, --selection window (the
-//     W keys before each query) or random (uniform over the causal prefix, per query), against
+//     its CUDA kernels and (up to --reference-tokens) its libtorch path, --selection pools (the
+//     default: DSA's, the indexer's top W / 4 pools of 4 keys and the tail), window (the W keys
+//     up to each query) or random (uniform over the causal prefix, per query), against
 //     dense SDPA (cuDNN/flash through ATen) over the same number of keys (queries of a W-token
 //     window attending to all of it), as TFLOP/s of the work each does:
-//     4 * H * D * (keys per query) FLOP per query forward, 2.5x that forward + backward.
+//     4 * H * D FLOP per selected (query, key) pair forward, 2.5x that forward + backward.
 //   - indexer: kernels::IndexerTopK, GLM's lightning indexer over pools of 4 keys (32 index heads
 //     of 128, top --selected / 4 pools), its CUDA kernels and (up to --reference-tokens) the
 //     libtorch streaming selection; TFLOP/s of the causal scoring, 2 * HI * DI FLOP per visible
@@ -64,7 +65,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
   int64_t index_heads = 32, index_dim = 128;
-  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "window";
+  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -92,8 +93,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", gate.c_str());
     return 2;
   }
-  if (selection != "window" && selection != "random") {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --selection: %s is neither window nor random\n", selection.c_str());
+  if (selection != "window" && selection != "random" && selection != "pools") {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --selection: %s is not one of window, random, pools\n",
+                 selection.c_str());
     return 2;
   }
   if (ops.front() != ',') ops = "," + ops + ",";
@@ -208,10 +210,20 @@ int main(int argc, char** argv) {
       auto t_idx = torch::arange(T, i64).view({T, 1});
       torch::Tensor idx;
       if (selection == "window") {
-        // Query t selects the `selected` keys up to itself (fewer, padded with -1, near the
-        // start): neighbours share all but one key, the cache's best case.
-        idx = t_idx - torch::arange(selected, i64).view({1, selected});
+        // Query t selects the `selected` keys up to itself, in increasing order (fewer, padded
+        // with -1, near the start): neighbours share all but one key, the cache's best case.
+        idx = t_idx - torch::arange(selected - 1, -1, -1, i64).view({1, selected});
         idx = torch::where(idx >= 0, idx, torch::full_like(idx, -1));
+      } else if (selection == "pools") {
+        // DSA's own selection: the lightning indexer's top selected / 4 pools of 4 keys (random
+        // index queries and keys, hybrid-3b's 32 heads of 128), expanded with the tail.
+        odyssey::kernels::DsaIndexerOptions o;
+        o.top_k = selected / 4;
+        o.pool = 4;
+        auto iq = torch::randn({1, index_heads, T, index_dim}, bf16);
+        auto ik = torch::randn({1, T / 4, index_dim}, bf16);
+        auto iw = torch::randn({1, T, index_heads}, bf16) / std::sqrt(static_cast<double>(index_heads));
+        idx = odyssey::kernels::ExpandPoolSelection(odyssey::kernels::IndexerTopK(iq, ik, iw, o)).squeeze(0);
       } else {
         // Uniform over the causal prefix, independently per query: the cache's worst case.
         // (Rare repeats in short prefixes cost the same as distinct keys.)
@@ -231,7 +243,8 @@ int main(int argc, char** argv) {
         for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
       }, static_cast<int>(iters));
       odyssey::kernels::SetFusedKernels(true);
-      const double flop = 4.0 * heads * dim * static_cast<double>(selected) * static_cast<double>(T);
+      // The (query, key) pairs the selection holds (fewer than T * selected near the start).
+      const double flop = 4.0 * heads * dim * (idx >= 0).sum().item<double>();
       std::printf("| sparse attention (%s), %lld keys, %s selection | %lld | %.1f (%.1f TFLOP/s) | %.1f | %.0f | %.1f |\n",
                   kernels ? "CUDA kernels" : "libtorch", static_cast<long long>(selected), selection.c_str(),
                   static_cast<long long>(T), fwd * 1e3, flop / fwd / 1e12, both * 1e3, static_cast<double>(T) / both,

@@ -298,73 +298,122 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Key side, one block per (aligned block of kKeys keys, KV head) over the block's units: a unit
+// is one query's run of entries in the block (see sparse_attention.h), so each query row q_t and
+// dO_t is read once for up to kKeys keys (a pool of four under DSA's pool selection) instead of
+// once per key. One unit per lane for the scores (the rows against the block's keys in shared
+// memory), then lanes across the columns for the sums, as the other kernels. The units come in a
+// fixed order and each thread owns fixed columns: deterministic, no atomics.
+constexpr int kKeys = 4;
+
 template <typename T, int D, int Dv>
 __global__ void __launch_bounds__(kThreads)
     BackwardKeysKernel(SparseAttentionArgs a, SparseRows dO, const float* lse, const float* delta,
-                       const int64_t* key_offsets, const int32_t* pair_t, float* dk_acc, float* dv_acc) {
+                       SparseKeyUnits u, float* dk_acc, float* dv_acc) {
   constexpr int kD = D / 32, kV = Dv / 32;
-  const int64_t j = blockIdx.x, b = blockIdx.z;
+  const int64_t blk = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y;
-  const int64_t lo = key_offsets[b * a.S + j], hi = key_offsets[b * a.S + j + 1];
+  const int64_t nb = (a.S + kKeys - 1) / kKeys;
+  const int64_t lo = u.offsets[b * nb + blk], hi = u.offsets[b * nb + blk + 1];
   if (lo == hi) return;
-  __shared__ float ks[D], vs[Dv];
-  __shared__ float red[kWarps * (D + Dv)];
+  __shared__ float ks[kKeys * D], vs[kKeys * Dv];
+  __shared__ float red[kWarps * kKeys * (D + Dv)];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   {
-    const T* kr = static_cast<const T*>(a.k.p) + b * a.k.sb + hk * a.k.sh + j * a.k.ss;
-    const T* vr = static_cast<const T*>(a.v.p) + b * a.v.sb + hk * a.v.sh + j * a.v.ss;
-    for (int d = threadIdx.x; d < D; d += kThreads) ks[d] = ToF(kr[d]) * (a.scale * kLog2e);
-    for (int d = threadIdx.x; d < Dv; d += kThreads) vs[d] = ToF(vr[d]);
+    const T* kb = static_cast<const T*>(a.k.p) + b * a.k.sb + hk * a.k.sh;
+    const T* vb = static_cast<const T*>(a.v.p) + b * a.v.sb + hk * a.v.sh;
+    for (int i = threadIdx.x; i < kKeys * D; i += kThreads) {
+      const int64_t key = blk * kKeys + i / D;
+      ks[i] = key < a.S ? ToF(kb[key * a.k.ss + i % D]) * (a.scale * kLog2e) : 0.f;
+    }
+    for (int i = threadIdx.x; i < kKeys * Dv; i += kThreads) {
+      const int64_t key = blk * kKeys + i / Dv;
+      vs[i] = key < a.S ? ToF(vb[key * a.v.ss + i % Dv]) : 0.f;
+    }
   }
   __syncthreads();
   const int G = static_cast<int>(a.H / a.Hkv);
-  float dk[kD], dv[kV];
+  float dk[kKeys][kD], dv[kKeys][kV];
 #pragma unroll
-  for (int i = 0; i < kD; ++i) dk[i] = 0.f;
+  for (int s = 0; s < kKeys; ++s) {
 #pragma unroll
-  for (int i = 0; i < kV; ++i) dv[i] = 0.f;
+    for (int i = 0; i < kD; ++i) dk[s][i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kV; ++i) dv[s][i] = 0.f;
+  }
   for (int64_t base = lo + warp * 32; base < hi; base += kThreads) {
-    const int64_t pi = base + lane;
-    const int t = pi < hi ? pair_t[pi] : -1;
+    int t = -1;
+    unsigned mask = 0;
+    if (base + lane < hi) {
+      const int64_t e = u.first[base + lane];  // (b * rows + t - t0) * W + w
+      const int64_t row = e / a.W, w0 = e - row * a.W;
+      t = static_cast<int>(row - b * u.rows + u.t0);
+      const int32_t* ir = a.idx + (b * a.S + t) * a.W;
+      int prev = -1;
+      for (int64_t w = w0; w < a.W && w < w0 + kKeys; ++w) {
+        const int key = ir[w];
+        if (key < 0 || key / kKeys != blk || key <= prev) break;
+        mask |= 1u << (key % kKeys);
+        prev = key;
+      }
+    }
     for (int g = 0; g < G; ++g) {
       const int h = hk * G + g;
       const T* qh = static_cast<const T*>(a.q.p) + b * a.q.sb + h * a.q.sh;
       const T* dh = static_cast<const T*>(dO.p) + b * dO.sb + h * dO.sh;
-      float p = 0.f, ds = 0.f;
+      float p[kKeys], ds[kKeys];
+#pragma unroll
+      for (int s = 0; s < kKeys; ++s) p[s] = 0.f, ds[s] = 0.f;
       if (t >= 0) {
         const int64_t row = (b * a.H + h) * a.S + t;
-        p = exp2f(RowDot<T, D>(qh + t * a.q.ss, ks) - lse[row] * kLog2e);
-        ds = p * (RowDot<T, Dv>(dh + t * dO.ss, vs) - delta[row]);
+        float sc[kKeys], dp[kKeys];
+        RowDots<T, D, kKeys>(qh + t * a.q.ss, ks, sc);
+        RowDots<T, Dv, kKeys>(dh + t * dO.ss, vs, dp);
+        const float l2 = lse[row] * kLog2e, dl = delta[row];
+#pragma unroll
+        for (int s = 0; s < kKeys; ++s) {
+          if ((mask >> s) & 1u) p[s] = exp2f(sc[s] - l2), ds[s] = p[s] * (dp[s] - dl);
+        }
       }
       for (int kk = 0; kk < 32; ++kk) {
         const int tt = __shfl_sync(kFull, t, kk);
         if (tt < 0) continue;
-        const float pk = __shfl_sync(kFull, p, kk), dsk = __shfl_sync(kFull, ds, kk);
+        float pk[kKeys], dsk[kKeys];
+#pragma unroll
+        for (int s = 0; s < kKeys; ++s) pk[s] = __shfl_sync(kFull, p[s], kk), dsk[s] = __shfl_sync(kFull, ds[s], kk);
         float x[kD], y[kV];
         Load<kD>(qh + tt * a.q.ss + lane * kD, x);
         Load<kV>(dh + tt * dO.ss + lane * kV, y);
 #pragma unroll
-        for (int i = 0; i < kD; ++i) dk[i] += dsk * x[i];
+        for (int s = 0; s < kKeys; ++s) {
 #pragma unroll
-        for (int i = 0; i < kV; ++i) dv[i] += pk * y[i];
+          for (int i = 0; i < kD; ++i) dk[s][i] += dsk[s] * x[i];
+#pragma unroll
+          for (int i = 0; i < kV; ++i) dv[s][i] += pk[s] * y[i];
+        }
       }
     }
   }
 #pragma unroll
-  for (int i = 0; i < kD; ++i) red[warp * (D + Dv) + lane * kD + i] = dk[i];
+  for (int s = 0; s < kKeys; ++s) {
+    float* r = red + (warp * kKeys + s) * (D + Dv);
 #pragma unroll
-  for (int i = 0; i < kV; ++i) red[warp * (D + Dv) + D + lane * kV + i] = dv[i];
+    for (int i = 0; i < kD; ++i) r[lane * kD + i] = dk[s][i];
+#pragma unroll
+    for (int i = 0; i < kV; ++i) r[D + lane * kV + i] = dv[s][i];
+  }
   __syncthreads();
-  float* dkr = dk_acc + ((b * a.Hkv + hk) * a.S + j) * D;
-  float* dvr = dv_acc + ((b * a.Hkv + hk) * a.S + j) * Dv;
-  for (int i = threadIdx.x; i < D + Dv; i += kThreads) {
-    float s = 0.f;
+  for (int i = threadIdx.x; i < kKeys * (D + Dv); i += kThreads) {
+    const int s = i / (D + Dv), c = i - s * (D + Dv);
+    const int64_t key = blk * kKeys + s;
+    if (key >= a.S) continue;
+    float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[w * (D + Dv) + i];
-    if (i < D) {
-      dkr[i] += s * a.scale;
+    for (int w = 0; w < kWarps; ++w) sum += red[(w * kKeys + s) * (D + Dv) + c];
+    if (c < D) {
+      dk_acc[((b * a.Hkv + hk) * a.S + key) * D + c] += sum * a.scale;
     } else {
-      dvr[i - D] += s;
+      dv_acc[((b * a.Hkv + hk) * a.S + key) * Dv + c - D] += sum;
     }
   }
 }
@@ -512,14 +561,14 @@ int SparseAttentionBackwardQuery(const SparseAttentionArgs& a, SparseRows dO, co
 }
 
 int SparseAttentionBackwardKeys(const SparseAttentionArgs& a, SparseRows dO, const float* lse, const float* delta,
-                                const int64_t* key_offsets, const int32_t* pair_t, int64_t key_end, float* dk_acc,
-                                float* dv_acc, void* stream) {
-  if (key_end <= 0 || a.B == 0) return cudaSuccess;
+                                const SparseKeyUnits& units, int64_t block_end, float* dk_acc, float* dv_acc,
+                                void* stream) {
+  if (block_end <= 0 || a.B == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>(key_end), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.B));
+  const dim3 grid(static_cast<unsigned>(block_end), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.B));
   return Dispatch(a, [&](auto t, auto d, auto dv, auto) {
     BackwardKeysKernel<decltype(t), decltype(d)::value, decltype(dv)::value>
-        <<<grid, kThreads, 0, s>>>(a, dO, lse, delta, key_offsets, pair_t, dk_acc, dv_acc);
+        <<<grid, kThreads, 0, s>>>(a, dO, lse, delta, units, dk_acc, dv_acc);
     return cudaGetLastError();
   });
 }

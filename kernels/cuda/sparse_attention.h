@@ -10,11 +10,15 @@
 //     the four warps' partial results merge at the end. Writes o and the log-sum-exp.
 //   - Backward, query side: the same walk recomputing p from the log-sum-exp; dq = sum ds k, and
 //     delta = dO . o (in fp32, from the walk), which the key side needs.
-//   - Backward, key side: one block per (key, KV head) over the list of (query) pairs that
-//     selected the key, as the caller builds it (a stable sort of the selection by key: each
-//     key's queries in increasing order, so the sums are deterministic). No atomics: a block owns
-//     its key's rows of the fp32 accumulators dk, dv and adds to them, so the caller can sort
-//     and run the selection a segment of queries at a time in bounded memory.
+//   - Backward, key side: one block per (aligned block of 4 keys, KV head) over the block's
+//     units, as the caller builds them: a unit is one query's run of consecutive selection
+//     entries in the block (keys strictly increasing, so at most 4), the run DSA's pool
+//     selection makes of each selected pool. Each unit reads its query's q and dO rows once for
+//     all its keys (the per-key form read them once per key: 4x the bytes under pools of 4).
+//     The units are sorted by block, each block's in increasing entry order, so the sums are
+//     deterministic. No atomics: a block owns its keys' rows of the fp32 accumulators dk, dv and
+//     adds to them, so the caller can build and run the units a segment of queries at a time in
+//     bounded memory.
 //
 // Raw device pointers, no CUDA or libtorch headers here. q, k, v, o, dO, dq: element strides for
 // batch, head and token; the head dim contiguous; 16-byte aligned rows (SparseAttentionSupported
@@ -63,11 +67,21 @@ int SparseAttentionProbs(const SparseAttentionArgs& a, float* probs, void* strea
 int SparseAttentionBackwardQuery(const SparseAttentionArgs& a, SparseRows dO, const float* lse, SparseOutRows dq,
                                  float* delta, void* stream);
 
-// Pairs of one query segment: keys_offsets (B * S + 1) int64, the start of key b * S + j's run in
-// pair_t; pair_t the selecting queries' token indices. Adds each key's dk, dv over its pairs to
-// dk_acc, dv_acc, for keys j < key_end.
+// The units of the query rows t0 .. t0 + rows - 1 (every batch row b): a unit starts at entry w
+// of row (b, t) when idx[b, t, w] >= 0 and w == 0 or idx[b, t, w - 1] is not a smaller key of the
+// same block (block = key / 4); it takes the entries after it while they are (at most 4).
+// first[u] = (b * rows + t - t0) * W + w of unit u (int32), the units sorted by (b, block) and
+// then by first; offsets (B * ceil(S / 4) + 1) int64: the start of block b * ceil(S / 4) + j's
+// units in first.
+struct SparseKeyUnits {
+  const int64_t* offsets;
+  const int32_t* first;
+  int64_t t0, rows;
+};
+
+// Adds each key's dk, dv over its units to dk_acc, dv_acc, for the key blocks j < block_end.
 int SparseAttentionBackwardKeys(const SparseAttentionArgs& a, SparseRows dO, const float* lse, const float* delta,
-                                const int64_t* key_offsets, const int32_t* pair_t, int64_t key_end, float* dk_acc,
-                                float* dv_acc, void* stream);
+                                const SparseKeyUnits& units, int64_t block_end, float* dk_acc, float* dv_acc,
+                                void* stream);
 
 }  // namespace odyssey::kernels::cuda
