@@ -35,6 +35,7 @@
 #include "engine/trainer.h"
 #include "kernels/attention.h"
 #include "kernels/fused_ops.h"
+#include "model/hybrid.h"
 #include "model/weights.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -182,6 +183,13 @@ int main(int argc, char** argv) {
                "the kept-attention cuDNN kernels get K/V expanded to one head per query head (the older path) "
                "instead of their own KV heads");
   std::string rl_loss;
+  int64_t kda_tile = -1, kda_segment = -1;
+  app.add_option("--kda-tile", kda_tile,
+                 "hybrid models: tokens per KDA sequence tile (0: untiled; default "
+                 "KdaAttentionImpl::kDefaultTile)");
+  app.add_option("--kda-segment", kda_segment,
+                 "hybrid models: tokens per segment of the chunked KDA op, a multiple of the chunk size "
+                 "(default KdaAttentionImpl::kDefaultSegment)");
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
@@ -212,6 +220,30 @@ int main(int argc, char** argv) {
   }
   auto& t = **created;
   const auto& cfg = t.model()->config();
+  if (kda_tile >= 0 || kda_segment >= 0) {
+    int64_t mixers = 0;
+    for (const auto& m : t.model()->modules()) {
+      auto* kda = dynamic_cast<odyssey::model::KdaAttentionImpl*>(m.get());
+      if (kda == nullptr) continue;
+      ++mixers;
+      if (kda_tile >= 0) kda->set_tile(kda_tile);
+      if (kda_segment >= 0) {
+        if (kda_segment == 0 || kda_segment % cfg.hybrid.kda_chunk_size != 0) {
+          std::fprintf(stderr, "odyssey-bench: --kda-segment (%lld) must be a positive multiple of the chunk size (%lld)\n",
+                       static_cast<long long>(kda_segment), static_cast<long long>(cfg.hybrid.kda_chunk_size));
+          return 2;
+        }
+        kda->set_segment(kda_segment);
+      }
+    }
+    if (mixers == 0) {
+      std::fprintf(stderr, "odyssey-bench: --kda-tile and --kda-segment act on KDA layers; %s has none\n",
+                   o.model.c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "KDA: %lld mixers, tile %lld, segment %lld\n", static_cast<long long>(mixers),
+                 static_cast<long long>(kda_tile), static_cast<long long>(kda_segment));
+  }
   const int64_t B = o.data.batch_size, S = o.data.seq_len;
   torch::Device dev = t.device();
 
@@ -409,6 +441,15 @@ int main(int argc, char** argv) {
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
     j["forward_seconds"] = forward_seconds;
+  }
+  if (cfg.architecture == odyssey::model::Architecture::kHybrid) {
+    for (const auto& m : t.model()->modules()) {
+      if (auto* kda = dynamic_cast<odyssey::model::KdaAttentionImpl*>(m.get())) {
+        j["kda_tile"] = kda->tile();
+        j["kda_segment"] = kda->segment();
+        break;
+      }
+    }
   }
   if (plan) {
     j["planned_gpu_peak_bytes"] = planned.gpu_peak_bytes;

@@ -220,7 +220,8 @@ struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAt
                       "sparse attention backward (queries)");
     auto f32 = q.options().dtype(torch::kFloat32);
     Tensor dk = torch::zeros({B, Hkv, S, D}, f32), dv = torch::zeros({B, Hkv, S, Dv}, f32);
-    const int64_t nb = (S + 3) / 4;  // aligned blocks of 4 keys
+    constexpr int64_t kb = cuda::kSparseKeyBlock;
+    const int64_t nb = (S + kb - 1) / kb;  // aligned blocks of kb keys
     const Tensor block_grid = torch::arange(B * nb + 1, idx.options().dtype(torch::kLong));
     const Tensor batch_base = torch::arange(B, idx.options()).view({B, 1, 1}) * static_cast<int32_t>(nb);
     // Rows per segment: at most `pairs` entries (and int32 entry numbers) at a time.
@@ -232,8 +233,8 @@ struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAt
       if (key_end <= 0) continue;  // no valid index in the segment
       // A unit starts where the entry before is not a smaller key of the same block.
       Tensor prev = torch::cat({torch::full({B, Sq, 1}, -1, part.options()), part.narrow(2, 0, W - 1)}, 2);
-      Tensor block = part.div(4, "floor");
-      Tensor head = (part >= 0).logical_and_(block.ne(prev.div(4, "floor")).logical_or_(part.le(prev)));
+      Tensor block = part.div(kb, "floor");
+      Tensor head = (part >= 0).logical_and_(block.ne(prev.div(kb, "floor")).logical_or_(part.le(prev)));
       Tensor first = head.reshape(-1).nonzero().squeeze(1);  // int64 entry numbers, increasing
       Tensor unit_block = (block + batch_base).reshape(-1).index_select(0, first);
       auto [sorted, order] = torch::sort(unit_block, /*stable=*/true, /*dim=*/0, /*descending=*/false);
@@ -241,7 +242,7 @@ struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAt
       Tensor offsets = torch::searchsorted(sorted, block_grid);  // int64 (B * nb + 1)
       const cuda::SparseKeyUnits units{offsets.data_ptr<int64_t>(), unit_first.data_ptr<int32_t>(), t0, Sq};
       CheckKernelLaunch(cuda::SparseAttentionBackwardKeys(a, In(dO), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                                                          units, (key_end + 3) / 4, dk.data_ptr<float>(),
+                                                          units, (key_end + kb - 1) / kb, dk.data_ptr<float>(),
                                                           dv.data_ptr<float>(), Stream(q)),
                         "sparse attention backward (keys)");
     }

@@ -59,6 +59,23 @@ std::vector<int64_t> ParseList(const std::string& s) {
   return out;
 }
 
+// The lightning indexer's inputs at T tokens (random index queries, pooled keys and head
+// weights, `heads` heads of `dim`) and its options for the top selected / 4 pools of 4 keys.
+struct IndexerInputs {
+  torch::Tensor q, keys, w;
+  odyssey::kernels::DsaIndexerOptions options;
+};
+IndexerInputs RandomIndexerInputs(int64_t T, int64_t heads, int64_t dim, int64_t selected,
+                                  const torch::TensorOptions& opts) {
+  IndexerInputs in;
+  in.q = torch::randn({1, heads, T, dim}, opts);
+  in.keys = torch::randn({1, T / 4, dim}, opts);
+  in.w = torch::randn({1, T, heads}, opts) / std::sqrt(static_cast<double>(heads));
+  in.options.top_k = selected / 4;
+  in.options.pool = 4;
+  return in;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -176,13 +193,10 @@ int main(int argc, char** argv) {
       if (!wants("indexer") || (!kernels && T > reference_tokens)) continue;
       if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
       odyssey::kernels::SetFusedKernels(kernels);
-      auto q = torch::randn({1, index_heads, T, index_dim}, bf16);
-      auto keys = torch::randn({1, T / 4, index_dim}, bf16);
-      auto w = torch::randn({1, T, index_heads}, bf16) / std::sqrt(static_cast<double>(index_heads));
-      odyssey::kernels::DsaIndexerOptions o;
-      o.top_k = selected / 4;
-      o.pool = 4;
-      const double t = Seconds([&] { odyssey::kernels::IndexerTopK(q, keys, w, o); }, static_cast<int>(iters));
+      const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
+      const odyssey::kernels::DsaIndexerOptions& o = in.options;
+      const double t =
+          Seconds([&] { odyssey::kernels::IndexerTopK(in.q, in.keys, in.w, o); }, static_cast<int>(iters));
       odyssey::kernels::SetFusedKernels(true);
       // Visible (query, pool) pairs: query t sees floor((t + 1) / 4) pools.
       const double pairs = static_cast<double>(T / 4) * static_cast<double>(T / 4 + 1) * 2.0;
@@ -217,13 +231,9 @@ int main(int argc, char** argv) {
       } else if (selection == "pools") {
         // DSA's own selection: the lightning indexer's top selected / 4 pools of 4 keys (random
         // index queries and keys, hybrid-3b's 32 heads of 128), expanded with the tail.
-        odyssey::kernels::DsaIndexerOptions o;
-        o.top_k = selected / 4;
-        o.pool = 4;
-        auto iq = torch::randn({1, index_heads, T, index_dim}, bf16);
-        auto ik = torch::randn({1, T / 4, index_dim}, bf16);
-        auto iw = torch::randn({1, T, index_heads}, bf16) / std::sqrt(static_cast<double>(index_heads));
-        idx = odyssey::kernels::ExpandPoolSelection(odyssey::kernels::IndexerTopK(iq, ik, iw, o)).squeeze(0);
+        const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
+        idx = odyssey::kernels::ExpandPoolSelection(odyssey::kernels::IndexerTopK(in.q, in.keys, in.w, in.options))
+                  .squeeze(0);
       } else {
         // Uniform over the causal prefix, independently per query: the cache's worst case.
         // (Rare repeats in short prefixes cost the same as distinct keys.)

@@ -48,6 +48,14 @@ struct HybridConfig {
   IndexerStage indexer_stage = IndexerStage::kSparse;
 };
 
+// How the KDA mixer runs long documents (not model fields: the training code's working-set
+// bounds, which the planner counts too). Documents longer than kKdaTile tokens run in sequence
+// tiles (model::KdaAttentionImpl); inside a tile the chunked KDA op works a segment of
+// kKdaSegment tokens at a time (kernels::KdaOptions::segment). A layer's backward holds one
+// tile's autograd state and one segment's fp32 intermediates.
+constexpr int64_t kKdaTile = 32768;
+constexpr int64_t kKdaSegment = 8192;
+
 // Llama-3 style RoPE frequency scaling ("rope_scaling": {"rope_type": "llama3", ...}).
 struct RopeScaling {
   bool enabled = false;             // false: plain RoPE with rope_theta.

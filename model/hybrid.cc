@@ -164,6 +164,7 @@ Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tenso
   Tensor beta = torch::sigmoid(b_proj(x).to(torch::kFloat32)).transpose(1, 2);       // (B, H, n)
   kernels::KdaOptions options;
   options.chunk_size = chunk_;
+  options.segment = segment_;
   auto [o, state] = kernels::KdaChunked(q, k, v, g, beta, h0, options);  // (B, H, n, K), (B, H, K, K)
   if (h_out != nullptr) *h_out = state;
   Tensor gate = torch::sigmoid(heads(g_b_proj(g_a_proj(x))));  // (B, n, H, K)
@@ -262,6 +263,12 @@ Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
   // The Function records a backward node only for inputs that need grad; the mixer's
   // parameters need it even when x does not.
   return KdaTiledFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
+}
+
+void KdaAttentionImpl::set_segment(int64_t tokens) {
+  TORCH_CHECK(tokens > 0 && tokens % chunk_ == 0, "KDA segment (", tokens,
+              ") must be a positive multiple of the chunk size (", chunk_, ")");
+  segment_ = tokens;
 }
 
 Tensor KdaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta) {

@@ -69,9 +69,15 @@ class KdaAttentionImpl : public torch::nn::Module {
   // Its working memory is one tile's, not the sequence's (~200 KB a token for hybrid-3b).
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta);
   // Tokens per sequence tile (0: never tiled). Default kDefaultTile.
-  static constexpr int64_t kDefaultTile = 32768;
+  static constexpr int64_t kDefaultTile = kKdaTile;
   int64_t tile() const { return tile_; }
   void set_tile(int64_t tokens) { tile_ = tokens; }
+  // Tokens per segment of the chunked KDA op inside a tile (kernels::KdaOptions::segment, a
+  // positive multiple of the chunk size): its backward holds one segment's fp32 intermediates,
+  // ~0.6 MB a token for hybrid-3b (measured on one H200). Default kDefaultSegment.
+  static constexpr int64_t kDefaultSegment = kKdaSegment;
+  int64_t segment() const { return segment_; }
+  void set_segment(int64_t tokens);
   // One tile: x_ctx (B, ctx + n, hidden), its first ctx tokens only context for the convolution;
   // h0 (B, H, K, K) fp32 the entering state (undefined: zero). Returns the n tokens' heads
   // (B, n, H * K) and sets *h_out to the state after the tile.
@@ -97,6 +103,7 @@ class KdaAttentionImpl : public torch::nn::Module {
   int64_t heads_, head_dim_, chunk_, conv_kernel_;
   double lower_bound_;
   int64_t tile_ = kDefaultTile;
+  int64_t segment_ = kDefaultSegment;
 };
 TORCH_MODULE(KdaAttention);
 

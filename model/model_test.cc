@@ -354,7 +354,8 @@ TEST(HybridModelTest, PackedDocumentsEqualSeparateSequencesAndOutputIsCausal) {
 
 // The KDA mixer in sequence tiles (the state carried, the convolution reading the tokens before
 // each tile) equals the untiled mixer: outputs, the input's gradient and every parameter's, with
-// tiles that are and are not multiples of the chunk, a last tile of one token, and without grad.
+// tiles that are and are not multiples of the chunk, a last tile of one token, segments of the
+// chunked op shorter than a tile, and without grad.
 // The model is fp64 but its gate and beta are fp32 by design, and the projections feeding them
 // round differently when run over fewer rows: the bar is fp32's 1e-5 relative (a lost state or
 // conv context is off by orders more).
@@ -371,8 +372,9 @@ TEST(HybridModelTest, KdaTilesEqualTheUntiledMixer) {
   const int64_t S = 161;
   torch::Tensor x = torch::randn({2, S, c.hidden_size}, torch::kFloat64);
   torch::Tensor gy = torch::randn({2, S, c.hybrid.kda_num_heads * c.hybrid.kda_head_dim}, torch::kFloat64);
-  auto run = [&](int64_t tile) {
+  auto run = [&](int64_t tile, int64_t segment) {
     m->set_tile(tile);
+    m->set_segment(segment);
     m->zero_grad();
     torch::Tensor xi = x.clone().requires_grad_(true);
     torch::Tensor y = m->Heads(xi, AttentionMeta{});
@@ -385,18 +387,25 @@ TEST(HybridModelTest, KdaTilesEqualTheUntiledMixer) {
     }
     return out;
   };
-  auto plain = run(0);
+  const int64_t C = c.hybrid.kda_chunk_size;
+  auto plain = run(0, KdaAttentionImpl::kDefaultSegment);
   ASSERT_GT(plain["dx"].abs().max().item<double>(), 0.0);
-  for (int64_t tile : {int64_t{37}, int64_t{64}, int64_t{160}}) {
-    auto tiled = run(tile);
+  for (auto [tile, segment] : std::vector<std::pair<int64_t, int64_t>>{
+           {37, KdaAttentionImpl::kDefaultSegment}, {64, KdaAttentionImpl::kDefaultSegment}, {160, C}, {0, C}}) {
+    auto tiled = run(tile, segment);
     for (const auto& [name, want] : plain) {
       const double scale = 1.0 + want.abs().max().item<double>();
-      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), 1e-5 * scale) << name << " tile " << tile;
+      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), 1e-5 * scale)
+          << name << " tile " << tile << " segment " << segment;
     }
     torch::NoGradGuard no_grad;
-    EXPECT_LT((m->Heads(x, AttentionMeta{}) - plain["y"]).abs().max().item<double>(), 1e-5) << "no grad, tile " << tile;
+    EXPECT_LT((m->Heads(x, AttentionMeta{}) - plain["y"]).abs().max().item<double>(), 1e-5)
+        << "no grad, tile " << tile << " segment " << segment;
   }
   m->set_tile(KdaAttentionImpl::kDefaultTile);
+  m->set_segment(KdaAttentionImpl::kDefaultSegment);
+  EXPECT_THROW(m->set_segment(C + 1), c10::Error);
+  EXPECT_THROW(m->set_segment(0), c10::Error);
 }
 
 // The indexer KL (spec 2.3) trains the indexer and nothing else: the other parameters' gradients

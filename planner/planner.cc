@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "model/config.h"
 
 namespace odyssey::planner {
 namespace {
@@ -196,58 +197,62 @@ Prediction Predict(const Request& r) {
   // Each MoE layer's routing (top-k expert indices, int32) lives from its forward to its
   // backward, so a recompute replays it.
   const int64_t routing_per_layer = m.moe_layers > 0 ? T * m.top_k * 4 : 0;
-  // Hybrid layers (not yet measured on a GPU; derived from the CPU path's tensors, model/hybrid.cc
-  // and kernels/kda.cc, dsa.cc): one layer's working set is the larger of a KDA and a DSA layer.
+  // Hybrid layers (fitted to the peaks measured on one H200, hybrid-3b at 64K-256K tokens; the
+  // tensors named are those of the CUDA path, model/hybrid.cc, kernels/kda.cc and dsa.cc): one
+  // layer's working set is the larger of a KDA and a DSA layer's.
   int64_t hybrid_saved_per_layer = 0;
   Terms hybrid_terms;  // what the hybrid working set is made of (for the message)
   if (m.hybrid) {
     const int64_t HK = m.kda_heads * m.kda_head_dim, Hk = m.kda_heads, K = m.kda_head_dim, C = m.kda_chunk;
-    // KDA: projections, convs, SiLU, gates and output (13 of (T, HK) in the params' dtype), the
-    // fp32 L2 norms, gate chain and output norm (5 fp32 (T, HK)); the chunked op's saved q, k, v,
-    // g (fp32), beta and UT inverse T (T x Hk x C fp32); its backward's recomputed W, U, kg, qg, V~
-    // and A_qk, the per-chunk states h [T / C, Hk, K, V] fp32, and the gradients dq dk dv dg.
-    // The mixer runs in sequence tiles of kKdaTile tokens when the sequence is longer
-    // (model::KdaAttentionImpl::kDefaultTile): these terms are one tile's, and the full length
-    // keeps only the tiled Function's saved input and its gradient buffer and o_proj's saved
-    // input and its gradient (4 of (T, hidden or H K) in the params' dtype).
-    constexpr int64_t kKdaTile = 32768;
-    const int64_t Tt = std::min(T, kKdaTile);
-    const int64_t kda_full = T > kKdaTile ? T * (2 * m.hidden + 2 * HK) * e : 0;
-    const int64_t kda_saved = Tt * (13 * HK * e + 20 * HK) + Tt * (16 * HK + 4 * Hk + 4 * Hk * C) + kda_full;
-    const int64_t kda_state = Tt / C * Hk * K * K * 4;
-    const int64_t kda_recompute = Tt * (20 * HK + 4 * Hk * C) + kda_state + Tt * 16 * HK;
-    // DSA: q, k, v, the output (params' dtype) and their fp32 copies and gradients in the sparse
-    // kernel, the log-sum-exp; the token indices (top_k + 3 int32 per token, with the int64
-    // transients of the expansion) and the pool indices; the indexer's q, k, w (fp32 for the KL)
-    // and gradients; query-block constants: the indexer's scores (the CUDA selection's workspace
-    // of 256 MiB, kernels::DsaIndexerOptions::workspace_bytes, above the libtorch path's 64 x 256 x
-    // HI fp32 blocks), the sparse kernel's gathered keys and values (128 queries) and the KL's
-    // gathered keys (64 queries).
-    const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim;
-    // The token indices' int64 transients are one block's of 16384 rows (ExpandPoolSelection);
-    // the indexer's q, k, w and their gradients are in the params' dtype (the KL's fp32 copies
-    // are one block's: kernels::IndexerKlLoss).
-    const int64_t dsa_indices = T * (W * 4 + m.index_top_k) + std::min<int64_t>(T, 16384) * W * 8;
-    const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 8 * (qd + 2 * kvd) + 4 * qd + 4 * m.heads) +
-                                  dsa_indices + T * (2 * HI * DI + HI + 2 * DI) * e * 2;
+    // KDA, sequences longer than a tile run tile by tile (model::kKdaTile) and inside a tile the
+    // chunked op a segment at a time (model::kKdaSegment). A layer's backward holds:
+    //  - the recomputed tile's autograd state: projections, convs, SiLU, L2 norms, gates, the
+    //    output norm and gate (~13 of (Tt, HK) in the params' dtype and ~20 fp32);
+    //  - one segment's fp32 intermediates: the chunk quantities recomputed without autograd and
+    //    the cache of their factors, the gradients of both (~45 of (Ts, HK)), and the per-chunk
+    //    states h with their gradients, 2 x [Ts / C, HV, K, V].
+    // Measured for hybrid-3b's 24 heads of 128: 602 KB a segment token (segments of 8192, 16384
+    // and 32768 tokens at 64K), ~327 KB a tile token, and beyond the checkpointed inputs and the
+    // incoming gradient nothing that grows with the sequence (the peaks at 64K and 128K).
+    const int64_t Tt = std::min(T, model::kKdaTile), Ts = std::min(Tt, model::kKdaSegment);
+    const int64_t kda_tile = Tt * HK * (13 * e + 81);
+    const int64_t kda_state = 2 * (Ts / C) * Hk * K * K * 4;
+    const int64_t kda_segment = Ts * HK * 180 + kda_state;
+    // DSA, per token: the sparse attention's saved q, k, v and log-sum-exp and the output
+    // o_proj reads; its backward's dO and dq, the fp32 dk/dv accumulators and their casts, delta;
+    // the token indices (top_k + 3 int32, with the int64 transients of one 16384-row block of
+    // the expansion) and the pool indices; the indexer's q and its gradient, the KL's fp32
+    // target over the selected pools; the layer's norm output (one (T, hidden)). Per layer, the
+    // indexer's scores (the CUDA selection's workspace of 256 MiB,
+    // kernels::DsaIndexerOptions::workspace_bytes, above the libtorch path's 64 x 256 x HI fp32
+    // blocks). Measured: the peak at 256K tokens (77.7 KB a token with the MLP's tile).
+    const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim, kp = m.index_top_k / 4;
+    const int64_t dsa_indices = T * (W * 4 + kp * 4) + std::min<int64_t>(T, 16384) * W * 8;
+    const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 4 * m.heads) +
+                                  T * (2 * qd * e + 2 * kvd * (4 + e) + 4 * m.heads) + dsa_indices +
+                                  T * (2 * HI * DI * e + kp * 4) + T * m.hidden * e;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
-    const int64_t dsa_blocks = indexer_scores + 128 * W * 2 * kvd * 4 * 2 + 64 * W * qd * 4 * 3;
-    const int64_t kda_work = m.kda_layers > 0 ? kda_saved + kda_recompute : 0;
+    const int64_t dsa_blocks = indexer_scores;
+    const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment : 0;
     const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
-    // The layer's norms, residuals and incoming-gradient copies (4 of (T, hidden)).
-    working = std::max(kda_work, dsa_work) + mlp_work + 4 * act;
+    working = std::max(kda_work, dsa_work) + mlp_work;
     if (kda_work >= dsa_work) {
-      hybrid_terms = {{"KDA layer: activations, saved q/k/v/g/beta, recomputed intermediates", kda_saved + kda_recompute - kda_state},
-                      {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32, recomputed", kda_state}};
+      hybrid_terms = {{"KDA layer: the recomputed tile's autograd state", kda_tile},
+                      {"KDA layer: one segment's fp32 chunk intermediates and gradients", kda_segment - kda_state},
+                      {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state}};
     } else {
       hybrid_terms = {{"DSA layer: attention, indexer and their gradients", dsa_per_token - dsa_indices + dsa_blocks},
                       {"DSA layer: selected indices (top_k + tail, int32)", dsa_indices}};
     }
-    // Without recompute every layer keeps its autograd state: averaged over the layer kinds.
-    hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * (dsa_per_token - dsa_indices / 3)) / L +
+    // Without recompute every layer keeps its autograd state (a tiled KDA mixer only its input;
+    // a DSA layer its attention's and indexer's tensors): averaged over the layer kinds.
+    const int64_t kda_saved = T > Tt ? T * m.hidden * e : kda_tile;
+    const int64_t dsa_saved = T * (e * (2 * qd + 2 * kvd) + 4 * m.heads + 2 * HI * DI * e + kp * 4) + dsa_indices;
+    hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * dsa_saved) / L +
                              (st.mlp_tile > 0 || m.moe_layers == L ? 0 : T * (3 * I + H) * e) + 3 * act;
     if (!recompute)
-      working = std::max(kda_recompute, dsa_blocks) + (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
+      working = std::max(kda_segment + (T > Tt ? kda_tile : 0), dsa_blocks + T * (2 * qd * e + 2 * kvd * (4 + e))) +
+                (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
   const int64_t group_inputs = st.recompute == Recompute::kEveryK ? (st.every_k - 1) * act : 0;
@@ -277,11 +282,11 @@ Prediction Predict(const Request& r) {
     t.emplace_back("gradients so far", top ? head_grad + (shards > 1 ? owned * e : 0) : grads_bottom);
     t.emplace_back("incoming gradient", act);
     if (m.hybrid) {
-      // Split so a plan names the hybrid terms (not yet measured on a GPU).
+      // Split so a plan names the hybrid terms.
       int64_t rest = working;
       for (const auto& [name, bytes] : hybrid_terms) {
         const int64_t b = std::min(bytes, rest);
-        t.emplace_back(absl::StrCat(name, " (not yet measured on a GPU)"), b);
+        t.emplace_back(name, b);
         rest -= b;
       }
       t.emplace_back("one layer's MLP, norms and gradients", rest);

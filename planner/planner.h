@@ -46,9 +46,8 @@ struct ModelShape {
   // prefetched one). 1: not sharded.
   int64_t shard_ranks = 1;
   // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
-  // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() are
-  // derived from the tensors of the libtorch reference path that runs them today (fp32 inside
-  // the KDA and DSA ops), not yet measured on a GPU (the dense models' terms are fitted).
+  // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() name
+  // the CUDA path's tensors, sized by fits to hybrid-3b's peaks measured on one H200 (64K-512K).
   bool hybrid = false;
   int64_t kda_layers = 0, dsa_layers = 0;
   int64_t kda_heads = 0, kda_head_dim = 0, kda_chunk = 64;

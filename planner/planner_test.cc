@@ -505,6 +505,17 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
        3212749824LL * 14},
       {"llama-3.2-1b", 16, 65536, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 28925670912, 4294967296},
       {"llama-3.2-1b", 16, 262144, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 53540214272, 17179869184},
+      // hybrid-3b (21 KDA + 7 DSA layers), the KDA mixer in tiles of 32768 tokens and segments
+      // of 8192: the peak in a KDA layer's backward at 64K and 128K, in a DSA layer's at 256K and
+      // 512K.
+      {"hybrid-3b", 28, 65536, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 27956861952,
+       8053063680 + 3606690168LL * 14},
+      {"hybrid-3b", 28, 131072, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 31182130176,
+       16106127360 + 3606690168LL * 14},
+      {"hybrid-3b", 28, 262144, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 43033004032,
+       32212254720 + 3606690168LL * 14},
+      {"hybrid-3b", 28, 524288, on_host(StrategyOf("layer", 2, true, 12, 16384, 4096, 1)), 88021633024,
+       51539607552 + 3606690168LL * 14},
   };
   for (const Row& row : rows) {
     SCOPED_TRACE(testing::Message() << row.shape << " layers " << row.layers << " seq " << row.seq << " x "
@@ -528,9 +539,9 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
   }
 }
 
-// The hybrid family's terms (not yet measured on a GPU): hybrid-3b plans at 128K tokens on one
-// H200, its KDA layers' per-chunk state is [T/C, HV, K, V] fp32 exactly, and the plan says
-// which terms are unmeasured.
+// The hybrid family's terms: hybrid-3b plans at 128K tokens on one H200 and the plan names the
+// hybrid layer's terms; its KDA layers hold one segment's per-chunk states and their gradients,
+// 2 x [Ts/C, HV, K, V] fp32 exactly.
 TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-3b");
   ASSERT_TRUE(c.ok());
@@ -539,12 +550,12 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_TRUE(plan->found) << plan->message;
   EXPECT_EQ(plan->strategy.head_groups, 1);
-  bool unmeasured = false;
+  bool named = false;
   for (const auto& [name, bytes] : plan->prediction.terms) {
-    if (name.find("not yet measured on a GPU") != std::string::npos) unmeasured = true;
+    if (name.rfind("KDA layer: ", 0) == 0 || name.rfind("DSA layer: ", 0) == 0) named = true;
   }
-  EXPECT_TRUE(unmeasured);
-  // The KDA layer's per-chunk states are one sequence tile's (32768 tokens) at any longer length.
+  EXPECT_TRUE(named) << plan->prediction.Describe();
+  // The KDA layer's per-chunk states are one segment's (8192 tokens) at any longer length.
   // hybrid-3b with every layer of one kind, layer recompute, tiles 4096 / 1024.
   auto one_kind = [&](char kind, int64_t len) {
     Request req;
@@ -563,12 +574,12 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
     for (const auto& [name, bytes] : Predict(k).terms) {
       if (name.find("per-chunk states h") != std::string::npos) {
         state = true;
-        EXPECT_EQ(bytes, std::min<int64_t>(len, 32768) / 64 * 24 * 128 * 128 * 4) << len;
+        EXPECT_EQ(bytes, 2 * (std::min<int64_t>(len, 8192) / 64) * 24 * 128 * 128 * 4) << len;
       }
     }
     EXPECT_TRUE(state) << Predict(k).Describe();
   }
-  // The DSA layer's indices: (2048 + 3) int32 per token with the pool indices, and the int64
+  // The DSA layer's indices: (2048 + 3) int32 per token with the 512 pool indices, and the int64
   // transients of one block of their expansion: counted where a DSA layer's working set is the
   // larger.
   T = int64_t{1} << 20;
@@ -577,7 +588,7 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   for (const auto& [name, bytes] : Predict(r).terms) {
     if (name.find("selected indices") != std::string::npos) {
       indices = true;
-      EXPECT_EQ(bytes, T * (2051 * 4 + 2048) + 16384 * 2051 * 8);
+      EXPECT_EQ(bytes, T * (2051 * 4 + 512 * 4) + 16384 * 2051 * 8);
     }
   }
   EXPECT_TRUE(indices) << Predict(r).Describe();

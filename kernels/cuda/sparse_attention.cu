@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads)
 // once per key. One unit per lane for the scores (the rows against the block's keys in shared
 // memory), then lanes across the columns for the sums, as the other kernels. The units come in a
 // fixed order and each thread owns fixed columns: deterministic, no atomics.
-constexpr int kKeys = 4;
+constexpr int kKeys = kSparseKeyBlock;
 
 template <typename T, int D, int Dv>
 __global__ void __launch_bounds__(kThreads)

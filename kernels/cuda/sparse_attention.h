@@ -67,11 +67,15 @@ int SparseAttentionProbs(const SparseAttentionArgs& a, float* probs, void* strea
 int SparseAttentionBackwardQuery(const SparseAttentionArgs& a, SparseRows dO, const float* lse, SparseOutRows dq,
                                  float* delta, void* stream);
 
+// Keys per aligned block of the key-side backward (a pool of DSA's indexer).
+constexpr int kSparseKeyBlock = 4;
+
 // The units of the query rows t0 .. t0 + rows - 1 (every batch row b): a unit starts at entry w
 // of row (b, t) when idx[b, t, w] >= 0 and w == 0 or idx[b, t, w - 1] is not a smaller key of the
-// same block (block = key / 4); it takes the entries after it while they are (at most 4).
+// same block (block = key / kSparseKeyBlock); it takes the entries after it while they are (at most
+// kSparseKeyBlock).
 // first[u] = (b * rows + t - t0) * W + w of unit u (int32), the units sorted by (b, block) and
-// then by first; offsets (B * ceil(S / 4) + 1) int64: the start of block b * ceil(S / 4) + j's
+// then by first; offsets (B * nb + 1) int64, nb = ceil(S / kSparseKeyBlock): the start of block b * nb + j's
 // units in first.
 struct SparseKeyUnits {
   const int64_t* offsets;
