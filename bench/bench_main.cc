@@ -183,13 +183,14 @@ int main(int argc, char** argv) {
                "the kept-attention cuDNN kernels get K/V expanded to one head per query head (the older path) "
                "instead of their own KV heads");
   std::string rl_loss;
-  int64_t kda_tile = -1, kda_segment = -1;
-  app.add_option("--kda-tile", kda_tile,
-                 "hybrid models: tokens per KDA sequence tile (0: untiled; default "
-                 "KdaAttentionImpl::kDefaultTile)");
-  app.add_option("--kda-segment", kda_segment,
-                 "hybrid models: tokens per segment of the chunked KDA op, a multiple of the chunk size "
-                 "(default KdaAttentionImpl::kDefaultSegment)");
+  int64_t kda_tile = 0, kda_segment = 0;
+  CLI::Option* kda_tile_opt = app.add_option("--kda-tile", kda_tile,
+                                             "hybrid models: tokens per KDA sequence tile (0: untiled; default "
+                                             "KdaAttentionImpl::kDefaultTile)");
+  CLI::Option* kda_segment_opt =
+      app.add_option("--kda-segment", kda_segment,
+                     "hybrid models: tokens per segment of the chunked KDA op, a positive multiple of the chunk "
+                     "size (default KdaAttentionImpl::kDefaultSegment)");
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
@@ -220,15 +221,21 @@ int main(int argc, char** argv) {
   }
   auto& t = **created;
   const auto& cfg = t.model()->config();
-  if (kda_tile >= 0 || kda_segment >= 0) {
+  const bool set_kda_tile = kda_tile_opt->count() > 0, set_kda_segment = kda_segment_opt->count() > 0;
+  if (set_kda_tile && kda_tile < 0) {
+    std::fprintf(stderr, "odyssey-bench: --kda-tile (%lld) must be >= 0 (0: untiled)\n",
+                 static_cast<long long>(kda_tile));
+    return 2;
+  }
+  if (set_kda_tile || set_kda_segment) {
     int64_t mixers = 0;
     for (const auto& m : t.model()->modules()) {
       auto* kda = dynamic_cast<odyssey::model::KdaAttentionImpl*>(m.get());
       if (kda == nullptr) continue;
       ++mixers;
-      if (kda_tile >= 0) kda->set_tile(kda_tile);
-      if (kda_segment >= 0) {
-        if (kda_segment == 0 || kda_segment % cfg.hybrid.kda_chunk_size != 0) {
+      if (set_kda_tile) kda->set_tile(kda_tile);
+      if (set_kda_segment) {
+        if (kda_segment <= 0 || kda_segment % cfg.hybrid.kda_chunk_size != 0) {
           std::fprintf(stderr, "odyssey-bench: --kda-segment (%lld) must be a positive multiple of the chunk size (%lld)\n",
                        static_cast<long long>(kda_segment), static_cast<long long>(cfg.hybrid.kda_chunk_size));
           return 2;
@@ -241,8 +248,9 @@ int main(int argc, char** argv) {
                    o.model.c_str());
       return 2;
     }
-    std::fprintf(stderr, "KDA: %lld mixers, tile %lld, segment %lld\n", static_cast<long long>(mixers),
-                 static_cast<long long>(kda_tile), static_cast<long long>(kda_segment));
+    std::fprintf(stderr, "KDA: %lld mixers set:%s%s\n", static_cast<long long>(mixers),
+                 set_kda_tile ? (" tile " + std::to_string(kda_tile)).c_str() : "",
+                 set_kda_segment ? (" segment " + std::to_string(kda_segment)).c_str() : "");
   }
   const int64_t B = o.data.batch_size, S = o.data.seq_len;
   torch::Device dev = t.device();
