@@ -459,6 +459,10 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (plan && (set_kda_tile || set_kda_segment)) {
+    // The planner plans the default KDA tile and segment only.
+    j["planned_for_default_kda_tile_and_segment"] = true;
+  }
   if (plan) {
     j["planned_gpu_peak_bytes"] = planned.gpu_peak_bytes;
     j["planned_host_bytes"] = planned.host_bytes;
