@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cuda/fused_ops.h"
+#include "kernels/cuda/short_conv.h"
 #endif
 
 namespace odyssey::kernels {
@@ -64,6 +65,39 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
                                gate.numel(), Stream(gate)),
           "swiglu backward");
     return {dgate, dup};
+  }
+};
+
+class ShortConvSiluFunction : public torch::autograd::Function<ShortConvSiluFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor w,
+                               int64_t rows) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const int64_t B = x.size(0), S = x.size(1), Ch = x.size(2), Kw = w.size(2);
+    torch::Tensor y = torch::empty({B, S - rows, Ch}, x.options());
+    Check(cuda::ShortConvSiluForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, S, Ch, Kw, rows, Stream(x)),
+          "short conv silu");
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["rows"] = rows;
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1];
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    c10::cuda::CUDAGuard guard(x.device());
+    const int64_t B = x.size(0), S = x.size(1), Ch = x.size(2), Kw = w.size(2);
+    torch::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    if (reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 != 0) dy = dy.clone();
+    torch::Tensor dx = torch::empty_like(x);
+    auto f32 = x.options().dtype(torch::kFloat32);
+    torch::Tensor dw = torch::empty({Ch, 1, Kw}, f32);
+    torch::Tensor partial = torch::empty({cuda::ShortConvBackwardScratch(B, S, Ch, Kw)}, f32);
+    Check(cuda::ShortConvSiluBackward(dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr(), dw.data_ptr<float>(),
+                                      partial.data_ptr<float>(), B, S, Ch, Kw, rows, Stream(x)),
+          "short conv silu backward");
+    return {dx, dw.to(w.scalar_type()), torch::Tensor()};
   }
 };
 
@@ -190,6 +224,33 @@ torch::Tensor SwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
   }
 #endif
   return torch::silu(gate) * up;
+}
+
+torch::Tensor ShortConvSilu(const torch::Tensor& x, const torch::Tensor& w, int64_t ctx) {
+  TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && w.size(0) == x.size(2) && w.size(1) == 1 && w.size(2) >= 1,
+              "ShortConvSilu: x must be (B, S, Ch) and w (Ch, 1, Kw); got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(ctx >= 0 && ctx < x.size(1), "ShortConvSilu: ctx (", ctx, ") must be in [0, S = ", x.size(1), ")");
+  const int64_t Kw = w.size(2);
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (FusedKernelsEnabled() && Takes(x) && Takes(w) && x.size(2) % 8 == 0 && Kw >= 2 && Kw <= 4 &&
+      w.device() == x.device() && x.size(0) > 0) {
+    if (torch::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad()))
+      return ShortConvSiluFunction::apply(x, w, ctx);
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor y = torch::empty({x.size(0), x.size(1) - ctx, x.size(2)}, x.options());
+    Check(cuda::ShortConvSiluForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.size(0), x.size(1), x.size(2), Kw,
+                                     ctx, Stream(x)),
+          "short conv silu");
+    return y;
+  }
+#endif
+  // The model's ops (model::ShortConvImpl::forward, then silu on the kept rows).
+  torch::Tensor xt = torch::constant_pad_nd(x.transpose(1, 2), {Kw - 1, 0});  // (B, Ch, S + Kw - 1)
+  const int64_t one = 1, zero = 0;
+  torch::Tensor conv = torch::conv1d(xt, w, torch::Tensor(), torch::IntArrayRef(one), torch::IntArrayRef(zero),
+                                     torch::IntArrayRef(one), w.size(0))
+                           .transpose(1, 2);  // (B, S, Ch)
+  return torch::silu(conv.narrow(1, ctx, x.size(1) - ctx));
 }
 
 torch::Tensor Rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {

@@ -72,6 +72,42 @@ std::pair<torch::Tensor, torch::Tensor> Tables(int64_t B, int64_t S, int64_t D, 
   return {emb.cos().to(o), emb.sin().to(o)};
 }
 
+// The short convolution + SiLU written out: pre[t] = sum_j w[j] x[ctx + t - (Kw - 1) + j] (rows
+// before 0 zeros), y = pre * sigmoid(pre), for the rows after the context.
+torch::Tensor ShortConvSiluFormula(const torch::Tensor& x, const torch::Tensor& w, int64_t ctx) {
+  const int64_t S = x.size(1), Kw = w.size(2), n = S - ctx;
+  torch::Tensor pre = torch::zeros({x.size(0), n, x.size(2)}, x.options());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < Kw; ++j) {
+      const int64_t s = ctx + t - (Kw - 1) + j;
+      if (s >= 0) pre.select(1, t).add_(x.select(1, s) * w.select(2, j).squeeze(1));
+    }
+  }
+  return pre * torch::sigmoid(pre);
+}
+
+// The reference path (the model's ops) is the formula, context rows and the zeros before the
+// sequence included, and its gradients are the formula's.
+TEST(FusedOps, ShortConvSiluReferenceIsTheFormula) {
+  torch::manual_seed(9);
+  auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  for (int64_t ctx : {0, 3}) {
+    torch::Tensor x = torch::randn({2, 37, 6}, f64).requires_grad_(true), w = torch::randn({6, 1, 4}, f64);
+    w.requires_grad_(true);
+    torch::Tensor xr = x.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+    torch::Tensor y = ShortConvSilu(x, w, ctx), want = ShortConvSiluFormula(xr, wr, ctx);
+    ASSERT_EQ(y.sizes(), want.sizes());
+    EXPECT_LT((y - want).abs().max().item<double>(), 1e-12) << "ctx " << ctx;
+    torch::Tensor dy = torch::randn(y.sizes(), f64);
+    y.backward(dy);
+    want.backward(dy);
+    EXPECT_LT((x.grad() - xr.grad()).abs().max().item<double>(), 1e-12) << "ctx " << ctx;
+    EXPECT_LT((w.grad() - wr.grad()).abs().max().item<double>(), 1e-12) << "ctx " << ctx;
+  }
+  EXPECT_THROW(ShortConvSilu(torch::randn({1, 4, 6}), torch::randn({6, 1, 4}), 4), c10::Error);
+  EXPECT_THROW(ShortConvSilu(torch::randn({1, 4, 6}), torch::randn({5, 1, 4}), 0), c10::Error);
+}
+
 TEST(FusedOps, RopeScoresDependOnlyOnTheDistanceOfPositions) {
   torch::manual_seed(2);
   const int64_t S = 9, D = 16;
@@ -183,6 +219,33 @@ TEST(FusedOps, SwiGlu_cuda) {
   ExpectWithinBar("swiglu h", k[0], r[0], h64);
   ExpectWithinBar("swiglu d gate", k[1], r[1], g64.grad());
   ExpectWithinBar("swiglu d up", k[2], r[2], u64.grad());
+}
+
+TEST(FusedOps, ShortConvSilu_cuda) {
+  SKIP_UNLESS_KERNELS();
+  torch::manual_seed(10);
+  // 333 rows: runs of 64 with a partial last one; 3072 channels as hybrid-3b's q, k, v.
+  for (int64_t ctx : {0, 3}) {
+    const int64_t B = 2, S = 333, Ch = 3072;
+    torch::Tensor x = torch::randn({B, S, Ch}, Bf16Cuda()), w = torch::randn({Ch, 1, 4}, Bf16Cuda()) * 0.5;
+    torch::Tensor dy = torch::randn({B, S - ctx, Ch}, Bf16Cuda());
+    torch::Tensor x64 = x.to(torch::kCPU, torch::kFloat64).requires_grad_(true);
+    torch::Tensor w64 = w.to(torch::kCPU, torch::kFloat64).requires_grad_(true);
+    torch::Tensor y64 = ShortConvSiluFormula(x64, w64, ctx);
+    y64.backward(dy.to(torch::kCPU, torch::kFloat64));
+    const int64_t launches = FusedKernelLaunches();
+    auto [k, r] = KernelAndReference([&] {
+      torch::Tensor xa = x.clone().requires_grad_(true), wa = w.clone().requires_grad_(true);
+      torch::Tensor y = ShortConvSilu(xa, wa, ctx);
+      y.backward(dy);
+      return std::vector<torch::Tensor>{y.detach(), xa.grad(), wa.grad()};
+    });
+    EXPECT_GE(FusedKernelLaunches() - launches, 2) << "the short conv kernels did not run";
+    const std::string c = " ctx " + std::to_string(ctx);
+    ExpectWithinBar("short conv y" + c, k[0], r[0], y64);
+    ExpectWithinBar("short conv dx" + c, k[1], r[1], x64.grad());
+    ExpectWithinBar("short conv dw" + c, k[2], r[2], w64.grad());
+  }
 }
 
 TEST(FusedOps, Rope_cuda) {

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_scan.h"
 #endif
 #include "kernels/fused_ops.h"
@@ -106,6 +107,56 @@ struct IntraCache {
   Tensor EC;          // exp(G_C - G): kg = k * EC
 };
 
+#ifdef ODYSSEY_KERNELS_CUDA
+Tensor Dense(const Tensor& t);
+void* Stream(const Tensor& t);
+
+// The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for fp32 CUDA
+// tensors of supported sizes while FusedKernelsEnabled(); false: the caller builds them with
+// libtorch ops.
+bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
+                   Intra* in, IntraCache* cache) {
+  const int64_t B = q.size(0), HV = q.size(1), L = q.size(2), K = q.size(3), V = v.size(3), N = G.size(2);
+  if (!FusedKernelsEnabled() || !q.is_cuda() || q.scalar_type() != torch::kFloat32 ||
+      k.scalar_type() != torch::kFloat32 || v.scalar_type() != torch::kFloat32 ||
+      G.scalar_type() != torch::kFloat32 || beta.scalar_type() != torch::kFloat32 ||
+      !cuda::KdaIntraSupported(C, K, V) || B * HV > 65535 || q.stride(3) != 1 || k.stride(3) != 1 ||
+      v.stride(3) != 1) {
+    return false;
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const Tensor Gd = Dense(G);
+  auto opts = Gd.options();
+  in->qg = torch::empty({B, HV, N, C, K}, opts);
+  in->kg = torch::empty({B, HV, N, C, K}, opts);
+  in->W = torch::empty({B, HV, N, C, K}, opts);
+  in->U = torch::empty({B, HV, N, C, V}, opts);
+  in->Aqk = torch::empty({B, HV, N, C, C}, opts);
+  in->eGC = torch::empty({B, HV, N, K}, opts);
+  cuda::KdaIntraCache kc{};
+  if (cache != nullptr) {
+    in->T = torch::empty({B, HV, N, C, C}, opts);
+    cache->Lkk = torch::empty({B, HV, N, C, C}, opts);
+    for (Tensor* t : {&cache->Ep, &cache->Em, &cache->qp, &cache->kp, &cache->km, &cache->X, &cache->EC, &cache->eG}) {
+      *t = torch::empty({B, HV, N, C, K}, opts);
+    }
+    cache->Y = torch::empty({B, HV, N, C, V}, opts);
+    cache->kc = Chunk(k, C), cache->vc = Chunk(v, C), cache->bc = Chunk(beta, C).unsqueeze(-1);
+    auto f = [](Tensor& t) { return t.data_ptr<float>(); };
+    kc = {f(in->T), f(cache->Lkk), f(cache->Ep), f(cache->Em), f(cache->qp), f(cache->kp),
+          f(cache->km), f(cache->X), f(cache->Y), f(cache->EC), f(cache->eG)};
+  }
+  cuda::KdaIntraArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(),
+                       Gd.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), beta.stride(0), beta.stride(1),
+                       beta.stride(2), B, HV, N, C, K, V, L, in->qg.data_ptr<float>(), in->kg.data_ptr<float>(),
+                       in->W.data_ptr<float>(), in->U.data_ptr<float>(), in->Aqk.data_ptr<float>(),
+                       in->eGC.data_ptr<float>(), cache != nullptr ? &kc : nullptr};
+  CheckKernelLaunch(cuda::KdaIntraForward(a, Stream(q)), "kda intra-chunk forward");
+  return true;
+}
+#endif
+
 // q already scaled and expanded to HV heads, G = ChunkCumsum(g, C), `form` =
 // KdaDecayedGramForm(G); all in the compute dtype. The whole-chunk form shares its factors
 // between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
@@ -114,6 +165,16 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                    int64_t C, KdaGramForm form, IntraCache* cache = nullptr) {
   TORCH_CHECK(cache == nullptr || form == KdaGramForm::kWholeChunk,
               "KDA: the hand backward's cache is for the whole-chunk Gram form only");
+#ifdef ODYSSEY_KERNELS_CUDA
+  // Not under autograd: the kernel's outputs have no graph (the sub-block forms, which the
+  // backward differentiates by autograd, never come here).
+  if (form == KdaGramForm::kWholeChunk && !(torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
+                                                                              v.requires_grad() || G.requires_grad() ||
+                                                                              beta.requires_grad()))) {
+    Intra in;
+    if (IntraByKernel(q, k, v, G, beta, C, &in, cache)) return in;
+  }
+#endif
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
   Tensor bc = Chunk(beta, C).unsqueeze(-1);  // (B, HV, N, C, 1)

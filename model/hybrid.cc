@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "kernels/dsa.h"
+#include "kernels/fused_ops.h"
 #include "kernels/heads.h"
 #include "kernels/kda.h"
 #include "model/grad_sums.h"
@@ -152,11 +153,15 @@ Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tenso
   const int64_t B = x_ctx.size(0), n = x_ctx.size(1) - ctx, H = heads_, K = head_dim_;
   auto heads = [&](const Tensor& t) { return t.reshape({B, n, H, K}); };  // (B, n, H, K)
   // The convolutions see the context; everything after them only the tile's tokens.
-  auto conv = [&](ShortConv& c, torch::nn::Linear& proj) { return c(proj(x_ctx)).narrow(1, ctx, n); };
+  // silu(conv(proj(x))) of the n rows after the context (kernels::ShortConvSilu: the model's ops
+  // on the CPU, one fused kernel on the GPU).
+  auto conv_silu = [&](ShortConv& c, torch::nn::Linear& proj) {
+    return kernels::ShortConvSilu(proj(x_ctx), c->weight, ctx);
+  };
   const Tensor x = x_ctx.narrow(1, ctx, n);
-  Tensor q = L2Norm(heads(torch::silu(conv(q_conv1d, q_proj)))).transpose(1, 2);  // (B, H, n, K)
-  Tensor k = L2Norm(heads(torch::silu(conv(k_conv1d, k_proj)))).transpose(1, 2);  // (B, H, n, K)
-  Tensor v = heads(torch::silu(conv(v_conv1d, v_proj))).transpose(1, 2);          // (B, H, n, K)
+  Tensor q = L2Norm(heads(conv_silu(q_conv1d, q_proj))).transpose(1, 2);  // (B, H, n, K)
+  Tensor k = L2Norm(heads(conv_silu(k_conv1d, k_proj))).transpose(1, 2);  // (B, H, n, K)
+  Tensor v = heads(conv_silu(v_conv1d, v_proj)).transpose(1, 2);          // (B, H, n, K)
   // The safe gate in fp32: lb * sigmoid(exp(A_log[h]) (f + dt_bias)) in (lb, 0).
   Tensor f = f_b_proj(f_a_proj(x)).to(torch::kFloat32) + dt_bias;                    // (B, n, H K)
   Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.exp().view({H, 1}));     // (B, n, H, K)

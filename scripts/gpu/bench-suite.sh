@@ -21,7 +21,7 @@ has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
 only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
 targets="memory_test rl_loss_test fused_ops_test optimizer_test odyssey-bench odyssey-plan odyssey-kernel-bench"
 only paralleltests && targets="$targets attention_test communicator_test context_parallel_test"
-only hybrid && targets="$targets odyssey-hybrid-bench"
+only hybrid && targets="$targets odyssey-hybrid-bench kda_test dsa_test"
 ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 source "$root/scripts/gpu/env.sh"
@@ -141,6 +141,10 @@ fi
 # HYB_LENS (default 65536,262144), then fla's chunk_kda on the same shapes (fla-core and einops
 # wheels from .whl/, installed into a private folder: a benchmark peer, never a dependency).
 if only hybrid; then
+  # The hybrid kernels' GPU tests first (fused_ops_test: the short conv).
+  for t in kda_test dsa_test fused_ops_test; do
+    build-gpu/kernels/$t 2>&1 | grep -E '^\[ *(FAILED|PASSED|SKIPPED) |Failure' | tail -6
+  done
   build-gpu/kernels/odyssey-hybrid-bench --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
   site="${TMPDIR:-/tmp}/odyssey-peer-site"
   if ls .whl/fla_core-*.whl >/dev/null 2>&1; then

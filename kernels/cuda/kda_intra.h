@@ -1,0 +1,46 @@
+// Launcher of chunked KDA's chunk-local quantities (kernels/cuda/kda_intra.cu): spec 1.3 steps
+// 1-2 for the whole-chunk Gram form (no chunk decays by more than 60 e-folds, kernels/kda.h
+// KdaDecayedGramForm), which kernels/kda.cc's ComputeIntra otherwise builds from ~30 libtorch
+// ops over (B, HV, N, C, K) fp32 tensors. One thread block of 512 threads per (batch x head,
+// chunk), everything of the chunk in shared memory:
+//   Ep = exp(G - G_0), Em = exp(G_0 - G)        (G_0: the chunk's first row of G)
+//   kp = k Ep, km = k Em, qp = q Ep             (element-wise)
+//   Lkk = strict_lower(kp km^T), A_kk = diag(beta) Lkk, Aqk = lower(qp km^T)
+//   T = (I + A_kk)^-1                            (unit lower triangular: forward substitution)
+//   X = beta k exp(G), Y = beta v, W = T X, U = T Y
+//   kg = k exp(G_C - G), qg = q exp(G), eGC = exp(G_C)   (G_C: the chunk's last row)
+// all in fp32, the same formulas as ComputeIntra's (sums in another order). With `cache` set the
+// block also writes what the hand-written backward (IntraBackward) reads: T, Lkk, Ep, Em, qp, kp,
+// km, X, Y, EC = exp(G_C - G) and eG = exp(G).
+//
+// Raw device pointers (no CUDA or libtorch headers here), fp32. q, k (B, HV, L, K) and v
+// (B, HV, L, V) with element strides for batch, head and token (the last dim contiguous); beta
+// (B, HV, L) strided the same way; rows at or past L are zeros (the padding of the last chunk).
+// G (BH, N, C, K) contiguous: the chunk-local cumulative sums of g, padding included. Outputs
+// contiguous: qg, kg, W, Ep, Em, qp, kp, km, X, EC, eG (BH, N, C, K); U, Y (BH, N, C, V); Aqk, T,
+// Lkk (BH, N, C, C); eGC (BH, N, K). Supported: KdaIntraSupported. Returns the launch's
+// cudaError_t as an int (0 = success). Only built with ODYSSEY_CUDA.
+#pragma once
+
+#include <cstdint>
+
+namespace odyssey::kernels::cuda {
+
+// C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (the block's shared memory holds
+// the chunk).
+bool KdaIntraSupported(int64_t C, int64_t K, int64_t V);
+
+struct KdaIntraCache {
+  float *T, *Lkk, *Ep, *Em, *qp, *kp, *km, *X, *Y, *EC, *eG;
+};
+
+struct KdaIntraArgs {
+  const float *q, *k, *v, *beta, *G;
+  int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, b_sb, b_sh, b_st;
+  int64_t B, HV, N, C, K, V, L;
+  float *qg, *kg, *W, *U, *Aqk, *eGC;
+  const KdaIntraCache* cache;  // null: the forward's outputs only
+};
+int KdaIntraForward(const KdaIntraArgs& args, void* stream);
+
+}  // namespace odyssey::kernels::cuda
