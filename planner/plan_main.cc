@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "cut the model to this many layers (0 = all)")->capture_default_str();
   app.add_option("--gpu-gib", gpu_gib, "GPU memory the allocator may use")->capture_default_str();
   app.add_option("--host-gib", host_gib, "pinned host memory the pool may use")->capture_default_str();
-  app.add_flag("--max", max, "print the longest sequence that fits");
+  app.add_flag("--max", max, "print the longest sequence that fits, then the plan at that length (at --seq-len when given)");
   app.add_option("--context-parallel", context_parallel,
                  "Ulysses ranks one sequence is spread over (one GPU each); the plan is per rank, at seq-len / P")
       ->capture_default_str();
@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
     } else {
       std::printf("longest sequence that fits: %lld tokens\n", static_cast<long long>(per_rank));
     }
+    // The plan below is the one at that length unless a length was asked for.
+    if (app.count("--seq-len") == 0) seq_len = per_rank * P;
   }
   if (seq_len % P != 0) {
     std::fprintf(stderr, "odyssey-plan: --context-parallel (%lld) must divide --seq-len (%lld)\n",
