@@ -209,7 +209,14 @@ TEST_F(MemoryStrategyTest, NestedEveryTwoLayers) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kEveryK;
   o.every_k = 2;
-  ExpectSameGradients(RunStrategy(o), *plain_);
+  const Result got = RunStrategy(o);
+  ExpectSameGradients(got, *plain_);
+  // Groups (0, 1), (2, 3), (4): the forward runs 5 layers; a group of two recomputes its first
+  // layer to get the second's input, then each layer again for its backward; the group's last
+  // layer is not run for the group's output, which is only its graph's root. The group of one
+  // recomputes its layer once: 5 + 2 x (1 + 2) + 1.
+  EXPECT_EQ(got.attention_forwards, 5 + 2 * 3 + 1);
+  EXPECT_EQ(got.mlp_forwards, 5 + 2 * 3 + 1);
 }
 
 TEST_F(MemoryStrategyTest, OffloadToHostPool) {
@@ -384,6 +391,9 @@ TEST_F(HybridMemoryStrategyTest, EachStrategyGivesPlainAutogradsGradients) {
   nested.recompute = planner::Recompute::kEveryK;
   nested.every_k = 3;  // groups of 3 and 1
   ExpectSameGradients(RunStrategy(nested, 1, 1, HybridSetup()), *plain_);
+  planner::MemoryStrategy pairs = nested;
+  pairs.every_k = 2;  // (K K) (K D): the DSA layer last in its group, its first inner pass skipped
+  ExpectSameGradients(RunStrategy(pairs, 1, 1, HybridSetup()), *plain_);
   planner::MemoryStrategy offload = layer;
   offload.offload = true;
   offload.device_resident = 1;

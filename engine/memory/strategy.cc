@@ -90,9 +90,15 @@ model::LayerStackRunner MemoryStack::Runner() {
         inner->BeginStep(static_cast<int64_t>(group.size()));
         for (size_t j = 0; j < group.size(); ++j) {
           model::DecoderLayer layer = group[j];
+          const bool last = j + 1 == group.size();
           y = CheckpointBlock(
               y,
-              [this, layer, ctx](const torch::Tensor& xi, bool inner_recompute) {
+              [this, layer, ctx, last](const torch::Tensor& xi, bool inner_recompute) {
+                // The last layer's output is the group's, whose value is never read: its first
+                // inner pass only has to save xi, so the layer does not run (a tensor of its
+                // output's shape stands in as the root of the group's graph). A whole layer
+                // forward saved per group: with a DSA layer last, its indexer's selection too.
+                if (last && !inner_recompute) return torch::empty_like(xi);
                 // Both inner passes replay the routing of the group's first forward.
                 return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute, /*replay=*/true);
               },
