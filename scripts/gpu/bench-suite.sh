@@ -100,7 +100,7 @@ if only fidelity; then
       --json "$out/fidelity.jsonl"
   done
 fi
-# long1b: one full-depth step of the 1B shape at LONG_LEN (default 1M) started in the background
+# long1b: one full-depth step of LONG_MODEL (default llama-3.2-1b) at LONG_LEN (default 1M) started in the background
 # (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log},
 # the JSON line to ${LONG_LOG%.log}.jsonl and the pid to ${LONG_LOG%.log}.pid. The step runs in a
 # session of its own (setsid), but a command killed at its time limit can still take it down with
@@ -110,7 +110,7 @@ fi
 # names the binary), then prints the log's tail and copies log and JSON line into $OUT.
 if only long1b; then
   log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
-  setsid nohup build-gpu/bench/odyssey-bench --model llama-3.2-1b --seq-len "${LONG_LEN:-1048576}" \
+  setsid nohup build-gpu/bench/odyssey-bench --model "${LONG_MODEL:-llama-3.2-1b}" --seq-len "${LONG_LEN:-1048576}" \
     ${LONG_FLAGS:---recompute layer --offload --device-resident 8 --head-groups 2 --mlp-tile 16384 --loss-tile 4096} \
     --warmup 0 --steps 1 --json "${log%.log}.jsonl" >"$log" 2>&1 < /dev/null &
   echo $! >"${log%.log}.pid"
