@@ -109,4 +109,13 @@ void RemoveStagingLeftovers(const std::string& dir, const std::string& owner) {
   for (const fs::path& p : leftovers) fs::remove_all(p, ec);
 }
 
+absl::Status PublishOwned(StagedFolder& staged, const std::string& owner, absl::string_view field) {
+  if (ReadOwner(staged.path()) != owner) {
+    return absl::AbortedError(absl::StrCat(field, ": \"", staged.target(),
+                                           "\" not published: its staging folder lost its owner file while this run "
+                                           "wrote it (a newer run of this job removed it as a dead run's leftover)"));
+  }
+  return staged.Publish();
+}
+
 }  // namespace odyssey::worker

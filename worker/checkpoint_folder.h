@@ -28,6 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/files.h"
 
 namespace odyssey::worker {
 
@@ -67,5 +68,14 @@ std::string RestartCheckpoint(const std::string& dir, const std::string& owner, 
 // Removes the staging folders (".step-*") in `dir` that a run of `owner` left when it died
 // mid-write, and those that name no owner.
 void RemoveStagingLeftovers(const std::string& dir, const std::string& owner);
+
+// Publishes `staged` (StagedFolder::Publish) when its owner file still names `owner`. A run the
+// controller gave up on (its worker stopped or cut off mid-write) can come back and finish a
+// checkpoint after a newer run of the same job removed that staging folder as a dead run's
+// leftover (RemoveStagingLeftovers): what it wrote since has no owner file, and published it
+// would sit in the checkpoint folder as nobody's, which the newer run must then refuse to
+// replace. Such a folder is not published: ABORTED naming `field` and the folder (the staging
+// folder is removed with `staged`).
+absl::Status PublishOwned(StagedFolder& staged, const std::string& owner, absl::string_view field);
 
 }  // namespace odyssey::worker

@@ -129,5 +129,34 @@ TEST_F(CheckpointFolderTest, StagingLeftoversOfOthersStay) {
   EXPECT_TRUE(fs::exists(theirs));
 }
 
+// A run the controller gave up on (its worker was stopped mid-write) comes back after a newer
+// run of the same job removed its staging folder as a leftover and writes on into that path: the
+// folder it would publish has no owner file, so it is not published (published, it would sit in
+// the checkpoint folder as nobody's step, which the newer run must then refuse to replace: the
+// soak's seed 63942 failed a job so). An intact staging folder publishes.
+TEST_F(CheckpointFolderTest, AStagingFolderRemovedByANewerRunIsNotPublished) {
+  const std::string target = CheckpointPath(dir_, 20);
+  {
+    absl::StatusOr<StagedFolder> stale = StagedFolder::Create(target);
+    ASSERT_TRUE(stale.ok()) << stale.status();
+    ASSERT_TRUE(WriteOwner(stale->path(), kMine).ok());
+    RemoveStagingLeftovers(dir_, kMine);  // the newer run starts
+    ASSERT_FALSE(fs::exists(stale->path()));
+    fs::create_directories(stale->path());  // the stale run's writer recreates it and writes on
+    std::ofstream(fs::path(stale->path()) / "model.safetensors") << "weights";
+    const absl::Status s = PublishOwned(*stale, kMine, "checkpoint");
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find("checkpoint: \"" + target + "\" not published"), std::string::npos) << s;
+    EXPECT_FALSE(fs::exists(target));
+  }
+  EXPECT_TRUE(ListCheckpoints(dir_).empty());
+  EXPECT_TRUE(CheckReplaceable(target, kMine, "checkpoint").ok()) << "the newer run can write step 20";
+  absl::StatusOr<StagedFolder> fresh = StagedFolder::Create(target);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_TRUE(WriteOwner(fresh->path(), kMine).ok());
+  ASSERT_TRUE(PublishOwned(*fresh, kMine, "checkpoint").ok());
+  EXPECT_EQ(ReadOwner(target), kMine);
+}
+
 }  // namespace
 }  // namespace odyssey::worker

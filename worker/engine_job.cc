@@ -98,7 +98,7 @@ absl::StatusOr<std::string> WriteCheckpoint(engine::Trainer& trainer, const std:
   // First, so that even a staging folder left by a crash names its owner.
   if (absl::Status s = WriteOwner(staged->path(), owner); !s.ok()) return s;
   if (absl::Status s = trainer.SaveCheckpoint(staged->path()); !s.ok()) return s;
-  if (absl::Status s = staged->Publish(); !s.ok()) return s;
+  if (absl::Status s = PublishOwned(*staged, owner, "checkpoint"); !s.ok()) return s;
   PruneCheckpoints(dir, owner, keep);
   return final_path;
 }

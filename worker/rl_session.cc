@@ -54,7 +54,8 @@ absl::StatusOr<std::string> WriteFolderAtomically(const std::string& dir, const 
     return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
   if (absl::Status s = write(staged->path()); !s.ok())
     return absl::Status(s.code(), absl::StrCat(field, " \"", target.string(), "\": ", s.message()));
-  if (absl::Status s = staged->Publish(); !s.ok()) return absl::InternalError(absl::StrCat(field, ": ", s.message()));
+  if (absl::Status s = PublishOwned(*staged, owner, field); !s.ok())
+    return absl::IsAborted(s) ? s : absl::InternalError(absl::StrCat(field, ": ", s.message()));
   return target.string();
 }
 
