@@ -101,10 +101,16 @@ void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep
 void RemoveStagingLeftovers(const std::string& dir, const std::string& owner) {
   std::error_code ec;
   std::vector<fs::path> leftovers;
+  const auto now = fs::file_time_type::clock::now();
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     if (!absl::StartsWith(e.path().filename().string(), ".step-")) continue;
     const std::string found = ReadOwner(e.path().string());
-    if (found.empty() || found == owner) leftovers.push_back(e.path());
+    // One without an owner file is an older odyssey's leftover only when it is old: a live
+    // job's staging folder has none for the moment between its creation and its owner file.
+    std::error_code mtime_ec;
+    const auto modified = fs::last_write_time(e.path(), mtime_ec);
+    const bool old = !mtime_ec && now - modified > kOwnerlessStagingAge;
+    if (found == owner || (found.empty() && old)) leftovers.push_back(e.path());
   }
   for (const fs::path& p : leftovers) fs::remove_all(p, ec);
 }

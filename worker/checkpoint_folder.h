@@ -22,6 +22,7 @@
 // Thread safety: free functions; concurrent writers of one folder are the rules' subject.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -66,7 +67,9 @@ void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep
 std::string RestartCheckpoint(const std::string& dir, const std::string& owner, const std::string& recorded);
 
 // Removes the staging folders (".step-*") in `dir` that a run of `owner` left when it died
-// mid-write, and those that name no owner.
+// mid-write, and those that name no owner and were last modified over kOwnerlessStagingAge ago
+// (an older odyssey's; a live job's folder names no owner for a moment after its creation).
+inline constexpr std::chrono::minutes kOwnerlessStagingAge{10};
 void RemoveStagingLeftovers(const std::string& dir, const std::string& owner);
 
 // Publishes `staged` (StagedFolder::Publish) when its owner file still names `owner`. A run the

@@ -122,11 +122,15 @@ TEST_F(CheckpointFolderTest, StagingLeftoversOfOthersStay) {
   };
   const std::string mine = staging(".step-00000004.tmp-1.1", kMine);
   const std::string legacy = staging(".step-00000004.tmp-1.2", "");
+  fs::last_write_time(legacy, fs::file_time_type::clock::now() - kOwnerlessStagingAge - std::chrono::minutes(1));
   const std::string theirs = staging(".step-00000004.tmp-2.1", kTheirs);  // another live job's write
+  // Another live job's folder in the moment between its creation and its owner file.
+  const std::string fresh = staging(".step-00000004.tmp-3.1", "");
   RemoveStagingLeftovers(dir_, kMine);
   EXPECT_FALSE(fs::exists(mine));
   EXPECT_FALSE(fs::exists(legacy));
   EXPECT_TRUE(fs::exists(theirs));
+  EXPECT_TRUE(fs::exists(fresh));
 }
 
 // A run the controller gave up on (its worker was stopped mid-write) comes back after a newer
