@@ -68,15 +68,21 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+// silu(conv(x)) of the rows after the first `rows` by the kernel (x, w as ShortConvSilu takes them).
+torch::Tensor ShortConvSiluKernel(const torch::Tensor& x, const torch::Tensor& w, int64_t rows) {
+  c10::cuda::CUDAGuard guard(x.device());
+  torch::Tensor y = torch::empty({x.size(0), x.size(1) - rows, x.size(2)}, x.options());
+  Check(cuda::ShortConvSiluForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.size(0), x.size(1), x.size(2),
+                                   w.size(2), rows, Stream(x)),
+        "short conv silu");
+  return y;
+}
+
 class ShortConvSiluFunction : public torch::autograd::Function<ShortConvSiluFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor w,
                                int64_t rows) {
-    c10::cuda::CUDAGuard guard(x.device());
-    const int64_t B = x.size(0), S = x.size(1), Ch = x.size(2), Kw = w.size(2);
-    torch::Tensor y = torch::empty({B, S - rows, Ch}, x.options());
-    Check(cuda::ShortConvSiluForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), B, S, Ch, Kw, rows, Stream(x)),
-          "short conv silu");
+    torch::Tensor y = ShortConvSiluKernel(x, w, rows);
     ctx->save_for_backward({x, w});
     ctx->saved_data["rows"] = rows;
     return y;
@@ -236,15 +242,10 @@ torch::Tensor ShortConvSilu(const torch::Tensor& x, const torch::Tensor& w, int6
       w.device() == x.device() && x.size(0) > 0) {
     if (torch::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad()))
       return ShortConvSiluFunction::apply(x, w, ctx);
-    c10::cuda::CUDAGuard guard(x.device());
-    torch::Tensor y = torch::empty({x.size(0), x.size(1) - ctx, x.size(2)}, x.options());
-    Check(cuda::ShortConvSiluForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.size(0), x.size(1), x.size(2), Kw,
-                                     ctx, Stream(x)),
-          "short conv silu");
-    return y;
+    return ShortConvSiluKernel(x, w, ctx);
   }
 #endif
-  // The model's ops (model::ShortConvImpl::forward, then silu on the kept rows).
+  // The reference: pad, depthwise conv1d (groups = Ch), then silu on the kept rows.
   torch::Tensor xt = torch::constant_pad_nd(x.transpose(1, 2), {Kw - 1, 0});  // (B, Ch, S + Kw - 1)
   const int64_t one = 1, zero = 0;
   torch::Tensor conv = torch::conv1d(xt, w, torch::Tensor(), torch::IntArrayRef(one), torch::IntArrayRef(zero),

@@ -49,12 +49,12 @@ std::pair<torch::Tensor, torch::Tensor> RmsNormRowsBackward(const torch::Tensor&
 // up for backward (autograd of the reference also saves silu(gate)).
 torch::Tensor SwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 
-// KDA's short convolution and its SiLU (model::ShortConv then torch::silu): x (B, S, Ch), its
+// KDA's short convolution and its SiLU (model::ShortConv's weight): x (B, S, Ch), its
 // first ctx rows only context; w (Ch, 1, Kw), a depthwise causal filter.
 //   y[b, t, c] = silu(sum_j w[c, 0, j] x[b, ctx + t - (Kw - 1) + j, c]), rows before 0 zeros
 // for t < S - ctx. Returns (B, S - ctx, Ch), differentiable in x and w. The kernel path (Ch % 8
 // == 0, 2 <= Kw <= 4) saves only x and recomputes the convolution in backward; the reference
-// (the model's ops: pad, depthwise conv1d, narrow, silu) saves the conv's input and output.
+// (pad, depthwise conv1d, narrow, silu) saves the conv's input and output.
 torch::Tensor ShortConvSilu(const torch::Tensor& x, const torch::Tensor& w, int64_t ctx);
 
 // Rotary embedding, differentiable: x (B, S, Hh, D) rotated by cos, sin (B, S, D) in

@@ -86,7 +86,7 @@ torch::Tensor ShortConvSiluFormula(const torch::Tensor& x, const torch::Tensor& 
   return pre * torch::sigmoid(pre);
 }
 
-// The reference path (the model's ops) is the formula, context rows and the zeros before the
+// The reference path (pad, depthwise conv1d, silu) is the formula, context rows and the zeros before the
 // sequence included, and its gradients are the formula's.
 TEST(FusedOps, ShortConvSiluReferenceIsTheFormula) {
   torch::manual_seed(9);

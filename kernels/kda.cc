@@ -108,8 +108,12 @@ struct IntraCache {
 };
 
 #ifdef ODYSSEY_KERNELS_CUDA
-Tensor Dense(const Tensor& t);
-void* Stream(const Tensor& t);
+// Contiguous, starting on a 16-byte boundary (the kernels' float4 accesses).
+Tensor Dense(const Tensor& t) {
+  Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 // The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for fp32 CUDA
 // tensors of supported sizes while FusedKernelsEnabled(); false: the caller builds them with
@@ -304,12 +308,6 @@ bool KernelScans(const Intra& in) {
   return FusedKernelsEnabled() && in.W.is_cuda() && in.W.scalar_type() == torch::kFloat32 &&
          in.W.size(0) * in.W.size(1) <= 65535 && cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
 }
-// Contiguous, starting on a 16-byte boundary (the kernels' float4 accesses).
-Tensor Dense(const Tensor& t) {
-  Tensor c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
-}
-void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
   const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),

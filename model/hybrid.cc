@@ -71,15 +71,6 @@ ShortConvImpl::ShortConvImpl(int64_t channels, int64_t kernel) {
   weight = register_parameter("weight", torch::zeros({channels, 1, kernel}));
 }
 
-Tensor ShortConvImpl::forward(const Tensor& x) {
-  const int64_t kernel = weight.size(2);
-  Tensor xt = torch::constant_pad_nd(x.transpose(1, 2), {kernel - 1, 0});  // (B, C, S + kernel - 1)
-  const int64_t one = 1, zero = 0;
-  return torch::conv1d(xt, weight, Tensor(), torch::IntArrayRef(one), torch::IntArrayRef(zero), torch::IntArrayRef(one),
-                       weight.size(0))
-      .transpose(1, 2);  // (B, S, C)
-}
-
 HeadRMSNormImpl::HeadRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
@@ -153,8 +144,8 @@ Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tenso
   const int64_t B = x_ctx.size(0), n = x_ctx.size(1) - ctx, H = heads_, K = head_dim_;
   auto heads = [&](const Tensor& t) { return t.reshape({B, n, H, K}); };  // (B, n, H, K)
   // The convolutions see the context; everything after them only the tile's tokens.
-  // silu(conv(proj(x))) of the n rows after the context (kernels::ShortConvSilu: the model's ops
-  // on the CPU, one fused kernel on the GPU).
+  // silu(conv(proj(x))) of the n rows after the context (kernels::ShortConvSilu: libtorch's
+  // depthwise conv1d on the CPU, one fused kernel on the GPU).
   auto conv_silu = [&](ShortConv& c, torch::nn::Linear& proj) {
     return kernels::ShortConvSilu(proj(x_ctx), c->weight, ctx);
   };

@@ -28,11 +28,12 @@
 namespace odyssey::model {
 
 // Depthwise causal 1-d convolution over the sequence (no bias): weight (C, 1, kernel), as a
-// Conv1d with groups = C stores it. x (B, S, C) -> (B, S, C); output t sees inputs t-kernel+1..t.
+// Conv1d with groups = C stores it; output t sees inputs t-kernel+1..t. The module holds the
+// weight (its checkpoint name); the KDA mixer applies it with its SiLU through
+// kernels::ShortConvSilu (the one definition of the convolution, CPU and GPU).
 class ShortConvImpl : public torch::nn::Module {
  public:
   ShortConvImpl(int64_t channels, int64_t kernel);
-  torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 };
 TORCH_MODULE(ShortConv);

@@ -105,12 +105,16 @@ void RemoveStagingLeftovers(const std::string& dir, const std::string& owner) {
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     if (!absl::StartsWith(e.path().filename().string(), ".step-")) continue;
     const std::string found = ReadOwner(e.path().string());
-    // One without an owner file is an older odyssey's leftover only when it is old: a live
-    // job's staging folder has none for the moment between its creation and its owner file.
-    std::error_code mtime_ec;
-    const auto modified = fs::last_write_time(e.path(), mtime_ec);
-    const bool old = !mtime_ec && now - modified > kOwnerlessStagingAge;
-    if (found == owner || (found.empty() && old)) leftovers.push_back(e.path());
+    if (found == owner) {
+      leftovers.push_back(e.path());
+    } else if (found.empty()) {
+      // An older odyssey's leftover only when it is old: a live job's staging folder has no
+      // owner file for the moment between its creation and its owner file.
+      std::error_code mtime_ec;
+      const auto modified = fs::last_write_time(e.path(), mtime_ec);
+      const bool old = !mtime_ec && now - modified > kOwnerlessStagingAge;
+      if (old) leftovers.push_back(e.path());
+    }
   }
   for (const fs::path& p : leftovers) fs::remove_all(p, ec);
 }
