@@ -256,13 +256,11 @@ Prediction Predict(const Request& r) {
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
   // Nested checkpoints (every_k): while a group's backward runs, the inputs of its layers after
-  // the first stay on the device, and so does the group's recomputed output, one (T, hidden):
-  // engine/memory/checkpoint.cc's backward holds it (its value unread, only its graph) while the
-  // inner layers' own recompute and backward run, each with its own recomputed output beside it
-  // (counted in the layer's terms). Measured: hybrid-3b at 1M tokens, every_k(2) (peak 1.004x
-  // the prediction without this term, which the per-layer rows' DSA terms over-predict by ~3%).
+  // the first stay on the device. The group's recomputed output, the root of the group's graph
+  // held through that backward, is a stand-in with one element of storage (engine/memory/
+  // checkpoint.h ShapeOnly: its value is never read), so it costs nothing here; the inner
+  // layers' own recomputed outputs are counted in the layer's terms.
   const int64_t group_inputs = st.recompute == Recompute::kEveryK ? (st.every_k - 1) * act : 0;
-  const int64_t group_output = st.recompute == Recompute::kEveryK ? act : 0;
   // The loss: the final hidden state, its gradient and the final norm's input; a tile's bf16
   // logits, their fp32 copy and the softmax (10 bytes per logit), the head gradient's fp32
   // accumulator; untiled, autograd's logits, log-softmax and their gradients (~12 bytes each).
@@ -301,7 +299,6 @@ Prediction Predict(const Request& r) {
       t.emplace_back("one layer's activations and gradients", working);
     }
     if (group_inputs > 0) t.emplace_back("inputs of the group being recomputed", group_inputs);
-    if (group_output > 0) t.emplace_back("the recomputed group's output (its graph's root)", group_output);
     if (routing_per_layer > 0)
       t.emplace_back("MoE routing records (top-k indices)", (top ? m.moe_layers : 1) * routing_per_layer);
     return t;

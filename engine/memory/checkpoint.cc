@@ -212,6 +212,10 @@ torch::Tensor TiledTokenLogprobs(const torch::Tensor& hidden, const torch::Tenso
   return TiledLogprobFunction::apply(hidden, weight, labels, tile_tokens);
 }
 
+torch::Tensor ShapeOnly(const torch::Tensor& like) {
+  return torch::empty_strided(like.sizes(), std::vector<int64_t>(static_cast<size_t>(like.dim()), 0), like.options());
+}
+
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive, std::function<void()> after_backward,
                               const std::string& label) {

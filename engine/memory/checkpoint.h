@@ -29,6 +29,11 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
                               std::shared_ptr<void> keepalive = nullptr, std::function<void()> after_backward = nullptr,
                               const std::string& label = "block");
 
+// A tensor of `like`'s shape, dtype and device whose storage is one element (every stride 0):
+// the stand-in for a block output whose value is never read, only its shape and graph (a nested
+// group's output in its recompute). Its elements are uninitialized.
+torch::Tensor ShapeOnly(const torch::Tensor& like);
+
 // layer->MlpBlock(h) over tiles of `tile_tokens` positions: no (S, intermediate) tensor at
 // full S, in forward or backward. h (B, S, H) -> (B, S, H).
 // output_unused: the caller only back-propagates through the result (a checkpointed layer's

@@ -219,6 +219,18 @@ TEST_F(MemoryStrategyTest, NestedEveryTwoLayers) {
   EXPECT_EQ(got.mlp_forwards, 5 + 2 * 3 + 1);
 }
 
+// The nested group's stand-in output: its shape and dtype, one element of storage (a (T, hidden)
+// at 1M tokens is 6 GiB, held through the group's backward as its graph's root).
+// NestedEveryTwoLayers shows gradients flow through it as through plain autograd.
+TEST(ShapeOnlyTest, HasTheShapeAndOneElementOfStorage) {
+  const torch::Tensor like = torch::randn({2, 64, 48}, torch::kBFloat16);
+  const torch::Tensor t = ShapeOnly(like);
+  EXPECT_EQ(t.sizes(), like.sizes());
+  EXPECT_EQ(t.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(t.device(), like.device());
+  EXPECT_EQ(t.storage().nbytes(), t.element_size());
+}
+
 TEST_F(MemoryStrategyTest, OffloadToHostPool) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;

@@ -95,10 +95,11 @@ model::LayerStackRunner MemoryStack::Runner() {
               y,
               [this, layer, ctx, last](const torch::Tensor& xi, bool inner_recompute) {
                 // The last layer's output is the group's, whose value is never read: its first
-                // inner pass only has to save xi, so the layer does not run (a tensor of its
-                // output's shape stands in as the root of the group's graph). A whole layer
+                // inner pass only has to save xi, so the layer does not run. A whole layer
                 // forward saved per group: with a DSA layer last, its indexer's selection too.
-                if (last && !inner_recompute) return torch::empty_like(xi);
+                // The stand-in for its output, the root of the group's graph while the group's
+                // backward runs, holds no (T, hidden): ShapeOnly's storage is one element.
+                if (last && !inner_recompute) return ShapeOnly(xi);
                 // Both inner passes replay the routing of the group's first forward.
                 return RunLayer(layer, xi, ctx, /*output_unused=*/inner_recompute, /*replay=*/true);
               },

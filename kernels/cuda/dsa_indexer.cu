@@ -1,14 +1,19 @@
 // The lightning indexer's scores and top-k selection (see dsa_indexer.h).
 //
-// Scores: a block of 4 warps owns 64 queries x 128 items. The items' keys (128 x D bf16) sit in
-// shared memory for the whole block; the queries of one index head at a time (64 x D bf16) stream
-// through two cp.async buffers, the next head's in flight while this one's products run. A warp
-// computes its 16 queries x 128 items as two halves of 64 (8 m16n8 accumulator tiles each) with
-// mma.sync over D / 16 steps, A and B fragments by ldmatrix from rows padded by 16 bytes (row
-// stride D + 8 elements: 8 consecutive rows start in 8 different 16-byte bank groups, so ldmatrix
-// is conflict-free). Each half's products go relu, times w[t, j], into fp32 accumulators in
-// registers; after the last head the block writes its tile of scores divided by sqrt(D) (the
-// reference's order of operations, so exactly representable inputs give the reference's bits).
+// Scores: a block of 4 warps owns 64 queries x 128 items; a warp owns 32 of the items for all
+// 64 queries. The items' keys (128 x D bf16) are staged once through shared memory into each
+// warp's registers as its mma B fragments (D / 16 k-steps x 4 n-tiles: 64 registers a lane at
+// D = 128) and stay there for every index head. The queries of one head at a time (64 x D bf16)
+// stream through two cp.async buffers, the next head's in flight while this one's products run;
+// a warp reads each head's A fragments by ldmatrix (rows padded by 16 bytes: row stride D + 8
+// elements, so 8 consecutive rows start in 8 different 16-byte bank groups and ldmatrix is
+// conflict-free) and runs mma.sync m16n8k16 over two m-tiles at a time (8 independent
+// accumulator chains). One ldmatrix feeds 4 mma (before: keys re-read from shared memory for
+// every head, 72 ldmatrix per 128 mma); shared memory is the two query buffers only. Each
+// head's products go relu, times w[t, j], into fp32 accumulators in registers; after the last
+// head the block writes its tile of scores divided by sqrt(D) (the reference's order of
+// operations, so exactly representable inputs give the reference's bits). A warp whose items no
+// query of the block sees skips its products.
 //
 // Select: keys are the scores' bits made order-preserving as unsigned integers (-0 folded into
 // +0, which compares equal to it). Four 8-bit radix passes over the row find the top_k-th
@@ -66,28 +71,55 @@ __device__ __forceinline__ int64_t VisibleItems(int64_t t, int64_t pool, int64_t
 }
 
 template <int D>
-__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerChunk c) {
+__global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) {
   constexpr int LD = D + 8;  // padded smem row, elements
   constexpr int kChunks = D / 8;  // 16-byte pieces of a row
+  constexpr int KK = D / 16;      // k-steps of one product
+  constexpr int kWarpItems = kItems / (kScoreThreads / 32);  // 32: the items a warp owns
+  constexpr int NP = kWarpItems / 16;                        // pairs of 8-item n-tiles
+  constexpr int MT = kQueries / 16;                          // 16-query m-tiles
+  static_assert(kItems == 2 * kQueries, "the key tile is staged in the two query buffers");
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* ks = reinterpret_cast<bf16*>(smem);          // (kItems, LD)
-  bf16* qs = ks + kItems * LD;                        // (2, kQueries, LD)
+  bf16* qs = reinterpret_cast<bf16*>(smem);                      // (2, kQueries, LD); first the keys (kItems, LD)
   float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (kQueries, HI)
   const int HI = static_cast<int>(c.HI);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kQueries;  // first row of the block (in the chunk)
   const int64_t last_row = min(r0 + kQueries, c.rows) - 1;
   const int64_t t_last = c.t0 + last_row;
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kItems;
-  if (i0 >= VisibleItems(t_last, c.pool, c.P)) return;  // no query of the block sees the tile
+  const int64_t visible = VisibleItems(t_last, c.pool, c.P);
+  if (i0 >= visible) return;  // no query of the block sees the tile
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // A warp whose items no query of the block sees skips its products (their scores are never read).
+  const bool live = i0 + warp * kWarpItems < visible;
 
-  // Keys of the tile (rows past the last item clamped: their scores are never read).
+  // Keys of the tile (rows past the last item clamped: their scores are never read), staged in
+  // the query buffers, then held in registers as the warp's B fragments for every head.
   const bf16* kg = static_cast<const bf16*>(c.k);
   for (int i = tid; i < kItems * kChunks; i += kScoreThreads) {
     const int row = i / kChunks, ch = i % kChunks;
     const int64_t item = min(i0 + row, c.P - 1);
-    CpAsync16(ks + row * LD + ch * 8, kg + item * c.k_ss + ch * 8);
+    CpAsync16(qs + row * LD + ch * 8, kg + item * c.k_ss + ch * 8);
   }
+  CpAsyncCommit();
+  for (int i = tid; i < kQueries * HI; i += kScoreThreads) {
+    const int row = i / HI, j = i % HI;
+    ws[i] = c.w[(c.t0 + min(r0 + row, last_row)) * c.HI + j];
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+  unsigned bk[KK][NP][4];
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      // Matrix m = lane / 8: items n0 + (m / 2) * 8 + lane % 8, dims kk*16 + (m % 2) * 8.
+      const int item = warp * kWarpItems + np * 16 + (lane / 16) * 8 + (lane % 8);
+      Ldsm4(bk[kk][np], qs + item * LD + kk * 16 + ((lane / 8) % 2) * 8);
+    }
+  }
+  __syncthreads();  // every warp has its keys before the queries overwrite them
+
   const bf16* qg = static_cast<const bf16*>(c.q);
   auto stage_queries = [&](int head, int buf) {
     bf16* dst = qs + buf * kQueries * LD;
@@ -98,72 +130,84 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerChunk c) {
     }
   };
   stage_queries(0, 0);
-  CpAsyncCommit();  // group: keys + head 0
-  for (int i = tid; i < kQueries * HI; i += kScoreThreads) {
-    const int row = i / HI, j = i % HI;
-    ws[i] = c.w[(c.t0 + min(r0 + row, last_row)) * c.HI + j];
-  }
+  CpAsyncCommit();
 
-  float acc[16][4];
+  float acc[MT][2 * NP][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    for (int n = 0; n < 2 * NP; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+    }
   }
-  const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
+  const int g = lane / 4;  // accumulator rows g and g + 8 of an m-tile
   for (int head = 0; head < HI; ++head) {
     if (head + 1 < HI) {
       stage_queries(head + 1, (head + 1) & 1);
       CpAsyncCommit();
-      CpAsyncWait<1>();  // this head's group (and the keys) landed
+      CpAsyncWait<1>();  // this head's group landed
     } else {
       CpAsyncWait<0>();
     }
     __syncthreads();
-    const bf16* qb = qs + (head & 1) * kQueries * LD + warp * 16 * LD;
-    const float w0 = ws[(warp * 16 + g) * HI + head], w1 = ws[(warp * 16 + g + 8) * HI + head];
+    if (live) {
+      const bf16* qb = qs + (head & 1) * kQueries * LD;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float s[8][4];
+      for (int mp = 0; mp < MT; mp += 2) {  // two m-tiles at a time: 4 NP independent chains
+        float s[2][2 * NP][4];
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+        for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
-      }
+          for (int n = 0; n < 2 * NP; ++n) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned a[4];
-        // Lanes 0-15: rows 0-15 at column kk*16; lanes 16-31: the same rows at kk*16 + 8.
-        Ldsm4(a, qb + (lane % 16) * LD + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          // Matrix m = lane / 8: items n0 + (m / 2) * 8 + lane % 8, dims kk*16 + (m % 2) * 8.
-          unsigned b[4];
-          const int item = half * 64 + np * 16 + (lane / 16) * 8 + (lane % 8);
-          Ldsm4(b, ks + item * LD + kk * 16 + ((lane / 8) % 2) * 8);
-          Mma(s[2 * np], a, b[0], b[1]);
-          Mma(s[2 * np + 1], a, b[2], b[3]);
+            for (int e = 0; e < 4; ++e) s[h2][n][e] = 0.f;
+          }
         }
-      }
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        acc[half * 8 + n][0] += w0 * fmaxf(s[n][0], 0.f);
-        acc[half * 8 + n][1] += w0 * fmaxf(s[n][1], 0.f);
-        acc[half * 8 + n][2] += w1 * fmaxf(s[n][2], 0.f);
-        acc[half * 8 + n][3] += w1 * fmaxf(s[n][3], 0.f);
+        for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            unsigned a[4];
+            // Lanes 0-15: rows 0-15 of the m-tile at column kk*16; lanes 16-31: at kk*16 + 8.
+            Ldsm4(a, qb + ((mp + h2) * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < NP; ++np) {
+              Mma(s[h2][2 * np], a, bk[kk][np][0], bk[kk][np][1]);
+              Mma(s[h2][2 * np + 1], a, bk[kk][np][2], bk[kk][np][3]);
+            }
+          }
+        }
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int mrow = (mp + h2) * 16 + g;
+          const float w0 = ws[mrow * HI + head], w1 = ws[(mrow + 8) * HI + head];
+#pragma unroll
+          for (int n = 0; n < 2 * NP; ++n) {
+            acc[mp + h2][n][0] += w0 * fmaxf(s[h2][n][0], 0.f);
+            acc[mp + h2][n][1] += w0 * fmaxf(s[h2][n][1], 0.f);
+            acc[mp + h2][n][2] += w1 * fmaxf(s[h2][n][2], 0.f);
+            acc[mp + h2][n][3] += w1 * fmaxf(s[h2][n][3], 0.f);
+          }
+        }
       }
     }
     __syncthreads();  // the buffer this head used is the one the head after next fills
   }
+  if (!live) return;
   const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(D)));
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int64_t row = r0 + warp * 16 + g + hr * 8;
-    if (row >= c.rows) continue;
-    float* out = c.scores + row * c.ld + i0 + (lane % 4) * 2;
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(out + n * 8) = make_float2(acc[n][2 * hr] / sqrt_d, acc[n][2 * hr + 1] / sqrt_d);
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t row = r0 + m * 16 + g + hr * 8;
+      if (row >= c.rows) continue;
+      float* out = c.scores + row * c.ld + i0 + warp * kWarpItems + (lane % 4) * 2;
+#pragma unroll
+      for (int n = 0; n < 2 * NP; ++n) {
+        *reinterpret_cast<float2*>(out + n * 8) =
+            make_float2(acc[m][n][2 * hr] / sqrt_d, acc[m][n][2 * hr + 1] / sqrt_d);
+      }
     }
   }
 }
@@ -296,7 +340,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
 
 template <int D>
 int LaunchScores(const IndexerChunk& c, cudaStream_t stream) {
-  const size_t smem = (static_cast<size_t>(kItems) + 2 * kQueries) * (D + 8) * sizeof(bf16) +
+  const size_t smem = 2 * static_cast<size_t>(kQueries) * (D + 8) * sizeof(bf16) +
                       static_cast<size_t>(kQueries) * c.HI * sizeof(float);
   cudaError_t e = cudaFuncSetAttribute(ScoreKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));

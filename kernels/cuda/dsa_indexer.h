@@ -5,7 +5,7 @@
 //
 // Two kernels per chunk of query rows, the caller looping over the sequence:
 //   - Scores: bf16 tensor-core products (mma.sync m16n8k16, fp32 accumulators) of a 64-query x
-//     128-item tile, one index head at a time, each head's relu'd product weighted by w and
+//     128-item tile (the keys held in registers across heads), one index head at a time, each head's relu'd product weighted by w and
 //     summed in registers: the (rows, items) fp32 scores go to a workspace, the per-head
 //     products never leave the multiprocessor. Tiles no query of the block sees are skipped.
 //   - Select: one block a row; an exact radix select of the top_k-th largest score (four passes
