@@ -164,13 +164,21 @@ class CudnnAttention : public AttentionBackend {
   }
 
   // The cuDNN kernels called directly (what SDPA's cuDNN path calls). K/V go in with their own
-  // KV heads (cuDNN's grouped-query support) unless SetCudnnExpandKv(true) asks for the older
-  // path: K/V expanded to one head per query head, the gradients summed back per KV head.
+  // KV heads (cuDNN's grouped-query support) when they are dense (a permutation of a contiguous
+  // tensor: the whole K/V of a layer). Otherwise, or when SetCudnnExpandKv(true) asks for it,
+  // K/V are expanded to one head per query head and the gradients summed back per KV head: a
+  // head group's K/V are a slice of the layer's heads, whose sequence stride spans the other
+  // groups' heads too, and the grouped-query backward on such a slice gave wrong gradients
+  // (MemoryStrategyGpuTest, kept attention with 2 head groups of 2 KV heads each, on one H200).
   bool SupportsStats(const torch::Device& device) const override { return device.is_cuda(); }
+
+  static bool Expand(const torch::Tensor& k, const torch::Tensor& v) {
+    return CudnnExpandsKv() || !k.is_non_overlapping_and_dense() || !v.is_non_overlapping_and_dense();
+  }
 
   std::pair<torch::Tensor, AttentionStats> CausalWithStats(const torch::Tensor& q, const torch::Tensor& k,
                                                            const torch::Tensor& v, double scale) const override {
-    const bool expand = CudnnExpandsKv();
+    const bool expand = Expand(k, v);
     auto r = at::_scaled_dot_product_cudnn_attention(q, expand ? ExpandKv(k, q.size(1)) : k,
                                                      expand ? ExpandKv(v, q.size(1)) : v, std::nullopt,
                                                      /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true,
@@ -186,7 +194,7 @@ class CudnnAttention : public AttentionBackend {
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CausalBackward(
       const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       const torch::Tensor& out, const AttentionStats& st, double scale) const override {
-    const bool expand = CudnnExpandsKv();
+    const bool expand = Expand(k, v);  // as the forward decided: the same views come back
     auto [dq, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
         grad_out.contiguous(), q, expand ? ExpandKv(k, q.size(1)) : k, expand ? ExpandKv(v, q.size(1)) : v, out,
         st.lse, st.extra[2], st.extra[3], torch::Tensor(), st.extra[0], st.extra[1], st.max_q, st.max_k, 0.0,

@@ -204,6 +204,27 @@ TEST_P(AttentionBackendTest, KeptAttentionBackwardMatchesAutogradOfReference) {
     ASSERT_EQ(dk.sizes(), k.sizes());
     ExpectAsAccurate({out, dq, dk, dv}, truth, low);
   }
+  // A head group's slice, as the model hands it over: q, k, v stored (B, S, H, D) (a projection's
+  // output) and viewed (B, H, S, D), then the second half of the heads: 4 query and 2 KV heads of
+  // 8 and 4, whose sequence stride spans all heads (cuDNN's grouped-query backward on such a
+  // slice gave wrong gradients).
+  const Inputs all = MakeInputs(129, 8, 4, 5);
+  auto slice = [&](const torch::Tensor& t, const torch::TensorOptions& o) {
+    const int64_t h = t.size(1) / 2;
+    return t.to(o).transpose(1, 2).contiguous().transpose(1, 2).narrow(1, h, h);
+  };
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const Inputs half{slice(all.q, f64), slice(all.k, f64), slice(all.v, f64), slice(all.grad_out, f64)};
+  const Result truth = ReferenceResult(half, torch::kFloat64), low = ReferenceResult(half, options);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
+  torch::NoGradGuard no_grad;
+  const torch::Tensor q = slice(all.q, options), k = slice(all.k, options), v = slice(all.v, options);
+  ASSERT_FALSE(k.is_non_overlapping_and_dense());
+  auto [out, stats] = (*backend)->CausalWithStats(q, k, v, scale);
+  auto [dq, dk, dv] = (*backend)->CausalBackward(slice(all.grad_out, options), q, k, v, out, stats, scale);
+  ASSERT_EQ(dk.sizes(), k.sizes());
+  SCOPED_TRACE("a head group's slice of (B, S, H, D) projections");
+  ExpectAsAccurate({out, dq, dk, dv}, truth, low);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionBackendTest,
