@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | paralleltests | hybrid | hybridstep | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -21,6 +21,11 @@ has() { case "$what" in *",$1,"*|*",all,"*) return 0 ;; esac; return 1; }
 only() { case "$what" in *",$1,"*) return 0 ;; esac; return 1; }
 targets="memory_test rl_loss_test fused_ops_test optimizer_test odyssey-bench odyssey-plan odyssey-kernel-bench"
 only paralleltests && targets="$targets attention_test communicator_test context_parallel_test"
+# gputests: every GPU test ctest knows (the *_gpu entries: each binary's CUDA cases) but the
+# worker's, which need the service build; one summary line a test, the failures' output in
+# $OUT/gputests.log. A regression in a GPU-only path shows here and nowhere else.
+gpu_bins="attention_test fused_ops_test kda_test dsa_test optimizer_test trainer_test memory_test communicator_test context_parallel_test rl_loss_test"
+only gputests && targets="$targets $gpu_bins"
 only hybrid && targets="$targets odyssey-hybrid-bench kda_test dsa_test"
 ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
@@ -28,6 +33,11 @@ source "$root/scripts/gpu/env.sh"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
 run() { echo "+ $*" >&2; "$@" 2>&1 | grep -E '^\||error|what\(\)|kernel' | tail -2; }
 has tests && { build-gpu/engine/memory_test 2>&1 | tail -4; build-gpu/engine/rl_loss_test --gtest_filter="*Gpu*" 2>&1 | tail -4; }
+if only gputests; then
+  (cd build-gpu && ctest -R '_gpu$' -E 'job_runner|device_probe' --output-on-failure >"$out/gputests.log" 2>&1)
+  echo "gputests: ctest exit $?"
+  grep -E 'Test +#|tests passed|FAILED|Failed' "$out/gputests.log" | tail -16
+fi
 if has 64k; then
   run $B --seq-len 65536 --recompute layer --keep-attention --steps 2
   run $B --seq-len 65536 --recompute layer --keep-attention --offload --steps 2
