@@ -186,14 +186,24 @@ TEST_P(AttentionBackendTest, KeptAttentionBackwardMatchesAutogradOfReference) {
                  c10::Error);
     return;  // the backend says so and refuses: nothing more to check
   }
+  // The kept pair on the backend's q, k, v, dO (the fp64 inputs `in` laid out as the backend
+  // gets them) against autograd of the reference; returns the forward's statistics.
+  auto check = [&](const Inputs& in, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   const torch::Tensor& grad_out) {
+    const Result truth = ReferenceResult(in, torch::kFloat64), low = ReferenceResult(in, options);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(in.q.size(3)));
+    torch::NoGradGuard no_grad;  // as in a layer's recompute: the gradient comes from CausalBackward
+    auto [out, stats] = (*backend)->CausalWithStats(q, k, v, scale);
+    auto [dq, dk, dv] = (*backend)->CausalBackward(grad_out, q, k, v, out, stats, scale);
+    EXPECT_EQ(dk.sizes(), k.sizes());
+    ExpectAsAccurate({out, dq, dk, dv}, truth, low);
+    return stats;
+  };
   for (const Case& c : kCases) {
     SCOPED_TRACE(testing::Message() << "S=" << c.S << " Hq=" << c.q_heads << " Hkv=" << c.kv_heads);
     const Inputs in = MakeInputs(c.S, c.q_heads, c.kv_heads, 3);
-    const Result truth = ReferenceResult(in, torch::kFloat64), low = ReferenceResult(in, options);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
-    torch::NoGradGuard no_grad;  // as in a layer's recompute: the gradient comes from CausalBackward
-    const torch::Tensor q = in.q.to(options), k = in.k.to(options), v = in.v.to(options);
-    auto [out, stats] = (*backend)->CausalWithStats(q, k, v, scale);
+    const torch::Tensor q = in.q.to(options), k = in.k.to(options);
+    const AttentionStats stats = check(in, q, k, in.v.to(options), in.grad_out.to(options));
     // One fp32 log-sum-exp per (batch, query head, position); cuDNN keeps a trailing 1.
     ASSERT_EQ(stats.lse.numel(), kBatch * c.q_heads * c.S);
     ASSERT_EQ(stats.lse.size(0), kBatch);
@@ -201,14 +211,12 @@ TEST_P(AttentionBackendTest, KeptAttentionBackwardMatchesAutogradOfReference) {
     const torch::Tensor lse = stats.lse.reshape({kBatch, c.q_heads, c.S});
     const torch::Tensor lse_truth = torch::logsumexp(Scores(in.q, in.k), -1);  // (B, Hq, S)
     EXPECT_LE(MaxError(lse, lse_truth), Bar(torch::logsumexp(Scores(q, k), -1), lse_truth));
-    auto [dq, dk, dv] = (*backend)->CausalBackward(in.grad_out.to(options), q, k, v, out, stats, scale);
-    ASSERT_EQ(dk.sizes(), k.sizes());
-    ExpectAsAccurate({out, dq, dk, dv}, truth, low);
   }
   // A head group's slice, as the model hands it over: q, k, v stored (B, S, H, D) (a projection's
   // output) and viewed (B, H, S, D), then the second half of the heads: 4 query and 2 KV heads of
   // 8 and 4, whose sequence stride spans all heads (cuDNN's grouped-query backward on such a
   // slice gave wrong gradients at this shape: one sequence of 2048, head dim 32).
+  SCOPED_TRACE("a head group's slice of (B, S, H, D) projections");
   const Inputs all = MakeInputs(2048, 8, 4, 5, /*batch=*/1, /*dim=*/32);
   auto slice = [&](const torch::Tensor& t, const torch::TensorOptions& o) {
     const int64_t h = t.size(1) / 2;
@@ -216,16 +224,9 @@ TEST_P(AttentionBackendTest, KeptAttentionBackwardMatchesAutogradOfReference) {
   };
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
   const Inputs half{slice(all.q, f64), slice(all.k, f64), slice(all.v, f64), slice(all.grad_out, f64)};
-  const Result truth = ReferenceResult(half, torch::kFloat64), low = ReferenceResult(half, options);
-  const double scale = 1.0 / std::sqrt(32.0);
-  torch::NoGradGuard no_grad;
-  const torch::Tensor q = slice(all.q, options), k = slice(all.k, options), v = slice(all.v, options);
+  const torch::Tensor k = slice(all.k, options);
   ASSERT_FALSE(k.is_non_overlapping_and_dense());
-  auto [out, stats] = (*backend)->CausalWithStats(q, k, v, scale);
-  auto [dq, dk, dv] = (*backend)->CausalBackward(slice(all.grad_out, options), q, k, v, out, stats, scale);
-  ASSERT_EQ(dk.sizes(), k.sizes());
-  SCOPED_TRACE("a head group's slice of (B, S, H, D) projections");
-  ExpectAsAccurate({out, dq, dk, dv}, truth, low);
+  check(half, slice(all.q, options), k, slice(all.v, options), slice(all.grad_out, options));
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionBackendTest,

@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   constexpr int NP = kWarpItems / 16;                        // pairs of 8-item n-tiles
   constexpr int MT = kQueries / 16;                          // 16-query m-tiles
   static_assert(kItems == 2 * kQueries, "the key tile is staged in the two query buffers");
+  static_assert(MT % 2 == 0, "m-tiles run in pairs");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem);                      // (2, kQueries, LD); first the keys (kItems, LD)
   float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (kQueries, HI)
