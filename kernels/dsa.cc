@@ -33,12 +33,13 @@ torch::ScalarType ComputeType(std::initializer_list<const Tensor*> ts) {
 }
 
 void CheckIndexer(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && w.dim() == 3, "DSA indexer: q (B, HI, S, D), k (B, P, D), w (B, S, HI)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && w.dim() == 3, "DSA indexer: q (B, HI, n, D), k (B, P, D), w (B, n, HI)");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(3), "DSA indexer: k must be (B, P, D) with q's B, D");
   TORCH_CHECK(w.size(0) == q.size(0) && w.size(1) == q.size(2) && w.size(2) == q.size(1),
-              "DSA indexer: w must be (B, S, HI)");
+              "DSA indexer: w must be (B, n, HI) with q's B, n and HI");
   TORCH_CHECK(o.top_k >= 1 && o.pool >= 1 && o.query_block >= 1 && o.key_block >= 1 && o.workspace_bytes >= 1,
               "DSA indexer: top_k, pool, query_block, key_block and workspace_bytes must be >= 1");
+  TORCH_CHECK(o.query_offset >= 0, "DSA indexer: query_offset (", o.query_offset, ") must be >= 0");
 }
 
 // (Sq, P) true where item p (of those from `first`) is visible to query t (of those from `t0`).
@@ -70,19 +71,19 @@ Tensor FlatRows(const Tensor& x) {  // (B, Hk, S, D) -> (B * S, Hk, D)
   return x.permute({0, 2, 1, 3}).reshape({x.size(0) * x.size(2), x.size(1), x.size(3)});
 }
 
-// One query block's probabilities: s (B, Hkv, Sq, G, W) scaled scores, masked; lse (B, Hkv, Sq, G).
+// One query block's probabilities: s (B, Hkv, n, G, W) scaled scores, masked; lse (B, Hkv, n, G).
 struct BlockProbs {
   Tensor ks, vs, p, lse;
 };
 
-BlockProbs Probs(const Tensor& qb /* (B, Hkv, Sq, G, D) */, const Tensor& k_flat, const Tensor& v_flat,
-                 const Tensor& idx /* (B, Sq, W) int32 */, int64_t S, double scale, const Tensor& lse_saved) {
+BlockProbs Probs(const Tensor& qb /* (B, Hkv, n, G, D) */, const Tensor& k_flat, const Tensor& v_flat,
+                 const Tensor& idx /* (B, n, W) int32 */, int64_t Sk, double scale, const Tensor& lse_saved) {
   Tensor il = idx.to(torch::kLong);
-  Tensor valid = (il >= 0).unsqueeze(1).unsqueeze(3);  // (B, 1, Sq, 1, W)
+  Tensor valid = (il >= 0).unsqueeze(1).unsqueeze(3);  // (B, 1, n, 1, W)
   Tensor ic = il.clamp_min(0);
   BlockProbs r;
-  r.ks = GatherKeys(k_flat, ic, S);  // (B, Hkv, Sq, W, D)
-  r.vs = GatherKeys(v_flat, ic, S);  // (B, Hkv, Sq, W, Dv)
+  r.ks = GatherKeys(k_flat, ic, Sk);  // (B, Hkv, n, W, D)
+  r.vs = GatherKeys(v_flat, ic, Sk);  // (B, Hkv, n, W, Dv)
   Tensor s = qb.matmul(r.ks.transpose(-1, -2)).mul_(scale).masked_fill_(valid.logical_not(), -kInf);
   r.lse = lse_saved.defined() ? lse_saved : torch::logsumexp(s, -1);  // -inf for a row with no key
   Tensor lse_safe = torch::where(torch::isinf(r.lse), torch::zeros({}, r.lse.options()), r.lse);
@@ -91,62 +92,69 @@ BlockProbs Probs(const Tensor& qb /* (B, Hkv, Sq, G, D) */, const Tensor& k_flat
 }
 
 struct Dims {
-  int64_t B, H, Hkv, G, S, D, Dv, W;
+  int64_t B, H, Hkv, G, Sq, Sk, D, Dv, W;
 };
+Dims DimsOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx) {
+  return {q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), v.size(3),
+          idx.size(2)};
+}
 
-// Inputs in the compute dtype. Saved: q, k, v, indices, o, lse.
-struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& idx, double scale, int64_t qblock) {
-    const Dims d{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3), v.size(3), idx.size(2)};
-    Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
-    Tensor o = torch::empty({d.B, d.Hkv, d.S, d.G, d.Dv}, v.options());  // head h = h' G + g
-    Tensor lse = torch::empty({d.B, d.Hkv, d.S, d.G}, v.options());
-    Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.S, d.D}).transpose(2, 3);  // (B, Hkv, S, G, D)
-    for (int64_t t0 = 0; t0 < d.S; t0 += qblock) {
-      const int64_t Sq = std::min(qblock, d.S - t0);
-      BlockProbs r = Probs(q5.narrow(2, t0, Sq), k_flat, v_flat, idx.narrow(1, t0, Sq), d.S, scale, Tensor());
-      o.narrow(2, t0, Sq).copy_(r.p.matmul(r.vs));  // (B, Hkv, Sq, G, Dv)
-      lse.narrow(2, t0, Sq).copy_(r.lse);
-    }
-    ctx->save_for_backward({q, k, v, idx, o, lse});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["qblock"] = qblock;
-    return {o.transpose(2, 3).reshape({d.B, d.H, d.S, d.Dv})};
-  }
+double ResolveScale(double scale, const Tensor& q) { return scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3))); }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list s = ctx->get_saved_variables();
-    const Tensor &q = s[0], &k = s[1], &v = s[2], &idx = s[3], &o = s[4], &lse = s[5];
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const int64_t qblock = ctx->saved_data["qblock"].toInt();
-    const Dims d{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3), v.size(3), idx.size(2)};
-    Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
-    Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.S, d.D}).transpose(2, 3);                              // (B, Hkv, S, G, D)
-    Tensor dO = grads[0].reshape({d.B, d.Hkv, d.G, d.S, d.Dv}).transpose(2, 3).to(o.scalar_type());  // as o
-    Tensor dq = torch::empty({d.B, d.Hkv, d.S, d.G, d.D}, q.options());
-    Tensor dk_flat = torch::zeros_like(k_flat), dv_flat = torch::zeros_like(v_flat);  // (B * S, Hkv, D|Dv)
-    Tensor base = torch::arange(d.B, idx.options().dtype(torch::kLong)).view({d.B, 1, 1}) * d.S;
-    for (int64_t t0 = 0; t0 < d.S; t0 += qblock) {
-      const int64_t Sq = std::min(qblock, d.S - t0);
-      Tensor qb = q5.narrow(2, t0, Sq), idxb = idx.narrow(1, t0, Sq);
-      BlockProbs r = Probs(qb, k_flat, v_flat, idxb, d.S, scale, lse.narrow(2, t0, Sq));
-      Tensor dOb = dO.narrow(2, t0, Sq), ob = o.narrow(2, t0, Sq);  // (B, Hkv, Sq, G, Dv)
-      Tensor dp = dOb.matmul(r.vs.transpose(-1, -2));                // (B, Hkv, Sq, G, W)
-      Tensor ds = r.p * (dp - (dOb * ob).sum(-1, /*keepdim=*/true)) * scale;
-      dq.narrow(2, t0, Sq).copy_(ds.matmul(r.ks));              // (B, Hkv, Sq, G, D)
-      Tensor dks = ds.transpose(-1, -2).matmul(qb);             // (B, Hkv, Sq, W, D), summed over G
-      Tensor dvs = r.p.transpose(-1, -2).matmul(dOb);           // (B, Hkv, Sq, W, Dv)
-      // Invalid slots point at row 0 with p = 0: they add exact zeros there.
-      Tensor rows = (idxb.to(torch::kLong).clamp_min(0) + base).reshape(-1);
-      dk_flat.index_add_(0, rows, dks.permute({0, 2, 3, 1, 4}).reshape({-1, d.Hkv, d.D}));
-      dv_flat.index_add_(0, rows, dvs.permute({0, 2, 3, 1, 4}).reshape({-1, d.Hkv, d.Dv}));
-    }
-    Tensor dk = dk_flat.view({d.B, d.S, d.Hkv, d.D}).permute({0, 2, 1, 3});
-    Tensor dv = dv_flat.view({d.B, d.S, d.Hkv, d.Dv}).permute({0, 2, 1, 3});
-    return {dq.transpose(2, 3).reshape({d.B, d.H, d.S, d.D}), dk, dv, Tensor(), Tensor(), Tensor()};
+// The libtorch path: inputs in any dtype, computed in the compute dtype; heads as (B, Hkv, n, G, .)
+// so a block's gathered keys serve its G query heads. lse (B, H, Sq) in the compute dtype.
+SparseAttentionResult ForwardLibtorch(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& idx,
+                                      double scale, int64_t qblock) {
+  const auto ct = ComputeType({&q_in, &k_in, &v_in});
+  const Tensor q = q_in.to(ct), k = k_in.to(ct), v = v_in.to(ct);
+  const Dims d = DimsOf(q, k, v, idx);
+  Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
+  Tensor o = torch::empty({d.B, d.Hkv, d.Sq, d.G, d.Dv}, v.options());  // head h = h' G + g
+  Tensor lse = torch::empty({d.B, d.Hkv, d.Sq, d.G}, v.options());
+  Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.Sq, d.D}).transpose(2, 3);  // (B, Hkv, Sq, G, D)
+  for (int64_t t0 = 0; t0 < d.Sq; t0 += qblock) {
+    const int64_t n = std::min(qblock, d.Sq - t0);
+    BlockProbs r = Probs(q5.narrow(2, t0, n), k_flat, v_flat, idx.narrow(1, t0, n), d.Sk, scale, Tensor());
+    o.narrow(2, t0, n).copy_(r.p.matmul(r.vs));  // (B, Hkv, n, G, Dv)
+    lse.narrow(2, t0, n).copy_(r.lse);
   }
-};
+  return {o.transpose(2, 3).reshape({d.B, d.H, d.Sq, d.Dv}).to(q_in.scalar_type()),
+          lse.permute({0, 1, 3, 2}).reshape({d.B, d.H, d.Sq})};
+}
+
+// dO . o as sum_j p_j (dO . v_j) from the block's probabilities (as the CUDA path does), so the
+// backward needs no forward output.
+Tensor BackwardLibtorch(const Tensor& dO_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                        const Tensor& idx, const Tensor& lse_in, double scale, int64_t qblock, Tensor& dk_acc,
+                        Tensor& dv_acc) {
+  const auto ct = ComputeType({&q_in, &k_in, &v_in});
+  const Tensor q = q_in.to(ct), k = k_in.to(ct), v = v_in.to(ct);
+  const Dims d = DimsOf(q, k, v, idx);
+  Tensor k_flat = FlatRows(k), v_flat = FlatRows(v);
+  Tensor q5 = q.reshape({d.B, d.Hkv, d.G, d.Sq, d.D}).transpose(2, 3);                         // (B, Hkv, Sq, G, D)
+  Tensor dO = dO_in.to(ct).reshape({d.B, d.Hkv, d.G, d.Sq, d.Dv}).transpose(2, 3);            // (B, Hkv, Sq, G, Dv)
+  Tensor lse = lse_in.to(ct).reshape({d.B, d.Hkv, d.G, d.Sq}).transpose(2, 3);                // (B, Hkv, Sq, G)
+  Tensor dq = torch::empty({d.B, d.Hkv, d.Sq, d.G, d.D}, q.options());
+  Tensor dk_rows = dk_acc.view({-1, d.D}), dv_rows = dv_acc.view({-1, d.Dv});  // (B * Hkv * Sk, D|Dv)
+  auto lo = idx.options().dtype(torch::kLong);
+  Tensor head_base = torch::arange(d.B * d.Hkv, lo).view({d.B, d.Hkv, 1, 1}) * d.Sk;  // first row of (b, h')
+  for (int64_t t0 = 0; t0 < d.Sq; t0 += qblock) {
+    const int64_t n = std::min(qblock, d.Sq - t0);
+    Tensor qb = q5.narrow(2, t0, n), idxb = idx.narrow(1, t0, n);
+    BlockProbs r = Probs(qb, k_flat, v_flat, idxb, d.Sk, scale, lse.narrow(2, t0, n));
+    Tensor dOb = dO.narrow(2, t0, n);                                       // (B, Hkv, n, G, Dv)
+    Tensor dp = dOb.matmul(r.vs.transpose(-1, -2));                         // (B, Hkv, n, G, W)
+    Tensor ds = r.p * (dp - (r.p * dp).sum(-1, /*keepdim=*/true)) * scale;  // the sum: dO . o
+    dq.narrow(2, t0, n).copy_(ds.matmul(r.ks));                             // (B, Hkv, n, G, D)
+    Tensor dks = ds.transpose(-1, -2).matmul(qb);                           // (B, Hkv, n, W, D), summed over G
+    Tensor dvs = r.p.transpose(-1, -2).matmul(dOb);                         // (B, Hkv, n, W, Dv)
+    // Invalid slots point at key 0 with p = 0: they add exact zeros there.
+    Tensor rows = (idxb.to(torch::kLong).clamp_min(0).unsqueeze(1) + head_base).reshape(-1);  // (B, Hkv, n, W)
+    dk_rows.index_add_(0, rows, dks.reshape({-1, d.D}));
+    dv_rows.index_add_(0, rows, dvs.reshape({-1, d.Dv}));
+  }
+  return dq.transpose(2, 3).reshape({d.B, d.H, d.Sq, d.D}).to(q_in.scalar_type());
+}
 
 #ifdef ODYSSEY_KERNELS_CUDA
 // The CUDA path (kernels/cuda/sparse_attention.h): q, k, v in fp32 or bf16 alike, head dims 64
@@ -175,81 +183,143 @@ cuda::SparseRows In(const Tensor& x) { return {x.data_ptr(), x.stride(0), x.stri
 cuda::SparseOutRows Out(const Tensor& x) { return {x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)}; }
 void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
+// S: q's rows (those of idx, lse, o); Sk: k's and v's.
 cuda::SparseAttentionArgs KernelArgs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx,
                                      double scale) {
   return {q.scalar_type() == torch::kBFloat16, In(q), In(k), In(v), idx.data_ptr<int32_t>(), q.size(0), q.size(1),
-          k.size(1), q.size(2), idx.size(2), q.size(3), v.size(3), static_cast<float>(scale)};
+          k.size(1), q.size(2), k.size(2), idx.size(2), q.size(3), v.size(3), static_cast<float>(scale)};
 }
 
-// Saved: q, k, v (as the kernels read them), the indices, o and the log-sum-exp. The backward's
-// key side groups the selection into units (a query's run of entries in one aligned block of 4
-// keys: a selected pool) and sorts them by block, a segment of queries at a time (at most `pairs`
-// entries per segment; a stable sort: each block's units in increasing order, deterministic
-// sums), and accumulates dk, dv in fp32.
-struct SparseAttentionKernelFunction : public torch::autograd::Function<SparseAttentionKernelFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                               const Tensor& idx_in, double scale, int64_t pairs) {
-    c10::cuda::CUDAGuard guard(q_in.device());
-    Tensor q = Rows(q_in), k = Rows(k_in), v = Rows(v_in), idx = idx_in.contiguous();
-    const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dv = v.size(3);
-    Tensor o = torch::empty({B, S, H, Dv}, v.options()).permute({0, 2, 1, 3});  // (B, H, S, Dv) view
-    Tensor lse = torch::empty({B, H, S}, q.options().dtype(torch::kFloat32));
-    CheckKernelLaunch(cuda::SparseAttentionForward(KernelArgs(q, k, v, idx, scale), Out(o), lse.data_ptr<float>(),
-                                                   Stream(q)),
-                      "sparse attention forward");
-    ctx->save_for_backward({q, k, v, idx, lse});
+SparseAttentionResult ForwardKernels(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& idx_in,
+                                     double scale) {
+  c10::cuda::CUDAGuard guard(q_in.device());
+  Tensor q = Rows(q_in), k = Rows(k_in), v = Rows(v_in), idx = idx_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Dv = v.size(3);
+  Tensor o = torch::empty({B, Sq, H, Dv}, v.options()).permute({0, 2, 1, 3});  // (B, H, Sq, Dv) view
+  Tensor lse = torch::empty({B, H, Sq}, q.options().dtype(torch::kFloat32));
+  CheckKernelLaunch(cuda::SparseAttentionForward(KernelArgs(q, k, v, idx, scale), Out(o), lse.data_ptr<float>(),
+                                                 Stream(q)),
+                    "sparse attention forward");
+  return {o, lse};
+}
+
+// The key side groups the selection into units (a query's run of entries in one aligned block of
+// 4 keys: a selected pool) and sorts them by block, a segment of queries at a time (at most
+// `pairs` entries per segment; a stable sort: each block's units in increasing order,
+// deterministic sums), and adds dk, dv into the fp32 accumulators.
+Tensor BackwardKernels(const Tensor& dO_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                       const Tensor& idx_in, const Tensor& lse_in, double scale, int64_t pairs, Tensor& dk_acc,
+                       Tensor& dv_acc) {
+  c10::cuda::CUDAGuard guard(q_in.device());
+  Tensor q = Rows(q_in), k = Rows(k_in), v = Rows(v_in), idx = idx_in.contiguous(), lse = lse_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3), W = idx.size(2);
+  Tensor dO = Rows(dO_in.to(q.scalar_type()));
+  const cuda::SparseAttentionArgs a = KernelArgs(q, k, v, idx, scale);
+  Tensor dq = torch::empty({B, Sq, H, D}, q.options()).permute({0, 2, 1, 3});
+  Tensor delta = torch::empty({B, H, Sq}, lse.options());
+  CheckKernelLaunch(cuda::SparseAttentionBackwardQuery(a, In(dO), lse.data_ptr<float>(), Out(dq),
+                                                       delta.data_ptr<float>(), Stream(q)),
+                    "sparse attention backward (queries)");
+  constexpr int64_t kb = cuda::kSparseKeyBlock;
+  const int64_t nb = (Sk + kb - 1) / kb;  // aligned blocks of kb keys
+  const Tensor block_grid = torch::arange(B * nb + 1, idx.options().dtype(torch::kLong));
+  const Tensor batch_base = torch::arange(B, idx.options()).view({B, 1, 1}) * static_cast<int32_t>(nb);
+  // Rows per segment: at most `pairs` entries (and int32 entry numbers) at a time.
+  const int64_t seg = std::max<int64_t>(1, pairs / std::max<int64_t>(W * B, 1));
+  for (int64_t t0 = 0; t0 < Sq && W > 0; t0 += seg) {
+    const int64_t n = std::min(seg, Sq - t0);
+    Tensor part = idx.narrow(1, t0, n);  // (B, n, W)
+    const int64_t key_end = part.max().item<int32_t>() + 1;
+    if (key_end <= 0) continue;  // no valid index in the segment
+    // A unit starts where the entry before is not a smaller key of the same block.
+    Tensor prev = torch::cat({torch::full({B, n, 1}, -1, part.options()), part.narrow(2, 0, W - 1)}, 2);
+    Tensor block = part.div(kb, "floor");
+    Tensor head = (part >= 0).logical_and_(block.ne(prev.div(kb, "floor")).logical_or_(part.le(prev)));
+    Tensor first = head.reshape(-1).nonzero().squeeze(1);  // int64 entry numbers, increasing
+    Tensor unit_block = (block + batch_base).reshape(-1).index_select(0, first);
+    auto [sorted, order] = torch::sort(unit_block, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    Tensor unit_first = first.index_select(0, order).to(torch::kInt32);
+    Tensor offsets = torch::searchsorted(sorted, block_grid);  // int64 (B * nb + 1)
+    const cuda::SparseKeyUnits units{offsets.data_ptr<int64_t>(), unit_first.data_ptr<int32_t>(), t0, n};
+    CheckKernelLaunch(cuda::SparseAttentionBackwardKeys(a, In(dO), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                                                        units, (key_end + kb - 1) / kb, dk_acc.data_ptr<float>(),
+                                                        dv_acc.data_ptr<float>(), Stream(q)),
+                      "sparse attention backward (keys)");
+  }
+  return dq;
+}
+#endif
+
+// The one dispatch of the forward and the backward: the CUDA kernels where SparseKernel says, else
+// libtorch. scale resolved; inputs checked.
+SparseAttentionResult ForwardImpl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx, double scale,
+                                  int64_t qblock) {
+  torch::NoGradGuard no_grad;
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (SparseKernel(q, k, v)) return ForwardKernels(q, k, v, idx, scale);
+#endif
+  return ForwardLibtorch(q, k, v, idx, scale, qblock);
+}
+
+Tensor BackwardImpl(const Tensor& dO, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& idx,
+                    const Tensor& lse, double scale, int64_t qblock, int64_t pairs, Tensor& dk_acc, Tensor& dv_acc) {
+  torch::NoGradGuard no_grad;
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (SparseKernel(q, k, v)) return BackwardKernels(dO, q, k, v, idx, lse, scale, pairs, dk_acc, dv_acc);
+#endif
+  (void)pairs;
+  return BackwardLibtorch(dO, q, k, v, idx, lse, scale, qblock, dk_acc, dv_acc);
+}
+
+// Saved: q, k, v (as given), the indices and the log-sum-exp; the key gradients summed into
+// accumulators of the compute dtype, returned in k's and v's dtypes.
+struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& idx, double scale, int64_t qblock, int64_t pairs) {
+    SparseAttentionResult r = ForwardImpl(q, k, v, idx, scale, qblock);
+    ctx->save_for_backward({q, k, v, idx, r.lse});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["qblock"] = qblock;
     ctx->saved_data["pairs"] = pairs;
-    return {o};
+    return {r.out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list sv = ctx->get_saved_variables();
-    const Tensor &q = sv[0], &k = sv[1], &v = sv[2], &idx = sv[3], &lse = sv[4];
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const int64_t pairs = ctx->saved_data["pairs"].toInt();
-    c10::cuda::CUDAGuard guard(q.device());
-    const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), Dv = v.size(3),
-                  W = idx.size(2);
-    Tensor dO = Rows(grads[0].to(q.scalar_type()));
-    const cuda::SparseAttentionArgs a = KernelArgs(q, k, v, idx, scale);
-    Tensor dq = torch::empty({B, S, H, D}, q.options()).permute({0, 2, 1, 3});
-    Tensor delta = torch::empty({B, H, S}, lse.options());
-    CheckKernelLaunch(cuda::SparseAttentionBackwardQuery(a, In(dO), lse.data_ptr<float>(), Out(dq),
-                                                         delta.data_ptr<float>(), Stream(q)),
-                      "sparse attention backward (queries)");
-    auto f32 = q.options().dtype(torch::kFloat32);
-    Tensor dk = torch::zeros({B, Hkv, S, D}, f32), dv = torch::zeros({B, Hkv, S, Dv}, f32);
-    constexpr int64_t kb = cuda::kSparseKeyBlock;
-    const int64_t nb = (S + kb - 1) / kb;  // aligned blocks of kb keys
-    const Tensor block_grid = torch::arange(B * nb + 1, idx.options().dtype(torch::kLong));
-    const Tensor batch_base = torch::arange(B, idx.options()).view({B, 1, 1}) * static_cast<int32_t>(nb);
-    // Rows per segment: at most `pairs` entries (and int32 entry numbers) at a time.
-    const int64_t seg = std::max<int64_t>(1, pairs / std::max<int64_t>(W * B, 1));
-    for (int64_t t0 = 0; t0 < S && W > 0; t0 += seg) {
-      const int64_t Sq = std::min(seg, S - t0);
-      Tensor part = idx.narrow(1, t0, Sq);  // (B, Sq, W)
-      const int64_t key_end = part.max().item<int32_t>() + 1;
-      if (key_end <= 0) continue;  // no valid index in the segment
-      // A unit starts where the entry before is not a smaller key of the same block.
-      Tensor prev = torch::cat({torch::full({B, Sq, 1}, -1, part.options()), part.narrow(2, 0, W - 1)}, 2);
-      Tensor block = part.div(kb, "floor");
-      Tensor head = (part >= 0).logical_and_(block.ne(prev.div(kb, "floor")).logical_or_(part.le(prev)));
-      Tensor first = head.reshape(-1).nonzero().squeeze(1);  // int64 entry numbers, increasing
-      Tensor unit_block = (block + batch_base).reshape(-1).index_select(0, first);
-      auto [sorted, order] = torch::sort(unit_block, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-      Tensor unit_first = first.index_select(0, order).to(torch::kInt32);
-      Tensor offsets = torch::searchsorted(sorted, block_grid);  // int64 (B * nb + 1)
-      const cuda::SparseKeyUnits units{offsets.data_ptr<int64_t>(), unit_first.data_ptr<int32_t>(), t0, Sq};
-      CheckKernelLaunch(cuda::SparseAttentionBackwardKeys(a, In(dO), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                                                          units, (key_end + kb - 1) / kb, dk.data_ptr<float>(),
-                                                          dv.data_ptr<float>(), Stream(q)),
-                        "sparse attention backward (keys)");
-    }
-    return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), Tensor(), Tensor(), Tensor()};
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &idx = s[3], &lse = s[4];
+    auto acc = k.options().dtype(lse.scalar_type());
+    Tensor dk = torch::zeros(k.sizes(), acc), dv = torch::zeros(v.sizes(), acc);
+    Tensor dq = BackwardImpl(grads[0], q, k, v, idx, lse, ctx->saved_data["scale"].toDouble(),
+                             ctx->saved_data["qblock"].toInt(), ctx->saved_data["pairs"].toInt(), dk, dv);
+    return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
-#endif
+
+// Shapes, query_block and the indices' range (one reduction over them, a device sync).
+void CheckSparseAttention(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
+                          int64_t query_block) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-d");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), fn, ": k must be (B, Hkv, Sk, D) with q's B (",
+              q.size(0), ") and D (", q.size(3), "), got ", k.sizes());
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2), fn,
+              ": v must be (B, Hkv, Sk, Dv) with k's B, Hkv and Sk (", k.sizes(), "), got ", v.sizes());
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, fn, ": Hkv (", k.size(1), ") must divide H (", q.size(1), ")");
+  TORCH_CHECK(indices.dim() == 3 && indices.scalar_type() == torch::kInt32 && indices.size(0) == q.size(0) &&
+                  indices.size(1) == q.size(2),
+              fn, ": indices must be (B, Sq, W) int32 with q's B (", q.size(0), ") and Sq (", q.size(2), "), got ",
+              indices.sizes(), " ", indices.scalar_type());
+  TORCH_CHECK(query_block >= 1, fn, ": query_block must be >= 1");
+  if (indices.numel() > 0) {
+    auto [lo, hi] = torch::aminmax(indices);
+    TORCH_CHECK(lo.item<int32_t>() >= -1 && hi.item<int32_t>() < k.size(2), fn,
+                ": indices must lie in [-1, Sk) (Sk = ", k.size(2), ", k's rows)");
+  }
+}
+
+void CheckBackwardPairs(const char* fn, int64_t backward_pairs) {
+  TORCH_CHECK(backward_pairs >= 1 && backward_pairs <= std::numeric_limits<int32_t>::max(), fn,
+              ": backward_pairs must be in [1, 2^31 - 1] (the key side numbers its entries in int32)");
+}
 
 }  // namespace
 
@@ -263,7 +333,8 @@ Tensor IndexerScores(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w) 
 Tensor IndexerTopKNaive(const Tensor& q, const Tensor& k, const Tensor& w, const DsaIndexerOptions& o) {
   CheckIndexer(q, k, w, o);
   const int64_t B = q.size(0), S = q.size(2), P = k.size(1);
-  Tensor scores = IndexerScores(q, k, w).masked_fill(Visible(0, S, 0, P, o.pool, q.device()).logical_not(), -kInf);
+  Tensor scores =
+      IndexerScores(q, k, w).masked_fill(Visible(o.query_offset, S, 0, P, o.pool, q.device()).logical_not(), -kInf);
   // Pad to at least top_k columns with -inf items of index -1 (after every real item, so they
   // never displace one).
   const int64_t width = std::max(P, o.top_k);
@@ -286,8 +357,9 @@ bool IndexerKernel(const Tensor& q, const Tensor& k, const DsaIndexerOptions& o)
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Query chunks [t0, t0 + rows) whose scores (rows x ld fp32, ld the chunk's visible items
-// rounded up to the item tile) fit in `floats`, at least 64 rows (the score block's queries).
+// Query chunks [t0, t0 + rows) of the positions [begin, end) whose scores (rows x ld fp32, ld the
+// chunk's visible items rounded up to the item tile) fit in `floats`, at least 64 rows (the score
+// block's queries). Absolute positions: a tile late in the sequence sees more items a row.
 struct IndexerPlan {
   struct Chunk {
     int64_t t0, rows, ld;
@@ -295,18 +367,18 @@ struct IndexerPlan {
   std::vector<Chunk> chunks;
   int64_t max_floats = 0;
 };
-IndexerPlan PlanIndexerChunks(int64_t S, int64_t P, int64_t pool, int64_t floats) {
+IndexerPlan PlanIndexerChunks(int64_t begin, int64_t end, int64_t P, int64_t pool, int64_t floats) {
   IndexerPlan plan;
   auto ld_of = [&](int64_t t0, int64_t rows) {
     return RoundUp(std::min(P, (t0 + rows) / pool), cuda::kIndexerItemTile);
   };
-  for (int64_t t0 = 0; t0 < S;) {
-    int64_t rows = S - t0;
+  for (int64_t t0 = begin; t0 < end;) {
+    int64_t rows = end - t0;
     // At most 65535 score blocks of 64 queries (the grid's y limit).
     rows = std::min(rows, int64_t{65535} * 64);
     for (int it = 0; it < 3 && rows * ld_of(t0, rows) > floats; ++it) {
       rows = std::max<int64_t>(64, floats / std::max<int64_t>(1, ld_of(t0, rows)) / 64 * 64);
-      rows = std::min(rows, S - t0);
+      rows = std::min(rows, end - t0);
     }
     const int64_t ld = ld_of(t0, rows);
     plan.chunks.push_back({t0, rows, ld});
@@ -319,10 +391,11 @@ IndexerPlan PlanIndexerChunks(int64_t S, int64_t P, int64_t pool, int64_t floats
 Tensor IndexerTopKCuda(const Tensor& q_in, const Tensor& k_in, const Tensor& w, const DsaIndexerOptions& o) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = Rows(q_in), k = Rows(k_in);
-  const Tensor wf = w.to(torch::kFloat32).contiguous();  // (B, S, HI)
-  const int64_t B = q.size(0), HI = q.size(1), S = q.size(2), D = q.size(3), P = k.size(1);
-  Tensor out = torch::empty({B, S, o.top_k}, q.options().dtype(torch::kInt32));
-  const IndexerPlan plan = PlanIndexerChunks(S, P, o.pool, std::max<int64_t>(1, o.workspace_bytes / 4));
+  const Tensor wf = w.to(torch::kFloat32).contiguous();  // (B, n, HI)
+  const int64_t B = q.size(0), HI = q.size(1), n = q.size(2), D = q.size(3), P = k.size(1);
+  Tensor out = torch::empty({B, n, o.top_k}, q.options().dtype(torch::kInt32));
+  const IndexerPlan plan =
+      PlanIndexerChunks(o.query_offset, o.query_offset + n, P, o.pool, std::max<int64_t>(1, o.workspace_bytes / 4));
   Tensor ws = torch::empty({std::max<int64_t>(1, plan.max_floats)}, q.options().dtype(torch::kFloat32));
   for (int64_t b = 0; b < B; ++b) {
     for (const IndexerPlan::Chunk& ch : plan.chunks) {
@@ -332,11 +405,12 @@ Tensor IndexerTopKCuda(const Tensor& q_in, const Tensor& k_in, const Tensor& w, 
       c.q_ss = q.stride(2);
       c.k = static_cast<const at::BFloat16*>(k.data_ptr()) + b * k.stride(0);
       c.k_ss = k.stride(1);
-      c.w = wf.data_ptr<float>() + b * S * HI;
-      c.S = S, c.P = P, c.D = D, c.HI = HI, c.pool = o.pool, c.top_k = o.top_k;
+      c.w = wf.data_ptr<float>() + b * n * HI;
+      c.S = n, c.P = P, c.D = D, c.HI = HI, c.pool = o.pool, c.top_k = o.top_k;
+      c.q0 = o.query_offset;
       c.t0 = ch.t0, c.rows = ch.rows, c.ld = ch.ld;
       c.scores = ws.data_ptr<float>();
-      c.out = out.data_ptr<int32_t>() + b * S * o.top_k;
+      c.out = out.data_ptr<int32_t>() + b * n * o.top_k;
       CheckKernelLaunch(cuda::IndexerScores(c, Stream(q)), "DSA indexer scores");
       CheckKernelLaunch(cuda::IndexerSelect(c, Stream(q)), "DSA indexer selection");
     }
@@ -362,12 +436,13 @@ Tensor IndexerTopK(const Tensor& q, const Tensor& k, const Tensor& w, const DsaI
     // Running top-k: starts as k empty slots (-inf, -1), which sort before nothing real.
     Tensor run_v = torch::full({B, Sq, o.top_k}, -kInf, q.options().dtype(ct));
     Tensor run_i = torch::full({B, Sq, o.top_k}, -1, lo);
-    // Items the block's last query sees: pool p + pool - 1 <= t0 + Sq - 1.
-    const int64_t n_items = std::min(P, (t0 + Sq) / o.pool);
+    // Items the block's last query (position t + Sq - 1) sees: pool p + pool - 1 <= t + Sq - 1.
+    const int64_t t = o.query_offset + t0;
+    const int64_t n_items = std::min(P, (t + Sq) / o.pool);
     for (int64_t p0 = 0; p0 < n_items; p0 += o.key_block) {
       const int64_t Pk = std::min(o.key_block, n_items - p0);
       Tensor sc = IndexerScores(qb, k.narrow(1, p0, Pk), wb)
-                      .masked_fill_(Visible(t0, Sq, p0, Pk, o.pool, q.device()).logical_not(), -kInf);
+                      .masked_fill_(Visible(t, Sq, p0, Pk, o.pool, q.device()).logical_not(), -kInf);
       // Earlier blocks' survivors first: every one has a lower index than this block's items,
       // and among themselves they are in the rule's order, so the stable sort keeps the rule.
       std::tie(run_v, run_i) = TopKStable(torch::cat({run_v, sc}, -1),
@@ -409,18 +484,19 @@ Tensor ExpandPoolRows(const Tensor& pool_idx, int64_t t0) {
 
 }  // namespace
 
-Tensor ExpandPoolSelection(const Tensor& pool_idx) {
+Tensor ExpandPoolSelection(const Tensor& pool_idx, int64_t t0) {
   TORCH_CHECK(pool_idx.dim() == 3 && pool_idx.scalar_type() == torch::kInt32,
-              "ExpandPoolSelection: pool_idx must be (B, S, kp) int32");
-  const int64_t B = pool_idx.size(0), S = pool_idx.size(1), kp = pool_idx.size(2);
+              "ExpandPoolSelection: pool_idx must be (B, n, kp) int32");
+  TORCH_CHECK(t0 >= 0, "ExpandPoolSelection: t0 (", t0, ") must be >= 0");
+  const int64_t B = pool_idx.size(0), n = pool_idx.size(1), kp = pool_idx.size(2);
   // Rows in blocks: the int64 transients (~6 of (rows, 4 kp) int64) are a block's, not the
   // sequence's (at 1M tokens and 512 pools the whole-sequence transients were ~50 GB).
   constexpr int64_t kRows = 16384;
-  if (S <= kRows) return ExpandPoolRows(pool_idx, 0);
-  Tensor out = torch::empty({B, S, 4 * kp + 3}, pool_idx.options());
-  for (int64_t t0 = 0; t0 < S; t0 += kRows) {
-    const int64_t n = std::min(kRows, S - t0);
-    out.narrow(1, t0, n).copy_(ExpandPoolRows(pool_idx.narrow(1, t0, n), t0));
+  if (n <= kRows) return ExpandPoolRows(pool_idx, t0);
+  Tensor out = torch::empty({B, n, 4 * kp + 3}, pool_idx.options());
+  for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+    const int64_t rows = std::min(kRows, n - r0);
+    out.narrow(1, r0, rows).copy_(ExpandPoolRows(pool_idx.narrow(1, r0, rows), t0 + r0));
   }
   return out;
 }
@@ -563,29 +639,42 @@ Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, 
 
 Tensor SparseAttention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices, double scale,
                        int64_t query_block, int64_t backward_pairs) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "SparseAttention: q, k, v must be 4-d");
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
-              "SparseAttention: k must be (B, Hkv, S, D)");
-  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == k.size(1) && v.size(2) == q.size(2),
-              "SparseAttention: v must be (B, Hkv, S, Dv)");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, "SparseAttention: Hkv (", k.size(1), ") must divide H (", q.size(1), ")");
-  TORCH_CHECK(indices.dim() == 3 && indices.scalar_type() == torch::kInt32 && indices.size(0) == q.size(0) &&
-                  indices.size(1) == q.size(2),
-              "SparseAttention: indices must be (B, S, W) int32");
-  TORCH_CHECK(query_block >= 1, "SparseAttention: query_block must be >= 1");
-  TORCH_CHECK(backward_pairs >= 1 && backward_pairs <= std::numeric_limits<int32_t>::max(),
-              "SparseAttention: backward_pairs must be in [1, 2^31 - 1] (the key side numbers its entries in int32)");
-  if (indices.numel() > 0) {
-    TORCH_CHECK(indices.min().item<int32_t>() >= -1 && indices.max().item<int32_t>() < q.size(2),
-                "SparseAttention: indices must lie in [-1, S)");
-  }
-  const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
-#ifdef ODYSSEY_KERNELS_CUDA
-  if (SparseKernel(q, k, v)) return SparseAttentionKernelFunction::apply(q, k, v, indices, sc, backward_pairs)[0];
-#endif
+  CheckSparseAttention("SparseAttention", q, k, v, indices, query_block);
+  CheckBackwardPairs("SparseAttention", backward_pairs);
+  return SparseAttentionFunction::apply(q, k, v, indices, ResolveScale(scale, q), query_block, backward_pairs)[0];
+}
+
+SparseAttentionResult SparseAttentionForward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
+                                             double scale, int64_t query_block) {
+  CheckSparseAttention("SparseAttentionForward", q, k, v, indices, query_block);
+  return ForwardImpl(q, k, v, indices, ResolveScale(scale, q), query_block);
+}
+
+Tensor SparseAttentionBackward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& indices, const Tensor& lse, double scale, Tensor& dk_acc, Tensor& dv_acc,
+                               int64_t query_block, int64_t backward_pairs) {
+  constexpr const char* kFn = "SparseAttentionBackward";
+  CheckSparseAttention(kFn, q, k, v, indices, query_block);
+  CheckBackwardPairs(kFn, backward_pairs);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3),
+                Dv = v.size(3);
   const auto ct = ComputeType({&q, &k, &v});
-  return SparseAttentionFunction::apply(q.to(ct), k.to(ct), v.to(ct), indices, sc, query_block)[0].to(
-      q.scalar_type());
+  TORCH_CHECK(grad_out.sizes() == torch::IntArrayRef({B, H, Sq, Dv}), kFn, ": grad_out must be (B, H, Sq, Dv) = (",
+              B, ", ", H, ", ", Sq, ", ", Dv, "), got ", grad_out.sizes());
+  TORCH_CHECK(lse.sizes() == torch::IntArrayRef({B, H, Sq}) && lse.scalar_type() == ct, kFn,
+              ": lse must be (B, H, Sq) = (", B, ", ", H, ", ", Sq, ") in ", ct, " (the forward's), got ", lse.sizes(),
+              " ", lse.scalar_type());
+  auto check_acc = [&](const Tensor& acc, const char* name, const char* dim, int64_t cols) {
+    TORCH_CHECK(acc.sizes() == torch::IntArrayRef({B, Hkv, Sk, cols}) && acc.scalar_type() == ct &&
+                    acc.is_contiguous() && acc.device() == q.device(),
+                kFn, ": ", name, " must be a contiguous (B, Hkv, Sk, ", dim, ") = (", B, ", ", Hkv, ", ", Sk, ", ", cols,
+                ") ", ct, " tensor on q's device, got ", acc.sizes(), " ", acc.scalar_type(),
+                acc.is_contiguous() ? "" : " non-contiguous", " on ", acc.device());
+  };
+  check_acc(dk_acc, "dk_acc", "D", D);
+  check_acc(dv_acc, "dv_acc", "Dv", Dv);
+  return BackwardImpl(grad_out, q, k, v, indices, lse, ResolveScale(scale, q), query_block, backward_pairs, dk_acc,
+                      dv_acc);
 }
 
 }  // namespace odyssey::kernels

@@ -10,6 +10,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <set>
 #include <string>
@@ -126,6 +127,52 @@ TEST(DsaIndexer, TiesAreBrokenByLowerIndexInBothSelections) {
   EXPECT_EQ(flat[0][100][23].item<int32_t>(), 23);
 }
 
+// Query tiles [t0, t1) of the sequence: the uneven tiles the tests split S queries into, the
+// middle ones starting mid-pool (37 = 4 * 9 + 1) and after it.
+std::vector<std::pair<int64_t, int64_t>> Tiles(int64_t S, std::vector<int64_t> starts) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  starts.push_back(S);
+  for (size_t i = 0; i + 1 < starts.size(); ++i) tiles.emplace_back(starts[i], starts[i + 1]);
+  return tiles;
+}
+
+// A query tile (q and w rows t0..t1-1, query_offset t0) against every key item selects exactly
+// the whole sequence's rows t0..t1-1, in both selections, for pools of 4 (tiles starting inside
+// a pool) and 1. Small-integer q, k and power-of-two w make every score exact in any order of
+// summation, so a tile's different query and key blocks cannot move a score.
+TEST(DsaIndexer, QueryTilesSelectTheWholeSequencesRows) {
+  torch::manual_seed(16);
+  const int64_t B = 2, HI = 3, S = 161, D = 16;
+  Tensor q = torch::randint(-3, 4, {B, HI, S, D}).to(torch::kFloat64);
+  Tensor w = torch::pow(2.0, torch::randint(-2, 1, {B, S, HI})).to(torch::kFloat64) *
+             (torch::randint(0, 2, {B, S, HI}).to(torch::kFloat64) * 2 - 1);
+  for (int64_t pool : {4, 1}) {
+    Tensor k = torch::randint(-3, 4, {B, S / pool, D}).to(torch::kFloat64);
+    DsaIndexerOptions o;
+    o.top_k = pool == 4 ? 9 : 30;  // below the visible items of the late rows
+    o.pool = pool;
+    o.query_block = 16;
+    o.key_block = 7;
+    const Tensor whole = IndexerTopK(q, k, w, o), whole_naive = IndexerTopKNaive(q, k, w, o);
+    ASSERT_TRUE(torch::equal(whole, whole_naive)) << "pool " << pool;
+    int64_t rows = 0;
+    for (const auto& [t0, t1] : Tiles(S, {0, 37, 100})) {
+      DsaIndexerOptions tile = o;
+      tile.query_offset = t0;
+      const Tensor qt = q.narrow(2, t0, t1 - t0), wt = w.narrow(1, t0, t1 - t0);
+      const Tensor got = IndexerTopK(qt, k, wt, tile), naive = IndexerTopKNaive(qt, k, wt, tile);
+      ASSERT_EQ(got.sizes(), torch::IntArrayRef({B, t1 - t0, o.top_k}));
+      EXPECT_TRUE(torch::equal(got, whole.narrow(1, t0, t1 - t0))) << "pool " << pool << " tile at " << t0;
+      EXPECT_TRUE(torch::equal(naive, whole.narrow(1, t0, t1 - t0))) << "naive, pool " << pool << " tile at " << t0;
+      rows += t1 - t0;
+    }
+    EXPECT_EQ(rows, S);
+  }
+  DsaIndexerOptions bad;
+  bad.query_offset = -1;
+  EXPECT_THROW(IndexerTopK(q, q.select(1, 0), w, bad), c10::Error);
+}
+
 // A long selection expands in blocks of rows: every row as written out by hand (its pools'
 // tokens in selection order, then the tail, then -1), at the block boundaries and at random rows.
 TEST(DsaIndexer, LongPoolSelectionExpandsRowByRow) {
@@ -152,6 +199,27 @@ TEST(DsaIndexer, LongPoolSelectionExpandsRowByRow) {
     while (static_cast<int64_t>(want.size()) < 4 * kp + 3) want.push_back(-1);
     for (int64_t j = 0; j < 4 * kp + 3; ++j) ASSERT_EQ(a[0][t][j], want[static_cast<size_t>(j)]) << "row " << t << " slot " << j;
   }
+}
+
+// A tile's rows of a pool selection, given their first position t0, expand as the whole
+// selection's rows do (the tail tokens follow the absolute position), short tiles (one block of
+// rows, tiles starting inside a pool) and a long one crossing the 16384-row block boundary.
+TEST(DsaIndexer, PoolSelectionTilesExpandAsTheWholeRows) {
+  torch::manual_seed(17);
+  const int64_t S = 40000, kp = 3;
+  Tensor pool_idx = torch::full({1, S, kp}, -1, torch::kInt32);
+  auto w = pool_idx.accessor<int32_t, 3>();
+  for (int64_t t = 0; t < S; ++t) {
+    const int64_t visible = (t + 1) / 4;
+    for (int64_t j = 0; j < std::min(kp, visible); ++j) w[0][t][j] = static_cast<int32_t>((t * 7 + 5 * j) % visible);
+  }
+  const Tensor whole = ExpandPoolSelection(pool_idx);
+  for (const auto& [t0, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 37}, {37, 63}, {101, 6}, {16000, 20000}, {S - 5, 5}}) {
+    const Tensor got = ExpandPoolSelection(pool_idx.narrow(1, t0, n), t0);
+    EXPECT_TRUE(torch::equal(got, whole.narrow(1, t0, n))) << "tile " << t0 << " + " << n;
+  }
+  EXPECT_THROW(ExpandPoolSelection(pool_idx, -1), c10::Error);
 }
 
 TEST(DsaIndexer, PooledKeysZeroGateIsMeanAndPoolSelectionCountsMatch) {
@@ -252,6 +320,87 @@ TEST(DsaSparseAttention, EqualsMaskedDenseAttentionFp64) {
   // Where the selection differs from causal attention (so the test sees the mask).
   Tensor all = IndexerTopK(ix.q, ix.k, ix.w, [] { DsaIndexerOptions a; a.top_k = 97; return a; }());
   EXPECT_GT(MaxErr(RunAttention(true, x, all, dO)[0], ref[0]), 1e-3);
+}
+
+// The largest difference over the reference's largest magnitude.
+double RelErr(const Tensor& got, const Tensor& want) {
+  return MaxErr(got, want) / want.abs().max().item<double>();
+}
+
+// A caller running its own backward tile by tile (model/hybrid.cc's sparse stage): each tile's
+// queries and indices against the whole sequence's keys through SparseAttentionForward and
+// SparseAttentionBackward, dk and dv summed into one pair of accumulators, equal autograd of the
+// whole SparseAttention (fp64; three uneven tiles, query blocks that divide none of them, pool
+// selections with their tails, a query without keys), and lse is the log-sum-exp of the masked
+// scaled scores. Neither function builds a graph.
+TEST(DsaSparseAttention, TilesThroughForwardAndBackwardEqualTheWholeFp64) {
+  const int64_t B = 2, H = 6, Hkv = 2, S = 157, D = 16, Dv = 12;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 81);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 82);
+  DsaIndexerOptions o;
+  o.top_k = 6;
+  o.pool = 4;
+  Tensor idx = ExpandPoolSelection(IndexerTopK(ix.q, torch::randn({B, S / 4, 8}, torch::kFloat64), ix.w, o));
+  idx.select(1, 60).fill_(-1);  // query 60 selects nothing
+  Tensor dO = torch::randn({B, H, S, Dv}, torch::kFloat64);
+  const std::vector<Tensor> want = RunAttention(true, x, idx, dO);
+
+  auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  Tensor out = torch::empty({B, H, S, Dv}, f64), lse = torch::empty({B, H, S}, f64), dq = torch::empty({B, H, S, D}, f64);
+  Tensor dk = torch::zeros({B, Hkv, S, D}, f64), dv = torch::zeros({B, Hkv, S, Dv}, f64);
+  const Tensor qg = x.q.clone().requires_grad_();  // a graph would start here if one were built
+  for (const auto& [t0, t1] : Tiles(S, {0, 50, 61})) {
+    const int64_t n = t1 - t0;
+    const Tensor qt = qg.narrow(2, t0, n), it = idx.narrow(1, t0, n);
+    const SparseAttentionResult r = SparseAttentionForward(qt, x.k, x.v, it, 0.0, 17);
+    ASSERT_EQ(r.out.sizes(), torch::IntArrayRef({B, H, n, Dv}));
+    ASSERT_EQ(r.lse.sizes(), torch::IntArrayRef({B, H, n}));
+    EXPECT_EQ(r.lse.scalar_type(), torch::kFloat64);
+    EXPECT_FALSE(r.out.requires_grad());
+    out.narrow(2, t0, n).copy_(r.out);
+    lse.narrow(2, t0, n).copy_(r.lse);
+    const Tensor dqt = SparseAttentionBackward(dO.narrow(2, t0, n), qt, x.k, x.v, it, r.lse, 0.0, dk, dv, 17);
+    EXPECT_FALSE(dqt.requires_grad());
+    dq.narrow(2, t0, n).copy_(dqt);
+  }
+  const std::vector<Tensor> got{out, dq, dk, dv};
+  for (int i = 0; i < 4; ++i) EXPECT_LT(RelErr(got[i], want[i]), 1e-10) << kNames[i];
+
+  Tensor il = idx.to(torch::kLong);
+  Tensor sel = torch::zeros({B, S, S + 1}, torch::kBool).scatter_(2, torch::where(il >= 0, il, S), true).narrow(2, 0, S);
+  Tensor sc = x.q.matmul(x.k.repeat_interleave(H / Hkv, 1).transpose(2, 3)) / std::sqrt(double(D));
+  Tensor ref = torch::logsumexp(sc.masked_fill(sel.unsqueeze(1).logical_not(), -INFINITY), -1);  // (B, H, S)
+  Tensor finite = torch::isfinite(ref);
+  EXPECT_TRUE(torch::equal(torch::isfinite(lse), finite));
+  EXPECT_EQ(finite.logical_not().sum().item<int64_t>(), B * H);  // query 60 of each (b, h) only
+  EXPECT_TRUE((lse.select(2, 60) == -INFINITY).all().item<bool>());
+  EXPECT_LT(MaxErr(lse.masked_select(finite), ref.masked_select(finite)), 1e-12);
+}
+
+// q the last rows of a longer sequence (Sq < Sk), its indices into all Sk keys: the whole call's
+// rows, and with the upstream gradient zero outside those rows, the whole call's dq rows and dk,
+// dv (fp64).
+TEST(DsaSparseAttention, QueriesOfALongerSequenceEqualTheWholeRowsFp64) {
+  const int64_t B = 2, H = 4, Hkv = 1, S = 120, D = 16, Dv = 8, t0 = 83, n = S - t0;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 91);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 92);
+  DsaIndexerOptions o;
+  o.top_k = 40;
+  Tensor idx = IndexerTopK(ix.q, ix.k, ix.w, o);
+  Tensor dO = torch::randn({B, H, S, Dv}, torch::kFloat64);
+  Tensor dO_rows = torch::zeros_like(dO);
+  dO_rows.narrow(2, t0, n).copy_(dO.narrow(2, t0, n));
+  const std::vector<Tensor> whole = RunAttention(true, x, idx, dO_rows);
+  const Qkv tail{x.q.narrow(2, t0, n), x.k, x.v};
+  const std::vector<Tensor> got = RunAttention(true, tail, idx.narrow(1, t0, n), dO.narrow(2, t0, n), 13);
+  ASSERT_EQ(got[0].sizes(), torch::IntArrayRef({B, H, n, Dv}));
+  ASSERT_EQ(got[2].sizes(), x.k.sizes());
+  ASSERT_EQ(got[3].sizes(), x.v.sizes());
+  EXPECT_LT(MaxErr(got[0], whole[0].narrow(2, t0, n)), 1e-12) << "o";
+  EXPECT_LT(MaxErr(got[1], whole[1].narrow(2, t0, n)), 1e-12) << "dq";
+  EXPECT_LT(MaxErr(got[2], whole[2]), 1e-12) << "dk";
+  EXPECT_LT(MaxErr(got[3], whole[3]), 1e-12) << "dv";
+  EXPECT_GT(got[2].abs().max().item<double>(), 0.0);
 }
 
 TEST(DsaSparseAttention, Fp32WithinTwiceTheMaskedDenseError) {
@@ -370,6 +519,51 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
   }
 }
 
+// The kernels run tile by tile as a caller of SparseAttentionForward / SparseAttentionBackward
+// does (bf16, GQA 6/2, D 128 and Dv 64, pool selections, a query without keys, a backward_pairs
+// small enough for several key-side segments a tile): each tile's out, lse and dq equal the whole
+// sequence's exactly (every query's walk is its own), and dk, dv summed over the tiles' launches
+// equal the whole's within fp32 summation-order noise.
+TEST(DsaSparseAttention, KernelTilesEqualTheWholeSequence_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  const int64_t B = 2, H = 6, Hkv = 2, S = 700, D = 128, Dv = 64;
+  Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 101);
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 102);
+  DsaIndexerOptions o;
+  o.top_k = 16;
+  o.pool = 4;
+  Tensor idx = ExpandPoolSelection(IndexerTopK(ix.q, torch::randn({B, S / 4, 8}, torch::kFloat64), ix.w, o));
+  idx.select(1, 40).fill_(-1);  // query 40 selects nothing
+  auto dev = [](const Tensor& t) { return t.to(torch::kCUDA, torch::kBFloat16); };
+  const Tensor q = dev(x.q), k = dev(x.k), v = dev(x.v), idxd = idx.cuda();
+  const Tensor dO = dev(torch::randn({B, H, S, Dv}, torch::kFloat64));
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA);
+  const int64_t pairs = 5000;
+  SetFusedKernels(true);
+  const int64_t launches = FusedKernelLaunches();
+  const SparseAttentionResult whole = SparseAttentionForward(q, k, v, idxd);
+  Tensor dk = torch::zeros({B, Hkv, S, D}, f32), dv = torch::zeros({B, Hkv, S, Dv}, f32);
+  const Tensor dq = SparseAttentionBackward(dO, q, k, v, idxd, whole.lse, 0.0, dk, dv, 128, pairs);
+  EXPECT_GE(FusedKernelLaunches() - launches, 3) << "the kernels did not run";
+  EXPECT_EQ(whole.lse.scalar_type(), torch::kFloat32);
+  Tensor dk_t = torch::zeros_like(dk), dv_t = torch::zeros_like(dv);
+  for (const auto& [t0, t1] : Tiles(S, {0, 37, 300})) {
+    const int64_t n = t1 - t0;
+    const Tensor qt = q.narrow(2, t0, n), it = idxd.narrow(1, t0, n);
+    const SparseAttentionResult r = SparseAttentionForward(qt, k, v, it);
+    const std::string name = "tile at " + std::to_string(t0);
+    EXPECT_TRUE(torch::equal(r.out, whole.out.narrow(2, t0, n))) << name << " out";
+    EXPECT_TRUE(torch::equal(r.lse, whole.lse.narrow(2, t0, n))) << name << " lse";
+    const Tensor dqt = SparseAttentionBackward(dO.narrow(2, t0, n), qt, k, v, it, r.lse, 0.0, dk_t, dv_t, 128, pairs);
+    EXPECT_TRUE(torch::equal(dqt, dq.narrow(2, t0, n))) << name << " dq";
+  }
+  EXPECT_LT(((dk_t - dk).norm() / dk.norm()).item<double>(), 1e-4) << "dk";
+  EXPECT_LT(((dv_t - dv).norm() / dv.norm()).item<double>(), 1e-4) << "dv";
+  EXPECT_GT(dk.abs().max().item<double>(), 0.0);
+}
+
 // The CUDA indexer (kernels/cuda/dsa_indexer.h) against the libtorch selection on the same GPU
 // tensors. Small-integer q, k and power-of-two w make every score exact in both (the fp32 sums
 // of products of small integers are exact in any order, and both divide by the same sqrt(D)), and
@@ -432,6 +626,40 @@ TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
         EXPECT_LE((at(got) - at(ref)).abs().max().item<double>(), 1e-5 * scale) << name;
         EXPECT_GT(got.eq(ref).to(torch::kFloat64).mean().item<double>(), 0.99) << name << ": too few equal picks";
       }
+    }
+  }
+}
+
+// The CUDA indexer by query tiles (bf16 normal inputs) selects exactly the whole sequence's rows
+// of the same kernels: a row's scores are the same mma products whatever chunk and 64-query block
+// it falls in, and its selection is its own. Pools of 4 (tiles starting inside a pool) and 1, a
+// workspace small enough that the whole sequence and the long tile run in several chunks.
+TEST(DsaIndexer, KernelQueryTilesSelectTheWholeSequencesRows_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  const int64_t B = 2, HI = 32, S = 1237, D = 128;
+  auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(44);
+  const Tensor q = torch::randn({B, HI, S, D}).to(bf), w = torch::randn({B, S, HI}).to(bf);
+  for (int64_t pool : {4, 1}) {
+    const Tensor k = torch::randn({B, S / pool, D}).to(bf);
+    DsaIndexerOptions o;
+    o.top_k = pool == 4 ? 64 : 256;
+    o.pool = pool;
+    o.workspace_bytes = 256 * 1024;
+    SetFusedKernels(true);
+    const int64_t launches = FusedKernelLaunches();
+    const Tensor whole = IndexerTopK(q, k, w, o);
+    EXPECT_GE(FusedKernelLaunches() - launches, 2) << "pool " << pool << ": the kernels did not run";
+    for (const auto& [t0, t1] : Tiles(S, {0, 37, 100, 700})) {
+      DsaIndexerOptions tile = o;
+      tile.query_offset = t0;
+      const Tensor got = IndexerTopK(q.narrow(2, t0, t1 - t0), k, w.narrow(1, t0, t1 - t0), tile);
+      ASSERT_EQ(got.sizes(), torch::IntArrayRef({B, t1 - t0, o.top_k}));
+      EXPECT_TRUE(torch::equal(got, whole.narrow(1, t0, t1 - t0)))
+          << "pool " << pool << " tile at " << t0 << ": " << got.ne(whole.narrow(1, t0, t1 - t0)).sum().item<int64_t>()
+          << " entries differ";
     }
   }
 }
@@ -551,10 +779,37 @@ TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
   }
 }
 
+// The error names the argument and the rule.
+void ExpectThrowNaming(const std::function<void()>& f, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming " << what;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(what), std::string::npos) << e.what_without_backtrace();
+  }
+}
+
 TEST(DsaSparseAttention, RejectsIndicesOutOfRange) {
   Qkv x = MakeQkv(1, 2, 1, 8, 4, 4, 27);
   Tensor idx = torch::full({1, 8, 2}, 8, torch::kInt32);
   EXPECT_THROW(SparseAttention(x.q, x.k, x.v, idx), c10::Error);
+  // Sk = 5 keys for 8 queries: the bound is k's rows, not q's.
+  const Tensor k5 = x.k.narrow(2, 0, 5), v5 = x.v.narrow(2, 0, 5);
+  ExpectThrowNaming([&] { SparseAttentionForward(x.q, k5, v5, torch::full({1, 8, 2}, 5, torch::kInt32)); },
+                    "indices must lie in [-1, Sk)");
+  const Tensor ok = torch::full({1, 8, 2}, 4, torch::kInt32);
+  EXPECT_EQ(SparseAttention(x.q, k5, v5, ok).sizes(), torch::IntArrayRef({1, 2, 8, 4}));
+  ExpectThrowNaming([&] { SparseAttention(x.q, k5, x.v, ok); }, "v must be (B, Hkv, Sk, Dv)");
+  const SparseAttentionResult r = SparseAttentionForward(x.q, k5, v5, ok);
+  Tensor dk = torch::zeros({1, 1, 5, 4}, torch::kFloat64), dv = torch::zeros({1, 1, 5, 4}, torch::kFloat64);
+  Tensor dk32 = dk.to(torch::kFloat32), dk_short = torch::zeros({1, 1, 4, 4}, torch::kFloat64);
+  const Tensor dO = torch::ones({1, 2, 8, 4}, torch::kFloat64);
+  ExpectThrowNaming([&] { SparseAttentionBackward(dO, x.q, k5, v5, ok, r.lse, 0.0, dk32, dv); }, "dk_acc must be");
+  ExpectThrowNaming([&] { SparseAttentionBackward(dO, x.q, k5, v5, ok, r.lse, 0.0, dk_short, dv); }, "dk_acc must be");
+  ExpectThrowNaming([&] { SparseAttentionBackward(dO, x.q, k5, v5, ok, r.lse.to(torch::kFloat32), 0.0, dk, dv); },
+                    "lse must be (B, H, Sq)");
+  ExpectThrowNaming([&] { SparseAttentionBackward(dO.narrow(2, 0, 5), x.q, k5, v5, ok, r.lse, 0.0, dk, dv); },
+                    "grad_out must be (B, H, Sq, Dv)");
 }
 
 }  // namespace

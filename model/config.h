@@ -55,6 +55,9 @@ struct HybridConfig {
 // tile's autograd state and one segment's fp32 intermediates.
 constexpr int64_t kKdaTile = 32768;
 constexpr int64_t kKdaSegment = 8192;
+// The DSA layer's sparse stage runs kDsaTile queries at a time against the whole sequence's keys
+// (model::DsaAttentionImpl): its backward holds one tile's per-query tensors.
+constexpr int64_t kDsaTile = 32768;
 
 // Llama-3 style RoPE frequency scaling ("rope_scaling": {"rope_type": "llama3", ...}).
 struct RopeScaling {

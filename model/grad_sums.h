@@ -27,7 +27,7 @@ class Fp32GradSums {
       if (sums_[i].defined()) {
         sums_[i].add_(d[i]);
       } else {
-        sums_[i] = d[i].to(torch::kFloat32);
+        sums_[i] = d[i].scalar_type() == torch::kFloat64 ? d[i].clone() : d[i].to(torch::kFloat32);
       }
     }
   }
@@ -48,7 +48,7 @@ class Fp32GradSums {
 
  private:
   std::vector<torch::Tensor> weights_;
-  std::vector<torch::Tensor> sums_;  // fp32, each its weight's shape
+  std::vector<torch::Tensor> sums_;  // fp32 (fp64 for fp64 weights), each its weight's shape
 };
 
 }  // namespace odyssey::model

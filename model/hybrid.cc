@@ -283,12 +283,20 @@ DsaIndexerImpl::DsaIndexerImpl(const ModelConfig& c)
 }
 
 DsaIndexerImpl::Out DsaIndexerImpl::forward(const Tensor& x) {
-  const int64_t B = x.size(0), S = x.size(1);
   Out o;
-  o.q = wq(x).view({B, S, heads_, head_dim_}).transpose(1, 2);                 // (B, HI, S, DI)
-  o.keys = kernels::KeyPool4(k_norm(wk(x)), pool_gate(x), pool_bias);           // (B, S / 4, DI)
-  o.w = weights_proj(x) / std::sqrt(static_cast<double>(heads_));              // (B, S, HI)
+  Queries(x, &o.q, &o.w);
+  o.keys = Keys(x);
   return o;
+}
+
+void DsaIndexerImpl::Queries(const Tensor& x, Tensor* q, Tensor* w) {
+  const int64_t B = x.size(0), S = x.size(1);
+  *q = wq(x).view({B, S, heads_, head_dim_}).transpose(1, 2);     // (B, HI, S, DI)
+  *w = weights_proj(x) / std::sqrt(static_cast<double>(heads_));  // (B, S, HI)
+}
+
+Tensor DsaIndexerImpl::Keys(const Tensor& x) {
+  return kernels::KeyPool4(k_norm(wk(x)), pool_gate(x), pool_bias);  // (B, S / 4, DI)
 }
 
 DsaAttentionImpl::DsaAttentionImpl(const ModelConfig& c)
@@ -313,62 +321,257 @@ void DsaAttentionImpl::InitSpecial(const std::optional<at::Generator>& /*gen*/) 
   indexer->pool_bias.zero_();
 }
 
+void DsaAttentionImpl::set_tile(int64_t tokens) {
+  TORCH_CHECK(tokens > 0, "DSA tile (", tokens, ") must be a positive number of queries");
+  tile_ = tokens;
+}
+
+namespace {
+
+// The sparse KL's target for queries q (B, H, n, D) with token indices idx (B, n, W) and pool
+// selection pool_idx (B, n, kp): the main attention's probabilities (no grad), head-mean, summed
+// within each selected pool and L1-normalised over them; (B, n, kp) fp32. Chunk by chunk: ~256
+// MiB of (rows, W) probabilities at a time.
+Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tensor& pool_idx) {
+  torch::NoGradGuard no_grad;
+  const int64_t B = q.size(0), n = q.size(2), kp = pool_idx.size(2), W = idx.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const int64_t rows = std::max<int64_t>(64, (int64_t{256} << 20) / std::max<int64_t>(1, B * W * 4));
+  Tensor target;
+  for (int64_t t0 = 0; t0 < n; t0 += rows) {
+    const int64_t m = std::min(rows, n - t0);
+    Tensor p = kernels::SparseAttentionProbs(q.narrow(2, t0, m), k, idx.narrow(1, t0, m), scale);  // (B, m, W)
+    Tensor valid = pool_idx.narrow(1, t0, m) >= 0;                                                 // (B, m, kp)
+    Tensor tg = p.narrow(2, 0, 4 * kp).reshape({B, m, kp, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
+    tg = tg / tg.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
+    if (!target.defined()) target = torch::empty({B, n, kp}, tg.options());
+    target.narrow(1, t0, m).copy_(tg);
+  }
+  return target;
+}
+
+struct DsaTileState : torch::CustomClassHolder {
+  DsaAttentionImpl* mixer = nullptr;
+  bool kl = false;   // compute the indexer KL (the second output)
+  int64_t rows = 0;  // set by forward: query rows with at least one pool
+};
+
+}  // namespace
+
+// x (B, S, hidden) -> (B, S, H D) and the KL summed over rows (fp32 0-d; 0 without kl). Saved:
+// x, the pool selection (B, S, kp) int32, the log-sum-exp (B, H, S) fp32 and, with kl, the KL's
+// target (B, S, kp) fp32.
+class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                c10::intrusive_ptr<DsaTileState> st) {
+    torch::NoGradGuard no_grad;
+    Saved saved;
+    Tensor out = Run(*st->mixer, x, st->kl, &saved);
+    st->rows = saved.rows;
+    ctx->save_for_backward({x, saved.pool_idx, saved.lse, saved.target});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    ctx->set_materialize_grads(false);
+    if (!st->kl) ctx->mark_non_differentiable({saved.kl});
+    return {out, saved.kl};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto st = c10::static_intrusive_pointer_cast<DsaTileState>(ctx->saved_data["state"].toCapsule());
+    const torch::autograd::variable_list sv = ctx->get_saved_variables();
+    const Tensor &x = sv[0], &pool_all = sv[1], &lse_all = sv[2], &target_all = sv[3];
+    DsaAttentionImpl& m = *st->mixer;
+    const int64_t B = x.size(0), S = x.size(1), H = m.heads_, Hkv = m.kv_heads_, D = m.head_dim_;
+    const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
+    if (!out_grad && !kl_grad) return {Tensor(), Tensor()};
+    // The indexer's parameters learn only from the KL; q, k and v's only from the output.
+    std::vector<Tensor> attn_w, ix_w;
+    for (const auto& mod : {m.q_proj.ptr(), m.k_proj.ptr(), m.v_proj.ptr()}) {
+      for (const auto& p : mod->parameters()) {
+        if (p.requires_grad()) attn_w.push_back(p);
+      }
+    }
+    for (const auto& p : m.indexer->parameters()) {
+      if (p.requires_grad()) ix_w.push_back(p);
+    }
+    std::vector<Tensor> weights = attn_w;
+    weights.insert(weights.end(), ix_w.begin(), ix_w.end());
+    Fp32GradSums sums(weights);
+    Tensor dx = torch::zeros_like(x);
+    // The whole sequence's keys and values (and pooled indexer keys) once, with a graph back to
+    // x and the weights; the tiles add their gradients into fp32 accumulators.
+    const Tensor xl = x.detach().requires_grad_(true);
+    Tensor k, v, keys;
+    {
+      torch::AutoGradMode grad(true);
+      if (out_grad) {
+        k = m.k_proj(xl).view({B, S, Hkv, D}).transpose(1, 2);  // (B, Hkv, S, D)
+        v = m.v_proj(xl).view({B, S, Hkv, D}).transpose(1, 2);
+      }
+      if (kl_grad) keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
+    }
+    const auto acc = torch::TensorOptions().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
+                         .device(x.device());
+    Tensor dk_acc, dv_acc, keys_leaf, dkeys;
+    if (out_grad) {
+      dk_acc = torch::zeros({B, Hkv, S, D}, acc);
+      dv_acc = torch::zeros({B, Hkv, S, D}, acc);
+    }
+    if (kl_grad) {
+      keys_leaf = keys.detach().requires_grad_(true);
+      dkeys = torch::zeros(keys.sizes(), acc);
+    }
+    for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
+      const int64_t n = std::min(m.tile_, S - t0);
+      const Tensor xt = x.narrow(1, t0, n).detach().requires_grad_(true);
+      const Tensor pool = pool_all.narrow(1, t0, n);
+      std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
+      if (out_grad) {
+        Tensor q;
+        {
+          torch::AutoGradMode grad(true);
+          q = m.q_proj(xt).view({B, n, H, D}).transpose(1, 2);  // (B, H, n, D)
+        }
+        const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
+        const Tensor g = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).transpose(1, 2);
+        Tensor dq = kernels::SparseAttentionBackward(g, q.detach(), k.detach(), v.detach(), idx,
+                                                     lse_all.narrow(2, t0, n), 0.0, dk_acc, dv_acc);
+        outputs.push_back(q);
+        grad_outputs.push_back(dq);
+      }
+      if (kl_grad) {
+        Tensor iq, iw, kl;
+        {
+          torch::AutoGradMode grad(true);
+          m.indexer->Queries(xt.detach(), &iq, &iw);
+          kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t0, n));
+        }
+        outputs.push_back(kl);
+        grad_outputs.push_back(grads[1].to(kl.scalar_type()));
+        inputs.push_back(keys_leaf);
+      }
+      inputs.insert(inputs.end(), weights.begin(), weights.end());
+      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+      if (d[0].defined()) dx.narrow(1, t0, n).add_(d[0]);
+      size_t next = 1;
+      if (kl_grad && d[next].defined()) dkeys.add_(d[next]);
+      if (kl_grad) ++next;
+      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+    }
+    grads.clear();  // the incoming gradient (one (T, H D)) is read; let it go before the key side
+    // The key side: k, v and the pooled keys back to x and their weights, once (the fp32
+    // accumulators let go as their casts are made).
+    std::vector<Tensor> outputs, grad_outputs, inputs = {xl};
+    if (out_grad) {
+      outputs.insert(outputs.end(), {k, v});
+      grad_outputs.insert(grad_outputs.end(), {dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())});
+    }
+    if (kl_grad) {
+      outputs.push_back(keys);
+      grad_outputs.push_back(dkeys.to(keys.scalar_type()));
+    }
+    dk_acc = dv_acc = dkeys = Tensor();
+    inputs.insert(inputs.end(), weights.begin(), weights.end());
+    std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+    if (d[0].defined()) dx.add_(d[0]);
+    sums.Add(std::vector<Tensor>(d.begin() + 1, d.end()));
+    sums.WriteGrads();
+    return {dx, Tensor()};
+  }
+
+  struct Saved {
+    Tensor pool_idx, lse, target, kl;
+    int64_t rows = 0;
+  };
+
+  // The tiles without a graph. `saved` (optional) gets what backward needs; with `kl` the KL
+  // summed over rows goes to saved->kl (0 otherwise).
+  static Tensor Run(DsaAttentionImpl& m, const Tensor& x, bool kl, Saved* saved) {
+    const int64_t B = x.size(0), S = x.size(1), H = m.heads_, Hkv = m.kv_heads_, D = m.head_dim_, kp = m.top_pools_;
+    const Tensor k = m.k_proj(x).view({B, S, Hkv, D}).transpose(1, 2);  // (B, Hkv, S, D)
+    const Tensor v = m.v_proj(x).view({B, S, Hkv, D}).transpose(1, 2);
+    const Tensor keys = m.indexer->Keys(x);                               // (B, S / 4, DI)
+    Tensor out = torch::empty({B, S, H * D}, x.options());
+    auto i32 = x.options().dtype(torch::kInt32);
+    // The kernels compute in fp32 (fp64 for fp64 inputs); the KL leaves as fp32 (InjectAuxLoss).
+    const auto ct = x.options().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
+    Tensor kl_sum = torch::zeros({}, x.options().dtype(torch::kFloat32));
+    if (saved != nullptr) {
+      saved->pool_idx = torch::empty({B, S, kp}, i32);
+      saved->lse = torch::empty({B, H, S}, ct);
+      if (kl) saved->target = torch::empty({B, S, kp}, ct);
+    }
+    int64_t rows = 0;
+    for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
+      const int64_t n = std::min(m.tile_, S - t0);
+      const Tensor xt = x.narrow(1, t0, n);
+      const Tensor q = m.q_proj(xt).view({B, n, H, D}).transpose(1, 2);  // (B, H, n, D)
+      Tensor iq, iw;
+      m.indexer->Queries(xt, &iq, &iw);
+      kernels::DsaIndexerOptions o;
+      o.top_k = kp;
+      o.pool = 4;
+      o.query_offset = t0;
+      const Tensor pool = kernels::IndexerTopK(iq, keys, iw, o);  // (B, n, kp)
+      const Tensor idx = kernels::ExpandPoolSelection(pool, t0);   // (B, n, 4 kp + 3)
+      kernels::SparseAttentionResult r = kernels::SparseAttentionForward(q, k, v, idx);
+      out.narrow(1, t0, n).copy_(r.out.transpose(1, 2).reshape({B, n, H * D}));
+      if (saved != nullptr) {
+        saved->pool_idx.narrow(1, t0, n).copy_(pool);
+        saved->lse.narrow(2, t0, n).copy_(r.lse);
+      }
+      if (kl && t0 + n >= 4) {
+        // Rows t < 3 see no pool and add nothing (their target is all 0).
+        const Tensor target = KlTarget(q, k, idx, pool);
+        kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
+        rows += (pool.select(2, 0) >= 0).sum().item<int64_t>();
+        if (saved != nullptr) saved->target.narrow(1, t0, n).copy_(target);
+      } else if (kl && saved != nullptr) {
+        saved->target.narrow(1, t0, n).zero_();
+      }
+    }
+    if (saved != nullptr) {
+      saved->kl = kl_sum;
+      saved->rows = rows;
+    }
+    return out;
+  }
+};
+
+Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl) {
+  if (!torch::GradMode::is_enabled()) {
+    TORCH_CHECK(kl == nullptr, "DSA: the indexer KL trains only with grad");
+    return TiledFunction::Run(*this, x, /*kl=*/false, nullptr);
+  }
+  auto st = c10::make_intrusive<DsaTileState>();
+  st->mixer = this;
+  st->kl = kl != nullptr && x.size(1) >= 4;
+  // The Function records a backward node only for inputs that need grad; the layer's
+  // parameters need it even when x does not.
+  torch::autograd::variable_list r =
+      TiledFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
+  if (st->kl) {
+    kl->rows += st->rows;
+    kl->sum = kl->sum.defined() ? kl->sum + r[1] : r[1];
+  }
+  return r[0];
+}
+
 Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend* backend, Kl* kl) {
+  if (stage_ == IndexerStage::kSparse) return SparseHeads(x, kl);
   const int64_t B = x.size(0), S = x.size(1), H = heads_, D = head_dim_;
   Tensor q = q_proj(x).view({B, S, H, D}).transpose(1, 2);          // (B, H, S, D)
   Tensor k = k_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
   Tensor v = v_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
-  const bool sparse = stage_ == IndexerStage::kSparse;
-  // The indexer sees a detached input: its selection is not differentiable anyway, and it
-  // learns only from its KL (spec 2.3).
+  // The indexer sees a detached input: it learns only from its KL (spec 2.3).
   DsaIndexerImpl::Out ix;
-  Tensor pool_idx;  // (B, S, top_pools) int32, sparse stage
-  if (kl != nullptr) {
-    ix = indexer(x.detach());  // with grad: the KL's path to the indexer
-  } else if (sparse) {
-    torch::NoGradGuard no_grad;  // only the selection needs it
-    ix = indexer(x.detach());
-  }
-  Tensor out;  // (B, H, S, D)
-  Tensor idx;  // (B, S, 4 top_pools + 3) int32 token indices, sparse stage
-  if (sparse) {
-    kernels::DsaIndexerOptions o;
-    o.top_k = top_pools_;
-    o.pool = 4;
-    pool_idx = kernels::IndexerTopK(ix.q.detach(), ix.keys.detach(), ix.w.detach(), o);  // (B, S, top_pools)
-    idx = kernels::ExpandPoolSelection(pool_idx);              // (B, S, 4 top_pools + 3)
-    out = kernels::SparseAttention(q, k, v, idx);
-  } else {
-    TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
-    out = backend->Forward(q, k, v, AttentionMeta{});
-  }
-  if (kl != nullptr && S >= 4 && sparse) {
-    // Target: the main attention's probabilities (no grad), head-mean, summed within each
-    // selected pool and L1-normalised over them; prediction: the softmax of the indexer's scores
-    // of the selected pools (kernels::IndexerKlLoss, which recomputes its gathers in backward).
-    // The probabilities go chunk by chunk into the (B, S, kp) target: ~256 MiB of (rows, W) at a
-    // time.
-    const int64_t kp = pool_idx.size(2), W = idx.size(2);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    Tensor target;  // (B, S, kp)
-    {
-      torch::NoGradGuard no_grad;
-      const Tensor qd = q.detach(), kd = k.detach();
-      const int64_t rows = std::max<int64_t>(64, (int64_t{256} << 20) / std::max<int64_t>(1, B * W * 4));
-      for (int64_t t0 = 0; t0 < S; t0 += rows) {
-        const int64_t n = std::min(rows, S - t0);
-        Tensor p = kernels::SparseAttentionProbs(qd.narrow(2, t0, n), kd, idx.narrow(1, t0, n), scale);  // (B, n, W)
-        Tensor valid = pool_idx.narrow(1, t0, n) >= 0;                                                 // (B, n, kp)
-        Tensor tg = p.narrow(2, 0, 4 * kp).reshape({B, n, kp, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
-        tg = tg / tg.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
-        if (!target.defined()) target = torch::empty({B, S, kp}, tg.options());
-        target.narrow(1, t0, n).copy_(tg);
-      }
-    }
-    Tensor total = kernels::IndexerKlLoss(ix.q, ix.keys, ix.w, pool_idx, target);
-    kl->rows += (pool_idx.select(2, 0) >= 0).sum().item<int64_t>();
-    kl->sum = kl->sum.defined() ? kl->sum + total : total;
-  } else if (kl != nullptr && S >= 4) {
+  if (kl != nullptr) ix = indexer(x.detach());  // with grad: the KL's path to the indexer
+  TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
+  Tensor out = backend->Forward(q, k, v, AttentionMeta{});  // (B, H, S, D)
+  if (kl != nullptr && S >= 4) {
     // Dense warm-up: the target is the main attention's probabilities (no grad), head-summed and
     // L1-normalised, summed within each pool; the prediction the softmax of the indexer's pool
     // scores over every visible pool. Query blocks bound the working set.

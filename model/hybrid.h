@@ -120,6 +120,10 @@ class DsaIndexerImpl : public torch::nn::Module {
     torch::Tensor w;     // (B, S, HI)
   };
   Out forward(const torch::Tensor& x);  // x (B, S, hidden)
+  // The parts of forward() a query tile needs: its queries and head weights from its own rows,
+  // and the pooled keys of the whole sequence.
+  void Queries(const torch::Tensor& x, torch::Tensor* q, torch::Tensor* w);  // (B, HI, n, DI), (B, n, HI)
+  torch::Tensor Keys(const torch::Tensor& x);                                 // (B, floor(S / 4), DI)
   torch::nn::Linear wq{nullptr}, wk{nullptr}, weights_proj{nullptr}, pool_gate{nullptr};
   torch::nn::LayerNorm k_norm{nullptr};
   torch::Tensor pool_bias;  // (4, DI)
@@ -139,9 +143,22 @@ TORCH_MODULE(DsaIndexer);
 // probabilities summed over heads (L1-normalised) and summed within each pool, against the
 // softmax of the indexer's pool scores, over the selected pools (sparse) or every visible pool
 // (dense_warmup), summed per query row and divided by the rows that have a pool.
+//
+// The sparse stage runs in query tiles of tile() tokens (the whole sequence's keys, values and
+// pooled indexer keys against one tile's queries at a time), so what grows with the sequence is
+// per key, not per query. With grad it goes through a Function that keeps x, each query's pool
+// selection, the attention's log-sum-exp and the KL's target (~4 KB a token for hybrid-3b) and,
+// in backward, recomputes k, v and the pooled keys once and each tile's queries and token indices
+// on their own, the key-side gradients summed over tiles in fp32 (kernels::SparseAttentionBackward)
+// and the weight gradients too (model/grad_sums.h). Neither the indexer nor the attention runs
+// forward again in backward.
 class DsaAttentionImpl : public torch::nn::Module {
  public:
   explicit DsaAttentionImpl(const ModelConfig& config);
+  // Queries per tile of the sparse stage (a positive number). Default kDsaTile.
+  static constexpr int64_t kDefaultTile = kDsaTile;
+  int64_t tile() const { return tile_; }
+  void set_tile(int64_t tokens);
   // Everything before o_proj: (B, S, hidden) -> (B, S, Hq * D). When `indexer_loss` is given and
   // the loss can train (grad mode on, the indexer's parameters require grad, weight > 0), it is
   // set to the indexer KL (fp32 scalar, differentiable w.r.t. the indexer's parameters only);
@@ -161,8 +178,12 @@ class DsaAttentionImpl : public torch::nn::Module {
     torch::Tensor sum;  // fp32 scalar: KL summed over query rows
     int64_t rows = 0;   // rows with at least one pool
   };
+  class TiledFunction;
   torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
+  // The sparse stage over query tiles: without grad directly, with grad through TiledFunction.
+  torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl);
   int64_t heads_, kv_heads_, head_dim_, top_pools_;
+  int64_t tile_ = kDefaultTile;
   IndexerStage stage_;
   double loss_weight_;
   torch::Tensor last_loss_;

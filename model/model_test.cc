@@ -8,8 +8,10 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/dsa.h"
 #include "model/causal_lm.h"
 #include "model/decode.h"
+#include "model/hybrid.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 
@@ -406,6 +408,87 @@ TEST(HybridModelTest, KdaTilesEqualTheUntiledMixer) {
   m->set_segment(KdaAttentionImpl::kDefaultSegment);
   EXPECT_THROW(m->set_segment(C + 1), c10::Error);
   EXPECT_THROW(m->set_segment(0), c10::Error);
+}
+
+// The DSA layer's sparse stage in query tiles equals plain autograd of the untiled layer (the
+// projections, the selection, SparseAttention and IndexerKlLoss composed directly): the output,
+// the KL, the input's gradient and every parameter's, with tiles that split a pool, a last tile
+// of one token and one tile for the whole row; and without grad.
+TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
+  ModelConfig c = TinyHybrid();
+  DsaAttention m(c);
+  m->to(torch::kFloat64);
+  torch::manual_seed(23);
+  for (auto& p : m->parameters()) {
+    torch::NoGradGuard no_grad;
+    p.copy_(torch::randn_like(p) * (p.dim() >= 2 ? 0.3 : 0.1) + (p.dim() == 1 ? 1.0 : 0.0));
+  }
+  const int64_t B = 2, S = 161, H = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.HeadDim();
+  const double kl_weight = 0.7;
+  torch::Tensor x = torch::randn({B, S, c.hidden_size}, torch::kFloat64);
+  torch::Tensor gy = torch::randn({B, S, H * D}, torch::kFloat64);
+  using Grads = std::map<std::string, torch::Tensor>;
+  auto collect = [&](const torch::Tensor& xi, const torch::Tensor& y, const torch::Tensor& kl) {
+    Grads out = {{"y", y.detach()}, {"kl", kl.detach().to(torch::kFloat64).view({1})}, {"dx", xi.grad()}};
+    for (auto& p : m->named_parameters()) {
+      if (p.key().rfind("o_proj.", 0) == 0) continue;  // after Heads
+      EXPECT_TRUE(p.value().grad().defined()) << p.key();
+      if (p.value().grad().defined()) out[p.key()] = p.value().grad().clone();
+    }
+    return out;
+  };
+  // Plain autograd of the untiled layer.
+  m->zero_grad();
+  Grads plain;
+  {
+    torch::Tensor xi = x.clone().requires_grad_(true);
+    torch::Tensor q = m->q_proj(xi).view({B, S, H, D}).transpose(1, 2);
+    torch::Tensor k = m->k_proj(xi).view({B, S, Hkv, D}).transpose(1, 2);
+    torch::Tensor v = m->v_proj(xi).view({B, S, Hkv, D}).transpose(1, 2);
+    DsaIndexerImpl::Out ix = m->indexer(xi.detach());
+    kernels::DsaIndexerOptions o;
+    o.top_k = c.hybrid.index_top_k / 4;
+    o.pool = 4;
+    torch::Tensor pool = kernels::IndexerTopK(ix.q.detach(), ix.keys.detach(), ix.w.detach(), o);
+    torch::Tensor idx = kernels::ExpandPoolSelection(pool);
+    torch::Tensor y = kernels::SparseAttention(q, k, v, idx).transpose(1, 2).reshape({B, S, H * D});
+    torch::Tensor target;
+    {
+      torch::NoGradGuard no_grad;
+      const int64_t kp = pool.size(2);
+      torch::Tensor p = kernels::SparseAttentionProbs(q, k, idx, 1.0 / std::sqrt(static_cast<double>(D)));
+      target = p.narrow(2, 0, 4 * kp).reshape({B, S, kp, 4}).sum(-1).masked_fill(pool < 0, 0.0);
+      target = target / target.sum(-1, true).clamp_min(1e-30);
+    }
+    const double rows = static_cast<double>((pool.select(2, 0) >= 0).sum().item<int64_t>());
+    torch::Tensor kl = kernels::IndexerKlLoss(ix.q, ix.keys, ix.w, pool, target) / rows;
+    ((y * gy).sum() + kl_weight * kl).backward();
+    plain = collect(xi, y, kl);
+  }
+  ASSERT_GT(plain["dx"].abs().max().item<double>(), 0.0);
+  ASSERT_GT(plain["indexer.wq.weight"].abs().max().item<double>(), 0.0);
+  for (int64_t tile : {int64_t{1000}, int64_t{37}, int64_t{6}, int64_t{160}}) {
+    m->set_tile(tile);
+    m->zero_grad();
+    torch::Tensor xi = x.clone().requires_grad_(true);
+    torch::Tensor kl;
+    torch::Tensor y = m->Heads(xi, AttentionMeta{}, nullptr, &kl);
+    ASSERT_TRUE(kl.defined()) << "tile " << tile;
+    ((y * gy).sum() + kl_weight * kl).backward();
+    Grads tiled = collect(xi, y, kl);
+    for (const auto& [name, want] : plain) {
+      // The KL leaves the layer in fp32 (what InjectAuxLoss takes), so it and the indexer's
+      // gradients (scaled by it in backward) are equal to fp32's rounding; the rest to fp64's.
+      const bool fp32 = name == "kl" || name.find("indexer.") == 0;
+      const double bar = (fp32 ? 1e-6 : 1e-10) * (1.0 + want.abs().max().item<double>());
+      ASSERT_TRUE(tiled.count(name)) << name;
+      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), bar) << name << " tile " << tile;
+    }
+    torch::NoGradGuard no_grad;
+    EXPECT_LT((m->Heads(x, AttentionMeta{}, nullptr, nullptr) - plain["y"]).abs().max().item<double>(), 1e-10)
+        << "no grad, tile " << tile;
+  }
+  EXPECT_THROW(m->set_tile(0), c10::Error);
 }
 
 // The indexer KL (spec 2.3) trains the indexer and nothing else: the other parameters' gradients

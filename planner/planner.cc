@@ -218,19 +218,21 @@ Prediction Predict(const Request& r) {
     const int64_t kda_tile = Tt * HK * (13 * e + 81);
     const int64_t kda_state = 2 * (Ts / C) * Hk * K * K * 4;
     const int64_t kda_segment = Ts * HK * 180 + kda_state;
-    // DSA, per token: the sparse attention's saved q, k, v and log-sum-exp and the output
-    // o_proj reads; its backward's dO and dq, the fp32 dk/dv accumulators and their casts, delta;
-    // the token indices (top_k + 3 int32, with the int64 transients of one 16384-row block of
-    // the expansion) and the pool indices; the indexer's q and its gradient, the KL's fp32
-    // target over the selected pools; the layer's norm output (one (T, hidden)). Per layer, the
-    // indexer's scores (the CUDA selection's workspace of 256 MiB,
-    // kernels::DsaIndexerOptions::workspace_bytes, above the libtorch path's 64 x 256 x HI fp32
-    // blocks). Measured: the peak at 256K tokens (77.7 KB a token with the MLP's tile).
-    const int64_t W = m.index_top_k + 3, HI = m.index_heads, DI = m.index_head_dim, kp = m.index_top_k / 4;
-    const int64_t dsa_indices = T * (W * 4 + kp * 4) + std::min<int64_t>(T, 16384) * W * 8;
-    const int64_t dsa_per_token = T * (e * (2 * qd + 2 * kvd) + 4 * m.heads) +
-                                  T * (2 * qd * e + 2 * kvd * (4 + e) + 4 * m.heads) + dsa_indices +
-                                  T * (2 * HI * DI * e + kp * 4) + T * m.hidden * e;
+    // DSA: the sparse stage runs in query tiles (model::kDsaTile; model/hybrid.h). Its backward
+    // holds, per token of the sequence: the layer's norm output (the Function's input) and its
+    // gradient, the pool selection and the KL's fp32 target, the log-sum-exp, the incoming
+    // gradient, k and v and their fp32 gradient accumulators (~34 KB a token for hybrid-3b); per
+    // token of one tile, q and dq and the token indices (top_k + 3 int32). Around the mixer, the
+    // layer's residual stream while that backward runs (the gradient the MLP block handed back,
+    // the recomputed output rooting the layer's graph, ...): 4.5 of (T, hidden), fitted to the
+    // peaks measured on one H200 (hybrid-3b, 2026-12-04: 1M tokens 116.0 GiB in a DSA layer;
+    // at 256K the DSA layer's working set below the KDA layer's), not attributed one by one.
+    const int64_t W = m.index_top_k + 3, HI = m.index_heads, kp = m.index_top_k / 4;
+    const int64_t Tq = std::min(T, model::kDsaTile);
+    const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
+    const int64_t dsa_stream = 9 * T * m.hidden * e / 2;
+    const int64_t dsa_per_token =
+        T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e)) + dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores;
     const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment : 0;
@@ -241,17 +243,20 @@ Prediction Predict(const Request& r) {
                       {"KDA layer: one segment's fp32 chunk intermediates and gradients", kda_segment - kda_state},
                       {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state}};
     } else {
-      hybrid_terms = {{"DSA layer: attention, indexer and their gradients", dsa_per_token - dsa_indices + dsa_blocks},
-                      {"DSA layer: selected indices (top_k + tail, int32)", dsa_indices}};
+      hybrid_terms = {{"DSA layer: attention, indexer and their gradients",
+                       dsa_per_token - dsa_indices - dsa_stream + dsa_blocks},
+                      {"DSA layer: the residual stream around the mixer (fitted)", dsa_stream},
+                      {"DSA layer: one query tile's q, dq and token indices (top_k + tail, int32)", dsa_indices}};
     }
     // Without recompute every layer keeps its autograd state (a tiled KDA mixer only its input;
-    // a DSA layer its attention's and indexer's tensors): averaged over the layer kinds.
+    // a DSA layer its tiled Function's input, selection, KL target and log-sum-exp): averaged over
+    // the layer kinds.
     const int64_t kda_saved = T > Tt ? T * m.hidden * e : kda_tile;
-    const int64_t dsa_saved = T * (e * (2 * qd + 2 * kvd) + 4 * m.heads + 2 * HI * DI * e + kp * 4) + dsa_indices;
+    const int64_t dsa_saved = T * (m.hidden * e + 8 * kp + 4 * m.heads);
     hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * dsa_saved) / L +
                              (st.mlp_tile > 0 || m.moe_layers == L ? 0 : T * (3 * I + H) * e) + 3 * act;
     if (!recompute)
-      working = std::max(kda_segment + (T > Tt ? kda_tile : 0), dsa_blocks + T * (2 * qd * e + 2 * kvd * (4 + e))) +
+      working = std::max(kda_segment + (T > Tt ? kda_tile : 0), dsa_blocks + dsa_per_token - dsa_stream - dsa_saved) +
                 (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   CpAsyncCommit();
   for (int i = tid; i < kQueries * HI; i += kScoreThreads) {
     const int row = i / HI, j = i % HI;
-    ws[i] = c.w[(c.t0 + min(r0 + row, last_row)) * c.HI + j];
+    ws[i] = c.w[(c.t0 - c.q0 + min(r0 + row, last_row)) * c.HI + j];
   }
   CpAsyncWait<0>();
   __syncthreads();
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
     bf16* dst = qs + buf * kQueries * LD;
     for (int i = tid; i < kQueries * kChunks; i += kScoreThreads) {
       const int row = i / kChunks, ch = i % kChunks;
-      const int64_t t = c.t0 + min(r0 + row, last_row);
-      CpAsync16(dst + row * LD + ch * 8, qg + head * c.q_sh + t * c.q_ss + ch * 8);
+      const int64_t qrow = c.t0 - c.q0 + min(r0 + row, last_row);
+      CpAsync16(dst + row * LD + ch * 8, qg + head * c.q_sh + qrow * c.q_ss + ch * 8);
     }
   };
   stage_queries(0, 0);
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
       __syncthreads();
     }
   }
-  int32_t* out = c.out + t * c.top_k;
+  int32_t* out = c.out + (t - c.q0) * c.top_k;
   for (int i = tid; i < k; i += kSelectThreads) {
     out[i] = i < taken ? static_cast<int32_t>(0xffffffffu - static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
   }

@@ -28,17 +28,21 @@ bool IndexerSelectSupported(int64_t D, int64_t HI, int64_t top_k);
 // The multiple of items every workspace row stride (ld) must be.
 constexpr int64_t kIndexerItemTile = 128;
 
+// Positions are absolute (visibility counts from the sequence's position 0); q, w and out hold
+// the rows of positions q0 .. q0 + S - 1 (a query tile of the sequence: q0 its first position).
 struct IndexerChunk {
-  const void* q;          // bf16 index queries of one batch row: element (j, t, d) at q + j*q_sh + t*q_ss + d
+  const void* q;          // bf16 index queries of one batch row: position t, head j, dim d at
+                          // q + j*q_sh + (t - q0)*q_ss + d
   int64_t q_sh, q_ss;     // element strides of head and token (multiples of 8; q 16-byte aligned)
   const void* k;          // bf16 key items of that batch row: (P, D), row p at k + p*k_ss
   int64_t k_ss;           // a multiple of 8
-  const float* w;         // (S, HI) fp32 contiguous head weights of that batch row
+  const float* w;         // (S, HI) fp32 contiguous head weights of that batch row, row t - q0
   int64_t S, P, D, HI, pool, top_k;
-  int64_t t0, rows;       // the chunk: queries t0 .. t0 + rows - 1
+  int64_t q0;             // position of row 0 of q, w and out
+  int64_t t0, rows;       // the chunk: positions t0 .. t0 + rows - 1, within q0 .. q0 + S - 1
   float* scores;          // workspace (rows, ld) fp32
   int64_t ld;             // >= min(P, (t0 + rows) / pool), a multiple of kIndexerItemTile
-  int32_t* out;           // (S, top_k) int32 of that batch row; rows t0.. written
+  int32_t* out;           // (S, top_k) int32 of that batch row; rows t0 - q0.. written
 };
 
 // Scores of the chunk's rows against the items the chunk's last query sees.

@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kD = D / 32, kV = Dv / 32;
   const int64_t blk = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y;
-  const int64_t nb = (a.S + kKeys - 1) / kKeys;
+  const int64_t nb = (a.Sk + kKeys - 1) / kKeys;
   const int64_t lo = u.offsets[b * nb + blk], hi = u.offsets[b * nb + blk + 1];
   if (lo == hi) return;
   __shared__ float ks[kKeys * D], vs[kKeys * Dv];
@@ -324,11 +324,11 @@ __global__ void __launch_bounds__(kThreads)
     const T* vb = static_cast<const T*>(a.v.p) + b * a.v.sb + hk * a.v.sh;
     for (int i = threadIdx.x; i < kKeys * D; i += kThreads) {
       const int64_t key = blk * kKeys + i / D;
-      ks[i] = key < a.S ? ToF(kb[key * a.k.ss + i % D]) * (a.scale * kLog2e) : 0.f;
+      ks[i] = key < a.Sk ? ToF(kb[key * a.k.ss + i % D]) * (a.scale * kLog2e) : 0.f;
     }
     for (int i = threadIdx.x; i < kKeys * Dv; i += kThreads) {
       const int64_t key = blk * kKeys + i / Dv;
-      vs[i] = key < a.S ? ToF(vb[key * a.v.ss + i % Dv]) : 0.f;
+      vs[i] = key < a.Sk ? ToF(vb[key * a.v.ss + i % Dv]) : 0.f;
     }
   }
   __syncthreads();
@@ -406,14 +406,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kKeys * (D + Dv); i += kThreads) {
     const int s = i / (D + Dv), c = i - s * (D + Dv);
     const int64_t key = blk * kKeys + s;
-    if (key >= a.S) continue;
+    if (key >= a.Sk) continue;
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[(w * kKeys + s) * (D + Dv) + c];
     if (c < D) {
-      dk_acc[((b * a.Hkv + hk) * a.S + key) * D + c] += sum * a.scale;
+      dk_acc[((b * a.Hkv + hk) * a.Sk + key) * D + c] += sum * a.scale;
     } else {
-      dv_acc[((b * a.Hkv + hk) * a.S + key) * Dv + c - D] += sum;
+      dv_acc[((b * a.Hkv + hk) * a.Sk + key) * Dv + c - D] += sum;
     }
   }
 }

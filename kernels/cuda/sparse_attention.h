@@ -22,8 +22,10 @@
 //
 // Raw device pointers, no CUDA or libtorch headers here. q, k, v, o, dO, dq: element strides for
 // batch, head and token; the head dim contiguous; 16-byte aligned rows (SparseAttentionSupported
-// says which shapes). idx (B, S, W) int32 contiguous; lse, delta (B, H, S) fp32 contiguous;
-// dk_acc (B, Hkv, S, D), dv_acc (B, Hkv, S, Dv) fp32 contiguous. Each launcher returns the
+// says which shapes). S counts the query rows (of q, o, dO, dq, idx, lse, delta), Sk the key rows
+// (of k, v, dk_acc, dv_acc): q may be a tile of a longer sequence's queries, its indices
+// addressing k's rows. idx (B, S, W) int32 contiguous, entries in [-1, Sk); lse, delta (B, H, S)
+// fp32 contiguous; dk_acc (B, Hkv, Sk, D), dv_acc (B, Hkv, Sk, Dv) fp32 contiguous. Each launcher returns the
 // launch's cudaError_t as an int (0 = success). Only built with ODYSSEY_CUDA.
 #pragma once
 
@@ -47,8 +49,8 @@ struct SparseOutRows {
 struct SparseAttentionArgs {
   bool bf16;  // every q, k, v, o, dO, dq tensor: bf16 (else fp32)
   SparseRows q, k, v;
-  const int32_t* idx;
-  int64_t B, H, Hkv, S, W, D, Dv;
+  const int32_t* idx;      // (B, S, W), entries in [-1, Sk)
+  int64_t B, H, Hkv, S, Sk, W, D, Dv;  // S query rows, Sk key rows
   float scale;
 };
 
@@ -59,7 +61,7 @@ int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float*
 // probs (B, S, W) fp32 contiguous: the head-mean softmax probability of each selected key,
 // (1 / H) sum_h exp(scale q_h . k_j - lse_h) over the row's valid keys, 0 at -1 entries and in
 // rows without a valid key. v and Dv are not read (Dv must equal D for the dispatch). S counts the
-// query rows given (a chunk of a longer sequence: the indices address k's rows, whatever S is).
+// query rows given (a chunk of a longer sequence: the indices address k's Sk rows).
 int SparseAttentionProbs(const SparseAttentionArgs& a, float* probs, void* stream);
 
 // dq (B, H, S, D) strided, delta (B, H, S) = dO . o, computed in fp32 as sum_j p_j (dO . v_j)
@@ -75,8 +77,8 @@ constexpr int kSparseKeyBlock = 4;
 // same block (block = key / kSparseKeyBlock); it takes the entries after it while they are (at most
 // kSparseKeyBlock).
 // first[u] = (b * rows + t - t0) * W + w of unit u (int32), the units sorted by (b, block) and
-// then by first; offsets (B * nb + 1) int64, nb = ceil(S / kSparseKeyBlock): the start of block b * nb + j's
-// units in first.
+// then by first; offsets (B * nb + 1) int64, nb = ceil(Sk / kSparseKeyBlock): the start of block
+// b * nb + j's units in first.
 struct SparseKeyUnits {
   const int64_t* offsets;
   const int32_t* first;
