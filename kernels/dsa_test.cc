@@ -36,6 +36,18 @@ Indexer MakeIndexer(int64_t B, int64_t HI, int64_t S, int64_t D, torch::ScalarTy
   return {torch::randn({B, HI, S, D}).to(t), torch::randn({B, S, D}).to(t), torch::randn({B, S, HI}).to(t)};
 }
 
+// Token indices of a pooled selection over S keys (top_k pools of 4, their tails), one query
+// selecting nothing (DSA's selections as the tiled tests use them), fp64 indexer inputs from `seed`.
+Tensor PooledIndices(int64_t B, int64_t S, int64_t top_k, uint64_t seed, int64_t empty_query) {
+  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, seed);
+  DsaIndexerOptions o;
+  o.top_k = top_k;
+  o.pool = 4;
+  Tensor idx = ExpandPoolSelection(IndexerTopK(ix.q, torch::randn({B, S / 4, 8}, torch::kFloat64), ix.w, o));
+  idx.select(1, empty_query).fill_(-1);
+  return idx;
+}
+
 // Checks one selection against the scores it came from (B, S, P): the rules of dsa.h's file
 // comment. Counts the rows checked into *rows (so a test can assert it looked at something).
 void ExpectFollowsRule(const Tensor& sel, const Tensor& scores, int64_t top_k, int64_t pool, int64_t* rows) {
@@ -336,12 +348,7 @@ double RelErr(const Tensor& got, const Tensor& want) {
 TEST(DsaSparseAttention, TilesThroughForwardAndBackwardEqualTheWholeFp64) {
   const int64_t B = 2, H = 6, Hkv = 2, S = 157, D = 16, Dv = 12;
   Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 81);
-  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 82);
-  DsaIndexerOptions o;
-  o.top_k = 6;
-  o.pool = 4;
-  Tensor idx = ExpandPoolSelection(IndexerTopK(ix.q, torch::randn({B, S / 4, 8}, torch::kFloat64), ix.w, o));
-  idx.select(1, 60).fill_(-1);  // query 60 selects nothing
+  Tensor idx = PooledIndices(B, S, 6, 82, /*empty_query=*/60);
   Tensor dO = torch::randn({B, H, S, Dv}, torch::kFloat64);
   const std::vector<Tensor> want = RunAttention(true, x, idx, dO);
 
@@ -530,12 +537,7 @@ TEST(DsaSparseAttention, KernelTilesEqualTheWholeSequence_cuda) {
   }
   const int64_t B = 2, H = 6, Hkv = 2, S = 700, D = 128, Dv = 64;
   Qkv x = MakeQkv(B, H, Hkv, S, D, Dv, 101);
-  Indexer ix = MakeIndexer(B, 2, S, 8, torch::kFloat64, 102);
-  DsaIndexerOptions o;
-  o.top_k = 16;
-  o.pool = 4;
-  Tensor idx = ExpandPoolSelection(IndexerTopK(ix.q, torch::randn({B, S / 4, 8}, torch::kFloat64), ix.w, o));
-  idx.select(1, 40).fill_(-1);  // query 40 selects nothing
+  Tensor idx = PooledIndices(B, S, 16, 102, /*empty_query=*/40);
   auto dev = [](const Tensor& t) { return t.to(torch::kCUDA, torch::kBFloat16); };
   const Tensor q = dev(x.q), k = dev(x.k), v = dev(x.v), idxd = idx.cuda();
   const Tensor dO = dev(torch::randn({B, H, S, Dv}, torch::kFloat64));
