@@ -191,6 +191,10 @@ int main(int argc, char** argv) {
       app.add_option("--kda-segment", kda_segment,
                      "hybrid models: tokens per segment of the chunked KDA op, a positive multiple of the chunk "
                      "size (default KdaAttentionImpl::kDefaultSegment)");
+  int64_t dsa_tile = 0;
+  CLI::Option* dsa_tile_opt = app.add_option("--dsa-tile", dsa_tile,
+                                             "hybrid models: queries per tile of the DSA layer's sparse stage, >= 1 "
+                                             "(default DsaAttentionImpl::kDefaultTile)");
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
@@ -251,6 +255,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "KDA: %lld mixers set:%s%s\n", static_cast<long long>(mixers),
                  set_kda_tile ? (" tile " + std::to_string(kda_tile)).c_str() : "",
                  set_kda_segment ? (" segment " + std::to_string(kda_segment)).c_str() : "");
+  }
+  const bool set_dsa_tile = dsa_tile_opt->count() > 0;
+  if (set_dsa_tile) {
+    if (dsa_tile < 1) {
+      std::fprintf(stderr, "odyssey-bench: --dsa-tile (%lld) must be >= 1\n", static_cast<long long>(dsa_tile));
+      return 2;
+    }
+    int64_t mixers = 0;
+    for (const auto& m : t.model()->modules()) {
+      auto* dsa = dynamic_cast<odyssey::model::DsaAttentionImpl*>(m.get());
+      if (dsa == nullptr) continue;
+      ++mixers;
+      dsa->set_tile(dsa_tile);
+    }
+    if (mixers == 0) {
+      std::fprintf(stderr, "odyssey-bench: --dsa-tile acts on DSA layers; %s has none\n", o.model.c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "DSA: %lld mixers set: tile %lld\n", static_cast<long long>(mixers),
+                 static_cast<long long>(dsa_tile));
   }
   const int64_t B = o.data.batch_size, S = o.data.seq_len;
   torch::Device dev = t.device();
@@ -458,11 +482,18 @@ int main(int argc, char** argv) {
         break;
       }
     }
+    for (const auto& m : t.model()->modules()) {
+      if (auto* dsa = dynamic_cast<odyssey::model::DsaAttentionImpl*>(m.get())) {
+        j["dsa_tile"] = dsa->tile();
+        break;
+      }
+    }
   }
   if (plan && (set_kda_tile || set_kda_segment)) {
     // The planner plans the default KDA tile and segment only.
     j["planned_for_default_kda_tile_and_segment"] = true;
   }
+  if (plan && set_dsa_tile) j["planned_for_default_dsa_tile"] = true;  // likewise the DSA tile
   if (plan) {
     j["planned_gpu_peak_bytes"] = planned.gpu_peak_bytes;
     j["planned_host_bytes"] = planned.host_bytes;
