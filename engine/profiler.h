@@ -7,7 +7,7 @@
 // turns a trace into per-phase times, kernel time by kind, the memory timeline and its peak's
 // phase, and a PNG plot.
 //
-// odyssey-bench --profile DIR records its last timed step. Thread safety: the profiler follows
+// odyssey-bench --profile DIR records one more step after its timed ones. Thread safety: the profiler follows
 // the thread that starts it (the training thread); one at a time per process.
 #pragma once
 

@@ -118,11 +118,19 @@ fi
 # poll with `long1b-wait`, which returns after at most LONG_WAIT seconds, default 500).
 # long1b-wait: waits for that pid (kill -0, never pgrep -f: the polling shell's own command line
 # names the binary), then prints the log's tail and copies log and JSON line into $OUT.
+# LONG_PROFILE=DIR (both modes): the one step is the profiler's (odyssey-bench --steps 0 --profile
+# DIR, DIR a folder on the GPU host, e.g. /tmp/odyssey-long-profile; its time, in the log, includes
+# the profiler's overhead, ~8%), and long1b-wait, once the step has ended, writes
+# bench/profile_report.py's report of it (phases, kernels, the memory peak's phase) and its
+# memory plot into $OUT (the trace itself is too large to bring back at 1M).
 if only long1b; then
   log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
+  long_steps=1
+  [ -n "${LONG_PROFILE:-}" ] && long_steps=0
   setsid nohup build-gpu/bench/odyssey-bench --model "${LONG_MODEL:-llama-3.2-1b}" --seq-len "${LONG_LEN:-1048576}" \
     ${LONG_FLAGS:---recompute layer --offload --device-resident 8 --head-groups 2 --mlp-tile 16384 --loss-tile 4096} \
-    --warmup 0 --steps 1 --json "${log%.log}.jsonl" >"$log" 2>&1 < /dev/null &
+    ${LONG_PROFILE:+--profile "$LONG_PROFILE"} --warmup 0 --steps "$long_steps" \
+    --json "${log%.log}.jsonl" >"$log" 2>&1 < /dev/null &
   echo $! >"${log%.log}.pid"
   echo "long1b: started pid $! (log $log)"
 fi
@@ -135,6 +143,11 @@ if only long1b-wait; then
   if kill -0 "$pid" 2>/dev/null; then echo "long1b-wait: pid $pid still running after ${waited} s"; else echo "long1b-wait: pid $pid has exited"; fi
   tail -5 "$log"
   cp "$log" "${log%.log}.jsonl" "$out/" 2>/dev/null || true
+  if [ -n "${LONG_PROFILE:-}" ] && ! kill -0 "$pid" 2>/dev/null && [ -f "$LONG_PROFILE/trace.json" ]; then
+    python3 bench/profile_report.py "$LONG_PROFILE/trace.json" >"$out/long-profile.txt" 2>&1
+    cp "$LONG_PROFILE"/*.png "$out/" 2>/dev/null || true
+    head -40 "$out/long-profile.txt"
+  fi
 fi
 # paralleltests: the GPU cases of the attention, communicator and context-parallel binaries:
 # cuDNN's kept-attention kernels with native grouped-query K/V and with K/V expanded, ranks
