@@ -213,8 +213,12 @@ Prediction Predict(const Request& r) {
     //    states h with their gradients, 2 x [Ts / C, HV, K, V].
     // Measured for hybrid-3b's 24 heads of 128: 602 KB a segment token (segments of 8192, 16384
     // and 32768 tokens at 64K), ~327 KB a tile token, and beyond the checkpointed inputs and the
-    // incoming gradient nothing that grows with the sequence (the peaks at 64K and 128K).
+    // incoming gradient one (T, hidden) that grows with the sequence: the KDA peak measured at
+    // 256K (2026-12-04, third session: the first KDA peak at that length) sits 5.6 KB a token
+    // above the 64K fit's slope. Fitted, not attributed (the layer's recomputed output or its
+    // input's gradient are candidates).
     const int64_t Tt = std::min(T, model::kKdaTile), Ts = std::min(Tt, model::kKdaSegment);
+    const int64_t kda_stream = T * m.hidden * e;
     const int64_t kda_tile = Tt * HK * (13 * e + 81);
     const int64_t kda_state = 2 * (Ts / C) * Hk * K * K * 4;
     const int64_t kda_segment = Ts * HK * 180 + kda_state;
@@ -235,13 +239,14 @@ Prediction Predict(const Request& r) {
         T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e)) + dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores;
-    const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment : 0;
+    const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream : 0;
     const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
     working = std::max(kda_work, dsa_work) + mlp_work;
     if (kda_work >= dsa_work) {
       hybrid_terms = {{"KDA layer: the recomputed tile's autograd state", kda_tile},
                       {"KDA layer: one segment's fp32 chunk intermediates and gradients", kda_segment - kda_state},
-                      {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state}};
+                      {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state},
+                      {"KDA layer: one (T, hidden) around the mixer (fitted)", kda_stream}};
     } else {
       hybrid_terms = {{"DSA layer: attention, indexer and their gradients",
                        dsa_per_token - dsa_indices - dsa_stream + dsa_blocks},
