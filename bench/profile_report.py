@@ -7,7 +7,10 @@
   copies) and the 12 costliest kernels;
 - host <-> device copies: bytes, time and how much of it overlapped kernels;
 - the memory timeline (allocated and reserved after every allocation) and the phase its peak
-  fell in.
+  fell in;
+- what is alive at the peak: the allocations not yet freed at that instant, grouped by the op
+  that made them (the innermost op around the allocation that is not a bare allocation such as
+  aten::empty) and the phase it ran in, largest first.
 
 Writes DIR/profile.json and, where matplotlib is installed, DIR/memory.png (memory over the
 step, phases shaded); prints the tables as markdown.
@@ -15,6 +18,7 @@ step, phases shaded); prints the tables as markdown.
   python3 bench/profile_report.py out/profile/trace.json
 """
 import argparse
+import bisect
 import heapq
 import json
 import os
@@ -29,6 +33,56 @@ KINDS = [
     ("reduction", re.compile(r"reduce|norm|sum|softmax|logsumexp", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
 ]
+
+
+ALLOC_OPS = re.compile(r"^aten::(empty|empty_strided|empty_like|new_empty|new_empty_strided|resize_|zeros|"
+                       r"zeros_like|full|ones|ones_like)$")
+
+
+def live_at_peak(events, mem, peak, phases):
+    """The allocations of `mem` alive at `peak` (a [memory] event), grouped by (phase, op): the
+    innermost CPU op on the allocating thread around each allocation, bare allocations (aten::empty
+    and kin) skipped so the op that asked for the memory names it. Returns [(bytes, count, phase,
+    op)], largest first."""
+    live = {}
+    for e in mem:
+        a = e["args"]
+        if a["Bytes"] > 0:
+            live[a["Addr"]] = e
+        else:
+            live.pop(a["Addr"], None)
+        if e is peak:
+            break
+    ops = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops[e.get("tid")].append(e)
+    starts = {}
+    for tid, lst in ops.items():
+        lst.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in lst]
+    phase_list = sorted(phases, key=lambda p: p["ts"])
+    phase_starts = [p["ts"] for p in phase_list]
+
+    def innermost(lst, st, t, skip):
+        i = bisect.bisect_right(st, t) - 1
+        # Scanning back from the last op begun by t, the first one still running at t is the
+        # innermost (scopes nest); a window bounds the scan.
+        for j in range(i, max(-1, i - 4000), -1):
+            e = lst[j]
+            if e["ts"] <= t <= e["ts"] + e.get("dur", 0) and not (skip and skip.match(e["name"])):
+                return e
+        return None
+
+    groups = defaultdict(lambda: [0, 0])
+    for e in live.values():
+        t, tid = e["ts"], e.get("tid")
+        op = innermost(ops.get(tid, []), starts.get(tid, []), t, ALLOC_OPS) if tid in ops else None
+        ph = innermost(phase_list, phase_starts, t, None)
+        key = (ph["name"] if ph else "outside every phase", op["name"] if op else "?")
+        groups[key][0] += e["args"]["Bytes"]
+        groups[key][1] += 1
+    return sorted(((b, c, k[0], k[1]) for k, (b, c) in groups.items()), reverse=True)
 
 
 def kind_of(name):
@@ -157,6 +211,10 @@ def main():
             a = e["args"]["Total Allocated"]
             by_name[name] = max(by_name.get(name, 0), a)
             by_kind[phase_kind(name)] = max(by_kind.get(phase_kind(name), 0), a)
+        report["memory"]["live_at_peak"] = [
+            {"bytes": b, "allocations": c, "phase": ph, "op": op}
+            for b, c, ph, op in live_at_peak(events, mem, peak, cpu_phases)[:40]
+        ]
         report["memory"]["peak_by_phase_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
         report["memory"]["peak_by_phase"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
         try:
@@ -214,6 +272,10 @@ def main():
             print(f"| {k} | {v} |")
         for k, v in list(m["peak_by_phase"].items())[:8]:  # profile.json has every phase
             print(f"| {k} | {v} |")
+        print("\nalive at the peak, by the op that allocated it (profile.json has 40 rows):")
+        print("| bytes | allocations | phase | op |\n| --- | --- | --- | --- |")
+        for r in m["live_at_peak"][:16]:
+            print(f"| {r['bytes']} | {r['allocations']} | {r['phase']} | {r['op']} |")
 
 
 if __name__ == "__main__":

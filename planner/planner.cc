@@ -227,10 +227,12 @@ Prediction Predict(const Request& r) {
     // gradient, the pool selection and the KL's fp32 target, the log-sum-exp, the incoming
     // gradient, k and v and their fp32 gradient accumulators (~34 KB a token for hybrid-3b); per
     // token of one tile, q and dq and the token indices (top_k + 3 int32). Around the mixer, the
-    // layer's residual stream while that backward runs (the gradient the MLP block handed back,
-    // the recomputed output rooting the layer's graph, ...): 4.5 of (T, hidden), fitted to the
-    // peaks measured on one H200 (hybrid-3b, 2026-12-04: 1M tokens 116.0 GiB in a DSA layer;
-    // at 256K the DSA layer's working set below the KDA layer's), not attributed one by one.
+    // layer's residual stream while that backward runs: 4.5 of (T, hidden), fitted to the peaks
+    // measured on one H200 (hybrid-3b, 2026-12-04: 1M tokens 116.0 GiB in a DSA layer; at 256K
+    // the DSA layer's working set below the KDA layer's). A CPU profile of the same layer
+    // (bench/profile_report.py's "alive at the peak") names 2 of them: the gradient the MLP block
+    // hands back and the recomputed output rooting the layer's graph; the other 2.5 the GPU peak
+    // holds and that profile does not show.
     const int64_t W = m.index_top_k + 3, HI = m.index_heads, kp = m.index_top_k / 4;
     const int64_t Tq = std::min(T, model::kDsaTile);
     const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
