@@ -296,6 +296,15 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
 };
 
 // Shapes, query_block and the indices' range (one reduction over them, a device sync).
+
+// One pass over the indices (and one device sync): every entry in [-1, Sk), or the kernels would
+// read outside k and v.
+void CheckIndexRange(const char* fn, const Tensor& indices, int64_t Sk) {
+  if (indices.numel() == 0) return;
+  auto [lo, hi] = torch::aminmax(indices);
+  TORCH_CHECK(lo.item<int32_t>() >= -1 && hi.item<int32_t>() < Sk, fn, ": indices must lie in [-1, Sk) (Sk = ", Sk,
+              ", k's rows)");
+}
 void CheckSparseAttention(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                           int64_t query_block) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-d");
@@ -309,11 +318,7 @@ void CheckSparseAttention(const char* fn, const Tensor& q, const Tensor& k, cons
               fn, ": indices must be (B, Sq, W) int32 with q's B (", q.size(0), ") and Sq (", q.size(2), "), got ",
               indices.sizes(), " ", indices.scalar_type());
   TORCH_CHECK(query_block >= 1, fn, ": query_block must be >= 1");
-  if (indices.numel() > 0) {
-    auto [lo, hi] = torch::aminmax(indices);
-    TORCH_CHECK(lo.item<int32_t>() >= -1 && hi.item<int32_t>() < k.size(2), fn,
-                ": indices must lie in [-1, Sk) (Sk = ", k.size(2), ", k's rows)");
-  }
+  CheckIndexRange(fn, indices, k.size(2));
 }
 
 void CheckBackwardPairs(const char* fn, int64_t backward_pairs) {
@@ -511,6 +516,7 @@ Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indi
                   indices.size(1) == q.size(2),
               "SparseAttentionProbs: indices must be (B, Sq, W) int32");
   TORCH_CHECK(query_block >= 1, "SparseAttentionProbs: query_block must be >= 1");
+  CheckIndexRange("SparseAttentionProbs", indices, k.size(2));
   torch::NoGradGuard no_grad;
   const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3),

@@ -152,7 +152,7 @@ torch::Tensor SparseAttentionBackward(const torch::Tensor& grad_out, const torch
 // inputs). CUDA kernel (SparseAttentionProbs of cuda/sparse_attention.h: two walks over the
 // selection per head group, deterministic) under the conditions of SparseAttention's, else
 // libtorch in blocks of query_block queries (the gathered keys of one block at a time).
-// REQUIRES: indices in [-1, Sk) without duplicates in a row; query_block >= 1.
+// REQUIRES: indices in [-1, Sk) (checked) without duplicates in a row; query_block >= 1.
 torch::Tensor SparseAttentionProbs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& indices,
                                    double scale = 0.0, int64_t query_block = 64);
 

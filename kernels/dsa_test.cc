@@ -812,6 +812,12 @@ TEST(DsaSparseAttention, RejectsIndicesOutOfRange) {
                     "lse must be (B, H, Sq)");
   ExpectThrowNaming([&] { SparseAttentionBackward(dO.narrow(2, 0, 5), x.q, k5, v5, ok, r.lse, 0.0, dk, dv); },
                     "grad_out must be (B, H, Sq, Dv)");
+  // The KL target's probabilities read k at the indices too.
+  ExpectThrowNaming([&] { SparseAttentionProbs(x.q, k5, torch::full({1, 8, 2}, 5, torch::kInt32)); },
+                    "SparseAttentionProbs: indices must lie in [-1, Sk)");
+  ExpectThrowNaming([&] { SparseAttentionProbs(x.q, k5, torch::full({1, 8, 2}, -2, torch::kInt32)); },
+                    "indices must lie in [-1, Sk)");
+  EXPECT_EQ(SparseAttentionProbs(x.q, k5, ok).sizes(), torch::IntArrayRef({1, 8, 2}));
 }
 
 }  // namespace
