@@ -48,6 +48,18 @@ Tensor PooledIndices(int64_t B, int64_t S, int64_t top_k, uint64_t seed, int64_t
   return idx;
 }
 
+// A pool selection of one row of S queries written by hand: row t takes up to kp of the pools it
+// sees (p <= (t + 1) / 4 - 1), pool(t, j, visible) for its j-th, valid entries first, then -1.
+Tensor LongPoolSelection(int64_t S, int64_t kp, const std::function<int64_t(int64_t, int64_t, int64_t)>& pool) {
+  Tensor pool_idx = torch::full({1, S, kp}, -1, torch::kInt32);
+  auto w = pool_idx.accessor<int32_t, 3>();
+  for (int64_t t = 0; t < S; ++t) {
+    const int64_t visible = (t + 1) / 4;
+    for (int64_t j = 0; j < std::min(kp, visible); ++j) w[0][t][j] = static_cast<int32_t>(pool(t, j, visible));
+  }
+  return pool_idx;
+}
+
 // Checks one selection against the scores it came from (B, S, P): the rules of dsa.h's file
 // comment. Counts the rows checked into *rows (so a test can assert it looked at something).
 void ExpectFollowsRule(const Tensor& sel, const Tensor& scores, int64_t top_k, int64_t pool, int64_t* rows) {
@@ -190,13 +202,8 @@ TEST(DsaIndexer, QueryTilesSelectTheWholeSequencesRows) {
 TEST(DsaIndexer, LongPoolSelectionExpandsRowByRow) {
   torch::manual_seed(15);
   const int64_t S = 40000, kp = 3;
-  // Row t: up to kp visible pools (p <= (t + 1) / 4 - 1), valid entries first.
-  Tensor pool_idx = torch::full({1, S, kp}, -1, torch::kInt32);
+  Tensor pool_idx = LongPoolSelection(S, kp, [](int64_t, int64_t j, int64_t visible) { return visible - 1 - 7 * j % visible; });
   auto w = pool_idx.accessor<int32_t, 3>();
-  for (int64_t t = 0; t < S; ++t) {
-    const int64_t visible = (t + 1) / 4;
-    for (int64_t j = 0; j < std::min(kp, visible); ++j) w[0][t][j] = static_cast<int32_t>(visible - 1 - 7 * j % visible);
-  }
   Tensor out = ExpandPoolSelection(pool_idx);
   ASSERT_EQ(out.sizes(), torch::IntArrayRef({1, S, 4 * kp + 3}));
   auto a = out.accessor<int32_t, 3>();
@@ -219,12 +226,7 @@ TEST(DsaIndexer, LongPoolSelectionExpandsRowByRow) {
 TEST(DsaIndexer, PoolSelectionTilesExpandAsTheWholeRows) {
   torch::manual_seed(17);
   const int64_t S = 40000, kp = 3;
-  Tensor pool_idx = torch::full({1, S, kp}, -1, torch::kInt32);
-  auto w = pool_idx.accessor<int32_t, 3>();
-  for (int64_t t = 0; t < S; ++t) {
-    const int64_t visible = (t + 1) / 4;
-    for (int64_t j = 0; j < std::min(kp, visible); ++j) w[0][t][j] = static_cast<int32_t>((t * 7 + 5 * j) % visible);
-  }
+  Tensor pool_idx = LongPoolSelection(S, kp, [](int64_t t, int64_t j, int64_t visible) { return (t * 7 + 5 * j) % visible; });
   const Tensor whole = ExpandPoolSelection(pool_idx);
   for (const auto& [t0, n] : std::vector<std::pair<int64_t, int64_t>>{
            {0, 37}, {37, 63}, {101, 6}, {16000, 20000}, {S - 5, 5}}) {

@@ -321,6 +321,10 @@ void DsaAttentionImpl::InitSpecial(const std::optional<at::Generator>& /*gen*/) 
   indexer->pool_bias.zero_();
 }
 
+Tensor DsaAttentionImpl::SplitHeads(torch::nn::Linear proj, const Tensor& x) {
+  return proj(x).view({x.size(0), x.size(1), -1, head_dim_}).transpose(1, 2);
+}
+
 void DsaAttentionImpl::set_tile(int64_t tokens) {
   TORCH_CHECK(tokens > 0, "DSA tile (", tokens, ") must be a positive number of queries");
   tile_ = tokens;
@@ -406,8 +410,8 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     {
       torch::AutoGradMode grad(true);
       if (out_grad) {
-        k = m.k_proj(xl).view({B, S, Hkv, D}).transpose(1, 2);  // (B, Hkv, S, D)
-        v = m.v_proj(xl).view({B, S, Hkv, D}).transpose(1, 2);
+        k = m.SplitHeads(m.k_proj, xl);  // (B, Hkv, S, D)
+        v = m.SplitHeads(m.v_proj, xl);
       }
       if (kl_grad) keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
     }
@@ -431,7 +435,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         Tensor q;
         {
           torch::AutoGradMode grad(true);
-          q = m.q_proj(xt).view({B, n, H, D}).transpose(1, 2);  // (B, H, n, D)
+          q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
         }
         const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
         const Tensor g = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).transpose(1, 2);
@@ -490,9 +494,9 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
   // The tiles without a graph. `saved` (optional) gets what backward needs; with `kl` the KL
   // summed over rows goes to saved->kl (0 otherwise).
   static Tensor Run(DsaAttentionImpl& m, const Tensor& x, bool kl, Saved* saved) {
-    const int64_t B = x.size(0), S = x.size(1), H = m.heads_, Hkv = m.kv_heads_, D = m.head_dim_, kp = m.top_pools_;
-    const Tensor k = m.k_proj(x).view({B, S, Hkv, D}).transpose(1, 2);  // (B, Hkv, S, D)
-    const Tensor v = m.v_proj(x).view({B, S, Hkv, D}).transpose(1, 2);
+    const int64_t B = x.size(0), S = x.size(1), H = m.heads_, D = m.head_dim_, kp = m.top_pools_;
+    const Tensor k = m.SplitHeads(m.k_proj, x);  // (B, Hkv, S, D)
+    const Tensor v = m.SplitHeads(m.v_proj, x);
     const Tensor keys = m.indexer->Keys(x);                               // (B, S / 4, DI)
     Tensor out = torch::empty({B, S, H * D}, x.options());
     auto i32 = x.options().dtype(torch::kInt32);
@@ -508,7 +512,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
       const int64_t n = std::min(m.tile_, S - t0);
       const Tensor xt = x.narrow(1, t0, n);
-      const Tensor q = m.q_proj(xt).view({B, n, H, D}).transpose(1, 2);  // (B, H, n, D)
+      const Tensor q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
       Tensor iq, iw;
       m.indexer->Queries(xt, &iq, &iw);
       kernels::DsaIndexerOptions o;
@@ -563,9 +567,9 @@ Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl) {
 Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend* backend, Kl* kl) {
   if (stage_ == IndexerStage::kSparse) return SparseHeads(x, kl);
   const int64_t B = x.size(0), S = x.size(1), H = heads_, D = head_dim_;
-  Tensor q = q_proj(x).view({B, S, H, D}).transpose(1, 2);          // (B, H, S, D)
-  Tensor k = k_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
-  Tensor v = v_proj(x).view({B, S, kv_heads_, D}).transpose(1, 2);  // (B, Hkv, S, D)
+  Tensor q = SplitHeads(q_proj, x);  // (B, H, S, D)
+  Tensor k = SplitHeads(k_proj, x);  // (B, Hkv, S, D)
+  Tensor v = SplitHeads(v_proj, x);
   // The indexer sees a detached input: it learns only from its KL (spec 2.3).
   DsaIndexerImpl::Out ix;
   if (kl != nullptr) ix = indexer(x.detach());  // with grad: the KL's path to the indexer

@@ -179,6 +179,8 @@ class DsaAttentionImpl : public torch::nn::Module {
     int64_t rows = 0;   // rows with at least one pool
   };
   class TiledFunction;
+  // proj(x) for x (B, S, hidden) split into heads of head_dim: (B, heads, S, head_dim), a view.
+  torch::Tensor SplitHeads(torch::nn::Linear proj, const torch::Tensor& x);
   torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
   // The sparse stage over query tiles: without grad directly, with grad through TiledFunction.
   torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl);
