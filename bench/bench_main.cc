@@ -152,6 +152,9 @@ int main(int argc, char** argv) {
   app.add_option("--loss-tile", o.memory.loss_tile, "positions per loss tile (0: untiled)")->capture_default_str();
   app.add_flag("--keep-attention", o.memory.keep_attention,
                "keep each layer's attention output + LSE; the recompute skips the attention forward");
+  app.add_flag("--keep-selection", o.memory.keep_selection,
+               "DSA layers keep the first forward's pool selections in pinned host memory; the recompute runs no "
+               "indexer scoring");
   app.add_flag("--optimizer-on-host", o.memory.optimizer_on_host,
                "fp32 master weights and moments in host memory, AdamW on CPU threads overlapped with the step");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");

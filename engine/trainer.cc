@@ -99,6 +99,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (absl::Status s = options.lora.Validate("lora", &*resolved); !s.ok()) return s;
   const ContextParallelOptions& cp = options.context_parallel;
   const int64_t P = cp.degree();
+  if (options.memory.keep_selection &&
+      !(resolved->NumLayersOfKind('D') > 0 && resolved->hybrid.indexer_stage == model::IndexerStage::kSparse))
+    return absl::InvalidArgumentError(absl::StrCat("memory.keep_selection acts on DSA layers in the sparse indexer "
+                                                   "stage; model '", options.model, "' has none"));
   if (resolved->IsHybrid()) {
     // What acts on the dense attention only is refused for the KDA and DSA layers, by name.
     const std::string why = absl::StrCat(" is not implemented for the hybrid family (model '", options.model,

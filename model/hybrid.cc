@@ -330,6 +330,20 @@ void DsaAttentionImpl::set_tile(int64_t tokens) {
   tile_ = tokens;
 }
 
+void DsaAttentionImpl::set_selection_mode(SelectionMode mode) {
+  if (mode == SelectionMode::kRecord) kept_.clear();  // a new first forward replaces what was kept
+  replay_cursor_ = 0;
+  selection_mode_ = mode;
+}
+
+int64_t DsaAttentionImpl::kept_selection_bytes() const {
+  int64_t bytes = 0;
+  for (const Tensor& t : kept_) {
+    if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return bytes;
+}
+
 namespace {
 
 // The sparse KL's target for queries q (B, H, n, D) with token indices idx (B, n, W) and pool
@@ -354,8 +368,15 @@ Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tenso
   return target;
 }
 
+// A pass's kept selection (DsaAttentionImpl::set_selection_mode): at most one is defined.
+struct DsaSelectionIo {
+  Tensor replay;  // (B, S, kp) int32, host or device: the selection to use
+  Tensor record;  // (B, S, kp) int32: where to keep this pass's selection
+};
+
 struct DsaTileState : torch::CustomClassHolder {
   DsaAttentionImpl* mixer = nullptr;
+  DsaSelectionIo selection;
   bool kl = false;   // compute the indexer KL (the second output)
   int64_t rows = 0;  // set by forward: query rows with at least one pool
 };
@@ -371,7 +392,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
                                                 c10::intrusive_ptr<DsaTileState> st) {
     torch::NoGradGuard no_grad;
     Saved saved;
-    Tensor out = Run(*st->mixer, x, st->kl, &saved);
+    Tensor out = Run(*st->mixer, x, st->kl, &saved, st->selection);
     st->rows = saved.rows;
     ctx->save_for_backward({x, saved.pool_idx, saved.lse, saved.target});
     ctx->saved_data["state"] = c10::IValue::make_capsule(st);
@@ -492,12 +513,14 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
   };
 
   // The tiles without a graph. `saved` (optional) gets what backward needs; with `kl` the KL
-  // summed over rows goes to saved->kl (0 otherwise).
-  static Tensor Run(DsaAttentionImpl& m, const Tensor& x, bool kl, Saved* saved) {
+  // summed over rows goes to saved->kl (0 otherwise). `sel`: a kept selection to replay (no
+  // indexer scoring) or a host tensor to keep this pass's in (see set_selection_mode).
+  static Tensor Run(DsaAttentionImpl& m, const Tensor& x, bool kl, Saved* saved, const DsaSelectionIo& sel) {
     const int64_t B = x.size(0), S = x.size(1), H = m.heads_, D = m.head_dim_, kp = m.top_pools_;
+    const bool replay = sel.replay.defined();
     const Tensor k = m.SplitHeads(m.k_proj, x);  // (B, Hkv, S, D)
     const Tensor v = m.SplitHeads(m.v_proj, x);
-    const Tensor keys = m.indexer->Keys(x);                               // (B, S / 4, DI)
+    const Tensor keys = replay && !kl ? Tensor() : m.indexer->Keys(x);  // (B, S / 4, DI)
     Tensor out = torch::empty({B, S, H * D}, x.options());
     auto i32 = x.options().dtype(torch::kInt32);
     // The kernels compute in fp32 (fp64 for fp64 inputs); the KL leaves as fp32 (InjectAuxLoss).
@@ -513,13 +536,19 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       const int64_t n = std::min(m.tile_, S - t0);
       const Tensor xt = x.narrow(1, t0, n);
       const Tensor q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
-      Tensor iq, iw;
-      m.indexer->Queries(xt, &iq, &iw);
-      kernels::DsaIndexerOptions o;
-      o.top_k = kp;
-      o.pool = 4;
-      o.query_offset = t0;
-      const Tensor pool = kernels::IndexerTopK(iq, keys, iw, o);  // (B, n, kp)
+      Tensor iq, iw, pool;                           // pool: (B, n, kp)
+      if (!replay || kl) m.indexer->Queries(xt, &iq, &iw);
+      if (replay) {
+        pool = sel.replay.narrow(1, t0, n).to(x.device(), /*non_blocking=*/true);
+      } else {
+        kernels::DsaIndexerOptions o;
+        o.top_k = kp;
+        o.pool = 4;
+        o.query_offset = t0;
+        pool = kernels::IndexerTopK(iq, keys, iw, o);
+        // Pinned host memory, on the stream: the tile's device copy is reused only after it.
+        if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pool, /*non_blocking=*/true);
+      }
       const Tensor idx = kernels::ExpandPoolSelection(pool, t0);   // (B, n, 4 kp + 3)
       kernels::SparseAttentionResult r = kernels::SparseAttentionForward(q, k, v, idx);
       out.narrow(1, t0, n).copy_(r.out.transpose(1, 2).reshape({B, n, H * D}));
@@ -546,17 +575,37 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
 };
 
 Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl) {
+  DsaSelectionIo sel;
+  const int64_t B = x.size(0), S = x.size(1);
+  if (selection_mode_ == SelectionMode::kReplay) {
+    TORCH_CHECK(replay_cursor_ < kept_.size() && kept_[replay_cursor_].defined(),
+                "DSA keep_selection: a replay pass found no kept selection for its document ", replay_cursor_,
+                " (", kept_.size(), " kept): the layer's recompute ran without a first forward that kept one");
+    sel.replay = kept_[replay_cursor_];
+    TORCH_CHECK(sel.replay.size(0) == B && sel.replay.size(1) == S,
+                "DSA keep_selection: the kept selection is for ", sel.replay.size(0), " x ", sel.replay.size(1),
+                " tokens, the replay pass has ", B, " x ", S);
+    // The last use: a replay with grad hands the selection to the Function, which keeps it.
+    if (torch::GradMode::is_enabled()) kept_[replay_cursor_] = Tensor();
+    ++replay_cursor_;
+  } else if (selection_mode_ == SelectionMode::kRecord) {
+    sel.record = torch::empty({B, S, top_pools_},
+                              torch::TensorOptions().dtype(torch::kInt32).pinned_memory(x.is_cuda()));
+    kept_.push_back(sel.record);
+  }
   if (!torch::GradMode::is_enabled()) {
     TORCH_CHECK(kl == nullptr, "DSA: the indexer KL trains only with grad");
-    return TiledFunction::Run(*this, x, /*kl=*/false, nullptr);
+    return TiledFunction::Run(*this, x, /*kl=*/false, nullptr, sel);
   }
   auto st = c10::make_intrusive<DsaTileState>();
   st->mixer = this;
+  st->selection = std::move(sel);
   st->kl = kl != nullptr && x.size(1) >= 4;
   // The Function records a backward node only for inputs that need grad; the layer's
   // parameters need it even when x does not.
   torch::autograd::variable_list r =
       TiledFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
+  st->selection = DsaSelectionIo{};  // the backward reads the Function's own saved selection
   if (st->kl) {
     kl->rows += st->rows;
     kl->sum = kl->sum.defined() ? kl->sum + r[1] : r[1];

@@ -21,6 +21,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <string>
+#include <vector>
 
 #include "model/attention.h"
 #include "model/config.h"
@@ -166,6 +167,20 @@ class DsaAttentionImpl : public torch::nn::Module {
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
                       torch::Tensor* indexer_loss);
   void InitSpecial(const std::optional<at::Generator>& gen);  // draws nothing today
+  // Keeping the sparse stage's pool selections between a layer's passes of one step (the memory
+  // stack's keep_selection, engine/memory/strategy.h). kRecord: select afresh and keep each
+  // document's selection (B, S, index_top_k / 4) int32, 2 KB a token for hybrid-3b, in pinned
+  // host memory when the layer runs on a GPU; it replaces what an earlier pass kept. kReplay:
+  // reuse the kept selections in the order they were kept (each replay pass starts at the first),
+  // so the pass runs no indexer scoring, the part of the layer that grows with the sequence
+  // squared; a replay with grad is the last use of a selection and releases it. kOff (the
+  // default): select afresh, keep nothing. The dense warm-up stage selects nothing and ignores it.
+  enum class SelectionMode { kOff, kRecord, kReplay };
+  void set_selection_mode(SelectionMode mode);
+  SelectionMode selection_mode() const { return selection_mode_; }
+  // Bytes of the selections kept now; releases them all.
+  int64_t kept_selection_bytes() const;
+  void ClearSelections() { kept_.clear(); }
   // The indexer KL of the last forward that computed it (detached), undefined before.
   const torch::Tensor& last_indexer_loss() const { return last_loss_; }
   double indexer_loss_weight() const { return loss_weight_; }
@@ -186,11 +201,31 @@ class DsaAttentionImpl : public torch::nn::Module {
   torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl);
   int64_t heads_, kv_heads_, head_dim_, top_pools_;
   int64_t tile_ = kDefaultTile;
+  SelectionMode selection_mode_ = SelectionMode::kOff;
+  std::vector<torch::Tensor> kept_;  // one per document of the last kRecord pass
+  size_t replay_cursor_ = 0;
   IndexerStage stage_;
   double loss_weight_;
   torch::Tensor last_loss_;
 };
 TORCH_MODULE(DsaAttention);
+
+// Sets a DSA layer's selection mode for one pass and restores kOff when it goes out of scope. A
+// no-op for a null layer (a KDA or dense layer).
+class DsaSelectionScope {
+ public:
+  DsaSelectionScope(DsaAttentionImpl* dsa, DsaAttentionImpl::SelectionMode mode) : dsa_(dsa) {
+    if (dsa_ != nullptr) dsa_->set_selection_mode(mode);
+  }
+  ~DsaSelectionScope() {
+    if (dsa_ != nullptr) dsa_->set_selection_mode(DsaAttentionImpl::SelectionMode::kOff);
+  }
+  DsaSelectionScope(const DsaSelectionScope&) = delete;
+  DsaSelectionScope& operator=(const DsaSelectionScope&) = delete;
+
+ private:
+  DsaAttentionImpl* dsa_;
+};
 
 // Returns `out` unchanged; its backward passes out's gradient through and gives `aux` (a scalar)
 // the gradient `weight`, as if `weight * aux` were added to the loss. So an auxiliary loss

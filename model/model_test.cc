@@ -491,6 +491,87 @@ TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
   EXPECT_THROW(m->set_tile(0), c10::Error);
 }
 
+// Kept selections (DsaAttentionImpl::set_selection_mode): a kRecord pass keeps each call's pool
+// selection; a kReplay pass uses them in order, whatever its input, and so equals the layer
+// computed with the recorded input's selection (not its own); a replay without grad keeps them,
+// one with grad releases them; a replay with nothing kept, or for another length, is refused.
+TEST(HybridModelTest, DsaKeptSelectionsReplayInOrder) {
+  ModelConfig c = TinyHybrid();
+  DsaAttention m(c);
+  m->to(torch::kFloat64);
+  torch::manual_seed(29);
+  for (auto& p : m->parameters()) {
+    torch::NoGradGuard no_grad;
+    p.copy_(torch::randn_like(p) * (p.dim() >= 2 ? 0.3 : 0.1) + (p.dim() == 1 ? 1.0 : 0.0));
+  }
+  m->set_tile(37);
+  const int64_t B = 2, S = 161, H = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.HeadDim();
+  const int64_t kp = c.hybrid.index_top_k / 4;
+  using Mode = DsaAttentionImpl::SelectionMode;
+  const torch::Tensor x1 = torch::randn({B, S, c.hidden_size}, torch::kFloat64);
+  const torch::Tensor x2 = torch::randn({B, S, c.hidden_size}, torch::kFloat64);
+  // The layer's heads for input x at the selection the indexer makes for input `chooser`.
+  auto heads_at = [&](const torch::Tensor& x, const torch::Tensor& chooser) {
+    torch::NoGradGuard no_grad;
+    DsaIndexerImpl::Out ix = m->indexer(chooser);
+    kernels::DsaIndexerOptions o;
+    o.top_k = kp;
+    o.pool = 4;
+    torch::Tensor idx = kernels::ExpandPoolSelection(kernels::IndexerTopK(ix.q, ix.keys, ix.w, o));
+    torch::Tensor q = m->q_proj(x).view({B, S, H, D}).transpose(1, 2);
+    torch::Tensor k = m->k_proj(x).view({B, S, Hkv, D}).transpose(1, 2);
+    torch::Tensor v = m->v_proj(x).view({B, S, Hkv, D}).transpose(1, 2);
+    return kernels::SparseAttention(q, k, v, idx).transpose(1, 2).reshape({B, S, H * D});
+  };
+  const torch::Tensor want1 = heads_at(x2, x1), want2 = heads_at(x1, x2);
+  ASSERT_GT((want1 - heads_at(x2, x2)).abs().max().item<double>(), 1e-3) << "the selections do not differ";
+  {
+    torch::NoGradGuard no_grad;
+    DsaSelectionScope record(m.get(), Mode::kRecord);
+    m->Heads(x1, AttentionMeta{}, nullptr, nullptr);
+    m->Heads(x2, AttentionMeta{}, nullptr, nullptr);
+  }
+  EXPECT_EQ(m->kept_selection_bytes(), 2 * B * S * kp * 4);
+  EXPECT_EQ(m->selection_mode(), Mode::kOff);
+  {
+    torch::NoGradGuard no_grad;
+    DsaSelectionScope replay(m.get(), Mode::kReplay);
+    EXPECT_LT((m->Heads(x2, AttentionMeta{}, nullptr, nullptr) - want1).abs().max().item<double>(), 1e-10);
+    EXPECT_LT((m->Heads(x1, AttentionMeta{}, nullptr, nullptr) - want2).abs().max().item<double>(), 1e-10);
+  }
+  EXPECT_EQ(m->kept_selection_bytes(), 2 * B * S * kp * 4) << "a replay without grad released a selection";
+  {
+    DsaSelectionScope replay(m.get(), Mode::kReplay);
+    torch::Tensor xi = x2.clone().requires_grad_(true), kl;
+    torch::Tensor y = m->Heads(xi, AttentionMeta{}, nullptr, &kl);
+    EXPECT_LT((y.detach() - want1).abs().max().item<double>(), 1e-10);
+    EXPECT_EQ(m->kept_selection_bytes(), B * S * kp * 4) << "the replay with grad did not release its selection";
+    y.sum().backward();  // the backward reads the Function's own copy
+    EXPECT_GT(xi.grad().abs().max().item<double>(), 0.0);
+    m->Heads(x1, AttentionMeta{}, nullptr, nullptr);
+    EXPECT_EQ(m->kept_selection_bytes(), 0);
+    EXPECT_THROW(m->Heads(x1, AttentionMeta{}, nullptr, nullptr), c10::Error);  // nothing left to replay
+  }
+  {
+    torch::NoGradGuard no_grad;
+    DsaSelectionScope record(m.get(), Mode::kRecord);
+    m->Heads(x1, AttentionMeta{}, nullptr, nullptr);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    DsaSelectionScope replay(m.get(), Mode::kReplay);
+    try {
+      m->Heads(x1.narrow(1, 0, 100), AttentionMeta{}, nullptr, nullptr);
+      ADD_FAILURE() << "a replay for another length ran";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("kept selection is for 2 x 161 tokens"), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+  m->ClearSelections();
+  EXPECT_EQ(m->kept_selection_bytes(), 0);
+}
+
 // The indexer KL (spec 2.3) trains the indexer and nothing else: the other parameters' gradients
 // are the LM loss's alone (equal with the KL's weight 0), and the indexer's are the weight times
 // the KL's, in both stages.

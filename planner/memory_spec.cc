@@ -55,6 +55,12 @@ absl::StatusOr<MemoryFields> MemoryFieldsFromProto(const v1::MemorySpec& m, absl
     f.keep_attention = m.keep_attention();
   }
   if (m.has_optimizer_on_host()) f.optimizer_on_host = m.optimizer_on_host();
+  if (m.has_keep_selection()) {
+    if (m.keep_selection() && f.recompute == Recompute::kNone)
+      return invalid("keep_selection", "needs memory.recompute \"layer\" or \"every_k\": the selections are kept for "
+                                       "the recompute");
+    f.keep_selection = m.keep_selection();
+  }
   if (f.offload == true && f.recompute == Recompute::kNone)
     return invalid("offload", "\"on\" needs memory.recompute \"layer\" or \"every_k\": it offloads the checkpointed inputs");
   return f;
@@ -71,6 +77,7 @@ void MemoryStrategyToProto(const MemoryStrategy& s, v1::MemorySpec* m) {
   m->set_attention_head_groups(static_cast<int32_t>(s.head_groups));
   m->set_keep_attention(s.keep_attention);
   m->set_optimizer_on_host(s.optimizer_on_host);
+  m->set_keep_selection(s.keep_selection);
 }
 
 Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes, int64_t spec_host_budget_bytes) {

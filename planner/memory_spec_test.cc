@@ -15,7 +15,8 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   absl::StatusOr<MemoryFields> none = MemoryFieldsFromProto(m);
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_FALSE(none->recompute || none->every_k || none->offload || none->device_resident || none->mlp_tile ||
-               none->loss_tile || none->head_groups || none->keep_attention || none->optimizer_on_host);
+               none->loss_tile || none->head_groups || none->keep_attention || none->optimizer_on_host ||
+               none->keep_selection);
   EXPECT_EQ(none->ApplyTo(MemoryStrategy{}), MemoryStrategy{});
   m.set_offload("auto");
   EXPECT_FALSE(MemoryFieldsFromProto(m)->offload);
@@ -29,6 +30,7 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   m.set_attention_head_groups(2);
   m.set_keep_attention(true);
   m.set_optimizer_on_host(true);
+  m.set_keep_selection(true);
   m.set_recompute_every_k(4);
   absl::StatusOr<MemoryFields> f = MemoryFieldsFromProto(m);
   ASSERT_TRUE(f.ok()) << f.status();
@@ -44,6 +46,7 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   EXPECT_EQ(s.head_groups, 2);
   EXPECT_TRUE(s.keep_attention);
   EXPECT_TRUE(s.optimizer_on_host);
+  EXPECT_TRUE(s.keep_selection);
 
   // The proto written back from the strategy reads as the same strategy.
   v1::MemorySpec back;
@@ -84,6 +87,11 @@ TEST(MemorySpecTest, RefusalsNameTheFieldAndTheRule) {
          m.set_offload("on");
        },
        "spec.memory.offload: \"on\" needs memory.recompute"},
+      {[](v1::MemorySpec& m) {
+         m.set_recompute("none");
+         m.set_keep_selection(true);
+       },
+       "spec.memory.keep_selection: needs memory.recompute \"layer\" or \"every_k\""},
   };
   for (const Case& c : cases) {
     v1::MemorySpec m;

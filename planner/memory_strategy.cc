@@ -43,6 +43,9 @@ absl::Status MemoryStrategy::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups, ") must be >= 1"));
   if (keep_attention && recompute != Recompute::kLayer)
     return absl::InvalidArgumentError("memory.keep_attention needs memory.recompute 'layer'");
+  if (keep_selection && recompute == Recompute::kNone)
+    return absl::InvalidArgumentError(
+        "memory.keep_selection needs memory.recompute 'layer' or 'every_k': the selections are kept for the recompute");
   if (host_budget_bytes < 0)
     return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
   return absl::OkStatus();
@@ -68,6 +71,7 @@ std::string MemoryStrategy::Describe() const {
   absl::StrAppend(&s, " mlp_tile=", mlp_tile, " loss_tile=", loss_tile, " head_groups=", head_groups);
   if (optimizer_on_host) absl::StrAppend(&s, " optimizer_on_host");
   if (keep_attention) absl::StrAppend(&s, " keep_attention");
+  if (keep_selection) absl::StrAppend(&s, " keep_selection");
   return s;
 }
 
@@ -85,12 +89,12 @@ int64_t MemoryStrategy::NumCheckpoints(int64_t num_layers) const {
 
 bool MemoryFields::AllSet() const {
   return recompute && every_k && offload && device_resident && mlp_tile && loss_tile && head_groups &&
-         keep_attention && optimizer_on_host;
+         keep_attention && optimizer_on_host && keep_selection;
 }
 
 bool MemoryFields::AnySet() const {
   return recompute || every_k || offload || device_resident || mlp_tile || loss_tile || head_groups ||
-         keep_attention || optimizer_on_host;
+         keep_attention || optimizer_on_host || keep_selection;
 }
 
 MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
@@ -103,12 +107,14 @@ MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
   if (head_groups) s.head_groups = *head_groups;
   if (keep_attention) s.keep_attention = *keep_attention;
   if (optimizer_on_host) s.optimizer_on_host = *optimizer_on_host;
+  if (keep_selection) s.keep_selection = *keep_selection;
   if (host_budget_bytes > 0) s.host_budget_bytes = host_budget_bytes;
   // A choice that the spec's fields made meaningless is dropped, not kept to fail validation:
   // a chosen offload with the spec's recompute "none", a chosen kept attention with the spec's
   // nested groups. What the spec set itself stays (and Validate() says why it cannot run).
   if (!offload && s.recompute == Recompute::kNone) s.offload = false;
   if (!keep_attention && s.recompute != Recompute::kLayer) s.keep_attention = false;
+  if (!keep_selection && s.recompute == Recompute::kNone) s.keep_selection = false;
   if (!s.offload && !device_resident) s.device_resident = 0;
   return s;
 }

@@ -41,6 +41,9 @@ struct MemoryStrategy {
   int64_t head_groups = 1;         // KV-head groups attention runs one after another (>= 1)
   bool keep_attention = false;     // keep attention outputs + LSE of the first forward (kLayer)
   bool optimizer_on_host = false;  // fp32 masters + moments on the host, AdamW on CPU threads
+  // DSA layers (sparse stage) keep the first forward's pool selections in pinned host memory;
+  // their recomputes run no indexer scoring (needs recompute)
+  bool keep_selection = false;
 
   // Checks the strategy on its own; messages name the field and the rule
   // ("memory.every_k (1) must be >= 2").
@@ -66,6 +69,7 @@ struct MemoryFields {
   std::optional<int64_t> head_groups;
   std::optional<bool> keep_attention;
   std::optional<bool> optimizer_on_host;
+  std::optional<bool> keep_selection;
   // Not a choice of the planner's: the pinned host memory the job may use; 0 = the machine's
   // limit (HostBudget()).
   int64_t host_budget_bytes = 0;
@@ -76,7 +80,8 @@ struct MemoryFields {
   bool AnySet() const;
   // `base` with every set field replacing base's. Offload off also drops the GPU-resident
   // count (it only means something with offload); keep_attention is dropped when the result
-  // does not recompute every layer unless the spec set it (then Validate() refuses it).
+  // does not recompute every layer, keep_selection when it does not recompute, unless the spec
+  // set them (then Validate() refuses them).
   MemoryStrategy ApplyTo(MemoryStrategy base) const;
 };
 

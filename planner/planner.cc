@@ -89,6 +89,7 @@ ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
     m.index_heads = c.hybrid.index_num_heads;
     m.index_head_dim = c.hybrid.index_head_dim;
     m.index_top_k = c.hybrid.index_top_k;
+    m.dsa_sparse = m.dsa_layers > 0 && c.hybrid.indexer_stage == model::IndexerStage::kSparse;
     m.largest = std::max(m.largest, m.kda_heads * m.kda_head_dim * c.hidden_size);
   }
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) m.moe_layers += c.moe.IsMoeLayer(i) ? 1 : 0;
@@ -345,6 +346,14 @@ Prediction Predict(const Request& r) {
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
   if (st.optimizer_on_host) p.host_bytes += trainable * (12 + e);
+  // keep_selection: each DSA layer's pool selections (int32, index_top_k / 4 a token), from the
+  // first forward to the layer's recompute, in pinned host memory: libtorch's pinned caching
+  // allocator, whose blocks are powers of two.
+  if (st.keep_selection && recompute && m.dsa_sparse) {
+    int64_t block = 1;
+    while (block < T * (m.index_top_k / 4) * 4) block *= 2;
+    p.host_bytes += m.dsa_layers * block;
+  }
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
   p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
@@ -384,7 +393,13 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     s.mlp_tile = T > mlp_tile ? mlp_tile : 0;
     s.loss_tile = T > loss_tile ? loss_tile : 0;
     s.host_budget_bytes = hw.host_bytes;
-    for (int64_t g : group_options) {
+    // DSA layers keep their selections for the recompute where the host memory allows (no
+    // indexer scoring in the recompute); otherwise they score again.
+    std::vector<bool> keep_options = {false};
+    if (model.dsa_sparse && s.recompute != Recompute::kNone) keep_options = {true, false};
+    for (int64_t option = 0; option < static_cast<int64_t>(group_options.size() * keep_options.size()); ++option) {
+      const int64_t g = group_options[static_cast<size_t>(option) / keep_options.size()];
+      s.keep_selection = keep_options[static_cast<size_t>(option) % keep_options.size()];
       s.head_groups = g;
       Request r = base;
       r.strategy = fixed.ApplyTo(s);
@@ -530,6 +545,10 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
     if (fields.keep_attention && *fields.keep_attention)
       return absl::InvalidArgumentError(absl::StrCat("spec.memory.keep_attention (true", why));
   }
+  if (fields.keep_selection && *fields.keep_selection &&
+      !(config.IsHybrid() && config.NumLayersOfKind('D') > 0 && config.hybrid.indexer_stage == model::IndexerStage::kSparse))
+    return absl::InvalidArgumentError(
+        "spec.memory.keep_selection (true) acts on DSA layers in the sparse indexer stage; the model has none");
   JobPlanRequest q;
   q.model = ShapeOf(config, lora);
   q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);

@@ -52,6 +52,7 @@ struct ModelShape {
   int64_t kda_layers = 0, dsa_layers = 0;
   int64_t kda_heads = 0, kda_head_dim = 0, kda_chunk = 64;
   int64_t index_heads = 0, index_head_dim = 0, index_top_k = 0;
+  bool dsa_sparse = false;  // the DSA layers select (indexer stage "sparse"): keep_selection acts
   // Mixture-of-Experts MLPs (model/moe.h), in either family; moe_layers 0: every MLP is dense.
   int64_t moe_layers = 0, experts = 0, top_k = 0, moe_intermediate = 0, shared_intermediate = 0;
   // > 0: LoRA (model::LoraConfig): the `params` are frozen (no gradients, masters or moments) and

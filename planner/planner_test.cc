@@ -278,6 +278,59 @@ TEST(PlannerTest, KeptAttentionOutputsAreChosenOnlyWhereTheyFitAndAllowed) {
   EXPECT_FALSE(long_seq->strategy.keep_attention);  // 28 x 6 GiB of outputs cannot stay
 }
 
+// keep_selection: the DSA layers' kept pool selections are host bytes (int32, index_top_k / 4 a
+// token a DSA layer); the planner keeps them where the host allows, drops them where it does not
+// (the longest lengths) and never for a model without sparse DSA layers, which a job's field is
+// refused for by name.
+TEST(PlannerTest, KeptSelectionsAreHostBytesChosenWhereTheyFit) {
+  auto config = *model::NamedShape("hybrid-3b");
+  Request r;
+  r.model = ShapeOf(config);
+  ASSERT_TRUE(r.model.dsa_sparse);
+  r.seq_len = int64_t{1} << 20;
+  r.strategy = StrategyOf("every_k", 2, true, 6, 10922, 1046, 1);
+  r.strategy.optimizer_on_host = true;
+  const Prediction scored = Predict(r);
+  r.strategy.keep_selection = true;
+  const Prediction kept = Predict(r);
+  EXPECT_EQ(kept.host_bytes - scored.host_bytes, int64_t{7} * (int64_t{1} << 20) * 512 * 4);
+  EXPECT_EQ(kept.gpu_peak_bytes, scored.gpu_peak_bytes);
+  // A layer's 768K x 2 KB (1.5 GiB) takes a 2 GiB pinned block.
+  r.seq_len = 3 * (int64_t{1} << 18);
+  const int64_t kept_768k = Predict(r).host_bytes;
+  r.strategy.keep_selection = false;
+  EXPECT_EQ(kept_768k - Predict(r).host_bytes, int64_t{7} << 31);
+  r.seq_len = int64_t{1} << 20;
+  Request plain = r;  // nothing is kept without a recompute (Validate refuses the pair)
+  plain.strategy = StrategyOf("none", 2, false, 0, 10922, 1046, 1);
+  const int64_t plain_host = Predict(plain).host_bytes;
+  plain.strategy.keep_selection = true;
+  EXPECT_EQ(Predict(plain).host_bytes, plain_host);
+
+  Hardware h200;
+  auto at_1m = Choose(r.model, int64_t{1} << 20, 1, h200);
+  ASSERT_TRUE(at_1m.ok()) << at_1m.status();
+  EXPECT_TRUE(at_1m->strategy.keep_selection) << at_1m->strategy.Describe();
+  const int64_t longest = MaxSeqLen(r.model, h200);
+  auto at_max = Choose(r.model, longest, 1, h200);
+  ASSERT_TRUE(at_max.ok()) << at_max.status();
+  EXPECT_FALSE(at_max->strategy.keep_selection) << at_max->strategy.Describe() << " at " << longest;
+  EXPECT_FALSE(Choose(Llama3B(), 65536, 1, h200)->strategy.keep_selection);
+
+  MemoryFields keep;
+  keep.keep_selection = true;
+  absl::StatusOr<JobPlan> dense = PlanModelJob("llama-3.2-3b", "bfloat16", 65536, 1, keep, h200);
+  ASSERT_FALSE(dense.ok());
+  EXPECT_NE(dense.status().message().find("spec.memory.keep_selection (true) acts on DSA layers"), std::string::npos)
+      << dense.status();
+  auto warmup = config;
+  warmup.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
+  EXPECT_FALSE(PlanModelJob(warmup, "bfloat16", 65536, 1, keep, h200).ok());
+  absl::StatusOr<JobPlan> sparse = PlanModelJob(config, "bfloat16", 65536, 1, keep, h200);
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  EXPECT_TRUE(sparse->strategy.keep_selection);
+}
+
 TEST(PlannerTest, OneMillionTokensFitOneH200ForThe3BShape) {
   Hardware h200;
   auto c = Choose(Llama3B(), 1 << 20, 1, h200);
@@ -373,15 +426,19 @@ TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
   f.head_groups = 1;
   f.keep_attention = false;
   f.optimizer_on_host = false;
+  EXPECT_FALSE(f.AllSet());
+  f.keep_selection = false;
   EXPECT_TRUE(f.AllSet());
   // A choice the spec's fields made meaningless is dropped: the planner's offload under the
   // spec's recompute "none", its kept attention under the spec's nested groups.
   MemoryStrategy keep = chosen;
   keep.keep_attention = true;
+  keep.keep_selection = true;
   MemoryFields no_recompute;
   no_recompute.recompute = Recompute::kNone;
   EXPECT_FALSE(no_recompute.ApplyTo(keep).offload);
   EXPECT_FALSE(no_recompute.ApplyTo(keep).keep_attention);
+  EXPECT_FALSE(no_recompute.ApplyTo(keep).keep_selection);
   EXPECT_TRUE(no_recompute.ApplyTo(keep).Validate().ok());
 }
 
@@ -520,6 +577,10 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
        32212254720 + 3606690168LL * 14},
       {"hybrid-3b", 28, 1048576, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 1)), 124552738304,
        51539607552 + 3606690168LL * 14},
+      // The same plan at 512K (2026-12-04, fourth session), a step under the profiler (which
+      // records host-side; the allocator's peak is the step's).
+      {"hybrid-3b", 28, 524288, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 1)), 66446947840,
+       25769803776 + 3606690168LL * 14},
   };
   for (const Row& row : rows) {
     SCOPED_TRACE(testing::Message() << row.shape << " layers " << row.layers << " seq " << row.seq << " x "

@@ -59,6 +59,7 @@ std::vector<Row> Table() {
                         m.set_attention_head_groups(4);
                         m.set_keep_attention(false);
                         m.set_optimizer_on_host(false);
+                        m.set_keep_selection(false);
                       }});
       rows.push_back({"optimizer on host, head groups 2", seq, 1, dtype, [](v1::MemorySpec& m) {
                         m.set_optimizer_on_host(true);

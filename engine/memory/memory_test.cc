@@ -17,6 +17,7 @@
 #include "engine/memory/attention_stash.h"
 #include "engine/memory/checkpoint.h"
 #include "engine/memory/host_pool.h"
+#include "model/hybrid.h"
 #include "model/moe.h"
 
 namespace odyssey::engine::memory {
@@ -104,6 +105,8 @@ struct RunSetup {
   std::string attention = "math";
   std::vector<std::vector<int64_t>> doc_lens;  // packed documents per row; empty = none
   model::LoraConfig lora;  // rank > 0: adapters on a frozen base (B drawn nonzero, so A gets gradients too)
+  // Called after each step's forward and loss, before its backward (which recomputes).
+  std::function<void(model::CausalLMImpl&)> before_backward;
 };
 
 Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
@@ -154,6 +157,7 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
     // MoE layers: the load-balancing loss too, whose gradient reaches each layer's router
     // through that layer's (re)computed backward (model/moe.h).
     if (c.moe.enabled()) loss = loss + model::MoeAuxLoss(model::MoeLayers(*m), 0.3, hidden);
+    if (setup.before_backward) setup.before_backward(*m);
     loss.backward();
     r.loss = loss.item<double>();
   }
@@ -419,6 +423,74 @@ TEST_F(HybridMemoryStrategyTest, EachStrategyGivesPlainAutogradsGradients) {
   all.mlp_tile = 9;
   all.loss_tile = 11;
   ExpectSameGradients(RunStrategy(all, 1, /*steps=*/2, HybridSetup()), *plain_);
+  // The DSA layers' recomputes reusing the first forward's selections; two steps: the second
+  // step's forward replaces what the first kept.
+  for (planner::MemoryStrategy kept : {layer, pairs, all}) {
+    kept.keep_selection = true;
+    ExpectSameGradients(RunStrategy(kept, 1, /*steps=*/2, HybridSetup()), *plain_);
+  }
+}
+
+// keep_selection: a DSA layer's recompute selects nothing, it reuses its first forward's pools.
+// The indexer's query weights change between the forward and the backward: with kept selections
+// every gradient but the indexer's (which the KL computes from the changed weights) is the
+// unchanged model's; scoring again in the recompute picks other pools and moves them, so the
+// check can fail. Layers D K D K: in groups of 3 the first DSA layer is first in a nested group
+// (a replay without grad, then the one with grad), the second last (its replay with grad only).
+void ExpectTheRecomputeUsesTheFirstForwardsSelections(torch::Device device) {
+  RunSetup setup = HybridSetup();
+  setup.config.hybrid.layer_pattern = "DKDK";
+  setup.device = device;
+  const Result unchanged = RunStrategy(planner::MemoryStrategy{}, 1, 1, setup);
+  setup.before_backward = [](model::CausalLMImpl& m) {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(9);
+    for (const model::DecoderLayer& layer : m.model->layer_list) {
+      if (layer->dsa) layer->dsa->indexer->wq->weight.copy_(torch::randn_like(layer->dsa->indexer->wq->weight));
+    }
+  };
+  planner::MemoryStrategy layer;
+  layer.recompute = planner::Recompute::kLayer;
+  planner::MemoryStrategy nested;
+  nested.recompute = planner::Recompute::kEveryK;
+  nested.every_k = 3;
+  nested.offload = true;
+  for (const planner::MemoryStrategy& base : {layer, nested}) {
+    planner::MemoryStrategy kept = base;
+    kept.keep_selection = true;
+    const Result got = RunStrategy(kept, 1, 1, setup), rescored = RunStrategy(base, 1, 1, setup);
+    double worst = 0, apart = 0;
+    for (const auto& [name, g] : unchanged.grads) {
+      if (name.find(".indexer.") != std::string::npos) continue;
+      const double n = g.norm().item<double>();
+      // The KDA decay parameters sum S x H x K terms of both signs (see ExpectSameGradients).
+      const double scale = absl::EndsWith(name, ".A_log") || absl::EndsWith(name, ".dt_bias") ? 0.1 : 1.0;
+      worst = std::max(worst, scale * (got.grads.at(name) - g).norm().item<double>() / n);
+      apart = std::max(apart, (rescored.grads.at(name) - g).norm().item<double>() / n);
+    }
+    EXPECT_LE(worst, 1e-5) << base.Describe() << ": the recompute did not reuse the forward's selections";
+    EXPECT_GT(apart, 1e-3) << base.Describe() << ": scoring again would not change the gradients";
+  }
+}
+
+TEST(HybridKeptSelectionTest, TheRecomputeUsesTheFirstForwardsSelections) {
+  ExpectTheRecomputeUsesTheFirstForwardsSelections(torch::kCPU);
+}
+
+// On a GPU the selections go to pinned host memory and back on the compute stream.
+TEST(HybridKeptSelectionGpuTest, TheRecomputeUsesTheFirstForwardsSelections) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  ExpectTheRecomputeUsesTheFirstForwardsSelections(torch::kCUDA);
+}
+
+// What the strategy refuses and what a model without sparse DSA layers refuses, by name.
+TEST(HybridKeptSelectionTest, NeedsRecompute) {
+  planner::MemoryStrategy o;
+  o.keep_selection = true;
+  absl::StatusOr<std::unique_ptr<MemoryStack>> none = MemoryStack::Create(o, 4);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("memory.keep_selection needs memory.recompute"), std::string::npos)
+      << none.status();
 }
 
 // LoRA: every strategy gives plain autograd's adapter gradients, and the frozen base gets none

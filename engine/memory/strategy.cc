@@ -6,6 +6,7 @@
 #include "engine/loss.h"
 #include "engine/memory/checkpoint.h"
 #include "engine/profiler.h"
+#include "model/hybrid.h"
 #include "model/moe.h"
 
 namespace odyssey::engine::memory {
@@ -35,7 +36,12 @@ absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::D
 }
 
 torch::Tensor MemoryStack::RunLayer(model::DecoderLayer layer, const torch::Tensor& h,
-                                    const model::LayerContext& ctx, bool output_unused, bool replay) {
+                                    const model::LayerContext& ctx, bool output_unused, bool replay, bool keep) {
+  // keep_selection: a DSA layer's first forward keeps its pool selections, its recomputes reuse them.
+  using Mode = model::DsaAttentionImpl::SelectionMode;
+  model::DsaSelectionScope selection(strategy_.keep_selection && layer->dsa && (replay || keep) ? layer->dsa.get()
+                                                                                                : nullptr,
+                                     replay ? Mode::kReplay : Mode::kRecord);
   torch::Tensor a = layer->AttentionBlock(h, ctx);  // (B, S, H)
   if (layer->moe) {
     // The experts tile themselves at the MLP's tile (model/moe.h); a recompute reuses the
@@ -66,6 +72,9 @@ model::LayerStackRunner MemoryStack::Runner() {
     const int64_t groups = (L + k - 1) / k;
     saved_->BeginStep(groups);
     stash_.Clear();  // nothing a failed earlier step recorded survives into this forward
+    for (const auto& layer : layers) {
+      if (layer->dsa) layer->dsa.ptr()->ClearSelections();  // nor what its DSA layers kept
+    }
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * k, count = std::min(k, L - first);
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
@@ -79,7 +88,7 @@ model::LayerStackRunner MemoryStack::Runner() {
           return y;
         }
         if (!recompute) {
-          for (const auto& layer : group) y = RunLayer(layer, y, ctx);
+          for (const auto& layer : group) y = RunLayer(layer, y, ctx, false, false, /*keep=*/true);
           return y;
         }
         // Recomputing for backward: the block's output value is never read, only its graph.

@@ -16,6 +16,10 @@
 //   keep_attention  (with recompute=layer) each layer's attention output and log-sum-exp from
 //              the first forward are kept on the device; the recompute runs only the
 //              attention backward (see attention_stash.h).
+//   keep_selection  (with recompute, models with DSA layers in the sparse stage) each DSA
+//              layer's first forward keeps its pool selections in pinned host memory (4 bytes
+//              a selected pool a token) and its recomputes reuse them instead of scoring every
+//              pool again (model/hybrid.h, DsaAttentionImpl::set_selection_mode).
 //   head_groups and optimizer_on_host are applied by the trainer (the attention backend and
 //              AdamW), which reads them from the same strategy; the host optimizer's overlap
 //              hangs on set_layer_hooks().
@@ -85,9 +89,11 @@ class MemoryStack {
  private:
   MemoryStack(const planner::MemoryStrategy& strategy, int64_t num_layers);
   // output_unused: only back-propagated through (see TiledMlpBlock). replay: an MoE layer reuses
-  // the routing its last deciding pass recorded (a recompute; model/moe.h).
+  // the routing its last deciding pass recorded (a recompute; model/moe.h), and with
+  // keep_selection a DSA layer the pool selections its first forward kept. keep: a first forward
+  // whose layers a recompute will run again (a DSA layer keeps its selections).
   torch::Tensor RunLayer(model::DecoderLayer layer, const torch::Tensor& h, const model::LayerContext& ctx,
-                         bool output_unused = false, bool replay = false);
+                         bool output_unused = false, bool replay = false, bool keep = false);
 
   planner::MemoryStrategy strategy_;
   int64_t num_layers_;

@@ -439,13 +439,13 @@ class SessionTest(unittest.TestCase):
         self.client.create_session("tiny", seq_len=8, batch_size=1)
         self.client.create_session("tiny", seq_len=8, batch_size=1, recompute="layer", offload="on",
                                    device_resident=0, attention_head_groups=2, keep_attention=False,
-                                   optimizer_on_host=True)
+                                   optimizer_on_host=True, keep_selection=True)
         unset, given = self.jobs.created[0].spec.memory, self.jobs.created[1].spec.memory
-        for field in ("device_resident", "keep_attention", "optimizer_on_host"):
+        for field in ("device_resident", "keep_attention", "optimizer_on_host", "keep_selection"):
             self.assertFalse(unset.HasField(field), field)  # left to the planner
             self.assertTrue(given.HasField(field), field)
         self.assertEqual((given.device_resident, given.attention_head_groups, given.keep_attention,
-                          given.optimizer_on_host), (0, 2, False, True))
+                          given.optimizer_on_host, given.keep_selection), (0, 2, False, True, True))
 
     def test_lora_sessions_carry_the_lora_spec(self):
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
