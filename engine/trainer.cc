@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "engine/loss.h"
 #include "engine/parallel/ulysses.h"
 #include "engine/profiler.h"
+#include "model/hybrid.h"
 #include "model/moe.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -47,6 +49,17 @@ absl::Status TrainerOptions::Validate() const {
   if (absl::Status s = optimizer.Validate(); !s.ok()) return s;
   if (absl::Status s = schedule.Validate(); !s.ok()) return s;
   return absl::OkStatus();
+}
+
+Trainer::~Trainer() {
+  // What memory.keep_selection keeps between a DSA layer's passes is pinned memory from
+  // libtorch's caching host allocator, which holds freed blocks for reuse (up to ~14 GiB after a
+  // 1M-token hybrid-3b step): a worker's next job, whose host pool uses cudaHostAlloc, could not
+  // have it. What a failed step left kept goes first.
+  for (const model::DecoderLayer& layer : model_->model->layer_list) {
+    if (layer->dsa) layer->dsa.ptr()->ClearSelections();
+  }
+  if (device_.is_cuda()) at::getHostAllocator(at::kCUDA)->empty_cache();
 }
 
 Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data,

@@ -205,6 +205,9 @@ struct OptimStepResult {
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainerOptions& options);
+  // On CUDA, hands libtorch's cached pinned host blocks back to the system (the DSA layers' kept
+  // selections live there; the next job's host pool allocates outside that cache).
+  ~Trainer();
 
   // One step on the next batch of the trainer's data source.
   StepResult TrainStep();
