@@ -410,19 +410,25 @@ TEST(HybridModelTest, KdaTilesEqualTheUntiledMixer) {
   EXPECT_THROW(m->set_segment(0), c10::Error);
 }
 
+// A DSA layer of `c` in fp64 with weights drawn from `seed` (norm-like vectors around 1).
+DsaAttention RandomFp64Dsa(const ModelConfig& c, uint64_t seed) {
+  DsaAttention m(c);
+  m->to(torch::kFloat64);
+  torch::manual_seed(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) {
+    p.copy_(torch::randn_like(p) * (p.dim() >= 2 ? 0.3 : 0.1) + (p.dim() == 1 ? 1.0 : 0.0));
+  }
+  return m;
+}
+
 // The DSA layer's sparse stage in query tiles equals plain autograd of the untiled layer (the
 // projections, the selection, SparseAttention and IndexerKlLoss composed directly): the output,
 // the KL, the input's gradient and every parameter's, with tiles that split a pool, a last tile
 // of one token and one tile for the whole row; and without grad.
 TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
   ModelConfig c = TinyHybrid();
-  DsaAttention m(c);
-  m->to(torch::kFloat64);
-  torch::manual_seed(23);
-  for (auto& p : m->parameters()) {
-    torch::NoGradGuard no_grad;
-    p.copy_(torch::randn_like(p) * (p.dim() >= 2 ? 0.3 : 0.1) + (p.dim() == 1 ? 1.0 : 0.0));
-  }
+  DsaAttention m = RandomFp64Dsa(c, 23);
   const int64_t B = 2, S = 161, H = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.HeadDim();
   const double kl_weight = 0.7;
   torch::Tensor x = torch::randn({B, S, c.hidden_size}, torch::kFloat64);
@@ -497,13 +503,7 @@ TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
 // one with grad releases them; a replay with nothing kept, or for another length, is refused.
 TEST(HybridModelTest, DsaKeptSelectionsReplayInOrder) {
   ModelConfig c = TinyHybrid();
-  DsaAttention m(c);
-  m->to(torch::kFloat64);
-  torch::manual_seed(29);
-  for (auto& p : m->parameters()) {
-    torch::NoGradGuard no_grad;
-    p.copy_(torch::randn_like(p) * (p.dim() >= 2 ? 0.3 : 0.1) + (p.dim() == 1 ? 1.0 : 0.0));
-  }
+  DsaAttention m = RandomFp64Dsa(c, 29);
   m->set_tile(37);
   const int64_t B = 2, S = 161, H = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.HeadDim();
   const int64_t kp = c.hybrid.index_top_k / 4;

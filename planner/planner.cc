@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -350,9 +351,8 @@ Prediction Predict(const Request& r) {
   // first forward to the layer's recompute, in pinned host memory: libtorch's pinned caching
   // allocator, whose blocks are powers of two.
   if (st.keep_selection && recompute && m.dsa_sparse) {
-    int64_t block = 1;
-    while (block < T * (m.index_top_k / 4) * 4) block *= 2;
-    p.host_bytes += m.dsa_layers * block;
+    const auto layer_bytes = static_cast<uint64_t>(T * (m.index_top_k / 4) * 4);
+    p.host_bytes += m.dsa_layers * static_cast<int64_t>(std::bit_ceil(layer_bytes));
   }
   // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
   // counts against the same budget.
@@ -397,25 +397,26 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     // indexer scoring in the recompute); otherwise they score again.
     std::vector<bool> keep_options = {false};
     if (model.dsa_sparse && s.recompute != Recompute::kNone) keep_options = {true, false};
-    for (int64_t option = 0; option < static_cast<int64_t>(group_options.size() * keep_options.size()); ++option) {
-      const int64_t g = group_options[static_cast<size_t>(option) / keep_options.size()];
-      s.keep_selection = keep_options[static_cast<size_t>(option) % keep_options.size()];
-      s.head_groups = g;
-      Request r = base;
-      r.strategy = fixed.ApplyTo(s);
-      if (!r.strategy.ValidateForModel(model.layers, model.kv_heads).ok()) continue;
-      Prediction p = Predict(r);
-      out.any_valid = true;
-      if (p.fits) {
-        best_miss = {r.strategy, p};
-        out.fits = true;
-        return true;
-      }
-      const int64_t over = hw.cpu ? p.gpu_peak_bytes + p.host_bytes - hw.gpu_bytes
-                                  : std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
-      if (best_over < 0 || over < best_over) {
-        best_over = over;
-        best_miss = {r.strategy, p};
+    for (int64_t g : group_options) {
+      for (bool keep_selection : keep_options) {
+        s.head_groups = g;
+        s.keep_selection = keep_selection;
+        Request r = base;
+        r.strategy = fixed.ApplyTo(s);
+        if (!r.strategy.ValidateForModel(model.layers, model.kv_heads).ok()) continue;
+        Prediction p = Predict(r);
+        out.any_valid = true;
+        if (p.fits) {
+          best_miss = {r.strategy, p};
+          out.fits = true;
+          return true;
+        }
+        const int64_t over = hw.cpu ? p.gpu_peak_bytes + p.host_bytes - hw.gpu_bytes
+                                    : std::max(p.gpu_peak_bytes - hw.gpu_bytes, p.host_bytes - hw.host_bytes);
+        if (best_over < 0 || over < best_over) {
+          best_over = over;
+          best_miss = {r.strategy, p};
+        }
       }
     }
     return false;
