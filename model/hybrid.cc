@@ -557,10 +557,11 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         saved->lse.narrow(2, t0, n).copy_(r.lse);
       }
       if (kl && t0 + n >= 4) {
-        // Rows t < 3 see no pool and add nothing (their target is all 0).
+        // Rows t < 3 see no pool and add nothing (their target is all 0); every later row selects
+        // at least the first pool, so the rows are counted without reading the selection back.
         const Tensor target = KlTarget(q, k, idx, pool);
         kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
-        rows += (pool.select(2, 0) >= 0).sum().item<int64_t>();
+        rows += B * (t0 + n - std::max<int64_t>(t0, 3));
         if (saved != nullptr) saved->target.narrow(1, t0, n).copy_(target);
       } else if (kl && saved != nullptr) {
         saved->target.narrow(1, t0, n).zero_();
