@@ -507,7 +507,7 @@ Tensor ExpandPoolSelection(const Tensor& pool_idx, int64_t t0) {
 }
 
 Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indices, double scale,
-                            int64_t query_block) {
+                            int64_t query_block, const Tensor& lse) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == q.size(0) && k.size(3) == q.size(3),
               "SparseAttentionProbs: q (B, H, Sq, D), k (B, Hkv, Sk, D)");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "SparseAttentionProbs: Hkv (", k.size(1), ") must divide H (", q.size(1),
@@ -517,6 +517,11 @@ Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indi
               "SparseAttentionProbs: indices must be (B, Sq, W) int32");
   TORCH_CHECK(query_block >= 1, "SparseAttentionProbs: query_block must be >= 1");
   CheckIndexRange("SparseAttentionProbs", indices, k.size(2));
+  const auto ct = ComputeType({&q, &k});
+  TORCH_CHECK(!lse.defined() || (lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                                 lse.size(2) == q.size(2) && lse.scalar_type() == ct),
+              "SparseAttentionProbs: lse must be (B, H, Sq) = (", q.size(0), ", ", q.size(1), ", ", q.size(2), ") ",
+              c10::toString(ct));
   torch::NoGradGuard no_grad;
   const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(3)));
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3),
@@ -524,14 +529,15 @@ Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indi
 #ifdef ODYSSEY_KERNELS_CUDA
   if (SparseKernel(q, k, k)) {
     c10::cuda::CUDAGuard guard(q.device());
-    Tensor qr = Rows(q), kr = Rows(k), idx = indices.contiguous();
+    Tensor qr = Rows(q), kr = Rows(k), idx = indices.contiguous(), lr = lse.defined() ? lse.contiguous() : Tensor();
     Tensor probs = torch::empty({B, Sq, W}, q.options().dtype(torch::kFloat32));
-    CheckKernelLaunch(cuda::SparseAttentionProbs(KernelArgs(qr, kr, kr, idx, sc), probs.data_ptr<float>(), Stream(qr)),
+    CheckKernelLaunch(cuda::SparseAttentionProbs(KernelArgs(qr, kr, kr, idx, sc),
+                                                 lr.defined() ? lr.data_ptr<float>() : nullptr,
+                                                 probs.data_ptr<float>(), Stream(qr)),
                       "sparse attention probabilities");
     return probs;
   }
 #endif
-  const auto ct = ComputeType({&q, &k});
   Tensor out = torch::empty({B, Sq, W}, q.options().dtype(ct));
   const Tensor k_flat = FlatRows(k.to(ct));  // (B * Sk, Hkv, D)
   for (int64_t t0 = 0; t0 < Sq; t0 += query_block) {
@@ -541,7 +547,13 @@ Tensor SparseAttentionProbs(const Tensor& q, const Tensor& k, const Tensor& indi
     Tensor qb = q.narrow(2, t0, n).to(ct).view({B, Hkv, G, n, D}).permute({0, 1, 3, 2, 4});  // (B, Hkv, n, G, D)
     Tensor s = torch::matmul(qb, ks.transpose(-1, -2)) * sc;                           // (B, Hkv, n, G, W)
     s = s.masked_fill((il < 0).view({B, 1, n, 1, W}), -kInf);
-    Tensor p = torch::softmax(s, -1).nan_to_num(0.0);  // rows without a key: 0
+    Tensor p;
+    if (lse.defined()) {
+      Tensor l = lse.narrow(2, t0, n).view({B, Hkv, G, n}).permute({0, 1, 3, 2}).unsqueeze(-1);  // (B, Hkv, n, G, 1)
+      p = (s - l).exp().nan_to_num(0.0);  // rows without a key (-inf - -inf): 0
+    } else {
+      p = torch::softmax(s, -1).nan_to_num(0.0);  // rows without a key: 0
+    }
     out.narrow(1, t0, n).copy_(p.sum({1, 3}) / static_cast<double>(H));
   }
   return out;

@@ -149,12 +149,15 @@ torch::Tensor SparseAttentionBackward(const torch::Tensor& grad_out, const torch
 // (h' = h / (H / Hkv)), 0 at -1 entries and in rows without a valid key. q (B, H, Sq, D) may be
 // a chunk of a longer sequence's queries, idx (B, Sq, W) its rows (indices into k's Sk rows);
 // k (B, Hkv, Sk, D). No gradient. Returns (B, Sq, W) in the compute dtype (fp32; fp64 for fp64
-// inputs). CUDA kernel (SparseAttentionProbs of cuda/sparse_attention.h: two walks over the
-// selection per head group, deterministic) under the conditions of SparseAttention's, else
-// libtorch in blocks of query_block queries (the gathered keys of one block at a time).
+// inputs). `lse` (B, H, Sq) in the compute dtype, optional: the same rows' natural log-sum-exp
+// as SparseAttentionForward returns it; given, it is used instead of computed (one walk over the
+// selection less). CUDA kernel (SparseAttentionProbs of cuda/sparse_attention.h: two walks over the
+// selection per head group, one with lse, deterministic) under the conditions of SparseAttention's,
+// else libtorch in blocks of query_block queries (the gathered keys of one block at a time).
 // REQUIRES: indices in [-1, Sk) (checked) without duplicates in a row; query_block >= 1.
 torch::Tensor SparseAttentionProbs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& indices,
-                                   double scale = 0.0, int64_t query_block = 64);
+                                   double scale = 0.0, int64_t query_block = 64,
+                                   const torch::Tensor& lse = torch::Tensor());
 
 // The indexer KL's formula, shared by its sparse stage (IndexerKlLoss) and the model's dense
 // warm-up: MaskedLogSoftmax is the log-softmax of logits (B, n, items) over the valid entries,

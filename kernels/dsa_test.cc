@@ -696,6 +696,16 @@ TEST(DsaSparseAttention, ProbsEqualTheMaskedDenseSoftmaxFp64) {
   EXPECT_LT((got.sum(-1).narrow(1, 10, S - 10) - 1).abs().max().item<double>(), 1e-12);
   Tensor part = SparseAttentionProbs(x.q.narrow(2, 50, 60), x.k, idx.narrow(1, 50, 60));
   EXPECT_LT(MaxErr(part, got.narrow(1, 50, 60)), 1e-12);
+  // With the forward's log-sum-exp given: the same; and it is what is used (one more than the
+  // true one scales every probability by 1/e).
+  const Tensor lse = SparseAttentionForward(x.q, x.k, x.v, idx).lse;
+  EXPECT_LT(MaxErr(SparseAttentionProbs(x.q, x.k, idx, 0.0, 17, lse), got), 1e-12);
+  EXPECT_LT(MaxErr(SparseAttentionProbs(x.q, x.k, idx, 0.0, 17, lse + 1.0), got * std::exp(-1.0)), 1e-12);
+  EXPECT_LT(MaxErr(SparseAttentionProbs(x.q.narrow(2, 50, 60), x.k, idx.narrow(1, 50, 60), 0.0, 64,
+                                        lse.narrow(2, 50, 60)),
+                   got.narrow(1, 50, 60)),
+            1e-12);
+  EXPECT_THROW(SparseAttentionProbs(x.q, x.k, idx, 0.0, 17, lse.narrow(2, 0, 10)), c10::Error);
 }
 
 // The indexer's KL loss over its selected pools, its value and gradients against plain autograd
@@ -779,6 +789,17 @@ TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
       got = got.cpu();
       EXPECT_LE(MaxErr(got, truth), 2 * MaxErr(ref, truth) + 8 * FLT_EPSILON) << name;
       EXPECT_EQ(got.select(1, 30 - t0).abs().max().item<double>(), 0.0) << name << ": a row without keys";
+      // One walk, given the forward kernel's log-sum-exp of the same rows: the same bar; one
+      // more than the true log-sum-exp scales every probability by 1/e.
+      const Tensor lse = SparseAttentionForward(qd, kd, kd, id).lse;
+      const int64_t before = FusedKernelLaunches();
+      Tensor given = SparseAttentionProbs(qd, kd, id, 0.0, 64, lse);
+      EXPECT_GE(FusedKernelLaunches() - before, 1) << name << ": the kernel did not run with lse";
+      EXPECT_LE(MaxErr(given.cpu(), truth), 2 * MaxErr(ref, truth) + 8 * FLT_EPSILON) << name << " with lse";
+      EXPECT_EQ(given.cpu().select(1, 30 - t0).abs().max().item<double>(), 0.0) << name << ": no keys, with lse";
+      EXPECT_LE(MaxErr(SparseAttentionProbs(qd, kd, id, 0.0, 64, lse + 1.0).cpu(), given.cpu() * std::exp(-1.0)),
+                1e-6)
+          << name << ": the given lse is not what the kernel used";
     }
   }
 }

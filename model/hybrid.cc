@@ -346,11 +346,12 @@ int64_t DsaAttentionImpl::kept_selection_bytes() const {
 
 namespace {
 
-// The sparse KL's target for queries q (B, H, n, D) with token indices idx (B, n, W) and pool
-// selection pool_idx (B, n, kp): the main attention's probabilities (no grad), head-mean, summed
+// The sparse KL's target for queries q (B, H, n, D) with token indices idx (B, n, W), pool
+// selection pool_idx (B, n, kp) and the attention's log-sum-exp lse (B, H, n) from the same
+// rows' forward: the main attention's probabilities (no grad), head-mean, summed
 // within each selected pool and L1-normalised over them; (B, n, kp) fp32. Chunk by chunk: ~256
 // MiB of (rows, W) probabilities at a time.
-Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tensor& pool_idx) {
+Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tensor& pool_idx, const Tensor& lse) {
   torch::NoGradGuard no_grad;
   const int64_t B = q.size(0), n = q.size(2), kp = pool_idx.size(2), W = idx.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
@@ -358,7 +359,8 @@ Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tenso
   Tensor target;
   for (int64_t t0 = 0; t0 < n; t0 += rows) {
     const int64_t m = std::min(rows, n - t0);
-    Tensor p = kernels::SparseAttentionProbs(q.narrow(2, t0, m), k, idx.narrow(1, t0, m), scale);  // (B, m, W)
+    Tensor p = kernels::SparseAttentionProbs(q.narrow(2, t0, m), k, idx.narrow(1, t0, m), scale, 64,
+                                             lse.narrow(2, t0, m));  // (B, m, W)
     Tensor valid = pool_idx.narrow(1, t0, m) >= 0;                                                 // (B, m, kp)
     Tensor tg = p.narrow(2, 0, 4 * kp).reshape({B, m, kp, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
     tg = tg / tg.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
@@ -559,7 +561,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       if (kl && t0 + n >= 4) {
         // Rows t < 3 see no pool and add nothing (their target is all 0); every later row selects
         // at least the first pool, so the rows are counted without reading the selection back.
-        const Tensor target = KlTarget(q, k, idx, pool);
+        const Tensor target = KlTarget(q, k, idx, pool, r.lse);
         kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
         rows += B * (t0 + n - std::max<int64_t>(t0, 3));
         if (saved != nullptr) saved->target.narrow(1, t0, n).copy_(target);

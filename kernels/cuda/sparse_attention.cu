@@ -429,7 +429,8 @@ int HeadGroup(int64_t G) {
 // Head-mean probabilities at the selected keys (SparseAttentionProbs): one block per (token,
 // batch row), the heads in groups of Gs sharing a KV head, one group after another. Per group two
 // walks over the selection: the log-sum-exp (lane-local online max and sum, merged over lanes and
-// warps), then each key's probability summed over the group's heads into probs. A key is always
+// warps; or read from lse_in, the forward's, and the walk skipped), then each key's probability
+// summed over the group's heads into probs. A key is always
 // handled by the same thread (lane and warp by its position), which adds the groups' shares to
 // its own entry in a fixed order: deterministic, no atomics.
 __device__ __forceinline__ void MergeMaxSum(float& m, float& l, float om, float ol) {
@@ -440,7 +441,7 @@ __device__ __forceinline__ void MergeMaxSum(float& m, float& l, float om, float 
 }
 
 template <typename T, int D, int Gs>
-__global__ void __launch_bounds__(kThreads) ProbsKernel(SparseAttentionArgs a, float* probs) {
+__global__ void __launch_bounds__(kThreads) ProbsKernel(SparseAttentionArgs a, const float* lse_in, float* probs) {
   __shared__ float qs[Gs * D];
   __shared__ float red_m[kWarps * Gs], red_l[kWarps * Gs];
   const int64_t t = blockIdx.x, b = blockIdx.y;
@@ -454,32 +455,37 @@ __global__ void __launch_bounds__(kThreads) ProbsKernel(SparseAttentionArgs a, f
     StageRows<T, D, Gs>(qs, a.q, b, h0, t, a.scale * kLog2e);
     __syncthreads();
     const T* kb = static_cast<const T*>(a.k.p) + b * a.k.sb + (h0 / G) * a.k.sh;
-    float m[Gs], l[Gs];
-#pragma unroll
-    for (int g = 0; g < Gs; ++g) m[g] = -INFINITY, l[g] = 0.f;
-    for (int64_t j = warp * 32 + lane; j < a.W; j += kThreads) {
-      const int key = ir[j];
-      if (key < 0) continue;
-      float s[Gs];
-      RowDots<T, D, Gs>(kb + key * a.k.ss, qs, s);
-#pragma unroll
-      for (int g = 0; g < Gs; ++g) MergeMaxSum(m[g], l[g], s[g], 1.f);
-    }
-#pragma unroll
-    for (int g = 0; g < Gs; ++g) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float om = __shfl_xor_sync(kFull, m[g], off), ol = __shfl_xor_sync(kFull, l[g], off);
-        MergeMaxSum(m[g], l[g], om, ol);
-      }
-      if (lane == 0) red_m[warp * Gs + g] = m[g], red_l[warp * Gs + g] = l[g];
-    }
-    __syncthreads();
     float lse[Gs];
+    if (lse_in != nullptr) {  // uniform over the block
 #pragma unroll
-    for (int g = 0; g < Gs; ++g) {
-      const Merged r = Merge<Gs>(red_m, red_l, g);
-      lse[g] = r.l > 0.f ? r.m + log2f(r.l) : -INFINITY;
+      for (int g = 0; g < Gs; ++g) lse[g] = lse_in[(b * a.H + h0 + g) * a.S + t] * kLog2e;  // -inf stays -inf
+    } else {
+      float m[Gs], l[Gs];
+#pragma unroll
+      for (int g = 0; g < Gs; ++g) m[g] = -INFINITY, l[g] = 0.f;
+      for (int64_t j = warp * 32 + lane; j < a.W; j += kThreads) {
+        const int key = ir[j];
+        if (key < 0) continue;
+        float s[Gs];
+        RowDots<T, D, Gs>(kb + key * a.k.ss, qs, s);
+#pragma unroll
+        for (int g = 0; g < Gs; ++g) MergeMaxSum(m[g], l[g], s[g], 1.f);
+      }
+#pragma unroll
+      for (int g = 0; g < Gs; ++g) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          const float om = __shfl_xor_sync(kFull, m[g], off), ol = __shfl_xor_sync(kFull, l[g], off);
+          MergeMaxSum(m[g], l[g], om, ol);
+        }
+        if (lane == 0) red_m[warp * Gs + g] = m[g], red_l[warp * Gs + g] = l[g];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int g = 0; g < Gs; ++g) {
+        const Merged r = Merge<Gs>(red_m, red_l, g);
+        lse[g] = r.l > 0.f ? r.m + log2f(r.l) : -INFINITY;
+      }
     }
     const bool last = h0 + Gs >= a.H;
     for (int64_t j = warp * 32 + lane; j < a.W; j += kThreads) {
@@ -539,12 +545,12 @@ int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float*
   });
 }
 
-int SparseAttentionProbs(const SparseAttentionArgs& a, float* probs, void* stream) {
+int SparseAttentionProbs(const SparseAttentionArgs& a, const float* lse, float* probs, void* stream) {
   if (a.S == 0 || a.B == 0 || a.W == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
   return Dispatch(a, [&](auto t, auto d, auto, auto gs) {
-    ProbsKernel<decltype(t), decltype(d)::value, decltype(gs)::value><<<grid, kThreads, 0, s>>>(a, probs);
+    ProbsKernel<decltype(t), decltype(d)::value, decltype(gs)::value><<<grid, kThreads, 0, s>>>(a, lse, probs);
     return cudaGetLastError();
   });
 }

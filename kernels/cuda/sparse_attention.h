@@ -61,8 +61,10 @@ int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float*
 // probs (B, S, W) fp32 contiguous: the head-mean softmax probability of each selected key,
 // (1 / H) sum_h exp(scale q_h . k_j - lse_h) over the row's valid keys, 0 at -1 entries and in
 // rows without a valid key. v and Dv are not read (Dv must equal D for the dispatch). S counts the
-// query rows given (a chunk of a longer sequence: the indices address k's Sk rows).
-int SparseAttentionProbs(const SparseAttentionArgs& a, float* probs, void* stream);
+// query rows given (a chunk of a longer sequence: the indices address k's Sk rows). lse (B, H, S),
+// the forward's natural log-sum-exp of the same rows, or null: given, the kernel walks the
+// selection once (the probabilities); null, twice (the log-sum-exp first).
+int SparseAttentionProbs(const SparseAttentionArgs& a, const float* lse, float* probs, void* stream);
 
 // dq (B, H, S, D) strided, delta (B, H, S) = dO . o, computed in fp32 as sum_j p_j (dO . v_j)
 // (not from the rounded o).
