@@ -252,6 +252,15 @@ int main(int argc, char** argv) {
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
       }, static_cast<int>(iters));
+      // The indexer KL's target: the head-mean probabilities at the selected keys, given the
+      // forward's log-sum-exp (one walk over the selection, as the DSA layer runs it).
+      double probs = 0.0;
+      if (kernels) {
+        torch::NoGradGuard no_grad;
+        const torch::Tensor lse = odyssey::kernels::SparseAttentionForward(q, k, v, idx).lse;
+        probs = Seconds([&] { odyssey::kernels::SparseAttentionProbs(q, k, idx, 0.0, 64, lse); },
+                        static_cast<int>(iters));
+      }
       odyssey::kernels::SetFusedKernels(true);
       // The (query, key) pairs the selection holds (fewer than T * selected near the start).
       const double flop = 4.0 * heads * dim * (idx >= 0).sum().item<double>();
@@ -259,12 +268,17 @@ int main(int argc, char** argv) {
                   kernels ? "CUDA kernels" : "libtorch", static_cast<long long>(selected), selection.c_str(),
                   static_cast<long long>(T), fwd * 1e3, flop / fwd / 1e12, both * 1e3, static_cast<double>(T) / both,
                   2.5 * flop / both / 1e12);
+      if (kernels) {
+        std::printf("| sparse attention probabilities given lse (CUDA kernel), %lld keys, %s selection | %lld | %.1f |\n",
+                    static_cast<long long>(selected), selection.c_str(), static_cast<long long>(T), probs * 1e3);
+      }
       std::fflush(stdout);
       Json(json, std::string("{\"op\":\"") + (kernels ? "sparse_attention_kernel" : "sparse_attention_libtorch") +
                      "\",\"selection\":\"" + selection + "\",\"tokens\":" + std::to_string(T) + ",\"selected\":" +
                      std::to_string(selected) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) +
-                     ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) + "}");
+                     ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) +
+                     (kernels ? ",\"probs_ms\":" + std::to_string(probs * 1e3) : std::string()) + "}");
     }
   }
   // Dense SDPA over the same key count: windows of `selected` tokens, every query attending to
