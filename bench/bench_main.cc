@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,10 @@ int main(int argc, char** argv) {
   int64_t fidelity_block = 0;
   app.add_option("--fidelity-block", fidelity_block,
                  "with --fidelity: queries per block of the float32 reference attention (0: ~2 GiB of scores)");
+  bool phase_times = false;
+  app.add_flag("--phase-times", phase_times,
+               "time the phases of the timed steps (each layer's forward, recompute and backward, the loss, the "
+               "optimizer and the kernels' own phases; GPU time by CUDA events, no trace) and print them per step");
   std::string profile_dir;
   app.add_option("--profile", profile_dir,
                  "after the timed steps, record one more step with the profiler and write DIR/trace.json (Chrome "
@@ -424,6 +429,12 @@ int main(int argc, char** argv) {
   double loss = 0;
   for (int i = 0; i < warmup + steps; ++i) {
     if (i == warmup) odyssey::engine::ResetPeakMemory(dev);
+    if (i == warmup && phase_times) {
+      if (absl::Status st = odyssey::engine::StartPhaseTimes(dev.is_cuda()); !st.ok()) {
+        std::fprintf(stderr, "odyssey-bench: --phase-times: %s\n", std::string(st.message()).c_str());
+        return 1;
+      }
+    }
     odyssey::engine::SynchronizeDevice(dev);
     const auto t0 = std::chrono::steady_clock::now();
     if (rl_loss.empty()) {
@@ -440,6 +451,15 @@ int main(int argc, char** argv) {
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::fprintf(stderr, "%s step %d: %.3f s, loss %.4f\n", i < warmup ? "warmup" : "timed", i, sec, loss);
     if (i >= warmup) times.push_back(sec);
+  }
+  std::vector<odyssey::engine::PhaseTime> phases;
+  if (phase_times && steps > 0) {
+    absl::StatusOr<std::vector<odyssey::engine::PhaseTime>> p = odyssey::engine::StopPhaseTimes();
+    if (!p.ok()) {
+      std::fprintf(stderr, "odyssey-bench: --phase-times: %s\n", std::string(p.status().message()).c_str());
+      return 1;
+    }
+    phases = *std::move(p);
   }
   if (!profile_dir.empty() && rl_loss.empty()) {
     std::error_code ec;
@@ -473,6 +493,12 @@ int main(int argc, char** argv) {
       {"gpu_peak_allocated_bytes", mem.peak_allocated}, {"gpu_peak_reserved_bytes", mem.peak_reserved},
       {"pinned_host_bytes", t.memory().host_pool_bytes()}, {"loss", loss}, {"device", dev.str()},
       {"fused_kernels", odyssey::kernels::FusedKernelsEnabled()}, {"lora_rank", o.lora.rank}};
+  if (!phases.empty()) {
+    // Per timed step: seconds and scopes of each kind (inclusive of the scopes inside it).
+    nlohmann::json pj = nlohmann::json::object();
+    for (const auto& p : phases) pj[p.kind] = {{"seconds", p.seconds / steps}, {"count", p.count / steps}};
+    j["phase_seconds_per_step"] = pj;
+  }
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
     j["forward_seconds"] = forward_seconds;
@@ -509,6 +535,15 @@ int main(int argc, char** argv) {
               odyssey::kernels::FusedKernelsEnabled() ? "" : " (reference ops)",
               GiB(mem.peak_allocated).c_str(), GiB(mem.peak_reserved).c_str(), GiB(t.memory().host_pool_bytes()).c_str(),
               sec, sec > 0 ? static_cast<double>(B * S) / sec : 0.0, sec > 0 ? 100.0 * flops / sec / kPeakFlops : 0.0);
+  if (!phases.empty()) {
+    const double total = std::accumulate(times.begin(), times.end(), 0.0) / steps;
+    std::printf("| phase (per timed step; a phase includes the phases inside it) | scopes | seconds | of the step |\n");
+    std::printf("| --- | --- | --- | --- |\n");
+    for (const auto& p : phases) {
+      std::printf("| %s | %lld | %.3f | %.1f%% |\n", p.kind.c_str(), static_cast<long long>(p.count / steps),
+                  p.seconds / steps, total > 0 ? 100.0 * p.seconds / steps / total : 0.0);
+    }
+  }
   AppendJsonLine(json_path, j);
   return 0;
 }

@@ -1,17 +1,197 @@
 #include "engine/profiler.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
 #include <set>
+#include <utility>
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+
+#ifdef ODYSSEY_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 
 namespace odyssey::engine {
 namespace {
 std::atomic<bool> g_running{false};
+
+// The phase timer. One for the process, never freed: a scope opened before StopPhaseTimes may
+// still end after it (its end callback then finds the timer stopped and drops the span).
+using Clock = std::chrono::steady_clock;
+struct Span {
+  std::string name;
+  double wall = 0;  // seconds, where no events were recorded
+  void* start = nullptr;  // cudaEvent_t
+  void* end = nullptr;
+};
+struct PhaseTimer {
+  std::mutex mu;
+  bool running = false, cuda = false;
+  std::vector<Span> spans;
+  at::CallbackHandle handle = 0;
+  std::string error;  // the first CUDA call that failed
+};
+PhaseTimer& Timer() {
+  static auto* timer = new PhaseTimer;
+  return *timer;
+}
+
+void DestroyEvent(void* e) {
+#ifdef ODYSSEY_WITH_CUDA
+  if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+#else
+  (void)e;
+#endif
+}
+
+// An event recorded now on the calling thread's current stream; null (and the timer's error
+// set) where CUDA fails.
+void* RecordEvent(PhaseTimer& timer) {
+#ifdef ODYSSEY_WITH_CUDA
+  cudaEvent_t e = nullptr;
+  cudaError_t err = cudaEventCreate(&e);
+  if (err == cudaSuccess) err = cudaEventRecord(e, c10::cuda::getCurrentCUDAStream().stream());
+  if (err == cudaSuccess) return e;
+  if (e != nullptr) cudaEventDestroy(e);
+  std::lock_guard<std::mutex> lock(timer.mu);
+  if (timer.error.empty()) timer.error = absl::StrCat("cudaEventRecord: ", cudaGetErrorString(err));
+#else
+  (void)timer;
+#endif
+  return nullptr;
+}
+
+struct SpanContext : at::ObserverContext {
+  std::string name;
+  Clock::time_point t0;
+  void* start = nullptr;
+  ~SpanContext() override { DestroyEvent(start); }
+};
+
+std::unique_ptr<at::ObserverContext> OnScopeStart(const at::RecordFunction& fn) {
+  PhaseTimer& timer = Timer();
+  auto c = std::make_unique<SpanContext>();
+  c->name = fn.name();
+  c->t0 = Clock::now();
+  if (timer.cuda) c->start = RecordEvent(timer);
+  return c;
+}
+
+void OnScopeEnd(const at::RecordFunction&, at::ObserverContext* ctx) {
+  PhaseTimer& timer = Timer();
+  auto* c = static_cast<SpanContext*>(ctx);
+  Span s;
+  s.wall = std::chrono::duration<double>(Clock::now() - c->t0).count();
+  if (c->start != nullptr) {
+    s.end = RecordEvent(timer);
+    if (s.end != nullptr) std::swap(s.start, c->start);
+  }
+  s.name = std::move(c->name);
+  std::lock_guard<std::mutex> lock(timer.mu);
+  if (!timer.running) {
+    DestroyEvent(s.start);
+    DestroyEvent(s.end);
+    return;
+  }
+  timer.spans.push_back(std::move(s));
+}
 }  // namespace
+
+std::string PhaseKind(const std::string& name) {
+  std::string kind;
+  kind.reserve(name.size());
+  for (size_t i = 0; i < name.size(); ++i) {
+    const bool digit = name[i] >= '0' && name[i] <= '9';
+    if (!digit) {
+      kind.push_back(name[i]);
+    } else if (i == 0 || name[i - 1] < '0' || name[i - 1] > '9') {
+      kind.push_back('#');
+    }
+  }
+  return kind;
+}
+
+absl::Status StartPhaseTimes(bool cuda) {
+  PhaseTimer& timer = Timer();
+  {
+    std::lock_guard<std::mutex> lock(timer.mu);
+    if (timer.running) return absl::FailedPreconditionError("phase times are already being recorded");
+#ifndef ODYSSEY_WITH_CUDA
+    if (cuda) return absl::FailedPreconditionError("phase times on a GPU: this build has no CUDA");
+#endif
+    timer.running = true;
+    timer.cuda = cuda;
+    timer.spans.clear();
+    timer.error.clear();
+  }
+  at::RecordFunctionCallback cb(&OnScopeStart, &OnScopeEnd);
+  cb.scopes({at::RecordScope::USER_SCOPE});
+  timer.handle = at::addGlobalCallback(cb);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes() {
+  PhaseTimer& timer = Timer();
+  std::vector<Span> spans;
+  std::string error;
+  bool cuda = false;
+  {
+    std::lock_guard<std::mutex> lock(timer.mu);
+    if (!timer.running) return absl::FailedPreconditionError("no phase times are being recorded");
+    timer.running = false;
+    spans.swap(timer.spans);
+    error.swap(timer.error);
+    cuda = timer.cuda;
+  }
+  at::removeCallback(timer.handle);
+  timer.handle = 0;
+#ifndef ODYSSEY_WITH_CUDA
+  (void)cuda;  // StartPhaseTimes refused a GPU timer
+#else
+  if (cuda && error.empty()) {
+    if (cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess)
+      error = absl::StrCat("cudaDeviceSynchronize: ", cudaGetErrorString(err));
+  }
+#endif
+  std::map<std::string, PhaseTime> by_kind;
+  for (Span& s : spans) {
+    double seconds = s.wall;
+#ifdef ODYSSEY_WITH_CUDA
+    if (cuda && error.empty()) {
+      float ms = 0;
+      if (s.start == nullptr || s.end == nullptr) {
+        error = absl::StrCat("phase \"", s.name, "\": no CUDA events were recorded");
+      } else if (cudaError_t err = cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(s.start),
+                                                        static_cast<cudaEvent_t>(s.end));
+                 err != cudaSuccess) {
+        error = absl::StrCat("cudaEventElapsedTime: ", cudaGetErrorString(err));
+      }
+      seconds = ms / 1e3;
+    }
+#endif
+    DestroyEvent(s.start);
+    DestroyEvent(s.end);
+    PhaseTime& t = by_kind[PhaseKind(s.name)];
+    t.count += 1;
+    t.seconds += seconds;
+  }
+  if (!error.empty()) return absl::InternalError(absl::StrCat("phase times: ", error));
+  std::vector<PhaseTime> out;
+  out.reserve(by_kind.size());
+  for (auto& [kind, t] : by_kind) {
+    t.kind = kind;
+    out.push_back(std::move(t));
+  }
+  std::stable_sort(out.begin(), out.end(), [](const PhaseTime& a, const PhaseTime& b) { return a.seconds > b.seconds; });
+  return out;
+}
 
 absl::Status StartProfile(bool cuda, bool memory) {
   if (g_running.exchange(true)) return absl::FailedPreconditionError("a profile is already being recorded");

@@ -11,9 +11,12 @@
 // the thread that starts it (the training thread); one at a time per process.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace odyssey::engine {
 
@@ -21,6 +24,26 @@ namespace odyssey::engine {
 absl::Status StartProfile(bool cuda, bool memory);
 // Stops and writes the Chrome trace to `trace_path` (its folder must exist).
 absl::Status StopProfile(const std::string& trace_path);
+
+// Phase times without a trace: while they are recorded, every user scope (the ProfilePhase
+// phases below and the kernels' RECORD_USER_SCOPE phases, on every thread, the autograd
+// engine's included) is timed: on a GPU by a pair of CUDA events on the thread's current stream
+// (the stream's time from the scope's start to its end, gaps included), else by the wall clock.
+// Scopes nest, so a phase's time includes its inner phases'. Cheap beside a step (one pair of
+// events a scope, nothing written), so the timed steps of a benchmark can carry them: where a
+// long step's time goes without a multi-GB trace.
+struct PhaseTime {
+  std::string kind;    // the scope's name, each run of digits written '#' ("layer # backward")
+  int64_t count = 0;   // scopes of this kind
+  double seconds = 0;  // their summed time
+};
+// Starts recording (GPU time where `cuda`). FAILED_PRECONDITION if already recording.
+absl::Status StartPhaseTimes(bool cuda);
+// Stops (after synchronizing the device where `cuda`) and returns the kinds by time, longest
+// first. FAILED_PRECONDITION if not recording; INTERNAL if a CUDA event failed.
+absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes();
+// The kind a scope's name counts under: each run of ASCII digits replaced by '#'.
+std::string PhaseKind(const std::string& name);
 
 // A phase of the step, named in the trace while the object lives (a user scope; free when no
 // profiler runs beyond building the name).

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <chrono>
 #include <map>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "engine/profiler.h"
 #include "model/safetensors.h"
 
 namespace odyssey::engine {
@@ -505,6 +508,83 @@ TEST(TrainerGpuTest, HostOptimizerTrainsAsTheDeviceOptimizer) {
   }
   EXPECT_LT(last, first) << "the host optimizer trained";
   EXPECT_LT(MaxParamDifference(**dev, **host), 5e-2);
+}
+
+// Phase times (engine/profiler.h): every user scope on every thread, timed by kind.
+TEST(PhaseTimesTest, NestedScopesOnEveryThreadAreTimedByKind) {
+  EXPECT_EQ(PhaseKind("layers 10-11 recompute"), "layers #-# recompute");
+  EXPECT_EQ(PhaseKind("kda forward: intra"), "kda forward: intra");
+  EXPECT_EQ(StopPhaseTimes().status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(StartPhaseTimes(/*cuda=*/false).ok());
+  EXPECT_EQ(StartPhaseTimes(false).code(), absl::StatusCode::kFailedPrecondition);
+  {
+    ProfilePhase outer("layer 1 forward");
+    {
+      ProfilePhase inner("layer 1 inner");
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::thread other([] {
+    ProfilePhase phase("layer 2 forward");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  });
+  other.join();
+  absl::StatusOr<std::vector<PhaseTime>> times = StopPhaseTimes();
+  ASSERT_TRUE(times.ok()) << times.status();
+  std::map<std::string, PhaseTime> by_kind;
+  for (const PhaseTime& t : *times) by_kind[t.kind] = t;
+  ASSERT_EQ(by_kind.size(), 2u);
+  EXPECT_EQ(by_kind["layer # forward"].count, 2);
+  EXPECT_EQ(by_kind["layer # inner"].count, 1);
+  // Inclusive: the outer scope holds its inner one's 30 ms and 10 of its own, the other thread 20.
+  EXPECT_GE(by_kind["layer # inner"].seconds, 0.030);
+  EXPECT_GE(by_kind["layer # forward"].seconds, 0.060);
+  EXPECT_EQ((*times)[0].kind, "layer # forward");  // longest first
+  // Stopped: scopes are no longer timed.
+  { ProfilePhase after("layer 3 forward"); }
+  ASSERT_TRUE(StartPhaseTimes(false).ok());
+  times = StopPhaseTimes();
+  ASSERT_TRUE(times.ok());
+  EXPECT_TRUE(times->empty());
+}
+
+// A training step's phases: each layer's forward, recompute and backward (the backward's on
+// autograd's threads), the loss and the optimizer, and the KDA and DSA kernels' own scopes.
+void ExpectStepPhases(const std::string& device) {
+  TrainerOptions o = TinyKjv(1);
+  o.model = "hybrid-tiny";
+  o.device = device;
+  o.data.seq_len = 64;
+  o.data.batch_size = 2;
+  o.memory.recompute = planner::Recompute::kLayer;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  (*t)->TrainStep();  // the first step's one-time work outside the timed one
+  ASSERT_TRUE(StartPhaseTimes(device != "cpu").ok());
+  (*t)->TrainStep();
+  absl::StatusOr<std::vector<PhaseTime>> times = StopPhaseTimes();
+  ASSERT_TRUE(times.ok()) << times.status();
+  std::map<std::string, PhaseTime> by_kind;
+  for (const PhaseTime& t : *times) by_kind[t.kind] = t;
+  const int64_t layers = (*t)->model()->config().num_hidden_layers;
+  for (const char* kind : {"layer # forward", "layer # recompute", "layer # backward"}) {
+    EXPECT_EQ(by_kind[kind].count, layers) << kind;
+    EXPECT_GT(by_kind[kind].seconds, 0) << kind;
+  }
+  for (const char* kind : {"loss", "backward", "optimizer"}) EXPECT_EQ(by_kind[kind].count, 1) << kind;
+  bool kda = false;
+  for (const auto& [kind, t] : by_kind) kda = kda || kind.rfind("kda ", 0) == 0;
+  EXPECT_TRUE(kda) << "no KDA kernel scope was timed";
+  // The backward holds every layer's recompute and backward.
+  EXPECT_GE(by_kind["backward"].seconds, by_kind["layer # backward"].seconds);
+}
+
+TEST(PhaseTimesTest, AStepsLayerPhasesAreTimed) { ExpectStepPhases("cpu"); }
+
+TEST(PhaseTimesGpuTest, AStepsLayerPhasesAreTimedOnTheGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ExpectStepPhases("cuda");
 }
 
 }  // namespace

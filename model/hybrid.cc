@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "kernels/dsa.h"
@@ -462,6 +463,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         }
         const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
         const Tensor g = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).transpose(1, 2);
+        RECORD_USER_SCOPE("dsa sparse attention backward");
         Tensor dq = kernels::SparseAttentionBackward(g, q.detach(), k.detach(), v.detach(), idx,
                                                      lse_all.narrow(2, t0, n), 0.0, dk_acc, dv_acc);
         outputs.push_back(q);
@@ -479,8 +481,12 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         inputs.push_back(keys_leaf);
       }
       inputs.insert(inputs.end(), weights.begin(), weights.end());
-      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                                    /*create_graph=*/false, /*allow_unused=*/true);
+      std::vector<Tensor> d;
+      {
+        RECORD_USER_SCOPE("dsa backward: q projection and indexer kl");
+        d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+      }
       if (d[0].defined()) dx.narrow(1, t0, n).add_(d[0]);
       size_t next = 1;
       if (kl_grad && d[next].defined()) dkeys.add_(d[next]);
@@ -501,8 +507,12 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     }
     dk_acc = dv_acc = dkeys = Tensor();
     inputs.insert(inputs.end(), weights.begin(), weights.end());
-    std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                                  /*create_graph=*/false, /*allow_unused=*/true);
+    std::vector<Tensor> d;
+    {
+      RECORD_USER_SCOPE("dsa backward: k, v and indexer key projections");
+      d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+    }
     if (d[0].defined()) dx.add_(d[0]);
     sums.Add(std::vector<Tensor>(d.begin() + 1, d.end()));
     sums.WriteGrads();
@@ -539,6 +549,9 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       const Tensor xt = x.narrow(1, t0, n);
       const Tensor q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
       Tensor iq, iw, pool;                           // pool: (B, n, kp)
+      // (Phases for the profiler and odyssey-bench --phase-times: user scopes, free otherwise.)
+      at::RecordFunction selecting(at::RecordScope::USER_SCOPE);
+      if (selecting.isActive()) selecting.before(replay ? "dsa selection: replayed" : "dsa selection: indexer");
       if (!replay || kl) m.indexer->Queries(xt, &iq, &iw);
       if (replay) {
         pool = sel.replay.narrow(1, t0, n).to(x.device(), /*non_blocking=*/true);
@@ -552,7 +565,12 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pool, /*non_blocking=*/true);
       }
       const Tensor idx = kernels::ExpandPoolSelection(pool, t0);   // (B, n, 4 kp + 3)
-      kernels::SparseAttentionResult r = kernels::SparseAttentionForward(q, k, v, idx);
+      selecting.end();
+      kernels::SparseAttentionResult r;
+      {
+        RECORD_USER_SCOPE("dsa sparse attention forward");
+        r = kernels::SparseAttentionForward(q, k, v, idx);
+      }
       out.narrow(1, t0, n).copy_(r.out.transpose(1, 2).reshape({B, n, H * D}));
       if (saved != nullptr) {
         saved->pool_idx.narrow(1, t0, n).copy_(pool);
@@ -561,6 +579,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       if (kl && t0 + n >= 4) {
         // Rows t < 3 see no pool and add nothing (their target is all 0); every later row selects
         // at least the first pool, so the rows are counted without reading the selection back.
+        RECORD_USER_SCOPE("dsa indexer kl: target and loss");
         const Tensor target = KlTarget(q, k, idx, pool, r.lse);
         kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
         rows += B * (t0 + n - std::max<int64_t>(t0, 3));

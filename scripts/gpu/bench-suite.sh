@@ -112,7 +112,8 @@ if only fidelity; then
 fi
 # long1b: one full-depth step of LONG_MODEL (default llama-3.2-1b) at LONG_LEN (default 1M) started in the background
 # (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log},
-# the JSON line to ${LONG_LOG%.log}.jsonl and the pid to ${LONG_LOG%.log}.pid. The step runs in a
+# the JSON line to ${LONG_LOG%.log}.jsonl and the pid to ${LONG_LOG%.log}.pid; the step carries
+# --phase-times (where its time went, by phase, at no measurable cost) unless LONG_PROFILE is set. The step runs in a
 # session of its own (setsid), but a command killed at its time limit can still take it down with
 # the machine's process tree: end every command before its limit (this mode returns at once;
 # poll with `long1b-wait`, which returns after at most LONG_WAIT seconds, default 500).
@@ -125,11 +126,11 @@ fi
 # memory plot into $OUT (the trace itself is too large to bring back at 1M).
 if only long1b; then
   log="${LONG_LOG:-/tmp/odyssey-long1b.log}"
-  long_steps=1
-  [ -n "${LONG_PROFILE:-}" ] && long_steps=0
+  long_steps=1 phase_times=--phase-times
+  [ -n "${LONG_PROFILE:-}" ] && long_steps=0 phase_times=
   setsid nohup build-gpu/bench/odyssey-bench --model "${LONG_MODEL:-llama-3.2-1b}" --seq-len "${LONG_LEN:-1048576}" \
     ${LONG_FLAGS:---recompute layer --offload --device-resident 8 --head-groups 2 --mlp-tile 16384 --loss-tile 4096} \
-    ${LONG_PROFILE:+--profile "$LONG_PROFILE"} --warmup 0 --steps "$long_steps" \
+    ${LONG_PROFILE:+--profile "$LONG_PROFILE"} $phase_times --warmup 0 --steps "$long_steps" \
     --json "${log%.log}.jsonl" >"$log" 2>&1 < /dev/null &
   echo $! >"${log%.log}.pid"
   echo "long1b: started pid $! (log $log)"
@@ -141,7 +142,8 @@ if only long1b-wait; then
   waited=0
   while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "${LONG_WAIT:-500}" ]; do sleep 5; waited=$((waited + 5)); done
   if kill -0 "$pid" 2>/dev/null; then echo "long1b-wait: pid $pid still running after ${waited} s"; else echo "long1b-wait: pid $pid has exited"; fi
-  tail -5 "$log"
+  grep -v '^| ' "$log" | tail -5
+  grep '^| ' "$log" | head -40  # the step's row, then its phase times (without LONG_PROFILE)
   cp "$log" "${log%.log}.jsonl" "$out/" 2>/dev/null || true
   if [ -n "${LONG_PROFILE:-}" ] && ! kill -0 "$pid" 2>/dev/null && [ -f "$LONG_PROFILE/trace.json" ]; then
     python3 bench/profile_report.py "$LONG_PROFILE/trace.json" >"$out/long-profile.txt" 2>&1
