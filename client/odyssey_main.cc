@@ -310,6 +310,19 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
                                             total_steps, m.loss(), FormatRate(m.tokens_per_second()),
                                             FormatDuration(eta));
         print_line(m.step() == total_steps);
+        if (m.step() == total_steps && m.phases_size() > 0) {
+          // spec.profile.phase_times: where the last step's time went (the ten longest kinds).
+          if (tty && !line.empty()) std::cout << "\n";
+          line.clear();
+          std::cout << name << ": step " << m.step() << "'s phases (a phase includes the phases inside it):\n";
+          for (int i = 0; i < std::min(m.phases_size(), 10); ++i) {
+            const v1::PhaseSeconds& ph = m.phases(i);
+            std::cout << absl::StrFormat("  %-48s %10.3f s  %5.1f%%  x%d\n", ph.phase(), ph.seconds(),
+                                         m.step_seconds() > 0 ? 100.0 * ph.seconds() / m.step_seconds() : 0.0,
+                                         ph.count());
+          }
+          std::cout << std::flush;
+        }
       } else if (event.has_state()) {
         state = event.state();
         if (tty && !line.empty()) std::cout << "\n";

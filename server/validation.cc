@@ -333,6 +333,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
   if (!rl && spec.rl().idle_timeout_seconds() != 0) {
     return Invalid(p + ".rl.idle_timeout_seconds", "is only for RL_SESSION jobs (spec.kind)");
   }
+  if (rl && spec.profile().phase_times()) {
+    return Invalid(p + ".profile.phase_times",
+                   "is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps (set false)");
+  }
   const auto& ckpt = spec.checkpoint();
   if (ckpt.every_steps() < 0) {
     return Invalid(p + ".checkpoint.every_steps", absl::StrCat("(", ckpt.every_steps(), ") must be >= 0 (0 = only at the end)"));

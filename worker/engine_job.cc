@@ -260,7 +260,16 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
       out.stopped = true;
       return out;
     }
+    // spec.profile.phase_times: rank 0's step, timed phase by phase (stopped before anything
+    // below can return).
+    const bool timed = j.phase_times && j.rank == 0;
+    if (timed) {
+      if (absl::Status st = engine::StartPhaseTimes(t.device().is_cuda()); !st.ok())
+        return fail(absl::Status(st.code(), absl::StrCat("spec.profile.phase_times: ", st.message())));
+    }
     engine::StepResult r = t.TrainStep();
+    absl::StatusOr<std::vector<engine::PhaseTime>> phases;
+    if (timed) phases = engine::StopPhaseTimes();
     if (!r.status.ok() && j.world_size > 1 && stop(j.peer_loss_grace)) {
       // Another rank left this one's collective: it stopped first (a cancel reaches the ranks at
       // slightly different steps) or died (the controller requeues the job and cancels this
@@ -272,7 +281,11 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
       return fail(absl::Status(r.status.code(), absl::StrCat("step ", t.step() + 1, ": ", r.status.message())));
     out.step = r.step;
     if (!std::isfinite(r.loss)) return fail(absl::InternalError(absl::StrCat("step ", r.step, ": loss is ", r.loss)));
+    if (timed && !phases.ok())
+      return fail(absl::Status(phases.status().code(),
+                               absl::StrCat("step ", r.step, ": spec.profile.phase_times: ", phases.status().message())));
     EngineStep s;
+    if (timed) s.phases = *std::move(phases);
     s.step = r.step;
     s.loss = r.loss;
     s.grad_norm = r.grad_norm;

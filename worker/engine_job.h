@@ -42,6 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/profiler.h"
 #include "model/config.h"
 #include "planner/memory_strategy.h"
 #include "worker/checkpoint_folder.h"
@@ -91,6 +92,9 @@ struct EngineJobOptions {
   // How long a rank whose collective failed waits for a stop before failing the job (longer
   // than the controller's time to declare a silent worker dead).
   absl::Duration peer_loss_grace = absl::Seconds(30);
+  // spec.profile.phase_times: rank 0 times each step's phases (engine/profiler.h) into its
+  // EngineStep.
+  bool phase_times = false;
 };
 
 // What one step did (rank-wide figures sum over the ranks).
@@ -104,6 +108,7 @@ struct EngineStep {
   int64_t host_memory_peak_bytes = 0;
   double mfu = 0;  // 0 where the device's peak is unknown (CPU)
   std::string checkpoint;  // written at this step, if any
+  std::vector<engine::PhaseTime> phases;  // with phase_times, on rank 0: longest first
 };
 
 struct EngineOutcome {

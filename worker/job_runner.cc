@@ -71,6 +71,10 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
     o.resume_from = RestartCheckpoint(o.checkpoint_dir, o.checkpoint_owner, a.resume_from());
   o.every_steps = spec.checkpoint().every_steps();
   o.keep = spec.checkpoint().keep();
+  o.phase_times = spec.profile().phase_times();
+  if (rl && o.phase_times)
+    return absl::InvalidArgumentError(
+        "spec.profile.phase_times is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps");
   if (rl) {
     // The session's batches come with its calls and each optim_step carries its AdamW
     // parameters: the trainer's own data source and schedule are never used (random ids need
@@ -283,6 +287,7 @@ void JobRunner::Run() {
             metrics_->host_offload->Set(static_cast<double>(s.host_offload_bytes));
             metrics_->host_memory_peak->Set(static_cast<double>(s.host_memory_peak_bytes));
             if (s.mfu > 0) metrics_->mfu->Set(s.mfu);
+            for (const engine::PhaseTime& ph : s.phases) metrics_->phase_seconds->Add({{"phase", ph.kind}}).Set(ph.seconds);
           }
           const auto now = std::chrono::steady_clock::now();
           if (s.checkpoint.empty() && s.step != options->steps &&
@@ -305,6 +310,12 @@ void JobRunner::Run() {
           m->set_host_offload_bytes(s.host_offload_bytes);
           m->set_host_memory_peak_bytes(s.host_memory_peak_bytes);
           m->set_world_size(world_size);
+          for (const engine::PhaseTime& ph : s.phases) {
+            v1::PhaseSeconds* out = m->add_phases();
+            out->set_phase(ValidUtf8(ph.kind));
+            out->set_count(ph.count);
+            out->set_seconds(ph.seconds);
+          }
           if (callbacks_.progress) callbacks_.progress(p);
         });
   }

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "worker/worker_metrics.h"
 
 namespace odyssey::worker {
 namespace {
@@ -383,6 +384,47 @@ TEST(AssignmentToEngineOptionsTest, EveryMemoryFieldArrives) {
   EXPECT_TRUE(s.optimizer_on_host);
   EXPECT_EQ(s.host_budget_bytes, int64_t{1} << 30);
   EXPECT_TRUE(s.Validate().ok()) << s.Validate();
+}
+
+// spec.profile.phase_times: every progress report carries its step's phase times (rank 0's),
+// each layer's forward among them, and the worker's gauges get the last step's; a run without it
+// reports none. RL sessions refuse it, naming the field.
+TEST_F(JobRunnerTest, PhaseTimesArriveWithEveryStep) {
+  for (bool timed : {false, true}) {
+    Recorder rec;
+    JobRunnerOptions opts;
+    opts.device = "cpu";
+    opts.progress_interval_seconds = 0;  // every step
+    v1::Assignment a = TinyJob("", 3);
+    a.mutable_spec()->mutable_profile()->set_phase_times(timed);
+    WorkerMetrics metrics;
+    JobRunner runner(a, opts, rec.Callbacks(), &metrics);
+    v1::JobResult r = rec.Wait();
+    ASSERT_TRUE(r.ok()) << r.error();
+    absl::MutexLock l(&rec.mu);
+    ASSERT_EQ(rec.progress.size(), 3u);
+    for (const v1::JobProgress& p : rec.progress) {
+      if (!timed) {
+        EXPECT_EQ(p.metrics().phases_size(), 0);
+        continue;
+      }
+      std::map<std::string, v1::PhaseSeconds> by_phase;
+      for (const v1::PhaseSeconds& ph : p.metrics().phases()) by_phase[ph.phase()] = ph;
+      EXPECT_EQ(by_phase["layer # forward"].count(), 4) << "tiny has 4 layers";
+      EXPECT_GT(by_phase["optimizer"].seconds(), 0);
+      EXPECT_LE(by_phase["backward"].seconds(), p.metrics().step_seconds());
+      for (int i = 1; i < p.metrics().phases_size(); ++i)
+        EXPECT_GE(p.metrics().phases(i - 1).seconds(), p.metrics().phases(i).seconds()) << "longest first";
+    }
+    const bool exported = metrics.phase_seconds->Has({{"phase", "optimizer"}});
+    EXPECT_EQ(exported, timed);
+  }
+  v1::Assignment rl = TinyJob("", 1);
+  rl.mutable_spec()->set_kind(v1::RL_SESSION);
+  rl.mutable_spec()->mutable_profile()->set_phase_times(true);
+  absl::StatusOr<EngineJobOptions> o = AssignmentToEngineOptions(rl, "cpu");
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("spec.profile.phase_times"), std::string::npos) << o.status();
 }
 
 // The spec's memory strategy reaches the engine: layer recompute with tiled MLP and loss trains

@@ -54,6 +54,12 @@ WorkerMetrics::WorkerMetrics() : registry_(std::make_shared<prometheus::Registry
   jobs_succeeded = &jobs.Add({{"result", "succeeded"}});
   jobs_failed = &jobs.Add({{"result", "failed"}});
   jobs_cancelled = &jobs.Add({{"result", "cancelled"}});
+  phase_seconds = &prometheus::BuildGauge()
+                       .Name("odyssey_worker_phase_seconds")
+                       .Help("Seconds of each kind of phase in the last step timed (spec.profile.phase_times: "
+                             "each layer's forward, recompute and backward, loss, optimizer, the kernels' "
+                             "phases; a phase includes the phases inside it)")
+                       .Register(r);
   reconnects = &prometheus::BuildCounter()
                     .Name("odyssey_worker_reconnects_total")
                     .Help("Attach streams opened after the first")

@@ -33,6 +33,9 @@ class WorkerMetrics {
   prometheus::Counter* jobs_failed;      // ...{result="failed"}
   prometheus::Counter* jobs_cancelled;   // ...{result="cancelled"}
   prometheus::Counter* reconnects;       // odyssey_worker_reconnects_total
+  // odyssey_worker_phase_seconds{phase}: the last timed step's seconds of each kind of phase
+  // (spec.profile.phase_times; a phase includes the phases inside it).
+  prometheus::Family<prometheus::Gauge>* phase_seconds;
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

@@ -140,16 +140,19 @@ class Cluster(Processes):
         wait_for(f"{name} to be {state}", check, timeout)
         return self.get(name)
 
-    def watch(self, name, events=None):
+    def watch(self, name, events=None, phases=None):
         """Collects the job's step events on a background thread; returns the list it fills.
         `events`, when given, is a list ("checkpoint", directory) and ("state", name) events are
-        appended to, in the order the controller committed them."""
+        appended to, in the order the controller committed them; `phases`, a dict that gets each
+        step's phase times ({step: {phase: (count, seconds)}}) where the step event has them."""
         steps = []
 
         def run():
             try:
                 for ev in self.jobs.WatchJob(self.pb.WatchJobRequest(name=name), timeout=DEADLINE_S):
                     if ev.WhichOneof("event") == "step":
+                        if phases is not None and ev.step.phases:
+                            phases[ev.step.step] = {p.phase: (p.count, p.seconds) for p in ev.step.phases}
                         steps.append((ev.step.step, ev.step.loss))
                     elif ev.WhichOneof("event") == "checkpoint" and events is not None:
                         events.append(("checkpoint", ev.checkpoint))
@@ -417,7 +420,7 @@ def case_hybrid(c):
     model's on the same data (each drops by more than 0.8 nats over 30 steps, and by at least
     half the dense model's drop), and the worker's log names the model."""
     c.start_controller()
-    c.start_worker("w1")
+    metrics_port = c.start_worker("w1")
     drops = {}
     for model in ("tiny", "hybrid-tiny", "hybrid-tiny-moe"):
         spec = tiny_spec(steps=30, every=0)
@@ -439,6 +442,33 @@ def case_hybrid(c):
     for model in ("hybrid-tiny", "hybrid-tiny-moe"):
         if drops[model] < 0.8 or drops[model] < 0.5 * drops["tiny"]:
             raise Failure(f"{model}'s loss fell by {drops[model]:.3f}, the dense tiny model's by {drops['tiny']:.3f}")
+    # spec.profile.phase_times: each step event carries the step's phase times, and the worker
+    # exports the last step's as odyssey_worker_phase_seconds{phase}.
+    spec = tiny_spec(steps=3, every=0)
+    spec["model"]["name"] = "hybrid-tiny"
+    spec["data"]["seqLen"] = 64
+    spec["profile"] = {"phaseTimes": True}
+    name = c.submit(spec)
+    phases = {}
+    seen = c.watch(name, phases=phases)
+    c.wait_state(name, "SUCCEEDED")
+    wait_for("the phase-timed run's final step event", lambda: seen and seen[-1][0] == 3, timeout=30)
+    last = phases.get(3)
+    if not last:
+        raise Failure(f"{name}: the final step event has no phase times (steps with them: {sorted(phases)})")
+    layers = last.get("layer # forward", (0, 0))[0]
+    kernels = [p for p in last if p.startswith("kda ") or p.startswith("dsa ")]
+    print(f"{name}: step 3's phases: {len(last)} kinds, layer # forward x{layers}, kernel phases {sorted(kernels)}")
+    if layers != 4 or not any(p.startswith("kda ") for p in kernels) or not any(p.startswith("dsa ") for p in kernels):
+        raise Failure(f"{name}: step 3's phases {last} lack the 4 layers' forwards or the KDA and DSA phases")
+    for phase in ("loss", "optimizer", "backward"):
+        if last.get(phase, (0, 0))[1] <= 0:
+            raise Failure(f"{name}: step 3's phase {phase!r} has no time: {last}")
+    exported = scrape(metrics_port)
+    key = 'odyssey_worker_phase_seconds{phase="optimizer"}'
+    if exported.get(key, 0) <= 0:
+        raise Failure(f"the worker's /metrics has no {key}: "
+                      f"{sorted(k for k in exported if 'phase' in k)}")
 
 
 def case_rank_loss(c):
