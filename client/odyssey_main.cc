@@ -310,6 +310,13 @@ int Watch(Client& client, const std::string& name, double reconnect_s) {
                                             total_steps, m.loss(), FormatRate(m.tokens_per_second()),
                                             FormatDuration(eta));
         print_line(m.step() == total_steps);
+        if (!m.trace().empty()) {
+          if (tty && !line.empty()) std::cout << "\n";
+          line.clear();
+          std::cout << name << ": step " << m.step() << "'s trace: " << m.trace()
+                    << " (bench/profile_report.py summarizes it and plots its memory)\n"
+                    << std::flush;
+        }
         if (m.step() == total_steps && m.phases_size() > 0) {
           // spec.profile.phase_times: where the last step's time went (the ten longest kinds).
           if (tty && !line.empty()) std::cout << "\n";

@@ -337,6 +337,18 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     return Invalid(p + ".profile.phase_times",
                    "is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps (set false)");
   }
+  const int64_t trace_step = spec.profile().trace_step();
+  if (trace_step < 0) {
+    return Invalid(p + ".profile.trace_step", absl::StrCat("(", trace_step, ") must be >= 0 (0 = no trace)"));
+  }
+  if (rl && trace_step != 0) {
+    return Invalid(p + ".profile.trace_step",
+                   "is not implemented for RL_SESSION jobs yet: traces are of SFT jobs' steps (set 0)");
+  }
+  if (!rl && !plan && trace_step > spec.steps()) {
+    return Invalid(p + ".profile.trace_step",
+                   absl::StrCat("(", trace_step, ") must be <= spec.steps (", spec.steps(), "): a step the job runs"));
+  }
   const auto& ckpt = spec.checkpoint();
   if (ckpt.every_steps() < 0) {
     return Invalid(p + ".checkpoint.every_steps", absl::StrCat("(", ckpt.every_steps(), ") must be >= 0 (0 = only at the end)"));

@@ -147,6 +147,14 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
          s.set_kind(v1::RL_SESSION);
          s.mutable_profile()->set_phase_times(true);
        }, absl::StatusCode::kInvalidArgument, "spec.profile.phase_times"},
+      {[](v1::JobSpec& s) { s.mutable_profile()->set_trace_step(-1); }, absl::StatusCode::kInvalidArgument,
+       "spec.profile.trace_step"},
+      {[](v1::JobSpec& s) { s.mutable_profile()->set_trace_step(s.steps() + 1); }, absl::StatusCode::kInvalidArgument,
+       "spec.profile.trace_step"},
+      {[](v1::JobSpec& s) {
+         s.set_kind(v1::RL_SESSION);
+         s.mutable_profile()->set_trace_step(1);
+       }, absl::StatusCode::kInvalidArgument, "spec.profile.trace_step"},
       {[](v1::JobSpec& s) { s.mutable_lora()->set_rank(65); }, absl::StatusCode::kInvalidArgument,
        "spec.lora.rank"},
       {[](v1::JobSpec& s) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <torch/torch.h>
@@ -169,6 +170,13 @@ absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptio
   return absl::OkStatus();
 }
 
+std::string TracePath(const std::string& checkpoint_dir, const std::string& owner, int64_t step) {
+  std::string name = owner;
+  std::replace(name.begin(), name.end(), '/', '-');
+  return (std::filesystem::path(checkpoint_dir) / "profile" / absl::StrFormat("%s-step-%08d.trace.json", name, step))
+      .string();
+}
+
 namespace {
 
 EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Duration)>& stop,
@@ -185,6 +193,13 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
       return fail(s);
     RemoveStagingLeftovers(j.checkpoint_dir, j.checkpoint_owner);  // of a run that died mid-write
   }
+  if (j.trace_step < 0)
+    return fail(absl::InvalidArgumentError(absl::StrCat("spec.profile.trace_step (", j.trace_step, ") must be >= 0")));
+  const bool traces = j.rank == 0 && j.trace_step > 0;
+  if (traces && j.checkpoint_dir.empty())
+    return fail(absl::InvalidArgumentError(
+        "spec.profile.trace_step: the trace is written into the job's checkpoint folder, and this run has none "
+        "(set spec.checkpoint.directory)"));
   engine::TrainerOptions o;
   if (absl::Status s = BuildTrainerOptions(j, &o); !s.ok()) return fail(s);
 
@@ -263,13 +278,30 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     // spec.profile.phase_times: rank 0's step, timed phase by phase (stopped before anything
     // below can return).
     const bool timed = j.phase_times && j.rank == 0;
+    const bool traced = traces && t.step() + 1 == j.trace_step;
+    std::string trace;
+    if (traced) {
+      trace = TracePath(j.checkpoint_dir, j.checkpoint_owner, j.trace_step);
+      std::error_code ec;
+      std::filesystem::create_directories(std::filesystem::path(trace).parent_path(), ec);
+      if (ec)
+        return fail(absl::PermissionDeniedError(absl::StrCat("spec.profile.trace_step: cannot create ",
+                                                             std::filesystem::path(trace).parent_path().string(),
+                                                             ": ", ec.message())));
+      if (absl::Status st = engine::StartProfile(t.device().is_cuda(), /*memory=*/true); !st.ok())
+        return fail(absl::Status(st.code(), absl::StrCat("spec.profile.trace_step: ", st.message())));
+    }
     if (timed) {
-      if (absl::Status st = engine::StartPhaseTimes(t.device().is_cuda()); !st.ok())
+      if (absl::Status st = engine::StartPhaseTimes(t.device().is_cuda()); !st.ok()) {
+        if (traced) (void)engine::StopProfile(trace);
         return fail(absl::Status(st.code(), absl::StrCat("spec.profile.phase_times: ", st.message())));
+      }
     }
     engine::StepResult r = t.TrainStep();
     absl::StatusOr<std::vector<engine::PhaseTime>> phases;
     if (timed) phases = engine::StopPhaseTimes();
+    absl::Status traced_status;
+    if (traced) traced_status = engine::StopProfile(trace);
     if (!r.status.ok() && j.world_size > 1 && stop(j.peer_loss_grace)) {
       // Another rank left this one's collective: it stopped first (a cancel reaches the ranks at
       // slightly different steps) or died (the controller requeues the job and cancels this
@@ -284,8 +316,12 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     if (timed && !phases.ok())
       return fail(absl::Status(phases.status().code(),
                                absl::StrCat("step ", r.step, ": spec.profile.phase_times: ", phases.status().message())));
+    if (!traced_status.ok())
+      return fail(absl::Status(traced_status.code(), absl::StrCat("step ", r.step, ": spec.profile.trace_step: ",
+                                                                  traced_status.message())));
     EngineStep s;
     if (timed) s.phases = *std::move(phases);
+    if (traced) s.trace = trace;
     s.step = r.step;
     s.loss = r.loss;
     s.grad_norm = r.grad_norm;

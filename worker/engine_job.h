@@ -95,7 +95,14 @@ struct EngineJobOptions {
   // spec.profile.phase_times: rank 0 times each step's phases (engine/profiler.h) into its
   // EngineStep.
   bool phase_times = false;
+  // spec.profile.trace_step: rank 0 records this step (1-based; 0 = none) with the profiler into
+  // TracePath(checkpoint_dir, checkpoint_owner, step), which needs a checkpoint_dir.
+  int64_t trace_step = 0;
 };
+
+// Where rank 0 writes the Chrome trace of `step`: <checkpoint_dir>/profile/<owner with '/' as
+// '-'>-step-NNNNNNNN.trace.json.
+std::string TracePath(const std::string& checkpoint_dir, const std::string& owner, int64_t step);
 
 // What one step did (rank-wide figures sum over the ranks).
 struct EngineStep {
@@ -109,6 +116,7 @@ struct EngineStep {
   double mfu = 0;  // 0 where the device's peak is unknown (CPU)
   std::string checkpoint;  // written at this step, if any
   std::vector<engine::PhaseTime> phases;  // with phase_times, on rank 0: longest first
+  std::string trace;                      // the Chrome trace written of this step, if any
 };
 
 struct EngineOutcome {

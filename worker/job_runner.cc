@@ -75,6 +75,10 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   if (rl && o.phase_times)
     return absl::InvalidArgumentError(
         "spec.profile.phase_times is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps");
+  o.trace_step = spec.profile().trace_step();
+  if (rl && o.trace_step != 0)
+    return absl::InvalidArgumentError(
+        "spec.profile.trace_step is not implemented for RL_SESSION jobs yet: traces are of SFT jobs' steps");
   if (rl) {
     // The session's batches come with its calls and each optim_step carries its AdamW
     // parameters: the trainer's own data source and schedule are never used (random ids need
@@ -290,7 +294,7 @@ void JobRunner::Run() {
             for (const engine::PhaseTime& ph : s.phases) metrics_->phase_seconds->Add({{"phase", ph.kind}}).Set(ph.seconds);
           }
           const auto now = std::chrono::steady_clock::now();
-          if (s.checkpoint.empty() && s.step != options->steps &&
+          if (s.checkpoint.empty() && s.trace.empty() && s.step != options->steps &&
               std::chrono::duration<double>(now - last_progress).count() < options_.progress_interval_seconds)
             return;
           last_progress = now;
@@ -316,6 +320,7 @@ void JobRunner::Run() {
             out->set_count(ph.count);
             out->set_seconds(ph.seconds);
           }
+          m->set_trace(s.trace);
           if (callbacks_.progress) callbacks_.progress(p);
         });
   }

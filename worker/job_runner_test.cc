@@ -427,6 +427,39 @@ TEST_F(JobRunnerTest, PhaseTimesArriveWithEveryStep) {
   EXPECT_NE(o.status().message().find("spec.profile.phase_times"), std::string::npos) << o.status();
 }
 
+// spec.profile.trace_step: rank 0 records that step with the profiler into the checkpoint
+// folder's profile/, under the job's name, and names the file in that step's progress only.
+TEST_F(JobRunnerTest, TraceStepWritesTheTraceBesideTheCheckpoints) {
+  const std::string dir = (root_ / "ckpt").string();
+  Recorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  opts.progress_interval_seconds = 0;
+  v1::Assignment a = TinyJob(dir, 3);
+  a.mutable_spec()->mutable_profile()->set_trace_step(2);
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  v1::JobResult r = rec.Wait();
+  ASSERT_TRUE(r.ok()) << r.error();
+  const std::string want = (fs::path(dir) / "profile" / "jobs-7-step-00000002.trace.json").string();
+  EXPECT_EQ(TracePath(dir, "jobs/7", 2), want);
+  ASSERT_TRUE(fs::exists(want));
+  const std::string text = ReadFile(want);
+  EXPECT_NE(text.find("\"traceEvents\""), std::string::npos) << "not a Chrome trace";
+  EXPECT_NE(text.find("layer 0 forward"), std::string::npos) << "the step's phases are not in the trace";
+  absl::MutexLock l(&rec.mu);
+  ASSERT_EQ(rec.progress.size(), 3u);
+  for (const v1::JobProgress& p : rec.progress)
+    EXPECT_EQ(p.metrics().trace(), p.metrics().step() == 2 ? want : "") << "step " << p.metrics().step();
+  // Without a checkpoint folder there is nowhere to write it: refused at the start.
+  Recorder none;
+  v1::Assignment b = TinyJob("", 2);
+  b.mutable_spec()->mutable_profile()->set_trace_step(1);
+  JobRunner refused(b, opts, none.Callbacks(), nullptr);
+  v1::JobResult rb = none.Wait();
+  EXPECT_FALSE(rb.ok());
+  EXPECT_NE(rb.error().find("spec.profile.trace_step"), std::string::npos) << rb.error();
+}
+
 // The spec's memory strategy reaches the engine: layer recompute with tiled MLP and loss trains
 // the same model as the plain step (fp32 on CPU: equal up to rounding), and with offload the
 // worker runs what the spec says (the pool the job reports holds the offloaded layer inputs:

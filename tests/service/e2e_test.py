@@ -43,6 +43,7 @@ Cases (--case):
 
 Every wait is on a condition with a deadline; nothing sleeps and hopes.
 """
+import glob
 import json
 import math
 import os
@@ -447,11 +448,19 @@ def case_hybrid(c):
     spec = tiny_spec(steps=3, every=0)
     spec["model"]["name"] = "hybrid-tiny"
     spec["data"]["seqLen"] = 64
-    spec["profile"] = {"phaseTimes": True}
+    spec["profile"] = {"phaseTimes": True, "traceStep": "2"}
     name = c.submit(spec)
     phases = {}
     seen = c.watch(name, phases=phases)
-    c.wait_state(name, "SUCCEEDED")
+    job = c.wait_state(name, "SUCCEEDED")
+    # spec.profile.trace_step: step 2's Chrome trace beside the job's checkpoints, under its name.
+    # (The file is named after the checkpoint owner, the controller's id and the job's name.)
+    found = glob.glob(os.path.join(os.path.dirname(job.last_checkpoint), "profile",
+                                   "*-" + name.replace("/", "-") + "-step-00000002.trace.json"))
+    if len(found) != 1 or '"traceEvents"' not in open(found[0]).read():
+        raise Failure(f"{name}: no one Chrome trace of step 2 beside {job.last_checkpoint}: {found}")
+    trace = found[0]
+    print(f"{name}: step 2's trace {trace} ({os.path.getsize(trace)} bytes)")
     wait_for("the phase-timed run's final step event", lambda: seen and seen[-1][0] == 3, timeout=30)
     last = phases.get(3)
     if not last:
