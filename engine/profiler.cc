@@ -4,7 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <map>
-#include <mutex>
 #include <set>
 #include <utility>
 
@@ -16,7 +15,9 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace odyssey::engine {
 namespace {
@@ -32,11 +33,13 @@ struct Span {
   void* end = nullptr;
 };
 struct PhaseTimer {
-  std::mutex mu;
-  bool running = false, cuda = false;
-  std::vector<Span> spans;
-  at::CallbackHandle handle = 0;
-  std::string error;  // the first CUDA call that failed
+  absl::Mutex mu;
+  bool running ABSL_GUARDED_BY(mu) = false;
+  std::vector<Span> spans ABSL_GUARDED_BY(mu);
+  std::string error ABSL_GUARDED_BY(mu);  // the first CUDA call that failed
+  // Set by StartPhaseTimes before its callback is added, read by the callbacks.
+  std::atomic<bool> cuda{false};
+  at::CallbackHandle handle = 0;  // StartPhaseTimes / StopPhaseTimes only
 };
 PhaseTimer& Timer() {
   static auto* timer = new PhaseTimer;
@@ -60,7 +63,7 @@ void* RecordEvent(PhaseTimer& timer) {
   if (err == cudaSuccess) err = cudaEventRecord(e, c10::cuda::getCurrentCUDAStream().stream());
   if (err == cudaSuccess) return e;
   if (e != nullptr) cudaEventDestroy(e);
-  std::lock_guard<std::mutex> lock(timer.mu);
+  absl::MutexLock lock(&timer.mu);
   if (timer.error.empty()) timer.error = absl::StrCat("cudaEventRecord: ", cudaGetErrorString(err));
 #else
   (void)timer;
@@ -94,7 +97,7 @@ void OnScopeEnd(const at::RecordFunction&, at::ObserverContext* ctx) {
     if (s.end != nullptr) std::swap(s.start, c->start);
   }
   s.name = std::move(c->name);
-  std::lock_guard<std::mutex> lock(timer.mu);
+  absl::MutexLock lock(&timer.mu);
   if (!timer.running) {
     DestroyEvent(s.start);
     DestroyEvent(s.end);
@@ -121,7 +124,7 @@ std::string PhaseKind(const std::string& name) {
 absl::Status StartPhaseTimes(bool cuda) {
   PhaseTimer& timer = Timer();
   {
-    std::lock_guard<std::mutex> lock(timer.mu);
+    absl::MutexLock lock(&timer.mu);
     if (timer.running) return absl::FailedPreconditionError("phase times are already being recorded");
 #ifndef ODYSSEY_WITH_CUDA
     if (cuda) return absl::FailedPreconditionError("phase times on a GPU: this build has no CUDA");
@@ -143,7 +146,7 @@ absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes() {
   std::string error;
   bool cuda = false;
   {
-    std::lock_guard<std::mutex> lock(timer.mu);
+    absl::MutexLock lock(&timer.mu);
     if (!timer.running) return absl::FailedPreconditionError("no phase times are being recorded");
     timer.running = false;
     spans.swap(timer.spans);

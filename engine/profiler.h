@@ -37,6 +37,8 @@ struct PhaseTime {
   int64_t count = 0;   // scopes of this kind
   double seconds = 0;  // their summed time
 };
+// Thread safety: one recording at a time per process; start and stop from one thread (between
+// steps), scopes from any thread.
 // Starts recording (GPU time where `cuda`). FAILED_PRECONDITION if already recording.
 absl::Status StartPhaseTimes(bool cuda);
 // Stops (after synchronizing the device where `cuda`) and returns the kinds by time, longest
