@@ -610,7 +610,10 @@ absl::Status Trainer::RunForwardBackward(const std::vector<Datum>& batch, const 
         inputs.push_back(std::move(in));
         r.tokens += static_cast<int64_t>(batch[i].tokens.size());
       }
-      term.backward();
+      {
+        ProfilePhase phase("backward");
+        term.backward();
+      }
       loss_sum += term.detach();
       for (torch::Tensor& l : WholeLogprobs(run, batch, begin, end)) logps.push_back(std::move(l));
     }
@@ -733,7 +736,10 @@ absl::StatusOr<OptimStepResult> Trainer::ApplyPendingGradients(const AdamWOption
                                             "; the update was skipped and the gradients dropped"));
   }
   optimizer_->set_hyperparameters(adam);
-  optimizer_->Step(adam.lr, clip.scale);
+  {
+    ProfilePhase phase("optimizer");
+    optimizer_->Step(adam.lr, clip.scale);
+  }
   optimizer_->ZeroGrad();
   r.step = optimizer_->steps();
   r.lr = adam.lr;

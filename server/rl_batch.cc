@@ -71,6 +71,7 @@ v1::TrainingReply MergeForwardBackward(const std::vector<v1::TrainingReply>& rep
     fb->set_seconds(std::max(fb->seconds(), p.seconds()));  // the ranks run side by side
   }
   fb->set_weight_sum(replies[0].forward_backward().weight_sum());
+  *fb->mutable_phases() = replies[0].forward_backward().phases();  // rank 0 times the call
   if (fb->mismatch_tokens() > 0) fb->set_mismatch_mean(mismatch_sum / static_cast<double>(fb->mismatch_tokens()));
   return out;
 }

@@ -251,9 +251,17 @@ v1::TrainingReply FbReply(int logprob_datums, double loss, double mismatch_mean,
 // forward_backward: logprobs in rank (= datum) order, losses summed, W kept, mismatch
 // token-weighted and its max, counts summed, the slowest rank's seconds.
 TEST(MergeRepliesTest, ForwardBackward) {
-  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/1,
-                             {FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0), FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0)});
+  std::vector<v1::TrainingReply> replies = {FbReply(1, 1.25, 0.125, 0.2, 2, 2, 6, 3.0),
+                                            FbReply(3, 0.5, 0.375, 0.9, 6, 1, 6, 2.0)};
+  // Phase times (spec.profile.phase_times) come from rank 0, which times the call.
+  v1::PhaseSeconds* ph = replies[0].mutable_forward_backward()->add_phases();
+  ph->set_phase("backward");
+  ph->set_seconds(2.5);
+  auto merged = MergeReplies(v1::TrainingCall::kForwardBackward, /*context_parallel=*/1, replies);
   ASSERT_TRUE(merged.ok()) << merged.status();
+  ASSERT_EQ(merged->forward_backward().phases_size(), 1);
+  EXPECT_EQ(merged->forward_backward().phases(0).phase(), "backward");
+  EXPECT_DOUBLE_EQ(merged->forward_backward().phases(0).seconds(), 2.5);
   EXPECT_EQ(merged->call_id(), 7);
   EXPECT_EQ(merged->job(), "jobs/1");
   const v1::ForwardBackwardResponse& fb = merged->forward_backward();

@@ -333,10 +333,6 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
   if (!rl && spec.rl().idle_timeout_seconds() != 0) {
     return Invalid(p + ".rl.idle_timeout_seconds", "is only for RL_SESSION jobs (spec.kind)");
   }
-  if (rl && spec.profile().phase_times()) {
-    return Invalid(p + ".profile.phase_times",
-                   "is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps (set false)");
-  }
   const int64_t trace_step = spec.profile().trace_step();
   if (trace_step < 0) {
     return Invalid(p + ".profile.trace_step", absl::StrCat("(", trace_step, ") must be >= 0 (0 = no trace)"));

@@ -143,10 +143,6 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
        }, absl::StatusCode::kInvalidArgument, "spec.rl.idle_timeout_seconds"},
       {[](v1::JobSpec& s) { s.mutable_rl()->set_idle_timeout_seconds(5); }, absl::StatusCode::kInvalidArgument,
        "spec.rl.idle_timeout_seconds"},
-      {[](v1::JobSpec& s) {
-         s.set_kind(v1::RL_SESSION);
-         s.mutable_profile()->set_phase_times(true);
-       }, absl::StatusCode::kInvalidArgument, "spec.profile.phase_times"},
       {[](v1::JobSpec& s) { s.mutable_profile()->set_trace_step(-1); }, absl::StatusCode::kInvalidArgument,
        "spec.profile.trace_step"},
       {[](v1::JobSpec& s) { s.mutable_profile()->set_trace_step(s.steps() + 1); }, absl::StatusCode::kInvalidArgument,

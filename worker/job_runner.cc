@@ -72,9 +72,6 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.every_steps = spec.checkpoint().every_steps();
   o.keep = spec.checkpoint().keep();
   o.phase_times = spec.profile().phase_times();
-  if (rl && o.phase_times)
-    return absl::InvalidArgumentError(
-        "spec.profile.phase_times is not implemented for RL_SESSION jobs yet: phase times are for SFT jobs' steps");
   o.trace_step = spec.profile().trace_step();
   if (rl && o.trace_step != 0)
     return absl::InvalidArgumentError(

@@ -419,13 +419,8 @@ TEST_F(JobRunnerTest, PhaseTimesArriveWithEveryStep) {
     const bool exported = metrics.phase_seconds->Has({{"phase", "optimizer"}});
     EXPECT_EQ(exported, timed);
   }
-  v1::Assignment rl = TinyJob("", 1);
-  rl.mutable_spec()->set_kind(v1::RL_SESSION);
-  rl.mutable_spec()->mutable_profile()->set_phase_times(true);
-  absl::StatusOr<EngineJobOptions> o = AssignmentToEngineOptions(rl, "cpu");
-  ASSERT_FALSE(o.ok());
-  EXPECT_NE(o.status().message().find("spec.profile.phase_times"), std::string::npos) << o.status();
 }
+
 
 // spec.profile.trace_step: rank 0 records that step with the profiler into the checkpoint
 // folder's profile/, under the job's name, and names the file in that step's progress only.
@@ -652,6 +647,34 @@ TEST_F(JobRunnerTest, RlSessionServesCallsInOrderAndEndsWhenIdle) {
   EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 2, 3, 2}));
   EXPECT_EQ(rec.progress[2].checkpoint(), CheckpointPath(dir, 2));
   EXPECT_DOUBLE_EQ(rec.progress[0].metrics().loss(), r[0].forward_backward().loss());
+}
+
+// An RL session with spec.profile.phase_times answers each forward_backward and optim_step
+// with the call's phase times; other calls carry none.
+TEST_F(JobRunnerTest, RlSessionCallsCarryTheirPhaseTimes) {
+  RlRecorder rec;
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  v1::Assignment a = RlJob((root_ / "ckpt").string(), 1);
+  a.mutable_spec()->mutable_profile()->set_phase_times(true);
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  ASSERT_TRUE(runner.Submit(FbCall(1)));
+  ASSERT_TRUE(runner.Submit(StepCall(2)));
+  ASSERT_TRUE(runner.Submit(Call(3, [](v1::TrainingCall& c) { c.mutable_save_checkpoint(); })));
+  const std::vector<v1::TrainingReply> r = rec.WaitReplies(3);
+  ASSERT_EQ(r.size(), 3u);
+  for (const auto& reply : r) ASSERT_EQ(reply.code(), 0) << reply.message();
+  std::map<std::string, v1::PhaseSeconds> fb, step;
+  for (const v1::PhaseSeconds& ph : r[0].forward_backward().phases()) fb[ph.phase()] = ph;
+  for (const v1::PhaseSeconds& ph : r[1].optim_step().phases()) step[ph.phase()] = ph;
+  EXPECT_EQ(fb["layer # forward"].count(), 4) << "tiny has 4 layers";
+  EXPECT_EQ(fb["backward"].count(), 1) << "one group of datums: one backward";
+  EXPECT_GT(fb["backward"].seconds(), 0);
+  EXPECT_EQ(fb.count("optimizer"), 0u) << "the optimizer runs in optim_step";
+  EXPECT_EQ(step["optimizer"].count(), 1);
+  EXPECT_EQ(step.count("backward"), 0u);
+  runner.Cancel("done");
+  rec.Wait();
 }
 
 // A cancel ends the session after the call that runs; the calls still queued get ABORTED.

@@ -30,6 +30,16 @@ void AddLogprobs(std::vector<std::vector<float>>& logprobs,
   for (const std::vector<float>& l : logprobs) out->Add()->mutable_values()->Add(l.begin(), l.end());
 }
 
+// spec.profile.phase_times: the call's phase times (rank 0's), longest first.
+void AddPhases(const std::vector<engine::PhaseTime>& phases, google::protobuf::RepeatedPtrField<v1::PhaseSeconds>* out) {
+  for (const engine::PhaseTime& p : phases) {
+    v1::PhaseSeconds* ph = out->Add();
+    ph->set_phase(ValidUtf8(p.kind));
+    ph->set_count(p.count);
+    ph->set_seconds(p.seconds);
+  }
+}
+
 }  // namespace
 
 const char* CallName(const v1::TrainingCall& call) {
@@ -132,12 +142,14 @@ v1::TrainingReply ToTrainingReply(const v1::TrainingCall& call, RlResponse&& r) 
       fb->set_clipped_tokens(r.clipped_tokens);
       fb->set_tokens(r.tokens);
       fb->set_seconds(r.seconds);
+      AddPhases(r.phases, fb->mutable_phases());
       break;
     }
     case v1::TrainingCall::kOptimStep:
       reply.mutable_optim_step()->set_step(r.step);
       reply.mutable_optim_step()->set_grad_norm(r.grad_norm);
       reply.mutable_optim_step()->set_lr(r.lr);
+      AddPhases(r.phases, reply.mutable_optim_step()->mutable_phases());
       break;
     case v1::TrainingCall::kForward:
       AddLogprobs(r.logprobs, reply.mutable_forward()->mutable_logprobs());

@@ -322,6 +322,10 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
 RlResponse RlSession::Run(const RlRequest& request) {
   engine::Trainer& t = *impl_->trainer;
   engine::ResetPeakMemory(t.device());  // the peak reported is this call's
+  // spec.profile.phase_times: rank 0 times the calls that train (the timer is process-wide).
+  const bool timed = impl_->options.phase_times && impl_->options.rank == 0 &&
+                     (request.method == RlMethod::kForwardBackward || request.method == RlMethod::kOptimStep);
+  absl::Status timing = timed ? engine::StartPhaseTimes(t.device().is_cuda()) : absl::OkStatus();
   RlResponse out;
   try {
     out = impl_->Run(request);
@@ -329,6 +333,13 @@ RlResponse RlSession::Run(const RlRequest& request) {
     out = RlResponse{};
     out.status = absl::InternalError(absl::StrCat("engine error: ", e.what()));
   }
+  if (timed && timing.ok()) {
+    absl::StatusOr<std::vector<engine::PhaseTime>> phases = engine::StopPhaseTimes();
+    timing = phases.status();
+    if (phases.ok()) out.phases = *std::move(phases);
+  }
+  if (!timing.ok() && out.status.ok())
+    out.status = absl::Status(timing.code(), absl::StrCat("spec.profile.phase_times: ", timing.message()));
   out.gpu_memory_peak_bytes = engine::ReadDeviceMemory(t.device()).peak_allocated;
   out.host_offload_bytes = t.memory().host_pool_bytes();
   return out;

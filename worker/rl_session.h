@@ -102,6 +102,9 @@ struct RlResponse {
   // bytes the memory strategy holds (offloaded layer inputs, host optimizer state).
   int64_t gpu_memory_peak_bytes = 0;
   int64_t host_offload_bytes = 0;
+  // forward_backward, optim_step with the session's phase_times, on rank 0: the call's phase
+  // times (engine/profiler.h), longest first.
+  std::vector<engine::PhaseTime> phases;
 };
 
 class RlSession {

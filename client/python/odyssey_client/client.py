@@ -181,7 +181,7 @@ class ServiceClient:
                        loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                        attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                        optimizer_on_host: Optional[bool] = None, keep_selection: Optional[bool] = None,
-                       grad_clip: float = 0.0,
+                       grad_clip: float = 0.0, phase_times: bool = False,
                        seed: int = 0, display_name: str = "",
                        checkpoint_directory: str = "", priority: int = 0, lora_rank: int = 0,
                        lora_alpha: float = 0.0, lora_target_modules: Sequence[str] = (), lora_merge: bool = False,
@@ -207,6 +207,8 @@ class ServiceClient:
         lora_target_modules (empty: all seven projections) train on the frozen base; checkpoints
         hold the adapters, export_weights writes a PEFT adapter folder (or, with lora_merge, merged
         weights).
+        phase_times: every forward_backward and optim_step is timed phase by phase on the worker
+        (JobSpec.profile.phase_times) and its result's `phases` holds the times.
         request_id: idempotency key (a retry with the same id returns the same job); a random one
         by default. Raises JobFailedError when the job fails to start, SessionTimeoutError when it
         is not RUNNING after wait_timeout seconds.
@@ -217,7 +219,7 @@ class ServiceClient:
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
                              keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
-                             keep_selection=keep_selection,
+                             keep_selection=keep_selection, phase_times=phase_times,
                              grad_clip=grad_clip, seed=seed, display_name=display_name,
                              checkpoint_directory=checkpoint_directory, priority=priority, lora_rank=lora_rank,
                              lora_alpha=lora_alpha, lora_target_modules=lora_target_modules, lora_merge=lora_merge)
@@ -300,7 +302,7 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
                   offload: str = "", mlp_tile_tokens: int = 0, loss_tile_tokens: int = 0, host_budget_bytes: int = 0,
                   device_resident: Optional[int] = None, attention_head_groups: int = 0,
                   keep_attention: Optional[bool] = None, optimizer_on_host: Optional[bool] = None,
-                  keep_selection: Optional[bool] = None,
+                  keep_selection: Optional[bool] = None, phase_times: bool = False,
                   grad_clip: float = 0.0, seed: int = 0, display_name: str = "", checkpoint_directory: str = "",
                   priority: int = 0, lora_rank: int = 0, lora_alpha: float = 0.0,
                   lora_target_modules: Sequence[str] = (), lora_merge: bool = False) -> "pb.JobSpec":
@@ -326,6 +328,7 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
         data=pb.DataSpec(seq_len=seq_len, batch_size=batch_size, seed=seed),
         checkpoint=pb.CheckpointSpec(directory=checkpoint_directory),
         rl=pb.RlSessionSpec(idle_timeout_seconds=idle_timeout_seconds),
+        profile=pb.ProfileSpec(phase_times=phase_times),
         lora=pb.LoraSpec(rank=lora_rank, alpha=lora_alpha, target_modules=list(lora_target_modules), merge=lora_merge))
 
 

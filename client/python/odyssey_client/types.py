@@ -12,7 +12,7 @@ per-token array has n - 1 entries, aligned with the targets.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from odyssey_client._proto import pb
 
@@ -230,13 +230,19 @@ def _logprobs(msgs) -> List[List[float]]:
     return [list(m.values) for m in msgs]
 
 
+def _phases(msgs) -> Dict[str, float]:
+    return {m.phase: m.seconds for m in msgs}  # the worker sends them longest first
+
+
 @dataclass
 class ForwardBackwardResult:
     """What a ForwardBackward returns. logprobs: per datum, the trainer's logprob of each target
     token before this call's update. loss: normalized by weight_sum. mismatch_*: trainer vs
     sampler |logp - q| over weighted tokens of datums with sampler logprobs (mismatch_tokens of
     them). clipped_tokens: PPO tokens whose gradient the clip removed. tokens: positions run.
-    seconds: compute time on the worker."""
+    seconds: compute time on the worker. phases: with the session's phase_times, seconds of each
+    kind of phase of the call on the worker ("layer # backward", "loss", the kernels' phases; a
+    phase includes the phases inside it), longest first; else empty."""
 
     logprobs: List[List[float]]
     loss: float
@@ -247,12 +253,13 @@ class ForwardBackwardResult:
     clipped_tokens: int
     tokens: int
     seconds: float
+    phases: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, r: "pb.ForwardBackwardResponse") -> "ForwardBackwardResult":
         return cls(logprobs=_logprobs(r.logprobs), loss=r.loss, weight_sum=r.weight_sum, mismatch_mean=r.mismatch_mean,
                    mismatch_max=r.mismatch_max, mismatch_tokens=r.mismatch_tokens, clipped_tokens=r.clipped_tokens,
-                   tokens=r.tokens, seconds=r.seconds)
+                   tokens=r.tokens, seconds=r.seconds, phases=_phases(r.phases))
 
     def numpy(self) -> list:
         """logprobs as a list of float32 numpy arrays (one per datum)."""
@@ -279,15 +286,17 @@ class ForwardResult:
 
 @dataclass
 class OptimStepResult:
-    """step: optimizer steps completed, this one included; grad_norm: before clipping; lr: applied."""
+    """step: optimizer steps completed, this one included; grad_norm: before clipping; lr: applied.
+    phases: with the session's phase_times, the step's phase times (as ForwardBackwardResult's)."""
 
     step: int
     grad_norm: float
     lr: float
+    phases: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, r: "pb.OptimStepResponse") -> "OptimStepResult":
-        return cls(step=r.step, grad_norm=r.grad_norm, lr=r.lr)
+        return cls(step=r.step, grad_norm=r.grad_norm, lr=r.lr, phases=_phases(r.phases))
 
 
 @dataclass

@@ -220,7 +220,7 @@ def case_api(args, cluster, site):
           f"4M positions: {big.message[:60]}...")
 
     with client.create_session("tiny", dtype="float32", seq_len=32, batch_size=4, seed=7,
-                               idle_timeout_seconds=300, display_name="api") as s:
+                               idle_timeout_seconds=300, display_name="api", phase_times=True) as s:
         info = s.info()
         expect(info.state == "RUNNING" and info.kind == "RL_SESSION", f"session: {info}")
         expect(s.name in [j.name for j in client.list_jobs(state="RUNNING")], "list_jobs(RUNNING) lacks the session")
@@ -242,6 +242,12 @@ def case_api(args, cluster, site):
         print("pipelined cross-entropy: steps", steps, "loss " + " -> ".join(f"{l:.3f}" for l in losses))
         expect(steps == list(range(1, 9)), f"optimizer steps {steps}")
         expect(losses[-1] < losses[0] - 0.5, f"loss did not fall: {losses}")
+        # phase_times: each call's phase times on the worker (the tiny model's 4 layers).
+        fb0_phases, st0_phases = pairs[0][0].result().phases, pairs[0][1].result().phases
+        expect("layer # forward" in fb0_phases and fb0_phases.get("backward", 0) > 0
+               and st0_phases.get("optimizer", 0) > 0 and "backward" not in st0_phases,
+               f"phase times: forward_backward {fb0_phases}, optim_step {st0_phases}")
+        print(f"ok: phase times: forward_backward {len(fb0_phases)} kinds, optim_step {sorted(st0_phases)}")
         fb0 = pairs[0][0].result()
         expect(abs(fb0.loss + sum(map(sum, fb0.logprobs)) / fb0.weight_sum) < 1e-4 and fb0.weight_sum == 64,
                f"loss {fb0.loss} is not -sum(logprobs)/weight_sum ({fb0.weight_sum})")

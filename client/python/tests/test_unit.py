@@ -447,6 +447,19 @@ class SessionTest(unittest.TestCase):
         self.assertEqual((given.device_resident, given.attention_head_groups, given.keep_attention,
                           given.optimizer_on_host, given.keep_selection), (0, 2, False, True, True))
 
+    def test_phase_times_reach_the_spec_and_the_results(self):
+        self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
+        self.jobs.script["jobs/2"] = [(pb.Job.RUNNING, "")]
+        self.client.create_session("tiny", seq_len=8, batch_size=1)
+        self.client.create_session("tiny", seq_len=8, batch_size=1, phase_times=True)
+        self.assertEqual([c.spec.profile.phase_times for c in self.jobs.created[:2]], [False, True])
+        fb = pb.ForwardBackwardResponse(loss=1.5, phases=[pb.PhaseSeconds(phase="backward", count=1, seconds=0.5),
+                                                          pb.PhaseSeconds(phase="layer # forward", count=4, seconds=0.25)])
+        r = oc.ForwardBackwardResult.from_proto(fb)
+        self.assertEqual(r.phases, {"backward": 0.5, "layer # forward": 0.25})
+        self.assertEqual(list(r.phases), ["backward", "layer # forward"])  # the worker's order, longest first
+        self.assertEqual(oc.OptimStepResult.from_proto(pb.OptimStepResponse(step=1)).phases, {})
+
     def test_lora_sessions_carry_the_lora_spec(self):
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
         self.jobs.script["jobs/2"] = [(pb.Job.RUNNING, "")]
