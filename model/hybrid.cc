@@ -548,24 +548,24 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       const int64_t n = std::min(m.tile_, S - t0);
       const Tensor xt = x.narrow(1, t0, n);
       const Tensor q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
-      Tensor iq, iw, pool;                           // pool: (B, n, kp)
-      // (Phases for the profiler and odyssey-bench --phase-times: user scopes, free otherwise.)
-      at::RecordFunction selecting(at::RecordScope::USER_SCOPE);
-      if (selecting.isActive()) selecting.before(replay ? "dsa selection: replayed" : "dsa selection: indexer");
-      if (!replay || kl) m.indexer->Queries(xt, &iq, &iw);
-      if (replay) {
-        pool = sel.replay.narrow(1, t0, n).to(x.device(), /*non_blocking=*/true);
-      } else {
-        kernels::DsaIndexerOptions o;
-        o.top_k = kp;
-        o.pool = 4;
-        o.query_offset = t0;
-        pool = kernels::IndexerTopK(iq, keys, iw, o);
-        // Pinned host memory, on the stream: the tile's device copy is reused only after it.
-        if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pool, /*non_blocking=*/true);
+      Tensor iq, iw, pool, idx;  // pool: (B, n, kp); idx: (B, n, 4 kp + 3)
+      {
+        // (Phases for the profiler and odyssey-bench --phase-times: user scopes, free otherwise.)
+        RECORD_USER_SCOPE(replay ? "dsa selection: replayed" : "dsa selection: indexer");
+        if (!replay || kl) m.indexer->Queries(xt, &iq, &iw);
+        if (replay) {
+          pool = sel.replay.narrow(1, t0, n).to(x.device(), /*non_blocking=*/true);
+        } else {
+          kernels::DsaIndexerOptions o;
+          o.top_k = kp;
+          o.pool = 4;
+          o.query_offset = t0;
+          pool = kernels::IndexerTopK(iq, keys, iw, o);
+          // Pinned host memory, on the stream: the tile's device copy is reused only after it.
+          if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pool, /*non_blocking=*/true);
+        }
+        idx = kernels::ExpandPoolSelection(pool, t0);
       }
-      const Tensor idx = kernels::ExpandPoolSelection(pool, t0);   // (B, n, 4 kp + 3)
-      selecting.end();
       kernels::SparseAttentionResult r;
       {
         RECORD_USER_SCOPE("dsa sparse attention forward");

@@ -311,12 +311,7 @@ void JobRunner::Run() {
           m->set_host_offload_bytes(s.host_offload_bytes);
           m->set_host_memory_peak_bytes(s.host_memory_peak_bytes);
           m->set_world_size(world_size);
-          for (const engine::PhaseTime& ph : s.phases) {
-            v1::PhaseSeconds* out = m->add_phases();
-            out->set_phase(ValidUtf8(ph.kind));
-            out->set_count(ph.count);
-            out->set_seconds(ph.seconds);
-          }
+          AddPhases(s.phases, m->mutable_phases());
           m->set_trace(s.trace);
           if (callbacks_.progress) callbacks_.progress(p);
         });

@@ -30,7 +30,8 @@ void AddLogprobs(std::vector<std::vector<float>>& logprobs,
   for (const std::vector<float>& l : logprobs) out->Add()->mutable_values()->Add(l.begin(), l.end());
 }
 
-// spec.profile.phase_times: the call's phase times (rank 0's), longest first.
+}  // namespace
+
 void AddPhases(const std::vector<engine::PhaseTime>& phases, google::protobuf::RepeatedPtrField<v1::PhaseSeconds>* out) {
   for (const engine::PhaseTime& p : phases) {
     v1::PhaseSeconds* ph = out->Add();
@@ -39,8 +40,6 @@ void AddPhases(const std::vector<engine::PhaseTime>& phases, google::protobuf::R
     ph->set_seconds(p.seconds);
   }
 }
-
-}  // namespace
 
 const char* CallName(const v1::TrainingCall& call) {
   switch (call.call_case()) {

@@ -22,6 +22,11 @@ odyssey::v1::TrainingReply ToTrainingReply(const odyssey::v1::TrainingCall& call
 // A reply to `call` carrying only an error.
 odyssey::v1::TrainingReply ErrorReply(const odyssey::v1::TrainingCall& call, const absl::Status& status);
 
+// Appends phase times (spec.profile.phase_times; engine/profiler.h) to `out` in their order,
+// for an SFT step's StepMetrics and an RL call's reply alike.
+void AddPhases(const std::vector<engine::PhaseTime>& phases,
+               google::protobuf::RepeatedPtrField<odyssey::v1::PhaseSeconds>* out);
+
 // "forward_backward", "optim_step", ... for logs.
 const char* CallName(const odyssey::v1::TrainingCall& call);
 
