@@ -171,7 +171,11 @@ void PrintJob(const v1::Job& job) {
             << "\n"
             << "loss:            " << absl::StrFormat("%.4f", job.loss()) << "\n"
             << "tokens/s:        " << FormatRate(job.tokens_per_second()) << "\n"
-            << "restarts:        " << job.restarts() << " (limit " << job.spec().restart_limit() << ")\n"
+            << "restarts:        " << job.restarts() << " (limit " << job.spec().restart_limit() << ")"
+            << (job.rendezvous_retries() > 0
+                    ? absl::StrCat("; ", job.rendezvous_retries(), " rendezvous retries (the ranks did not meet)")
+                    : "")
+            << "\n"
             << "workers:         ";
   for (int i = 0; i < job.workers_size(); ++i) std::cout << (i ? "," : "") << job.workers(i);
   std::cout << "\n"

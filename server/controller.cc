@@ -191,6 +191,12 @@ void Controller::SendTo(const std::string& worker_id, const v1::ControllerMessag
   it->second.connection->Send(message);
 }
 
+int RendezvousPort(int base, const v1::Job& job) {
+  absl::StatusOr<int64_t> id = ParseJobName(job.name());
+  const int64_t attempt = int64_t{job.restarts()} + job.rendezvous_retries();
+  return base + static_cast<int>(((id.ok() ? *id : 0) + attempt * 4999) % 10000);
+}
+
 void Controller::CancelRanks(int64_t id, const std::string& except) {
   v1::ControllerMessage cancel;
   cancel.set_cancel(JobName(id));
@@ -479,8 +485,8 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
     job.add_workers(wid);
     workers_.at(wid).job = id;
   }
-  const std::string rendezvous = absl::StrCat(workers_.at(worker_ids[0]).host, ":",
-                                              options_.rendezvous_port_base + id % 10000);
+  const std::string rendezvous =
+      absl::StrCat(workers_.at(worker_ids[0]).host, ":", RendezvousPort(options_.rendezvous_port_base, job));
   const std::string checkpoint_dir = CheckpointDirOf(id);
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     v1::ControllerMessage message;

@@ -121,6 +121,16 @@ class JobWatch {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// How often a job's attempt is run again, on another port, after its ranks did not meet
+// (JobResult.rendezvous_failed) before the job FAILS; such retries are not restarts.
+inline constexpr int kRendezvousRetryLimit = 3;
+
+// The port rank 0 of `job` listens on for its ranks: base + id % 10000 on the job's first
+// attempt; each later attempt (a restart or a rendezvous retry) moves it by 4999, coprime with
+// 10000, so a port still held (by a stopped rank 0 of an earlier attempt, or another process)
+// is not asked for again until 10000 attempts later.
+int RendezvousPort(int base, const odyssey::v1::Job& job);
+
 struct ControllerOptions {
   // A worker silent this long is disconnected; disconnected this long, dead.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
@@ -129,7 +139,8 @@ struct ControllerOptions {
   std::string checkpoint_root = "odyssey-state/checkpoints";
   // Which paths clients may name (server/paths.h); default: off, any absolute path.
   PathPolicy paths;
-  // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<rendezvous_port_base + id % 10000>.
+  // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<RendezvousPort(base, job)>: base +
+  // id % 10000 on its first attempt, another port of [base, base + 10000) on each later one.
   int rendezvous_port_base = 29500;
   // The time source (tests pass a fake clock).
   std::function<absl::Time()> clock = [] { return absl::Now(); };

@@ -52,6 +52,12 @@ ControllerMetrics::ControllerMetrics(prometheus::Registry* registry) {
                    .Help("Jobs put back in the queue after losing a worker")
                    .Register(*registry)
                    .Add({});
+  rendezvous_retries_ = &prometheus::BuildCounter()
+                             .Name("odyssey_rendezvous_retries_total")
+                             .Help("Job attempts run again on another port because their ranks did not meet at "
+                                   "the rendezvous (its port taken, a rank late); not restarts")
+                             .Register(*registry)
+                             .Add({});
   training_calls_ = &prometheus::BuildCounter()
                          .Name("odyssey_training_calls_total")
                          .Help("TrainingService calls by method and final status code")
@@ -117,6 +123,10 @@ void ControllerMetrics::JobCreated() {
 
 void ControllerMetrics::JobRestarted() {
   if (enabled()) restarts_->Increment();
+}
+
+void ControllerMetrics::RendezvousRetried() {
+  if (enabled()) rendezvous_retries_->Increment();
 }
 
 void ControllerMetrics::AddTokens(int64_t tokens) {

@@ -45,6 +45,8 @@ class ControllerMetrics {
   void JobCreated();
   // odyssey_job_restarts_total.
   void JobRestarted();
+  // odyssey_rendezvous_retries_total: attempts run again because their ranks did not meet.
+  void RendezvousRetried();
   // odyssey_tokens_total: tokens trained by all jobs, every rank's (rank 0's reports).
   void AddTokens(int64_t tokens);
   // odyssey_step_duration_seconds: one observation per job step (rank 0's).
@@ -84,6 +86,7 @@ class ControllerMetrics {
   prometheus::Histogram* step_duration_ = nullptr;
   prometheus::Counter* jobs_created_ = nullptr;
   prometheus::Counter* restarts_ = nullptr;
+  prometheus::Counter* rendezvous_retries_ = nullptr;
   prometheus::Family<prometheus::Counter>* training_calls_ = nullptr;
   prometheus::Family<prometheus::Gauge>* mismatch_mean_ = nullptr;
   prometheus::Family<prometheus::Gauge>* mismatch_max_ = nullptr;

@@ -43,12 +43,15 @@ TEST_F(ControllerMetricsTest, CountersAndTheStepHistogram) {
   metrics_.JobCreated();
   metrics_.JobCreated();
   metrics_.JobRestarted();
+  metrics_.RendezvousRetried();
+  metrics_.RendezvousRetried();
   metrics_.AddTokens(100);
   metrics_.AddTokens(28);
   metrics_.ObserveStep(0.2);
   const std::string m = Text();
   EXPECT_THAT(m, HasSubstr("odyssey_jobs_created_total 2"));
   EXPECT_THAT(m, HasSubstr("odyssey_job_restarts_total 1"));
+  EXPECT_THAT(m, HasSubstr("odyssey_rendezvous_retries_total 2"));
   EXPECT_THAT(m, HasSubstr("odyssey_tokens_total 128"));
   EXPECT_THAT(m, HasSubstr("odyssey_step_duration_seconds_count 1"));
   EXPECT_THAT(m, HasSubstr("odyssey_step_duration_seconds_bucket{le=\"0.3\"} 1"));

@@ -156,9 +156,23 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
       // Bounded and valid whatever the worker sent (common/wire_text.h): it is stored and shown.
       const std::string why = WireText(result.cancelled().empty() ? result.error()
                                                                   : absl::StrCat("stopped: ", result.cancelled()));
-      job->set_error(absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why));
+      const std::string where = absl::StrCat("rank ", result.rank(), " (worker ", w.id, "): ", why);
       CancelRanks(*id, w.id);
-      SetState(*id, v1::Job::FAILED, job->error());
+      const bool did_not_meet = result.cancelled().empty() && result.rendezvous_failed();
+      if (did_not_meet && job->rendezvous_retries() < kRendezvousRetryLimit) {
+        // The ranks did not meet (the port taken, a rank late): nothing ran; again on another port.
+        job->set_rendezvous_retries(job->rendezvous_retries() + 1);
+        job->clear_workers();
+        metrics_.RendezvousRetried();
+        SetState(*id, v1::Job::PENDING,
+                 absl::StrCat(where, "; the ranks did not meet: rendezvous retry ", job->rendezvous_retries(), " of ",
+                              kRendezvousRetryLimit, " on another port"));
+      } else {
+        job->set_error(did_not_meet
+                           ? absl::StrCat(where, "; the ranks did not meet in ", kRendezvousRetryLimit + 1, " attempts")
+                           : where);
+        SetState(*id, v1::Job::FAILED, job->error());
+      }
     }
   }
   UpdateGauges();

@@ -3,6 +3,8 @@
 // controller restart RUNNING jobs wait for their workers to re-attach.
 #include "server/controller.h"
 
+#include <set>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/testing/controller_fixture.h"
@@ -54,6 +56,80 @@ TEST_F(ControllerTest, RankErrorFailsJobAndCancelsOtherRanks) {
   EXPECT_EQ(failed.state(), v1::Job::FAILED);
   EXPECT_THAT(failed.error(), HasSubstr("boom"));
   EXPECT_EQ(rank0.conn->Count(v1::ControllerMessage::kCancel), 1);
+}
+
+// A rank whose ranks did not meet (its rendezvous port taken): the job runs again on another
+// port, kRendezvousRetryLimit times, without counting restarts (restart_limit 0 here), and then
+// FAILS naming it; the other rank is told to stop each time. A plain rank error still fails it.
+TEST_F(ControllerTest, RanksThatDidNotMeetRunAgainOnAnotherPort) {
+  auto w1 = Attach("w1"), w2 = Attach("w2");
+  auto job = *controller_->CreateJob(Request(2), kAnon);
+  auto did_not_meet = [&](const Attached& w, int rank) {
+    v1::WorkerMessage m;
+    m.mutable_result()->set_job(job.name());
+    m.mutable_result()->set_rank(rank);
+    m.mutable_result()->set_error("rendezvous 127.0.0.1:29501: bind/listen: Address already in use");
+    m.mutable_result()->set_rendezvous_failed(true);
+    controller_->OnWorkerMessage(w.session, m);
+  };
+  std::vector<std::string> ports;
+  for (int attempt = 0; attempt <= kRendezvousRetryLimit; ++attempt) {
+    const v1::Job running = Get(job.name());
+    ASSERT_EQ(running.state(), v1::Job::RUNNING) << "attempt " << attempt << ": " << running.error();
+    ASSERT_EQ(running.workers_size(), 2);
+    Attached& rank0 = running.workers(0) == "w1" ? w1 : w2;
+    Attached& rank1 = running.workers(0) == "w1" ? w2 : w1;
+    const v1::Assignment a = rank0.conn->Assignments().back();
+    EXPECT_EQ(a.rendezvous(), rank1.conn->Assignments().back().rendezvous());
+    ports.push_back(a.rendezvous());
+    const int cancels = rank1.conn->Count(v1::ControllerMessage::kCancel);
+    did_not_meet(rank0, 0);
+    EXPECT_EQ(rank1.conn->Count(v1::ControllerMessage::kCancel), cancels + 1) << "attempt " << attempt;
+    const v1::Job after = Get(job.name());
+    EXPECT_EQ(after.restarts(), 0);
+    if (attempt < kRendezvousRetryLimit) {
+      EXPECT_EQ(after.state(), v1::Job::PENDING) << after.error();
+      EXPECT_EQ(after.rendezvous_retries(), attempt + 1);
+      Result(rank1, job.name(), 1, false, "told to stop");  // rank 1 stops: both idle, it runs again
+    } else {
+      EXPECT_EQ(after.state(), v1::Job::FAILED);
+      EXPECT_THAT(after.error(), HasSubstr("bind/listen: Address already in use"));
+      EXPECT_THAT(after.error(), HasSubstr("the ranks did not meet in 4 attempts"));
+    }
+  }
+  ASSERT_EQ(ports.size(), 4u);
+  EXPECT_EQ(ports[0], "127.0.0.1:29501");  // base + id on the first attempt
+  for (size_t i = 0; i < ports.size(); ++i)
+    for (size_t j = i + 1; j < ports.size(); ++j) EXPECT_NE(ports[i], ports[j]) << i << " " << j;
+
+  auto other = *controller_->CreateJob(Request(1), kAnon);
+  ASSERT_EQ(Get(other.name()).state(), v1::Job::RUNNING);
+  const v1::Job placed = Get(other.name());
+  Result(placed.workers(0) == "w1" ? w1 : w2, other.name(), 0, false);  // "boom", not the rendezvous
+  EXPECT_EQ(Get(other.name()).state(), v1::Job::FAILED);
+  EXPECT_EQ(Get(other.name()).rendezvous_retries(), 0);
+}
+
+// The rendezvous port: base + id first, moved on every later attempt (restarts and rendezvous
+// retries alike), within [base, base + 10000), not repeating for 10000 attempts.
+TEST(RendezvousPortTest, MovesWithEveryAttempt) {
+  v1::Job job;
+  job.set_name("jobs/7");
+  EXPECT_EQ(RendezvousPort(29500, job), 29507);
+  std::set<int> seen;
+  for (int attempt = 0; attempt < 10000; ++attempt) {
+    job.set_restarts(attempt / 2);
+    job.set_rendezvous_retries(attempt - attempt / 2);
+    const int port = RendezvousPort(29500, job);
+    EXPECT_GE(port, 29500);
+    EXPECT_LT(port, 39500);
+    seen.insert(port);
+  }
+  EXPECT_EQ(seen.size(), 10000u);
+  job.set_name("jobs/10007");
+  job.set_restarts(0);
+  job.set_rendezvous_retries(0);
+  EXPECT_EQ(RendezvousPort(29500, job), 29507);
 }
 
 TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {

@@ -354,6 +354,8 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
 
 }  // namespace
 
+bool RanksDidNotMeet(const absl::Status& status) { return engine::RanksDidNotMeet(status); }
+
 EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool(absl::Duration)>& stop,
                            const std::function<void(const EngineStep&)>& on_step) {
   try {

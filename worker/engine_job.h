@@ -126,6 +126,11 @@ struct EngineOutcome {
   std::string last_checkpoint;
 };
 
+// Whether a run's (SFT or RL session) failure was its ranks not meeting at the rendezvous
+// (engine::RanksDidNotMeet: the port taken, a rank late or gone while they met); nothing of the
+// job ran, and another attempt may succeed.
+bool RanksDidNotMeet(const absl::Status& status);
+
 // stop(wait): whether the run should stop, waiting up to `wait` for that to become true.
 EngineOutcome RunEngineJob(const EngineJobOptions& options, const std::function<bool(absl::Duration wait)>& stop,
                            const std::function<void(const EngineStep&)>& on_step);

@@ -322,6 +322,8 @@ void JobRunner::Run() {
     result.set_ok(false);
     // The controller gets the part a person reads (common/wire_text.h); the log keeps it all.
     result.set_error(WireText(outcome.status.message()));
+    // The ranks did not meet (e.g. the rendezvous port was taken): the controller tries again.
+    result.set_rendezvous_failed(RanksDidNotMeet(outcome.status));
     LogWarning(absl::StrCat("job=", job, " rank=", rank, " failed at step ", outcome.step, ": ",
                             ValidUtf8(outcome.status.message())));
     if (metrics_) metrics_->jobs_failed->Increment();

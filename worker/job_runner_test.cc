@@ -356,6 +356,46 @@ TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
   }
 }
 
+// Rank 0 of an SFT run and of an RL session whose rendezvous port another process holds: the
+// run fails before any step with rendezvous_failed set (the controller tries again on another
+// port); a failure of the job itself does not set it.
+TEST_F(JobRunnerTest, ATakenRendezvousPortIsReportedAsTheRanksNotMeeting) {
+  JobRunnerOptions opts;
+  opts.device = "cpu";
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string taken = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  for (bool rl : {false, true}) {
+    Recorder rec;
+    v1::Assignment a = rl ? RlJob((root_ / "rl").string(), 0) : TinyJob((root_ / "sft").string(), 4);
+    a.set_world_size(2);
+    a.set_rank(0);
+    a.set_rendezvous(taken);
+    JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+    v1::JobResult r = rec.Wait(absl::Seconds(60));
+    EXPECT_FALSE(r.ok()) << (rl ? "RL" : "SFT");
+    EXPECT_TRUE(r.cancelled().empty()) << r.cancelled();
+    EXPECT_NE(r.error().find("bind/listen"), std::string::npos) << r.error();
+    EXPECT_TRUE(r.rendezvous_failed()) << (rl ? "RL: " : "SFT: ") << r.error();
+    EXPECT_EQ(r.step(), 0);
+  }
+  ::close(fd);
+  Recorder rec;
+  v1::Assignment a = TinyJob((root_ / "y").string(), 4);
+  a.set_resume_from((root_ / "nowhere").string());
+  JobRunner runner(a, opts, rec.Callbacks(), nullptr);
+  v1::JobResult r = rec.Wait();
+  EXPECT_FALSE(r.ok());
+  EXPECT_FALSE(r.rendezvous_failed()) << r.error();
+}
+
 // Every MemorySpec field reaches the engine's options, set or unset as the spec says (the
 // converter is planner::MemoryFieldsFromProto, the one CreateJob's validation uses).
 TEST(AssignmentToEngineOptionsTest, EveryMemoryFieldArrives) {

@@ -16,7 +16,10 @@
 #include "engine/parallel/nccl_communicator.h"
 #endif
 
+#include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace odyssey::engine {
 namespace {
@@ -203,13 +206,29 @@ std::string JoinHostPort(const std::string& host, int64_t port) {
   return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
-}  // namespace
+constexpr absl::string_view kRanksDidNotMeet = "type.odyssey.dev/RanksDidNotMeet";
 
-absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
-  return ChooseAndConnect(options, TcpCommunicator::Create(TcpOptions(options)));
+// Marks a failure of the ranks to meet (see RanksDidNotMeet).
+template <typename T>
+absl::StatusOr<T> MarkMeetingFailure(absl::StatusOr<T> joined) {
+  if (joined.ok()) return joined;
+  absl::Status s = joined.status();
+  if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) s.SetPayload(kRanksDidNotMeet, absl::Cord("1"));
+  return s;
 }
 
-absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel) {
+}  // namespace
+
+bool RanksDidNotMeet(const absl::Status& status) { return status.GetPayload(kRanksDidNotMeet).has_value(); }
+
+absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
+  return MarkMeetingFailure(ChooseAndConnect(options, TcpCommunicator::Create(TcpOptions(options))));
+}
+
+namespace {
+
+// ConnectRankLayout, its errors not yet marked.
+absl::StatusOr<RankLayout> JoinLayout(const RankGroupOptions& options, int context_parallel) {
   const int W = options.world_size, P = context_parallel;
   if (P < 1 || W % P != 0)
     return absl::InvalidArgumentError(
@@ -286,6 +305,12 @@ absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, in
   layout.context = *std::move(context);
   layout.data = *std::move(data);
   return layout;
+}
+
+}  // namespace
+
+absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel) {
+  return MarkMeetingFailure(JoinLayout(options, context_parallel));
 }
 
 }  // namespace odyssey::engine

@@ -96,4 +96,12 @@ struct RankLayout {
 // does not divide world_size; ConnectRanks' errors, prefixed with the group they happened in.
 absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel);
 
+// Whether `status` is a ConnectRanks / ConnectRankLayout failure of the ranks to meet: UNAVAILABLE
+// or DEADLINE_EXCEEDED while they joined (rank 0 could not listen at the rendezvous, its port
+// taken by another process; a rank did not arrive in time; a peer left while they met). Nothing
+// of the job ran, and another attempt (another port, other workers) may succeed. Both functions
+// mark such errors with a status payload, so the mark survives the status being passed on
+// unchanged; INVALID_ARGUMENT, CANCELLED and any other error are not marked.
+bool RanksDidNotMeet(const absl::Status& status);
+
 }  // namespace odyssey::engine

@@ -2,6 +2,13 @@
 // star otherwise; the group a rank gets works, and all ranks reach the same choice.
 #include "engine/parallel/rank_group.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -153,6 +160,69 @@ TEST(ConnectRankLayoutTest, ContextParallelMustDivideTheWorld) {
   EXPECT_EQ(ConnectRankLayout(o, 4).status(),
             absl::InvalidArgumentError("context_parallel (4) must be >= 1 and divide world_size (6)"));
   EXPECT_EQ(ConnectRankLayout(o, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A socket listening on a loopback port the system picked (another process's listener); -1 when
+// the system refused. *port is that port.
+int ListenSomewhere(int* port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
+// The ranks not meeting is marked (the worker then asks the controller for another attempt);
+// a wrong option, a cancel and anything else are not.
+TEST(RanksDidNotMeetTest, MarksOnlyFailuresToMeet) {
+  int taken = 0;
+  const int fd = ListenSomewhere(&taken);
+  ASSERT_GE(fd, 0) << "no loopback listener: " << std::strerror(errno);
+  RankGroupOptions o;
+  o.rendezvous = "127.0.0.1:" + std::to_string(taken);
+  o.world_size = 2;
+  o.connect_timeout = absl::Seconds(5);
+  for (int P : {1, 2}) {  // ConnectRanks' path, then the layout's
+    absl::Status s = ConnectRankLayout(o, P).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("bind/listen"), absl::string_view::npos) << s;
+    EXPECT_TRUE(RanksDidNotMeet(s)) << "P " << P << ": " << s;
+  }
+  EXPECT_TRUE(RanksDidNotMeet(ConnectRanks(o).status()));
+  ::close(fd);
+
+  // Rank 1 waiting for a rank 0 that never listens: it gives up when connect_timeout ends.
+  RankGroupOptions late = o;
+  late.rendezvous = "127.0.0.1:" + std::to_string(*FreePort(/*loopback=*/true));
+  late.rank = 1;
+  late.connect_timeout = absl::Milliseconds(300);
+  absl::Status waited = ConnectRanks(late).status();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(waited) || absl::IsUnavailable(waited)) << waited;
+  EXPECT_TRUE(RanksDidNotMeet(waited)) << waited;
+
+  RankGroupOptions cancelled = late;
+  cancelled.connect_timeout = absl::Seconds(30);
+  cancelled.abort = [] { return true; };
+  absl::Status aborted = ConnectRanks(cancelled).status();
+  EXPECT_TRUE(absl::IsCancelled(aborted)) << aborted;
+  EXPECT_FALSE(RanksDidNotMeet(aborted)) << aborted;
+
+  RankGroupOptions bad = o;
+  bad.rendezvous = "no port here";
+  absl::Status invalid = ConnectRanks(bad).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(invalid)) << invalid;
+  EXPECT_FALSE(RanksDidNotMeet(invalid));
+  EXPECT_FALSE(RanksDidNotMeet(ConnectRankLayout(o, 3).status()));  // 3 does not divide 2
+  EXPECT_FALSE(RanksDidNotMeet(absl::UnavailableError("the peer closed the connection")));  // not from a join
+  EXPECT_FALSE(RanksDidNotMeet(absl::OkStatus()));
 }
 
 // On a GPU host: two ranks on one GPU cannot use NCCL and keep the TCP star (the one-GPU

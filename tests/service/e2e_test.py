@@ -49,6 +49,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -319,17 +320,32 @@ def case_controller_kill(c):
 
 def case_data_parallel(c):
     """A job of world_size 2 on two CPU workers: the ranks meet at the rendezvous the controller
-    hands out (TCP communicator), both run every step, and the job succeeds."""
+    hands out (TCP communicator), both run every step, and the job succeeds. Another process
+    holds the port of the job's first attempt (--rendezvous-port-base + 1): rank 0 cannot listen
+    there, the ranks do not meet, and the controller runs the job again on another port (one
+    rendezvous retry, no restart)."""
     c.start_controller()
     m1 = c.start_worker("w1")
     m2 = c.start_worker("w2")
-    spec = tiny_spec(steps=30, every=10)
-    spec["parallel"] = {"world_size": 2}
-    name = c.submit(spec)
-    job = c.wait_state(name, "SUCCEEDED")
-    print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)}, loss {job.loss:.3f}")
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", c.rendezvous_base + 1))  # jobs/1's first port (free_port_base: free)
+    squatter.listen(1)
+    try:
+        spec = tiny_spec(steps=30, every=10)
+        spec["parallel"] = {"world_size": 2}
+        name = c.submit(spec)
+        if name != "jobs/1":
+            raise Failure(f"the first job of a fresh controller is {name}, not jobs/1")
+        job = c.wait_state(name, "SUCCEEDED")
+    finally:
+        squatter.close()
+    print(f"{name}: SUCCEEDED at step {job.step} on {list(job.workers)}, loss {job.loss:.3f}, "
+          f"rendezvous retries {job.rendezvous_retries}, restarts {job.restarts}")
     if job.step != 30 or sorted(job.workers) != ["w1", "w2"]:
         raise Failure(f"step {job.step}, workers {list(job.workers)}")
+    if job.rendezvous_retries != 1 or job.restarts != 0:
+        raise Failure(f"rendezvous retries {job.rendezvous_retries}, restarts {job.restarts}: the taken port "
+                      "should have cost one rendezvous retry and no restart")
     for wid, port in (("w1", m1), ("w2", m2)):
         m = scrape(port)
         print(f"{wid}: {m['odyssey_steps_total']:.0f} steps, {m['odyssey_worker_tokens_total']:.0f} tokens")

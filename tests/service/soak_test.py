@@ -596,7 +596,9 @@ def soak(c, args):
         took = job.end_time.ToDatetime() - job.create_time.ToDatetime()
         print(f"  {name}: {rec.kind}{'' if rec.kind == 'RL' else ' ' + str(rec.spec.steps) + ' steps'}"
               f"{' x2' if rec.spec.parallel.world_size == 2 else ''}, {state} at step {job.step}, restarts "
-              f"{job.restarts}/{rec.spec.restart_limit}, {took.total_seconds():.1f} s from create to end"
+              f"{job.restarts}/{rec.spec.restart_limit}"
+              f"{f', rendezvous retries {job.rendezvous_retries}' if job.rendezvous_retries else ''}"
+              f", {took.total_seconds():.1f} s from create to end"
               f"{', cancelled' if rec.cancel else ''}{': ' + job.error if job.error else ''}")
         if job.spec.steps != rec.spec.steps or job.spec.kind != rec.spec.kind:
             c.violations.append(f"{where}: the spec changed")
