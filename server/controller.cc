@@ -446,6 +446,7 @@ void Controller::Schedule() {
       fleet.busy.push_back({w.id, w.session == 0       ? "no stream (reconnecting)"
                                   : w.awaiting_held     ? "returning"
                                   : !w.stopping.empty() ? absl::StrCat("stopping ", JobName(*w.stopping.begin()))
+                                  : w.leaving           ? "shutting down"
                                   : jobs_.count(w.job) && jobs_.at(w.job).spec().kind() == v1::RL_SESSION
                                       ? absl::StrCat(JobName(w.job), " (an RL session: it holds the worker until it "
                                                                     "ends or idles out)")

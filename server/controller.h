@@ -156,7 +156,8 @@ struct WorkerInfo {
   std::string id;
   bool connected = false;
   std::string job;  // "jobs/{id}" when busy
-  // "returning", "idle", "busy", "stopping" (told to stop jobs it came back with), "disconnected".
+  // "returning", "idle", "busy", "stopping" (told to stop jobs it came back with), "leaving" (it is
+  // shutting down), "disconnected".
   std::string state;
 };
 
@@ -296,8 +297,11 @@ class Controller {
     // was restarted elsewhere, cancelled or ended): busy until each one's JobResult arrives.
     std::set<int64_t> stopping;
     absl::Time attached_at;
-    // Idle: attached, held read, bound to no job, stopping nothing.
-    bool Idle() const { return session != 0 && !awaiting_held && job == 0 && stopping.empty(); }
+    // It said it is shutting down (a JobResult with worker_leaving): nothing more is assigned to
+    // it until it attaches again (a restarted process).
+    bool leaving = false;
+    // Idle: attached, held read, bound to no job, stopping nothing, not leaving.
+    bool Idle() const { return session != 0 && !awaiting_held && job == 0 && stopping.empty() && !leaving; }
   };
   // A TrainingCall forwarded to a worker, waiting for its reply.
   struct PendingCall {

@@ -49,6 +49,7 @@ absl::StatusOr<int64_t> Controller::AttachWorker(const v1::WorkerCapabilities& c
   w.attached_at = w.last_seen;
   w.job_at_attach = w.job;
   w.awaiting_held = true;  // returning: nothing is assigned until its `held` is read
+  w.leaving = false;       // a new process (one that left does not attach again)
   spdlog::info("worker={} attached from {} (device {}{})", w.id, w.host, capabilities.device(),
                w.job ? absl::StrCat(", holds ", JobName(w.job)) : "");
   const int64_t session = w.session;
@@ -139,6 +140,10 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
   if (!id.ok()) return;
   if (w.job == *id) w.job = 0;
   w.stopping.erase(*id);
+  if (!result.ok() && result.worker_leaving()) {
+    w.leaving = true;
+    spdlog::info("worker={} is shutting down: no more jobs for it", w.id);
+  }
   v1::ControllerMessage release;
   release.set_release(result.job());
   SendTo(w.id, release);
@@ -152,6 +157,10 @@ void Controller::OnResult(Worker& w, const v1::JobResult& result) {
         if (!result.last_checkpoint().empty()) job->set_last_checkpoint(result.last_checkpoint());
         SetState(*id, v1::Job::SUCCEEDED, "");
       }
+    } else if (result.worker_leaving()) {
+      // Its worker leaves (SIGTERM: a pod deleted, a node drained); the job is not at fault. As
+      // for a lost worker: a restart from the last checkpoint while restart_limit allows.
+      RankLost(*id, w.id, absl::StrCat("worker ", w.id, " (rank ", result.rank(), ") is shutting down"));
     } else {
       // Bounded and valid whatever the worker sent (common/wire_text.h): it is stored and shown.
       const std::string why = WireText(result.cancelled().empty() ? result.error()
@@ -287,6 +296,7 @@ std::vector<WorkerInfo> Controller::Workers() {
     const char* state = w.session == 0      ? "disconnected"
                         : w.awaiting_held   ? "returning"
                         : !w.stopping.empty() ? "stopping"
+                        : w.leaving         ? "leaving"
                         : w.job != 0        ? "busy"
                                             : "idle";
     out.push_back({id, w.session != 0, w.job ? JobName(w.job) : "", state});

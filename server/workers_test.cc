@@ -110,6 +110,56 @@ TEST_F(ControllerTest, RanksThatDidNotMeetRunAgainOnAnotherPort) {
   EXPECT_EQ(Get(other.name()).rendezvous_retries(), 0);
 }
 
+// A worker that shuts down (SIGTERM) stops its run and says so (worker_leaving): the job is not
+// at fault and restarts from its newest checkpoint on another worker, as for a lost worker,
+// without waiting for the heartbeat timeout; the leaving worker gets nothing more until a new
+// process attaches under its id. Out of restarts, the job FAILS naming the shutdown.
+TEST_F(ControllerTest, AWorkerThatLeavesRestartsItsJobAndGetsNoMoreWork) {
+  auto w1 = Attach("w1");
+  auto job = *controller_->CreateJob(Request(1, 10, "", 0, /*restart_limit=*/1), kAnon);
+  ASSERT_EQ(Get(job.name()).workers(0), "w1");
+  Progress(w1, job.name(), 0, 4, "/ckpt/step-4");
+  auto w2 = Attach("w2");
+  auto leaving = [&](const Attached& w, const std::string& name) {
+    v1::WorkerMessage m;
+    m.mutable_result()->set_job(name);
+    m.mutable_result()->set_rank(0);
+    m.mutable_result()->set_cancelled("the worker is shutting down");
+    m.mutable_result()->set_worker_leaving(true);
+    controller_->OnWorkerMessage(w.session, m);
+  };
+  leaving(w1, job.name());  // no clock advance: not a heartbeat timeout
+  const v1::Job moved = Get(job.name());
+  EXPECT_EQ(moved.state(), v1::Job::RUNNING);
+  EXPECT_EQ(moved.restarts(), 1);
+  ASSERT_EQ(moved.workers_size(), 1);
+  EXPECT_EQ(moved.workers(0), "w2");
+  ASSERT_EQ(w2.conn->Assignments().size(), 1u);
+  EXPECT_EQ(w2.conn->Assignments()[0].resume_from(), "/ckpt/step-4");
+  for (const WorkerInfo& info : controller_->Workers()) {
+    if (info.id == "w1") {
+      EXPECT_EQ(info.state, "leaving");
+    }
+  }
+
+  // w1 is still attached but gets nothing: the next job waits for an idle worker.
+  auto next = *controller_->CreateJob(Request(1), kAnon);
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::PENDING);
+  EXPECT_EQ(w1.conn->Assignments().size(), 1u);
+
+  // The job's second shutdown is past its restart_limit of 1.
+  leaving(w2, job.name());
+  const v1::Job failed = Get(job.name());
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("worker w2 (rank 0) is shutting down; restart_limit (1) reached"));
+
+  // A new w1 process attaches: it is idle again and takes the waiting job.
+  controller_->DetachWorker(w1.session);
+  auto again = Attach("w1");
+  EXPECT_EQ(Get(next.name()).state(), v1::Job::RUNNING);
+  EXPECT_EQ(again.conn->Assignments().size(), 1u);
+}
+
 // The rendezvous port: base + id first, moved on every later attempt (restarts and rendezvous
 // retries alike), within [base, base + 10000), not repeating for 10000 attempts.
 TEST(RendezvousPortTest, MovesWithEveryAttempt) {

@@ -33,7 +33,7 @@ void Worker::Shutdown() {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return;
   shutdown_ = true;
-  if (runner_ && !running_job_.empty()) runner_->Cancel("the worker is shutting down");
+  if (runner_ && !running_job_.empty()) runner_->Cancel(kLeavingReason);
 }
 
 void Worker::Post(v1::WorkerMessage message) {
@@ -41,7 +41,10 @@ void Worker::Post(v1::WorkerMessage message) {
   if (connected_ && !stream_broken_) outbox_.push_back(std::move(message));
 }
 
-void Worker::OnResult(const v1::JobResult& result) {
+void Worker::OnResult(const v1::JobResult& finished) {
+  v1::JobResult result = finished;
+  // Stopped because this worker leaves: the job is not at fault (the controller restarts it).
+  if (!result.ok() && result.cancelled() == kLeavingReason) result.set_worker_leaving(true);
   absl::MutexLock lock(&mu_);
   unreleased_[result.job()] = result;
   if (running_job_ == result.job()) running_job_.clear();
@@ -68,6 +71,7 @@ void Worker::Handle(const v1::ControllerMessage& message) {
           busy.set_error(shutdown_ ? absl::StrCat("worker ", options_.capabilities.worker_id(), " is shutting down")
                                    : absl::StrCat("worker ", options_.capabilities.worker_id(), " is busy with ",
                                                   running_job_));
+          busy.set_worker_leaving(shutdown_);
           v1::WorkerMessage m;
           *m.mutable_result() = busy;
           outbox_.push_back(std::move(m));

@@ -55,6 +55,9 @@ struct WorkerOptions {
   int max_message_bytes = 64 << 20;
 };
 
+// The cancel reason of a run stopped by Worker::Shutdown; its JobResult carries worker_leaving.
+inline constexpr char kLeavingReason[] = "the worker is shutting down";
+
 class Worker {
  public:
   // `metrics` may be null; it must outlive the worker.
@@ -65,7 +68,8 @@ class Worker {
 
   // Attaches and serves until Shutdown(). Returns OK after a shutdown.
   absl::Status Run();
-  // Stops: cancels the running job (it reports its result if still attached) and makes Run()
+  // Stops: cancels the running job between steps (it reports its result, marked
+  // worker_leaving, if still attached: the controller restarts the job elsewhere) and makes Run()
   // return once the stream is closed.
   void Shutdown();
 

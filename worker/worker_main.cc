@@ -1,5 +1,6 @@
 // odyssey-worker: attaches to an odyssey-controller and runs the jobs it assigns on one device.
-// SIGINT/SIGTERM stop it cleanly: a running job is cancelled between steps and its result sent.
+// SIGINT/SIGTERM stop it cleanly: a running job is stopped between steps and its result sent,
+// marked worker_leaving (the controller restarts the job elsewhere).
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>

@@ -190,6 +190,8 @@ TEST(WorkerTest, AttachProtocol) {
   auto cancelled = fake.WaitFor(0, IsResult("jobs/1"));
   ASSERT_TRUE(cancelled);
   EXPECT_EQ(cancelled->result().cancelled(), "cancelled by the controller");
+  EXPECT_FALSE(cancelled->result().worker_leaving());
+  EXPECT_FALSE(busy->result().worker_leaving());
 
   // The controller goes away before releasing it: the next stream holds the job and re-sends
   // its result.
@@ -221,6 +223,30 @@ TEST(WorkerTest, AttachProtocol) {
 
   worker.Shutdown();
   run.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// Shutdown (the worker's SIGTERM) stops the running job between steps and reports it as the
+// worker leaving, not as the job's failure or a cancel of the job, before Run returns.
+TEST(WorkerTest, ShutdownReportsTheStoppedRunAsTheWorkerLeaving) {
+  SetTorchThreads(1);
+  FakeController fake;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = Serve(&fake, &port);
+  ASSERT_NE(port, 0);
+  Worker worker(CpuWorker("bye", port), nullptr);
+  std::thread run([&] { EXPECT_TRUE(worker.Run().ok()); });
+  ASSERT_TRUE(fake.WaitFor(0, [](const v1::WorkerMessage& m) { return m.has_held(); }));
+  fake.Send(Assign("jobs/1", 1000000));
+  ASSERT_TRUE(fake.WaitFor(0, IsProgress("jobs/1")));
+  worker.Shutdown();
+  run.join();  // Run returns once the result went out and the stream closed
+  std::optional<v1::WorkerMessage> stopped = fake.WaitFor(0, IsResult("jobs/1"), absl::ZeroDuration());
+  ASSERT_TRUE(stopped) << "the result did not reach the controller before Run returned";
+  EXPECT_FALSE(stopped->result().ok());
+  EXPECT_EQ(stopped->result().cancelled(), "the worker is shutting down");
+  EXPECT_TRUE(stopped->result().worker_leaving());
+  EXPECT_GT(stopped->result().step(), 0);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 

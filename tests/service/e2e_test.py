@@ -24,9 +24,9 @@ Cases (--case):
   rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
                    checkpoint (the newest the watch saw, and the one both new ranks' logs say
                    they start from) on the surviving and a spare worker and succeeds.
-  worker_sigterm   SIGTERM to a worker mid-job: it cancels the run between steps, sends its
-                   result (the job ends FAILED "stopped: the worker is shutting down") and
-                   exits 0.
+  worker_sigterm   SIGTERM to a worker mid-job: it stops the run between steps, sends its
+                   result marked as the worker leaving and exits 0; the job restarts at once
+                   from its newest checkpoint on the spare worker and succeeds.
   cancel           `odyssey cancel` stops a running job between steps (CANCELLED); the worker
                    then runs the next job.
   result_while_controller_down
@@ -650,12 +650,20 @@ def case_resume_from_spec(c):
 
 
 def case_worker_sigterm(c):
-    """SIGTERM to a worker mid-job: the run is cancelled between steps, the result reaches the
-    controller before the process ends (the job's error says why it stopped), and it exits 0."""
+    """SIGTERM to a worker mid-job (a pod deleted, a node drained): the run stops between steps,
+    its result reaches the controller before the process exits 0, marked as the worker leaving;
+    the job is not at fault, so it restarts at once (not after the heartbeat timeout) from its
+    newest checkpoint on the spare worker and succeeds, one restart counted."""
     c.start_controller()
     c.start_worker("w1")
-    name = c.submit(tiny_spec(steps=100000, every=0))
-    wait_for(f"{name} to pass step 3", lambda: c.get(name).step >= 3)
+    spec = tiny_spec(steps=300, every=20)
+    name = c.submit(spec)
+    events = []
+    steps = c.watch(name, events)
+    wait_for(f"{name} to pass a second checkpoint on w1",
+             lambda: (lambda j: list(j.workers) == ["w1"] and j.last_checkpoint and step_of(j.last_checkpoint) >= 40)(
+                 c.get(name)))
+    c.start_worker("w2")
     p = c.workers.pop("w1")
     p.send_signal(signal.SIGTERM)
     try:
@@ -664,16 +672,20 @@ def case_worker_sigterm(c):
         raise Failure("the worker did not exit within 60 s of SIGTERM")
     if rc != 0:
         raise Failure(f"the worker exited {rc} after SIGTERM, want 0")
-    # The result was sent before the exit: the controller has it, not a heartbeat timeout (4 s
-    # here) that would requeue the job as a lost worker.
-    job = c.get(name)
-    state = c.pb.Job.State.Name(job.state)
-    print(f"w1 exited {rc}; {name} is {state}: {job.error!r} at step {job.step}, restarts {job.restarts}")
-    if state != "FAILED" or "the worker is shutting down" not in job.error or job.restarts != 0:
-        raise Failure(f"{name} is {state} ({job.error!r}, restarts {job.restarts}); want FAILED with the worker's "
-                      "'the worker is shutting down' reported before it exited")
     if "signal 15: stopping" not in c.log("w1"):
         raise Failure("the worker's log does not show the SIGTERM")
+    wait_for("the controller to requeue the job", lambda: requeued(c, name))
+    # Requeued on the worker's word, before any heartbeat timeout (4 s here) could call it lost.
+    if "worker w1 (rank 0) is shutting down; restart 1 of 2" not in c.log("controller"):
+        raise Failure("the controller's log does not requeue the job because w1 is shutting down:\n" +
+                      "\n".join(line for line in c.log("controller").splitlines() if name in line))
+    ckpt_step = check_resumed_from_newest(c, name, events, ["w2"])
+    job = c.wait_state(name, "SUCCEEDED")
+    print(f"w1 exited {rc}; {name} SUCCEEDED at step {job.step} on {list(job.workers)}, restarts {job.restarts}, "
+          f"resumed after step {ckpt_step}")
+    if job.step != 300 or list(job.workers) != ["w2"] or job.restarts != 1:
+        raise Failure(f"step {job.step}, workers {list(job.workers)}, restarts {job.restarts}")
+    wait_for("the final step event", lambda: steps and steps[-1][0] == 300, timeout=30)
 
 
 def main():
