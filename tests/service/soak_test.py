@@ -10,6 +10,10 @@ TrainingService and cancels, while one fault at a time is injected:
                      declares it dead and restarts its job elsewhere), then SIGCONT: it comes
                      back holding a job the controller gave up on and must get no new work until
                      it has stopped that one.
+  SIGTERM worker     the worker shuts down (as when its pod is deleted): it stops its job between
+                     steps, reports it as the worker leaving (the controller restarts the job
+                     elsewhere at once) and must exit 0 within SIGTERM_EXIT_S; then a restart
+                     with the same --worker-id after 0-2 s.
   kill -9 controller SIGKILL of the controller, then a restart on the same port and state dir
                      after 0.5-3 s (only in the first 60% of the schedule, so the controller
                      process measured at the end has lived through faults and load).
@@ -39,7 +43,7 @@ Then, with every fault over and a deadline on every wait, it checks:
     after the warm-up (see THREADS_SLACK / RSS_SLACK_MIB).
 
 Prints the seed first (rerun one with --seed), one line per fault, and one summary line:
-  soak: N jobs (S SFT, R RL), F faults (k kill -9 worker, s SIGSTOP, c controller kill -9),
+  soak: N jobs (S SFT, R RL), F faults (k kill -9 worker, s SIGSTOP, t SIGTERM, c controller kill -9),
   jobs lost 0, checkpoints missing 0, threads A->B, RSS X->Y MiB, T s
 Exits 1 with the details on any violation.
 """
@@ -62,6 +66,8 @@ from rl_test import RlCluster  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 3
 WORKERS = ("w1", "w2", "w3")
+WORKER_FAULTS = ("kill -9 worker", "SIGSTOP worker", "SIGTERM worker")
+SIGTERM_EXIT_S = 30  # a worker stops between steps (tiny CPU steps: well under a second)
 MAX_ACTIVE = 5  # jobs PENDING or RUNNING at once: enough to queue, few enough to drain at the end
 RL_CALL_TIMEOUT_S = 30  # a TrainingService call waiting longer than this is a violation
 RL_IDLE_TIMEOUT_S = 4  # sessions end SUCCEEDED this long after the driver's last call
@@ -96,7 +102,7 @@ class Job:
 
 class Fault:
     def __init__(self, kind, target, start):
-        self.kind = kind  # "kill -9 worker", "SIGSTOP worker", "kill -9 controller"
+        self.kind = kind  # "kill -9 worker", "SIGSTOP worker", "SIGTERM worker", "kill -9 controller"
         self.target = target
         self.start = start
         self.end = None
@@ -328,11 +334,10 @@ def fault_plan(rng, duration):
     rest = [i for i in range(len(times)) if i not in ctl]
     for i in range(len(times)):
         kinds.append("kill -9 controller" if i in ctl else None)
-    # The others alternate kinds from a random start, so both appear.
-    first = rng.choice(["kill -9 worker", "SIGSTOP worker"])
-    other = "SIGSTOP worker" if first == "kill -9 worker" else "kill -9 worker"
+    # The others cycle through the worker faults in a random order, so each appears.
+    order = rng.sample(WORKER_FAULTS, len(WORKER_FAULTS))
     for n, i in enumerate(rest):
-        kinds[i] = first if n % 2 == 0 else other
+        kinds[i] = order[n % len(order)]
     return list(zip(times, kinds))
 
 
@@ -367,6 +372,21 @@ def run_faults(c, plan, rng, t0, stop):
                 time.sleep(down)
                 c.start_worker(victim)
                 what = f"{victim} (running {f.jobs or 'nothing'}) down {down:.1f} s"
+            elif kind == "SIGTERM worker":
+                c.workers.pop(victim)
+                p.send_signal(signal.SIGTERM)
+                try:
+                    rc = p.wait(timeout=SIGTERM_EXIT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                    rc = "still running (killed)"
+                if rc != 0:
+                    c.violations.append(f"{victim} after SIGTERM: exit {rc}, want 0 within {SIGTERM_EXIT_S} s")
+                down = rng.uniform(0, 2)
+                time.sleep(down)
+                c.start_worker(victim)
+                what = f"{victim} (running {f.jobs or 'nothing'}) exited {rc}, down {down:.1f} s"
             else:
                 held = HEARTBEAT_TIMEOUT_S + rng.uniform(1, 2.5)
                 p.send_signal(signal.SIGSTOP)
@@ -651,7 +671,7 @@ def soak(c, args):
             print(f"transformers loads {path}: loss {loss:.3f} nats/byte ({time.monotonic() - t:.1f} s)", flush=True)
 
     counts = {k: sum(1 for f in c.faults if f.kind == k)
-              for k in ("kill -9 worker", "SIGSTOP worker", "kill -9 controller")}
+              for k in (*WORKER_FAULTS, "kill -9 controller")}
     # A worker back from SIGSTOP with a job restarted elsewhere is "stopping" until that run ends
     # (server/controller.h): how often that path ran.
     stopping = c.log("controller").count("came back still holding it; told to stop")
@@ -677,6 +697,7 @@ def soak(c, args):
     print(f"soak: {n_jobs} jobs ({sum(r.kind == 'SFT' for r in c.records.values())} SFT, "
           f"{sum(r.kind == 'RL' for r in c.records.values())} RL), {len(c.faults)} faults "
           f"({counts['kill -9 worker']} kill -9 worker, {counts['SIGSTOP worker']} SIGSTOP, "
+          f"{counts['SIGTERM worker']} SIGTERM, "
           f"{counts['kill -9 controller']} controller kill -9), jobs lost {len(lost)}, checkpoints missing {missing}, "
           f"threads {threads0}->{threads1}, RSS {rss0:.0f}->{rss1:.0f} MiB, {time.monotonic() - t_start:.0f} s",
           flush=True)
