@@ -191,10 +191,8 @@ void Controller::SendTo(const std::string& worker_id, const v1::ControllerMessag
   it->second.connection->Send(message);
 }
 
-int RendezvousPort(int base, const v1::Job& job) {
-  absl::StatusOr<int64_t> id = ParseJobName(job.name());
-  const int64_t attempt = int64_t{job.restarts()} + job.rendezvous_retries();
-  return base + static_cast<int>(((id.ok() ? *id : 0) + attempt * 4999) % 10000);
+int RendezvousPort(int base, int64_t id, int64_t attempt) {
+  return base + static_cast<int>((id + attempt * 4999) % 10000);
 }
 
 void Controller::CancelRanks(int64_t id, const std::string& except) {
@@ -486,8 +484,9 @@ void Controller::Assign(int64_t id, const std::vector<std::string>& worker_ids) 
     job.add_workers(wid);
     workers_.at(wid).job = id;
   }
+  const int64_t attempt = int64_t{job.restarts()} + job.rendezvous_retries();  // each one moves the port
   const std::string rendezvous =
-      absl::StrCat(workers_.at(worker_ids[0]).host, ":", RendezvousPort(options_.rendezvous_port_base, job));
+      absl::StrCat(workers_.at(worker_ids[0]).host, ":", RendezvousPort(options_.rendezvous_port_base, id, attempt));
   const std::string checkpoint_dir = CheckpointDirOf(id);
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     v1::ControllerMessage message;

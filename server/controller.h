@@ -125,11 +125,11 @@ class JobWatch {
 // (JobResult.rendezvous_failed) before the job FAILS; such retries are not restarts.
 inline constexpr int kRendezvousRetryLimit = 3;
 
-// The port rank 0 of `job` listens on for its ranks: base + id % 10000 on the job's first
-// attempt; each later attempt (a restart or a rendezvous retry) moves it by 4999, coprime with
-// 10000, so a port still held (by a stopped rank 0 of an earlier attempt, or another process)
-// is not asked for again until 10000 attempts later.
-int RendezvousPort(int base, const odyssey::v1::Job& job);
+// The port rank 0 of job `id` listens on for its ranks at attempt `attempt` (0 first, then one
+// more per restart or rendezvous retry): base + id % 10000 first; each later attempt moves it by
+// 4999, coprime with 10000, so a port still held (by a stopped rank 0 of an earlier attempt, or
+// another process) is not asked for again until 10000 attempts later.
+int RendezvousPort(int base, int64_t id, int64_t attempt);
 
 struct ControllerOptions {
   // A worker silent this long is disconnected; disconnected this long, dead.
@@ -139,7 +139,7 @@ struct ControllerOptions {
   std::string checkpoint_root = "odyssey-state/checkpoints";
   // Which paths clients may name (server/paths.h); default: off, any absolute path.
   PathPolicy paths;
-  // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<RendezvousPort(base, job)>: base +
+  // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<RendezvousPort(base, id, attempt)>: base +
   // id % 10000 on its first attempt, another port of [base, base + 10000) on each later one.
   int rendezvous_port_base = 29500;
   // The time source (tests pass a fake clock).

@@ -287,17 +287,29 @@ TEST_F(JobRunnerTest, BadSpecFailsNamingTheField) {
   }
 }
 
-// A TCP port free now (the kernel's pick for port 0; nobody listens on it once this returns).
-int FreePort() {
+// A TCP socket bound to a loopback port the kernel picks, listening when `listen`; *port is
+// that port.
+int LoopbackSocket(bool listen, int* port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
   EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  if (listen) {
+    EXPECT_EQ(::listen(fd, 4), 0);
+  }
   EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
+// A TCP port free now (the kernel's pick for port 0; nobody listens on it once this returns).
+int FreePort() {
+  int port = 0;
+  ::close(LoopbackSocket(/*listen=*/false, &port));
+  return port;
 }
 
 // True when a socket of this machine listens on TCP `port` (read from /proc/net/tcp{,6}, so
@@ -362,16 +374,10 @@ TEST_F(JobRunnerTest, RlSessionCancelledWhileWaitingForItsPeers) {
 TEST_F(JobRunnerTest, ATakenRendezvousPortIsReportedAsTheRanksNotMeeting) {
   JobRunnerOptions opts;
   opts.device = "cpu";
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string taken = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  int port = 0;
+  const int fd = LoopbackSocket(/*listen=*/true, &port);  // another process's listener
+  ASSERT_FALSE(HasFailure()) << "no loopback listener";
+  const std::string taken = absl::StrCat("127.0.0.1:", port);
   for (bool rl : {false, true}) {
     Recorder rec;
     v1::Assignment a = rl ? RlJob((root_ / "rl").string(), 0) : TinyJob((root_ / "sft").string(), 4);

@@ -217,15 +217,10 @@ absl::StatusOr<T> MarkMeetingFailure(absl::StatusOr<T> joined) {
   return s;
 }
 
-}  // namespace
-
-bool RanksDidNotMeet(const absl::Status& status) { return status.GetPayload(kRanksDidNotMeet).has_value(); }
-
-absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
-  return MarkMeetingFailure(ChooseAndConnect(options, TcpCommunicator::Create(TcpOptions(options))));
+// ConnectRanks, its errors not yet marked.
+absl::StatusOr<RankGroup> JoinRanks(const RankGroupOptions& options) {
+  return ChooseAndConnect(options, TcpCommunicator::Create(TcpOptions(options)));
 }
-
-namespace {
 
 // ConnectRankLayout, its errors not yet marked.
 absl::StatusOr<RankLayout> JoinLayout(const RankGroupOptions& options, int context_parallel) {
@@ -237,7 +232,7 @@ absl::StatusOr<RankLayout> JoinLayout(const RankGroupOptions& options, int conte
   layout.context_parallel = P;
   layout.data_parallel = W / P;
   if (P == 1 || P == W) {  // one group of every rank
-    absl::StatusOr<RankGroup> all = ConnectRanks(options);
+    absl::StatusOr<RankGroup> all = JoinRanks(options);
     if (!all.ok()) return all.status();
     (P == 1 ? layout.data : layout.context) = *std::move(all);
     return layout;
@@ -308,6 +303,12 @@ absl::StatusOr<RankLayout> JoinLayout(const RankGroupOptions& options, int conte
 }
 
 }  // namespace
+
+bool RanksDidNotMeet(const absl::Status& status) { return status.GetPayload(kRanksDidNotMeet).has_value(); }
+
+absl::StatusOr<RankGroup> ConnectRanks(const RankGroupOptions& options) {
+  return MarkMeetingFailure(JoinRanks(options));
+}
 
 absl::StatusOr<RankLayout> ConnectRankLayout(const RankGroupOptions& options, int context_parallel) {
   return MarkMeetingFailure(JoinLayout(options, context_parallel));
