@@ -123,7 +123,32 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     if (options.memory.keep_attention) return absl::InvalidArgumentError(absl::StrCat("memory.keep_attention", why));
     if (head_groups > 1)
       return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups, ")", why));
-    if (P > 1) return absl::InvalidArgumentError(absl::StrCat("parallel.context_parallel (", P, ")", why));
+    if (P > 1) {
+      // Context parallelism runs inside the KDA and DSA layers (model/hybrid.h): their heads
+      // split over the ranks, the sequence's tiles broadcast by the rank that holds them.
+      const std::string cp_field = absl::StrCat("parallel.context_parallel (", P, ")");
+      const model::HybridConfig& hy = resolved->hybrid;
+      if (resolved->NumLayersOfKind('K') > 0 && hy.kda_num_heads % P != 0)
+        return absl::InvalidArgumentError(absl::StrCat(cp_field, " must divide the KDA layers' heads (",
+                                                       hy.kda_num_heads, ")"));
+      if (resolved->NumLayersOfKind('D') > 0) {
+        if (resolved->num_key_value_heads % P != 0)
+          return absl::InvalidArgumentError(absl::StrCat(cp_field, " must divide the DSA layers' KV heads (",
+                                                         resolved->num_key_value_heads, ")"));
+        if (options.data.seq_len % (4 * P) != 0)
+          return absl::InvalidArgumentError(absl::StrCat(
+              "data.seq_len (", options.data.seq_len, ") must be a multiple of 4 x ", cp_field,
+              " for the DSA layers: each rank's positions are whole pools of 4 counted from the first token"));
+        if (hy.indexer_stage != model::IndexerStage::kSparse)
+          return absl::InvalidArgumentError(absl::StrCat(cp_field, " with the dense_warmup indexer stage", why));
+      }
+      if (cp.head_chunk > 0)
+        return absl::InvalidArgumentError(absl::StrCat("context_parallel.head_chunk (", cp.head_chunk, ")", why));
+      if (options.data.format == "jsonl")
+        return absl::InvalidArgumentError(absl::StrCat(
+            cp_field, " with data.format jsonl (packed documents) is not implemented for the hybrid family (model '",
+            options.model, "'): its KDA state and DSA pools would restart inside other ranks' positions"));
+    }
   }
   if (cp.group != nullptr) {
     if (absl::Status s = ValidateContextParallel(P, cp.head_chunk, resolved->num_attention_heads,
@@ -170,6 +195,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
+  if (P > 1 && (*m)->config().IsHybrid())
+    (*m)->set_sequence_group(std::make_shared<const CommunicatorSequenceGroup>(*cp.group));
   if (absl::Status s = model::AttachLora(**m, options.lora, options.seed); !s.ok()) return s;
   const model::ModelConfig& config = (*m)->config();
   if (options.data.seq_len > config.max_position_embeddings)
@@ -425,7 +452,16 @@ StepResult Trainer::Step(const Batch& whole) {
     optimizer_->ZeroGrad();
   }
   r.loss = rider->item<double>();  // synchronizes the device
-  if (torch::Tensor kl = model_->IndexerLoss(); kl.defined()) r.indexer_loss = kl.item<double>();
+  if (torch::Tensor kl = model_->IndexerLoss(); kl.defined()) {
+    // Under context parallelism each rank's is its rows' share: the sum is the sequence's.
+    std::vector<torch::Tensor> shares = {kl.to(torch::kCPU).reshape({1})};
+    if (ContextParallelDegree() > 1)
+      if (absl::Status s = options_.context_parallel.group->AllReduce(shares, ReduceOp::kSum); !s.ok()) {
+        r.status = s;
+        return r;
+      }
+    r.indexer_loss = shares[0].item<double>();
+  }
   r.grad_norm = clip.norm.item<double>();
   r.step = optimizer_->steps();
   r.tokens = share->positions;

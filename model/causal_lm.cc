@@ -50,6 +50,7 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunn
   if (config_.UsesRope()) ctx.rope = MakeRopeTables(inv_freq_cpu_.to(ids.device()), pos, h.scalar_type());  // (B, S, D)
   ctx.attention.doc_lens = in.doc_lens;
   ctx.backend = backend_.get();
+  ctx.sequence = sequence_.get();
   if (runner) {
     h = runner(model->layer_list, h, ctx);
   } else {

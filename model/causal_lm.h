@@ -57,6 +57,10 @@ class CausalLMImpl : public torch::nn::Module {
   // The attention backend every layer uses (default "auto").
   void set_attention_backend(std::shared_ptr<const AttentionBackend> backend) { backend_ = std::move(backend); }
   const AttentionBackend& attention_backend() const { return *backend_; }
+  // The ranks sharing each sequence under context parallelism, for the hybrid family's KDA and
+  // DSA layers (LayerContext::sequence; null, the default: one rank holds whole rows). The
+  // dense family's context parallelism is its attention backend's.
+  void set_sequence_group(std::shared_ptr<const SequenceGroup> group) { sequence_ = std::move(group); }
 
   // Final normed hidden states (B, S, hidden). `runner` runs the decoder layers (may be empty).
   torch::Tensor Hidden(const ForwardInputs& in, const LayerStackRunner& runner = nullptr);
@@ -86,6 +90,7 @@ class CausalLMImpl : public torch::nn::Module {
   ModelConfig config_;
   LoraConfig lora_;
   std::shared_ptr<const AttentionBackend> backend_;
+  std::shared_ptr<const SequenceGroup> sequence_;
   torch::Tensor inv_freq_cpu_;  // (D/2,) fp32, moved to the input's device per call
 };
 TORCH_MODULE(CausalLM);

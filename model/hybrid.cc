@@ -44,6 +44,15 @@ Tensor PerDocument(const Tensor& x, const AttentionMeta& meta, const std::functi
   return torch::cat(rows, 0);
 }
 
+// Context parallelism runs whole rows (a packed row's documents would need the state and the
+// pools to restart at boundaries that fall inside other ranks' shards).
+void CheckNotPacked(const AttentionMeta& meta, const char* layer) {
+  if (meta.doc_lens == nullptr) return;
+  for (const auto& row : *meta.doc_lens)
+    TORCH_CHECK(row.size() <= 1, layer, ": packed documents (", row.size(),
+                " in a row) are not implemented with context parallelism for the hybrid family");
+}
+
 Tensor L2Norm(const Tensor& x) {  // over the last dim, in fp32
   Tensor xf = x.to(torch::kFloat32);
   return (xf * torch::rsqrt(xf.square().sum(-1, /*keepdim=*/true) + 1e-6)).to(x.scalar_type());
@@ -141,30 +150,39 @@ void KdaAttentionImpl::to(torch::Device device, bool non_blocking) {
   torch::nn::Module::to(device, non_blocking);
 }
 
-Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tensor& h0, Tensor* h_out) {
-  const int64_t B = x_ctx.size(0), n = x_ctx.size(1) - ctx, H = heads_, K = head_dim_;
+Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tensor& h0, Tensor* h_out,
+                                   int64_t first_head, int64_t num_heads) {
+  const int64_t B = x_ctx.size(0), n = x_ctx.size(1) - ctx, H = num_heads < 0 ? heads_ : num_heads, K = head_dim_;
+  TORCH_CHECK(first_head >= 0 && H > 0 && first_head + H <= heads_, "KDA: heads [", first_head, ", ",
+              first_head + H, ") out of the layer's ", heads_);
+  const int64_t r0 = first_head * K, rows = H * K;  // the heads' rows of the per-head weights
   auto heads = [&](const Tensor& t) { return t.reshape({B, n, H, K}); };  // (B, n, H, K)
+  // The heads' rows of a projection's output (all of them: the module itself).
+  auto rows_of = [&](torch::nn::Linear& proj, const Tensor& in, int64_t first, int64_t count) {
+    if (first == 0 && count == proj->weight.size(0)) return proj(in);
+    return torch::nn::functional::linear(in, proj->weight.narrow(0, first, count));
+  };
   // The convolutions see the context; everything after them only the tile's tokens.
   // silu(conv(proj(x))) of the n rows after the context (kernels::ShortConvSilu: libtorch's
   // depthwise conv1d on the CPU, one fused kernel on the GPU).
   auto conv_silu = [&](ShortConv& c, torch::nn::Linear& proj) {
-    return kernels::ShortConvSilu(proj(x_ctx), c->weight, ctx);
+    return kernels::ShortConvSilu(rows_of(proj, x_ctx, r0, rows), c->weight.narrow(0, r0, rows), ctx);
   };
   const Tensor x = x_ctx.narrow(1, ctx, n);
   Tensor q = L2Norm(heads(conv_silu(q_conv1d, q_proj))).transpose(1, 2);  // (B, H, n, K)
   Tensor k = L2Norm(heads(conv_silu(k_conv1d, k_proj))).transpose(1, 2);  // (B, H, n, K)
   Tensor v = heads(conv_silu(v_conv1d, v_proj)).transpose(1, 2);          // (B, H, n, K)
   // The safe gate in fp32: lb * sigmoid(exp(A_log[h]) (f + dt_bias)) in (lb, 0).
-  Tensor f = f_b_proj(f_a_proj(x)).to(torch::kFloat32) + dt_bias;                    // (B, n, H K)
-  Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.exp().view({H, 1}));     // (B, n, H, K)
-  g = g.transpose(1, 2);                                                             // (B, H, n, K)
-  Tensor beta = torch::sigmoid(b_proj(x).to(torch::kFloat32)).transpose(1, 2);       // (B, H, n)
+  Tensor f = rows_of(f_b_proj, f_a_proj(x), r0, rows).to(torch::kFloat32) + dt_bias.narrow(0, r0, rows);  // (B, n, H K)
+  Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.narrow(0, first_head, H).exp().view({H, 1}));  // (B, n, H, K)
+  g = g.transpose(1, 2);                                                                        // (B, H, n, K)
+  Tensor beta = torch::sigmoid(rows_of(b_proj, x, first_head, H).to(torch::kFloat32)).transpose(1, 2);  // (B, H, n)
   kernels::KdaOptions options;
   options.chunk_size = chunk_;
   options.segment = segment_;
   auto [o, state] = kernels::KdaChunked(q, k, v, g, beta, h0, options);  // (B, H, n, K), (B, H, K, K)
   if (h_out != nullptr) *h_out = state;
-  Tensor gate = torch::sigmoid(heads(g_b_proj(g_a_proj(x))));  // (B, n, H, K)
+  Tensor gate = torch::sigmoid(heads(rows_of(g_b_proj, g_a_proj(x), r0, rows)));  // (B, n, H, K)
   return (o_norm(o.transpose(1, 2)) * gate).reshape({B, n, H * K});
 }
 
@@ -249,6 +267,173 @@ class KdaTiledFunction : public torch::autograd::Function<KdaTiledFunction> {
   }
 };
 
+// The tiles of a sequence sharded over a group (rank j holds positions [j L, (j+1) L)), in
+// sequence order: tiles of at most `tile` tokens (0: the whole shard) inside each shard.
+struct ShardTile {
+  int owner = 0;      // the rank that holds it
+  int64_t local = 0;  // its first position in the owner's shard
+  int64_t start = 0;  // its first position in the sequence
+  int64_t n = 0;      // tokens
+};
+
+std::vector<ShardTile> ShardTiles(int P, int64_t L, int64_t tile) {
+  std::vector<ShardTile> out;
+  const int64_t step = tile > 0 ? std::min(tile, L) : L;
+  for (int j = 0; j < P; ++j) {
+    for (int64_t t = 0; t < L; t += step) out.push_back({j, t, j * L + t, std::min(step, L - t)});
+  }
+  return out;
+}
+
+// The `ctx` rows before this rank's shard x (B, L, hidden): the previous rank's last ones, from
+// an all-gather of every rank's last ctx rows. Undefined on rank 0 and for ctx 0.
+Tensor Halo(const SequenceGroup& group, const Tensor& x, int64_t ctx) {
+  if (ctx == 0) return Tensor();
+  TORCH_CHECK(x.size(1) >= ctx, "context parallel: a rank's ", x.size(1), " positions are fewer than the ", ctx,
+              " tokens of context the short convolution reads");
+  Tensor all = group.AllGather(x.narrow(1, x.size(1) - ctx, ctx).contiguous(), 1);  // (B, P ctx, hidden)
+  if (group.rank() == 0) return Tensor();
+  return all.narrow(1, (group.rank() - 1) * ctx, ctx);
+}
+
+// Rows [tile.start - ctx, tile.start + tile.n) of the sequence, from the rank that holds the
+// tile to every rank: its shard x and `halo` (Halo) there, a fresh buffer elsewhere.
+Tensor BroadcastRows(const SequenceGroup& group, const Tensor& x, const Tensor& halo, const ShardTile& tile,
+                     int64_t ctx) {
+  Tensor rows;
+  if (group.rank() == tile.owner) {
+    if (tile.local >= ctx) {
+      rows = x.narrow(1, tile.local - ctx, ctx + tile.n).clone();  // never the saved x itself
+    } else {
+      const int64_t before = ctx - tile.local;
+      rows = torch::cat({halo.narrow(1, halo.size(1) - before, before), x.narrow(1, 0, tile.local + tile.n)}, 1);
+    }
+  } else {
+    rows = torch::empty({x.size(0), ctx + tile.n, x.size(2)}, x.options());
+  }
+  group.Broadcast(rows, tile.owner);
+  return rows;
+}
+
+// Adds a tile's input gradient d (rows [tile.start - ctx, tile.start + n)), summed over the
+// ranks, where the rank that holds the tile keeps it: its shard's rows into dx, the rows before
+// the shard into dhalo (the last rows of dhalo's ctx).
+void AddTileGradient(const SequenceGroup& group, Tensor d, const ShardTile& tile, int64_t ctx, Tensor& dx,
+                     Tensor& dhalo) {
+  group.AllReduceSum(d);
+  if (group.rank() != tile.owner) return;
+  const int64_t first = tile.local - ctx;  // in the shard; negative: rows of the halo
+  if (first >= 0) {
+    dx.narrow(1, first, ctx + tile.n).add_(d);
+    return;
+  }
+  dhalo.narrow(1, dhalo.size(1) + first, -first).add_(d.narrow(1, 0, -first));
+  dx.narrow(1, 0, ctx + tile.n + first).add_(d.narrow(1, -first, ctx + tile.n + first));
+}
+
+// The halo's gradient (Halo) back to the rank whose rows they are, added to dx's last rows.
+void ReturnHaloGradient(const SequenceGroup& group, const Tensor& dhalo, Tensor& dx) {
+  const int64_t ctx = dhalo.size(1);
+  if (ctx == 0) return;
+  Tensor all = group.AllGather(dhalo.contiguous(), 1);  // (B, P ctx, hidden): rank 0's is zeros
+  if (group.rank() + 1 < group.size())
+    dx.narrow(1, dx.size(1) - ctx, ctx).add_(all.narrow(1, (group.rank() + 1) * ctx, ctx));
+}
+
+struct KdaShardState : torch::CustomClassHolder {
+  KdaAttentionImpl* mixer = nullptr;
+  const SequenceGroup* group = nullptr;
+  int64_t tile = 0;  // tokens per tile (0: one per shard)
+};
+
+// x (B, L, hidden), this rank's shard, -> (B, L, H K) over the group (KdaAttentionImpl::Heads).
+// Saved: x and this rank's heads' state entering each tile of the sequence after the first.
+class KdaShardedFunction : public torch::autograd::Function<KdaShardedFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, c10::intrusive_ptr<KdaShardState> st) {
+    torch::NoGradGuard no_grad;
+    std::vector<Tensor> states;
+    Tensor out = Run(*st, x, &states);
+    states.insert(states.begin(), x);
+    ctx->save_for_backward(states);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto st = c10::static_intrusive_pointer_cast<KdaShardState>(ctx->saved_data["state"].toCapsule());
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const Tensor& x = saved[0];
+    const SequenceGroup& group = *st->group;
+    KdaAttentionImpl& m = *st->mixer;
+    const int P = group.size();
+    const int64_t L = x.size(1), c = m.conv_context(), heads = m.num_heads() / P, first = group.rank() * heads;
+    // This rank's heads of the whole sequence's output gradient: (B, S, heads K).
+    const Tensor gy = group.AllToAll(grads[0].contiguous(), 2, 1);
+    grads.clear();
+    std::vector<Tensor> weights;
+    for (const auto& p : m.parameters()) {
+      if (p.requires_grad()) weights.push_back(p);
+    }
+    Fp32GradSums sums(weights);
+    Tensor dx = torch::zeros_like(x);
+    Tensor dhalo = torch::zeros({x.size(0), c, x.size(2)}, x.options());
+    const Tensor halo = Halo(group, x, c);
+    const std::vector<ShardTile> tiles = ShardTiles(P, L, st->tile);
+    Tensor dh;  // gradient of the state the current tile hands on (undefined: none)
+    for (size_t i = tiles.size(); i-- > 0;) {
+      const ShardTile& t = tiles[i];
+      const int64_t ctx_n = std::min(c, t.start);
+      const Tensor xt = BroadcastRows(group, x, halo, t, ctx_n).requires_grad_(true);
+      const Tensor h0 = i == 0 ? Tensor() : saved[i].detach().requires_grad_(true);
+      Tensor y, h_next;
+      {
+        torch::AutoGradMode grad(true);
+        y = m.TileHeads(xt, ctx_n, h0, &h_next, first, heads);
+      }
+      std::vector<Tensor> outputs = {y}, grad_outputs = {gy.narrow(1, t.start, t.n)};
+      if (dh.defined()) {
+        outputs.push_back(h_next);
+        grad_outputs.push_back(dh);
+      }
+      std::vector<Tensor> inputs = {xt};
+      if (h0.defined()) inputs.push_back(h0);
+      inputs.insert(inputs.end(), weights.begin(), weights.end());
+      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+      AddTileGradient(group, d[0].defined() ? d[0] : torch::zeros_like(xt), t, ctx_n, dx, dhalo);
+      size_t next = 1;
+      if (h0.defined()) dh = d[next++];
+      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+    }
+    ReturnHaloGradient(group, dhalo, dx);
+    sums.WriteGrads();
+    return {dx, Tensor()};
+  }
+
+  // The tiles without a graph; *states (optional) gets the state entering each tile after the first.
+  static Tensor Run(const KdaShardState& st, const Tensor& x, std::vector<Tensor>* states) {
+    const SequenceGroup& group = *st.group;
+    KdaAttentionImpl& m = *st.mixer;
+    const int P = group.size();
+    const int64_t B = x.size(0), L = x.size(1), c = m.conv_context(), heads = m.num_heads() / P;
+    const Tensor halo = Halo(group, x, c);
+    Tensor out;  // (B, S, heads K): this rank's heads of the whole sequence
+    Tensor h;
+    for (const ShardTile& t : ShardTiles(P, L, st.tile)) {
+      const int64_t ctx_n = std::min(c, t.start);
+      if (t.start > 0 && states != nullptr) states->push_back(h);
+      Tensor next;
+      Tensor y = m.TileHeads(BroadcastRows(group, x, halo, t, ctx_n), ctx_n, h, &next, group.rank() * heads, heads);
+      if (!out.defined()) out = torch::empty({B, P * L, y.size(2)}, y.options());
+      out.narrow(1, t.start, t.n).copy_(y);
+      h = next;
+    }
+    return group.AllToAll(out, 1, 2);  // (B, L, H K)
+  }
+};
+
 }  // namespace
 
 Tensor KdaAttentionImpl::HeadsOfDocument(const Tensor& x) {
@@ -268,8 +453,18 @@ void KdaAttentionImpl::set_segment(int64_t tokens) {
   segment_ = tokens;
 }
 
-Tensor KdaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta) {
-  return PerDocument(x, meta, [this](const Tensor& xd) { return HeadsOfDocument(xd); });
+Tensor KdaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const SequenceGroup* group) {
+  if (group == nullptr || group->size() == 1)
+    return PerDocument(x, meta, [this](const Tensor& xd) { return HeadsOfDocument(xd); });
+  CheckNotPacked(meta, "KDA");
+  TORCH_CHECK(heads_ % group->size() == 0, "KDA: context_parallel (", group->size(), ") must divide the layer's ",
+              heads_, " heads");
+  auto st = c10::make_intrusive<KdaShardState>();
+  st->mixer = this;
+  st->group = group;
+  st->tile = tile_;
+  if (!torch::GradMode::is_enabled()) return KdaShardedFunction::Run(*st, x, nullptr);
+  return KdaShardedFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
 }
 
 DsaIndexerImpl::DsaIndexerImpl(const ModelConfig& c)
@@ -352,7 +547,12 @@ namespace {
 // rows' forward: the main attention's probabilities (no grad), head-mean, summed
 // within each selected pool and L1-normalised over them; (B, n, kp) fp32. Chunk by chunk: ~256
 // MiB of (rows, W) probabilities at a time.
-Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tensor& pool_idx, const Tensor& lse) {
+//
+// With a group of P ranks (context parallelism) q holds this rank's H/P heads: each rank's
+// head-mean over its heads, divided by P, is summed over the ranks (an all-reduce per chunk, every
+// rank calling it alike) before the normalisation, so every rank gets the target of all heads.
+Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tensor& pool_idx, const Tensor& lse,
+                const SequenceGroup* group = nullptr) {
   torch::NoGradGuard no_grad;
   const int64_t B = q.size(0), n = q.size(2), kp = pool_idx.size(2), W = idx.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
@@ -364,6 +564,10 @@ Tensor KlTarget(const Tensor& q, const Tensor& k, const Tensor& idx, const Tenso
                                              lse.narrow(2, t0, m));  // (B, m, W)
     Tensor valid = pool_idx.narrow(1, t0, m) >= 0;                                                 // (B, m, kp)
     Tensor tg = p.narrow(2, 0, 4 * kp).reshape({B, m, kp, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
+    if (group != nullptr && group->size() > 1) {
+      tg = (tg / static_cast<double>(group->size())).contiguous();
+      group->AllReduceSum(tg);
+    }
     tg = tg / tg.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
     if (!target.defined()) target = torch::empty({B, n, kp}, tg.options());
     target.narrow(1, t0, m).copy_(tg);
@@ -379,6 +583,7 @@ struct DsaSelectionIo {
 
 struct DsaTileState : torch::CustomClassHolder {
   DsaAttentionImpl* mixer = nullptr;
+  const SequenceGroup* group = nullptr;  // ShardedFunction's ranks
   DsaSelectionIo selection;
   bool kl = false;   // compute the indexer KL (the second output)
   int64_t rows = 0;  // set by forward: query rows with at least one pool
@@ -596,7 +801,239 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
   }
 };
 
-Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl) {
+namespace {
+
+// Heads [first, first + count) of head_dim of proj(x), x (B, n, in): (B, count, n, head_dim),
+// through those heads' rows of the weight.
+Tensor HeadRows(const torch::nn::Linear& proj, const Tensor& x, int64_t first, int64_t count, int64_t head_dim) {
+  return torch::nn::functional::linear(x, proj->weight.narrow(0, first * head_dim, count * head_dim))
+      .view({x.size(0), x.size(1), count, head_dim})
+      .transpose(1, 2);
+}
+
+}  // namespace
+
+// x (B, L, hidden), this rank's shard -> (B, L, H D) and the KL of this rank's rows (fp32 0-d)
+// over the group (DsaAttentionImpl::Heads). Saved: x, this rank's pool selection (B, L, kp)
+// int32, its heads' log-sum-exp of the whole sequence (B, H/P, S) and, with kl, its rows' KL
+// target (B, L, kp) fp32.
+class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<ShardedFunction> {
+ public:
+  using Saved = TiledFunction::Saved;
+
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                c10::intrusive_ptr<DsaTileState> st) {
+    torch::NoGradGuard no_grad;
+    Saved saved;
+    Tensor out = Run(*st->mixer, *st->group, x, st->kl, &saved, st->selection);
+    st->rows = saved.rows;
+    ctx->save_for_backward({x, saved.pool_idx, saved.lse, saved.target});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    ctx->set_materialize_grads(false);
+    if (!st->kl) ctx->mark_non_differentiable({saved.kl});
+    return {out, saved.kl};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto st = c10::static_intrusive_pointer_cast<DsaTileState>(ctx->saved_data["state"].toCapsule());
+    const torch::autograd::variable_list sv = ctx->get_saved_variables();
+    const Tensor &x = sv[0], &pool_all = sv[1], &lse = sv[2], &target_all = sv[3];
+    DsaAttentionImpl& m = *st->mixer;
+    const SequenceGroup& group = *st->group;
+    const int P = group.size(), rank = group.rank();
+    const int64_t B = x.size(0), L = x.size(1), S = P * L, D = m.head_dim_, kp = m.top_pools_;
+    const int64_t H = m.heads_ / P, Hkv = m.kv_heads_ / P;
+    // Every rank of the group has the same graph: both flags agree over the ranks.
+    const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
+    if (!out_grad && !kl_grad) return {Tensor(), Tensor()};
+    std::vector<Tensor> weights, ix_w;
+    for (const auto& mod : {m.q_proj.ptr(), m.k_proj.ptr(), m.v_proj.ptr()}) {
+      for (const auto& p : mod->parameters()) {
+        if (p.requires_grad()) weights.push_back(p);
+      }
+    }
+    for (const auto& p : m.indexer->parameters()) {
+      if (p.requires_grad()) ix_w.push_back(p);
+    }
+    weights.insert(weights.end(), ix_w.begin(), ix_w.end());
+    Fp32GradSums sums(weights);
+    const auto acc = torch::TensorOptions().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
+                         .device(x.device());
+    Tensor gh, k, v, dk_acc, dv_acc;  // this rank's heads of the whole sequence
+    if (out_grad) {
+      // (B, L, H_all D) -> (B, H, S, D): the output gradient of this rank's heads.
+      gh = group.AllToAll(grads[0].reshape({B, L, P * H, D}).transpose(1, 2).contiguous(), 1, 2);
+      k = torch::zeros({B, Hkv, S, D}, x.options());
+      v = torch::zeros({B, Hkv, S, D}, x.options());
+      torch::NoGradGuard no_grad;
+      for (const ShardTile& t : ShardTiles(P, L, m.tile_)) {
+        const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);
+        k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D));
+        v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D));
+      }
+      dk_acc = torch::zeros({B, Hkv, S, D}, acc);
+      dv_acc = torch::zeros({B, Hkv, S, D}, acc);
+    }
+    grads[0] = Tensor();
+    Tensor keys_local, keys_leaf, dkeys;
+    if (kl_grad) {
+      {
+        torch::AutoGradMode grad(true);
+        keys_local = m.indexer->Keys(x.detach());  // (B, L / 4, DI); the indexer's input is detached
+      }
+      keys_leaf = group.AllGather(keys_local.detach().contiguous(), 1).requires_grad_(true);  // (B, S / 4, DI)
+      dkeys = torch::zeros(keys_leaf.sizes(), acc);
+    }
+    Tensor dx = torch::zeros_like(x), no_halo;
+    const std::vector<ShardTile> tiles = ShardTiles(P, L, m.tile_);
+    // From the last tile: once a tile's queries are done, no query left sees its keys, so their
+    // gradient is final and goes back through this tile's k and v projections at once.
+    for (size_t i = tiles.size(); i-- > 0;) {
+      const ShardTile& t = tiles[i];
+      const bool mine = rank == t.owner;
+      const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0).requires_grad_(true);
+      Tensor pool = mine ? pool_all.narrow(1, t.local, t.n).clone()
+                         : torch::empty({B, t.n, kp}, x.options().dtype(torch::kInt32));
+      group.Broadcast(pool, t.owner);
+      std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
+      if (out_grad) {
+        Tensor q, kt, vt;
+        {
+          torch::AutoGradMode grad(true);
+          q = HeadRows(m.q_proj, xt, rank * H, H, D);  // (B, H, n, D)
+          kt = HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D);
+          vt = HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D);
+        }
+        const Tensor idx = kernels::ExpandPoolSelection(pool, t.start);
+        RECORD_USER_SCOPE("dsa sparse attention backward");
+        Tensor dq = kernels::SparseAttentionBackward(gh.narrow(2, t.start, t.n), q.detach(), k, v, idx,
+                                                     lse.narrow(2, t.start, t.n), 0.0, dk_acc, dv_acc);
+        outputs.insert(outputs.end(), {q, kt, vt});
+        grad_outputs.insert(grad_outputs.end(), {dq, dk_acc.narrow(2, t.start, t.n).to(kt.scalar_type()),
+                                                 dv_acc.narrow(2, t.start, t.n).to(vt.scalar_type())});
+      }
+      const bool kl_here = kl_grad && mine;
+      if (kl_here) {
+        Tensor iq, iw, kl;
+        {
+          torch::AutoGradMode grad(true);
+          m.indexer->Queries(xt.detach(), &iq, &iw);
+          kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t.local, t.n));
+        }
+        outputs.push_back(kl);
+        grad_outputs.push_back(grads[1].to(kl.scalar_type()));
+        inputs.push_back(keys_leaf);
+      }
+      inputs.insert(inputs.end(), weights.begin(), weights.end());
+      std::vector<Tensor> d;
+      if (!outputs.empty()) {
+        RECORD_USER_SCOPE("dsa backward: projections and indexer kl");
+        d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+      }
+      AddTileGradient(group, !d.empty() && d[0].defined() ? d[0] : torch::zeros_like(xt), t, 0, dx, no_halo);
+      if (d.empty()) continue;
+      size_t next = 1;
+      if (kl_here && d[next].defined()) dkeys.add_(d[next]);
+      if (kl_here) ++next;
+      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+    }
+    if (kl_grad) {
+      // The pooled keys' gradient from every rank's rows, summed; this rank's pools go back
+      // through its own key projections.
+      group.AllReduceSum(dkeys);
+      const int64_t pools = keys_local.size(1);
+      std::vector<Tensor> d = torch::autograd::grad({keys_local}, weights,
+                                                    {dkeys.narrow(1, rank * pools, pools).to(keys_local.scalar_type())},
+                                                    /*retain_graph=*/false, /*create_graph=*/false,
+                                                    /*allow_unused=*/true);
+      sums.Add(d);
+    }
+    sums.WriteGrads();
+    return {dx, Tensor()};
+  }
+
+  // The tiles without a graph (see forward and DsaAttentionImpl::Heads).
+  static Tensor Run(DsaAttentionImpl& m, const SequenceGroup& group, const Tensor& x, bool kl, Saved* saved,
+                    const DsaSelectionIo& sel) {
+    const int P = group.size(), rank = group.rank();
+    const int64_t B = x.size(0), L = x.size(1), S = P * L, D = m.head_dim_, kp = m.top_pools_;
+    const int64_t H = m.heads_ / P, Hkv = m.kv_heads_ / P;
+    const bool replay = sel.replay.defined();
+    const auto i32 = x.options().dtype(torch::kInt32);
+    const auto ct = x.options().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
+    // The pooled indexer keys of the whole sequence (pools count from its first token: 4 | L).
+    const Tensor keys = replay && !kl ? Tensor() : group.AllGather(m.indexer->Keys(x).contiguous(), 1);
+    // 1. This rank's queries select their pools, every rank at once.
+    Tensor pools = torch::empty({B, L, kp}, i32);
+    for (int64_t t0 = 0; t0 < L; t0 += m.tile_) {
+      const int64_t n = std::min(m.tile_, L - t0);
+      RECORD_USER_SCOPE(replay ? "dsa selection: replayed" : "dsa selection: indexer");
+      if (replay) {
+        pools.narrow(1, t0, n).copy_(sel.replay.narrow(1, t0, n), /*non_blocking=*/true);
+        continue;
+      }
+      Tensor iq, iw;
+      m.indexer->Queries(x.narrow(1, t0, n), &iq, &iw);
+      kernels::DsaIndexerOptions o;
+      o.top_k = kp;
+      o.pool = 4;
+      o.query_offset = rank * L + t0;
+      pools.narrow(1, t0, n).copy_(kernels::IndexerTopK(iq, keys, iw, o));
+      if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pools.narrow(1, t0, n), /*non_blocking=*/true);
+    }
+    // 2. The sequence's tiles in order, this rank's heads of each.
+    const Tensor k = torch::zeros({B, Hkv, S, D}, x.options());
+    const Tensor v = torch::zeros({B, Hkv, S, D}, x.options());
+    Tensor heads = torch::empty({B, H, S, D}, x.options());
+    Tensor kl_sum = torch::zeros({}, x.options().dtype(torch::kFloat32));
+    if (saved != nullptr) {
+      saved->pool_idx = pools;
+      saved->lse = torch::empty({B, H, S}, ct);
+      if (kl) saved->target = torch::zeros({B, L, kp}, ct);
+    }
+    int64_t rows = 0;
+    for (const ShardTile& t : ShardTiles(P, L, m.tile_)) {
+      const bool mine = rank == t.owner;
+      const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);  // (B, n, hidden)
+      Tensor pool = mine ? pools.narrow(1, t.local, t.n).clone() : torch::empty({B, t.n, kp}, i32);
+      group.Broadcast(pool, t.owner);
+      k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D));
+      v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D));
+      const Tensor q = HeadRows(m.q_proj, xt, rank * H, H, D);  // (B, H, n, D)
+      const Tensor idx = kernels::ExpandPoolSelection(pool, t.start);
+      kernels::SparseAttentionResult r;
+      {
+        RECORD_USER_SCOPE("dsa sparse attention forward");
+        r = kernels::SparseAttentionForward(q, k, v, idx);
+      }
+      heads.narrow(2, t.start, t.n).copy_(r.out);
+      if (saved != nullptr) saved->lse.narrow(2, t.start, t.n).copy_(r.lse);
+      if (kl && t.start + t.n >= 4) {
+        RECORD_USER_SCOPE("dsa indexer kl: target and loss");
+        const Tensor target = KlTarget(q, k, idx, pool, r.lse, &group);  // every rank: all heads' target
+        if (mine) {
+          Tensor iq, iw;
+          m.indexer->Queries(x.narrow(1, t.local, t.n), &iq, &iw);
+          kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
+          if (saved != nullptr) saved->target.narrow(1, t.local, t.n).copy_(target);
+        }
+        // The whole sequence's rows on every rank: the ranks' KL shares add up to its mean.
+        rows += B * (t.start + t.n - std::max<int64_t>(t.start, 3));
+      }
+    }
+    if (saved != nullptr) {
+      saved->kl = kl_sum;
+      saved->rows = rows;
+    }
+    // (B, H, S, D) -> (B, H_all, L, D): this rank's positions of every head.
+    return group.AllToAll(heads, 2, 1).transpose(1, 2).reshape({B, L, P * H * D});
+  }
+};
+
+Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl, const SequenceGroup* group) {
+  const bool sharded = group != nullptr && group->size() > 1;
   DsaSelectionIo sel;
   const int64_t B = x.size(0), S = x.size(1);
   if (selection_mode_ == SelectionMode::kReplay) {
@@ -617,16 +1054,18 @@ Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl) {
   }
   if (!torch::GradMode::is_enabled()) {
     TORCH_CHECK(kl == nullptr, "DSA: the indexer KL trains only with grad");
+    if (sharded) return ShardedFunction::Run(*this, *group, x, /*kl=*/false, nullptr, sel);
     return TiledFunction::Run(*this, x, /*kl=*/false, nullptr, sel);
   }
   auto st = c10::make_intrusive<DsaTileState>();
   st->mixer = this;
+  st->group = sharded ? group : nullptr;
   st->selection = std::move(sel);
   st->kl = kl != nullptr && x.size(1) >= 4;
   // The Function records a backward node only for inputs that need grad; the layer's
   // parameters need it even when x does not.
-  torch::autograd::variable_list r =
-      TiledFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), st);
+  const Tensor input = x.requires_grad() ? x : x.detach().requires_grad_(true);
+  torch::autograd::variable_list r = sharded ? ShardedFunction::apply(input, st) : TiledFunction::apply(input, st);
   st->selection = DsaSelectionIo{};  // the backward reads the Function's own saved selection
   if (st->kl) {
     kl->rows += st->rows;
@@ -687,7 +1126,7 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
 }
 
 Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
-                               Tensor* indexer_loss) {
+                               Tensor* indexer_loss, const SequenceGroup* group) {
   bool trains = indexer_loss != nullptr && loss_weight_ > 0 && torch::GradMode::is_enabled();
   if (trains) {
     bool any = false;
@@ -695,7 +1134,21 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
     trains = any;
   }
   Kl kl;
-  Tensor y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
+  Tensor y;
+  if (group != nullptr && group->size() > 1) {
+    const int P = group->size();
+    CheckNotPacked(meta, "DSA");
+    TORCH_CHECK(stage_ == IndexerStage::kSparse,
+                "DSA: the dense_warmup indexer stage is not implemented with context parallelism (train it on one "
+                "rank per sequence, or use the sparse stage)");
+    TORCH_CHECK(heads_ % P == 0 && kv_heads_ % P == 0, "DSA: context_parallel (", P,
+                ") must divide the layer's query heads (", heads_, ") and KV heads (", kv_heads_, ")");
+    TORCH_CHECK(x.size(1) % 4 == 0, "DSA: a context-parallel rank's positions (", x.size(1),
+                ") must be a multiple of 4 (the indexer's pools count from the sequence's first token)");
+    y = SparseHeads(x, trains ? &kl : nullptr, group);
+  } else {
+    y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
+  }
   if (trains && kl.sum.defined()) {
     Tensor loss = kl.sum / static_cast<double>(std::max<int64_t>(1, kl.rows));
     last_loss_ = loss.detach();

@@ -25,6 +25,7 @@
 
 #include "model/attention.h"
 #include "model/config.h"
+#include "model/sequence_group.h"
 
 namespace odyssey::model {
 
@@ -69,7 +70,20 @@ class KdaAttentionImpl : public torch::nn::Module {
   // backward, recomputes and back-propagates one tile at a time from the last (the state's
   // gradient handed back), the weight gradients summed over tiles in fp32 (model/grad_sums.h).
   // Its working memory is one tile's, not the sequence's (~200 KB a token for hybrid-3b).
-  torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta);
+  //
+  // Context parallelism (`group` given, of P ranks; x is this rank's S/P positions, rank r's
+  // the r-th block): the ranks split the heads, Ulysses-style, but what travels is the layer's
+  // input, not its projections. The sequence runs tile by tile in order, each tile broadcast by
+  // the rank that holds it (with the kernel - 1 tokens before it, so the convolution needs no
+  // other halo); every rank computes its H/P heads of every tile with its rows of the per-head
+  // weights (the low-rank down projections in full) and carries its heads' state; one
+  // all-to-all at the end trades the head split back for the sequence split. Backward redoes the
+  // tiles from the last, each rank's partial gradient of a tile's input summed over the ranks for
+  // the rank that holds it; a rank's weight gradients are those of its heads' rows (zero
+  // elsewhere), which the step's sum over the group completes. Saved: x and the states entering
+  // the tiles, as without it. REQUIRES: P divides the heads; every rank passes the same shape;
+  // rows are not packed.
+  torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const SequenceGroup* group = nullptr);
   // Tokens per sequence tile (0: never tiled). Default kDefaultTile.
   static constexpr int64_t kDefaultTile = kKdaTile;
   int64_t tile() const { return tile_; }
@@ -81,10 +95,13 @@ class KdaAttentionImpl : public torch::nn::Module {
   int64_t segment() const { return segment_; }
   void set_segment(int64_t tokens);
   // One tile: x_ctx (B, ctx + n, hidden), its first ctx tokens only context for the convolution;
-  // h0 (B, H, K, K) fp32 the entering state (undefined: zero). Returns the n tokens' heads
-  // (B, n, H * K) and sets *h_out to the state after the tile.
-  torch::Tensor TileHeads(const torch::Tensor& x_ctx, int64_t ctx, const torch::Tensor& h0, torch::Tensor* h_out);
+  // h0 (B, Hn, K, K) fp32 the entering state (undefined: zero). Returns the n tokens' heads
+  // (B, n, Hn * K) and sets *h_out to the state after the tile. Heads [first_head, first_head +
+  // Hn) only, Hn = num_heads (-1: all H), through those heads' rows of the per-head weights.
+  torch::Tensor TileHeads(const torch::Tensor& x_ctx, int64_t ctx, const torch::Tensor& h0, torch::Tensor* h_out,
+                          int64_t first_head = 0, int64_t num_heads = -1);
   int64_t conv_context() const { return conv_kernel_ - 1; }
+  int64_t num_heads() const { return heads_; }
   // The spec's initialisation of what a generic init cannot know: conv weights, A_log, dt_bias.
   // `gen`: the generator InitRandom draws from (none: the process generator).
   void InitSpecial(const std::optional<at::Generator>& gen);
@@ -164,8 +181,23 @@ class DsaAttentionImpl : public torch::nn::Module {
   // the loss can train (grad mode on, the indexer's parameters require grad, weight > 0), it is
   // set to the indexer KL (fp32 scalar, differentiable w.r.t. the indexer's parameters only);
   // otherwise left undefined.
+  //
+  // Context parallelism (`group` given, of P ranks; x is this rank's S/P positions): each rank
+  // selects its own queries' pools (its indexer queries against the pooled keys all-gathered
+  // from the ranks), then the sequence's query tiles run in order on every rank, each tile's
+  // input and selection broadcast by the rank that holds it, each rank computing its H/P query
+  // heads and Hkv/P KV heads (the KV heads those queries use) against its heads' keys and values
+  // of the whole sequence; the KL's target sums the ranks' heads (an all-reduce per tile) and the
+  // rank that holds the tile computes the KL of its rows, divided by the whole sequence's rows so
+  // that the ranks' losses add up to it. One all-to-all at the end trades the head split back.
+  // Backward: the same tiles from the last, each rank's partial gradient of a tile's input summed
+  // for the rank that holds it, the indexer's pooled-key gradient summed over the ranks; a rank's
+  // weight gradients are its heads' rows (zero elsewhere), completed by the step's sum over the
+  // group. The memory per rank is the one-rank layer's at S/P tokens, plus one tile's input.
+  // REQUIRES: P divides the query and KV heads; 4 divides S/P (pools and their bias slots count
+  // from the sequence's first token); the sparse indexer stage; rows are not packed.
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
-                      torch::Tensor* indexer_loss);
+                      torch::Tensor* indexer_loss, const SequenceGroup* group = nullptr);
   void InitSpecial(const std::optional<at::Generator>& gen);  // draws nothing today
   // Keeping the sparse stage's pool selections between a layer's passes of one step (the memory
   // stack's keep_selection, engine/memory/strategy.h). kRecord: select afresh and keep each
@@ -194,11 +226,13 @@ class DsaAttentionImpl : public torch::nn::Module {
     int64_t rows = 0;   // rows with at least one pool
   };
   class TiledFunction;
+  class ShardedFunction;
   // proj(x) for x (B, S, hidden) split into heads of head_dim: (B, heads, S, head_dim), a view.
   torch::Tensor SplitHeads(torch::nn::Linear proj, const torch::Tensor& x);
   torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
-  // The sparse stage over query tiles: without grad directly, with grad through TiledFunction.
-  torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl);
+  // The sparse stage over query tiles: without grad directly, with grad through TiledFunction;
+  // with a group of more than one rank, through ShardedFunction.
+  torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl, const SequenceGroup* group = nullptr);
   int64_t heads_, kv_heads_, head_dim_, top_pools_;
   int64_t tile_ = kDefaultTile;
   SelectionMode selection_mode_ = SelectionMode::kOff;

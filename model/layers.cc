@@ -176,10 +176,11 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
 }
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
-  if (kda) return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention), kda->o_proj, LoraAdapter{});
+  if (kda)
+    return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention, ctx.sequence), kda->o_proj, LoraAdapter{});
   if (dsa) {
     torch::Tensor indexer_loss;  // set when the indexer trains in this pass
-    torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss),
+    torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss, ctx.sequence),
                                      dsa->o_proj, LoraAdapter{});
     return indexer_loss.defined() ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight()) : y;
   }

@@ -68,6 +68,10 @@ struct LayerContext {
   RopeTables rope;
   AttentionMeta attention;
   const AttentionBackend* backend = nullptr;
+  // The ranks sharing the sequence (context parallelism), for the hybrid family's KDA and DSA
+  // layers; null: one rank holds whole rows. The dense attention's context parallelism is its
+  // backend's (engine/parallel/ulysses.h).
+  const SequenceGroup* sequence = nullptr;
 };
 
 class AttentionImpl : public torch::nn::Module {

@@ -14,6 +14,7 @@
 
 #include "engine/data.h"
 #include "engine/parallel/communicator.h"
+#include "model/sequence_group.h"
 
 namespace odyssey::engine {
 
@@ -37,5 +38,23 @@ struct ContextParallelOptions {
 // kept whole (documents are split on whole rows, after the all-to-all).
 // REQUIRES: 0 <= rank < P, and P divides S.
 Batch ShardBatch(const Batch& batch, int64_t rank, int64_t P);
+
+// The model's view of a context-parallel group (model/sequence_group.h) over its communicator:
+// the hybrid family's KDA and DSA layers run their collectives through it, as Ulysses does the
+// dense attention's. A failed collective throws c10::Error naming the communicator's status.
+// REQUIRES: `comm` outlives it; used by one thread at a time, as the communicator.
+class CommunicatorSequenceGroup final : public model::SequenceGroup {
+ public:
+  explicit CommunicatorSequenceGroup(Communicator& comm) : comm_(comm) {}
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.world_size(); }
+  void Broadcast(torch::Tensor& t, int root) const override;
+  void AllReduceSum(torch::Tensor& t) const override;
+  torch::Tensor AllGather(const torch::Tensor& t, int64_t dim) const override;
+  torch::Tensor AllToAll(const torch::Tensor& t, int64_t split_dim, int64_t concat_dim) const override;
+
+ private:
+  Communicator& comm_;
+};
 
 }  // namespace odyssey::engine
