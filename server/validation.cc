@@ -248,7 +248,32 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     // so what acts only there is refused rather than ignored.
     const std::string why = absl::StrCat(" is not implemented for the hybrid family (model ", Quote(model.name()),
                                          "): its KDA and DSA layers do not run through the dense attention backend");
-    if (cp > 1) return Invalid(p + ".parallel.context_parallel", absl::StrCat("(", cp, ")", why));
+    if (cp > 1) {
+      // Context parallelism runs inside the KDA and DSA layers (model/hybrid.h) where they can
+      // split: their heads over the ranks, each rank's positions whole pools of 4.
+      const std::string field = p + ".parallel.context_parallel";
+      const std::string at = absl::StrCat("(", cp, ")");
+      const auto& hy = config->hybrid;
+      if (config->NumLayersOfKind('K') > 0 && hy.kda_num_heads % cp != 0)
+        return Invalid(field, absl::StrCat(at, " must divide the KDA layers' heads (", hy.kda_num_heads, ")"));
+      if (config->NumLayersOfKind('D') > 0) {
+        if (config->num_key_value_heads % cp != 0)
+          return Invalid(field, absl::StrCat(at, " must divide the DSA layers' KV heads (", config->num_key_value_heads,
+                                             ")"));
+        if (!rl && spec.data().seq_len() % (4 * cp) != 0)
+          return Invalid(field, absl::StrCat(at, " x 4 must divide spec.data.seq_len (", spec.data().seq_len(),
+                                             ") for the DSA layers: each rank's positions are whole pools of 4"));
+        if (hy.indexer_stage != odyssey::model::IndexerStage::kSparse)
+          return Invalid(field, absl::StrCat(at, " with the dense_warmup indexer stage", why));
+      }
+      if (rl)
+        return Invalid(field, absl::StrCat(at, " is not implemented for RL_SESSION jobs of the hybrid family yet: "
+                                               "their rows pack several sequences, which the KDA and DSA layers "
+                                               "split over ranks only whole"));
+      if (spec.data().format() == "jsonl")
+        return Invalid(field, absl::StrCat(at, " with data.format \"jsonl\" (packed documents) is not implemented "
+                                               "for the hybrid family yet"));
+    }
     if (par.shard_params()) return Invalid(p + ".parallel.shard_params", why.substr(1));
     if (memory->head_groups && *memory->head_groups > 1)
       return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", why));

@@ -165,6 +165,24 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
          s.mutable_model()->set_name("hybrid-tiny");
          s.mutable_parallel()->set_shard_params(true);
        }, absl::StatusCode::kInvalidArgument, "spec.parallel.shard_params"},
+      {[](v1::JobSpec& s) {  // hybrid-tiny's DSA layer has 2 KV heads
+         s.mutable_model()->set_name("hybrid-tiny");
+         s.mutable_parallel()->set_world_size(4);
+         s.mutable_parallel()->set_context_parallel(4);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
+      {[](v1::JobSpec& s) {  // whole pools of 4 per rank
+         s.mutable_model()->set_name("hybrid-tiny");
+         s.mutable_parallel()->set_world_size(2);
+         s.mutable_parallel()->set_context_parallel(2);
+         s.mutable_data()->set_seq_len(68);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
+      {[](v1::JobSpec& s) {
+         s.mutable_model()->set_name("hybrid-tiny");
+         s.set_kind(v1::RL_SESSION);
+         s.clear_steps();
+         s.mutable_parallel()->set_world_size(2);
+         s.mutable_parallel()->set_context_parallel(2);
+       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
       {[](v1::JobSpec& s) {  // the KDA/DSA layers have no adapters yet
          s.mutable_model()->set_name("hybrid-tiny");
          s.mutable_lora()->set_rank(4);
@@ -217,6 +235,16 @@ TEST(ValidationTest, ContextParallelSpec) {
   spec.mutable_data()->set_seq_len(66);
   EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
               HasSubstr("context_parallel: (4) must divide spec.data.seq_len (66)"));
+  // The hybrid family splits its KDA and DSA layers' heads: accepted where they divide.
+  spec = GoodSpec();
+  spec.mutable_model()->set_name("hybrid-tiny");
+  spec.mutable_parallel()->set_world_size(2);
+  spec.mutable_parallel()->set_context_parallel(2);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_data()->set_format("jsonl");
+  spec.mutable_data()->set_path("/data/x.jsonl");
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              HasSubstr("context_parallel: (2) with data.format \"jsonl\" (packed documents) is not implemented"));
 }
 
 // An RL session needs no steps and no dataset; its batch plan (seq_len x batch_size) is still required.

@@ -34,13 +34,15 @@ namespace odyssey::engine {
 namespace {
 
 constexpr int kRanks = 2;
-constexpr const char* kTestName = "ContextParallelGpuTest.ProcessRanksOnOneGpuMatchOneRankInBf16";
 
-// Two layers of the 1B shape (32 query heads, 8 KV heads of 128), 4096 random tokens.
-TrainerOptions Options(const std::string& dtype, const std::string& attention) {
+// "dense": two layers of the 1B shape (32 query heads, 8 KV heads of 128); "hybrid": the first
+// four layers of hybrid-3b (KKKD: its KDA and DSA layers split their heads over the ranks,
+// model/hybrid.h; 4096 tokens, so the DSA layer's 2048 keys + tail are truly sparse). 4096
+// random tokens.
+TrainerOptions Options(const std::string& dtype, const std::string& attention, const std::string& shape) {
   TrainerOptions o;
-  o.model = "llama-3.2-1b";
-  o.num_layers = 2;
+  o.model = shape == "hybrid" ? "hybrid-3b" : "llama-3.2-1b";
+  o.num_layers = shape == "hybrid" ? 4 : 2;
   o.device = "cuda:0";
   o.dtype = dtype;
   o.attention = attention;
@@ -64,7 +66,7 @@ std::vector<torch::Tensor> Flatten(const BatchGradients& g) {
 
 // A rank's role: join the group, take the gradients of the first batch, save them. Returns the
 // exit code (0 = saved).
-int RunRank(int rank, const std::string& rendezvous, const std::string& out) {
+int RunRank(int rank, const std::string& rendezvous, const std::string& out, const std::string& shape) {
   RankGroupOptions go;
   go.rendezvous = rendezvous;
   go.rank = rank;
@@ -80,7 +82,7 @@ int RunRank(int rank, const std::string& rendezvous, const std::string& out) {
     std::fprintf(stderr, "rank %d: expected the TCP star on one GPU, got %s\n", rank, BackendName(g->choice.backend));
     return 3;
   }
-  TrainerOptions o = Options("bfloat16", "cudnn");
+  TrainerOptions o = Options("bfloat16", "cudnn", shape);
   o.context_parallel.group = g->comm.get();
   absl::StatusOr<std::unique_ptr<Trainer>> t = Trainer::Create(o);
   if (!t.ok()) {
@@ -107,9 +109,11 @@ double RelativeError(const std::vector<torch::Tensor>& a, const std::vector<torc
   return std::sqrt(num / den);
 }
 
-TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
+// The check of the file comment for `shape` (Options), the ranks re-running `test` of this binary.
+void ExpectProcessRanksMatchOneRank(const std::string& shape, const std::string& test) {
   if (const char* rank = std::getenv("ODYSSEY_CP_GPU_RANK")) {  // a rank's process
-    const int code = RunRank(std::atoi(rank), std::getenv("ODYSSEY_CP_GPU_RENDEZVOUS"), std::getenv("ODYSSEY_CP_GPU_OUT"));
+    const int code =
+        RunRank(std::atoi(rank), std::getenv("ODYSSEY_CP_GPU_RENDEZVOUS"), std::getenv("ODYSSEY_CP_GPU_OUT"), shape);
     std::fflush(stderr);
     std::_Exit(code);
   }
@@ -131,21 +135,21 @@ TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
     for (auto& s : env_strings) envp.push_back(s.data());
     envp.push_back(nullptr);
     std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-    std::string filter = std::string("--gtest_filter=") + kTestName;
+    std::string filter = "--gtest_filter=ContextParallelGpuTest." + test;
     std::vector<char*> argv = {exe.data(), filter.data(), nullptr};
     pid_t pid = 0;
     ASSERT_EQ(posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0);
     pids.push_back(pid);
   }
 
-  TrainerOptions one = Options("bfloat16", "cudnn");
+  TrainerOptions one = Options("bfloat16", "cudnn", shape);
   auto single = Trainer::Create(one);
   ASSERT_TRUE(single.ok()) << single.status();
   const Batch batch = (*single)->data().Next();
   absl::StatusOr<BatchGradients> bf16 = (*single)->Gradients(batch);
   ASSERT_TRUE(bf16.ok()) << bf16.status();
   // float32 on the same (bf16) weights and tokens.
-  TrainerOptions ref = Options("float32", "math");
+  TrainerOptions ref = Options("float32", "math", shape);
   auto fp32 = Trainer::Create(ref);
   ASSERT_TRUE(fp32.ok()) << fp32.status();
   {
@@ -174,7 +178,7 @@ TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
 
   const double single_error = RelativeError(s, w, 0, n);
   const double parallel_error = RelativeError(ranks[0], w, 0, n);
-  std::printf("bf16 gradients against float32 (relative L2 over all): one rank %.3e, %d process ranks %.3e\n",
+  std::printf("%s: bf16 gradients against float32 (relative L2 over all): one rank %.3e, %d process ranks %.3e\n", shape.c_str(),
               single_error, kRanks, parallel_error);
   EXPECT_GT(single_error, 0) << "the bf16 run equals float32: the check would not see an error";
   EXPECT_LE(parallel_error, 2 * single_error);
@@ -186,6 +190,16 @@ TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
   const double loss_single = s[n].item<double>(), loss_parallel = ranks[0][n].item<double>();
   std::printf("loss: float32 %.6f, one rank %.6f, parallel %.6f\n", loss32, loss_single, loss_parallel);
   EXPECT_LE(std::abs(loss_parallel - loss32), 2 * std::abs(loss_single - loss32) + 1e-3 * loss32);
+}
+
+TEST(ContextParallelGpuTest, ProcessRanksOnOneGpuMatchOneRankInBf16) {
+  ExpectProcessRanksMatchOneRank("dense", "ProcessRanksOnOneGpuMatchOneRankInBf16");
+}
+
+// The hybrid family's layers on the GPU path (the CUDA KDA, indexer and sparse attention kernels
+// on a rank's heads of the whole sequence, the collectives on CUDA tensors).
+TEST(ContextParallelGpuTest, HybridProcessRanksOnOneGpuMatchOneRankInBf16) {
+  ExpectProcessRanksMatchOneRank("hybrid", "HybridProcessRanksOnOneGpuMatchOneRankInBf16");
 }
 
 }  // namespace
