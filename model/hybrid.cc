@@ -393,7 +393,7 @@ class KdaShardedFunction : public torch::autograd::Function<KdaShardedFunction> 
         y = m.TileHeads(xt, ctx_n, h0, &h_next, first, heads);
       }
       std::vector<Tensor> outputs = {y}, grad_outputs = {gy.narrow(1, t.start, t.n)};
-      if (dh.defined()) {
+      if (dh.defined()) {  // the state this tile hands on
         outputs.push_back(h_next);
         grad_outputs.push_back(dh);
       }
@@ -918,7 +918,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
         Tensor iq, iw, kl;
         {
           torch::AutoGradMode grad(true);
-          m.indexer->Queries(xt.detach(), &iq, &iw);
+          m.indexer->Queries(xt.detach(), &iq, &iw);  // detached: the KL trains the indexer only
           kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t.local, t.n));
         }
         outputs.push_back(kl);
@@ -960,7 +960,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
     const int P = group.size(), rank = group.rank();
     const int64_t B = x.size(0), L = x.size(1), S = P * L, D = m.head_dim_, kp = m.top_pools_;
     const int64_t H = m.heads_ / P, Hkv = m.kv_heads_ / P;
-    const bool replay = sel.replay.defined();
+    const bool replay = sel.replay.defined();  // a kept selection: no indexer scoring
     const auto i32 = x.options().dtype(torch::kInt32);
     const auto ct = x.options().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
     // The pooled indexer keys of the whole sequence (pools count from its first token: 4 | L).

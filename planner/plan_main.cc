@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   }
   auto shape = odyssey::planner::ShapeOf(*config, lora);
   if (shard) shape.shard_ranks = context_parallel;
+  shape.context_ranks = context_parallel;
   const int64_t P = context_parallel;
   odyssey::planner::ChooseOptions options;
   options.allow_keep_attention = keep;

@@ -254,19 +254,32 @@ Prediction Predict(const Request& r) {
         T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e)) + dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores;
-    const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream : 0;
-    const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks : 0;
+    // Context parallel (model/hybrid.h): each layer's backward also holds its output gradient in
+    // the head layout (this rank's heads of the whole sequence: one rank's positions' worth)
+    // beside the incoming one, and one tile's input broadcast by the rank that holds it. By
+    // construction; not yet measured on GPUs.
+    const bool split = m.context_ranks > 1;
+    const int64_t kda_cp = split ? T * HK * e + Tt * m.hidden * e : 0;
+    const int64_t dsa_cp = split ? T * qd * e + Tq * m.hidden * e : 0;
+    const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream + kda_cp : 0;
+    const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks + dsa_cp : 0;
     working = std::max(kda_work, dsa_work) + mlp_work;
     if (kda_work >= dsa_work) {
       hybrid_terms = {{"KDA layer: the recomputed tile's autograd state", kda_tile},
                       {"KDA layer: one segment's fp32 chunk intermediates and gradients", kda_segment - kda_state},
                       {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state},
                       {"KDA layer: one (T, hidden) around the mixer (fitted)", kda_stream}};
+      if (split)
+        hybrid_terms.emplace_back("KDA layer, context parallel: the head-layout output gradient, one broadcast tile",
+                                  kda_cp);
     } else {
       hybrid_terms = {{"DSA layer: attention, indexer and their gradients",
                        dsa_per_token - dsa_indices - dsa_stream + dsa_blocks},
                       {"DSA layer: the residual stream around the mixer (fitted)", dsa_stream},
                       {"DSA layer: one query tile's q, dq and token indices (top_k + tail, int32)", dsa_indices}};
+      if (split)
+        hybrid_terms.emplace_back("DSA layer, context parallel: the head-layout output gradient, one broadcast tile",
+                                  dsa_cp);
     }
     // Without recompute every layer keeps its autograd state (a tiled KDA mixer only its input;
     // a DSA layer its tiled Function's input, selection, KL target and log-sum-exp): averaged over
@@ -539,15 +552,15 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora, int64_t shard_ranks) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora, shard_ranks);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora, shard_ranks, context_ranks);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora, int64_t shard_ranks) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks) {
   if (absl::Status s = lora.Validate("spec.lora", &config); !s.ok()) return s;
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
@@ -572,6 +585,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   JobPlanRequest q;
   q.model = ShapeOf(config, lora);
   q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);
+  q.model.context_ranks = std::max<int64_t>(1, context_ranks);
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;

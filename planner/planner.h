@@ -45,6 +45,11 @@ struct ModelShape {
   // weights of the units in use (embedding, head and two layers: the current one and the
   // prefetched one). 1: not sharded.
   int64_t shard_ranks = 1;
+  // Ranks one sequence is spread over (context parallelism; the plan is one rank's, at seq_len /
+  // context_ranks positions). For the hybrid family each KDA and DSA layer then also holds its
+  // output gradient in the head layout beside the incoming one, and one broadcast tile's input
+  // (model/hybrid.h). 1: one rank holds whole rows.
+  int64_t context_ranks = 1;
   // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
   // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() name
   // the CUDA path's tensors, sized by fits to hybrid-3b's peaks measured on one H200 (64K-512K).
@@ -142,16 +147,19 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
 // positions and memory fields: the rule CreateJob, PlannerService.Plan (through
 // planner/memory_spec.h) and the worker all apply. INVALID_ARGUMENT naming the JobSpec field
 // ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
-// `shard_ranks`: ModelShape::shard_ranks (parallel.world_size when parallel.shard_params).
+// `shard_ranks`: ModelShape::shard_ranks (parallel.world_size when parallel.shard_params);
+// `context_ranks`: ModelShape::context_ranks (parallel.context_parallel; seq_len is one rank's).
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1);
+                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1,
+                                     int64_t context_ranks = 1);
 // The same for a model already resolved (callers that need its config anyway resolve it once).
 // `lora`: the job's adapters (rank 0: full fine-tuning); INVALID_ARGUMENT naming spec.lora.<field>
 // when they cannot run on the model.
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1);
+                                     const model::LoraConfig& lora = {}, int64_t shard_ranks = 1,
+                                     int64_t context_ranks = 1);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384,

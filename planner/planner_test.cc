@@ -670,6 +670,24 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
   EXPECT_EQ(tile_term(int64_t{1} << 20), tile) << Predict(one_kind('D', int64_t{1} << 20)).Describe();
   EXPECT_EQ(tile_term(int64_t{1} << 21), tile);
   EXPECT_EQ(tile_term(16384), 16384 * (2051 * 4 + 2 * 24 * 128 * 2));  // shorter than a tile
+  // Context parallel (model/hybrid.h): a rank's layer also holds its heads' output gradient of
+  // the whole sequence (its positions' worth in the head layout) and one broadcast tile's input,
+  // named; one rank plans none of it.
+  for (char kind : {'K', 'D'}) {
+    const int64_t len = int64_t{1} << 19;
+    Request split = one_kind(kind, len);
+    split.model.context_ranks = 2;
+    const Prediction one = Predict(one_kind(kind, len)), two = Predict(split);
+    const int64_t tile_tokens = kind == 'K' ? model::kKdaTile : model::kDsaTile;
+    const int64_t want = len * 24 * 128 * 2 + tile_tokens * 3072 * 2;
+    int64_t named_bytes = -1;
+    for (const auto& [name, bytes] : two.terms) {
+      if (name.find("context parallel: the head-layout output gradient") != std::string::npos) named_bytes = bytes;
+    }
+    EXPECT_EQ(named_bytes, want) << kind << ": " << two.Describe();
+    EXPECT_EQ(two.gpu_peak_bytes - one.gpu_peak_bytes, want) << kind;
+    for (const auto& [name, bytes] : one.terms) EXPECT_EQ(name.find("context parallel"), std::string::npos) << name;
+  }
   // Fields that act only on dense attention are refused by name.
   MemoryFields groups;
   groups.head_groups = 2;

@@ -129,7 +129,8 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   const int64_t rank_seq = (j.seq_len + std::max(1, j.context_parallel) - 1) / std::max(1, j.context_parallel);
   // Sharded, a rank keeps 1/world_size of the parameters and their state (planner::ShardRanks).
   absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw,
-                                                                j.lora, j.shard_params ? j.world_size : 1);
+                                                                j.lora, j.shard_params ? j.world_size : 1,
+                                                                std::max(1, j.context_parallel));
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));
