@@ -223,6 +223,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   // on one rank).
   trainer->alone_ = std::move(alone);
   trainer->comm_ = comm;
+  // Each data-parallel replica's indexer KL enters the summed gradients as its share of the
+  // replicas' mean (the LM loss's share is its targets'; model/hybrid.h).
+  for (model::DecoderLayer layer : trainer->model_->model->layer_list)  // holders: shared_ptrs
+    if (layer->dsa) layer->dsa->set_gradient_scale(1.0 / comm->world_size());
   {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> params = trainer->params_;
@@ -235,9 +239,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     if (options.lora.enabled())
       return absl::UnimplementedError("shard_params: sharding a LoRA job is not implemented (its adapters are small: "
                                       "train them unsharded)");
-    if (trainer->model_->config().IsHybrid())
-      return absl::UnimplementedError(
-          "shard_params: sharding the hybrid family is not implemented (its fp32 gates share units with bf16 weights)");
     if (P > 1 && comm->world_size() > 1)
       return absl::UnimplementedError(absl::StrCat("shard_params: sharding over both the context-parallel group (", P,
                                                    ") and data-parallel ranks (", comm->world_size(),
@@ -453,13 +454,16 @@ StepResult Trainer::Step(const Batch& whole) {
   }
   r.loss = rider->item<double>();  // synchronizes the device
   if (torch::Tensor kl = model_->IndexerLoss(); kl.defined()) {
-    // Under context parallelism each rank's is its rows' share: the sum is the sequence's.
-    std::vector<torch::Tensor> shares = {kl.to(torch::kCPU).reshape({1})};
-    if (ContextParallelDegree() > 1)
-      if (absl::Status s = options_.context_parallel.group->AllReduce(shares, ReduceOp::kSum); !s.ok()) {
-        r.status = s;
-        return r;
-      }
+    // Under context parallelism each rank's is its rows' share: the sum is the sequence's; over
+    // data-parallel replicas, the mean of their batches'.
+    std::vector<torch::Tensor> shares = {kl.to(torch::kCPU, torch::kFloat64).reshape({1})};
+    absl::Status s;
+    if (ContextParallelDegree() > 1) s = options_.context_parallel.group->AllReduce(shares, ReduceOp::kSum);
+    if (s.ok() && DataParallel()) s = comm_->AllReduce(shares, ReduceOp::kAvg);
+    if (!s.ok()) {
+      r.status = s;
+      return r;
+    }
     r.indexer_loss = shares[0].item<double>();
   }
   r.grad_norm = clip.norm.item<double>();

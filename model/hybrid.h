@@ -216,6 +216,11 @@ class DsaAttentionImpl : public torch::nn::Module {
   // The indexer KL of the last forward that computed it (detached), undefined before.
   const torch::Tensor& last_indexer_loss() const { return last_loss_; }
   double indexer_loss_weight() const { return loss_weight_; }
+  // The share of the KL's gradient this rank's pass carries (default 1): under data parallelism
+  // 1 / the replicas, so that the replicas' KLs enter as the mean over their batches, as the LM
+  // loss does (the trainer sets it). The gradient is indexer_loss_weight() * gradient_scale().
+  void set_gradient_scale(double scale) { gradient_scale_ = scale; }
+  double gradient_scale() const { return gradient_scale_; }
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   DsaIndexer indexer{nullptr};
@@ -240,6 +245,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   size_t replay_cursor_ = 0;
   IndexerStage stage_;
   double loss_weight_;
+  double gradient_scale_ = 1.0;
   torch::Tensor last_loss_;
 };
 TORCH_MODULE(DsaAttention);

@@ -182,7 +182,9 @@ torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const Lay
     torch::Tensor indexer_loss;  // set when the indexer trains in this pass
     torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss, ctx.sequence),
                                      dsa->o_proj, LoraAdapter{});
-    return indexer_loss.defined() ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight()) : y;
+    return indexer_loss.defined()
+               ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight() * dsa->gradient_scale())
+               : y;
   }
   return ResidualLinear(h, self_attn->Heads(input_layernorm(h), ctx), self_attn->o_proj, self_attn->o_lora);
 }

@@ -274,7 +274,6 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
         return Invalid(field, absl::StrCat(at, " with data.format \"jsonl\" (packed documents) is not implemented "
                                                "for the hybrid family yet"));
     }
-    if (par.shard_params()) return Invalid(p + ".parallel.shard_params", why.substr(1));
     if (memory->head_groups && *memory->head_groups > 1)
       return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", why));
     if (memory->keep_attention && *memory->keep_attention) return Invalid(p + ".memory.keep_attention", why.substr(1));

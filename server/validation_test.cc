@@ -161,10 +161,6 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
          s.mutable_lora()->set_rank(4);
          s.mutable_lora()->add_target_modules("lm_head");
        }, absl::StatusCode::kInvalidArgument, "spec.lora.target_modules[0]"},
-      {[](v1::JobSpec& s) {
-         s.mutable_model()->set_name("hybrid-tiny");
-         s.mutable_parallel()->set_shard_params(true);
-       }, absl::StatusCode::kInvalidArgument, "spec.parallel.shard_params"},
       {[](v1::JobSpec& s) {  // hybrid-tiny's DSA layer has 2 KV heads
          s.mutable_model()->set_name("hybrid-tiny");
          s.mutable_parallel()->set_world_size(4);

@@ -43,8 +43,21 @@ absl::StatusOr<std::unique_ptr<ShardedParameters>> ShardedParameters::Create(
     shard.slice(0, 0, end - begin).copy_(flat.slice(0, begin, end));
     if (p.param.dim() >= 2) shard = shard.view({1, p.shard_numel});
     p.shard = shard.requires_grad_(true);  // a leaf the optimizer reads .grad() of
-    built[static_cast<size_t>(owner[i])].shard_numel += p.shard_numel;
     params.push_back(std::move(p));
+  }
+  for (Unit& u : built) {
+    std::vector<torch::ScalarType> dtypes;
+    for (int64_t i : u.params) {
+      const Param& p = params[static_cast<size_t>(i)];
+      const auto it = std::find(dtypes.begin(), dtypes.end(), p.shard.scalar_type());
+      const size_t part = static_cast<size_t>(it - dtypes.begin());
+      if (it == dtypes.end()) {
+        dtypes.push_back(p.shard.scalar_type());
+        u.parts.emplace_back();
+      }
+      u.parts[part].params.push_back(i);
+      u.parts[part].shard_numel += p.shard_numel;
+    }
   }
   auto sharded = std::unique_ptr<ShardedParameters>(new ShardedParameters(group, std::move(params), std::move(built)));
   // Whole from the start: released now, so that only the shards stay.
@@ -68,18 +81,18 @@ std::vector<torch::Tensor> ShardedParameters::Shards() const {
   return out;
 }
 
-torch::Tensor ShardedParameters::FlatShards(const Unit& u) const {
-  std::vector<torch::Tensor> parts;
-  for (int64_t i : u.params) parts.push_back(params_[static_cast<size_t>(i)].shard.detach().reshape({-1}));
-  return torch::cat(parts);  // (sum n,)
+torch::Tensor ShardedParameters::FlatShards(const Part& part) const {
+  std::vector<torch::Tensor> flat;
+  for (int64_t i : part.params) flat.push_back(params_[static_cast<size_t>(i)].shard.detach().reshape({-1}));
+  return torch::cat(flat);  // (sum n,)
 }
 
 void ShardedParameters::Prefetch(int64_t unit) {
   if (unit < 0 || unit >= num_units()) return;
   Unit& u = units_[static_cast<size_t>(unit)];
-  if (u.whole || u.pending) return;
+  if (u.whole || !u.pending.empty()) return;
   torch::NoGradGuard no_grad;
-  u.pending = group_.StartAllGather(FlatShards(u));
+  for (const Part& part : u.parts) u.pending.push_back(group_.StartAllGather(FlatShards(part)));
 }
 
 void ShardedParameters::Gather(int64_t unit) {
@@ -87,18 +100,22 @@ void ShardedParameters::Gather(int64_t unit) {
   Unit& u = units_[static_cast<size_t>(unit)];
   if (u.whole) return;
   Prefetch(unit);
-  std::unique_ptr<PendingCollective> pending = std::move(u.pending);
-  absl::StatusOr<torch::Tensor> gathered = pending->Wait();  // (P sum n,) rank-major
-  TORCH_CHECK(gathered.ok(), "parameter all-gather failed: ", gathered.status().ToString());
+  std::vector<std::unique_ptr<PendingCollective>> pending = std::move(u.pending);
+  u.pending.clear();
   torch::NoGradGuard no_grad;
-  const torch::Tensor rows = gathered->view({group_.world_size(), u.shard_numel});  // (P, sum n)
-  int64_t offset = 0;
-  for (int64_t i : u.params) {
-    Param& p = params_[static_cast<size_t>(i)];
-    // (P, n) -> (P n,), the padding cut, in the parameter's shape: its own storage.
-    torch::Tensor whole = rows.slice(1, offset, offset + p.shard_numel).reshape({-1}).slice(0, 0, p.numel);
-    p.param.set_data(whole.contiguous().view(p.shape));
-    offset += p.shard_numel;
+  for (size_t k = 0; k < u.parts.size(); ++k) {
+    const Part& part = u.parts[k];
+    absl::StatusOr<torch::Tensor> gathered = pending[k]->Wait();  // (P sum n,) rank-major
+    TORCH_CHECK(gathered.ok(), "parameter all-gather failed: ", gathered.status().ToString());
+    const torch::Tensor rows = gathered->view({group_.world_size(), part.shard_numel});  // (P, sum n)
+    int64_t offset = 0;
+    for (int64_t i : part.params) {
+      Param& p = params_[static_cast<size_t>(i)];
+      // (P, n) -> (P n,), the padding cut, in the parameter's shape: its own storage.
+      torch::Tensor whole = rows.slice(1, offset, offset + p.shard_numel).reshape({-1}).slice(0, 0, p.numel);
+      p.param.set_data(whole.contiguous().view(p.shape));
+      offset += p.shard_numel;
+    }
   }
   u.whole = true;
 }
@@ -119,27 +136,29 @@ void ShardedParameters::ReduceGradients(int64_t unit) {
   TORCH_CHECK(u.whole, "sharding: unit ", unit, " reduced while not whole");
   torch::NoGradGuard no_grad;
   const int64_t P = group_.world_size();
-  // (P, sum n): row r holds what rank r owns of every parameter's gradient.
-  std::vector<torch::Tensor> columns;
-  for (int64_t i : u.params) {
-    const Param& p = params_[static_cast<size_t>(i)];
-    torch::Tensor g = p.param.grad();
-    torch::Tensor padded = torch::zeros({P * p.shard_numel}, p.shard.options().requires_grad(false));  // (P n,)
-    if (g.defined()) padded.slice(0, 0, p.numel).copy_(g.reshape({-1}));
-    columns.push_back(padded.view({P, p.shard_numel}));
-  }
-  absl::StatusOr<torch::Tensor> mine = group_.ReduceScatter(torch::cat(columns, 1));  // (sum n,)
-  TORCH_CHECK(mine.ok(), "gradient reduce-scatter failed: ", mine.status().ToString());
-  int64_t offset = 0;
-  for (int64_t i : u.params) {
-    Param& p = params_[static_cast<size_t>(i)];
-    torch::Tensor g = mine->slice(0, offset, offset + p.shard_numel).view(p.shard.sizes());
-    if (p.shard.grad().defined()) {
-      p.shard.mutable_grad().add_(g);  // gradients accumulate over backwards, as on whole parameters
-    } else {
-      p.shard.mutable_grad() = g.clone();
+  for (const Part& part : u.parts) {
+    // (P, sum n): row r holds what rank r owns of every parameter's gradient.
+    std::vector<torch::Tensor> columns;
+    for (int64_t i : part.params) {
+      const Param& p = params_[static_cast<size_t>(i)];
+      torch::Tensor g = p.param.grad();
+      torch::Tensor padded = torch::zeros({P * p.shard_numel}, p.shard.options().requires_grad(false));  // (P n,)
+      if (g.defined()) padded.slice(0, 0, p.numel).copy_(g.reshape({-1}));
+      columns.push_back(padded.view({P, p.shard_numel}));
     }
-    offset += p.shard_numel;
+    absl::StatusOr<torch::Tensor> mine = group_.ReduceScatter(torch::cat(columns, 1));  // (sum n,)
+    TORCH_CHECK(mine.ok(), "gradient reduce-scatter failed: ", mine.status().ToString());
+    int64_t offset = 0;
+    for (int64_t i : part.params) {
+      Param& p = params_[static_cast<size_t>(i)];
+      torch::Tensor g = mine->slice(0, offset, offset + p.shard_numel).view(p.shard.sizes());
+      if (p.shard.grad().defined()) {
+        p.shard.mutable_grad().add_(g);  // gradients accumulate over backwards, as on whole parameters
+      } else {
+        p.shard.mutable_grad() = g.clone();
+      }
+      offset += p.shard_numel;
+    }
   }
   Release(unit);
 }

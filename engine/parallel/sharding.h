@@ -49,8 +49,9 @@ namespace odyssey::engine {
 
 class ShardedParameters {
  public:
-  // `named`: the model's parameters, whole and equal on every rank (broadcast first), in one
-  // dtype and on one device. `units`: indices into `named`, each parameter in exactly one unit,
+  // `named`: the model's parameters, whole and equal on every rank (broadcast first), on one
+  // device; a unit's parameters of each dtype travel as one buffer (the hybrid family's fp32
+  // A_log and dt_bias beside its bf16 weights: two). `units`: indices into `named`, each parameter in exactly one unit,
   // in the order the forward uses them. Takes this rank's shard of each parameter and frees the
   // whole tensors (the model's parameters are then empty until their unit is gathered).
   // `group` must outlive this object. Errors: INVALID_ARGUMENT naming a parameter in no unit or
@@ -109,15 +110,20 @@ class ShardedParameters {
     int64_t shard_numel = 0;  // n = ceil(numel / P)
     torch::Tensor shard;      // (1, n) or (n,), the model's dtype and device
   };
-  struct Unit {
+  // A unit's parameters of one dtype: they travel as one buffer.
+  struct Part {
     std::vector<int64_t> params;
     int64_t shard_numel = 0;  // sum of the params' n
+  };
+  struct Unit {
+    std::vector<int64_t> params;
+    std::vector<Part> parts;  // by dtype, in the order of each dtype's first parameter
     bool whole = false;
-    std::unique_ptr<PendingCollective> pending;
+    std::vector<std::unique_ptr<PendingCollective>> pending;  // one per part while in flight
   };
   ShardedParameters(Communicator& group, std::vector<Param> params, std::vector<Unit> units);
-  // (sum n,) the unit's shards one after another.
-  torch::Tensor FlatShards(const Unit& u) const;
+  // (sum n,) the part's shards one after another.
+  torch::Tensor FlatShards(const Part& part) const;
   const Param* Find(const std::string& name) const;
 
   Communicator& group_;

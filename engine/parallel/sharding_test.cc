@@ -306,6 +306,43 @@ TEST(ShardingTest, ShardedWithContextParallelEqualsOneRank) {
   std::filesystem::remove_all(dir);
 }
 
+// The hybrid family (hybrid-tiny: KDA and DSA layers, whose A_log and dt_bias stay fp32 in a
+// bf16 model, so a KDA layer's unit travels as two buffers): sharded over 2 data-parallel ranks
+// (fp32 and bf16) and over a context-parallel pair (fp32, the layers' heads split too), the
+// gradients of one rank; the fp32 parameters keep fp32 shards.
+TEST(ShardingTest, ShardedHybridEqualsOneRank) {
+  torch::set_num_threads(1);
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    for (bool cp : {false, true}) {
+      if (cp && std::string(dtype) == "bfloat16") continue;
+      const std::string what = std::string(dtype) + (cp ? " context parallel 2" : " data parallel 2");
+      TrainerOptions o = Tiny();
+      o.model = "hybrid-tiny";
+      o.dtype = dtype;
+      o.data.seq_len = 64;
+      o.memory.recompute = planner::Recompute::kLayer;
+      auto single = Trainer::Create(o);
+      ASSERT_TRUE(single.ok()) << single.status();
+      Ranks g = MakeRanks(2, o, cp);
+      for (const auto& t : g.trainers) ASSERT_TRUE(t);
+      const Batch batch = (*single)->data().Next();
+      std::vector<absl::StatusOr<BatchGradients>> grads(2, absl::UnknownError("not run"));
+      g.Run([&](int r) { grads[static_cast<size_t>(r)] = g.at(r).Gradients(batch); });
+      absl::StatusOr<BatchGradients> want = (*single)->Gradients(batch);
+      ASSERT_TRUE(want.ok()) << want.status();
+      // bf16: the ranks' halves summed in fp32 and rounded once, against one bf16 backward.
+      const double rtol = std::string(dtype) == "bfloat16" ? 2e-2 : cp ? 1e-4 : 1e-5;
+      for (int r = 0; r < 2; ++r) {
+        ASSERT_TRUE(grads[static_cast<size_t>(r)].ok()) << what << ": " << grads[static_cast<size_t>(r)].status();
+        ExpectGradientsClose(*grads[static_cast<size_t>(r)], *want, rtol, what + " rank " + std::to_string(r));
+        EXPECT_EQ(grads[static_cast<size_t>(r)]->grads.at("model.layers.0.self_attn.A_log").scalar_type(),
+                  torch::kFloat32)
+            << what;
+      }
+    }
+  }
+}
+
 TEST(ShardingTest, RlCallsAreRefused) {
   TrainerOptions o = Tiny();
   o.shard_params = true;

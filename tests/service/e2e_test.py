@@ -386,7 +386,7 @@ def case_context_parallel(c):
     the same batches, each on half of every row, and the per-step losses equal those of the same
     job on one worker (fp32; the ranks sum the same terms in another order: 1e-5 relative); so do
     those of the same job with parallel.shard_params (ZeRO-3 over the pair), and those of a
-    hybrid-tiny job (KDA and DSA layers) at context_parallel 2."""
+    hybrid-tiny job (KDA and DSA layers) at context_parallel 2, unsharded and sharded."""
     c.start_controller()
     c.start_worker("w1")
     c.start_worker("w2")
@@ -417,6 +417,10 @@ def case_context_parallel(c):
     spec["parallel"] = {"world_size": 2, "contextParallel": 2}
     expect_same_losses(one_hybrid, run_step_losses(c, spec, ["w1", "w2"], "hybrid-tiny context parallel"),
                        "one worker", "hybrid-tiny context parallel")
+    # And sharded over the pair (a KDA layer's fp32 A_log and dt_bias travel beside its weights).
+    spec["parallel"] = {"world_size": 2, "contextParallel": 2, "shardParams": True}
+    expect_same_losses(one_hybrid, run_step_losses(c, spec, ["w1", "w2"], "hybrid-tiny sharded"), "one worker",
+                       "hybrid-tiny sharded")
 
 
 def case_dp_over_cp(c):
