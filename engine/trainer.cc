@@ -554,7 +554,10 @@ Trainer::RlGroupRun Trainer::GroupLogprobs(const std::vector<Datum>& batch, size
   const int64_t P = ContextParallelDegree();
   int64_t S = 0;
   for (size_t i = begin; i < end; ++i) S = std::max<int64_t>(S, static_cast<int64_t>(batch[i].tokens.size()));
-  S = (S + P - 1) / P * P;  // every rank the same number of positions
+  // Every rank the same number of positions; for the hybrid family's DSA layers whole pools of 4
+  // on each rank (model/hybrid.h).
+  const int64_t granule = P > 1 && model_->config().NumLayersOfKind('D') > 0 ? 4 * P : P;
+  S = (S + granule - 1) / granule * granule;
   // Right padding with id 0: causal attention keeps it out of the real positions, and its
   // logprobs are cut off below.
   torch::Tensor ids = torch::zeros({R, S}, torch::kInt64);      // (R, S)

@@ -260,16 +260,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
         if (config->num_key_value_heads % cp != 0)
           return Invalid(field, absl::StrCat(at, " must divide the DSA layers' KV heads (", config->num_key_value_heads,
                                              ")"));
-        if (!rl && spec.data().seq_len() % (4 * cp) != 0)
+        if (spec.data().seq_len() % (4 * cp) != 0)
           return Invalid(field, absl::StrCat(at, " x 4 must divide spec.data.seq_len (", spec.data().seq_len(),
                                              ") for the DSA layers: each rank's positions are whole pools of 4"));
         if (hy.indexer_stage != odyssey::model::IndexerStage::kSparse)
           return Invalid(field, absl::StrCat(at, " with the dense_warmup indexer stage", why));
       }
-      if (rl)
-        return Invalid(field, absl::StrCat(at, " is not implemented for RL_SESSION jobs of the hybrid family yet: "
-                                               "their rows pack several sequences, which the KDA and DSA layers "
-                                               "split over ranks only whole"));
       if (spec.data().format() == "jsonl")
         return Invalid(field, absl::StrCat(at, " with data.format \"jsonl\" (packed documents) is not implemented "
                                                "for the hybrid family yet"));

@@ -172,13 +172,6 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
          s.mutable_parallel()->set_context_parallel(2);
          s.mutable_data()->set_seq_len(68);
        }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
-      {[](v1::JobSpec& s) {
-         s.mutable_model()->set_name("hybrid-tiny");
-         s.set_kind(v1::RL_SESSION);
-         s.clear_steps();
-         s.mutable_parallel()->set_world_size(2);
-         s.mutable_parallel()->set_context_parallel(2);
-       }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
       {[](v1::JobSpec& s) {  // the KDA/DSA layers have no adapters yet
          s.mutable_model()->set_name("hybrid-tiny");
          s.mutable_lora()->set_rank(4);

@@ -610,6 +610,9 @@ TEST(ContextParallelTest, RlCallsEqualOneRank) {
   torch::set_num_threads(1);
   TrainerOptions o = Tiny();
   ExpectRlEqualsOneRank(2, o, "plain");
+  // The hybrid family: right-padded rows (to whole pools of 4 on each rank), the layers' heads
+  // split over the ranks.
+  ExpectRlEqualsOneRank(2, HybridTiny(), "hybrid");
   ExpectRlEqualsOneRank(4, o, "plain");
   // The memory stack on the shards of padded rows: recompute, offload, tiles that divide
   // nothing, kept attention.
