@@ -16,10 +16,23 @@
 // datums' sampler logprobs are the model's own (one Forward before the timed steps, so PPO's
 // ratios start near 1, as with a well-matched inference engine) and the advantages are +-1. The
 // Forward's time is reported too (forward_seconds). Same FLOP accounting.
+//
+// --context-parallel P spreads the sequence over P ranks, each its own process (this binary
+// re-run with ODYSSEY_BENCH_RANK set), on GPU r % (GPUs) (NCCL between GPUs; ranks sharing a
+// GPU, or on the CPU, meet over TCP), with --shard the parameters, gradients and AdamW state
+// sharded over them (ZeRO-3). The parent waits for the ranks and prints one line for the group:
+// the slowest rank's step time, the sequence's tokens/s, MFU over P GPUs' peak, and the largest
+// per-rank GPU and pinned peaks; each rank's own figures are under "ranks".
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -31,6 +44,7 @@
 #include "absl/strings/str_format.h"
 #include "engine/device_stats.h"
 #include "engine/memory/checkpoint.h"
+#include "engine/parallel/rank_group.h"
 #include "engine/profiler.h"
 #include "engine/rl_loss.h"
 #include "engine/trainer.h"
@@ -113,6 +127,56 @@ double ModelFlops(const odyssey::model::ModelConfig& c, int64_t B, int64_t S) {
 }
 
 std::string GiB(int64_t b) { return absl::StrFormat("%.2f", static_cast<double>(b) / (1 << 30)); }
+
+extern "C" char** environ;
+
+// --context-parallel's parent: runs this binary's command line as P rank processes, waits for
+// them, and returns the ranks' result objects (rank order); an error names the first rank that
+// failed. The ranks meet at a loopback port chosen here.
+absl::StatusOr<std::vector<nlohmann::json>> RunRanks(int argc, char** argv, int P) {
+  absl::StatusOr<int> port = odyssey::engine::FreePort(/*loopback=*/true);
+  if (!port.ok()) return port.status();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("odyssey-bench-ranks-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < P; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    env.push_back("ODYSSEY_BENCH_RANK=" + std::to_string(r));
+    env.push_back("ODYSSEY_BENCH_RENDEZVOUS=127.0.0.1:" + std::to_string(*port));
+    env.push_back("ODYSSEY_BENCH_RESULT=" + (dir / ("rank-" + std::to_string(r) + ".json")).string());
+    std::vector<char*> envp, args;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> arg_strings(argv, argv + argc);
+    for (auto& s : arg_strings) args.push_back(s.data());
+    args.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, exe.c_str(), nullptr, nullptr, args.data(), envp.data()) != 0)
+      return absl::InternalError(absl::StrCat("could not start rank ", r, " (", exe, ")"));
+    pids.push_back(pid);
+  }
+  std::string failed;
+  for (int r = 0; r < P; ++r) {
+    int status = 0;
+    waitpid(pids[static_cast<size_t>(r)], &status, 0);
+    if (failed.empty() && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+      failed = absl::StrCat("rank ", r, WIFEXITED(status) ? " exited with " : " was killed by signal ",
+                            WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+  }
+  std::vector<nlohmann::json> out;
+  for (int r = 0; r < P && failed.empty(); ++r) {
+    std::ifstream in(dir / ("rank-" + std::to_string(r) + ".json"));
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) failed = absl::StrCat("rank ", r, " left no result");
+    out.push_back(std::move(j));
+  }
+  std::filesystem::remove_all(dir);
+  if (!failed.empty()) return absl::UnavailableError(failed + " (its output is above)");
+  return out;
+}
 
 }  // namespace
 
@@ -206,7 +270,91 @@ int main(int argc, char** argv) {
   app.add_option("--rl-loss", rl_loss,
                  "time RL calls instead of SFT steps: ForwardBackward with this loss (cross_entropy | "
                  "importance_sampling | ppo) on batch-size datums of seq-len tokens, then OptimStep");
+  int context_parallel = 1;
+  app.add_option("--context-parallel", context_parallel,
+                 "ranks the sequence is spread over, one process each (GPU r % GPUs; 1: this process)")
+      ->capture_default_str();
+  bool shard = false;
+  app.add_flag("--shard", shard, "with --context-parallel: shard parameters, gradients and AdamW state over the ranks");
   CLI11_PARSE(app, argc, argv);
+  if (context_parallel < 1) {
+    std::fprintf(stderr, "odyssey-bench: --context-parallel (%d) must be >= 1\n", context_parallel);
+    return 2;
+  }
+  if (shard && context_parallel == 1) {
+    std::fprintf(stderr, "odyssey-bench: --shard needs --context-parallel > 1 (it shards over those ranks)\n");
+    return 2;
+  }
+  if (context_parallel > 1 && (fidelity || !profile_dir.empty())) {
+    std::fprintf(stderr, "odyssey-bench: --context-parallel with %s is not implemented\n",
+                 fidelity ? "--fidelity" : "--profile");
+    return 2;
+  }
+  const char* rank_env = std::getenv("ODYSSEY_BENCH_RANK");
+  const std::string result_path = rank_env != nullptr ? std::getenv("ODYSSEY_BENCH_RESULT") : "";
+  if (context_parallel > 1 && rank_env == nullptr) {
+    // The parent: the ranks run the steps; one line for the group from their results.
+    absl::StatusOr<std::vector<nlohmann::json>> ranks = RunRanks(argc, argv, context_parallel);
+    if (!ranks.ok()) {
+      std::fprintf(stderr, "odyssey-bench: %s\n", std::string(ranks.status().message()).c_str());
+      return 1;
+    }
+    nlohmann::json j = (*ranks)[0];
+    double sec = 0;
+    int64_t peak_alloc = 0, peak_reserved = 0, pinned = 0;
+    for (const nlohmann::json& r : *ranks) {
+      sec = std::max(sec, r.value("seconds_per_step", 0.0));
+      peak_alloc = std::max<int64_t>(peak_alloc, r.value("gpu_peak_allocated_bytes", int64_t{0}));
+      peak_reserved = std::max<int64_t>(peak_reserved, r.value("gpu_peak_reserved_bytes", int64_t{0}));
+      pinned = std::max<int64_t>(pinned, r.value("pinned_host_bytes", int64_t{0}));
+    }
+    const double tokens = static_cast<double>(o.data.batch_size * o.data.seq_len);
+    const double flops = j.value("model_flops_per_step", 0.0);
+    j["ranks"] = *ranks;
+    j["rank"] = nullptr;
+    j["seconds_per_step"] = sec;
+    j["tokens_per_second"] = sec > 0 ? tokens / sec : 0.0;
+    j["mfu"] = sec > 0 ? flops / sec / (kPeakFlops * context_parallel) : 0.0;
+    j["gpu_peak_allocated_bytes"] = peak_alloc;
+    j["gpu_peak_reserved_bytes"] = peak_reserved;
+    j["pinned_host_bytes"] = pinned;
+    std::printf("%s\n", j.dump().c_str());
+    std::printf("| model | layers | seq | ranks | memory | largest rank's GPU peak alloc / reserved GiB | pinned GiB | "
+                "s/step | tok/s | MFU |\n");
+    std::printf("| %s | %lld | %lld | %d%s | %s | %s / %s | %s | %.2f | %.0f | %.1f%% |\n", o.model.c_str(),
+                static_cast<long long>(j.value("layers", int64_t{0})), static_cast<long long>(o.data.seq_len),
+                context_parallel, shard ? " sharded" : "", j.value("memory", std::string()).c_str(),
+                GiB(peak_alloc).c_str(), GiB(peak_reserved).c_str(), GiB(pinned).c_str(), sec,
+                sec > 0 ? tokens / sec : 0.0, sec > 0 ? 100.0 * flops / sec / (kPeakFlops * context_parallel) : 0.0);
+    AppendJsonLine(json_path, j);
+    return 0;
+  }
+  // A rank of --context-parallel: its GPU, then the group.
+  std::unique_ptr<odyssey::engine::Communicator> group;
+  if (rank_env != nullptr) {
+    const int rank = std::atoi(rank_env);
+    torch::Device device(torch::kCPU);
+    const bool cuda = o.device == "auto" ? torch::cuda::is_available() : o.device.rfind("cuda", 0) == 0;
+    if (cuda) {
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank % std::max<int64_t>(1, torch::cuda::device_count())));
+      o.device = device.str();
+    }
+    odyssey::engine::RankGroupOptions go;
+    go.rendezvous = std::getenv("ODYSSEY_BENCH_RENDEZVOUS");
+    go.rank = rank;
+    go.world_size = context_parallel;
+    go.device = device;
+    absl::StatusOr<odyssey::engine::RankGroup> joined = odyssey::engine::ConnectRanks(go);
+    if (!joined.ok()) {
+      std::fprintf(stderr, "odyssey-bench: rank %d: %s\n", rank, joined.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "rank %d/%d on %s, collectives over %s\n", rank, context_parallel, device.str().c_str(),
+                 odyssey::engine::BackendName(joined->choice.backend));
+    group = std::move(joined->comm);
+    o.context_parallel.group = group.get();
+    o.shard_params = shard;
+  }
   odyssey::kernels::SetFusedKernels(!reference_kernels);
   odyssey::kernels::SetCudnnExpandKv(cudnn_expand_kv);
   if (absl::StatusOr<odyssey::planner::Recompute> r = odyssey::planner::ParseRecompute(recompute, "--recompute");
@@ -412,7 +560,9 @@ int main(int argc, char** argv) {
   if (plan) {
     odyssey::planner::Request req;
     req.model = odyssey::planner::ShapeOf(cfg, o.lora);
-    req.seq_len = S;
+    req.model.context_ranks = context_parallel;  // a rank's plan: S / P positions
+    req.model.shard_ranks = shard ? context_parallel : 1;
+    req.seq_len = S / context_parallel;
     req.batch_size = B;
     req.strategy = o.memory;  // the strategy the run used, as the planner sees it
     planned = odyssey::planner::Predict(req);
@@ -526,6 +676,15 @@ int main(int argc, char** argv) {
   if (plan) {
     j["planned_gpu_peak_bytes"] = planned.gpu_peak_bytes;
     j["planned_host_bytes"] = planned.host_bytes;
+  }
+  if (rank_env != nullptr) {
+    // A rank of --context-parallel: its figures go to the parent, which prints the group's.
+    j["rank"] = std::atoi(rank_env);
+    j["context_parallel"] = context_parallel;
+    j["sharded"] = shard;
+    std::ofstream(result_path) << j.dump() << "\n";
+    std::fprintf(stderr, "rank %s: %.3f s/step, GPU peak %s GiB\n", rank_env, sec, GiB(mem.peak_allocated).c_str());
+    return 0;
   }
   std::printf("%s\n", j.dump().c_str());
   std::printf("| model | layers | seq | memory | GPU peak alloc / reserved GiB | pinned GiB | s/step | tok/s | MFU |\n");

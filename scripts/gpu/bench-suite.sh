@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | gqa | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | gqa | cp | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -161,6 +161,25 @@ if only paralleltests; then
     | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) |Failure|error' | tail -10
   build-gpu/engine/context_parallel_test --gtest_filter='ContextParallelGpuTest.*' 2>&1 \
     | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) |Failure|error|bf16|loss:|rank' | tail -12
+fi
+# cp: one sequence over the host's GPUs (a host of 2 or more; issue 18's runs): the Llama-3.2-3B
+# shape at CP_LEN (default 262144) on one GPU and over CP_RANKS (default 2) rank processes (NCCL),
+# then sharded; hybrid-3b at 2 x CP_LEN over the same ranks. Each line: the slowest rank's step,
+# the sequence's tok/s, the largest rank's GPU peak (odyssey-bench --context-parallel).
+if only cp; then
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  ranks="${CP_RANKS:-2}"
+  if [ "$gpus" -lt "$ranks" ]; then
+    echo "cp: $gpus GPU(s) here, $ranks ranks asked: skipped"
+  else
+    len="${CP_LEN:-262144}"
+    run $B --seq-len "$len" --recompute layer --keep-attention --offload --warmup 0 --steps 1
+    run $B --seq-len "$len" --recompute layer --keep-attention --offload --warmup 0 --steps 1 --context-parallel "$ranks"
+    run $B --seq-len "$len" --recompute layer --keep-attention --offload --warmup 0 --steps 1 --context-parallel "$ranks" --shard
+    run build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len $((2 * len)) --recompute layer --offload \
+      --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host --warmup 0 --steps 1 \
+      --context-parallel "$ranks" --json "$out/bench.jsonl"
+  fi
 fi
 # hybrid: odyssey-hybrid-bench (KDA chunked, sparse attention, dense SDPA on as many keys) at
 # HYB_LENS (default 65536,262144), then fla's chunk_kda on the same shapes (fla-core and einops
