@@ -110,6 +110,43 @@ bool IsLoraParameter(const std::string& name) {
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
 }
 
+namespace {
+// A layer's projections that may carry adapters, by their name under the layer: the token
+// mixer's (dense attention, KDA or DSA: q, k, v, o) and the dense MLP's.
+struct LoraSlot {
+  std::string name;  // "self_attn.q_proj"
+  torch::nn::Linear* linear;
+  LoraAdapter* adapter;
+};
+std::vector<LoraSlot> LoraSlots(DecoderLayerImpl& layer) {
+  std::vector<LoraSlot> out;
+  auto mixer = [&](torch::nn::Linear& q, LoraAdapter& ql, torch::nn::Linear& k, LoraAdapter& kl, torch::nn::Linear& v,
+                   LoraAdapter& vl, torch::nn::Linear& o, LoraAdapter& ol) {
+    out.push_back({"self_attn.q_proj", &q, &ql});
+    out.push_back({"self_attn.k_proj", &k, &kl});
+    out.push_back({"self_attn.v_proj", &v, &vl});
+    out.push_back({"self_attn.o_proj", &o, &ol});
+  };
+  if (layer.kda) {
+    KdaAttentionImpl& a = *layer.kda;
+    mixer(a.q_proj, a.q_lora, a.k_proj, a.k_lora, a.v_proj, a.v_lora, a.o_proj, a.o_lora);
+  } else if (layer.dsa) {
+    DsaAttentionImpl& a = *layer.dsa;
+    mixer(a.q_proj, a.q_lora, a.k_proj, a.k_lora, a.v_proj, a.v_lora, a.o_proj, a.o_lora);
+  } else {
+    AttentionImpl& a = *layer.self_attn;
+    mixer(a.q_proj, a.q_lora, a.k_proj, a.k_lora, a.v_proj, a.v_lora, a.o_proj, a.o_lora);
+  }
+  if (layer.mlp) {
+    MlpImpl& f = *layer.mlp;
+    out.push_back({"mlp.gate_proj", &f.gate_proj, &f.gate_lora});
+    out.push_back({"mlp.up_proj", &f.up_proj, &f.up_lora});
+    out.push_back({"mlp.down_proj", &f.down_proj, &f.down_lora});
+  }
+  return out;
+}
+}  // namespace
+
 absl::Status AttachLora(CausalLMImpl& m, const LoraConfig& lora, uint64_t seed) {
   if (m.lora_.enabled()) return absl::FailedPreconditionError("lora: the model already has adapters");
   if (absl::Status s = lora.Validate("lora", &m.config_); !s.ok()) return s;
@@ -137,15 +174,8 @@ absl::Status AttachLora(CausalLMImpl& m, const LoraConfig& lora, uint64_t seed) 
     adapter.scale = lora.scale();
   };
   for (DecoderLayer& layer : m.model->layer_list) {
-    AttentionImpl& a = *layer->self_attn;
-    attach(a.q_proj, a.q_lora, "q_proj");
-    attach(a.k_proj, a.k_lora, "k_proj");
-    attach(a.v_proj, a.v_lora, "v_proj");
-    attach(a.o_proj, a.o_lora, "o_proj");
-    MlpImpl& f = *layer->mlp;
-    attach(f.gate_proj, f.gate_lora, "gate_proj");
-    attach(f.up_proj, f.up_lora, "up_proj");
-    attach(f.down_proj, f.down_lora, "down_proj");
+    for (const LoraSlot& slot : LoraSlots(*layer))
+      attach(*slot.linear, *slot.adapter, slot.name.substr(slot.name.find('.') + 1).c_str());
   }
   m.lora_ = lora;
   return absl::OkStatus();
@@ -160,17 +190,11 @@ std::vector<std::pair<std::string, torch::Tensor>> MergedParameters(CausalLMImpl
     for (size_t i = 0; i < m.model->layer_list.size(); ++i) {
       const std::string prefix = "model.layers." + std::to_string(i) + ".";
       DecoderLayer& layer = m.model->layer_list[i];
-      AttentionImpl& a = *layer->self_attn;
-      MlpImpl& f = *layer->mlp;
-      const std::pair<std::string, std::pair<torch::nn::Linear*, LoraAdapter*>> all[] = {
-          {"self_attn.q_proj", {&a.q_proj, &a.q_lora}}, {"self_attn.k_proj", {&a.k_proj, &a.k_lora}},
-          {"self_attn.v_proj", {&a.v_proj, &a.v_lora}}, {"self_attn.o_proj", {&a.o_proj, &a.o_lora}},
-          {"mlp.gate_proj", {&f.gate_proj, &f.gate_lora}}, {"mlp.up_proj", {&f.up_proj, &f.up_lora}},
-          {"mlp.down_proj", {&f.down_proj, &f.down_lora}}};
-      for (const auto& [name, pair] : all) {
-        const LoraAdapter& lora = *pair.second;
+      for (const LoraSlot& slot : LoraSlots(*layer)) {
+        const std::string& name = slot.name;
+        const LoraAdapter& lora = *slot.adapter;
         if (!lora) continue;
-        const torch::Tensor& w = (*pair.first)->weight;  // (out, in)
+        const torch::Tensor& w = (*slot.linear)->weight;  // (out, in)
         torch::Tensor delta = torch::matmul(lora.B->weight.to(torch::kFloat32), lora.A->weight.to(torch::kFloat32));
         merged[prefix + name + ".weight"] = (w.to(torch::kFloat32) + delta * lora.scale).to(w.scalar_type());
       }

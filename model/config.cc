@@ -663,9 +663,13 @@ std::vector<std::string> LoraConfig::Targets() const {
 }
 
 namespace {
-// (in, out) features of projection `name` of `m`.
-std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& m, const std::string& name) {
-  const int64_t H = m.hidden_size, q = m.num_attention_heads * m.HeadDim(), kv = m.num_key_value_heads * m.HeadDim();
+// (in, out) features of projection `name` of `m`'s layers of kind `kind` (ModelConfig::
+// LayerKind: the dense attention and DSA share the attention's shapes; KDA's q, k, v and o are
+// its heads' H K wide).
+std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& m, const std::string& name, char kind) {
+  const int64_t H = m.hidden_size;
+  int64_t q = m.num_attention_heads * m.HeadDim(), kv = m.num_key_value_heads * m.HeadDim();
+  if (kind == 'K') q = kv = m.hybrid.kda_num_heads * m.hybrid.kda_head_dim;
   if (name == "q_proj") return {H, q};
   if (name == "k_proj" || name == "v_proj") return {H, kv};
   if (name == "o_proj") return {q, H};
@@ -698,11 +702,6 @@ absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* 
         target_modules.begin() + static_cast<std::ptrdiff_t>(i))
       return absl::InvalidArgumentError(absl::StrCat(prefix, ".target_modules[", i, "]: (\"", t, "\") is named twice"));
   }
-  if (model != nullptr && model->IsHybrid()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, ".rank: (", rank,
-        ") LoRA is not implemented for the hybrid family yet: its KDA and DSA layers have no adapters (set 0)"));
-  }
   if (model != nullptr && model->moe.enabled()) {
     return absl::InvalidArgumentError(absl::StrCat(
         prefix, ".rank: (", rank, ") LoRA is not implemented for MoE models yet (num_experts ", model->moe.num_experts,
@@ -710,7 +709,12 @@ absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* 
   }
   if (model != nullptr) {
     for (const std::string& t : Targets()) {
-      auto [in, out] = ProjectionDims(*model, t);
+      std::pair<int64_t, int64_t> dims = ProjectionDims(*model, t, 'A');
+      for (int64_t i = 0; i < model->num_hidden_layers; ++i) {
+        const std::pair<int64_t, int64_t> d = ProjectionDims(*model, t, model->LayerKind(i));
+        if (std::min(d.first, d.second) < std::min(dims.first, dims.second)) dims = d;
+      }
+      auto [in, out] = dims;
       if (rank > std::min(in, out))
         return absl::InvalidArgumentError(absl::StrCat(prefix, ".rank: (", rank, ") must be <= the smaller dim of ", t,
                                                        " (", in, " -> ", out, ")"));
@@ -721,12 +725,14 @@ absl::Status LoraConfig::Validate(const std::string& prefix, const ModelConfig* 
 
 int64_t LoraConfig::NumParameters(const ModelConfig& model) const {
   if (!enabled()) return 0;
-  int64_t per_layer = 0;
-  for (const std::string& t : Targets()) {
-    auto [in, out] = ProjectionDims(model, t);
-    per_layer += rank * (in + out);
+  int64_t n = 0;
+  for (int64_t i = 0; i < model.num_hidden_layers; ++i) {
+    for (const std::string& t : Targets()) {
+      auto [in, out] = ProjectionDims(model, t, model.LayerKind(i));
+      n += rank * (in + out);
+    }
   }
-  return per_layer * model.num_hidden_layers;
+  return n;
 }
 
 std::string ToPeftAdapterConfigJson(const LoraConfig& lora, const std::string& base_model) {

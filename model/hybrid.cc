@@ -157,32 +157,28 @@ Tensor KdaAttentionImpl::TileHeads(const Tensor& x_ctx, int64_t ctx, const Tenso
               first_head + H, ") out of the layer's ", heads_);
   const int64_t r0 = first_head * K, rows = H * K;  // the heads' rows of the per-head weights
   auto heads = [&](const Tensor& t) { return t.reshape({B, n, H, K}); };  // (B, n, H, K)
-  // The heads' rows of a projection's output (all of them: the module itself).
-  auto rows_of = [&](torch::nn::Linear& proj, const Tensor& in, int64_t first, int64_t count) {
-    if (first == 0 && count == proj->weight.size(0)) return proj(in);
-    return torch::nn::functional::linear(in, proj->weight.narrow(0, first, count));
-  };
   // The convolutions see the context; everything after them only the tile's tokens.
   // silu(conv(proj(x))) of the n rows after the context (kernels::ShortConvSilu: libtorch's
   // depthwise conv1d on the CPU, one fused kernel on the GPU).
-  auto conv_silu = [&](ShortConv& c, torch::nn::Linear& proj) {
-    return kernels::ShortConvSilu(rows_of(proj, x_ctx, r0, rows), c->weight.narrow(0, r0, rows), ctx);
+  // (The heads' rows of a projection: model/lora_adapter.h's ProjectRows, with its adapter.)
+  auto conv_silu = [&](ShortConv& c, torch::nn::Linear& proj, const LoraAdapter& lora) {
+    return kernels::ShortConvSilu(ProjectRows(proj, lora, x_ctx, r0, rows), c->weight.narrow(0, r0, rows), ctx);
   };
   const Tensor x = x_ctx.narrow(1, ctx, n);
-  Tensor q = L2Norm(heads(conv_silu(q_conv1d, q_proj))).transpose(1, 2);  // (B, H, n, K)
-  Tensor k = L2Norm(heads(conv_silu(k_conv1d, k_proj))).transpose(1, 2);  // (B, H, n, K)
-  Tensor v = heads(conv_silu(v_conv1d, v_proj)).transpose(1, 2);          // (B, H, n, K)
+  Tensor q = L2Norm(heads(conv_silu(q_conv1d, q_proj, q_lora))).transpose(1, 2);  // (B, H, n, K)
+  Tensor k = L2Norm(heads(conv_silu(k_conv1d, k_proj, k_lora))).transpose(1, 2);  // (B, H, n, K)
+  Tensor v = heads(conv_silu(v_conv1d, v_proj, v_lora)).transpose(1, 2);          // (B, H, n, K)
   // The safe gate in fp32: lb * sigmoid(exp(A_log[h]) (f + dt_bias)) in (lb, 0).
-  Tensor f = rows_of(f_b_proj, f_a_proj(x), r0, rows).to(torch::kFloat32) + dt_bias.narrow(0, r0, rows);  // (B, n, H K)
+  Tensor f = ProjectRows(f_b_proj, LoraAdapter{}, f_a_proj(x), r0, rows).to(torch::kFloat32) + dt_bias.narrow(0, r0, rows);  // (B, n, H K)
   Tensor g = lower_bound_ * torch::sigmoid(heads(f) * A_log.narrow(0, first_head, H).exp().view({H, 1}));  // (B, n, H, K)
   g = g.transpose(1, 2);                                                                        // (B, H, n, K)
-  Tensor beta = torch::sigmoid(rows_of(b_proj, x, first_head, H).to(torch::kFloat32)).transpose(1, 2);  // (B, H, n)
+  Tensor beta = torch::sigmoid(ProjectRows(b_proj, LoraAdapter{}, x, first_head, H).to(torch::kFloat32)).transpose(1, 2);  // (B, H, n)
   kernels::KdaOptions options;
   options.chunk_size = chunk_;
   options.segment = segment_;
   auto [o, state] = kernels::KdaChunked(q, k, v, g, beta, h0, options);  // (B, H, n, K), (B, H, K, K)
   if (h_out != nullptr) *h_out = state;
-  Tensor gate = torch::sigmoid(heads(rows_of(g_b_proj, g_a_proj(x), r0, rows)));  // (B, n, H, K)
+  Tensor gate = torch::sigmoid(heads(ProjectRows(g_b_proj, LoraAdapter{}, g_a_proj(x), r0, rows)));  // (B, n, H, K)
   return (o_norm(o.transpose(1, 2)) * gate).reshape({B, n, H * K});
 }
 
@@ -517,8 +513,8 @@ void DsaAttentionImpl::InitSpecial(const std::optional<at::Generator>& /*gen*/) 
   indexer->pool_bias.zero_();
 }
 
-Tensor DsaAttentionImpl::SplitHeads(torch::nn::Linear proj, const Tensor& x) {
-  return proj(x).view({x.size(0), x.size(1), -1, head_dim_}).transpose(1, 2);
+Tensor DsaAttentionImpl::SplitHeads(const torch::nn::Linear& proj, const LoraAdapter& lora, const Tensor& x) {
+  return Project(proj, lora, x).view({x.size(0), x.size(1), -1, head_dim_}).transpose(1, 2);
 }
 
 void DsaAttentionImpl::set_tile(int64_t tokens) {
@@ -639,8 +635,8 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     {
       torch::AutoGradMode grad(true);
       if (out_grad) {
-        k = m.SplitHeads(m.k_proj, xl);  // (B, Hkv, S, D)
-        v = m.SplitHeads(m.v_proj, xl);
+        k = m.SplitHeads(m.k_proj, m.k_lora, xl);  // (B, Hkv, S, D)
+        v = m.SplitHeads(m.v_proj, m.v_lora, xl);
       }
       if (kl_grad) keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
     }
@@ -664,7 +660,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         Tensor q;
         {
           torch::AutoGradMode grad(true);
-          q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
+          q = m.SplitHeads(m.q_proj, m.q_lora, xt);  // (B, H, n, D)
         }
         const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
         const Tensor g = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).transpose(1, 2);
@@ -735,8 +731,8 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
   static Tensor Run(DsaAttentionImpl& m, const Tensor& x, bool kl, Saved* saved, const DsaSelectionIo& sel) {
     const int64_t B = x.size(0), S = x.size(1), H = m.heads_, D = m.head_dim_, kp = m.top_pools_;
     const bool replay = sel.replay.defined();
-    const Tensor k = m.SplitHeads(m.k_proj, x);  // (B, Hkv, S, D)
-    const Tensor v = m.SplitHeads(m.v_proj, x);
+    const Tensor k = m.SplitHeads(m.k_proj, m.k_lora, x);  // (B, Hkv, S, D)
+    const Tensor v = m.SplitHeads(m.v_proj, m.v_lora, x);
     const Tensor keys = replay && !kl ? Tensor() : m.indexer->Keys(x);  // (B, S / 4, DI)
     Tensor out = torch::empty({B, S, H * D}, x.options());
     auto i32 = x.options().dtype(torch::kInt32);
@@ -752,7 +748,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
       const int64_t n = std::min(m.tile_, S - t0);
       const Tensor xt = x.narrow(1, t0, n);
-      const Tensor q = m.SplitHeads(m.q_proj, xt);  // (B, H, n, D)
+      const Tensor q = m.SplitHeads(m.q_proj, m.q_lora, xt);  // (B, H, n, D)
       Tensor iq, iw, pool, idx;  // pool: (B, n, kp); idx: (B, n, 4 kp + 3)
       {
         // (Phases for the profiler and odyssey-bench --phase-times: user scopes, free otherwise.)
@@ -805,8 +801,9 @@ namespace {
 
 // Heads [first, first + count) of head_dim of proj(x), x (B, n, in): (B, count, n, head_dim),
 // through those heads' rows of the weight.
-Tensor HeadRows(const torch::nn::Linear& proj, const Tensor& x, int64_t first, int64_t count, int64_t head_dim) {
-  return torch::nn::functional::linear(x, proj->weight.narrow(0, first * head_dim, count * head_dim))
+Tensor HeadRows(const torch::nn::Linear& proj, const LoraAdapter& lora, const Tensor& x, int64_t first, int64_t count,
+               int64_t head_dim) {
+  return ProjectRows(proj, lora, x, first * head_dim, count * head_dim)
       .view({x.size(0), x.size(1), count, head_dim})
       .transpose(1, 2);
 }
@@ -869,8 +866,8 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       torch::NoGradGuard no_grad;
       for (const ShardTile& t : ShardTiles(P, L, m.tile_)) {
         const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);
-        k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D));
-        v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D));
+        k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D));
+        v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D));
       }
       dk_acc = torch::zeros({B, Hkv, S, D}, acc);
       dv_acc = torch::zeros({B, Hkv, S, D}, acc);
@@ -901,9 +898,9 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
         Tensor q, kt, vt;
         {
           torch::AutoGradMode grad(true);
-          q = HeadRows(m.q_proj, xt, rank * H, H, D);  // (B, H, n, D)
-          kt = HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D);
-          vt = HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D);
+          q = HeadRows(m.q_proj, m.q_lora, xt, rank * H, H, D);  // (B, H, n, D)
+          kt = HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D);
+          vt = HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D);
         }
         const Tensor idx = kernels::ExpandPoolSelection(pool, t.start);
         RECORD_USER_SCOPE("dsa sparse attention backward");
@@ -999,9 +996,9 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);  // (B, n, hidden)
       Tensor pool = mine ? pools.narrow(1, t.local, t.n).clone() : torch::empty({B, t.n, kp}, i32);
       group.Broadcast(pool, t.owner);
-      k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, xt, rank * Hkv, Hkv, D));
-      v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, xt, rank * Hkv, Hkv, D));
-      const Tensor q = HeadRows(m.q_proj, xt, rank * H, H, D);  // (B, H, n, D)
+      k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D));
+      v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D));
+      const Tensor q = HeadRows(m.q_proj, m.q_lora, xt, rank * H, H, D);  // (B, H, n, D)
       const Tensor idx = kernels::ExpandPoolSelection(pool, t.start);
       kernels::SparseAttentionResult r;
       {
@@ -1077,9 +1074,9 @@ Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl, const SequenceGrou
 Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend* backend, Kl* kl) {
   if (stage_ == IndexerStage::kSparse) return SparseHeads(x, kl);
   const int64_t B = x.size(0), S = x.size(1), H = heads_, D = head_dim_;
-  Tensor q = SplitHeads(q_proj, x);  // (B, H, S, D)
-  Tensor k = SplitHeads(k_proj, x);  // (B, Hkv, S, D)
-  Tensor v = SplitHeads(v_proj, x);
+  Tensor q = SplitHeads(q_proj, q_lora, x);  // (B, H, S, D)
+  Tensor k = SplitHeads(k_proj, k_lora, x);  // (B, Hkv, S, D)
+  Tensor v = SplitHeads(v_proj, v_lora, x);
   // The indexer sees a detached input: it learns only from its KL (spec 2.3).
   DsaIndexerImpl::Out ix;
   if (kl != nullptr) ix = indexer(x.detach());  // with grad: the KL's path to the indexer

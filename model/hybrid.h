@@ -25,6 +25,7 @@
 
 #include "model/attention.h"
 #include "model/config.h"
+#include "model/lora_adapter.h"
 #include "model/sequence_group.h"
 
 namespace odyssey::model {
@@ -111,6 +112,7 @@ class KdaAttentionImpl : public torch::nn::Module {
   void to(torch::Device device, bool non_blocking = false) override;
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  LoraAdapter q_lora, k_lora, v_lora, o_lora;  // set by AttachLora (the low-rank gate projections have none)
   ShortConv q_conv1d{nullptr}, k_conv1d{nullptr}, v_conv1d{nullptr};
   torch::nn::Linear f_a_proj{nullptr}, f_b_proj{nullptr}, b_proj{nullptr}, g_a_proj{nullptr}, g_b_proj{nullptr};
   HeadRMSNorm o_norm{nullptr};
@@ -223,6 +225,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   double gradient_scale() const { return gradient_scale_; }
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  LoraAdapter q_lora, k_lora, v_lora, o_lora;  // set by AttachLora (the indexer has none: frozen with the base)
   DsaIndexer indexer{nullptr};
 
  private:
@@ -233,7 +236,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   class TiledFunction;
   class ShardedFunction;
   // proj(x) for x (B, S, hidden) split into heads of head_dim: (B, heads, S, head_dim), a view.
-  torch::Tensor SplitHeads(torch::nn::Linear proj, const torch::Tensor& x);
+  torch::Tensor SplitHeads(const torch::nn::Linear& proj, const LoraAdapter& lora, const torch::Tensor& x);
   torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
   // The sparse stage over query tiles: without grad directly, with grad through TiledFunction;
   // with a group of more than one rank, through ShardedFunction.

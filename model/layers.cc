@@ -87,6 +87,16 @@ torch::Tensor LoraDelta(const LoraAdapter& lora, const torch::Tensor& x) {
   return F::linear(F::linear(x, lora.A->weight), lora.B->weight) * lora.scale;  // (..., out)
 }
 
+torch::Tensor ProjectRows(const torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x,
+                          int64_t first, int64_t count) {
+  namespace F = torch::nn::functional;
+  if (first == 0 && count == linear->weight.size(0)) return Project(linear, lora, x);
+  TORCH_CHECK(!linear->bias.defined(), "ProjectRows: rows of a projection with a bias");
+  torch::Tensor y = F::linear(x, linear->weight.narrow(0, first, count));  // (..., count)
+  if (!lora) return y;
+  return y + F::linear(F::linear(x, lora.A->weight), lora.B->weight.narrow(0, first, count)) * lora.scale;
+}
+
 torch::Tensor Project(const torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x) {
   torch::Tensor y = torch::nn::functional::linear(x, linear->weight, linear->bias);  // (..., out): Linear's forward
   if (!lora) return y;
@@ -177,11 +187,11 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
 
 torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const LayerContext& ctx) {
   if (kda)
-    return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention, ctx.sequence), kda->o_proj, LoraAdapter{});
+    return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention, ctx.sequence), kda->o_proj, kda->o_lora);
   if (dsa) {
     torch::Tensor indexer_loss;  // set when the indexer trains in this pass
     torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss, ctx.sequence),
-                                     dsa->o_proj, LoraAdapter{});
+                                     dsa->o_proj, dsa->o_lora);
     return indexer_loss.defined()
                ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight() * dsa->gradient_scale())
                : y;

@@ -17,6 +17,7 @@
 #include "model/attention.h"
 #include "model/config.h"
 #include "model/hybrid.h"
+#include "model/lora_adapter.h"
 
 namespace odyssey::model {
 
@@ -48,20 +49,7 @@ RopeTables MakeRopeTables(const torch::Tensor& inv_freq, const torch::Tensor& po
 // x (B, S, H, D) rotated by the tables (B, S, D) (kernels::Rope).
 torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTables& rope);
 
-// A LoRA adapter on one projection (PEFT's LoraLayer, dropout 0): the projection's output gains
-// scale * (x A^T) B^T. A = lora_A.weight (rank, in), B = lora_B.weight (out, rank) are Linear
-// modules registered under the projection's own module (AttachLora, model/causal_lm.h), so
-// named_parameters() are PEFT's names: model.layers.N.self_attn.q_proj.lora_A.weight.
-// Null handles (the default) mean no adapter.
-struct LoraAdapter {
-  torch::nn::Linear A{nullptr}, B{nullptr};
-  double scale = 0;
-  explicit operator bool() const { return static_cast<bool>(A); }
-};
-// linear(x) plus the adapter's term when it has one. x (..., in) -> (..., out).
-torch::Tensor Project(const torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x);
-// scale * (x A^T) B^T. REQUIRES: lora. x (..., in) -> (..., out).
-torch::Tensor LoraDelta(const LoraAdapter& lora, const torch::Tensor& x);
+// LoraAdapter, Project, ProjectRows and LoraDelta: model/lora_adapter.h.
 
 // What every layer of one forward pass shares.
 struct LayerContext {

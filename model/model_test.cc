@@ -714,5 +714,64 @@ TEST(ModelTest, LoraAdaptersFollowTheFormulaMergeAndRoundTrip) {
   std::filesystem::remove_all(dir);
 }
 
+// LoRA on the hybrid family: adapters on the KDA and DSA layers' q, k, v and o projections (KDA's
+// H K wide, DSA's GQA shapes) and the MLPs; B = 0 leaves the output alone, nonzero B changes it
+// exactly as merging the adapters into the weights does, the backward reaches the adapters only
+// (every one of them), and the indexer stays frozen with the base (no KL without its gradient).
+TEST(HybridModelTest, LoraAdaptersOnKdaAndDsaLayersActMergeAndTrainAlone) {
+  torch::manual_seed(4);
+  const ModelConfig c = NamedShape("hybrid-tiny").value();
+  CausalLM m(c);
+  m->InitRandom(3, 0.1);
+  ForwardInputs in;
+  in.input_ids = torch::randint(0, c.vocab_size, {2, 40}, torch::kInt64);  // past 16 + 3: truly sparse
+  torch::Tensor base;
+  {
+    torch::NoGradGuard no_grad;
+    base = m->Logits(in);
+  }
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  ASSERT_TRUE(AttachLora(*m, lora, 11).ok());
+  int64_t adapter_params = 0;
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(m->Logits(in), base)) << "B starts at zero";
+    for (auto& p : m->named_parameters()) {
+      EXPECT_EQ(p.value().requires_grad(), IsLoraParameter(p.key())) << p.key();
+      if (!IsLoraParameter(p.key())) continue;
+      adapter_params += p.value().numel();
+      if (p.key().find(".lora_B.") != std::string::npos) p.value().normal_(0.0, 0.2);
+    }
+  }
+  EXPECT_EQ(adapter_params, lora.NumParameters(c));
+  auto params = m->named_parameters();
+  EXPECT_TRUE(params.contains("model.layers.0.self_attn.q_proj.lora_A.weight"));  // KDA
+  EXPECT_TRUE(params.contains("model.layers.3.self_attn.k_proj.lora_B.weight"));  // DSA
+  EXPECT_EQ(params["model.layers.0.self_attn.k_proj.lora_B.weight"].size(0), 64);  // KDA: 4 heads x 16
+  EXPECT_EQ(params["model.layers.3.self_attn.k_proj.lora_B.weight"].size(0), 32);  // DSA: 2 KV heads x 16
+  torch::Tensor adapted = m->Logits(in);
+  EXPECT_GT((adapted.detach() - base).abs().max().item<double>(), 1e-3) << "the adapters change the output";
+  adapted.square().mean().backward();
+  for (auto& p : m->named_parameters()) {
+    if (!IsLoraParameter(p.key())) {
+      EXPECT_FALSE(p.value().grad().defined()) << p.key();
+      continue;
+    }
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
+  }
+  EXPECT_FALSE(m->IndexerLoss().defined()) << "the frozen indexer computes no KL";
+  // Merged weights in a plain hybrid model give the adapted logits.
+  CausalLM plain(c);
+  auto plain_params = plain->named_parameters();
+  const auto merged = MergedParameters(*m);
+  EXPECT_EQ(merged.size(), plain_params.size());
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, t] : merged) plain_params[name].copy_(t);
+  EXPECT_LT((plain->Logits(in) - adapted.detach()).abs().max().item<double>(), 1e-5);
+}
+
 }  // namespace
 }  // namespace odyssey::model

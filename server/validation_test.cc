@@ -172,9 +172,9 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
          s.mutable_parallel()->set_context_parallel(2);
          s.mutable_data()->set_seq_len(68);
        }, absl::StatusCode::kInvalidArgument, "spec.parallel.context_parallel"},
-      {[](v1::JobSpec& s) {  // the KDA/DSA layers have no adapters yet
+      {[](v1::JobSpec& s) {  // hybrid-tiny's narrowest adapted projection is 32 wide (DSA k/v)
          s.mutable_model()->set_name("hybrid-tiny");
-         s.mutable_lora()->set_rank(4);
+         s.mutable_lora()->set_rank(33);
        }, absl::StatusCode::kInvalidArgument, "spec.lora.rank"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {

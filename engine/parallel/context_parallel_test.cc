@@ -98,13 +98,21 @@ Group MakeGroup(int P, const TrainerOptions& base) {
 // Steps P ranks and one rank on the same batches; every step's loss and norm and the weights
 // after it agree. Tolerances: fp32, the ranks sum the same per-token terms in another order
 // (shards, then the all-reduce); 1e-5 relative, as the data-parallel test.
-void ExpectEqualsOneRank(int P, const TrainerOptions& options, bool packed, const std::string& what) {
+// `warm`: one step of the ranks first (LoRA's B starts at zero, and with it A's gradient).
+void ExpectEqualsOneRank(int P, const TrainerOptions& options, bool packed, const std::string& what,
+                         bool warm = false) {
   TrainerOptions one = options;
   one.context_parallel = ContextParallelOptions{};
   auto single = Trainer::Create(one);
   ASSERT_TRUE(single.ok()) << single.status();
   Group g = MakeGroup(P, options);
   for (const auto& t : g.ranks) ASSERT_TRUE(t);
+  if (warm) {
+    const Batch first = (*single)->data().Next();
+    std::vector<StepResult> warmed(static_cast<size_t>(P));
+    g.Run([&](int r) { warmed[static_cast<size_t>(r)] = g.ranks[static_cast<size_t>(r)]->Step(first); });
+    for (const StepResult& w : warmed) ASSERT_TRUE(w.status.ok()) << what << ": " << w.status;
+  }
   CopyWeights(*g.ranks[0], **single);
   for (int step = 0; step < 2; ++step) {
     Batch batch = (*single)->data().Next();
@@ -386,6 +394,11 @@ TEST(ContextParallelTest, HybridLayersOnShardsEqualOneRank) {
   o.memory.recompute = planner::Recompute::kEveryK;
   o.memory.every_k = 2;
   ExpectEqualsOneRank(2, o, /*packed=*/false, "hybrid every_k 2");
+  // LoRA: the adapters' rows split with the heads (their B's rows; A whole).
+  o = HybridTiny();
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.lora.rank = 4;
+  ExpectEqualsOneRank(2, o, /*packed=*/false, "hybrid LoRA", /*warm=*/true);
 }
 
 // What the hybrid layers cannot split is refused by name before any rank starts.
