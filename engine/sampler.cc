@@ -100,13 +100,6 @@ torch::Tensor ChooseTokens(const torch::Tensor& logits, const SampleSpec& spec, 
 
 absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& spec, const SamplerLimits& limits) {
   const model::ModelConfig& config = model->config();
-  if (config.IsHybrid()) {
-    // model/decode.h caches dense attention's keys and values; the KDA layers' recurrent state
-    // and the DSA layers' index keys have no cache yet.
-    return absl::UnimplementedError(
-        "sample: KV-cache decoding is not implemented for the hybrid family yet (its KDA state and DSA index "
-        "caches are not built); export the weights and sample elsewhere");
-  }
   if (absl::Status s = ValidateSample(spec, config.vocab_size, config.max_position_embeddings, limits); !s.ok())
     return s;
   const absl::Time start = absl::Now();
@@ -130,16 +123,9 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
       const std::vector<int64_t>& prompt = spec.prompts[static_cast<size_t>(p)];
       const int64_t L = static_cast<int64_t>(prompt.size());
       torch::Tensor ids = torch::tensor(prompt, torch::kInt64).to(device).unsqueeze(0);  // (1, L)
-      model::KvCache row;
-      row.capacity = cache.capacity;
-      for (model::LayerKv& kv : cache.layers) row.layers.push_back({kv.k.narrow(0, p * n, 1), kv.v.narrow(0, p * n, 1)});
+      model::KvCache row = model::CacheRows(cache, p * n, 1);
       torch::Tensor h = model::Prefill(*model, ids, row);  // (1, L, hidden); the views write through
-      for (model::LayerKv& kv : cache.layers) {
-        for (int64_t j = 1; j < n; ++j) {
-          kv.k.narrow(0, p * n + j, 1).copy_(kv.k.narrow(0, p * n, 1));
-          kv.v.narrow(0, p * n + j, 1).copy_(kv.v.narrow(0, p * n, 1));
-        }
-      }
+      for (int64_t j = 1; j < n; ++j) model::CopyCacheRow(cache, p * n, p * n + j);
       for (int64_t j = 0; j < n; ++j) {
         last.push_back(h[0][L - 1]);
         lengths.push_back(L);
