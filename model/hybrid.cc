@@ -592,17 +592,45 @@ struct DsaTileState : torch::CustomClassHolder {
 // target (B, S, kp) fp32.
 class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFunction> {
  public:
+  struct Saved {
+    Tensor pool_idx, lse, target, kl;
+    int64_t rows = 0;
+  };
+
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
                                                 c10::intrusive_ptr<DsaTileState> st) {
     torch::NoGradGuard no_grad;
     Saved saved;
     Tensor out = Run(*st->mixer, x, st->kl, &saved, st->selection);
+    return Keep(ctx, st, x, saved, std::move(out));
+  }
+
+  // What forward keeps for backward of a pass's result (ShardedFunction's too): x, the selection,
+  // the log-sum-exp and the KL target; returns the output and the KL.
+  static torch::autograd::variable_list Keep(torch::autograd::AutogradContext* ctx,
+                                             const c10::intrusive_ptr<DsaTileState>& st, const Tensor& x,
+                                             const Saved& saved, Tensor out) {
     st->rows = saved.rows;
     ctx->save_for_backward({x, saved.pool_idx, saved.lse, saved.target});
     ctx->saved_data["state"] = c10::IValue::make_capsule(st);
     ctx->set_materialize_grads(false);
     if (!st->kl) ctx->mark_non_differentiable({saved.kl});
-    return {out, saved.kl};
+    return {std::move(out), saved.kl};
+  }
+
+  // The layer's parameters that train: q, k and v's (which learn only from the output), then the
+  // indexer's (only from the KL).
+  static std::vector<Tensor> TrainedWeights(DsaAttentionImpl& m) {
+    std::vector<Tensor> weights;
+    for (const auto& mod : {m.q_proj.ptr(), m.k_proj.ptr(), m.v_proj.ptr()}) {
+      for (const auto& p : mod->parameters()) {
+        if (p.requires_grad()) weights.push_back(p);
+      }
+    }
+    for (const auto& p : m.indexer->parameters()) {
+      if (p.requires_grad()) weights.push_back(p);
+    }
+    return weights;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -614,18 +642,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     const int64_t B = x.size(0), S = x.size(1), H = m.heads_, Hkv = m.kv_heads_, D = m.head_dim_;
     const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
     if (!out_grad && !kl_grad) return {Tensor(), Tensor()};
-    // The indexer's parameters learn only from the KL; q, k and v's only from the output.
-    std::vector<Tensor> attn_w, ix_w;
-    for (const auto& mod : {m.q_proj.ptr(), m.k_proj.ptr(), m.v_proj.ptr()}) {
-      for (const auto& p : mod->parameters()) {
-        if (p.requires_grad()) attn_w.push_back(p);
-      }
-    }
-    for (const auto& p : m.indexer->parameters()) {
-      if (p.requires_grad()) ix_w.push_back(p);
-    }
-    std::vector<Tensor> weights = attn_w;
-    weights.insert(weights.end(), ix_w.begin(), ix_w.end());
+    const std::vector<Tensor> weights = TrainedWeights(m);
     Fp32GradSums sums(weights);
     Tensor dx = torch::zeros_like(x);
     // The whole sequence's keys and values (and pooled indexer keys) once, with a graph back to
@@ -719,11 +736,6 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     sums.WriteGrads();
     return {dx, Tensor()};
   }
-
-  struct Saved {
-    Tensor pool_idx, lse, target, kl;
-    int64_t rows = 0;
-  };
 
   // The tiles without a graph. `saved` (optional) gets what backward needs; with `kl` the KL
   // summed over rows goes to saved->kl (0 otherwise). `sel`: a kept selection to replay (no
@@ -823,12 +835,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
     torch::NoGradGuard no_grad;
     Saved saved;
     Tensor out = Run(*st->mixer, *st->group, x, st->kl, &saved, st->selection);
-    st->rows = saved.rows;
-    ctx->save_for_backward({x, saved.pool_idx, saved.lse, saved.target});
-    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
-    ctx->set_materialize_grads(false);
-    if (!st->kl) ctx->mark_non_differentiable({saved.kl});
-    return {out, saved.kl};
+    return TiledFunction::Keep(ctx, st, x, saved, std::move(out));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -844,16 +851,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
     // Every rank of the group has the same graph: both flags agree over the ranks.
     const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
     if (!out_grad && !kl_grad) return {Tensor(), Tensor()};
-    std::vector<Tensor> weights, ix_w;
-    for (const auto& mod : {m.q_proj.ptr(), m.k_proj.ptr(), m.v_proj.ptr()}) {
-      for (const auto& p : mod->parameters()) {
-        if (p.requires_grad()) weights.push_back(p);
-      }
-    }
-    for (const auto& p : m.indexer->parameters()) {
-      if (p.requires_grad()) ix_w.push_back(p);
-    }
-    weights.insert(weights.end(), ix_w.begin(), ix_w.end());
+    const std::vector<Tensor> weights = TiledFunction::TrainedWeights(m);
     Fp32GradSums sums(weights);
     const auto acc = torch::TensorOptions().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
                          .device(x.device());

@@ -272,6 +272,28 @@ TEST(ShardingTest, SavedAtFourLoadsAtTwoAndOne) {
   std::filesystem::remove_all(dir);
 }
 
+// The ranks' gradients of one batch against `single`'s (each within rtol); returns the ranks'
+// (empty after a failure, which is reported). The batch is `single`'s next.
+std::vector<BatchGradients> ExpectGradientsOfOneRank(Trainer& single, Ranks& g, double rtol, const std::string& what,
+                                                     Batch* batch_out) {
+  const Batch batch = single.data().Next();
+  const int P = static_cast<int>(g.trainers.size());
+  std::vector<absl::StatusOr<BatchGradients>> grads(static_cast<size_t>(P), absl::UnknownError("not run"));
+  g.Run([&](int r) { grads[static_cast<size_t>(r)] = g.at(r).Gradients(batch); });
+  absl::StatusOr<BatchGradients> want = single.Gradients(batch);
+  EXPECT_TRUE(want.ok()) << what << ": " << want.status();
+  if (!want.ok()) return {};
+  std::vector<BatchGradients> out;
+  for (int r = 0; r < P; ++r) {
+    EXPECT_TRUE(grads[static_cast<size_t>(r)].ok()) << what << ": " << grads[static_cast<size_t>(r)].status();
+    if (!grads[static_cast<size_t>(r)].ok()) return {};
+    ExpectGradientsClose(*grads[static_cast<size_t>(r)], *want, rtol, what + " rank " + std::to_string(r));
+    out.push_back(*std::move(grads[static_cast<size_t>(r)]));
+  }
+  if (batch_out != nullptr) *batch_out = batch;
+  return out;
+}
+
 // Sharded over a context-parallel group of 2 (the same ranks hold the sequence's halves and the
 // parameters' halves): the gradients and the step of one rank.
 TEST(ShardingTest, ShardedWithContextParallelEqualsOneRank) {
@@ -281,15 +303,8 @@ TEST(ShardingTest, ShardedWithContextParallelEqualsOneRank) {
   ASSERT_TRUE(single.ok()) << single.status();
   Ranks g = MakeRanks(2, o, /*context_parallel=*/true);
   for (const auto& t : g.trainers) ASSERT_TRUE(t);
-  const Batch batch = (*single)->data().Next();
-  std::vector<absl::StatusOr<BatchGradients>> grads(2, absl::UnknownError("not run"));
-  g.Run([&](int r) { grads[static_cast<size_t>(r)] = g.at(r).Gradients(batch); });
-  absl::StatusOr<BatchGradients> want = (*single)->Gradients(batch);
-  ASSERT_TRUE(want.ok()) << want.status();
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(grads[static_cast<size_t>(r)].ok()) << grads[static_cast<size_t>(r)].status();
-    ExpectGradientsClose(*grads[static_cast<size_t>(r)], *want, 1e-5, "cp 2 rank " + std::to_string(r));
-  }
+  Batch batch;
+  ASSERT_EQ(ExpectGradientsOfOneRank(**single, g, 1e-5, "cp 2", &batch).size(), 2u);
   std::vector<StepResult> results(2);
   g.Run([&](int r) { results[static_cast<size_t>(r)] = g.at(r).Step(batch); });
   const StepResult step = (*single)->Step(batch);
@@ -325,20 +340,12 @@ TEST(ShardingTest, ShardedHybridEqualsOneRank) {
       ASSERT_TRUE(single.ok()) << single.status();
       Ranks g = MakeRanks(2, o, cp);
       for (const auto& t : g.trainers) ASSERT_TRUE(t);
-      const Batch batch = (*single)->data().Next();
-      std::vector<absl::StatusOr<BatchGradients>> grads(2, absl::UnknownError("not run"));
-      g.Run([&](int r) { grads[static_cast<size_t>(r)] = g.at(r).Gradients(batch); });
-      absl::StatusOr<BatchGradients> want = (*single)->Gradients(batch);
-      ASSERT_TRUE(want.ok()) << want.status();
       // bf16: the ranks' halves summed in fp32 and rounded once, against one bf16 backward.
       const double rtol = std::string(dtype) == "bfloat16" ? 2e-2 : cp ? 1e-4 : 1e-5;
-      for (int r = 0; r < 2; ++r) {
-        ASSERT_TRUE(grads[static_cast<size_t>(r)].ok()) << what << ": " << grads[static_cast<size_t>(r)].status();
-        ExpectGradientsClose(*grads[static_cast<size_t>(r)], *want, rtol, what + " rank " + std::to_string(r));
-        EXPECT_EQ(grads[static_cast<size_t>(r)]->grads.at("model.layers.0.self_attn.A_log").scalar_type(),
-                  torch::kFloat32)
-            << what;
-      }
+      const std::vector<BatchGradients> grads = ExpectGradientsOfOneRank(**single, g, rtol, what, nullptr);
+      ASSERT_EQ(grads.size(), 2u) << what;
+      for (const BatchGradients& got : grads)
+        EXPECT_EQ(got.grads.at("model.layers.0.self_attn.A_log").scalar_type(), torch::kFloat32) << what;
     }
   }
 }
