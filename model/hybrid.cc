@@ -830,6 +830,16 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
  public:
   using Saved = TiledFunction::Saved;
 
+  // The sequence's tiles for this layer: inside each shard, tiles of a multiple of P tokens (P
+  // divides L), so every tile's queries split evenly: rank r holds rows [r n/P, (r+1) n/P) of each
+  // tile for the indexer's selection and the KL (the part of the layer whose cost grows with the
+  // query's position: split this way, the ranks share it evenly, where by shards the last rank
+  // would score 2P - 1 times the first's). A rank's held rows, n/P per tile in tile order, are
+  // L in all: its saved selection and KL target.
+  static std::vector<ShardTile> Tiles(const DsaAttentionImpl& m, int P, int64_t L) {
+    return ShardTiles(P, L, std::max<int64_t>(P, m.tile_ / P * P));
+  }
+
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
                                                 c10::intrusive_ptr<DsaTileState> st) {
     torch::NoGradGuard no_grad;
@@ -846,7 +856,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
     DsaAttentionImpl& m = *st->mixer;
     const SequenceGroup& group = *st->group;
     const int P = group.size(), rank = group.rank();
-    const int64_t B = x.size(0), L = x.size(1), S = P * L, D = m.head_dim_, kp = m.top_pools_;
+    const int64_t B = x.size(0), L = x.size(1), S = P * L, D = m.head_dim_;
     const int64_t H = m.heads_ / P, Hkv = m.kv_heads_ / P;
     // Every rank of the group has the same graph: both flags agree over the ranks.
     const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
@@ -862,7 +872,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       k = torch::zeros({B, Hkv, S, D}, x.options());
       v = torch::zeros({B, Hkv, S, D}, x.options());
       torch::NoGradGuard no_grad;
-      for (const ShardTile& t : ShardTiles(P, L, m.tile_)) {
+      for (const ShardTile& t : Tiles(m, P, L)) {
         const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);
         k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D));
         v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D));
@@ -881,16 +891,17 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       dkeys = torch::zeros(keys_leaf.sizes(), acc);
     }
     Tensor dx = torch::zeros_like(x), no_halo;
-    const std::vector<ShardTile> tiles = ShardTiles(P, L, m.tile_);
+    const std::vector<ShardTile> tiles = Tiles(m, P, L);
+    std::vector<int64_t> held(tiles.size() + 1, 0);  // the offset of each tile's held rows
+    for (size_t i = 0; i < tiles.size(); ++i) held[i + 1] = held[i] + tiles[i].n / P;
     // From the last tile: once a tile's queries are done, no query left sees its keys, so their
     // gradient is final and goes back through this tile's k and v projections at once.
     for (size_t i = tiles.size(); i-- > 0;) {
       const ShardTile& t = tiles[i];
-      const bool mine = rank == t.owner;
+      const int64_t part = t.n / P;
       const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0).requires_grad_(true);
-      Tensor pool = mine ? pool_all.narrow(1, t.local, t.n).clone()
-                         : torch::empty({B, t.n, kp}, x.options().dtype(torch::kInt32));
-      group.Broadcast(pool, t.owner);
+      const Tensor my_pool = pool_all.narrow(1, held[i], part);
+      const Tensor pool = group.AllGather(my_pool.contiguous(), 1);  // (B, n, kp)
       std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
       if (out_grad) {
         Tensor q, kt, vt;
@@ -908,13 +919,14 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
         grad_outputs.insert(grad_outputs.end(), {dq, dk_acc.narrow(2, t.start, t.n).to(kt.scalar_type()),
                                                  dv_acc.narrow(2, t.start, t.n).to(vt.scalar_type())});
       }
-      const bool kl_here = kl_grad && mine;
+      const bool kl_here = kl_grad;  // every rank: its part of the tile's rows
       if (kl_here) {
         Tensor iq, iw, kl;
         {
           torch::AutoGradMode grad(true);
-          m.indexer->Queries(xt.detach(), &iq, &iw);  // detached: the KL trains the indexer only
-          kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t.local, t.n));
+          // detached: the KL trains the indexer only
+          m.indexer->Queries(xt.detach().narrow(1, rank * part, part), &iq, &iw);
+          kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, my_pool, target_all.narrow(1, held[i], part));
         }
         outputs.push_back(kl);
         grad_outputs.push_back(grads[1].to(kl.scalar_type()));
@@ -960,40 +972,40 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
     const auto ct = x.options().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
     // The pooled indexer keys of the whole sequence (pools count from its first token: 4 | L).
     const Tensor keys = replay && !kl ? Tensor() : group.AllGather(m.indexer->Keys(x).contiguous(), 1);
-    // 1. This rank's queries select their pools, every rank at once.
-    Tensor pools = torch::empty({B, L, kp}, i32);
-    for (int64_t t0 = 0; t0 < L; t0 += m.tile_) {
-      const int64_t n = std::min(m.tile_, L - t0);
-      RECORD_USER_SCOPE(replay ? "dsa selection: replayed" : "dsa selection: indexer");
-      if (replay) {
-        pools.narrow(1, t0, n).copy_(sel.replay.narrow(1, t0, n), /*non_blocking=*/true);
-        continue;
-      }
-      Tensor iq, iw;
-      m.indexer->Queries(x.narrow(1, t0, n), &iq, &iw);
-      kernels::DsaIndexerOptions o;
-      o.top_k = kp;
-      o.pool = 4;
-      o.query_offset = rank * L + t0;
-      pools.narrow(1, t0, n).copy_(kernels::IndexerTopK(iq, keys, iw, o));
-      if (sel.record.defined()) sel.record.narrow(1, t0, n).copy_(pools.narrow(1, t0, n), /*non_blocking=*/true);
-    }
-    // 2. The sequence's tiles in order, this rank's heads of each.
     const Tensor k = torch::zeros({B, Hkv, S, D}, x.options());
     const Tensor v = torch::zeros({B, Hkv, S, D}, x.options());
     Tensor heads = torch::empty({B, H, S, D}, x.options());
     Tensor kl_sum = torch::zeros({}, x.options().dtype(torch::kFloat32));
+    Tensor held_pools = torch::empty({B, L, kp}, i32);  // this rank's held rows' selections (Tiles)
     if (saved != nullptr) {
-      saved->pool_idx = pools;
+      saved->pool_idx = held_pools;
       saved->lse = torch::empty({B, H, S}, ct);
       if (kl) saved->target = torch::zeros({B, L, kp}, ct);
     }
-    int64_t rows = 0;
-    for (const ShardTile& t : ShardTiles(P, L, m.tile_)) {
-      const bool mine = rank == t.owner;
+    int64_t rows = 0, held = 0;
+    for (const ShardTile& t : Tiles(m, P, L)) {
+      const int64_t part = t.n / P, first = rank * part;
       const Tensor xt = BroadcastRows(group, x, Tensor(), t, 0);  // (B, n, hidden)
-      Tensor pool = mine ? pools.narrow(1, t.local, t.n).clone() : torch::empty({B, t.n, kp}, i32);
-      group.Broadcast(pool, t.owner);
+      // This rank's part of the tile's queries selects its pools; the tile's selection is the
+      // parts gathered.
+      Tensor iq, iw, my_pool;
+      {
+        RECORD_USER_SCOPE(replay ? "dsa selection: replayed" : "dsa selection: indexer");
+        if (!replay || kl) m.indexer->Queries(xt.narrow(1, first, part), &iq, &iw);
+        if (replay) {
+          my_pool = sel.replay.narrow(1, held, part).to(x.device(), /*non_blocking=*/true);
+        } else {
+          kernels::DsaIndexerOptions o;
+          o.top_k = kp;
+          o.pool = 4;
+          o.query_offset = t.start + first;
+          my_pool = kernels::IndexerTopK(iq, keys, iw, o);
+          // Pinned host memory, on the stream: the tile's device copy is reused only after it.
+          if (sel.record.defined()) sel.record.narrow(1, held, part).copy_(my_pool, /*non_blocking=*/true);
+        }
+        held_pools.narrow(1, held, part).copy_(my_pool);
+      }
+      const Tensor pool = group.AllGather(my_pool.contiguous(), 1);  // (B, n, kp)
       k.narrow(2, t.start, t.n).copy_(HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D));
       v.narrow(2, t.start, t.n).copy_(HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D));
       const Tensor q = HeadRows(m.q_proj, m.q_lora, xt, rank * H, H, D);  // (B, H, n, D)
@@ -1007,16 +1019,14 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       if (saved != nullptr) saved->lse.narrow(2, t.start, t.n).copy_(r.lse);
       if (kl && t.start + t.n >= 4) {
         RECORD_USER_SCOPE("dsa indexer kl: target and loss");
-        const Tensor target = KlTarget(q, k, idx, pool, r.lse, &group);  // every rank: all heads' target
-        if (mine) {
-          Tensor iq, iw;
-          m.indexer->Queries(x.narrow(1, t.local, t.n), &iq, &iw);
-          kl_sum += kernels::IndexerKlLoss(iq, keys, iw, pool, target).to(torch::kFloat32);
-          if (saved != nullptr) saved->target.narrow(1, t.local, t.n).copy_(target);
-        }
+        // Every rank the target of all heads, then the KL of its part of the rows.
+        const Tensor target = KlTarget(q, k, idx, pool, r.lse, &group).narrow(1, first, part);
+        kl_sum += kernels::IndexerKlLoss(iq, keys, iw, my_pool, target).to(torch::kFloat32);
+        if (saved != nullptr) saved->target.narrow(1, held, part).copy_(target);
         // The whole sequence's rows on every rank: the ranks' KL shares add up to its mean.
         rows += B * (t.start + t.n - std::max<int64_t>(t.start, 3));
       }
+      held += part;
     }
     if (saved != nullptr) {
       saved->kl = kl_sum;

@@ -184,18 +184,20 @@ class DsaAttentionImpl : public torch::nn::Module {
   // set to the indexer KL (fp32 scalar, differentiable w.r.t. the indexer's parameters only);
   // otherwise left undefined.
   //
-  // Context parallelism (`group` given, of P ranks; x is this rank's S/P positions): each rank
-  // selects its own queries' pools (its indexer queries against the pooled keys all-gathered
-  // from the ranks), then the sequence's query tiles run in order on every rank, each tile's
-  // input and selection broadcast by the rank that holds it, each rank computing its H/P query
-  // heads and Hkv/P KV heads (the KV heads those queries use) against its heads' keys and values
-  // of the whole sequence; the KL's target sums the ranks' heads (an all-reduce per tile) and the
-  // rank that holds the tile computes the KL of its rows, divided by the whole sequence's rows so
-  // that the ranks' losses add up to it. One all-to-all at the end trades the head split back.
-  // Backward: the same tiles from the last, each rank's partial gradient of a tile's input summed
-  // for the rank that holds it, the indexer's pooled-key gradient summed over the ranks; a rank's
-  // weight gradients are its heads' rows (zero elsewhere), completed by the step's sum over the
-  // group. The memory per rank is the one-rank layer's at S/P tokens, plus one tile's input.
+  // Context parallelism (`group` given, of P ranks; x is this rank's S/P positions): the
+  // sequence's query tiles (a multiple of P tokens) run in order on every rank, each tile's input
+  // broadcast by the rank that holds it. Each rank selects the pools of its 1/P of the tile's
+  // queries (the indexer against the pooled keys all-gathered from the ranks: the scoring, whose
+  // cost grows with the position, split evenly) and the parts are all-gathered; each rank then
+  // computes its H/P query heads and Hkv/P KV heads (the KV heads those queries use) against its
+  // heads' keys and values of the whole sequence; the KL's target sums the ranks' heads (an
+  // all-reduce per tile) and each rank computes the KL of its part of the rows, divided by the
+  // whole sequence's rows so that the ranks' losses add up to it. One all-to-all at the end
+  // trades the head split back. Backward: the same tiles from the last, each rank's partial
+  // gradient of a tile's input summed for the rank that holds it, the indexer's pooled-key
+  // gradient summed over the ranks; a rank's weight gradients are its heads' rows (zero
+  // elsewhere) and its rows' indexer terms, completed by the step's sum over the group. The
+  // memory per rank is the one-rank layer's at S/P tokens, plus one tile's input.
   // REQUIRES: P divides the query and KV heads; 4 divides S/P (pools and their bias slots count
   // from the sequence's first token); the sparse indexer stage; rows are not packed.
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
