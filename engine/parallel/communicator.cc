@@ -318,6 +318,18 @@ absl::Status WaitFd(int fd, short events, absl::Time deadline, const std::string
   }
 }
 
+// WaitFd in slices of 100 ms, asking `aborted` between them: CANCELLED (`cancelled`) once it
+// says so, DEADLINE_EXCEEDED at the deadline.
+absl::Status WaitFdAbortable(int fd, short events, absl::Time deadline, const std::string& what,
+                             const std::function<bool()>& aborted, const absl::Status& cancelled) {
+  for (;;) {
+    if (aborted()) return cancelled;
+    absl::Status waited = WaitFd(fd, events, std::min(deadline, absl::Now() + absl::Milliseconds(100)), what);
+    if (absl::IsDeadlineExceeded(waited) && absl::Now() < deadline) continue;
+    return waited;
+  }
+}
+
 absl::Status SendAll(int fd, const void* data, size_t n, absl::Time deadline, const std::string& what) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
@@ -422,6 +434,9 @@ absl::StatusOr<std::unique_ptr<TcpCommunicator>> TcpCommunicator::Listen(const T
   return c;
 }
 
+// How long rank 0 waits for a connected client's hello before dropping it.
+constexpr absl::Duration kHelloWait = absl::Seconds(5);
+
 absl::Status TcpCommunicator::Join() {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   auto aborted = [this] { return options_.abort && options_.abort(); };
@@ -437,11 +452,9 @@ absl::Status TcpCommunicator::Join() {
     peer_hosts_[0] = host;
     for (int joined = 1; joined < W;) {
       // Waits in slices so that an abort is noticed.
-      if (aborted()) return cancelled;
       absl::Status waited =
-          WaitFd(listen_fd_, POLLIN, std::min(deadline, absl::Now() + absl::Milliseconds(100)),
-                 absl::StrCat("rendezvous: waiting for ", W - joined, " rank(s) to join"));
-      if (absl::IsDeadlineExceeded(waited) && absl::Now() < deadline) continue;
+          WaitFdAbortable(listen_fd_, POLLIN, deadline, absl::StrCat("rendezvous: waiting for ", W - joined,
+                                                                     " rank(s) to join"), aborted, cancelled);
       if (!waited.ok()) return waited;
       sockaddr_storage from{};
       socklen_t from_len = sizeof(from);
@@ -452,7 +465,15 @@ absl::Status TcpCommunicator::Join() {
       }
       SetNoDelay(fd);
       Header h{};
-      absl::Status s = RecvAll(fd, &h, sizeof(h), deadline, "rendezvous: hello");
+      // A client that connects and says nothing (not a rank) is dropped after a few seconds, so
+      // that it cannot hold the ranks that come after it until the deadline.
+      const absl::Time hello_by = std::min(deadline, absl::Now() + kHelloWait);
+      absl::Status s = WaitFdAbortable(fd, POLLIN, hello_by, "rendezvous: hello", aborted, cancelled);
+      if (absl::IsCancelled(s)) {
+        ::close(fd);
+        return s;
+      }
+      if (s.ok()) s = RecvAll(fd, &h, sizeof(h), hello_by, "rendezvous: hello");
       if (s.ok() && (h.magic != kMagic || h.op != kOpHello || h.rank <= 0 || h.rank >= W || peers_[h.rank] != -1 ||
                      static_cast<int>(h.bytes) != W))
         s = absl::InternalError(absl::StrCat("rendezvous: bad hello (rank ", h.rank, ", world_size ", h.bytes, ")"));
@@ -499,6 +520,14 @@ absl::Status TcpCommunicator::Join() {
       Header hello{kMagic, kOpHello, 0, static_cast<uint64_t>(W), 0, options_.rank};
       Header welcome{};
       absl::Status s = SendAll(fd, &hello, sizeof(hello), deadline, "rendezvous: hello");
+      // The welcome comes once every rank has joined, which may take long: the wait asks the
+      // abort, so a cancelled job's rank stops at once (also when what answered the connection
+      // was not rank 0 but a process holding the port, which never welcomes).
+      if (s.ok()) s = WaitFdAbortable(fd, POLLIN, deadline, "rendezvous: welcome", aborted, cancelled);
+      if (absl::IsCancelled(s)) {
+        ::close(fd);
+        return s;
+      }
       if (s.ok()) s = RecvAll(fd, &welcome, sizeof(welcome), deadline, "rendezvous: welcome");
       if (s.ok() && (welcome.magic != kMagic || welcome.op != kOpHello))
         s = absl::InternalError("rendezvous: bad welcome from rank 0");

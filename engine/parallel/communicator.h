@@ -181,7 +181,8 @@ struct TcpCommunicatorOptions {
 
 class TcpCommunicator : public Communicator {
  public:
-  // Rank 0: binds and listens, then waits for world_size - 1 peers. Others: connect and join.
+  // Rank 0: binds and listens, then waits for world_size - 1 peers (a client that sends no hello
+  // within a few seconds is dropped). Others: connect and join; every wait asks options.abort.
   // Errors: INVALID_ARGUMENT (bad options, naming the field), UNAVAILABLE (cannot bind /
   // connect), DEADLINE_EXCEEDED (peers did not join in time), CANCELLED (options.abort).
   static absl::StatusOr<std::unique_ptr<TcpCommunicator>> Create(const TcpCommunicatorOptions& options);

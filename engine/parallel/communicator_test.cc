@@ -1,5 +1,11 @@
 #include "engine/parallel/communicator.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -303,6 +309,84 @@ TEST(TcpCommunicatorTest, AbortEndsTheRendezvous) {
   calls = 0;
   auto peer = TcpCommunicator::Create(o);
   EXPECT_EQ(peer.status().code(), absl::StatusCode::kCancelled) << peer.status();
+}
+
+// A loopback TCP socket: listening on a free port (listen), or connected to `port`; -1 on failure.
+int LoopbackSocket(bool listen, int port = 0) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = listen ? ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(fd, 4) == 0
+                         : ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  if (!ok) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int PortOf(int fd) {
+  sockaddr_in a{};
+  socklen_t n = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  return ntohs(a.sin_port);
+}
+
+// Rank 1 whose connection is answered by a process that holds the port and never welcomes (a
+// stale rank 0, anything else bound there) stops as soon as its abort says so: before, it waited
+// for the welcome until connect_timeout, and a cancelled job kept its worker that long.
+TEST(TcpCommunicatorTest, AWelcomeThatNeverComesEndsOnAbort) {
+  const int squatter = LoopbackSocket(/*listen=*/true);
+  ASSERT_GE(squatter, 0);
+  TcpCommunicatorOptions o;
+  o.rendezvous = "127.0.0.1:" + std::to_string(PortOf(squatter));
+  o.rank = 1;
+  o.world_size = 2;
+  o.connect_timeout = absl::Seconds(60);
+  const auto start = std::chrono::steady_clock::now();
+  o.abort = [&start] { return std::chrono::steady_clock::now() - start > std::chrono::milliseconds(300); };
+  auto peer = TcpCommunicator::Create(o);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(peer.status().code(), absl::StatusCode::kCancelled) << peer.status();
+  EXPECT_LT(seconds, 5.0);
+  ::close(squatter);
+}
+
+// A client that connects to rank 0's rendezvous and says nothing is dropped after a few seconds;
+// the real rank that comes after it still joins, and the group works.
+TEST(TcpCommunicatorTest, ASilentClientDoesNotHoldTheRendezvous) {
+  TcpCommunicatorOptions o;
+  o.rendezvous = "127.0.0.1:0";
+  o.world_size = 2;
+  o.connect_timeout = absl::Seconds(60);
+  auto root = TcpCommunicator::Listen(o);
+  ASSERT_TRUE(root.ok()) << root.status();
+  const int port = (*root)->bound_port();
+  const int silent = LoopbackSocket(/*listen=*/false, port);
+  ASSERT_GE(silent, 0);
+  absl::StatusOr<std::unique_ptr<TcpCommunicator>> peer = absl::UnknownError("not run");
+  std::thread rank1([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // after the silent client
+    TcpCommunicatorOptions p = o;
+    p.rendezvous = "127.0.0.1:" + std::to_string(port);
+    p.rank = 1;
+    peer = TcpCommunicator::Create(p);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status joined = (*root)->Join();
+  rank1.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(joined.ok()) << joined;
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_LT(seconds, 30.0);
+  std::vector<torch::Tensor> t0 = {torch::ones({3})}, t1 = {torch::full({3}, 2.0)};
+  std::thread reduce1([&] { EXPECT_TRUE((*peer)->AllReduce(t1).ok()); });
+  EXPECT_TRUE((*root)->AllReduce(t0).ok());
+  reduce1.join();
+  EXPECT_TRUE(torch::equal(t0[0], torch::full({3}, 3.0)));
+  ::close(silent);
 }
 
 // One rank: every collective leaves the tensors bitwise as they were, in place (no staging
