@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -192,7 +193,12 @@ void Controller::SendTo(const std::string& worker_id, const v1::ControllerMessag
 }
 
 int RendezvousPort(int base, int64_t id, int64_t attempt) {
-  return base + static_cast<int>((id + attempt * 4999) % 10000);
+  // The window: 10000 ports from base, fewer where they would pass 65535.
+  const int64_t window = std::clamp<int64_t>(65536 - int64_t{base}, 1, 10000);
+  // The largest stride up to half the window that is coprime with it (4999 for 10000).
+  int64_t stride = window / 2;
+  while (stride > 1 && std::gcd(stride, window) != 1) --stride;
+  return base + static_cast<int>((id % window + (attempt % window) * stride) % window);
 }
 
 void Controller::CancelRanks(int64_t id, const std::string& except) {

@@ -126,9 +126,11 @@ class JobWatch {
 inline constexpr int kRendezvousRetryLimit = 3;
 
 // The port rank 0 of job `id` listens on for its ranks at attempt `attempt` (0 first, then one
-// more per restart or rendezvous retry): base + id % 10000 first; each later attempt moves it by
-// 4999, coprime with 10000, so a port still held (by a stopped rank 0 of an earlier attempt, or
-// another process) is not asked for again until 10000 attempts later.
+// more per restart or rendezvous retry), in the window of W = min(10000, 65536 - base) ports from
+// base: base + id % W first; each later attempt moves it by a stride coprime with W (4999 for
+// 10000), so a port still held (by a stopped rank 0 of an earlier attempt, or another process)
+// is not asked for again until W attempts later, and no port passes 65535.
+// REQUIRES: 1 <= base <= 65535 (the controller's flag is checked).
 int RendezvousPort(int base, int64_t id, int64_t attempt);
 
 struct ControllerOptions {
@@ -140,7 +142,8 @@ struct ControllerOptions {
   // Which paths clients may name (server/paths.h); default: off, any absolute path.
   PathPolicy paths;
   // Rank 0 of job <id> hosts its rendezvous at <rank 0 host>:<RendezvousPort(base, id, attempt)>: base +
-  // id % 10000 on its first attempt, another port of [base, base + 10000) on each later one.
+  // id % 10000 on its first attempt, another port of [base, min(base + 10000, 65536)) on each
+  // later one. In [1, 65535].
   int rendezvous_port_base = 29500;
   // The time source (tests pass a fake clock).
   std::function<absl::Time()> clock = [] { return absl::Now(); };

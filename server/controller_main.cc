@@ -75,8 +75,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(16, 1 << 16));
   app.add_option("--rendezvous-port-base", rendezvous_port_base,
-                 "Rank 0 of job N hosts its rendezvous on port base + N % 10000")
-      ->capture_default_str();
+                 "Rank 0 of job N hosts its rendezvous on port base + N % 10000 (the window of ports stops at "
+                 "65535)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65535));
   app.add_option("--auth-token-file", auth_token_file,
                  "Bearer tokens: one '<token> <tenant>' per line (tenant @worker = worker tokens); "
                  "SIGHUP reloads it. Empty = auth off (one anonymous tenant)");

@@ -173,6 +173,19 @@ TEST(RendezvousPortTest, MovesWithEveryAttempt) {
   }
   EXPECT_EQ(seen.size(), 10000u);
   EXPECT_EQ(RendezvousPort(29500, 10007, 0), 29507);
+  // Near the top of the port range the window shrinks to what is left below 65536 and every
+  // port of it still comes once (a base of 60000 gave 65566 on a restart before).
+  for (const int base : {55537, 60000, 65530, 65535}) {
+    const int window = 65536 - base;
+    std::set<int> near_top;
+    for (int attempt = 0; attempt < window; ++attempt) {
+      const int port = RendezvousPort(base, 7, attempt);
+      EXPECT_GE(port, base) << base;
+      EXPECT_LE(port, 65535) << base;
+      near_top.insert(port);
+    }
+    EXPECT_EQ(near_top.size(), static_cast<size_t>(window)) << base;
+  }
 }
 
 TEST_F(ControllerTest, ControllerRestartKeepsRunningJobForReattachingWorker) {
