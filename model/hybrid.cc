@@ -189,6 +189,45 @@ struct KdaTileState : torch::CustomClassHolder {
   int64_t tile = 0;
 };
 
+// The mixer's parameters that train (what its tiles' backward differentiates).
+std::vector<Tensor> TrainedWeights(KdaAttentionImpl& m) {
+  std::vector<Tensor> weights;
+  for (const auto& p : m.parameters()) {
+    if (p.requires_grad()) weights.push_back(p);
+  }
+  return weights;
+}
+
+// One tile's backward through KdaAttentionImpl::TileHeads over heads [first, first + heads) (-1:
+// all): rows x_ctx (B, ctx + n, hidden), the first ctx only the convolution's context; h0 the
+// state entering the tile (undefined: zero); gy (B, n, heads K) its output's gradient and dh the
+// gradient of the state it hands on (undefined: none). Adds the weight gradients to `sums`;
+// returns x_ctx's gradient (zeros where none reached it) and sets *dh0 to h0's.
+Tensor KdaTileBackward(KdaAttentionImpl& m, const Tensor& x_ctx, int64_t ctx, const Tensor& h0_in, const Tensor& gy,
+                       const Tensor& dh, int64_t first, int64_t heads, Fp32GradSums& sums, Tensor* dh0) {
+  const Tensor xt = x_ctx.detach().requires_grad_(true);
+  const Tensor h0 = h0_in.defined() ? h0_in.detach().requires_grad_(true) : Tensor();
+  Tensor y, h_next;
+  {
+    torch::AutoGradMode grad(true);
+    y = m.TileHeads(xt, ctx, h0, &h_next, first, heads);
+  }
+  std::vector<Tensor> outputs = {y}, grad_outputs = {gy};
+  if (dh.defined()) {
+    outputs.push_back(h_next);
+    grad_outputs.push_back(dh);
+  }
+  std::vector<Tensor> inputs = {xt};
+  if (h0.defined()) inputs.push_back(h0);
+  inputs.insert(inputs.end(), sums.weights().begin(), sums.weights().end());
+  std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                                /*create_graph=*/false, /*allow_unused=*/true);
+  size_t next = 1;
+  *dh0 = h0.defined() ? d[next++] : Tensor();
+  sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+  return d[0].defined() ? d[0] : torch::zeros_like(xt);
+}
+
 // x (B, S, hidden) -> (B, S, H K) tile by tile (see KdaAttentionImpl::Heads). Saved: x and the
 // state entering each tile after the first (B, H, K, K) fp32.
 class KdaTiledFunction : public torch::autograd::Function<KdaTiledFunction> {
@@ -211,37 +250,16 @@ class KdaTiledFunction : public torch::autograd::Function<KdaTiledFunction> {
     const Tensor& gy = grads[0];  // (B, S, H K)
     KdaAttentionImpl& m = *st->mixer;
     const int64_t S = x.size(1), c = m.conv_context();
-    std::vector<Tensor> weights;
-    for (const auto& p : m.parameters()) {
-      if (p.requires_grad()) weights.push_back(p);
-    }
-    Fp32GradSums sums(weights);
+    Fp32GradSums sums(TrainedWeights(m));
     Tensor dx = torch::zeros_like(x);
     Tensor dh;  // gradient of the state the current tile hands on (undefined: none)
     const int64_t tiles = (S + st->tile - 1) / st->tile;
     for (int64_t i = tiles - 1; i >= 0; --i) {
       const int64_t t0 = i * st->tile, n = std::min(st->tile, S - t0), ctx_n = std::min(c, t0);
-      Tensor xt = x.narrow(1, t0 - ctx_n, ctx_n + n).detach().requires_grad_(true);
-      Tensor h0 = i == 0 ? Tensor() : saved[static_cast<size_t>(i)].detach().requires_grad_(true);
-      Tensor y, h_next;
-      {
-        torch::AutoGradMode grad(true);
-        y = m.TileHeads(xt, ctx_n, h0, &h_next);
-      }
-      std::vector<Tensor> outputs = {y}, grad_outputs = {gy.narrow(1, t0, n)};
-      if (dh.defined()) {
-        outputs.push_back(h_next);
-        grad_outputs.push_back(dh);
-      }
-      std::vector<Tensor> inputs = {xt};
-      if (h0.defined()) inputs.push_back(h0);
-      inputs.insert(inputs.end(), weights.begin(), weights.end());
-      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                                    /*create_graph=*/false, /*allow_unused=*/true);
-      if (d[0].defined()) dx.narrow(1, t0 - ctx_n, ctx_n + n).add_(d[0]);
-      size_t next = 1;
-      if (h0.defined()) dh = d[next++];
-      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+      const Tensor h0 = i == 0 ? Tensor() : saved[static_cast<size_t>(i)];
+      dx.narrow(1, t0 - ctx_n, ctx_n + n)
+          .add_(KdaTileBackward(m, x.narrow(1, t0 - ctx_n, ctx_n + n), ctx_n, h0, gy.narrow(1, t0, n), dh, 0, -1,
+                                sums, &dh));
     }
     sums.WriteGrads();
     return {dx, Tensor()};
@@ -299,7 +317,7 @@ Tensor BroadcastRows(const SequenceGroup& group, const Tensor& x, const Tensor& 
   Tensor rows;
   if (group.rank() == tile.owner) {
     if (tile.local >= ctx) {
-      rows = x.narrow(1, tile.local - ctx, ctx + tile.n).clone();  // never the saved x itself
+      rows = x.narrow(1, tile.local - ctx, ctx + tile.n).detach();  // the root's rows are only read
     } else {
       const int64_t before = ctx - tile.local;
       rows = torch::cat({halo.narrow(1, halo.size(1) - before, before), x.narrow(1, 0, tile.local + tile.n)}, 1);
@@ -368,11 +386,7 @@ class KdaShardedFunction : public torch::autograd::Function<KdaShardedFunction> 
     // This rank's heads of the whole sequence's output gradient: (B, S, heads K).
     const Tensor gy = group.AllToAll(grads[0].contiguous(), 2, 1);
     grads.clear();
-    std::vector<Tensor> weights;
-    for (const auto& p : m.parameters()) {
-      if (p.requires_grad()) weights.push_back(p);
-    }
-    Fp32GradSums sums(weights);
+    Fp32GradSums sums(TrainedWeights(m));
     Tensor dx = torch::zeros_like(x);
     Tensor dhalo = torch::zeros({x.size(0), c, x.size(2)}, x.options());
     const Tensor halo = Halo(group, x, c);
@@ -381,27 +395,10 @@ class KdaShardedFunction : public torch::autograd::Function<KdaShardedFunction> 
     for (size_t i = tiles.size(); i-- > 0;) {
       const ShardTile& t = tiles[i];
       const int64_t ctx_n = std::min(c, t.start);
-      const Tensor xt = BroadcastRows(group, x, halo, t, ctx_n).requires_grad_(true);
-      const Tensor h0 = i == 0 ? Tensor() : saved[i].detach().requires_grad_(true);
-      Tensor y, h_next;
-      {
-        torch::AutoGradMode grad(true);
-        y = m.TileHeads(xt, ctx_n, h0, &h_next, first, heads);
-      }
-      std::vector<Tensor> outputs = {y}, grad_outputs = {gy.narrow(1, t.start, t.n)};
-      if (dh.defined()) {  // the state this tile hands on
-        outputs.push_back(h_next);
-        grad_outputs.push_back(dh);
-      }
-      std::vector<Tensor> inputs = {xt};
-      if (h0.defined()) inputs.push_back(h0);
-      inputs.insert(inputs.end(), weights.begin(), weights.end());
-      std::vector<Tensor> d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                                    /*create_graph=*/false, /*allow_unused=*/true);
-      AddTileGradient(group, d[0].defined() ? d[0] : torch::zeros_like(xt), t, ctx_n, dx, dhalo);
-      size_t next = 1;
-      if (h0.defined()) dh = d[next++];
-      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+      const Tensor h0 = i == 0 ? Tensor() : saved[i];
+      const Tensor dxt = KdaTileBackward(m, BroadcastRows(group, x, halo, t, ctx_n), ctx_n, h0,
+                                         gy.narrow(1, t.start, t.n), dh, first, heads, sums, &dh);
+      AddTileGradient(group, dxt, t, ctx_n, dx, dhalo);
     }
     ReturnHaloGradient(group, dhalo, dx);
     sums.WriteGrads();
