@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cuda/dsa_indexer.h"
+#include "kernels/cuda/indexer_kl.h"
 #include "kernels/cuda/sparse_attention.h"
 #endif
 #include "kernels/fused_ops.h"
@@ -596,17 +597,48 @@ KlBlock KlRows(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& 
   return r;
 }
 
+#ifdef ODYSSEY_KERNELS_CUDA
+// The CUDA path of IndexerKlLoss (kernels/cuda/indexer_kl.h): bf16 q, k, w on a GPU, the head
+// counts and widths the kernels take, while FusedKernelsEnabled().
+bool IndexerKlKernel(const Tensor& q, const Tensor& k, const Tensor& w) {
+  const auto bf = torch::kBFloat16;
+  return FusedKernelsEnabled() && q.is_cuda() && q.scalar_type() == bf && k.scalar_type() == bf &&
+         w.scalar_type() == bf && cuda::IndexerKlSupported(q.size(1), q.size(3)) && q.size(0) <= 65535;
+}
+
+// The kernels' view of the inputs: q and k with 16-byte aligned rows, the rest contiguous (the
+// tensors returned in `keep` must outlive the launch).
+cuda::IndexerKlArgs KlArgs(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& pool_idx,
+                           const Tensor& target, std::vector<Tensor>& keep) {
+  keep = {Rows(q), Rows(k), w.contiguous(), pool_idx.contiguous(), target.to(torch::kFloat32).contiguous()};
+  const Tensor &qr = keep[0], &kr = keep[1];
+  return {qr.data_ptr(), qr.stride(0), qr.stride(1), qr.stride(2), kr.data_ptr(), kr.stride(0), kr.stride(1),
+          keep[2].data_ptr(), keep[3].data_ptr<int32_t>(), keep[4].data_ptr<float>(), q.size(0), q.size(1),
+          q.size(2), k.size(1), q.size(3), pool_idx.size(2)};
+}
+#endif
+
 struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& w,
                                const Tensor& pool_idx, const Tensor& target, int64_t block) {
     const auto ct = ComputeType({&q, &k, &w});
+    ctx->save_for_backward({q, k, w, pool_idx, target});
+    ctx->saved_data["block"] = block;
+#ifdef ODYSSEY_KERNELS_CUDA
+    if (IndexerKlKernel(q, k, w)) {
+      c10::cuda::CUDAGuard guard(q.device());
+      std::vector<Tensor> keep;
+      const cuda::IndexerKlArgs a = KlArgs(q, k, w, pool_idx, target, keep);
+      Tensor rows = torch::empty({q.size(0), q.size(2)}, q.options().dtype(torch::kFloat32));
+      CheckKernelLaunch(cuda::IndexerKlForward(a, rows.data_ptr<float>(), Stream(q)), "indexer KL forward");
+      return {rows.sum().to(ct)};
+    }
+#endif
     Tensor total = torch::zeros({}, q.options().dtype(ct));
     for (int64_t t0 = 0; t0 < q.size(2); t0 += block) {
       const KlBlock r = KlRows(q, k, w, pool_idx, target, t0, std::min(block, q.size(2) - t0), ct);
       total += KlSum(r.target, r.logp);
     }
-    ctx->save_for_backward({q, k, w, pool_idx, target});
-    ctx->saved_data["block"] = block;
     return {total};
   }
 
@@ -620,6 +652,21 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
     const int64_t B = q.size(0), P = k.size(1), DI = q.size(3), kp = pool_idx.size(2);
     const double inv_sqrt = 1.0 / std::sqrt(double(DI));
     const Tensor g = grads[0].to(ct);
+#ifdef ODYSSEY_KERNELS_CUDA
+    if (IndexerKlKernel(q, k, w)) {
+      c10::cuda::CUDAGuard guard(q.device());
+      std::vector<Tensor> keep;
+      const cuda::IndexerKlArgs a = KlArgs(q, k, w, pool_idx, target, keep);
+      Tensor dq = torch::empty(q.sizes(), q.options());  // contiguous (B, HI, S, DI)
+      Tensor dw = torch::empty(w.sizes(), w.options());
+      Tensor dk = torch::zeros({B, P, DI}, k.options().dtype(torch::kFloat32));
+      const Tensor gd = g.to(q.device(), torch::kFloat32).contiguous();
+      CheckKernelLaunch(cuda::IndexerKlBackward(a, gd.data_ptr<float>(), dq.data_ptr(), dw.data_ptr(),
+                                                dk.data_ptr<float>(), Stream(q)),
+                        "indexer KL backward");
+      return {dq, dk.to(k.scalar_type()), dw, Tensor(), Tensor(), Tensor()};
+    }
+#endif
     // dq and dw are written once per row (one rounding), so they take the inputs' dtype: no
     // full-length fp32 buffer (16 KB a token of hybrid-3b's indexer queries) and no copy back.
     Tensor dq = torch::empty(q.sizes(), q.options());
@@ -693,6 +740,30 @@ Tensor SparseAttentionBackward(const Tensor& grad_out, const Tensor& q, const Te
   check_acc(dv_acc, "dv_acc", "Dv", Dv);
   return BackwardImpl(grad_out, q, k, v, indices, lse, ResolveScale(scale, q), query_block, backward_pairs, dk_acc,
                       dv_acc);
+}
+
+void SetSparseTensorCores(bool enabled) {
+#ifdef ODYSSEY_KERNELS_CUDA
+  cuda::SetSparseAttentionTensorCores(enabled);
+#else
+  (void)enabled;  // no kernels built: nothing runs on the tensor cores
+#endif
+}
+
+bool SparseTensorCores() {
+#ifdef ODYSSEY_KERNELS_CUDA
+  return cuda::SparseAttentionTensorCores();
+#else
+  return false;
+#endif
+}
+
+int64_t SparseTensorCoreLaunches() {
+#ifdef ODYSSEY_KERNELS_CUDA
+  return cuda::SparseAttentionTensorCoreLaunches();
+#else
+  return 0;
+#endif
 }
 
 }  // namespace odyssey::kernels

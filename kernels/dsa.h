@@ -96,8 +96,10 @@ torch::Tensor ExpandPoolSelection(const torch::Tensor& pool_idx, int64_t t0 = 0)
 // SparseAttentionForward and SparseAttentionBackward below (an autograd Function over them that
 // keeps q, k, v, the indices and the log-sum-exp):
 //   - CUDA kernels (kernels/cuda/sparse_attention.h) while FusedKernelsEnabled(), for CUDA
-//     tensors q, k, v all fp32 or all bf16 with D and Dv in {64, 128}: fp32 arithmetic on the
-//     inputs as they are (no upcast copies), strided q, k, v read in place. The backward
+//     tensors q, k, v all fp32 or all bf16 with D and Dv in {64, 128}, strided q, k, v read in
+//     place (no copies): bf16 with at most 8 heads a KV head on the tensor cores (bf16 products,
+//     fp32 sums; kernels/cuda/sparse_attention_mma.h) while SparseTensorCores() is on, else fp32
+//     arithmetic on CUDA cores. The backward
 //     recomputes the probabilities from the log-sum-exp (B, H, Sq), and computes dk, dv by
 //     aligned blocks of 4 keys over the queries that selected keys of each block, a query's run
 //     of entries in one block (a selected pool) read once for all of them: the runs sorted by
@@ -112,6 +114,14 @@ torch::Tensor ExpandPoolSelection(const torch::Tensor& pool_idx, int64_t t0 = 0)
 torch::Tensor SparseAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& indices, double scale = 0.0, int64_t query_block = 128,
                               int64_t backward_pairs = int64_t{1} << 27);
+
+// Process-wide (set it before the calls): whether the CUDA path's bf16 sparse attention runs on
+// the tensor cores (default) or on CUDA cores (SparseAttention above). Benchmarks and tests compare
+// the two; where the CUDA kernels are not built it changes nothing (FusedKernelsBuilt()).
+void SetSparseTensorCores(bool enabled);
+bool SparseTensorCores();
+// Sparse attention launches that ran on the tensor cores so far (0 without the CUDA kernels).
+int64_t SparseTensorCoreLaunches();
 
 // SparseAttention's forward and backward without autograd, for a caller that runs its own
 // backward a query tile at a time (the whole sequence's k, v against one tile's q and indices),

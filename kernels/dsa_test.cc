@@ -479,10 +479,13 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
   for (const Case& c : {Case{2, 6, 2, 300, 128, 128, 100, int64_t{1} << 27, true},
                         Case{1, 8, 1, 257, 64, 64, 64, 1000, false}, Case{1, 4, 2, 200, 128, 64, 300, 5000, false},
                         Case{1, 5, 5, 150, 64, 128, 40, 3000, true}}) {
-    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    // fp32 on CUDA cores; bf16 on the tensor cores and on CUDA cores.
+    for (const auto& [dt, tc] : {std::pair{torch::kFloat32, false}, std::pair{torch::kBFloat16, true},
+                                 std::pair{torch::kBFloat16, false}}) {
+      SetSparseTensorCores(tc);
       const std::string base = "B" + std::to_string(c.B) + " H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
                                " D" + std::to_string(c.D) + "/" + std::to_string(c.Dv) +
-                               (dt == torch::kBFloat16 ? " bf16" : " fp32");
+                               (dt == torch::kBFloat16 ? " bf16" : " fp32") + (tc ? " tensor cores" : "");
       Qkv x = MakeQkv(c.B, c.H, c.Hkv, c.S, c.D, c.Dv, 31);
       auto round = [&](const Tensor& t) { return t.to(dt).to(torch::kFloat64); };
       Qkv r{round(x.q), round(x.k), round(x.v)};
@@ -510,9 +513,10 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
         SetFusedKernels(false);
         std::vector<Tensor> ref = RunAttention(true, g, idxd, dOd);
         SetFusedKernels(true);
-        const int64_t launches = FusedKernelLaunches();
+        const int64_t launches = FusedKernelLaunches(), tc_launches = SparseTensorCoreLaunches();
         std::vector<Tensor> got = RunAttention(true, g, idxd, dOd, 128, c.pairs);
         EXPECT_GE(FusedKernelLaunches() - launches, 3) << name << ": the kernels did not run";
+        EXPECT_EQ(SparseTensorCoreLaunches() - tc_launches >= 3, tc) << name << ": the tensor-core path";
         std::vector<Tensor> again = RunAttention(true, g, idxd, dOd, 128, c.pairs);
         for (int i = 0; i < 4; ++i) {
           const double scale = truth[i].abs().max().item<double>();
@@ -526,6 +530,7 @@ TEST(DsaSparseAttention, KernelsWithinTwiceTheLibtorchError_cuda) {
       }
     }
   }
+  SetSparseTensorCores(true);
 }
 
 // The kernels run tile by tile as a caller of SparseAttentionForward / SparseAttentionBackward
@@ -763,9 +768,11 @@ TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
     int64_t B, H, Hkv, S, D, top_k;
   };
   for (const Case& c : {Case{1, 24, 8, 700, 128, 300}, Case{2, 5, 5, 257, 64, 64}}) {
-    for (auto dt : {torch::kBFloat16, torch::kFloat32}) {
+    for (const auto& [dt, tc] : {std::pair{torch::kBFloat16, true}, std::pair{torch::kBFloat16, false},
+                                 std::pair{torch::kFloat32, false}}) {
+      SetSparseTensorCores(tc);
       const std::string name = "H" + std::to_string(c.H) + "/" + std::to_string(c.Hkv) + " D" + std::to_string(c.D) +
-                               (dt == torch::kBFloat16 ? " bf16" : " fp32");
+                               (dt == torch::kBFloat16 ? " bf16" : " fp32") + (tc ? " tensor cores" : "");
       Qkv x = MakeQkv(c.B, c.H, c.Hkv, c.S, c.D, c.D, 71);
       Indexer ix = MakeIndexer(c.B, 2, c.S, 8, torch::kFloat64, 72);
       DsaIndexerOptions o;
@@ -792,14 +799,75 @@ TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
       // One walk, given the forward kernel's log-sum-exp of the same rows: the same bar; one
       // more than the true log-sum-exp scales every probability by 1/e.
       const Tensor lse = SparseAttentionForward(qd, kd, kd, id).lse;
-      const int64_t before = FusedKernelLaunches();
+      const int64_t before = FusedKernelLaunches(), tc_before = SparseTensorCoreLaunches();
       Tensor given = SparseAttentionProbs(qd, kd, id, 0.0, 64, lse);
       EXPECT_GE(FusedKernelLaunches() - before, 1) << name << ": the kernel did not run with lse";
+      EXPECT_EQ(SparseTensorCoreLaunches() - tc_before >= 1, tc) << name << ": the tensor-core path";
       EXPECT_LE(MaxErr(given.cpu(), truth), 2 * MaxErr(ref, truth) + 8 * FLT_EPSILON) << name << " with lse";
       EXPECT_EQ(given.cpu().select(1, 30 - t0).abs().max().item<double>(), 0.0) << name << ": no keys, with lse";
       EXPECT_LE(MaxErr(SparseAttentionProbs(qd, kd, id, 0.0, 64, lse + 1.0).cpu(), given.cpu() * std::exp(-1.0)),
                 1e-6)
           << name << ": the given lse is not what the kernel used";
+    }
+  }
+  SetSparseTensorCores(true);
+}
+
+// The indexer KL's CUDA kernels (kernels/cuda/indexer_kl.h) against the libtorch path on the same
+// bf16 GPU inputs, both measured against fp64 of the same rounded values: the loss and dq, dk, dw
+// (an upstream gradient of 2.5) within twice the libtorch path's error plus fp32 noise. Rows
+// without a valid pool (the first three), a -1 inside a row, kp not a multiple of the kernels'
+// chunk of 16, HI 32 / DI 128 (hybrid-3b's indexer) and HI 8 / DI 64 with two batch rows.
+TEST(DsaIndexer, KlLossKernelWithinTwiceTheLibtorchError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  struct Case {
+    int64_t B, HI, S, DI, kp;
+  };
+  for (const Case& c : {Case{1, 32, 300, 128, 40}, Case{2, 8, 203, 64, 21}}) {
+    const std::string name = "HI " + std::to_string(c.HI) + " DI " + std::to_string(c.DI);
+    torch::manual_seed(81);
+    auto r16 = [](const Tensor& t) { return t.to(torch::kBFloat16).to(torch::kFloat64); };
+    const Tensor q = r16(torch::randn({c.B, c.HI, c.S, c.DI}, torch::kFloat64));
+    const Tensor keys = r16(torch::randn({c.B, c.S / 4, c.DI}, torch::kFloat64));
+    const Tensor w = r16(torch::randn({c.B, c.S, c.HI}, torch::kFloat64) / std::sqrt(double(c.HI)));
+    DsaIndexerOptions o;
+    o.top_k = c.kp;
+    o.pool = 4;
+    Tensor pool = IndexerTopK(q, keys, w, o);  // (B, S, kp) int32
+    pool.select(1, c.S - 1).select(1, 3).fill_(-1);
+    const Tensor valid = pool >= 0;
+    ASSERT_EQ(valid.select(2, 0).logical_not().sum().item<int64_t>(), 3 * c.B);  // rows 0..2: no pool
+    Tensor target = torch::rand(pool.sizes(), torch::kFloat64).masked_fill(valid.logical_not(), 0.0);
+    target = (target / target.sum(-1, true).clamp_min(1e-30)).to(torch::kFloat32).to(torch::kFloat64);
+    auto leaf = [](const Tensor& t) { return t.detach().clone().requires_grad_(true); };
+    std::vector<Tensor> truth;
+    {
+      Tensor q0 = leaf(q), k0 = leaf(keys), w0 = leaf(w);
+      Tensor l = IndexerKlLoss(q0, k0, w0, pool, target);
+      (l * 2.5).backward();
+      truth = {l.detach(), q0.grad(), k0.grad(), w0.grad()};
+    }
+    auto run = [&](bool fused) {
+      SetFusedKernels(fused);
+      auto dev = [&](const Tensor& t) { return leaf(t.to(torch::kCUDA, torch::kBFloat16)); };
+      Tensor q1 = dev(q), k1 = dev(keys), w1 = dev(w);
+      const int64_t launches = FusedKernelLaunches();
+      Tensor l = IndexerKlLoss(q1, k1, w1, pool.cuda(), target.to(torch::kCUDA, torch::kFloat32));
+      (l * 2.5).backward();
+      EXPECT_EQ(FusedKernelLaunches() - launches >= 2, fused) << name << ": the kernels ran " << fused;
+      SetFusedKernels(true);
+      auto back = [](const Tensor& t) { return t.detach().cpu().to(torch::kFloat64); };
+      return std::vector<Tensor>{back(l), back(q1.grad()), back(k1.grad()), back(w1.grad())};
+    };
+    const std::vector<Tensor> ref = run(false), got = run(true);
+    const char* names[] = {"loss", "dq", "dk", "dw"};
+    for (int i = 0; i < 4; ++i) {
+      const double scale = truth[i].abs().max().item<double>();
+      EXPECT_GT(scale, 0.0) << name << " " << names[i];
+      EXPECT_LE(MaxErr(got[i], truth[i]), 2 * MaxErr(ref[i], truth[i]) + 8 * FLT_EPSILON * scale)
+          << name << " " << names[i];
     }
   }
 }

@@ -16,6 +16,10 @@
 //     of 128, top --selected / 4 pools), its CUDA kernels and (up to --reference-tokens) the
 //     libtorch streaming selection; TFLOP/s of the causal scoring, 2 * HI * DI FLOP per visible
 //     (query, pool) pair.
+//   - kl: kernels::IndexerKlLoss, the indexer's KL over its top --selected / 4 pools (a random
+//     target), its CUDA kernels and its libtorch path, forward and forward + backward.
+// The sparse attention's CUDA kernels run twice: on the tensor cores (bf16 products, the
+// default) and on CUDA cores (kernels::SetSparseTensorCores(false)).
 // One JSON line per row with --json.
 //
 //   build-gpu/kernels/odyssey-hybrid-bench --tokens 65536,262144 --ops kda,sparse,dense --json out/hybrid.jsonl
@@ -26,6 +30,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -120,8 +125,9 @@ int main(int argc, char** argv) {
     std::stringstream in(ops.substr(1));
     std::string op;
     while (std::getline(in, op, ',')) {
-      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer") {
-        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer)\n", op.c_str());
+      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer" && op != "kl") {
+        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer, kl)\n",
+                     op.c_str());
         return 2;
       }
     }
@@ -211,12 +217,48 @@ int main(int argc, char** argv) {
                      ",\"forward_ms\":" + std::to_string(t * 1e3) + ",\"tflops\":" + std::to_string(flop / t / 1e12) +
                      "}");
     }
+    // The indexer's KL loss over its selected pools (the DSA layer's sparse stage): forward, and
+    // forward + backward, the CUDA kernels against libtorch (which runs at every length: it works a
+    // block of rows at a time).
+    for (bool kernels : {true, false}) {
+      if (!wants("kl") || (kernels && !odyssey::kernels::FusedKernelsBuilt())) continue;
+      odyssey::kernels::SetFusedKernels(true);
+      const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
+      const torch::Tensor pool = odyssey::kernels::IndexerTopK(in.q, in.keys, in.w, in.options);
+      torch::Tensor target = torch::rand(pool.sizes(), in.q.options().dtype(torch::kFloat32))
+                                 .masked_fill(pool < 0, 0.0);
+      target = target / target.sum(-1, true).clamp_min(1e-30);
+      odyssey::kernels::SetFusedKernels(kernels);
+      auto q = in.q.detach().requires_grad_(true), k = in.keys.detach().requires_grad_(true),
+           w = in.w.detach().requires_grad_(true);
+      const double fwd = Seconds([&] {
+        torch::NoGradGuard no_grad;
+        odyssey::kernels::IndexerKlLoss(q, k, w, pool, target);
+      }, static_cast<int>(iters));
+      const double both = Seconds([&] {
+        odyssey::kernels::IndexerKlLoss(q, k, w, pool, target).backward();
+        for (auto* t : {&q, &k, &w}) t->mutable_grad() = torch::Tensor();
+      }, static_cast<int>(iters));
+      odyssey::kernels::SetFusedKernels(true);
+      std::printf("| indexer KL over top-%lld pools (%s), %lld x %lld heads | %lld | %.1f | %.1f | %.0f | |\n",
+                  static_cast<long long>(in.options.top_k), kernels ? "CUDA kernels" : "libtorch",
+                  static_cast<long long>(index_heads), static_cast<long long>(index_dim), static_cast<long long>(T),
+                  fwd * 1e3, both * 1e3, static_cast<double>(T) / both);
+      std::fflush(stdout);
+      Json(json, std::string("{\"op\":\"") + (kernels ? "indexer_kl_kernel" : "indexer_kl_libtorch") +
+                     "\",\"tokens\":" + std::to_string(T) + ",\"top_pools\":" + std::to_string(in.options.top_k) +
+                     ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
+    }
     // Sparse attention over `selected` keys per query against dense SDPA over as many: the CUDA
     // kernels, and up to --reference-tokens the libtorch path.
-    for (bool kernels : {true, false}) {
+    // The CUDA kernels on the tensor cores, the same on CUDA cores, then libtorch.
+    for (const auto& [kernels, tensor_cores] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, false}}) {
       if (!wants("sparse") || (!kernels && T > reference_tokens)) continue;
       if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
       odyssey::kernels::SetFusedKernels(kernels);
+      odyssey::kernels::SetSparseTensorCores(tensor_cores);
+      const std::string path = !kernels ? "libtorch" : tensor_cores ? "CUDA kernels, tensor cores" : "CUDA kernels, CUDA cores";
       auto q = torch::randn({1, heads, T, dim}, bf16).requires_grad_(true);
       auto k = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
       auto v = torch::randn({1, kv_heads, T, dim}, bf16).requires_grad_(true);
@@ -262,18 +304,22 @@ int main(int argc, char** argv) {
                         static_cast<int>(iters));
       }
       odyssey::kernels::SetFusedKernels(true);
+      odyssey::kernels::SetSparseTensorCores(true);
       // The (query, key) pairs the selection holds (fewer than T * selected near the start).
       const double flop = 4.0 * heads * dim * (idx >= 0).sum().item<double>();
       std::printf("| sparse attention (%s), %lld keys, %s selection | %lld | %.1f (%.1f TFLOP/s) | %.1f | %.0f | %.1f |\n",
-                  kernels ? "CUDA kernels" : "libtorch", static_cast<long long>(selected), selection.c_str(),
+                  path.c_str(), static_cast<long long>(selected), selection.c_str(),
                   static_cast<long long>(T), fwd * 1e3, flop / fwd / 1e12, both * 1e3, static_cast<double>(T) / both,
                   2.5 * flop / both / 1e12);
       if (kernels) {
-        std::printf("| sparse attention probabilities given lse (CUDA kernel), %lld keys, %s selection | %lld | %.1f |\n",
-                    static_cast<long long>(selected), selection.c_str(), static_cast<long long>(T), probs * 1e3);
+        std::printf("| sparse attention probabilities given lse (%s), %lld keys, %s selection | %lld | %.1f |\n",
+                    path.c_str(), static_cast<long long>(selected), selection.c_str(), static_cast<long long>(T),
+                    probs * 1e3);
       }
       std::fflush(stdout);
-      Json(json, std::string("{\"op\":\"") + (kernels ? "sparse_attention_kernel" : "sparse_attention_libtorch") +
+      Json(json, std::string("{\"op\":\"") +
+                     (!kernels ? "sparse_attention_libtorch"
+                               : tensor_cores ? "sparse_attention_kernel_tensor_cores" : "sparse_attention_kernel") +
                      "\",\"selection\":\"" + selection + "\",\"tokens\":" + std::to_string(T) + ",\"selected\":" +
                      std::to_string(selected) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) +

@@ -11,12 +11,16 @@
 // Scores run in base 2: the queries (or the key) in shared memory carry scale * log2(e).
 #include "kernels/cuda/sparse_attention.h"
 
+#include <atomic>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <initializer_list>
 #include <type_traits>
+
+#include "kernels/cuda/sparse_attention_mma.h"
 
 namespace odyssey::kernels::cuda {
 namespace {
@@ -535,8 +539,24 @@ dim3 QueryGrid(const SparseAttentionArgs& a) {
 
 bool SparseAttentionSupported(int64_t D, int64_t Dv) { return (D == 64 || D == 128) && (Dv == 64 || Dv == 128); }
 
+namespace {
+std::atomic<bool> tensor_cores{true};
+std::atomic<int64_t> mma_launches{0};
+bool UseMma(const SparseAttentionArgs& a) {
+  const bool use = tensor_cores.load() && SparseAttentionMmaSupported(a);
+  if (use) mma_launches.fetch_add(1);
+  return use;
+}
+}  // namespace
+
+int64_t SparseAttentionTensorCoreLaunches() { return mma_launches.load(); }
+
+void SetSparseAttentionTensorCores(bool enabled) { tensor_cores.store(enabled); }
+bool SparseAttentionTensorCores() { return tensor_cores.load(); }
+
 int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float* lse, void* stream) {
   if (a.S == 0 || a.B == 0) return cudaSuccess;
+  if (UseMma(a)) return SparseAttentionForwardMma(a, o, lse, stream);
   auto s = static_cast<cudaStream_t>(stream);
   return Dispatch(a, [&](auto t, auto d, auto dv, auto gs) {
     ForwardKernel<decltype(t), decltype(d)::value, decltype(dv)::value, decltype(gs)::value>
@@ -547,6 +567,7 @@ int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float*
 
 int SparseAttentionProbs(const SparseAttentionArgs& a, const float* lse, float* probs, void* stream) {
   if (a.S == 0 || a.B == 0 || a.W == 0) return cudaSuccess;
+  if (lse != nullptr && UseMma(a)) return SparseAttentionProbsMma(a, lse, probs, stream);
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
   return Dispatch(a, [&](auto t, auto d, auto, auto gs) {
@@ -558,6 +579,7 @@ int SparseAttentionProbs(const SparseAttentionArgs& a, const float* lse, float* 
 int SparseAttentionBackwardQuery(const SparseAttentionArgs& a, SparseRows dO, const float* lse, SparseOutRows dq,
                                  float* delta, void* stream) {
   if (a.S == 0 || a.B == 0) return cudaSuccess;
+  if (UseMma(a)) return SparseAttentionBackwardQueryMma(a, dO, lse, dq, delta, stream);
   auto s = static_cast<cudaStream_t>(stream);
   return Dispatch(a, [&](auto t, auto d, auto dv, auto gs) {
     BackwardQueryKernel<decltype(t), decltype(d)::value, decltype(dv)::value, decltype(gs)::value>
@@ -570,6 +592,7 @@ int SparseAttentionBackwardKeys(const SparseAttentionArgs& a, SparseRows dO, con
                                 const SparseKeyUnits& units, int64_t block_end, float* dk_acc, float* dv_acc,
                                 void* stream) {
   if (block_end <= 0 || a.B == 0) return cudaSuccess;
+  if (UseMma(a)) return SparseAttentionBackwardKeysMma(a, dO, lse, delta, units, block_end, dk_acc, dv_acc, stream);
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(block_end), static_cast<unsigned>(a.Hkv), static_cast<unsigned>(a.B));
   return Dispatch(a, [&](auto t, auto d, auto dv, auto) {

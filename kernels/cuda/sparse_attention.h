@@ -33,6 +33,14 @@
 
 namespace odyssey::kernels::cuda {
 
+// Process-wide (set it before launching): bf16 launches of the shapes
+// SparseAttentionMmaSupported takes run the tensor-core kernels of sparse_attention_mma.h (the
+// default); off, every launch runs the CUDA-core kernels here (for comparison: benchmarks, tests).
+void SetSparseAttentionTensorCores(bool enabled);
+bool SparseAttentionTensorCores();
+// Launches that took the tensor-core kernels so far (tests: the path ran).
+int64_t SparseAttentionTensorCoreLaunches();
+
 // D and Dv in {64, 128}; any G >= 1 (heads run in groups of 4, 3, 2 or 1, the largest that
 // divides G).
 bool SparseAttentionSupported(int64_t D, int64_t Dv);

@@ -193,7 +193,8 @@ if only hybrid; then
   site="${TMPDIR:-/tmp}/odyssey-peer-site"
   if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${HYB_LENS//,/ } \
+    lens="${HYB_LENS:-65536,262144}"
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${lens//,/ } \
       --json "$out/hybrid.jsonl" 2>&1 | tail -6
   else
     echo "hybrid: no .whl/fla_core-*.whl: the fla peer was not run"
