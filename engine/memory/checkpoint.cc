@@ -26,6 +26,17 @@ struct BlockState : torch::CustomClassHolder {
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
+  // The recomputed output roots the block's graph while its backward runs, and the engine reads
+  // only its grad_fn and shape there, never its values: its memory (one (T, hidden) for a layer)
+  // goes back now instead of after the backward. Not when anything else holds the storage (an op
+  // that saved its output, a view): then the values may be read.
+  static void ReleaseValues(const torch::Tensor& y) {
+    if (!y.defined() || !y.has_storage() || y.storage().use_count() != 1) return;
+    c10::StorageImpl* st = y.storage().unsafeGetStorageImpl();
+    st->set_data_ptr_noswap(at::DataPtr(nullptr, y.device()));
+    st->set_nbytes(0);
+  }
+
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, c10::intrusive_ptr<BlockState> state) {
     torch::Tensor y;
     {
@@ -47,6 +58,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       torch::AutoGradMode grad(true);
       y = state->body(x, /*recompute=*/true);
     }
+    ReleaseValues(y);
     {
       ProfilePhase phase(state->label + " backward");
       torch::autograd::backward({y}, {grads[0]});

@@ -235,6 +235,45 @@ TEST(ShapeOnlyTest, HasTheShapeAndOneElementOfStorage) {
   EXPECT_EQ(t.storage().nbytes(), t.element_size());
 }
 
+// A checkpointed block's recomputed output, the root of its graph while its backward runs, gives
+// its memory back before that backward (only its grad_fn and shape are read), unless something
+// else holds its storage: an op that saved its output. Either way the gradients are plain
+// autograd's.
+TEST(CheckpointBlockTest, RecomputedOutputReleasedUnlessSaved) {
+  torch::manual_seed(7);
+  const torch::Tensor x0 = torch::randn({3, 40, 16}, torch::kFloat64);
+  const torch::Tensor w = torch::randn({16, 16}, torch::kFloat64).requires_grad_(true);
+  for (bool saved_output : {false, true}) {
+    // out = tanh(x W) + x: tanh saves its output, but the add makes a fresh one; with
+    // saved_output the block ends at exp, which saves the very tensor it returns.
+    auto f = [&](const torch::Tensor& x) {
+      const torch::Tensor a = torch::tanh(torch::matmul(x, w));
+      return saved_output ? torch::exp(a) : a + x;
+    };
+    std::vector<torch::Tensor> outputs;  // the body's results (handles, not copies)
+    SavedInputs store(nullptr, 0);
+    store.BeginStep(1);
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    const torch::Tensor y = CheckpointBlock(x, [&](const torch::Tensor& xi, bool) {
+      outputs.push_back(f(xi));
+      return outputs.back();
+    }, &store, 0);
+    const torch::Tensor g = torch::randn_like(y);
+    y.backward(g);
+    const torch::Tensor dx = x.grad().clone(), dw = w.grad().clone();
+    w.mutable_grad() = torch::Tensor();
+    const torch::Tensor xr = x0.clone().requires_grad_(true);
+    f(xr).backward(g);
+    EXPECT_TRUE(torch::allclose(dx, xr.grad(), 1e-12, 1e-12)) << "saved_output " << saved_output;
+    EXPECT_TRUE(torch::allclose(dw, w.grad(), 1e-12, 1e-12)) << "saved_output " << saved_output;
+    w.mutable_grad() = torch::Tensor();
+    ASSERT_EQ(outputs.size(), 2u);  // the forward's and the recompute's
+    EXPECT_EQ(outputs[1].storage().nbytes(), saved_output ? outputs[1].nbytes() : 0u)
+        << "the recomputed output, saved_output " << saved_output;
+    EXPECT_EQ(outputs[0].storage().nbytes(), outputs[0].nbytes()) << "the forward's output is the block's result";
+  }
+}
+
 TEST_F(MemoryStrategyTest, OffloadToHostPool) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
