@@ -199,6 +199,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     (*m)->set_sequence_group(std::make_shared<const CommunicatorSequenceGroup>(*cp.group));
   if (absl::Status s = model::AttachLora(**m, options.lora, options.seed); !s.ok()) return s;
   const model::ModelConfig& config = (*m)->config();
+  // The indexer's dense warm-up (spec 2.3): only the DSA layers' indexers train, from their KL
+  // against the dense attention; every other weight is frozen (no gradient, no optimizer state).
+  if (config.IsHybrid() && config.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup) {
+    const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model '", options.model,
+                                           "'), where only the DSA indexers train");
+    if (options.lora.enabled())
+      return absl::InvalidArgumentError(absl::StrCat("lora.rank (", options.lora.rank, ")", stage,
+                                                     ": the indexers have no adapters; warm up without LoRA"));
+    if (options.shard_params)
+      return absl::UnimplementedError(absl::StrCat("shard_params (true)", stage,
+                                                   ", is not implemented (the indexers are small: train them unsharded)"));
+    torch::NoGradGuard no_grad;
+    for (auto& p : (*m)->named_parameters())
+      p.value().requires_grad_(p.key().find(".indexer.") != std::string::npos);
+  }
   if (options.data.seq_len > config.max_position_embeddings)
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
                                                    ") must be <= the model's max_position_embeddings (",

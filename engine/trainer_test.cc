@@ -10,7 +10,10 @@
 #include <torch/torch.h>
 
 #include "engine/profiler.h"
+#include "model/causal_lm.h"
+#include "model/config.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 
 namespace odyssey::engine {
 namespace {
@@ -84,6 +87,63 @@ TEST(TrainerTest, HybridTinyLossFallsInAFewSteps) {
   EXPECT_NE(refused.status().message().find("memory.keep_attention is not implemented for the hybrid family"),
             std::string::npos)
       << refused.status();
+}
+
+// The indexer's dense warm-up (spec 2.3): a hybrid-tiny folder whose config says dense_warmup
+// trains its DSA layers' indexers and nothing else: after a few steps every other weight is
+// bitwise its initial value, each indexer weight moved, and the step reports the KL. LoRA and
+// shard_params with it are refused by name.
+TEST(TrainerTest, DenseWarmupTrainsTheIndexersAlone) {
+  torch::set_num_threads(2);
+  const auto dir = std::filesystem::temp_directory_path() / "odyssey_trainer_test_warmup";
+  std::filesystem::remove_all(dir);
+  {
+    absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-tiny");
+    ASSERT_TRUE(c.ok()) << c.status();
+    c->hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
+    model::CausalLM m(*c);
+    m->InitRandom(3);
+    ASSERT_TRUE(model::SaveHfCheckpoint(m, dir.string(), {torch::kFloat32}).ok());
+  }
+  TrainerOptions o = TinyKjv(3);
+  o.model = dir.string();
+  o.data.seq_len = 64;
+  o.data.batch_size = 2;
+  o.optimizer.lr = 1e-2;
+  o.schedule.warmup_steps = 0;
+  o.memory.recompute = planner::Recompute::kLayer;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::map<std::string, torch::Tensor> before;
+  int64_t indexer_weights = 0;
+  for (const auto& p : (*t)->model()->named_parameters()) {
+    before[p.key()] = p.value().detach().clone();
+    const bool indexer = p.key().find(".indexer.") != std::string::npos;
+    indexer_weights += indexer ? 1 : 0;
+    EXPECT_EQ(p.value().requires_grad(), indexer) << p.key();
+  }
+  ASSERT_GT(indexer_weights, 0);
+  double kl = 0;
+  for (int64_t i = 0; i < o.steps; ++i) {
+    const StepResult r = (*t)->TrainStep();
+    ASSERT_TRUE(std::isfinite(r.loss) && std::isfinite(r.indexer_loss));
+    kl = r.indexer_loss;
+  }
+  EXPECT_GT(kl, 0.0);
+  for (const auto& p : (*t)->model()->named_parameters()) {
+    const bool same = torch::equal(p.value().detach(), before.at(p.key()));
+    if (p.key().find(".indexer.") != std::string::npos) {
+      EXPECT_FALSE(same) << p.key() << " (an indexer weight) did not train";
+    } else {
+      EXPECT_TRUE(same) << p.key() << " changed in the warm-up";
+    }
+  }
+  o.lora.rank = 4;
+  auto lora = Trainer::Create(o);
+  ASSERT_FALSE(lora.ok());
+  EXPECT_NE(lora.status().message().find("lora.rank (4) with the dense_warmup indexer stage"), std::string::npos)
+      << lora.status();
+  std::filesystem::remove_all(dir);
 }
 
 // The named MoE shape trains (model/moe.h): over 40 steps the loss falls, with the

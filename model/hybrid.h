@@ -157,7 +157,7 @@ TORCH_MODULE(DsaIndexer);
 // RoPE) over the keys the indexer selects: top index_top_k / 4 pools expanded to their tokens,
 // plus the tail (kernels::SparseAttention); rows of at most index_top_k + 3 tokens are dense
 // causal attention exactly. With indexer_stage dense_warmup the main attention is dense causal
-// (the context's backend) instead.
+// (the context's backend) instead, and the trainer trains the indexers alone (engine/trainer.cc).
 // The indexer's input is detached: it learns only from its KL loss (spec 2.3), which Heads()
 // returns for the engine to add (see InjectAuxLoss): the target is the main attention's
 // probabilities summed over heads (L1-normalised) and summed within each pool, against the

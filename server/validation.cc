@@ -230,6 +230,17 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
     return Invalid(p + ".lora.rank", absl::StrCat("(", lora->rank, ") LoRA together with ", p,
                                                   ".parallel.shard_params is not implemented yet: set one of them"));
   }
+  // The indexer's dense warm-up trains the DSA indexers alone (spec 2.3; engine/trainer.cc).
+  if (config->IsHybrid() && config->hybrid.indexer_stage == odyssey::model::IndexerStage::kDenseWarmup) {
+    const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model ", Quote(model.name()),
+                                           "), where only the DSA indexers train");
+    if (lora->enabled())
+      return Invalid(p + ".lora.rank", absl::StrCat("(", lora->rank, ")", stage,
+                                                    ": the indexers have no adapters; warm up without LoRA"));
+    if (par.shard_params())
+      return Invalid(p + ".parallel.shard_params",
+                     absl::StrCat("(true)", stage, ", is not implemented (the indexers are small: train them unsharded)"));
+  }
   // ZeRO-3 over all of the job's ranks (engine/parallel/sharding.h): SFT steps only; an RL
   // session's ranks run different datums (and an empty slice runs nothing), which the per-layer
   // all-gathers cannot follow.

@@ -186,6 +186,31 @@ TEST(ValidationTest, EachBrokenRuleNamesItsField) {
   }
 }
 
+// The indexer's dense warm-up trains the DSA indexers alone: a plain job on a dense_warmup folder
+// passes; LoRA and shard_params with it are refused naming their fields.
+TEST(ValidationTest, DenseWarmupTrainsTheIndexersAlone) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "odyssey-validation-warmup";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  odyssey::model::ModelConfig c = *odyssey::model::NamedShape("hybrid-tiny");
+  c.hybrid.indexer_stage = odyssey::model::IndexerStage::kDenseWarmup;
+  std::ofstream(dir / "config.json") << odyssey::model::ToHfConfigJson(c, "float32");
+  std::ofstream(dir / "model.safetensors") << "weights";
+  v1::JobSpec spec = GoodSpec();
+  spec.mutable_model()->set_name(dir.string());
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  v1::JobSpec lora = spec;
+  lora.mutable_lora()->set_rank(4);
+  EXPECT_THAT(std::string(ValidateJobSpec(lora).message()),
+              HasSubstr("spec.lora.rank: (4) with the dense_warmup indexer stage"));
+  v1::JobSpec shard = spec;
+  shard.mutable_parallel()->set_world_size(2);
+  shard.mutable_parallel()->set_shard_params(true);
+  EXPECT_THAT(std::string(ValidateJobSpec(shard).message()),
+              HasSubstr("spec.parallel.shard_params: (true) with the dense_warmup indexer stage"));
+  std::filesystem::remove_all(dir);
+}
+
 // LoRA is accepted for SFT jobs and RL sessions; with shard_params it is refused naming both.
 TEST(ValidationTest, LoraSpec) {
   v1::JobSpec spec = GoodSpec();

@@ -567,7 +567,8 @@ int SparseAttentionForward(const SparseAttentionArgs& a, SparseOutRows o, float*
 
 int SparseAttentionProbs(const SparseAttentionArgs& a, const float* lse, float* probs, void* stream) {
   if (a.S == 0 || a.B == 0 || a.W == 0) return cudaSuccess;
-  if (lse != nullptr && UseMma(a)) return SparseAttentionProbsMma(a, lse, probs, stream);
+  // (The tensor-core kernel stages every head's query in shared memory: up to 64 KV heads.)
+  if (lse != nullptr && a.Hkv <= 64 && UseMma(a)) return SparseAttentionProbsMma(a, lse, probs, stream);
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
   return Dispatch(a, [&](auto t, auto d, auto, auto gs) {

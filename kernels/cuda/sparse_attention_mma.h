@@ -25,6 +25,7 @@ namespace odyssey::kernels::cuda {
 bool SparseAttentionMmaSupported(const SparseAttentionArgs& a);
 
 int SparseAttentionForwardMma(const SparseAttentionArgs& a, SparseOutRows o, float* lse, void* stream);
+// Stages all H heads' queries of a token in shared memory: Hkv <= 64 (the launcher's rule).
 int SparseAttentionProbsMma(const SparseAttentionArgs& a, const float* lse, float* probs, void* stream);
 int SparseAttentionBackwardQueryMma(const SparseAttentionArgs& a, SparseRows dO, const float* lse, SparseOutRows dq,
                                     float* delta, void* stream);

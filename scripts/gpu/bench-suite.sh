@@ -189,7 +189,7 @@ if only hybrid; then
   for t in kda_test dsa_test fused_ops_test; do
     build-gpu/kernels/$t 2>&1 | grep -E '^\[ *(FAILED|PASSED|SKIPPED) |Failure' | tail -6
   done
-  build-gpu/kernels/odyssey-hybrid-bench --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
+  build-gpu/kernels/odyssey-hybrid-bench --ops kda,sparse,dense,kl --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
   site="${TMPDIR:-/tmp}/odyssey-peer-site"
   if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
