@@ -102,9 +102,8 @@ int64_t ModelConfig::NumParameters() const {
     // the output gate's low-rank pair, the per-head output norm.
     const int64_t kda = 4 * h * HK + 3 * HK * hybrid.kda_conv_kernel + (h * K + K * HK) + Hk + HK + h * Hk +
                         (h * K + K * HK) + K;
-    const int64_t HI = hybrid.index_num_heads, DI = hybrid.index_head_dim;
-    // q, k, v, o; the indexer's wq, wk, k_norm (weight, bias), weights_proj, pool gate and bias.
-    const int64_t dsa = 2 * h * Hq * d + 2 * h * Hkv * d + h * HI * DI + h * DI + 2 * DI + h * HI + h * DI + 4 * DI;
+    // q, k, v, o; the indexer.
+    const int64_t dsa = 2 * h * Hq * d + 2 * h * Hkv * d + IndexerParameters() / std::max<int64_t>(1, NumLayersOfKind('D'));
     const int64_t common = 3 * h * intermediate_size + 2 * h;
     const int64_t emb = vocab_size * h * (tie_word_embeddings ? 1 : 2);
     return NumLayersOfKind('K') * (kda + common) + NumLayersOfKind('D') * (dsa + common) + emb + h +
@@ -120,6 +119,13 @@ int64_t ModelConfig::NumParameters() const {
   const int64_t layer = attn + mlp + 2 * hidden_size;
   const int64_t emb = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2);
   return num_hidden_layers * layer + emb + hidden_size + moe_delta(mlp);
+}
+
+int64_t ModelConfig::IndexerParameters() const {
+  if (!IsHybrid()) return 0;
+  const int64_t h = hidden_size, HI = hybrid.index_num_heads, DI = hybrid.index_head_dim;
+  // wq, wk, k_norm (weight, bias), weights_proj, the pool gate and the pool bias.
+  return NumLayersOfKind('D') * (h * HI * DI + h * DI + 2 * DI + h * HI + h * DI + 4 * DI);
 }
 
 absl::Status ModelConfig::Validate() const {

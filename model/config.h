@@ -105,6 +105,8 @@ struct ModelConfig {
   bool UsesRope() const { return !IsHybrid(); }
   // Parameter count (embeddings counted once when tied).
   int64_t NumParameters() const;
+  // The DSA layers' indexers' parameters (0 for the dense family): what the dense warm-up trains.
+  int64_t IndexerParameters() const;
 
   // Checks every field; the message names the field and the rule that failed.
   absl::Status Validate() const;

@@ -286,12 +286,15 @@ TEST(HybridModelTest, ParameterNamesCountsAndFp32Gates) {
   const ModelConfig c = NamedShape("hybrid-tiny").value();
   CausalLM m(c);
   std::set<std::string> names;
-  int64_t total = 0;
+  int64_t total = 0, indexers = 0;
   for (auto& p : m->named_parameters()) {
     names.insert(p.key());
     total += p.value().numel();
+    if (p.key().find(".indexer.") != std::string::npos) indexers += p.value().numel();
   }
   EXPECT_EQ(total, c.NumParameters());
+  EXPECT_EQ(indexers, c.IndexerParameters());  // what the dense warm-up trains (planner/)
+  EXPECT_GT(indexers, 0);
   for (const char* n : {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_conv1d.weight",
                         "model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
                         "model.layers.0.self_attn.f_a_proj.weight", "model.layers.0.self_attn.f_b_proj.weight",

@@ -100,6 +100,10 @@ ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
     m.moe_intermediate = c.moe.moe_intermediate_size;
     m.shared_intermediate = c.moe.shared_expert_intermediate_size;
   }
+  if (c.IsHybrid() && c.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup && !lora.enabled()) {
+    m.warmup_params = c.IndexerParameters();
+    m.warmup_largest = c.hidden_size * c.hybrid.index_num_heads * c.hybrid.index_head_dim;  // wq
+  }
   if (lora.enabled()) {
     m.lora_params = lora.NumParameters(c);
     // B of gate/up (intermediate x rank) or of q (heads x head_dim x rank) is the largest.
@@ -128,13 +132,21 @@ Prediction Predict(const Request& r) {
   // the optimizer state, and only they (not the head) get gradients. Sharded: this rank's 1/P
   // of the parameters and their state, and the whole weights of the units in use (LoRA with
   // sharding is refused by CreateJob; the terms still add up).
-  const bool lora = m.lora_params > 0;
+  // The dense warm-up trains the indexers alone: no gradient or optimizer state for the rest,
+  // the head's included (sharding is refused with it, as with LoRA).
+  const bool lora = m.lora_params > 0, frozen = m.Frozen();
   const int64_t shards = std::max<int64_t>(1, m.shard_ranks);
-  const int64_t owned = (m.params + shards - 1) / shards;  // parameters this rank keeps
-  const int64_t trainable = lora ? m.Trainable() : owned;  // what this rank's optimizer updates
-  const int64_t layer_params = lora ? m.lora_params / L : (m.params - m.vocab * H) / L;
+  const int64_t owned = (m.params + shards - 1) / shards;    // parameters this rank keeps
+  const int64_t trainable = frozen ? m.Trainable() : owned;  // what this rank's optimizer updates
+  // One layer's trainable parameters (the warm-up's: a DSA layer's indexer).
+  const int64_t layer_params = lora     ? m.lora_params / L
+                               : frozen ? m.warmup_params / std::max<int64_t>(1, m.dsa_layers)
+                                        : (m.params - m.vocab * H) / L;
   Terms persistent;
-  persistent.emplace_back(lora ? "params (frozen base)" : shards > 1 ? "params (this rank's shard)" : "params",
+  persistent.emplace_back(lora                ? "params (frozen base)"
+                          : frozen            ? "params (frozen but the DSA indexers)"
+                          : shards > 1        ? "params (this rank's shard)"
+                                              : "params",
                           owned * e);
   if (lora) persistent.emplace_back("LoRA adapters", m.lora_params * e);
   if (shards > 1)
@@ -165,7 +177,7 @@ Prediction Predict(const Request& r) {
   // each layer's gradients leave the GPU as they are produced.
   // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
   // backward: the shard's gradients, the head's and one layer's whole.
-  const int64_t head_grad = lora ? 0 : m.vocab * H * e;
+  const int64_t head_grad = frozen ? 0 : m.vocab * H * e;
   const int64_t grads_bottom = shards > 1              ? owned * e + head_grad + layer_params * e
                                : st.optimizer_on_host ? head_grad + layer_params * e
                                                       : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
@@ -303,7 +315,7 @@ Prediction Predict(const Request& r) {
   // logits, their fp32 copy and the softmax (10 bytes per logit), the head gradient's fp32
   // accumulator; untiled, autograd's logits, log-softmax and their gradients (~12 bytes each).
   const int64_t loss_work = st.loss_tile > 0 && st.loss_tile < T
-                                ? std::min(st.loss_tile, T) * m.vocab * 10 + (lora ? 0 : m.vocab * H * 4)
+                                ? std::min(st.loss_tile, T) * m.vocab * 10 + (frozen ? 0 : m.vocab * H * 4)
                                 : T * m.vocab * 12;
 
   Terms loss_phase = {{"final hidden state, its gradient, the final norm's input", 3 * act},

@@ -63,10 +63,19 @@ struct ModelShape {
   // > 0: LoRA (model::LoraConfig): the `params` are frozen (no gradients, masters or moments) and
   // only these adapter parameters train; `lora_largest` is the largest adapter tensor.
   int64_t lora_params = 0, lora_largest = 0;
-  int64_t Trainable() const { return lora_params > 0 ? lora_params : params; }
-  int64_t LargestTrainable() const { return lora_params > 0 ? lora_largest : largest; }
+  // > 0 (without LoRA): the indexer's dense warm-up, where only the DSA layers' indexers train
+  // (these many of the `params`; `warmup_largest` the largest, their wq): the rest is frozen.
+  int64_t warmup_params = 0, warmup_largest = 0;
+  bool Frozen() const { return lora_params > 0 || warmup_params > 0; }  // a base without gradients
+  int64_t Trainable() const {
+    return lora_params > 0 ? lora_params : warmup_params > 0 ? warmup_params : params;
+  }
+  int64_t LargestTrainable() const {
+    return lora_params > 0 ? lora_largest : warmup_params > 0 ? warmup_largest : largest;
+  }
 };
-// `lora` (rank 0: none) adds the adapters and freezes the rest.
+// `lora` (rank 0: none) adds the adapters and freezes the rest; a hybrid config in the
+// dense_warmup indexer stage trains its indexers alone (engine/trainer.cc).
 ModelShape ShapeOf(const model::ModelConfig& config, const model::LoraConfig& lora = {});
 
 struct Hardware {

@@ -399,6 +399,41 @@ TEST(PlannerTest, LoraFreezesTheBaseAndTheSavingShowsOnThe8BShape) {
             std::string::npos);
 }
 
+// The indexer's dense warm-up trains the DSA indexers alone (engine/trainer.cc): the plan counts
+// every weight but no gradient or optimizer state outside the indexers (the head's neither),
+// hybrid-3b's 7 indexers are what model's count says they are, and the longest warm-up sequence
+// is longer than the sparse stage's would be with everything training.
+TEST(PlannerTest, DenseWarmupTrainsTheIndexersAlone) {
+  model::ModelConfig config = *model::NamedShape("hybrid-3b");
+  config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
+  const ModelShape warm = ShapeOf(config);
+  // 7 DSA layers x (wq 3072 x 32 x 128, wk and the pool gate 3072 x 128 each, k_norm 2 x 128,
+  // weights_proj 3072 x 32, the pool bias 4 x 128).
+  EXPECT_EQ(warm.warmup_params, 7 * (3072 * 4096 + 2 * 3072 * 128 + 2 * 128 + 3072 * 32 + 4 * 128));
+  EXPECT_EQ(warm.warmup_params, config.IndexerParameters());
+  EXPECT_TRUE(warm.Frozen());
+  model::ModelConfig all_train = config;
+  all_train.hybrid.indexer_stage = model::IndexerStage::kSparse;
+  const ModelShape full = ShapeOf(all_train);
+  EXPECT_EQ(full.warmup_params, 0);
+  Request r;
+  r.model = warm;
+  r.seq_len = 65536;
+  r.strategy = StrategyOf("layer", 2, false, 0, 8192, 2048, 1);
+  const Prediction p = Predict(r);
+  EXPECT_EQ(Term(p, "params (frozen but the DSA indexers)"), warm.params * 2);
+  EXPECT_EQ(Term(p, "optimizer state"), warm.warmup_params * 12);
+  model::LoraConfig lora;  // LoRA is refused with the warm-up; the planner reads the adapters then
+  lora.rank = 8;
+  EXPECT_EQ(ShapeOf(config, lora).warmup_params, 0);
+  // The frozen weights' state and gradients are gone from the warm-up's plan.
+  r.model = full;
+  r.model.dsa_sparse = false;  // the same attention terms, only the training set differs
+  const Prediction f = Predict(r);
+  EXPECT_EQ(Term(f, "optimizer state"), full.params * 12);
+  EXPECT_LT(p.gpu_peak_bytes, f.gpu_peak_bytes - (full.params - warm.warmup_params) * 12);
+}
+
 // A job's memory fields over the planner's choice, as a worker applies them.
 TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
   const MemoryStrategy chosen = StrategyOf("layer", 2, true, 10, 8192, 2048, 4);
