@@ -299,12 +299,12 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
 // Shapes, query_block and the indices' range (one reduction over them, a device sync).
 
 // One pass over the indices (and one device sync): every entry in [-1, Sk), or the kernels would
-// read outside k and v.
-void CheckIndexRange(const char* fn, const Tensor& indices, int64_t Sk) {
+// read outside k and v. `what` names the tensor and the bound (IndexerKlLoss: pool_idx, P).
+void CheckIndexRange(const char* fn, const Tensor& indices, int64_t Sk,
+                     const char* what = "indices must lie in [-1, Sk) (Sk = ", const char* rows = ", k's rows)") {
   if (indices.numel() == 0) return;
   auto [lo, hi] = torch::aminmax(indices);
-  TORCH_CHECK(lo.item<int32_t>() >= -1 && hi.item<int32_t>() < Sk, fn, ": indices must lie in [-1, Sk) (Sk = ", Sk,
-              ", k's rows)");
+  TORCH_CHECK(lo.item<int32_t>() >= -1 && hi.item<int32_t>() < Sk, fn, ": ", what, Sk, rows);
 }
 void CheckSparseAttention(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                           int64_t query_block) {
@@ -699,6 +699,8 @@ Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, 
                   pool_idx.size(1) == q_idx.size(2) && target.sizes() == pool_idx.sizes(),
               "IndexerKlLoss: pool_idx (B, S, kp) int32 and target of its shape");
   TORCH_CHECK(query_block >= 1, "IndexerKlLoss: query_block must be >= 1");
+  // (The kernels would read outside k_idx; libtorch's gather would fail without naming the rule.)
+  CheckIndexRange("IndexerKlLoss", pool_idx, k_idx.size(1), "pool_idx must lie in [-1, P) (P = ", ", k_idx's pools)");
   return IndexerKlFunction::apply(q_idx, k_idx, w, pool_idx, target.detach(), query_block)[0];
 }
 

@@ -745,6 +745,19 @@ TEST(DsaIndexer, KlLossEqualsAutogradOfTheFormulaFp64) {
                              torch::zeros({}, logp.options()))
                     .sum();
   want.backward();
+  // A pool past k_idx's rows is refused naming the rule, not read.
+  {
+    Tensor bad = pool_idx.clone();
+    bad.select(1, S - 1).select(1, 0).fill_(static_cast<int32_t>(keys.size(1)));
+    try {
+      IndexerKlLoss(ix.q, keys, ix.w, bad, target);
+      ADD_FAILURE() << "a pool index past P was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("IndexerKlLoss: pool_idx must lie in [-1, P) (P = 30"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
   for (int64_t block : {int64_t{256}, int64_t{7}}) {
     Tensor q1 = leaf(ix.q), k1 = leaf(keys), w1 = leaf(ix.w);
     Tensor got = IndexerKlLoss(q1, k1, w1, pool_idx, target, block);
