@@ -27,6 +27,8 @@
 
 #include <cmath>
 
+#include "kernels/cuda/mma.cuh"
+
 namespace odyssey::kernels::cuda {
 namespace {
 
@@ -36,7 +38,7 @@ constexpr int kQueries = 64;   // queries per score block
 constexpr int kItems = static_cast<int>(kIndexerItemTile);  // items per score block
 constexpr int kScoreThreads = 128;
 constexpr int kSelectThreads = 256;
-constexpr unsigned kFull = 0xffffffffu;
+using mma::kFull;
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -48,21 +50,9 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void Ldsm4(unsigned (&r)[4], const void* smem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-// c += a (16 x 16, row) * b (16 x 8, col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void Mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// ldmatrix and the mma are mma.cuh's.
+using mma::LdMatrix4;
+using mma::Mma;
 
 // Visible items of query t: item p covers tokens [pool p, pool p + pool - 1].
 __device__ __forceinline__ int64_t VisibleItems(int64_t t, int64_t pool, int64_t P) {
@@ -116,7 +106,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
     for (int np = 0; np < NP; ++np) {
       // Matrix m = lane / 8: items n0 + (m / 2) * 8 + lane % 8, dims kk*16 + (m % 2) * 8.
       const int item = warp * kWarpItems + np * 16 + (lane / 16) * 8 + (lane % 8);
-      Ldsm4(bk[kk][np], qs + item * LD + kk * 16 + ((lane / 8) % 2) * 8);
+      LdMatrix4(bk[kk][np], qs + item * LD + kk * 16 + ((lane / 8) % 2) * 8);
     }
   }
   __syncthreads();  // every warp has its keys before the queries overwrite them
@@ -171,7 +161,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
           for (int h2 = 0; h2 < 2; ++h2) {
             unsigned a[4];
             // Lanes 0-15: rows 0-15 of the m-tile at column kk*16; lanes 16-31: at kk*16 + 8.
-            Ldsm4(a, qb + ((mp + h2) * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+            LdMatrix4(a, qb + ((mp + h2) * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
 #pragma unroll
             for (int np = 0; np < NP; ++np) {
               Mma(s[h2][2 * np], a, bk[kk][np][0], bk[kk][np][1]);

@@ -16,10 +16,8 @@ using namespace mma;  // NOLINT(build/namespaces): the fragment helpers of mma.c
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 16;     // pools a step
 constexpr int kHeads = 32;     // heads a block holds (8 a warp), HI <= 32
-constexpr int kPad = 8;
 constexpr int kHStride = kHeads + kPad;  // the [pool][head] ddots tiles
 
 // The shared memory of a block (dynamic: the logits take kp floats).
@@ -298,15 +296,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename F>
-cudaError_t Launch(const IndexerKlArgs& a, F&& f) {
-  return a.DI == 64 ? f(std::integral_constant<int, 64>{}) : f(std::integral_constant<int, 128>{});
-}
-
-template <typename K>
-cudaError_t AllowSmem(K kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+// Launches the kernel for a.DI (k64 or k128) over one block per row, with the shared memory of
+// a.kp logits.
+template <typename K, typename... Args>
+cudaError_t LaunchRows(const IndexerKlArgs& a, void* stream, K k64, K k128, Args... args) {
+  const K kernel = a.DI == 64 ? k64 : k128;
+  const size_t bytes = a.DI == 64 ? Smem<64>::Bytes(a.kp) : Smem<128>::Bytes(a.kp);
+  if (bytes > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes));
+    if (e != cudaSuccess) return e;
+  }
+  const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
+  kernel<<<grid, kThreads, bytes, static_cast<cudaStream_t>(stream)>>>(a, args...);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -315,30 +318,13 @@ bool IndexerKlSupported(int64_t HI, int64_t DI) { return HI >= 8 && HI <= kHeads
 
 int IndexerKlForward(const IndexerKlArgs& a, float* kl_rows, void* stream) {
   if (a.S == 0 || a.B == 0) return cudaSuccess;
-  auto s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
-  return Launch(a, [&](auto di) {
-    constexpr int DI = decltype(di)::value;
-    const size_t bytes = Smem<DI>::Bytes(a.kp);
-    const cudaError_t e = AllowSmem(ForwardKernel<DI>, bytes);
-    if (e != cudaSuccess) return e;
-    ForwardKernel<DI><<<grid, kThreads, bytes, s>>>(a, kl_rows);
-    return cudaGetLastError();
-  });
+  return LaunchRows(a, stream, ForwardKernel<64>, ForwardKernel<128>, kl_rows);
 }
 
 int IndexerKlBackward(const IndexerKlArgs& a, const float* g, void* dq, void* dw, float* dk_acc, void* stream) {
   if (a.S == 0 || a.B == 0) return cudaSuccess;
-  auto s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.B));
-  return Launch(a, [&](auto di) {
-    constexpr int DI = decltype(di)::value;
-    const size_t bytes = Smem<DI>::Bytes(a.kp);
-    const cudaError_t e = AllowSmem(BackwardKernel<DI>, bytes);
-    if (e != cudaSuccess) return e;
-    BackwardKernel<DI><<<grid, kThreads, bytes, s>>>(a, g, static_cast<bf16*>(dq), static_cast<bf16*>(dw), dk_acc);
-    return cudaGetLastError();
-  });
+  return LaunchRows(a, stream, BackwardKernel<64>, BackwardKernel<128>, g, static_cast<bf16*>(dq),
+                    static_cast<bf16*>(dw), dk_acc);
 }
 
 }  // namespace odyssey::kernels::cuda

@@ -17,6 +17,11 @@ namespace odyssey::kernels::cuda::mma {
 
 using bf16 = __nv_bfloat16;
 
+constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
+// Elements of padding per shared-memory row of a gathered tile (stride C + 8): the eight row
+// addresses of an ldmatrix then fall in distinct banks.
+constexpr int kPad = 8;
+
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -70,6 +75,50 @@ __device__ __forceinline__ void LoadBRows(uint32_t (&r)[4], const bf16* tile, in
 __device__ __forceinline__ void LoadB2(uint32_t (&r)[4], const bf16* tile, int ld, int k0, int lane) {
   const int m = lane / 8, i = lane % 8;
   LdMatrix4(r, tile + i * ld + k0 + 8 * m);
+}
+
+// B fragments of every k-step of an 8-row tile's C columns (B = tile^T; C a multiple of 32).
+template <int C>
+__device__ __forceinline__ void LoadBAll(uint32_t (&b)[C / 16][2], const bf16* tile, int ld, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < C / 16; kk += 2) {
+    uint32_t r[4];
+    LoadB2(r, tile, ld, kk * 16, lane);
+    b[kk][0] = r[0], b[kk][1] = r[1], b[kk + 1][0] = r[2], b[kk + 1][1] = r[3];
+  }
+}
+
+// acc += tile (16 rows x C, row-major, stride ld) times B, its fragments from LoadBAll.
+template <int C>
+__device__ __forceinline__ void RowsTimesB(float (&acc)[4], const bf16* tile, int ld, const uint32_t (&b)[C / 16][2],
+                                           int lane) {
+#pragma unroll
+  for (int kk = 0; kk < C / 16; ++kk) {
+    uint32_t af[4];
+    LoadA(af, tile, ld, kk * 16, lane);
+    Mma(acc, af, b[kk][0], b[kk][1]);
+  }
+}
+
+// A B operand carried as two bf16 parts (x's rounding and the remainder: ~16 bits of x).
+struct SplitB {
+  uint32_t hi0, hi1, lo0, lo1;
+};
+__device__ __forceinline__ void MmaSplit(float (&c)[4], const uint32_t (&a)[4], const SplitB& b) {
+  Mma(c, a, b.hi0, b.hi1);
+  Mma(c, a, b.lo0, b.lo1);
+}
+// acc[mt] += X^T rows [16 mt, 16 mt + 16) times b, for the C columns of X (a 16-row row-major
+// tile, stride ld): K = X's 16 rows.
+template <int C>
+__device__ __forceinline__ void TransposedTimesB(float (&acc)[C / 16][4], const bf16* tile, int ld, const SplitB& b,
+                                                 int lane) {
+#pragma unroll
+  for (int mt = 0; mt < C / 16; ++mt) {
+    uint32_t af[4];
+    LoadAT(af, tile, ld, mt * 16, lane);
+    MmaSplit(acc[mt], af, b);
+  }
 }
 
 }  // namespace odyssey::kernels::cuda::mma

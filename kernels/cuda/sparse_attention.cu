@@ -519,14 +519,7 @@ cudaError_t Dispatch(const SparseAttentionArgs& a, F&& f) {
       default: return f(t, d, dv, std::integral_constant<int, 1>{});
     }
   };
-  auto by_dims = [&](auto t) {
-    using I64 = std::integral_constant<int, 64>;
-    using I128 = std::integral_constant<int, 128>;
-    if (a.D == 64 && a.Dv == 64) return by_gs(t, I64{}, I64{});
-    if (a.D == 64 && a.Dv == 128) return by_gs(t, I64{}, I128{});
-    if (a.D == 128 && a.Dv == 64) return by_gs(t, I128{}, I64{});
-    return by_gs(t, I128{}, I128{});
-  };
+  auto by_dims = [&](auto t) { return ByDims(a, [&](auto d, auto dv) { return by_gs(t, d, dv); }); };
   return a.bf16 ? by_dims(bf16{}) : by_dims(float{});
 }
 

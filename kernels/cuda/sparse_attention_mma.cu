@@ -8,13 +8,7 @@
 // lines), and the products run from shared memory through ldmatrix on the tensor cores: the walk
 // is bound by the gather's bytes from L2 and HBM, not by L1 wavefronts, shuffles or FMA issue.
 //
-// Layout conventions (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + c;
-//   A (16 x 16, row-major): a0 = A[g][2c, 2c+1], a1 = A[g+8][2c, 2c+1], a2 = A[g][2c+8, 2c+9],
-//     a3 = A[g+8][2c+8, 2c+9];
-//   B (16 x 8): b0 = B[2c, 2c+1][g], b1 = B[2c+8, 2c+9][g] (loaded from B^T stored row-major);
-//   C (16 x 8, fp32): c0, c1 = C[g][2c, 2c+1], c2, c3 = C[g+8][2c, 2c+1].
-// Gathered rows sit in shared memory with a stride of (D + 8) elements: the eight row addresses
-// of an ldmatrix fall in distinct banks.
+// The fragment layouts and helpers are mma.cuh's.
 #include "kernels/cuda/sparse_attention_mma.h"
 
 #include "kernels/cuda/mma.cuh"
@@ -32,10 +26,8 @@ using namespace mma;  // NOLINT(build/namespaces): the fragment helpers of mma.c
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr unsigned kFull = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kRows = 16;      // rows a warp gathers at a time (an mma's M or K)
-constexpr int kPad = 8;        // elements of padding per shared-memory row
 constexpr int kTStride = 24;   // row stride (elements) of the 8 x 16 transposes (conflict-free)
 constexpr int kMaxGroup = 8;   // heads sharing a KV head: an mma's N
 
@@ -68,11 +60,10 @@ __device__ __forceinline__ void StoreTSplit(bf16* hi, bf16* lo, const float (&x)
     lo[at] = __float2bfloat16(x[e] - __bfloat162float(h));
   }
 }
-// The B fragment (K = 16 items, N = 8 columns) of one part StoreTSplit wrote.
-__device__ __forceinline__ void LoadBT(uint32_t& b0, uint32_t& b1, const bf16* t, int lane) {
-  const int g = lane / 4, c = lane % 4;
-  b0 = Lds32(t + g * kTStride + 2 * c);
-  b1 = Lds32(t + g * kTStride + 2 * c + 8);
+// The B fragments (K = 16 items, N = 8 columns) of the two parts StoreTSplit wrote.
+__device__ __forceinline__ SplitB LoadBT(const bf16* hi, const bf16* lo, int lane) {
+  const int at = (lane / 4) * kTStride + 2 * (lane % 4);
+  return {Lds32(hi + at), Lds32(hi + at + 8), Lds32(lo + at), Lds32(lo + at + 8)};
 }
 
 struct QueryBlockAt {
@@ -117,12 +108,7 @@ __global__ void __launch_bounds__(kThreads) ForwardMmaKernel(SparseAttentionArgs
   StageHeads<D>(qs, a.q, at);
   __syncthreads();
   uint32_t qb[D / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; kk += 2) {
-    uint32_t r[4];
-    LoadB2(r, qs, KS, kk * 16, lane);
-    qb[kk][0] = r[0], qb[kk][1] = r[1], qb[kk + 1][0] = r[2], qb[kk + 1][1] = r[3];
-  }
+  LoadBAll<D>(qb, qs, KS, lane);
   const float sl2 = a.scale * kLog2e;
   const bf16* kb = static_cast<const bf16*>(a.k.p) + at.b * a.k.sb + at.hk * a.k.sh;
   const bf16* vb = static_cast<const bf16*>(a.v.p) + at.b * a.v.sb + at.hk * a.v.sh;
@@ -140,12 +126,7 @@ __global__ void __launch_bounds__(kThreads) ForwardMmaKernel(SparseAttentionArgs
     CpAsyncWait();
     __syncwarp();
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t af[4];
-      LoadA(af, kt, KS, kk * 16, lane);
-      Mma(s, af, qb[kk][0], qb[kk][1]);
-    }
+    RowsTimesB<D>(s, kt, KS, qb, lane);
     const bool v0 = __shfl_sync(kFull, key, g) >= 0, v1 = __shfl_sync(kFull, key, g + 8) >= 0;
     float p[4];
 #pragma unroll
@@ -167,16 +148,7 @@ __global__ void __launch_bounds__(kThreads) ForwardMmaKernel(SparseAttentionArgs
     }
     StoreTSplit(pt[warp][0], pt[warp][1], p, lane);
     __syncwarp();
-    uint32_t h0, h1, l0, l1;
-    LoadBT(h0, h1, pt[warp][0], lane);
-    LoadBT(l0, l1, pt[warp][1], lane);
-#pragma unroll
-    for (int mt = 0; mt < Dv / 16; ++mt) {
-      uint32_t af[4];
-      LoadAT(af, vt, VS, mt * 16, lane);
-      Mma(acc[mt], af, h0, h1);
-      Mma(acc[mt], af, l0, l1);
-    }
+    TransposedTimesB<Dv>(acc, vt, VS, LoadBT(pt[warp][0], pt[warp][1], lane), lane);
     __syncwarp();  // the tiles are read before the next gather writes them
   }
   // Merge the four warps: each holds (m, l) of heads 2c, 2c + 1 and O^T columns for them.
@@ -243,18 +215,8 @@ __global__ void __launch_bounds__(kThreads)
   StageHeads<Dv>(dos, dO, at);
   __syncthreads();
   uint32_t qb[D / 16][2], ob[Dv / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; kk += 2) {
-    uint32_t r[4];
-    LoadB2(r, qs, KS, kk * 16, lane);
-    qb[kk][0] = r[0], qb[kk][1] = r[1], qb[kk + 1][0] = r[2], qb[kk + 1][1] = r[3];
-  }
-#pragma unroll
-  for (int kk = 0; kk < Dv / 16; kk += 2) {
-    uint32_t r[4];
-    LoadB2(r, dos, VS, kk * 16, lane);
-    ob[kk][0] = r[0], ob[kk][1] = r[1], ob[kk + 1][0] = r[2], ob[kk + 1][1] = r[3];
-  }
+  LoadBAll<D>(qb, qs, KS, lane);
+  LoadBAll<Dv>(ob, dos, VS, lane);
   const float sl2 = a.scale * kLog2e;
   float l2[2];
 #pragma unroll
@@ -282,18 +244,8 @@ __global__ void __launch_bounds__(kThreads)
     CpAsyncWait();
     __syncwarp();
     float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t af[4];
-      LoadA(af, kt, KS, kk * 16, lane);
-      Mma(s, af, qb[kk][0], qb[kk][1]);
-    }
-#pragma unroll
-    for (int kk = 0; kk < Dv / 16; ++kk) {
-      uint32_t af[4];
-      LoadA(af, vt, VS, kk * 16, lane);
-      Mma(dp, af, ob[kk][0], ob[kk][1]);
-    }
+    RowsTimesB<D>(s, kt, KS, qb, lane);
+    RowsTimesB<Dv>(dp, vt, VS, ob, lane);
     const bool v0 = __shfl_sync(kFull, key, g) >= 0, v1 = __shfl_sync(kFull, key, g + 8) >= 0;
     float p[4], pdp[4];
 #pragma unroll
@@ -306,19 +258,13 @@ __global__ void __launch_bounds__(kThreads)
     StoreTSplit(pa_hi, pa_lo, pdp, lane);
     StoreTSplit(pb_hi, pb_lo, p, lane);
     __syncwarp();
-    uint32_t ah0, ah1, al0, al1, bh0, bh1, bl0, bl1;
-    LoadBT(ah0, ah1, pa_hi, lane);
-    LoadBT(al0, al1, pa_lo, lane);
-    LoadBT(bh0, bh1, pb_hi, lane);
-    LoadBT(bl0, bl1, pb_lo, lane);
+    const SplitB ba = LoadBT(pa_hi, pa_lo, lane), bb = LoadBT(pb_hi, pb_lo, lane);
 #pragma unroll
-    for (int mt = 0; mt < D / 16; ++mt) {
+    for (int mt = 0; mt < D / 16; ++mt) {  // one load of K_c^T for both sums
       uint32_t af[4];
       LoadAT(af, kt, KS, mt * 16, lane);
-      Mma(acc_a[mt], af, ah0, ah1);
-      Mma(acc_a[mt], af, al0, al1);
-      Mma(acc_b[mt], af, bh0, bh1);
-      Mma(acc_b[mt], af, bl0, bl1);
+      MmaSplit(acc_a[mt], af, ba);
+      MmaSplit(acc_b[mt], af, bb);
     }
     __syncwarp();
   }
@@ -408,18 +354,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   uint32_t kf[D / 16][2], vf[Dv / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; kk += 2) {
-    uint32_t r[4];
-    LoadB2(r, kblk, KS, kk * 16, lane);
-    kf[kk][0] = r[0], kf[kk][1] = r[1], kf[kk + 1][0] = r[2], kf[kk + 1][1] = r[3];
-  }
-#pragma unroll
-  for (int kk = 0; kk < Dv / 16; kk += 2) {
-    uint32_t r[4];
-    LoadB2(r, vblk, VS, kk * 16, lane);
-    vf[kk][0] = r[0], vf[kk][1] = r[1], vf[kk + 1][0] = r[2], vf[kk + 1][1] = r[3];
-  }
+  LoadBAll<D>(kf, kblk, KS, lane);
+  LoadBAll<Dv>(vf, vblk, VS, lane);
   const int G = static_cast<int>(a.H / a.Hkv);
   const int64_t R = (hi - lo) * G;
   const float sl2 = a.scale * kLog2e;
@@ -465,18 +401,8 @@ __global__ void __launch_bounds__(kThreads)
     CpAsyncWait();
     __syncwarp();
     float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t af[4];
-      LoadA(af, qt, KS, kk * 16, lane);
-      Mma(s, af, kf[kk][0], kf[kk][1]);
-    }
-#pragma unroll
-    for (int kk = 0; kk < Dv / 16; ++kk) {
-      uint32_t af[4];
-      LoadA(af, ot, VS, kk * 16, lane);
-      Mma(dp, af, vf[kk][0], vf[kk][1]);
-    }
+    RowsTimesB<D>(s, qt, KS, kf, lane);
+    RowsTimesB<Dv>(dp, ot, VS, vf, lane);
     float p[4], ds[4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -494,25 +420,8 @@ __global__ void __launch_bounds__(kThreads)
     StoreTSplit(tt[warp][0], tt[warp][1], p, lane);
     StoreTSplit(tt[warp][2], tt[warp][3], ds, lane);
     __syncwarp();
-    uint32_t ph0, ph1, pl0, pl1, sh0, sh1, sl0, sl1;
-    LoadBT(ph0, ph1, tt[warp][0], lane);
-    LoadBT(pl0, pl1, tt[warp][1], lane);
-    LoadBT(sh0, sh1, tt[warp][2], lane);
-    LoadBT(sl0, sl1, tt[warp][3], lane);
-#pragma unroll
-    for (int mt = 0; mt < Dv / 16; ++mt) {
-      uint32_t af[4];
-      LoadAT(af, ot, VS, mt * 16, lane);
-      Mma(dv[mt], af, ph0, ph1);
-      Mma(dv[mt], af, pl0, pl1);
-    }
-#pragma unroll
-    for (int mt = 0; mt < D / 16; ++mt) {
-      uint32_t af[4];
-      LoadAT(af, qt, KS, mt * 16, lane);
-      Mma(dk[mt], af, sh0, sh1);
-      Mma(dk[mt], af, sl0, sl1);
-    }
+    TransposedTimesB<Dv>(dv, ot, VS, LoadBT(tt[warp][0], tt[warp][1], lane), lane);
+    TransposedTimesB<D>(dk, qt, KS, LoadBT(tt[warp][2], tt[warp][3], lane), lane);
     __syncwarp();
   }
   __syncthreads();
@@ -613,16 +522,6 @@ __global__ void __launch_bounds__(kThreads) ProbsMmaKernel(SparseAttentionArgs a
       if (j0 + g + 8 < a.W) pr[j0 + g + 8] = sum1 * inv_h;
     }
   }
-}
-
-template <typename F>
-cudaError_t ByDims(const SparseAttentionArgs& a, F&& f) {
-  using I64 = std::integral_constant<int, 64>;
-  using I128 = std::integral_constant<int, 128>;
-  if (a.D == 64 && a.Dv == 64) return f(I64{}, I64{});
-  if (a.D == 64 && a.Dv == 128) return f(I64{}, I128{});
-  if (a.D == 128 && a.Dv == 64) return f(I128{}, I64{});
-  return f(I128{}, I128{});
 }
 
 dim3 QueryGrid(const SparseAttentionArgs& a) {

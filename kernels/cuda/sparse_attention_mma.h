@@ -17,9 +17,23 @@
 // Deterministic: fixed work per warp, fixed merge order, no atomics.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/cuda/sparse_attention.h"
 
 namespace odyssey::kernels::cuda {
+
+// Calls f(D-constant, Dv-constant) (std::integral_constant<int, 64 or 128>) for a.D, a.Dv: the
+// launchers' one dispatch on the head dims (both files' kernels are templates on them).
+template <typename F>
+decltype(auto) ByDims(const SparseAttentionArgs& a, F&& f) {
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  if (a.D == 64 && a.Dv == 64) return f(I64{}, I64{});
+  if (a.D == 64 && a.Dv == 128) return f(I64{}, I128{});
+  if (a.D == 128 && a.Dv == 64) return f(I128{}, I64{});
+  return f(I128{}, I128{});
+}
 
 // bf16; D, Dv in {64, 128}; 1 <= H / Hkv <= 8.
 bool SparseAttentionMmaSupported(const SparseAttentionArgs& a);
