@@ -206,6 +206,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "auto | cpu | cuda:N")->capture_default_str();
   app.add_option("--dtype", o.dtype, "auto | bfloat16 | float32")->capture_default_str();
   app.add_option("--attention", o.attention, "auto | cudnn | sdpa | math")->capture_default_str();
+  app.add_option("--indexer-stage", o.indexer_stage,
+                 "hybrid models with DSA layers: dense_warmup | sparse replaces the config's indexer stage (empty = the model's)");
   app.add_option("--head-groups", o.memory.head_groups, "KV-head groups run one after another")->capture_default_str();
   std::string recompute = "none";
   app.add_option("--recompute", recompute, "none | layer | every_k")->capture_default_str();
@@ -494,7 +496,8 @@ int main(int argc, char** argv) {
     const double bf16_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - fid_t0).count();
     std::fprintf(stderr, "fidelity: the bf16 ForwardBackward took %.1f s\n", bf16_seconds);
     // The same weights in float32 (the bf16 values, upcast), plain forward without autograd.
-    auto m32 = odyssey::model::LoadModel(o.model, torch::kFloat32, dev, o.seed, o.num_layers);
+    auto m32 = odyssey::model::LoadModel(o.model, odyssey::model::ModelOverrides{o.num_layers, o.indexer_stage},
+                                         torch::kFloat32, dev, o.seed);
     if (!m32.ok()) {
       std::fprintf(stderr, "odyssey-bench: %s\n", std::string(m32.status().message()).c_str());
       return 1;

@@ -103,9 +103,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     dtype = *d;
   }
   const int64_t head_groups = options.memory.head_groups;
-  absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model);
+  const model::ModelOverrides overrides{options.num_layers, options.indexer_stage};
+  absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model, overrides);
   if (!resolved.ok()) return resolved.status();
-  if (options.num_layers > 0) resolved->num_hidden_layers = options.num_layers;
   if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);
       !s.ok())
     return s;
@@ -192,7 +192,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   if (cp.group != nullptr)
     backend = std::shared_ptr<const kernels::AttentionBackend>(
         std::make_shared<const UlyssesAttention>(*backend, *cp.group, cp.head_chunk));
-  absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, dtype, *device, options.seed, options.num_layers);
+  absl::StatusOr<model::CausalLM> m = model::LoadModel(options.model, overrides, dtype, *device, options.seed);
   if (!m.ok()) return m.status();
   (*m)->set_attention_backend(*backend);
   if (P > 1 && (*m)->config().IsHybrid())
@@ -889,6 +889,18 @@ absl::Status Trainer::WriteCheckpointFiles(const std::string& dir,
 }
 
 absl::Status Trainer::LoadCheckpoint(const std::string& dir) {
+  // The optimizer state is the indexer stage's own (the warm-up's covers the indexers alone):
+  // refused before anything is dropped or replaced.
+  const model::ModelConfig& config = model_->config();
+  if (config.IsHybrid() && config.NumLayersOfKind('D') > 0) {
+    absl::StatusOr<model::ModelConfig> saved = model::LoadHfConfig(dir);
+    if (saved.ok() && saved->hybrid.indexer_stage != config.hybrid.indexer_stage)
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, ": the checkpoint trained the ", model::IndexerStageName(saved->hybrid.indexer_stage),
+          " indexer stage and this trainer trains ", model::IndexerStageName(config.hybrid.indexer_stage),
+          "; its optimizer state is that stage's: start the new stage from the checkpoint's weights (as the "
+          "model) with a fresh optimizer"));
+  }
   // Gradients pending from an RL forward_backward belong to the weights being replaced: an
   // optim_step after the load must not apply them. An update in flight must not overwrite the
   // loaded weights.

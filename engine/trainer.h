@@ -105,6 +105,10 @@ struct TrainerOptions {
   std::string device = "auto";    // auto (cuda if present, else cpu) | cpu | cuda | cuda:N
   std::string dtype = "auto";     // auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16
   std::string attention = "auto"; // attention backend: auto | math | sdpa | cudnn
+  // Hybrid models with DSA layers: "dense_warmup" or "sparse" replaces the config's indexer
+  // stage (a warm-up checkpoint trains sparse; the checkpoints written say the stage they ran);
+  // "" = the model's own. Refused for a model without DSA layers.
+  std::string indexer_stage;
   // Every memory knob (recompute, offload, tiles, head groups, kept attention, optimizer state
   // on the host); the default is plain autograd. See planner/memory_strategy.h.
   planner::MemoryStrategy memory;

@@ -146,6 +146,80 @@ TEST(TrainerTest, DenseWarmupTrainsTheIndexersAlone) {
   std::filesystem::remove_all(dir);
 }
 
+// TrainerOptions::indexer_stage replaces the config's stage: a named shape warms up, the folder it
+// writes (config.json: dense_warmup) trains sparse without being edited, and each writes the stage
+// it ran.
+TEST(TrainerTest, IndexerStageOverrideTakesAWarmupCheckpointToTheSparseStage) {
+  torch::set_num_threads(2);
+  const auto warm = std::filesystem::temp_directory_path() / "odyssey_trainer_test_stage_warm";
+  const auto sparse = std::filesystem::temp_directory_path() / "odyssey_trainer_test_stage_sparse";
+  std::filesystem::remove_all(warm);
+  std::filesystem::remove_all(sparse);
+  TrainerOptions o = TinyKjv(1);
+  o.model = "hybrid-tiny";  // its config says sparse
+  o.data.seq_len = 64;
+  o.data.batch_size = 2;
+  o.optimizer.lr = 1e-2;
+  o.schedule.warmup_steps = 0;
+  auto trains = [](Trainer& t) {  // parameter name -> requires_grad
+    std::map<std::string, bool> r;
+    for (const auto& p : t.model()->named_parameters()) r[p.key()] = p.value().requires_grad();
+    return r;
+  };
+  {
+    o.indexer_stage = "dense_warmup";
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const auto& [name, grad] : trains(**t))
+      EXPECT_EQ(grad, name.find(".indexer.") != std::string::npos) << name;
+    ASSERT_TRUE(std::isfinite((*t)->TrainStep().loss));
+    ASSERT_TRUE((*t)->SaveCheckpoint(warm.string()).ok());
+    absl::StatusOr<model::ModelConfig> saved = model::LoadHfConfig(warm.string());
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_EQ(saved->hybrid.indexer_stage, model::IndexerStage::kDenseWarmup);
+  }
+  o.model = warm.string();
+  {
+    o.indexer_stage = "";  // the folder's own stage: still the warm-up
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_FALSE(trains(**t).at("model.embed_tokens.weight"));
+  }
+  {
+    o.indexer_stage = "sparse";
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const auto& [name, grad] : trains(**t)) EXPECT_TRUE(grad) << name;
+    const torch::Tensor embed = (*t)->model()->named_parameters()["model.embed_tokens.weight"].detach().clone();
+    ASSERT_TRUE(std::isfinite((*t)->TrainStep().loss));
+    EXPECT_FALSE(torch::equal(embed, (*t)->model()->named_parameters()["model.embed_tokens.weight"].detach()));
+    const absl::Status across = (*t)->LoadCheckpoint(warm.string());
+    EXPECT_EQ(across.code(), absl::StatusCode::kFailedPrecondition) << across;
+    EXPECT_NE(across.message().find("trained the dense_warmup indexer stage and this trainer trains sparse"),
+              std::string::npos)
+        << across;
+    ASSERT_TRUE((*t)->SaveCheckpoint(sparse.string()).ok());
+    EXPECT_TRUE((*t)->LoadCheckpoint(sparse.string()).ok());
+    absl::StatusOr<model::ModelConfig> saved = model::LoadHfConfig(sparse.string());
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_EQ(saved->hybrid.indexer_stage, model::IndexerStage::kSparse);
+  }
+  o.indexer_stage = "sparse_please";
+  auto bad = Trainer::Create(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("indexer_stage: 'sparse_please' is not one of dense_warmup, sparse"),
+            std::string::npos)
+      << bad.status();
+  o.model = "tiny";
+  o.indexer_stage = "sparse";
+  auto dense = Trainer::Create(o);
+  ASSERT_FALSE(dense.ok());
+  EXPECT_NE(dense.status().message().find("indexer_stage (sparse) acts on DSA layers"), std::string::npos)
+      << dense.status();
+  std::filesystem::remove_all(warm);
+  std::filesystem::remove_all(sparse);
+}
+
 // The named MoE shape trains (model/moe.h): over 40 steps the loss falls, with the
 // load-balancing term in it, and the step reports each expert's load (every token's top-2 slots
 // in each of its 2 MoE layers), with layer recompute and a tiled MLP so the experts run in tiles

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
@@ -652,6 +653,39 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir) {
   std::error_code ec;
   if (std::filesystem::is_directory(name_or_dir, ec)) return LoadHfConfig(name_or_dir);
   return NamedShape(name_or_dir);
+}
+
+absl::Status SetIndexerStage(const std::string& field, const std::string& stage, ModelConfig* config) {
+  if (stage.empty()) return absl::OkStatus();
+  absl::StatusOr<IndexerStage> s = ParseIndexerStage(stage);
+  if (!s.ok()) {
+    // Only a short value is echoed (error text stays bounded).
+    const std::string shown = stage.size() <= 32 ? absl::StrCat("'", absl::CHexEscape(stage), "'")
+                                                 : absl::StrCat("(", stage.size(), " bytes)");
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", shown, " is not one of dense_warmup, sparse"));
+  }
+  if (!config->IsHybrid() || config->NumLayersOfKind('D') == 0)
+    return absl::InvalidArgumentError(absl::StrCat(field, " (", stage,
+                                                   ") acts on DSA layers' indexers; the model has no DSA layers"));
+  config->hybrid.indexer_stage = *s;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir, const ModelOverrides& o,
+                                               const std::string& field_prefix) {
+  absl::StatusOr<ModelConfig> c = ResolveModelConfig(name_or_dir);
+  if (!c.ok()) return c.status();
+  if (o.num_layers < 0)
+    return absl::InvalidArgumentError(absl::StrCat(field_prefix, "num_layers (", o.num_layers, ") must be >= 0"));
+  if (o.num_layers > 0) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(name_or_dir, ec))
+      return absl::InvalidArgumentError(absl::StrCat(field_prefix,
+                                                     "num_layers can only cut a named shape, not a checkpoint directory"));
+    c->num_hidden_layers = o.num_layers;
+  }
+  if (absl::Status s = SetIndexerStage(field_prefix + "indexer_stage", o.indexer_stage, &*c); !s.ok()) return s;
+  return c;
 }
 
 const std::vector<std::string>& LoraTargetNames() {

@@ -131,6 +131,20 @@ std::vector<std::string> NamedShapeNames();
 // Resolves a model reference: a named shape, or a checkpoint directory with config.json.
 absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir);
 
+// What a job (or a benchmark) may change of the model it names.
+struct ModelOverrides {
+  int64_t num_layers = 0;     // > 0: cut a named shape to this many layers (benchmarks); refused for a directory
+  std::string indexer_stage;  // "" = the config's; "dense_warmup" | "sparse": hybrid models with DSA layers
+};
+// ResolveModelConfig with `o` applied. Errors name `field_prefix` + "indexer_stage" /
+// "num_layers" and the rule. A warm-up checkpoint (config.json: dense_warmup) trains sparse with
+// indexer_stage "sparse", and the checkpoints that job writes say so.
+absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir, const ModelOverrides& o,
+                                               const std::string& field_prefix = "");
+// Sets config->hybrid.indexer_stage from `stage` (empty: leaves it); refused, naming `field`,
+// for a value not dense_warmup / sparse or a model without DSA layers.
+absl::Status SetIndexerStage(const std::string& field, const std::string& stage, ModelConfig* config);
+
 // LoRA adapters (PEFT's LoraLayer) on the attention and MLP projections: each targeted
 // projection y = x W^T (+ b) gains scale * (x A^T) B^T with A (rank, in), B (out, rank),
 // scale = alpha / rank. The base weights are frozen (no gradients, no optimizer state); only A and

@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
+
+#include "common/files.h"
 
 namespace odyssey::model {
 namespace {
@@ -175,6 +178,49 @@ TEST(ConfigTest, HybridConfigRoundTripsAndRefusesWhatItCannotCompute) {
   refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"use_rope\": true", "field 'use_rope'");
   refused("\"kda_num_heads\": 4", "\"kda_num_heads\": 4, \"n_routed_experts\": 16", "n_routed_experts is not supported");
   refused("\"kda_num_heads\": 4", "\"kda_num_heads\": \"four\"", "'kda_num_heads' must be an integer");
+}
+
+// What a job may change of the model it names: the indexer stage (hybrid models with DSA
+// layers), the layer count (named shapes); refusals name the field and the rule.
+TEST(ConfigTest, OverridesActOrAreRefusedByName) {
+  absl::StatusOr<ModelConfig> warm = ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "dense_warmup"}, "spec.");
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  EXPECT_EQ(warm->hybrid.indexer_stage, IndexerStage::kDenseWarmup);
+  absl::StatusOr<ModelConfig> plain = ResolveModelConfig("hybrid-tiny", ModelOverrides{2, ""});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->hybrid.indexer_stage, IndexerStage::kSparse);  // "" leaves the config's
+  EXPECT_EQ(plain->num_hidden_layers, 2);
+  ModelConfig c = *warm;
+  ASSERT_TRUE(SetIndexerStage("f", "sparse", &c).ok());
+  EXPECT_EQ(c.hybrid.indexer_stage, IndexerStage::kSparse);
+  ASSERT_TRUE(SetIndexerStage("f", "", &c).ok());
+  EXPECT_EQ(c.hybrid.indexer_stage, IndexerStage::kSparse);
+  auto fails = [](absl::StatusOr<ModelConfig> r, const std::string& text) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status();
+  };
+  fails(ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "Sparse"}, "spec.model."),
+        "spec.model.indexer_stage: 'Sparse' is not one of dense_warmup, sparse");
+  // A long or non-UTF-8 value is not echoed back.
+  absl::StatusOr<ModelConfig> long_value =
+      ResolveModelConfig("hybrid-tiny", ModelOverrides{0, std::string(4000, '\xff')}, "spec.model.");
+  fails(long_value, "spec.model.indexer_stage: (4000 bytes) is not one of");
+  EXPECT_LT(long_value.status().message().size(), 200u);
+  fails(ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "\xff"}), "indexer_stage: '\\xff' is not one of");
+  fails(ResolveModelConfig("tiny", ModelOverrides{0, "sparse"}, "--"),
+        "--indexer_stage (sparse) acts on DSA layers' indexers; the model has no DSA layers");
+  // hybrid-tiny cut to its first layer (KDA) has no DSA layer left.
+  fails(ResolveModelConfig("hybrid-tiny", ModelOverrides{1, "dense_warmup"}), "the model has no DSA layers");
+  fails(ResolveModelConfig("tiny", ModelOverrides{-1, ""}), "num_layers (-1) must be >= 0");
+  const auto dir = std::filesystem::temp_directory_path() / "odyssey_config_test_overrides";
+  std::filesystem::create_directories(dir);
+  ASSERT_TRUE(WriteFileAtomically((dir / "config.json").string(), ToHfConfigJson(*warm, "float32")).ok());
+  absl::StatusOr<ModelConfig> folder = ResolveModelConfig(dir.string(), ModelOverrides{0, "sparse"});
+  ASSERT_TRUE(folder.ok()) << folder.status();
+  EXPECT_EQ(folder->hybrid.indexer_stage, IndexerStage::kSparse);
+  fails(ResolveModelConfig(dir.string(), ModelOverrides{2, ""}), "num_layers can only cut a named shape");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

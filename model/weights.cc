@@ -48,16 +48,21 @@ absl::StatusOr<CausalLM> LoadPretrained(const std::string& dir, torch::Dtype dty
 
 absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype dtype, torch::Device device,
                                    uint64_t seed, int64_t num_layers) {
-  if (std::filesystem::is_directory(name_or_dir)) {
-    if (num_layers > 0)
-      return absl::InvalidArgumentError("num_layers can only cut a named shape, not a checkpoint directory");
-    return LoadPretrained(name_or_dir, dtype, device);
-  }
-  absl::StatusOr<ModelConfig> config = NamedShape(name_or_dir);
+  return LoadModel(name_or_dir, ModelOverrides{num_layers, ""}, dtype, device, seed);
+}
+
+absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, const ModelOverrides& overrides,
+                                   torch::Dtype dtype, torch::Device device, uint64_t seed) {
+  absl::StatusOr<ModelConfig> config = ResolveModelConfig(name_or_dir, overrides);
   if (!config.ok()) return config.status();
-  if (num_layers > 0) config->num_hidden_layers = num_layers;
   absl::StatusOr<CausalLM> model = MakeCausalLM(*config);
   if (!model.ok()) return model.status();
+  std::error_code ec;
+  if (std::filesystem::is_directory(name_or_dir, ec)) {
+    (*model)->to(device, dtype);
+    if (absl::Status s = LoadHfWeights(*model, name_or_dir); !s.ok()) return s;
+    return model;
+  }
   (*model)->to(device);
   (*model)->InitRandom(seed);
   (*model)->to(dtype);

@@ -25,6 +25,10 @@ absl::StatusOr<CausalLM> LoadPretrained(const std::string& dir, torch::Dtype dty
 // directory. num_layers > 0 cuts a named shape to that many layers (for benchmarks).
 absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, torch::Dtype dtype, torch::Device device,
                                    uint64_t seed = 0, int64_t num_layers = 0);
+// The same with what a job may change of the model (ResolveModelConfig's overrides: a warm-up
+// checkpoint loaded for the sparse indexer stage, a named shape cut to fewer layers).
+absl::StatusOr<CausalLM> LoadModel(const std::string& name_or_dir, const ModelOverrides& overrides,
+                                   torch::Dtype dtype, torch::Device device, uint64_t seed = 0);
 
 struct SaveOptions {
   torch::Dtype dtype = torch::kBFloat16;        // dtype written (and named in config.json)

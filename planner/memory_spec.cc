@@ -107,9 +107,18 @@ absl::StatusOr<model::LoraConfig> LoraFromProto(const v1::LoraSpec& spec, absl::
   return c;
 }
 
-absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware) {
+absl::StatusOr<model::ModelConfig> SpecModelConfig(const v1::JobSpec& spec) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(spec.model().name());
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
+  if (absl::Status s = model::SetIndexerStage("spec.model.indexer_stage", spec.model().indexer_stage(), &*config);
+      !s.ok())
+    return s;
+  return config;
+}
+
+absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware) {
+  absl::StatusOr<model::ModelConfig> config = SpecModelConfig(spec);
+  if (!config.ok()) return config.status();
   return PlanJobSpec(spec, *config, hardware);
 }
 

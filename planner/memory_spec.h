@@ -41,8 +41,12 @@ int64_t RankSeqLen(const v1::JobSpec& spec);
 // The ranks a job's parameters are sharded over: parallel.world_size with parallel.shard_params
 // (ZeRO-3 over all of the job's ranks), else 1 (planner::ModelShape::shard_ranks).
 int64_t ShardRanks(const v1::JobSpec& spec);
+// The model a spec trains: spec.model.name resolved (errors name it) with spec.model's
+// overrides applied (indexer_stage). What the controller plans and validates against, and what
+// the worker loads.
+absl::StatusOr<model::ModelConfig> SpecModelConfig(const v1::JobSpec& spec);
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const Hardware& hardware);
-// The same for spec.model.name already resolved to `config`.
+// The same for the spec's model already resolved to `config` (SpecModelConfig).
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelConfig& config,
                                     const Hardware& hardware);
 

@@ -32,8 +32,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lora-targets", lora.target_modules,
                  "projections with adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; default all)");
+  std::string indexer_stage;
+  app.add_option("--indexer-stage", indexer_stage,
+                 "hybrid models with DSA layers: dense_warmup | sparse replaces the config's indexer stage (empty = the model's)");
   CLI11_PARSE(app, argc, argv);
-  auto config = odyssey::model::ResolveModelConfig(model);
+  auto config = odyssey::model::ResolveModelConfig(model, odyssey::model::ModelOverrides{0, indexer_stage}, "--");
   if (!config.ok()) {
     std::fprintf(stderr, "odyssey-plan: %s\n", std::string(config.status().message()).c_str());
     return 2;

@@ -77,7 +77,7 @@ planner::Hardware Controller::PlanHardware(const PlanMachine& machine, int64_t s
 absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
   const PlanMachine machine = MachineToPlanFor();
   // A model that does not resolve is validation's to name (ValidateJobSpec runs at the edge).
-  absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(spec.model().name());
+  absl::StatusOr<model::ModelConfig> config = planner::SpecModelConfig(spec);
   if (!config.ok()) return absl::OkStatus();
   const planner::Hardware hw = PlanHardware(machine, spec.memory().host_budget_bytes());
   absl::StatusOr<planner::JobPlan> plan = planner::PlanJobSpec(PlannedSpec(spec, hw), *config, hw);
@@ -91,8 +91,8 @@ absl::Status Controller::CheckFits(const v1::JobSpec& spec) {
 
 absl::StatusOr<v1::PlanResponse> Controller::Plan(const v1::PlanRequest& request) {
   const v1::JobSpec& spec = request.spec();
-  auto config = model::ResolveModelConfig(spec.model().name());
-  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
+  absl::StatusOr<model::ModelConfig> config = planner::SpecModelConfig(spec);
+  if (!config.ok()) return config.status();
   const int64_t spec_budget = spec.memory().host_budget_bytes();
   planner::Hardware hardware;
   std::string source;

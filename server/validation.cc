@@ -103,6 +103,16 @@ absl::Status CheckResumeFrom(const v1::JobSpec& spec, const odyssey::model::Mode
                                        ".model.name ", Quote(spec.model().name()), " (", Shape(model),
                                        "): resume with the model.name the checkpoint was trained from"));
   }
+  // Its optimizer state is the stage's: the warm-up's covers the indexers alone.
+  if (model.IsHybrid() && model.NumLayersOfKind('D') > 0 &&
+      saved->hybrid.indexer_stage != model.hybrid.indexer_stage) {
+    return Invalid(field, absl::StrCat("the checkpoint trained the ", odyssey::model::IndexerStageName(saved->hybrid.indexer_stage),
+                                       " indexer stage and this job trains ",
+                                       odyssey::model::IndexerStageName(model.hybrid.indexer_stage), " (", p,
+                                       ".model.indexer_stage or the model's config.json): the optimizer state is "
+                                       "the stage's own; start the new stage from the checkpoint's weights (name "
+                                       "the folder in model.name) with a fresh optimizer"));
+  }
   const std::string state_path = (std::filesystem::path(dir) / "trainer_state.json").string();
   absl::StatusOr<std::string> text = ReadRegularFile(state_path, size_t{1} << 20);
   if (!text.ok()) return Invalid(field, absl::StrCat("trainer_state.json: ", text.status().message()));
@@ -184,6 +194,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                                 ") or a checkpoint directory with a readable config.json (",
                                 config.status().message(), ")"));
   }
+  ODYSSEY_RETURN_IF_ERROR(
+      odyssey::model::SetIndexerStage(p + ".model.indexer_stage", model.indexer_stage(), &*config));
   ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".model.dtype", model.dtype(), {"auto", "float32", "bfloat16"}));
   ODYSSEY_RETURN_IF_ERROR(OneOf(p + ".model.attention", model.attention(), {"auto", "math", "sdpa"}));
 

@@ -208,6 +208,35 @@ TEST(ValidationTest, DenseWarmupTrainsTheIndexersAlone) {
   shard.mutable_parallel()->set_shard_params(true);
   EXPECT_THAT(std::string(ValidateJobSpec(shard).message()),
               HasSubstr("spec.parallel.shard_params: (true) with the dense_warmup indexer stage"));
+  // spec.model.indexer_stage replaces the folder's stage: sparse, the warm-up's rules are gone.
+  v1::JobSpec sparse = shard;
+  sparse.mutable_model()->set_indexer_stage("sparse");
+  EXPECT_TRUE(ValidateJobSpec(sparse).ok()) << ValidateJobSpec(sparse);
+  // ... and a named shape whose config says sparse warms up.
+  v1::JobSpec warm = GoodSpec();
+  warm.mutable_model()->set_name("hybrid-tiny");
+  warm.mutable_model()->set_indexer_stage("dense_warmup");
+  warm.mutable_lora()->set_rank(4);
+  EXPECT_THAT(std::string(ValidateJobSpec(warm).message()),
+              HasSubstr("spec.lora.rank: (4) with the dense_warmup indexer stage"));
+  warm.mutable_model()->set_indexer_stage("warm");
+  EXPECT_THAT(std::string(ValidateJobSpec(warm).message()),
+              HasSubstr("spec.model.indexer_stage: 'warm' is not one of dense_warmup, sparse"));
+  warm.mutable_model()->set_name("tiny");
+  warm.mutable_model()->set_indexer_stage("sparse");
+  EXPECT_THAT(std::string(ValidateJobSpec(warm).message()),
+              HasSubstr("spec.model.indexer_stage (sparse) acts on DSA layers' indexers; the model has no DSA layers"));
+  // Resuming across stages is refused: the warm-up's optimizer state covers the indexers alone.
+  std::ofstream(dir / "trainer_state.json") << "{\"step\": 4}\n";
+  std::ofstream(dir / "optimizer.safetensors") << "state";
+  v1::JobSpec resume = GoodSpec();
+  resume.mutable_model()->set_name("hybrid-tiny");
+  resume.set_resume_from(dir.string());
+  EXPECT_THAT(std::string(ValidateJobSpec(resume).message()),
+              HasSubstr("spec.resume_from: the checkpoint trained the dense_warmup indexer stage and this job trains "
+                        "sparse"));
+  resume.mutable_model()->set_indexer_stage("dense_warmup");
+  EXPECT_TRUE(ValidateJobSpec(resume).ok()) << ValidateJobSpec(resume);
   std::filesystem::remove_all(dir);
 }
 

@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "auto | cpu | cuda | cuda:N")->capture_default_str();
   app.add_option("--dtype", o.dtype, "auto | float32 | bfloat16")->capture_default_str();
   app.add_option("--attention", o.attention, "auto | math | sdpa")->capture_default_str();
+  app.add_option("--indexer-stage", o.indexer_stage,
+                 "hybrid models with DSA layers: dense_warmup | sparse replaces the config's indexer stage (empty = the model's)");
   app.add_option("--steps", o.steps, "training steps")->capture_default_str();
   app.add_option("--lr", o.optimizer.lr, "peak learning rate")->capture_default_str();
   app.add_option("--weight-decay", o.optimizer.weight_decay, "AdamW weight decay")->capture_default_str();

@@ -128,7 +128,10 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   // One rank holds seq_len / context_parallel positions (planner::RankSeqLen).
   const int64_t rank_seq = (j.seq_len + std::max(1, j.context_parallel) - 1) / std::max(1, j.context_parallel);
   // Sharded, a rank keeps 1/world_size of the parameters and their state (planner::ShardRanks).
-  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(j.model, dtype, rank_seq, j.batch_size, j.memory, hw,
+  absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(j.model);
+  if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
+  if (absl::Status s = model::SetIndexerStage("spec.model.indexer_stage", j.indexer_stage, &*config); !s.ok()) return s;
+  absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(*config, dtype, rank_seq, j.batch_size, j.memory, hw,
                                                                 j.lora, j.shard_params ? j.world_size : 1,
                                                                 std::max(1, j.context_parallel));
   if (!plan.ok()) return plan.status();
@@ -150,6 +153,7 @@ absl::Status BuildTrainerOptions(const EngineJobOptions& j, engine::TrainerOptio
   o.device = j.device;
   o.dtype = j.dtype;
   o.attention = j.attention;
+  o.indexer_stage = j.indexer_stage;
   o.shard_params = j.shard_params;
   o.seed = j.seed;
   o.steps = j.steps;
@@ -254,7 +258,14 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
     for (int64_t i = 0; i < t.step(); ++i) t.data().Next();
   }
   const auto& cfg = t.model()->config();
-  LogInfo(absl::StrFormat("job=%s rank=%d/%d %s model %s (%.2fM params, %s on %s), memory %s, data %s, steps %d..%d",
+  std::string stage;  // the DSA layers' indexer stage, and what trains in the warm-up
+  if (cfg.IsHybrid() && cfg.NumLayersOfKind('D') > 0) {
+    int64_t trained = 0;
+    for (const auto& p : t.model()->parameters()) trained += p.requires_grad() ? p.numel() : 0;
+    stage = absl::StrFormat(", indexer stage %s, %.2fM trained", model::IndexerStageName(cfg.hybrid.indexer_stage),
+                            static_cast<double>(trained) / 1e6);
+  }
+  LogInfo(absl::StrFormat("job=%s rank=%d/%d %s model %s (%.2fM params%s, %s on %s), memory %s, data %s, steps %d..%d",
                           j.job, j.rank, j.world_size,
                           absl::StrCat(j.context_parallel > 1 ? absl::StrCat("context_parallel=", j.context_parallel,
                                                                           j.context_parallel < j.world_size
@@ -263,7 +274,7 @@ EngineOutcome Run(const EngineJobOptions& j, const std::function<bool(absl::Dura
                                        : j.world_size > 1     ? std::string("data_parallel")
                                                               : std::string("alone"),
                                        o.shard_params ? absl::StrCat(" shard_params=", j.world_size) : ""),
-                          o.model, static_cast<double>(cfg.NumParameters()) / 1e6,
+                          o.model, static_cast<double>(cfg.NumParameters()) / 1e6, stage,
                           c10::toString(t.dtype()), t.device().str(), o.memory.Describe(), t.data().Describe(),
                           t.step(), o.steps));
 

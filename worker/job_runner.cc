@@ -29,6 +29,7 @@ absl::StatusOr<EngineJobOptions> AssignmentToEngineOptions(const v1::Assignment&
   o.device = device;
   o.dtype = spec.model().dtype().empty() ? "auto" : spec.model().dtype();
   o.attention = spec.model().attention().empty() ? "auto" : spec.model().attention();
+  o.indexer_stage = spec.model().indexer_stage();
   o.steps = spec.steps();
   const v1::OptimizerSpec& opt = spec.optimizer();
   o.lr = opt.lr();

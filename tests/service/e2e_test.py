@@ -20,7 +20,8 @@ Cases (--case):
                    context-parallel pairs, a TCP group per pair and per replica rank) on four CPU
                    workers gives the losses of the same job data parallel on two workers.
   hybrid           SFT jobs of hybrid-tiny and hybrid-tiny-moe lower their loss on the King James
-                   text like the dense tiny model's (30 steps each, one worker).
+                   text like the dense tiny model's (30 steps each, one worker); the indexer's
+                   dense warm-up, then the sparse stage from its checkpoint (model.indexer_stage).
   rank_loss        kill -9 of one worker of a 2-rank job: the job restarts from its last
                    checkpoint (the newest the watch saw, and the one both new ranks' logs say
                    they start from) on the surviving and a spare worker and succeeds.
@@ -508,6 +509,29 @@ def case_hybrid(c):
     if exported.get(key, 0) <= 0:
         raise Failure(f"the worker's /metrics has no {key}: "
                       f"{sorted(k for k in exported if 'phase' in k)}")
+    # The indexer's dense warm-up (spec.model.indexer_stage on a named shape whose config says
+    # sparse; only the indexers train), then the sparse stage from the warm-up's checkpoint folder
+    # without editing it; each checkpoint's config.json names the stage its job ran.
+    def stage_of(folder):
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f).get("indexer_stage")
+
+    spec = tiny_spec(steps=3, every=0)
+    spec["model"] = {"name": "hybrid-tiny", "dtype": "float32", "indexerStage": "dense_warmup"}
+    spec["data"]["seqLen"] = 64
+    warm = c.wait_state(c.submit(spec), "SUCCEEDED")
+    spec["model"] = {"name": warm.last_checkpoint, "dtype": "float32", "indexerStage": "sparse"}
+    sparse = c.wait_state(c.submit(spec), "SUCCEEDED")
+    stages = (stage_of(warm.last_checkpoint), stage_of(sparse.last_checkpoint))
+    print(f"warm-up then sparse: checkpoints {warm.last_checkpoint} ({stages[0]}), {sparse.last_checkpoint} "
+          f"({stages[1]})")
+    if stages != ("dense_warmup", "sparse"):
+        raise Failure(f"the warm-up's and the sparse job's checkpoints name the stages {stages}")
+    trained = re.findall(r"indexer stage (\w+), ([0-9.]+)M trained", c.log("w1"))
+    if ("dense_warmup", "sparse") != tuple(s for s, _ in trained[-2:]) or \
+            not float(trained[-2][1]) < float(trained[-1][1]):
+        raise Failure(f"the worker's log does not show the warm-up training fewer weights than the sparse job: "
+                      f"{trained[-2:]}")
 
 
 def case_rank_loss(c):

@@ -177,7 +177,7 @@ class ServiceClient:
 
     def create_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8,
                        idle_timeout_seconds: int = 0, dtype: str = "", attention: str = "", world_size: int = 0,
-                       recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
+                       indexer_stage: str = "", recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
                        loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                        attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                        optimizer_on_host: Optional[bool] = None, keep_selection: Optional[bool] = None,
@@ -191,7 +191,10 @@ class ServiceClient:
         RUNNING on a worker.
 
         model: a named shape ("tiny": byte-level, for CPU) or a Hugging Face checkpoint directory
-        the workers can read; dtype: "" (auto), "float32", "bfloat16". seq_len x batch_size is the
+        the workers can read; dtype: "" (auto), "float32", "bfloat16". indexer_stage: hybrid
+        models with DSA layers, "dense_warmup" or "sparse" in place of the stage the model's
+        config.json names ("" = its own; a warm-up checkpoint trains sparse with "sparse").
+        seq_len x batch_size is the
         largest batch, in token positions, one forward_backward/forward may carry (the memory the
         controller's planner checks). idle_timeout_seconds: the session ends SUCCEEDED after this
         long without calls (0 = the server's default, an hour). recompute/offload/tiles/
@@ -214,7 +217,8 @@ class ServiceClient:
         is not RUNNING after wait_timeout seconds.
         """
         spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, idle_timeout_seconds=idle_timeout_seconds,
-                             dtype=dtype, attention=attention, world_size=world_size, recompute=recompute,
+                             dtype=dtype, attention=attention, world_size=world_size, indexer_stage=indexer_stage,
+                             recompute=recompute,
                              recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
@@ -231,7 +235,7 @@ class ServiceClient:
         return session
 
     def plan_session(self, model: str = "tiny", *, seq_len: int = 256, batch_size: int = 8, dtype: str = "",
-                     recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
+                     indexer_stage: str = "", recompute: str = "", recompute_every_k: int = 0, offload: str = "", mlp_tile_tokens: int = 0,
                      loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                      attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                      optimizer_on_host: Optional[bool] = None, keep_selection: Optional[bool] = None,
@@ -245,7 +249,8 @@ class ServiceClient:
         for (`hardware`, `planned_gpu_bytes`, `planned_host_bytes`: the attached workers' largest
         GPU unless gpu_bytes / host_bytes say otherwise) and, with max_seq_len, the longest
         sequence that fits."""
-        spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype, recompute=recompute,
+        spec = _session_spec(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype, indexer_stage=indexer_stage,
+                             recompute=recompute,
                              recompute_every_k=recompute_every_k, offload=offload, mlp_tile_tokens=mlp_tile_tokens,
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
@@ -298,7 +303,8 @@ class ServiceClient:
 
 
 def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_seconds: int = 0, dtype: str = "",
-                  attention: str = "", world_size: int = 0, recompute: str = "", recompute_every_k: int = 0,
+                  attention: str = "", world_size: int = 0, indexer_stage: str = "", recompute: str = "",
+                  recompute_every_k: int = 0,
                   offload: str = "", mlp_tile_tokens: int = 0, loss_tile_tokens: int = 0, host_budget_bytes: int = 0,
                   device_resident: Optional[int] = None, attention_head_groups: int = 0,
                   keep_attention: Optional[bool] = None, optimizer_on_host: Optional[bool] = None,
@@ -321,7 +327,7 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
         memory.keep_selection = keep_selection
     return pb.JobSpec(
         kind=pb.RL_SESSION, display_name=display_name, priority=priority,
-        model=pb.ModelSpec(name=model, dtype=dtype, attention=attention),
+        model=pb.ModelSpec(name=model, dtype=dtype, attention=attention, indexer_stage=indexer_stage),
         parallel=pb.ParallelSpec(world_size=world_size),
         memory=memory,
         optimizer=pb.OptimizerSpec(grad_clip=grad_clip),
