@@ -1,8 +1,8 @@
 // odyssey-hybrid-bench: the hybrid layers' attention paths on one CUDA device, at hybrid-3b's
 // shapes (or the flags'), forward and forward + backward:
 //   - KDA: kernels::KdaChunked (C = 64) over T tokens, 24 heads of 128, bf16 inputs, with its
-//     state scans as the CUDA kernels of kernels/cuda/kda_scan.cu and, up to
-//     --reference-tokens, as the libtorch loops; the same shapes as bench/fla_kda_bench.py times
+//     CUDA kernels (scans, chunk quantities, intra-chunk backward), the same with the intra-chunk
+//     backward by libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
 //     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
@@ -139,10 +139,20 @@ int main(int argc, char** argv) {
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   for (int64_t T : tokens) {
     // KDA, (B, H, T, K) layout; q, k L2-normalised, log-decay g < 0 near 0, beta in (0, 1).
-    for (bool kernels : {true, false}) {
+    // 0: every CUDA kernel; 1: the same with the intra-chunk backward by libtorch ops (what the
+    // kernel of kernels/cuda/kda_intra_backward.h replaces); 2: libtorch throughout.
+    for (int variant : {0, 1, 2}) {
+      const bool kernels = variant < 2;
       if (!wants("kda") || (!kernels && T > reference_tokens)) continue;
       if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
       odyssey::kernels::SetFusedKernels(kernels);
+      odyssey::kernels::SetKdaIntraBackwardPath(variant == 1 ? odyssey::kernels::KdaIntraBackwardPath::kLibtorch
+                                                             : odyssey::kernels::KdaIntraBackwardPath::kAuto);
+      const char* name = variant == 0 ? "CUDA kernels" : variant == 1 ? "CUDA kernels, intra backward by libtorch"
+                                                                      : "libtorch";
+      const char* json_op = variant == 0   ? "kda_chunked_kernel"
+                            : variant == 1 ? "kda_chunked_kernel_libtorch_intra_backward"
+                                           : "kda_chunked_libtorch";
       auto q = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
                                                 torch::nn::functional::NormalizeFuncOptions().dim(-1));
       auto k = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
@@ -166,11 +176,10 @@ int main(int argc, char** argv) {
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
       };
       const double both = Seconds(forward_backward, static_cast<int>(iters));
-      std::printf("| KDA chunked, %s scans, %s gate | %lld | %.1f | %.1f | %.0f | |\n",
-                  kernels ? "CUDA kernel" : "libtorch", gate.c_str(), static_cast<long long>(T), fwd * 1e3,
+      std::printf("| KDA chunked, %s, %s gate | %lld | %.1f | %.1f | %.0f | |\n", name, gate.c_str(), static_cast<long long>(T), fwd * 1e3,
                   both * 1e3, static_cast<double>(T) / both);
       std::fflush(stdout);
-      if (!profile_dir.empty() && kernels && T == tokens.back()) {
+      if (!profile_dir.empty() && variant == 0 && T == tokens.back()) {
         // One more forward + backward under the profiler: kda.cc's phases ("kda forward",
         // "kda backward: ...") and every kernel; bench/profile_report.py summarizes the trace.
         std::error_code ec;
@@ -190,7 +199,8 @@ int main(int argc, char** argv) {
                      static_cast<long long>(T), trace.c_str());
       }
       odyssey::kernels::SetFusedKernels(true);
-      Json(json, std::string("{\"op\":\"") + (kernels ? "kda_chunked_kernel" : "kda_chunked_libtorch") + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
+      odyssey::kernels::SetKdaIntraBackwardPath(odyssey::kernels::KdaIntraBackwardPath::kAuto);
+      Json(json, std::string("{\"op\":\"") + json_op + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }

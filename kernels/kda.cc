@@ -1,6 +1,7 @@
 #include "kernels/kda.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_scan.h"
 #endif
+#include "kernels/cuda/kda_intra_backward.h"
 #include "kernels/fused_ops.h"
 #include "kernels/heads.h"
 
@@ -256,6 +258,70 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
   return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
 }
 
+std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
+std::atomic<int64_t> intra_backward_kernel_runs{0};
+
+// Whether the kernel's block code (kernels/cuda/kda_intra_backward.h) takes this segment's
+// IntraBackward: fp32 compute of its sizes, CUDA under kAuto with the fused kernels on, CPU
+// under the emulation paths.
+bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
+  const KdaIntraBackwardPath path = intra_backward_path.load();
+  if (path == KdaIntraBackwardPath::kLibtorch) return false;
+  if (q.is_cuda()) {
+#ifdef ODYSSEY_KERNELS_CUDA
+    if (!FusedKernelsEnabled()) return false;
+#else
+    return false;
+#endif
+  } else if (path == KdaIntraBackwardPath::kAuto) {
+    return false;
+  }
+  for (const Tensor* t : {&q, &k, &v, &beta}) {
+    if (t->scalar_type() != torch::kFloat32) return false;
+  }
+  return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
+         q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
+}
+
+// IntraBackward by the kernel's block code: the same gradients from the segment's inputs (q
+// scaled and expanded, k expanded, as ComputeIntra took them), G and the chunk quantities'
+// gradients; the block recomputes every factor itself (no IntraCache).
+IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
+                                 const Tensor& beta, const Tensor& dqg, const Tensor& dkg, const Tensor& dW,
+                                 const Tensor& dU, const Tensor& dAqk, const Tensor& deGC, int64_t len) {
+  const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
+  auto dense = [](const Tensor& t) { return t.contiguous(); };
+  const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
+               dAqkd = dense(dAqk), deGCd = dense(deGC);
+  auto opts = Gd.options();
+  Tensor dq = torch::empty({B, HV, N, C, K}, opts), dk = torch::empty({B, HV, N, C, K}, opts);
+  Tensor dg = torch::empty({B, HV, N, C, K}, opts), dv = torch::empty({B, HV, N, C, V}, opts);
+  Tensor dbeta = torch::empty({B, HV, N, C}, opts);
+  cuda::KdaIntraBackwardArgs a{q.data_ptr<float>(),  k.data_ptr<float>(),    v.data_ptr<float>(),
+                               beta.data_ptr<float>(), Gd.data_ptr<float>(), q.stride(0),
+                               q.stride(1),          q.stride(2),           k.stride(0),
+                               k.stride(1),          k.stride(2),           v.stride(0),
+                               v.stride(1),          v.stride(2),           beta.stride(0),
+                               beta.stride(1),       beta.stride(2),        B,
+                               HV,                   N,                     C,
+                               K,                    V,                     len,
+                               dqgd.data_ptr<float>(), dkgd.data_ptr<float>(), dWd.data_ptr<float>(),
+                               dUd.data_ptr<float>(), dAqkd.data_ptr<float>(), deGCd.data_ptr<float>(),
+                               dq.data_ptr<float>(),  dk.data_ptr<float>(),   dv.data_ptr<float>(),
+                               dg.data_ptr<float>(),  dbeta.data_ptr<float>()};
+  if (q.is_cuda()) {
+#ifdef ODYSSEY_KERNELS_CUDA
+    c10::cuda::CUDAGuard guard(q.device());
+    CheckKernelLaunch(cuda::KdaIntraBackward(a, Stream(q)), "kda intra-chunk backward");
+#endif
+  } else {
+    cuda::KdaIntraBackwardOnHost(a, intra_backward_path.load() == KdaIntraBackwardPath::kKernelCodeOnHostReversed);
+  }
+  intra_backward_kernel_runs.fetch_add(1);
+  auto unchunk = [len](const Tensor& t) { return t.flatten(2, 3).narrow(2, 0, len); };
+  return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
+}
+
 // The inter-chunk scan (spec 1.3 steps 3-4) of one segment's chunks, all (B, HV, n, ., .).
 struct ScanResult {
   Tensor o;       // (B, HV, n, C, V) when asked for
@@ -428,17 +494,21 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       variable_list leaves;
       Intra in;
       IntraCache cache;
-      bool by_hand = false;
+      Segment x;  // the by-hand forms' inputs, kept for the kernel's backward
+      Tensor G;
+      bool by_hand = false, by_kernel = false;
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::NoGradGuard no_grad;
-        Tensor G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
+        G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
         const KdaGramForm form = KdaDecayedGramForm(G);
         by_hand = form == KdaGramForm::kWholeChunk;
         if (by_hand) {
-          Segment x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
-                              s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, form, &cache);
+          x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
+                      s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
+          // The kernel recomputes its factors itself: the recompute keeps nothing for it.
+          by_kernel = IntraBackwardByKernelCode(x.q, x.k, x.v, x.beta, C);
+          in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, form, by_kernel ? nullptr : &cache);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);
@@ -463,7 +533,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       scans.end();
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
-        IntraGrads d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+        IntraGrads d = by_kernel ? IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, dqg, dkg, dW, r.dvt, dAqk, deGC, len)
+                                 : IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
         dx[0].narrow(2, t0, len).copy_(SumHeadRepeats(d.dq, H) * scale);
         dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
         dx[2].narrow(2, t0, len).copy_(d.dv);
@@ -487,6 +558,10 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
 };
 
 }  // namespace
+
+void SetKdaIntraBackwardPath(KdaIntraBackwardPath path) { intra_backward_path.store(path); }
+KdaIntraBackwardPath GetKdaIntraBackwardPath() { return intra_backward_path.load(); }
+int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

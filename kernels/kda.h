@@ -50,14 +50,32 @@ std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const t
 // recomputes a segment's chunk quantities, reruns its state scan and runs the reverse scan of
 // spec 1.4, segment by segment from the last. The final state's gradient (a state carried into a
 // next call) flows back like o's. On CUDA fp32 compute with C in {32, 64}, K in {32, 64, 128}
-// and V a multiple of 32, the two scans are the kernels of kernels/cuda/kda_scan.cu (when
-// FusedKernelsEnabled()); everything else is batched libtorch ops, on every device.
+// and V a multiple of 32, the two scans are the kernels of kernels/cuda/kda_scan.cu, the chunk
+// quantities kernels/cuda/kda_intra.cu's and their backward kernels/cuda/kda_intra_backward.cu's
+// (when FusedKernelsEnabled(); KdaIntraBackwardPath below); everything else is batched libtorch
+// ops, on every device.
 // REQUIRES: shapes as in the file comment; g <= 0 (the stability argument of spec 1.5 needs it;
 // not checked per element).
 std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const torch::Tensor& k,
                                                    const torch::Tensor& v, const torch::Tensor& g,
                                                    const torch::Tensor& beta, const torch::Tensor& h0,
                                                    const KdaOptions& options = {});
+
+// Which code runs KdaChunked's intra-chunk backward in the whole-chunk Gram form (spec 1.4 steps
+// 4-6; the sub-block forms always run libtorch's autograd):
+//  - kAuto (default): the CUDA kernel of kernels/cuda/kda_intra_backward.h for fp32 CUDA compute
+//    of its sizes while FusedKernelsEnabled(); otherwise libtorch ops;
+//  - kLibtorch: libtorch ops on every device (what benchmarks and tests compare against);
+//  - kKernelCodeOnHost, kKernelCodeOnHostReversed: on CPU tensors, the kernel's own block code
+//    emulated on the CPU, each phase's threads in order or in reverse (tests: the CPU machines
+//    check the kernel's arithmetic and its phase discipline; slow). CUDA tensors take kAuto's path.
+// Process-wide; set it before training starts, not during a step.
+enum class KdaIntraBackwardPath { kAuto, kLibtorch, kKernelCodeOnHost, kKernelCodeOnHostReversed };
+void SetKdaIntraBackwardPath(KdaIntraBackwardPath path);
+KdaIntraBackwardPath GetKdaIntraBackwardPath();
+// Segments whose intra-chunk backward ran the kernel's block code (on CUDA or emulated) so far in
+// this process: tests prove which path ran.
+int64_t KdaIntraBackwardKernelRuns();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

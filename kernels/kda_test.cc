@@ -296,19 +296,64 @@ TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
       SetFusedKernels(false);
       std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       SetFusedKernels(true);
-      const int64_t launches = FusedKernelLaunches();
+      const int64_t launches = FusedKernelLaunches(), intra_backward = KdaIntraBackwardKernelRuns();
       std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       // Per segment: the forward scan, the backward's state scan and reverse scan; in the
-      // whole-chunk form the intra kernel in the forward and in the backward's recompute too.
+      // whole-chunk form the intra kernel in the forward and in the backward's recompute, and
+      // the intra-chunk backward kernel, too.
       const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
-      EXPECT_GE(FusedKernelLaunches() - launches, (whole ? 5 : 3) * segments)
+      EXPECT_GE(FusedKernelLaunches() - launches, (whole ? 6 : 3) * segments)
           << Name(c) << " C" << C << ": the kernels did not run";
+      EXPECT_EQ(KdaIntraBackwardKernelRuns() - intra_backward, whole ? segments : 0) << Name(c) << " C" << C;
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
         EXPECT_LE(RelRms(got[i].cpu(), truth[i]), 2 * RelRms(ref[i].cpu(), truth[i]) + floor)
             << Name(c) << " C" << C << " " << what;
       }
+    }
+  }
+}
+
+// The intra-chunk backward kernel's own block code (kernels/cuda/kda_intra_backward_body.h),
+// emulated on the CPU: its gradients within twice the libtorch backward's error against the fp64
+// truth, with the threads of each phase in order and in reverse giving the same bits (no thread
+// reads what another writes in the same phase), shared memory starting as NaN (nothing read
+// before written). Every supported C and K, V not a power of two, HV > H, lengths not a
+// multiple of C (padding rows), several segments.
+TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
+  struct Shape {
+    int64_t C, K, V, T;
+  };
+  for (const Shape& sh : {Shape{64, 128, 128, 200}, Shape{64, 64, 36, 130}, Shape{64, 32, 128, 70},
+                          Shape{32, 128, 64, 100}, Shape{32, 64, 64, 33}, Shape{32, 32, 16, 90}}) {
+    const Case c{1, 1, 2, sh.T, sh.K, sh.V, -0.05};
+    Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 21);
+    Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+    Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+    KdaOptions opt;
+    opt.chunk_size = sh.C;
+    opt.segment = 2 * sh.C;
+    const std::vector<Tensor> truth = Grads(true, in, dO, dS, opt);
+    const Inputs f = in.To(torch::kFloat32);
+    const Tensor dOf = dO.to(torch::kFloat32), dSf = dS.to(torch::kFloat32);
+    const int64_t runs = KdaIntraBackwardKernelRuns();
+    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kLibtorch);
+    const std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt);
+    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
+    const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt);
+    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
+    const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt);
+    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
+    const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
+    const std::string name = Name(c) + " C" + std::to_string(sh.C);
+    // Twice per segment: in order and reversed; never on the libtorch path.
+    EXPECT_EQ(KdaIntraBackwardKernelRuns() - runs, 2 * segments) << name;
+    for (size_t i = 0; i < truth.size(); ++i) {
+      const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+      EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << kGradNames[i];
+      EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << kGradNames[i]
+                                                      << ": threads in reverse order changed the result";
     }
   }
 }

@@ -231,12 +231,7 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};
   const auto s = static_cast<cudaStream_t>(stream);
-  if (a.C == 64 && a.K == 128) return Launch<64, 128>(p, s);
-  if (a.C == 64 && a.K == 64) return Launch<64, 64>(p, s);
-  if (a.C == 64 && a.K == 32) return Launch<64, 32>(p, s);
-  if (a.C == 32 && a.K == 128) return Launch<32, 128>(p, s);
-  if (a.C == 32 && a.K == 64) return Launch<32, 64>(p, s);
-  return Launch<32, 32>(p, s);
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) { return Launch<decltype(c)::value, decltype(k)::value>(p, s); });
 }
 
 }  // namespace odyssey::kernels::cuda

@@ -23,8 +23,25 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace odyssey::kernels::cuda {
+
+// f(std::integral_constant<int, C>, std::integral_constant<int, K>) for the chunk and key sizes a
+// KDA block kernel is instantiated for (C in {32, 64}, K in {32, 64, 128}; anything else takes
+// (32, 32): the callers check the sizes first).
+template <class F>
+decltype(auto) ByChunkAndKey(int64_t C, int64_t K, F&& f) {
+  using C64 = std::integral_constant<int, 64>;
+  using C32 = std::integral_constant<int, 32>;
+  using K128 = std::integral_constant<int, 128>;
+  if (C == 64 && K == 128) return f(C64{}, K128{});
+  if (C == 64 && K == 64) return f(C64{}, C64{});
+  if (C == 64 && K == 32) return f(C64{}, C32{});
+  if (C == 32 && K == 128) return f(C32{}, K128{});
+  if (C == 32 && K == 64) return f(C32{}, C64{});
+  return f(C32{}, C32{});
+}
 
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (the block's shared memory holds
 // the chunk).

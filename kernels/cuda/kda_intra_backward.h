@@ -1,0 +1,53 @@
+// Chunked KDA's backward through the chunk-local quantities, whole-chunk Gram form: spec 1.4
+// steps 4-6, what kernels/kda.cc's IntraBackward computes from ~40 libtorch ops over (B, HV, N,
+// C, K) fp32 tensors, in one thread block of 512 threads per (batch x head, chunk). The block
+// recomputes the chunk's factors (Ep, Em, kp, km, qp, X, Y), the Gram L_kk and the UT inverse T
+// = (I + diag(beta) L_kk)^-1 from q, k, v, beta and G (nothing of the forward's is kept), then
+//   dT = dW X^T + dU Y^T, dX = T^T dW, dY = T^T dU, dA_kk = strict_lower(-T^T dT T^T),
+//   dL = diag(beta) dA_kk, dA = lower(dAqk), dkp = dL km, dqp = dA km, dkm = dL^T kp + dA^T qp,
+//   dq = dqp Ep + dqg eG, dk = dkp Ep + dkm Em + dX beta eG + dkg EC, dv = dY beta,
+//   dbeta = rowsum(dA_kk L_kk) + rowsum(dX k eG) + rowsum(dY v),
+//   dG = dqp qp + dkp kp - dkm km + dX X - dkg kg + dqg qg (+ the last row's sum of dkg kg and
+//   deGC eGC), dg = the reverse cumulative sum of dG over the chunk's rows,
+// all in fp32 (sums in another order than libtorch's).
+//
+// The block's code is kernels/cuda/kda_intra_backward_body.h, plain C++ that the CUDA kernel
+// and kernels/kda.cc's host emulation (tests: the same code, thread by thread between barriers,
+// on the CPU) both compile.
+//
+// Raw pointers, fp32. q, k, v, beta and G exactly as KdaIntraArgs (kernels/cuda/kda_intra.h);
+// the gradients of the chunk quantities contiguous: dqg, dkg, dW (BH, N, C, K), dU (BH, N, C,
+// V), dAqk (BH, N, C, C), deGC (BH, N, K). Outputs contiguous over every row of every chunk
+// (the padding rows too): dq, dk, dg (BH, N, C, K), dv (BH, N, C, V), dbeta (BH, N, C).
+#pragma once
+
+#include <cstdint>
+
+namespace odyssey::kernels::cuda {
+
+struct KdaIntraBackwardArgs {
+  const float *q, *k, *v, *beta, *G;
+  int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, b_sb, b_sh, b_st;
+  int64_t B, HV, N, C, K, V, L;
+  const float *dqg, *dkg, *dW, *dU, *dAqk, *deGC;
+  float *dq, *dk, *dv, *dg, *dbeta;
+};
+
+// C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).
+inline bool KdaIntraBackwardSupported(int64_t C, int64_t K, int64_t V) {
+  return (C == 32 || C == 64) && (K == 32 || K == 64 || K == 128) && V >= 4 && V <= 128 && V % 4 == 0;
+}
+// The block's threads.
+inline constexpr int kKdaIntraBackwardThreads = 512;
+// Shared memory of one block, in floats (kernels/kda_intra_backward_host.cc, built on every
+// machine, as is KdaIntraBackwardOnHost below).
+int64_t KdaIntraBackwardSmemFloats(int64_t C, int64_t K, int64_t V);
+
+// The CUDA kernel (only built with ODYSSEY_CUDA). Returns the launch's cudaError_t as an int.
+int KdaIntraBackward(const KdaIntraBackwardArgs& args, void* stream);
+// The same block code on the CPU over host pointers (kernels/kda_intra_backward_host.cc, always
+// built): the blocks one after another, each phase's threads one after another (in reverse
+// order with `reverse_threads`), shared memory starting as NaN. For tests; slow.
+void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& args, bool reverse_threads);
+
+}  // namespace odyssey::kernels::cuda

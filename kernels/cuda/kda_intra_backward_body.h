@@ -1,0 +1,355 @@
+// The thread block of chunked KDA's intra-chunk backward (kernels/cuda/kda_intra_backward.h), as
+// plain C++ that both compilers take: the CUDA kernel (kda_intra_backward.cu) runs
+// KdaIntraBackwardPhase(p, ...) for p = 0 .. KdaIntraBackwardPhases(C) - 1 with a barrier after
+// each, and kernels/kda.cc's host emulation runs every thread of a phase one after another on the
+// CPU, so the CPU tests check this very code. The rule that makes the two agree: inside a phase
+// a thread reads only what earlier phases wrote, or what it wrote itself; no two threads of a
+// phase write the same element. (The emulation also runs the threads in reverse order, which
+// any break of that rule would show.)
+//
+// Shared memory (floats), every matrix row-major with an odd leading dimension (column walks
+// over rows are free of bank conflicts): five "big" slots of C x (max(K, V, C) + 1), three "small"
+// C x (C + 1), the inverse's block-row scratch (16 x C), beta and dbeta of the chunk's rows.
+// What the slots hold, phase by phase:
+//   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km
+//   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dA_kk -> dL
+//   B4: X -> qp                                             S0: L_kk  S1: A_kk -> dT  S2: T
+// The outputs dq, dk, dg are first written, then added to, by the phases that own their
+// elements; dg holds dG until the last phase turns it into its reverse cumulative sum.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/kda_intra_backward.h"
+
+#if defined(__CUDACC__)
+#define KDA_HD __host__ __device__ __forceinline__
+#define KDA_UNROLL _Pragma("unroll")
+#else
+#define KDA_HD inline
+#define KDA_UNROLL
+#endif
+
+namespace odyssey::kernels::cuda::kda_bwd {
+
+constexpr int kB = 16;  // the inverse's block
+
+// The widest matrix a big slot holds: C x K, C x V, or C x C (R, dA_kk, dA).
+KDA_HD constexpr int64_t Widest(int64_t C, int64_t K, int64_t V) {
+  return K > V ? (K > C ? K : C) : (V > C ? V : C);
+}
+KDA_HD int64_t SmemFloats(int64_t C, int64_t K, int64_t V) {
+  return 5 * C * (Widest(C, K, V) + 1) + 3 * C * (C + 1) + kB * C + 2 * C;
+}
+// 0 beta; 1 factors; 2 Grams; 3 the inverse's diagonal blocks; two per later block row; then dT,
+// dX and dY, R, dA_kk, dL, the products of dL and dA, the last.
+KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 7; }
+
+// acc[x][y] += sum over m in [m0, m1) of a(i0 + x, m) b(m, j0 + y), with a(i, m) = a[i * ai + m * am]
+// and b(m, j) = b[m * bm + j * bj] (strides pick a matrix or its transpose).
+KDA_HD void TileProduct(float (&acc)[4][4], const float* a, int ai, int am, const float* b, int bm, int bj, int i0,
+                        int j0, int m0, int m1) {
+  for (int m = m0; m < m1; ++m) {
+    float av[4], bv[4];
+KDA_UNROLL
+    for (int x = 0; x < 4; ++x) av[x] = a[(i0 + x) * ai + m * am];
+KDA_UNROLL
+    for (int y = 0; y < 4; ++y) bv[y] = b[m * bm + (j0 + y) * bj];
+KDA_UNROLL
+    for (int x = 0; x < 4; ++x) {
+KDA_UNROLL
+      for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(av[x], bv[y], acc[x][y]);
+    }
+  }
+}
+
+// One block's view: its (batch x head, chunk), its inputs and outputs, its shared memory.
+template <int C, int K>
+struct Block {
+  const KdaIntraBackwardArgs& a;
+  int V, ldK, ldV, ldC;
+  int64_t chunk, t0, ck, cv, cc;
+  const float *q, *k, *v, *beta, *G;
+  float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
+
+  KDA_HD Block(const KdaIntraBackwardArgs& args, float* sm, int64_t bh, int64_t n) : a(args) {
+    V = static_cast<int>(a.V), ldK = K + 1, ldV = V + 1, ldC = C + 1;
+    const int64_t b = bh / a.HV, h = bh % a.HV;
+    chunk = bh * a.N + n, t0 = n * C;
+    ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
+    q = a.q + b * a.q_sb + h * a.q_sh;
+    k = a.k + b * a.k_sb + h * a.k_sh;
+    v = a.v + b * a.v_sb + h * a.v_sh;
+    beta = a.beta + b * a.b_sb + h * a.b_sh;
+    G = a.G + ck;
+    const int64_t big = C * (Widest(C, K, V) + 1), small = C * (C + 1);
+    B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
+    S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
+  }
+  // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros).
+  KDA_HD float K_(int i, int d) const { return t0 + i < a.L ? k[(t0 + i) * a.k_st + d] : 0.f; }
+  KDA_HD float Q_(int i, int d) const { return t0 + i < a.L ? q[(t0 + i) * a.q_st + d] : 0.f; }
+  KDA_HD float V_(int i, int d) const { return t0 + i < a.L ? v[(t0 + i) * a.v_st + d] : 0.f; }
+  KDA_HD float Ep(int i, int d) const { return expf(G[i * K + d] - G[d]); }
+  KDA_HD float Em(int i, int d) const { return expf(G[d] - G[i * K + d]); }
+  KDA_HD float EG(int i, int d) const { return expf(G[i * K + d]); }
+  KDA_HD float EC(int i, int d) const { return expf(G[(C - 1) * K + d] - G[i * K + d]); }
+
+  // 1: the factors the products read; the outputs' first terms.
+  KDA_HD void Factors(int tid, int nt) {
+    for (int e = tid; e < C * K; e += nt) {
+      const int i = e / K, d = e % K;
+      const float kk = K_(i, d), qq = Q_(i, d), eg = EG(i, d), ec = EC(i, d);
+      B0[i * ldK + d] = kk * Ep(i, d);
+      B1[i * ldK + d] = kk * Em(i, d);
+      B2[i * ldK + d] = a.dW[ck + e];
+      B4[i * ldK + d] = sB[i] * kk * eg;
+      const float dqg = a.dqg[ck + e], dkg = a.dkg[ck + e];
+      a.dq[ck + e] = dqg * eg;
+      a.dk[ck + e] = dkg * ec;
+      a.dg[ck + e] = dqg * (qq * eg) - dkg * (kk * ec);
+    }
+    for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
+  }
+  // 2: L_kk = strict_lower(kp km^T) and A_kk = diag(beta) L_kk, by 4 x 4 tiles.
+  KDA_HD void Grams(int tid, int nt) {
+    constexpr int kTiles = (C / 4) * (C / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+      float acc[4][4] = {};
+      if (j0 <= i0) TileProduct(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K);
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) {
+          const int i = i0 + x, j = j0 + y;
+          const float l = j < i ? acc[x][y] : 0.f;
+          S0[i * ldC + j] = l;
+          S1[i * ldC + j] = l * sB[i];
+        }
+      }
+    }
+  }
+  // 3: Y = diag(beta) v (kp's slot: the Grams are done); T's diagonal blocks by forward
+  // substitution, a thread per column, and zeros above them.
+  KDA_HD void InverseDiagonal(int tid, int nt) {
+    for (int e = tid; e < C * V; e += nt) {
+      const int i = e / V, d = e % V;
+      B0[i * ldV + d] = sB[i] * V_(i, d);
+    }
+    for (int c = tid; c < C; c += nt) {
+      const int r0 = c / kB * kB;
+      for (int i = r0; i < c; ++i) S2[i * ldC + c] = 0.f;
+      S2[c * ldC + c] = 1.f;
+      for (int i = c + 1; i < r0 + kB; ++i) {
+        float s = 0.f;
+        for (int j = c; j < i; ++j) s = fmaf(-S1[i * ldC + j], S2[j * ldC + c], s);
+        S2[i * ldC + c] = s;
+      }
+    }
+    for (int e = tid; e < C * C; e += nt) {
+      const int i = e / C, j = e % C;
+      if (j / kB > i / kB) S2[i * ldC + j] = 0.f;
+    }
+  }
+  // Block row r0 against the columns before it, in two phases: P = A_r,<r T_<r,<r, then
+  // T_r,<r = -T_rr P.
+  KDA_HD void InverseRowProduct(int r0, int tid, int nt) {
+    for (int e = tid; e < kB * r0; e += nt) {
+      const int i = e / r0, c = e % r0;
+      float s = 0.f;
+      for (int j = c; j < r0; ++j) s = fmaf(S1[(r0 + i) * ldC + j], S2[j * ldC + c], s);
+      P[i * C + c] = s;
+    }
+  }
+  KDA_HD void InverseRowSolve(int r0, int tid, int nt) {
+    for (int e = tid; e < kB * r0; e += nt) {
+      const int i = e / r0, c = e % r0;
+      float s = 0.f;
+      for (int m = 0; m <= i; ++m) s = fmaf(-S2[(r0 + i) * ldC + r0 + m], P[m * C + c], s);
+      S2[(r0 + i) * ldC + c] = s;
+    }
+  }
+  // dT = dW X^T + dU Y^T (A_kk's slot: T is complete).
+  KDA_HD void GradT(int tid, int nt) {
+    constexpr int kTiles = (C / 4) * (C / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+      float acc[4][4] = {};
+      TileProduct(acc, B2, ldK, 1, B4, 1, ldK, i0, j0, 0, K);
+      TileProduct(acc, B3, ldV, 1, B0, 1, ldV, i0, j0, 0, V);
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) S1[(i0 + x) * ldC + j0 + y] = acc[x][y];
+      }
+    }
+  }
+  // dX = T^T dW and dY = T^T dU by tiles (T lower: rows m >= i), each tile's terms of dk, dG and
+  // dv written, and its rows' partial sums of dbeta into B0 (Y's slot: dT is done): [C][K / 4]
+  // for dX, then [C][V / 4] for dY.
+  KDA_HD void GradXY(int tid, int nt) {
+    const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);
+    float* px = B0;
+    float* py = B0 + C * (K / 4);
+    for (int tile = tid; tile < xt + yt; tile += nt) {
+      const bool is_x = tile < xt;
+      const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
+      const int i0 = 4 * (t / (cols / 4)), d0 = 4 * (t % (cols / 4));
+      float acc[4][4] = {};
+      if (is_x) {
+        TileProduct(acc, S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C);
+      } else {
+        TileProduct(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C);
+      }
+      for (int x = 0; x < 4; ++x) {
+        const int i = i0 + x;
+        float row = 0.f;
+        for (int y = 0; y < 4; ++y) {
+          const int d = d0 + y;
+          const float g = acc[x][y];
+          if (is_x) {
+            const int64_t o = ck + static_cast<int64_t>(i) * K + d;
+            const float keg = K_(i, d) * EG(i, d);
+            a.dk[o] += g * sB[i] * EG(i, d);
+            a.dg[o] += g * B4[i * ldK + d];
+            row = fmaf(g, keg, row);
+          } else {
+            a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
+            row = fmaf(g, V_(i, d), row);
+          }
+        }
+        if (is_x) {
+          px[i * (K / 4) + d0 / 4] = row;
+        } else {
+          py[i * (V / 4) + d0 / 4] = row;
+        }
+      }
+    }
+  }
+  // dbeta's dX and dY terms summed (a thread per row); R = dT T^T into B2 (dW's slot), T lower:
+  // columns m <= j.
+  KDA_HD void GradR(int tid, int nt) {
+    for (int i = tid; i < C; i += nt) {
+      float s = 0.f;
+      for (int c = 0; c < K / 4; ++c) s += B0[i * (K / 4) + c];
+      for (int c = 0; c < V / 4; ++c) s += B0[C * (K / 4) + i * (V / 4) + c];
+      sDb[i] = s;
+    }
+    constexpr int kTiles = (C / 4) * (C / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+      float acc[4][4] = {};
+      TileProduct(acc, S1, ldC, 1, S2, 1, ldC, i0, j0, 0, j0 + 4);
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) B2[(i0 + x) * ldC + j0 + y] = acc[x][y];
+      }
+    }
+  }
+  // dA_kk = strict_lower(-T^T R) into B3 (dU's slot), T lower: rows m >= i.
+  KDA_HD void GradAkk(int tid, int nt) {
+    constexpr int kTiles = (C / 4) * (C / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+      float acc[4][4] = {};
+      if (j0 <= i0) TileProduct(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C);
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) {
+          const int i = i0 + x, j = j0 + y;
+          B3[i * ldC + j] = j < i ? -acc[x][y] : 0.f;
+        }
+      }
+    }
+  }
+  // dbeta += rowsum(dA_kk L_kk) and dL = diag(beta) dA_kk in place (a thread per row); kp, qp
+  // (B0, B4) and dA = lower(dAqk) (B2: R is done) for the last products.
+  KDA_HD void GradL(int tid, int nt) {
+    for (int i = tid; i < C; i += nt) {
+      float s = 0.f;
+      for (int j = 0; j < i; ++j) s = fmaf(B3[i * ldC + j], S0[i * ldC + j], s);
+      sDb[i] += s;
+      for (int j = 0; j < C; ++j) B3[i * ldC + j] *= sB[i];
+    }
+    for (int e = tid; e < C * K; e += nt) {
+      const int i = e / K, d = e % K;
+      const float ep = Ep(i, d);
+      B0[i * ldK + d] = K_(i, d) * ep;
+      B4[i * ldK + d] = Q_(i, d) * ep;
+    }
+    for (int e = tid; e < C * C; e += nt) {
+      const int i = e / C, j = e % C;
+      B2[i * ldC + j] = j <= i ? a.dAqk[cc + e] : 0.f;
+    }
+  }
+  // By tiles of rows r and columns d: dkp = dL km (dL strict lower: columns j < r), dqp = dA km
+  // (j <= r), dkm = dL^T kp + dA^T qp (rows i >= r); their terms of dq, dk and dG. The one thread
+  // of a tile owns its elements in all three.
+  KDA_HD void GradQK(int tid, int nt) {
+    constexpr int kTiles = (C / 4) * (K / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int r0 = 4 * (tile / (K / 4)), d0 = 4 * (tile % (K / 4));
+      float dkp[4][4] = {}, dqp[4][4] = {}, dkm[4][4] = {};
+      TileProduct(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+      TileProduct(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+      TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
+      TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) {
+          const int r = r0 + x, d = d0 + y;
+          const int64_t o = ck + static_cast<int64_t>(r) * K + d;
+          const float ep = Ep(r, d);
+          a.dq[o] += dqp[x][y] * ep;
+          a.dk[o] += dkp[x][y] * ep + dkm[x][y] * Em(r, d);
+          a.dg[o] += dqp[x][y] * B4[r * ldK + d] + dkp[x][y] * B0[r * ldK + d] - dkm[x][y] * B1[r * ldK + d];
+        }
+      }
+    }
+  }
+  // The last row's terms of dG (the kg sum and deGC eGC), then dg = the reverse cumulative sum of
+  // dG down each column (a thread per column); dbeta out.
+  KDA_HD void Last(int tid, int nt) {
+    for (int d = tid; d < K; d += nt) {
+      float s = a.deGC[chunk * K + d] * expf(G[(C - 1) * K + d]);
+      for (int i = 0; i < C; ++i) s = fmaf(a.dkg[ck + static_cast<int64_t>(i) * K + d], K_(i, d) * EC(i, d), s);
+      for (int i = C - 1; i >= 0; --i) {
+        const int64_t o = ck + static_cast<int64_t>(i) * K + d;
+        s += a.dg[o];
+        a.dg[o] = s;
+      }
+    }
+    for (int i = tid; i < C; i += nt) a.dbeta[chunk * C + i] = sDb[i];
+  }
+};
+
+// Phase `phase` of thread `tid` (of `nt`) of the block of (bh, chunk n).
+template <int C, int K>
+KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
+                                  int nt) {
+  Block<C, K> b(a, sm, bh, n);
+  constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
+  if (phase == 0) {
+    for (int i = tid; i < C; i += nt) b.sB[i] = b.t0 + i < a.L ? b.beta[(b.t0 + i) * a.b_st] : 0.f;
+  } else if (phase == 1) {
+    b.Factors(tid, nt);
+  } else if (phase == 2) {
+    b.Grams(tid, nt);
+  } else if (phase == 3) {
+    b.InverseDiagonal(tid, nt);
+  } else if (phase < 4 + 2 * kRows) {
+    const int r0 = kB * (1 + (phase - 4) / 2);
+    if ((phase - 4) % 2 == 0) {
+      b.InverseRowProduct(r0, tid, nt);
+    } else {
+      b.InverseRowSolve(r0, tid, nt);
+    }
+  } else {
+    switch (phase - 4 - 2 * kRows) {
+      case 0: b.GradT(tid, nt); break;
+      case 1: b.GradXY(tid, nt); break;
+      case 2: b.GradR(tid, nt); break;
+      case 3: b.GradAkk(tid, nt); break;
+      case 4: b.GradL(tid, nt); break;
+      case 5: b.GradQK(tid, nt); break;
+      default: b.Last(tid, nt); break;
+    }
+  }
+}
+
+}  // namespace odyssey::kernels::cuda::kda_bwd
