@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "engine/loss.h"
 #include "model/decode.h"
 
 namespace odyssey::engine {
@@ -138,7 +139,7 @@ absl::StatusOr<SampleResult> Sample(model::CausalLM& model, const SampleSpec& sp
     std::vector<bool> done(static_cast<size_t>(R), false);
     int64_t running = R;
     for (int64_t t = 0; t < spec.max_tokens && running > 0; ++t) {
-      torch::Tensor logits = torch::matmul(hidden, head.t()).to(torch::kFloat32);  // (R, V)
+      torch::Tensor logits = LogitsFp32(hidden, head);  // (R, V)
       torch::Tensor chosen = ChooseTokens(logits, spec, generator);                  // (R,) CPU
       torch::Tensor logp = logits.log_softmax(-1).gather(1, chosen.to(device).unsqueeze(1)).squeeze(1).cpu();  // (R,)
       const auto c = chosen.accessor<int64_t, 1>();

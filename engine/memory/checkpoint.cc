@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "engine/loss.h"
 #include "engine/profiler.h"
 #include "model/grad_sums.h"
 
@@ -142,7 +143,7 @@ std::pair<torch::Tensor, torch::Tensor> HeadBackward(const torch::Tensor& hidden
   for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
     const int64_t n = std::min(tile, h.size(0) - t0);
     torch::Tensor ht = h.narrow(0, t0, n);                                                  // (n, H)
-    torch::Tensor p = torch::softmax(torch::matmul(ht, weight.t()).to(torch::kFloat32), -1);  // (n, V)
+    torch::Tensor p = torch::softmax(LogitsFp32(ht, weight), -1);  // (n, V)
     p.scatter_add_(1, y.narrow(0, t0, n).unsqueeze(1), torch::full({n, 1}, -1.0f, p.options()));
     p.mul_(coef.narrow(0, t0, n).unsqueeze(1));
     torch::Tensor pd = p.to(weight.scalar_type());
@@ -163,7 +164,7 @@ class TiledLossFunction : public torch::autograd::Function<TiledLossFunction> {
     torch::Tensor total = torch::zeros({}, h.options().dtype(torch::kFloat32));
     for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
       const int64_t n = std::min(tile, h.size(0) - t0);
-      torch::Tensor logits = torch::matmul(h.narrow(0, t0, n), weight.t()).to(torch::kFloat32);  // (n, V)
+      torch::Tensor logits = LogitsFp32(h.narrow(0, t0, n), weight);  // (n, V)
       torch::Tensor lse = torch::logsumexp(logits, -1);                                           // (n,)
       torch::Tensor tgt = logits.gather(1, y.narrow(0, t0, n).unsqueeze(1)).squeeze(1);          // (n,)
       total.add_(((lse - tgt) * m.narrow(0, t0, n)).sum());
@@ -196,7 +197,7 @@ class TiledLogprobFunction : public torch::autograd::Function<TiledLogprobFuncti
     torch::Tensor out = torch::empty({h.size(0)}, h.options().dtype(torch::kFloat32));  // (N,)
     for (int64_t t0 = 0; t0 < h.size(0); t0 += tile) {
       const int64_t n = std::min(tile, h.size(0) - t0);
-      torch::Tensor logits = torch::matmul(h.narrow(0, t0, n), weight.t()).to(torch::kFloat32);  // (n, V)
+      torch::Tensor logits = LogitsFp32(h.narrow(0, t0, n), weight);  // (n, V)
       torch::Tensor tgt = logits.gather(1, y.narrow(0, t0, n).unsqueeze(1)).squeeze(1);          // (n,)
       out.narrow(0, t0, n).copy_(tgt - torch::logsumexp(logits, -1));
     }

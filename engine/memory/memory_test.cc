@@ -874,6 +874,38 @@ TEST(MemoryStrategyBf16Test, TiledMlpSumsWeightGradientsInFp32) {
   EXPECT_EQ(checked, 4);  // the norm weight and the three MLP weights
 }
 
+// The LM head's logits from bf16 operands on CUDA are fp32 sums never rounded to bf16 (the
+// loss tiles, the per-token logprobs and the sampler read them through LogitsFp32): at a
+// vocabulary's width their error against fp64 is far below the rounding a bf16 logits tensor
+// carries, and so is the per-token logprob's. Under autograd the product keeps its recorded
+// form (bf16, then fp32).
+TEST(MemoryStrategyGpuTest, HeadLogitsAreNotRoundedTo16Bits) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(5);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor h = torch::randn({3, 100, 512}, bf16), w = (0.1 * torch::randn({4000, 512}, bf16));
+  const torch::Tensor y = torch::randint(0, 4000, {3, 100}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+  const torch::Tensor truth = torch::matmul(h.to(torch::kFloat64), w.to(torch::kFloat64).t());  // (3, 100, 4000)
+  const torch::Tensor ours = LogitsFp32(h, w);
+  ASSERT_EQ(ours.scalar_type(), torch::kFloat32);
+  ASSERT_EQ(ours.sizes(), truth.sizes());
+  const torch::Tensor rounded = torch::matmul(h, w.t()).to(torch::kFloat32);
+  const double ours_err = (ours.to(torch::kFloat64) - truth).abs().mean().item<double>();
+  const double rounded_err = (rounded.to(torch::kFloat64) - truth).abs().mean().item<double>();
+  EXPECT_LT(ours_err, 0.05 * rounded_err) << ours_err << " vs " << rounded_err;
+  const torch::Tensor lp_truth = torch::log_softmax(truth, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1);
+  const torch::Tensor lp = TiledTokenLogprobs(h, w, y, 64);
+  const torch::Tensor lp_rounded = torch::log_softmax(rounded, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1);
+  const double lp_err = (lp.to(torch::kFloat64) - lp_truth).abs().mean().item<double>();
+  const double lp_rounded_err = (lp_rounded.to(torch::kFloat64) - lp_truth).abs().mean().item<double>();
+  EXPECT_LT(lp_err, 0.05 * lp_rounded_err) << lp_err << " vs " << lp_rounded_err;
+  // Recorded for autograd: the product in bf16 (at::mm's fp32-output form has no derivative).
+  const torch::Tensor hg = h.detach().requires_grad_(true);
+  const torch::Tensor recorded = LogitsFp32(hg, w);
+  EXPECT_TRUE(recorded.requires_grad());
+  EXPECT_TRUE(torch::equal(recorded.detach(), rounded));
+}
+
 // The same strategies on the GPU in bf16 (cuDNN attention, pinned host pool, side-stream
 // copies). bf16 rounding differs between any two orders of the same math, so each strategy is
 // held to the bar of the kernels: its error against an fp32 run is at most twice that of
