@@ -16,6 +16,7 @@
 #include "kernels/cuda/sparse_attention.h"
 #endif
 #include "kernels/fused_ops.h"
+#include "kernels/heads.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -688,6 +689,118 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
 };
 
 }  // namespace
+
+namespace {
+
+// One block of query rows [t0, t0 + n) of the dense warm-up's KL: the target from the main
+// attention (no gradient) and the indexer's log-softmax over the visible pools (differentiable
+// in qi (B, HI, n, DI), k_idx and wi (B, n, HI) when grad mode is on). kq: k repeated to the H
+// query heads in the compute dtype.
+Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, const Tensor& q, const Tensor& kq,
+                     int64_t t0, torch::ScalarType ct) {
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), n = qi.size(2), P = k_idx.size(1);
+  auto lo = torch::TensorOptions().dtype(torch::kLong).device(q.device());
+  const Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
+  const Tensor valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
+  Tensor target;  // (B, n, P)
+  {
+    torch::NoGradGuard no_grad;
+    const Tensor s = torch::matmul(q.narrow(2, t0, n).to(ct), kq.transpose(2, 3))
+                         .mul_(1.0 / std::sqrt(static_cast<double>(D)))
+                         .masked_fill_((torch::arange(S, lo).view({1, 1, S}) > t).unsqueeze(1), -kInf);  // (B, H, n, S)
+    const Tensor p = torch::softmax(s, -1).sum(1).div_(static_cast<double>(H));                       // (B, n, S)
+    target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1).masked_fill_(valid.logical_not(), 0.0);
+    target.div_(target.sum(-1, /*keepdim=*/true).clamp_min(1e-30));
+  }
+  return KlSum(target, MaskedLogSoftmax(IndexerScores(qi.to(ct), k_idx.to(ct), wi.to(ct)), valid));
+}
+
+struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
+                               const Tensor& q, const Tensor& k, int64_t query_block) {
+    const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
+    const Tensor kq = RepeatHeads(k.to(ct), q.size(1) / k.size(1));
+    Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
+    for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
+      const int64_t n = std::min(query_block, q.size(2) - t0);
+      total += WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q, kq, t0, ct);
+    }
+    ctx->save_for_backward({q_idx, k_idx, w, q, k});
+    ctx->saved_data["query_block"] = query_block;
+    return {total};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &q_idx = s[0], &k_idx = s[1], &w = s[2], &q = s[3], &k = s[4];
+    const int64_t query_block = ctx->saved_data["query_block"].toInt();
+    const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
+    const Tensor kq = RepeatHeads(k.to(ct), q.size(1) / k.size(1));
+    Tensor dq = torch::zeros_like(q_idx), dw = torch::zeros_like(w);
+    Tensor dk = torch::zeros(k_idx.sizes(), k_idx.options().dtype(ct));  // summed over every block: in ct
+    const Tensor keys = k_idx.detach().requires_grad_(true);
+    for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
+      const int64_t n = std::min(query_block, q.size(2) - t0);
+      // One block's graph at a time: rebuilt here, differentiated, dropped.
+      const Tensor qi = q_idx.narrow(2, t0, n).detach().requires_grad_(true);
+      const Tensor wi = w.narrow(1, t0, n).detach().requires_grad_(true);
+      variable_list d;
+      {
+        torch::AutoGradMode grad_mode(true);
+        const Tensor kl = WarmupBlockKl(qi, keys, wi, q, kq, t0, ct);
+        d = torch::autograd::grad({kl}, {qi, keys, wi}, {grads[0].to(ct)}, /*retain_graph=*/false,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+      }
+      if (d[0].defined()) dq.narrow(2, t0, n).copy_(d[0]);
+      if (d[1].defined()) dk += d[1].to(ct);
+      if (d[2].defined()) dw.narrow(1, t0, n).copy_(d[2]);
+    }
+    return {dq, dk.to(k_idx.scalar_type()), dw, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+void CheckDenseWarmupKl(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q, const Tensor& k,
+                        int64_t query_block) {
+  TORCH_CHECK(q_idx.dim() == 4 && k_idx.dim() == 3 && w.dim() == 3 && k_idx.size(0) == q_idx.size(0) &&
+                  k_idx.size(2) == q_idx.size(3) &&
+                  w.sizes() == torch::IntArrayRef({q_idx.size(0), q_idx.size(2), q_idx.size(1)}),
+              "DenseWarmupKl: q_idx (B, HI, S, DI), k_idx (B, P, DI), w (B, S, HI)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(0) == q_idx.size(0) && q.size(2) == q_idx.size(2) &&
+                  k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0,
+              "DenseWarmupKl: q (B, H, S, D) and k (B, Hkv, S, D) with Hkv dividing H, over q_idx's S positions");
+  TORCH_CHECK(k_idx.size(1) == q.size(2) / 4, "DenseWarmupKl: k_idx must hold the S / 4 pools of 4 tokens (",
+              q.size(2) / 4, "), got ", k_idx.size(1));
+  TORCH_CHECK(query_block >= 1, "DenseWarmupKl: query_block must be >= 1");
+}
+
+}  // namespace
+
+Tensor DenseWarmupKl(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q, const Tensor& k,
+                     int64_t query_block) {
+  CheckDenseWarmupKl(q_idx, k_idx, w, q, k, query_block);
+  return DenseWarmupKlFunction::apply(q_idx, k_idx, w, q.detach(), k.detach(), query_block)[0];
+}
+
+Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q,
+                              const Tensor& k, int64_t query_block) {
+  CheckDenseWarmupKl(q_idx, k_idx, w, q, k, query_block);
+  const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
+  const Tensor kq = RepeatHeads(k.detach().to(ct), q.size(1) / k.size(1));
+  Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
+  for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
+    const int64_t n = std::min(query_block, q.size(2) - t0);
+    total = total + WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q.detach(), kq, t0, ct);
+  }
+  return total;
+}
+
+int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads) {
+  // The block's largest transients: the (H, n, S) scores and their softmax, the (HI, n, S / 4)
+  // relu'd dot products and their product with w, fp32: ~128 MiB each.
+  const int64_t per_row = std::max<int64_t>(1, S * 4 * std::max(heads, index_heads));
+  return std::clamp<int64_t>((int64_t{128} << 20) / per_row, 1, 64);
+}
 
 Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& pool_idx,
                      const Tensor& target, int64_t query_block) {

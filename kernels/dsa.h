@@ -177,6 +177,24 @@ torch::Tensor SparseAttentionProbs(const torch::Tensor& q, const torch::Tensor& 
 torch::Tensor MaskedLogSoftmax(const torch::Tensor& logits, const torch::Tensor& valid);
 torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
 
+// The indexer's KL loss of the dense warm-up (spec 2.3), summed over rows: row t's target is the
+// main attention's probabilities (softmax(q k^T / sqrt(D)) over the keys up to t, averaged over
+// the H heads), summed within each pool of 4 keys over the pools visible from t (pool p when
+// 4p + 3 <= t) and L1-normalised; its prediction the log-softmax of the indexer's scores
+// (IndexerScores) over the same pools; rows without a visible pool add 0. q_idx (B, HI, S, DI),
+// k_idx (B, S / 4, DI), w (B, S, HI): differentiable; q (B, H, S, D), k (B, Hkv, S, D) the main
+// attention's, no gradient. A custom autograd Function: its forward keeps no graph, its backward
+// rebuilds and differentiates query_block rows at a time, so memory is one block's. (One autograd
+// graph over all blocks keeps HI fp32 dot products per (row, pool) pair: ~9 GB for one DSA layer
+// of hybrid-3b at 16K, ~140 GB at 64K; DenseWarmupKlReference below builds it, for tests.) fp32 (fp64
+// for fp64 inputs); a 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the
+// block's transients near 128 MiB each.
+torch::Tensor DenseWarmupKl(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
+                            const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);
+torch::Tensor DenseWarmupKlReference(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
+                                     const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);
+int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads);
+
 // The indexer's KL loss over its selected pools (spec 2.3, sparse stage), summed over rows:
 // sum_t sum_i target[t, i] (log target[t, i] - log softmax_i(I[t, pool_idx[t, i]])) over the
 // valid i (pool_idx >= 0), I the score of IndexerScores; rows without a valid pool add 0. q_idx

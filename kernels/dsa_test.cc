@@ -831,6 +831,64 @@ TEST(DsaSparseAttention, ProbsKernelWithinTwiceTheLibtorchError_cuda) {
 // (an upstream gradient of 2.5) within twice the libtorch path's error plus fp32 noise. Rows
 // without a valid pool (the first three), a -1 inside a row, kp not a multiple of the kernels'
 // chunk of 16, HI 32 / DI 128 (hybrid-3b's indexer) and HI 8 / DI 64 with two batch rows.
+// The dense warm-up's KL (spec 2.3) against the formula written out here over the whole (S, S)
+// attention and (S, S / 4) scores at once, by autograd in fp64: loss and the gradients of the
+// indexer's q, k and w equal for every block size (one row, a size that divides nothing, more
+// than the sequence), S not a multiple of 4, GQA. The reference graph form agrees too.
+TEST(DsaIndexer, DenseWarmupKlEqualsTheWholeFormulaFp64) {
+  const int64_t B = 2, HI = 3, DI = 16, H = 4, Hkv = 2, D = 8, S = 43, P = S / 4;
+  torch::manual_seed(71);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const Tensor qi = torch::randn({B, HI, S, DI}, f64), keys = torch::randn({B, P, DI}, f64);
+  const Tensor w = torch::randn({B, S, HI}, f64), q = torch::randn({B, H, S, D}, f64), k = torch::randn({B, Hkv, S, D}, f64);
+  auto leaf = [](const Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  Tensor q0 = leaf(qi), k0 = leaf(keys), w0 = leaf(w);
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor target, valid;
+  {
+    const Tensor kq = k.repeat_interleave(H / Hkv, 1);                                // (B, H, S, D)
+    Tensor sc = torch::matmul(q, kq.transpose(2, 3)) / std::sqrt(double(D));           // (B, H, S, S)
+    sc = sc.masked_fill(torch::ones({S, S}, torch::kBool).triu(1), -inf);
+    const Tensor p = torch::softmax(sc, -1).mean(1);                                    // (B, S, S)
+    const Tensor t = torch::arange(S).view({S, 1}), pools = torch::arange(P).view({1, P});
+    valid = (pools * 4 + 3 <= t).unsqueeze(0).expand({B, S, P});
+    target = p.narrow(2, 0, 4 * P).view({B, S, P, 4}).sum(-1).masked_fill(valid.logical_not(), 0.0);
+    target = target / target.sum(-1, true).clamp_min(1e-30);
+  }
+  const Tensor logits = (torch::einsum("bhqd,bpd->bhqp", {q0, k0}).relu() * w0.permute({0, 2, 1}).unsqueeze(-1)).sum(1) /
+                        std::sqrt(double(DI));
+  const Tensor row_has = valid.any(-1, true);
+  const Tensor logp = torch::log_softmax(
+      torch::where(row_has, logits.masked_fill(valid.logical_not(), -inf), torch::zeros({}, logits.options())), -1);
+  const Tensor want = torch::where(target > 0, target * (target.clamp_min(1e-30).log() - logp),
+                                   torch::zeros({}, logp.options()))
+                          .sum();
+  want.backward();
+  for (int64_t block : {int64_t{1}, int64_t{7}, int64_t{64}}) {
+    for (bool reference : {false, true}) {
+      Tensor q1 = leaf(qi), k1 = leaf(keys), w1 = leaf(w);
+      const Tensor got = reference ? DenseWarmupKlReference(q1, k1, w1, q, k, block) : DenseWarmupKl(q1, k1, w1, q, k, block);
+      got.backward();
+      const std::string name = std::string(reference ? "reference" : "function") + " block " + std::to_string(block);
+      EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-10 * std::abs(want.item<double>())) << name;
+      EXPECT_LT(RelErr(q1.grad(), q0.grad()), 1e-10) << name << " dq";
+      EXPECT_LT(RelErr(k1.grad(), k0.grad()), 1e-10) << name << " dk";
+      EXPECT_LT(RelErr(w1.grad(), w0.grad()), 1e-10) << name << " dw";
+    }
+  }
+  EXPECT_GE(DenseWarmupKlBlock(int64_t{1} << 20, 24, 32), 1);
+  EXPECT_EQ(DenseWarmupKlBlock(64, 24, 32), 64);
+  EXPECT_LT(DenseWarmupKlBlock(int64_t{1} << 20, 24, 32) * (int64_t{1} << 20) * 4 * 32, int64_t{129} << 20);
+  try {
+    DenseWarmupKl(qi, keys.narrow(1, 0, P - 1), w, q, k, 8);
+    ADD_FAILURE() << "k_idx without every pool was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("DenseWarmupKl: k_idx must hold the S / 4 pools"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 TEST(DsaIndexer, KlLossKernelWithinTwiceTheLibtorchError_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");

@@ -1088,40 +1088,13 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
   TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
   Tensor out = backend->Forward(q, k, v, AttentionMeta{});  // (B, H, S, D)
   if (kl != nullptr && S >= 4) {
-    // Dense warm-up: the target is the main attention's probabilities (no grad), head-summed and
-    // L1-normalised, summed within each pool; the prediction the softmax of the indexer's pool
-    // scores over every visible pool. Query blocks bound the working set.
-    const DsaIndexerImpl::Out& live = ix;
-    const int64_t P = S / 4, QB = 64;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    const Tensor kq = kernels::RepeatHeads(k.detach(), H / kv_heads_).to(torch::kFloat32);  // (B, H, S, D)
-    const Tensor qd = q.detach().to(torch::kFloat32);
-    auto lo = torch::TensorOptions().dtype(torch::kLong).device(x.device());
-    Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(x.device()));
-    for (int64_t t0 = 0; t0 < S; t0 += QB) {
-      const int64_t n = std::min(QB, S - t0);
-      Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
-      Tensor target, valid;                                      // (B, n, P)
-      {
-        torch::NoGradGuard no_grad;
-        Tensor qb = qd.narrow(2, t0, n);                            // (B, H, n, D)
-        Tensor s = torch::matmul(qb, kq.transpose(2, 3)) * scale;  // (B, H, n, S)
-        Tensor keypos = torch::arange(S, lo).view({1, 1, S});
-        s = s.masked_fill((keypos > t).unsqueeze(1), -kInf);
-        Tensor p = torch::softmax(s, -1).sum(1) / static_cast<double>(H);  // (B, n, S)
-        target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1);         // (B, n, P)
-        valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
-        target = target.masked_fill(valid.logical_not(), 0.0);
-        target = target / target.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
-      }
-      Tensor qi = live.q.narrow(2, t0, n).to(torch::kFloat32);  // (B, HI, n, DI)
-      Tensor wi = live.w.narrow(1, t0, n).to(torch::kFloat32);  // (B, n, HI)
-      Tensor keys = live.keys.to(torch::kFloat32);              // (B, P, DI)
-      Tensor logits = kernels::IndexerScores(qi, keys, wi);     // (B, n, P)
-      // KL(target || softmax over the visible pools); rows without a pool (t < 3) add nothing.
-      total = total + kernels::KlSum(target, kernels::MaskedLogSoftmax(logits, valid));
-      kl->rows += valid.any(-1).sum().item<int64_t>();
-    }
+    // Dense warm-up: the target is the main attention's probabilities (no grad), head-averaged,
+    // summed within each pool and L1-normalised; the prediction the softmax of the indexer's pool
+    // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's graph at
+    // a time, in its backward). Every row from position 3 on sees pool 0.
+    const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
+                                                kernels::DenseWarmupKlBlock(S, H, ix.q.size(1)));
+    kl->rows += B * (S - 3);
     kl->sum = kl->sum.defined() ? kl->sum + total : total;
   }
   return out.transpose(1, 2).reshape({B, S, H * D});
