@@ -273,8 +273,21 @@ Prediction Predict(const Request& r) {
     const bool split = m.context_ranks > 1;
     const int64_t kda_cp = split ? T * HK * e + Tt * m.hidden * e : 0;
     const int64_t dsa_cp = split ? T * qd * e + Tq * m.hidden * e : 0;
+    // The dense warm-up (indexer stage dense_warmup; no query tiles, no context parallelism): a
+    // DSA layer's backward holds, per token, its input, q, k, v, the attention output and its
+    // log-sum-exp, the indexer's q and w, their gradients and the input's, the attention
+    // backward's fp32 dq accumulator, and the KL's keys expanded to the query heads in fp32
+    // (kernels::DenseWarmupKl); one KL block's transients
+    // (~4 of 128 MiB); the residual stream around the mixer as in the sparse stage. By
+    // construction, not yet measured.
+    const int64_t IQ = HI * m.index_head_dim;
+    const int64_t warm_per_token =
+        T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 8);
+    const int64_t warm_blocks = int64_t{512} << 20;
     const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream + kda_cp : 0;
-    const int64_t dsa_work = m.dsa_layers > 0 ? dsa_per_token + dsa_blocks + dsa_cp : 0;
+    const int64_t dsa_work = m.dsa_layers == 0 ? 0
+                             : m.dsa_sparse    ? dsa_per_token + dsa_blocks + dsa_cp
+                                               : warm_per_token + warm_blocks + dsa_stream;
     working = std::max(kda_work, dsa_work) + mlp_work;
     if (kda_work >= dsa_work) {
       hybrid_terms = {{"KDA layer: the recomputed tile's autograd state", kda_tile},
@@ -284,6 +297,10 @@ Prediction Predict(const Request& r) {
       if (split)
         hybrid_terms.emplace_back("KDA layer, context parallel: the head-layout output gradient, one broadcast tile",
                                   kda_cp);
+    } else if (!m.dsa_sparse) {
+      hybrid_terms = {{"DSA layer, dense warm-up: attention, indexer, their gradients and the KL's fp32 keys",
+                       warm_per_token + warm_blocks},
+                      {"DSA layer: the residual stream around the mixer (fitted)", dsa_stream}};
     } else {
       hybrid_terms = {{"DSA layer: attention, indexer and their gradients",
                        dsa_per_token - dsa_indices - dsa_stream + dsa_blocks},
@@ -297,11 +314,15 @@ Prediction Predict(const Request& r) {
     // a DSA layer its tiled Function's input, selection, KL target and log-sum-exp): averaged over
     // the layer kinds.
     const int64_t kda_saved = T > Tt ? T * m.hidden * e : kda_tile;
-    const int64_t dsa_saved = T * (m.hidden * e + 8 * kp + 4 * m.heads);
+    // (The warm-up keeps its whole layer: input, q, k, v, output, log-sum-exp, indexer q and w.)
+    const int64_t dsa_saved = m.dsa_sparse ? T * (m.hidden * e + 8 * kp + 4 * m.heads)
+                                           : T * (m.hidden * e + 2 * qd * e + 2 * kvd * e + 4 * m.heads + IQ * e + HI * e);
     hybrid_saved_per_layer = (m.kda_layers * kda_saved + m.dsa_layers * dsa_saved) / L +
                              (st.mlp_tile > 0 || m.moe_layers == L ? 0 : T * (3 * I + H) * e) + 3 * act;
     if (!recompute)
-      working = std::max(kda_segment + (T > Tt ? kda_tile : 0), dsa_blocks + dsa_per_token - dsa_stream - dsa_saved) +
+      working = std::max(kda_segment + (T > Tt ? kda_tile : 0),
+                         m.dsa_sparse ? dsa_blocks + dsa_per_token - dsa_stream - dsa_saved
+                                      : warm_blocks + warm_per_token - dsa_saved) +
                 (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
