@@ -285,10 +285,12 @@ bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v
 
 // IntraBackward by the kernel's block code: the same gradients from the segment's inputs (q
 // scaled and expanded, k expanded, as ComputeIntra took them), G and the chunk quantities'
-// gradients; the block recomputes every factor itself (no IntraCache).
+// gradients, for the whole-chunk or (sub_blocks) the sub-block Gram form; the block recomputes
+// every factor itself (no IntraCache).
 IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
                                  const Tensor& beta, const Tensor& dqg, const Tensor& dkg, const Tensor& dW,
-                                 const Tensor& dU, const Tensor& dAqk, const Tensor& deGC, int64_t len) {
+                                 const Tensor& dU, const Tensor& dAqk, const Tensor& deGC, int64_t len,
+                                 bool sub_blocks) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
   auto dense = [](const Tensor& t) { return t.contiguous(); };
   const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
@@ -308,7 +310,7 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
                                dqgd.data_ptr<float>(), dkgd.data_ptr<float>(), dWd.data_ptr<float>(),
                                dUd.data_ptr<float>(), dAqkd.data_ptr<float>(), deGCd.data_ptr<float>(),
                                dq.data_ptr<float>(),  dk.data_ptr<float>(),   dv.data_ptr<float>(),
-                               dg.data_ptr<float>(),  dbeta.data_ptr<float>()};
+                               dg.data_ptr<float>(),  dbeta.data_ptr<float>(),  sub_blocks};
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -488,26 +490,30 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     Tensor dS = grads[1].defined() ? grads[1].to(ct) : torch::zeros_like(entry[0]);  // (B, HV, K, V)
     for (int64_t seg = entry.size(0) - 1; seg >= 0; --seg) {
       const int64_t t0 = seg * segment, len = std::min(segment, T - t0);
-      // The whole-chunk Gram form (no chunk decays by more than 60 e-folds) is differentiated by
-      // hand from a recompute without autograd (IntraBackward); the sub-block forms by autograd
-      // of the recomputed graph.
+      // The whole-chunk Gram form (no chunk decays by more than 60 e-folds) and, where the
+      // kernel's code runs, the sub-block form (no 16-row block does) are differentiated by hand
+      // from a recompute without autograd (the kernel, or IntraBackward for the whole-chunk form
+      // elsewhere); the others by autograd of the recomputed graph.
       variable_list leaves;
       Intra in;
       IntraCache cache;
       Segment x;  // the by-hand forms' inputs, kept for the kernel's backward
       Tensor G;
-      bool by_hand = false, by_kernel = false;
+      bool by_hand = false, by_kernel = false, sub_blocks = false;
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::NoGradGuard no_grad;
         G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
         const KdaGramForm form = KdaDecayedGramForm(G);
-        by_hand = form == KdaGramForm::kWholeChunk;
-        if (by_hand) {
+        sub_blocks = form == KdaGramForm::kSubBlocks;
+        if (form != KdaGramForm::kElementwiseDiagonal) {
           x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
                       s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          // The kernel recomputes its factors itself: the recompute keeps nothing for it.
           by_kernel = IntraBackwardByKernelCode(x.q, x.k, x.v, x.beta, C);
+        }
+        by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
+        if (by_hand) {
+          // The kernel recomputes its factors itself: the recompute keeps nothing for it.
           in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, form, by_kernel ? nullptr : &cache);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
@@ -533,7 +539,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       scans.end();
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
-        IntraGrads d = by_kernel ? IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, dqg, dkg, dW, r.dvt, dAqk, deGC, len)
+        IntraGrads d = by_kernel ? IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
+                                                         sub_blocks)
                                  : IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
         dx[0].narrow(2, t0, len).copy_(SumHeadRepeats(d.dq, H) * scale);
         dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));

@@ -61,10 +61,11 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
                                                    const torch::Tensor& beta, const torch::Tensor& h0,
                                                    const KdaOptions& options = {});
 
-// Which code runs KdaChunked's intra-chunk backward in the whole-chunk Gram form (spec 1.4 steps
-// 4-6; the sub-block forms always run libtorch's autograd):
+// Which code runs KdaChunked's intra-chunk backward (spec 1.4 steps 4-6) in the whole-chunk and
+// the sub-block Gram forms (kElementwiseDiagonal always runs libtorch's autograd):
 //  - kAuto (default): the CUDA kernel of kernels/cuda/kda_intra_backward.h for fp32 CUDA compute
-//    of its sizes while FusedKernelsEnabled(); otherwise libtorch ops;
+//    of its sizes while FusedKernelsEnabled(); otherwise libtorch ops (by hand for the
+//    whole-chunk form, autograd of the recomputed graph for the sub-block form);
 //  - kLibtorch: libtorch ops on every device (what benchmarks and tests compare against);
 //  - kKernelCodeOnHost, kKernelCodeOnHostReversed: on CPU tensors, the kernel's own block code
 //    emulated on the CPU, each phase's threads in order or in reverse (tests: the CPU machines

@@ -15,7 +15,7 @@ int64_t KdaIntraBackwardSmemFloats(int64_t C, int64_t K, int64_t V) { return kda
 
 namespace {
 
-template <int C, int K>
+template <int C, int K, bool kSub>
 void Emulate(const KdaIntraBackwardArgs& a, bool reverse_threads) {
   constexpr int kThreads = kKdaIntraBackwardThreads;
   std::vector<float> sm(static_cast<size_t>(kda_bwd::SmemFloats(C, K, a.V)));
@@ -26,7 +26,7 @@ void Emulate(const KdaIntraBackwardArgs& a, bool reverse_threads) {
       for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
         for (int i = 0; i < kThreads; ++i) {
           const int tid = reverse_threads ? kThreads - 1 - i : i;
-          kda_bwd::KdaIntraBackwardPhase<C, K>(phase, a, sm.data(), bh, n, tid, kThreads);
+          kda_bwd::KdaIntraBackwardPhase<C, K, kSub>(phase, a, sm.data(), bh, n, tid, kThreads);
         }
       }
     }
@@ -36,7 +36,14 @@ void Emulate(const KdaIntraBackwardArgs& a, bool reverse_threads) {
 }  // namespace
 
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads) {
-  ByChunkAndKey(a.C, a.K, [&](auto c, auto k) { Emulate<decltype(c)::value, decltype(k)::value>(a, reverse_threads); });
+  ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    constexpr int C = decltype(c)::value, K = decltype(k)::value;
+    if (a.sub_blocks) {
+      Emulate<C, K, true>(a, reverse_threads);
+    } else {
+      Emulate<C, K, false>(a, reverse_threads);
+    }
+  });
 }
 
 }  // namespace odyssey::kernels::cuda

@@ -11,24 +11,24 @@
 namespace odyssey::kernels::cuda {
 namespace {
 
-template <int C, int K>
+template <int C, int K, bool kSub>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) IntraBackwardKernel(KdaIntraBackwardArgs a) {
   extern __shared__ float sm[];
   for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
-    kda_bwd::KdaIntraBackwardPhase<C, K>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
+    kda_bwd::KdaIntraBackwardPhase<C, K, kSub>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
     __syncthreads();
   }
 }
 
-template <int C, int K>
+template <int C, int K, bool kSub>
 int Launch(const KdaIntraBackwardArgs& a, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(kda_bwd::SmemFloats(C, K, a.V)) * sizeof(float);
   // Above 48 KB of dynamic shared memory a kernel has to opt in (sm_90 allows 227 KB).
-  const cudaError_t e = cudaFuncSetAttribute(&IntraBackwardKernel<C, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const cudaError_t e = cudaFuncSetAttribute(&IntraBackwardKernel<C, K, kSub>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(bytes));
   if (e != cudaSuccess) return static_cast<int>(e);
   const dim3 grid(static_cast<unsigned>(a.N), static_cast<unsigned>(a.B * a.HV));
-  IntraBackwardKernel<C, K><<<grid, kKdaIntraBackwardThreads, bytes, stream>>>(a);
+  IntraBackwardKernel<C, K, kSub><<<grid, kKdaIntraBackwardThreads, bytes, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -40,7 +40,10 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const auto s = static_cast<cudaStream_t>(stream);
-  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) { return Launch<decltype(c)::value, decltype(k)::value>(a, s); });
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    constexpr int C = decltype(c)::value, K = decltype(k)::value;
+    return a.sub_blocks ? Launch<C, K, true>(a, s) : Launch<C, K, false>(a, s);
+  });
 }
 
 }  // namespace odyssey::kernels::cuda

@@ -1,5 +1,5 @@
-// Chunked KDA's backward through the chunk-local quantities, whole-chunk Gram form: spec 1.4
-// steps 4-6, what kernels/kda.cc's IntraBackward computes from ~40 libtorch ops over (B, HV, N,
+// Chunked KDA's backward through the chunk-local quantities, whole-chunk or sub-block Gram form
+// (`sub_blocks`): spec 1.4 steps 4-6, what kernels/kda.cc's IntraBackward computes from ~40 libtorch ops over (B, HV, N,
 // C, K) fp32 tensors, in one thread block of 512 threads per (batch x head, chunk). The block
 // recomputes the chunk's factors (Ep, Em, kp, km, qp, X, Y), the Gram L_kk and the UT inverse T
 // = (I + diag(beta) L_kk)^-1 from q, k, v, beta and G (nothing of the forward's is kept), then
@@ -31,6 +31,10 @@ struct KdaIntraBackwardArgs {
   int64_t B, HV, N, C, K, V, L;
   const float *dqg, *dkg, *dW, *dU, *dAqk, *deGC;
   float *dq, *dk, *dv, *dg, *dbeta;
+  // The Grams' form (kernels/kda.h KdaGramForm): false the whole-chunk form (factors against the
+  // chunk's first row), true the sub-block form (against each 16-row block's first row; the
+  // chunk may decay by any amount, a block by at most 60 e-folds).
+  bool sub_blocks;
 };
 
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).

@@ -14,6 +14,7 @@
 //   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km
 //   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dA_kk -> dL
 //   B4: X -> qp                                             S0: L_kk  S1: A_kk -> dT  S2: T
+// (B1 holds k itself in the sub-block form: its factor depends on the reading row's block.)
 // The outputs dq, dk, dg are first written, then added to, by the phases that own their
 // elements; dg holds dG until the last phase turns it into its reverse cumulative sum.
 #pragma once
@@ -64,8 +65,35 @@ KDA_UNROLL
   }
 }
 
-// One block's view: its (batch x head, chunk), its inputs and outputs, its shared memory.
-template <int C, int K>
+// The sub-block form's products against k decayed to a reference row r: acc[x][y] += sum over m
+// in [m0, m1) of a(i0 + x, m) k(m, j0 + y) exp(G[r] - G[m]) (kd false: k's rows are the
+// reduction, m a row of k and j0 + y a channel) or a(i0 + x, m) k(j0 + y, m) exp(G[r] - G[j0 +
+// y]) in channel m (kd true: m a channel, j0 + y a row of k). k row-major with leading
+// dimension ldk, G (C, K) row-major with K columns.
+template <bool kd>
+KDA_HD void TileProductDecayed(float (&acc)[4][4], const float* a, int ai, int am, const float* k, int ldk,
+                               const float* G, int Kc, int r, int i0, int j0, int m0, int m1) {
+  for (int m = m0; m < m1; ++m) {
+    float av[4], bv[4];
+    KDA_UNROLL
+    for (int x = 0; x < 4; ++x) av[x] = a[(i0 + x) * ai + m * am];
+    KDA_UNROLL
+    for (int y = 0; y < 4; ++y) {
+      const int row = kd ? j0 + y : m, ch = kd ? m : j0 + y;
+      bv[y] = k[row * ldk + ch] * expf(G[r * Kc + ch] - G[row * Kc + ch]);
+    }
+    KDA_UNROLL
+    for (int x = 0; x < 4; ++x) {
+      KDA_UNROLL
+      for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(av[x], bv[y], acc[x][y]);
+    }
+  }
+}
+
+// One block's view: its (batch x head, chunk), its inputs and outputs, its shared memory. kSub:
+// the sub-block Gram form (kernels/kda.h kSubBlocks): every factor against the first row of the
+// row's 16-row block instead of the chunk's first row, so no factor exceeds a block's decay.
+template <int C, int K, bool kSub>
 struct Block {
   const KdaIntraBackwardArgs& a;
   int V, ldK, ldV, ldC;
@@ -91,7 +119,9 @@ struct Block {
   KDA_HD float K_(int i, int d) const { return t0 + i < a.L ? k[(t0 + i) * a.k_st + d] : 0.f; }
   KDA_HD float Q_(int i, int d) const { return t0 + i < a.L ? q[(t0 + i) * a.q_st + d] : 0.f; }
   KDA_HD float V_(int i, int d) const { return t0 + i < a.L ? v[(t0 + i) * a.v_st + d] : 0.f; }
-  KDA_HD float Ep(int i, int d) const { return expf(G[i * K + d] - G[d]); }
+  // The reference row of row i's factors.
+  KDA_HD static int Ref(int i) { return kSub ? i / kB * kB : 0; }
+  KDA_HD float Ep(int i, int d) const { return expf(G[i * K + d] - G[Ref(i) * K + d]); }
   KDA_HD float Em(int i, int d) const { return expf(G[d] - G[i * K + d]); }
   KDA_HD float EG(int i, int d) const { return expf(G[i * K + d]); }
   KDA_HD float EC(int i, int d) const { return expf(G[(C - 1) * K + d] - G[i * K + d]); }
@@ -102,7 +132,7 @@ struct Block {
       const int i = e / K, d = e % K;
       const float kk = K_(i, d), qq = Q_(i, d), eg = EG(i, d), ec = EC(i, d);
       B0[i * ldK + d] = kk * Ep(i, d);
-      B1[i * ldK + d] = kk * Em(i, d);
+      B1[i * ldK + d] = kSub ? kk : kk * Em(i, d);  // kSub: k itself, decayed per block row on the fly
       B2[i * ldK + d] = a.dW[ck + e];
       B4[i * ldK + d] = sB[i] * kk * eg;
       const float dqg = a.dqg[ck + e], dkg = a.dkg[ck + e];
@@ -118,7 +148,13 @@ struct Block {
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
       float acc[4][4] = {};
-      if (j0 <= i0) TileProduct(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K);
+      if (j0 <= i0) {
+        if (kSub) {
+          TileProductDecayed<true>(acc, B0, ldK, 1, B1, ldK, G, K, Ref(i0), i0, j0, 0, K);
+        } else {
+          TileProduct(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K);
+        }
+      }
       for (int x = 0; x < 4; ++x) {
         for (int y = 0; y < 4; ++y) {
           const int i = i0 + x, j = j0 + y;
@@ -286,17 +322,39 @@ struct Block {
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int r0 = 4 * (tile / (K / 4)), d0 = 4 * (tile % (K / 4));
       float dkp[4][4] = {}, dqp[4][4] = {}, dkm[4][4] = {};
-      TileProduct(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
-      TileProduct(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
-      TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
-      TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
+      if (kSub) {
+        // The keys decayed to the tile's block row; dkm per block row b of the rows i >= r that
+        // read r's key, each decayed to that block's reference row: dkm here is already the
+        // gradient of k_r (the factor folded in), and dG_r loses dkm k_r.
+        TileProductDecayed<false>(dkp, B3, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
+        TileProductDecayed<false>(dqp, B2, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
+        for (int rb = Ref(r0); rb < C; rb += kB) {
+          float part[4][4] = {};
+          TileProduct(part, B3, 1, ldC, B0, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
+          TileProduct(part, B2, 1, ldC, B4, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
+          for (int x = 0; x < 4; ++x) {
+            for (int y = 0; y < 4; ++y) {
+              const int r = r0 + x, d = d0 + y;
+              dkm[x][y] = fmaf(part[x][y], expf(G[rb * K + d] - G[r * K + d]), dkm[x][y]);
+            }
+          }
+        }
+      } else {
+        TileProduct(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+        TileProduct(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+        TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
+        TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
+      }
       for (int x = 0; x < 4; ++x) {
         for (int y = 0; y < 4; ++y) {
           const int r = r0 + x, d = d0 + y;
           const int64_t o = ck + static_cast<int64_t>(r) * K + d;
           const float ep = Ep(r, d);
           a.dq[o] += dqp[x][y] * ep;
-          a.dk[o] += dkp[x][y] * ep + dkm[x][y] * Em(r, d);
+          // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
+          const float dk_m = kSub ? dkm[x][y] : dkm[x][y] * Em(r, d);
+          a.dk[o] += dkp[x][y] * ep + dk_m;
+          // dG_r loses dkm times what B1 holds: km (whole chunk) or k itself (kSub, the factor folded in).
           a.dg[o] += dqp[x][y] * B4[r * ldK + d] + dkp[x][y] * B0[r * ldK + d] - dkm[x][y] * B1[r * ldK + d];
         }
       }
@@ -319,10 +377,10 @@ struct Block {
 };
 
 // Phase `phase` of thread `tid` (of `nt`) of the block of (bh, chunk n).
-template <int C, int K>
+template <int C, int K, bool kSub>
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
                                   int nt) {
-  Block<C, K> b(a, sm, bh, n);
+  Block<C, K, kSub> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (phase == 0) {
     for (int i = tid; i < C; i += nt) b.sB[i] = b.t0 + i < a.L ? b.beta[(b.t0 + i) * a.b_st] : 0.f;
