@@ -349,7 +349,7 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
                           // do not (the sub-block form, differentiated by autograd in libtorch).
                           Shape{64, 128, 128, 200, -3.0, sub}, Shape{64, 64, 36, 250, -3.0, sub},
                           Shape{32, 32, 16, 124, -3.5, sub}}) {
-    const Case c{1, 1, 2, sh.T, sh.K, sh.V, sh.lb};
+    const Case c{sh.C == 32 ? 2 : 1, 1, 2, sh.T, sh.K, sh.V, sh.lb};  // B 2 at C 32: the batch stride
     Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 21);
     Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
     Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
