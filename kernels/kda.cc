@@ -109,6 +109,25 @@ struct IntraCache {
   Tensor EC;          // exp(G_C - G): kg = k * EC
 };
 
+// The chunk quantities' outputs allocated in `in` (fp32, G's device) and the arguments of the
+// kernels that write them (kernels/cuda/kda_intra.h), without a cache.
+cuda::KdaIntraArgs IntraArgsOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, const Tensor& Gd,
+                               int64_t C, Intra* in) {
+  const int64_t B = q.size(0), HV = q.size(1), L = q.size(2), K = q.size(3), V = v.size(3), N = Gd.size(2);
+  auto opts = Gd.options();
+  in->qg = torch::empty({B, HV, N, C, K}, opts);
+  in->kg = torch::empty({B, HV, N, C, K}, opts);
+  in->W = torch::empty({B, HV, N, C, K}, opts);
+  in->U = torch::empty({B, HV, N, C, V}, opts);
+  in->Aqk = torch::empty({B, HV, N, C, C}, opts);
+  in->eGC = torch::empty({B, HV, N, K}, opts);
+  return {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(), Gd.data_ptr<float>(),
+          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+          v.stride(2), beta.stride(0), beta.stride(1), beta.stride(2), B, HV, N, C, K, V, L,
+          in->qg.data_ptr<float>(), in->kg.data_ptr<float>(), in->W.data_ptr<float>(), in->U.data_ptr<float>(),
+          in->Aqk.data_ptr<float>(), in->eGC.data_ptr<float>(), nullptr};
+}
+
 #ifdef ODYSSEY_KERNELS_CUDA
 // Contiguous, starting on a 16-byte boundary (the kernels' float4 accesses).
 Tensor Dense(const Tensor& t) {
@@ -122,7 +141,7 @@ void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device(
 // libtorch ops.
 bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
                    Intra* in, IntraCache* cache) {
-  const int64_t B = q.size(0), HV = q.size(1), L = q.size(2), K = q.size(3), V = v.size(3), N = G.size(2);
+  const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   if (!FusedKernelsEnabled() || !q.is_cuda() || q.scalar_type() != torch::kFloat32 ||
       k.scalar_type() != torch::kFloat32 || v.scalar_type() != torch::kFloat32 ||
       G.scalar_type() != torch::kFloat32 || beta.scalar_type() != torch::kFloat32 ||
@@ -133,12 +152,7 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   c10::cuda::CUDAGuard guard(q.device());
   const Tensor Gd = Dense(G);
   auto opts = Gd.options();
-  in->qg = torch::empty({B, HV, N, C, K}, opts);
-  in->kg = torch::empty({B, HV, N, C, K}, opts);
-  in->W = torch::empty({B, HV, N, C, K}, opts);
-  in->U = torch::empty({B, HV, N, C, V}, opts);
-  in->Aqk = torch::empty({B, HV, N, C, C}, opts);
-  in->eGC = torch::empty({B, HV, N, K}, opts);
+  cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in);
   cuda::KdaIntraCache kc{};
   if (cache != nullptr) {
     in->T = torch::empty({B, HV, N, C, C}, opts);
@@ -152,16 +166,56 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
     kc = {f(in->T), f(cache->Lkk), f(cache->Ep), f(cache->Em), f(cache->qp), f(cache->kp),
           f(cache->km), f(cache->X), f(cache->Y), f(cache->EC), f(cache->eG)};
   }
-  cuda::KdaIntraArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(),
-                       Gd.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), beta.stride(0), beta.stride(1),
-                       beta.stride(2), B, HV, N, C, K, V, L, in->qg.data_ptr<float>(), in->kg.data_ptr<float>(),
-                       in->W.data_ptr<float>(), in->U.data_ptr<float>(), in->Aqk.data_ptr<float>(),
-                       in->eGC.data_ptr<float>(), cache != nullptr ? &kc : nullptr};
+  if (cache != nullptr) a.cache = &kc;
   CheckKernelLaunch(cuda::KdaIntraForward(a, Stream(q)), "kda intra-chunk forward");
   return true;
 }
 #endif
+
+std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
+std::atomic<int64_t> intra_backward_kernel_runs{0};
+std::atomic<int64_t> sub_forward_kernel_runs{0};
+
+// Whether the block code of kernels/cuda/kda_intra_backward.h (the intra-chunk backward, the
+// sub-block form's forward) takes this segment: fp32 compute of its sizes, CUDA under kAuto
+// with the fused kernels on, CPU under the emulation paths.
+bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
+  const KdaIntraBackwardPath path = intra_backward_path.load();
+  if (path == KdaIntraBackwardPath::kLibtorch) return false;
+  if (q.is_cuda()) {
+#ifdef ODYSSEY_KERNELS_CUDA
+    if (!FusedKernelsEnabled()) return false;
+#else
+    return false;
+#endif
+  } else if (path == KdaIntraBackwardPath::kAuto) {
+    return false;
+  }
+  for (const Tensor* t : {&q, &k, &v, &beta}) {
+    if (t->scalar_type() != torch::kFloat32) return false;
+  }
+  return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
+         q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
+}
+
+// The sub-block form's chunk quantities by the kernel's block code (no cache: only the kernel's
+// backward follows, and it recomputes what it needs).
+Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
+                            int64_t C) {
+  const Tensor Gd = G.contiguous();
+  Intra in;
+  const cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, &in);
+  if (q.is_cuda()) {
+#ifdef ODYSSEY_KERNELS_CUDA
+    c10::cuda::CUDAGuard guard(q.device());
+    CheckKernelLaunch(cuda::KdaIntraSubBlockForward(a, Stream(q)), "kda sub-block intra-chunk forward");
+#endif
+  } else {
+    cuda::KdaIntraSubBlockForwardOnHost(a, intra_backward_path.load() == KdaIntraBackwardPath::kKernelCodeOnHostReversed);
+  }
+  sub_forward_kernel_runs.fetch_add(1);
+  return in;
+}
 
 // q already scaled and expanded to HV heads, G = ChunkCumsum(g, C), `form` =
 // KdaDecayedGramForm(G); all in the compute dtype. The whole-chunk form shares its factors
@@ -181,6 +235,11 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
     if (IntraByKernel(q, k, v, G, beta, C, &in, cache)) return in;
   }
 #endif
+  const bool recorded = torch::GradMode::is_enabled() &&
+                        (q.requires_grad() || k.requires_grad() || v.requires_grad() || G.requires_grad() ||
+                         beta.requires_grad());
+  if (form == KdaGramForm::kSubBlocks && cache == nullptr && !recorded && IntraBackwardByKernelCode(q, k, v, beta, C))
+    return SubBlockIntraByKernel(q, k, v, G, beta, C);
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
   Tensor bc = Chunk(beta, C).unsqueeze(-1);  // (B, HV, N, C, 1)
@@ -256,31 +315,6 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
     return t.flatten(2, 3).narrow(2, 0, len);
   };
   return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
-}
-
-std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
-std::atomic<int64_t> intra_backward_kernel_runs{0};
-
-// Whether the kernel's block code (kernels/cuda/kda_intra_backward.h) takes this segment's
-// IntraBackward: fp32 compute of its sizes, CUDA under kAuto with the fused kernels on, CPU
-// under the emulation paths.
-bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
-  const KdaIntraBackwardPath path = intra_backward_path.load();
-  if (path == KdaIntraBackwardPath::kLibtorch) return false;
-  if (q.is_cuda()) {
-#ifdef ODYSSEY_KERNELS_CUDA
-    if (!FusedKernelsEnabled()) return false;
-#else
-    return false;
-#endif
-  } else if (path == KdaIntraBackwardPath::kAuto) {
-    return false;
-  }
-  for (const Tensor* t : {&q, &k, &v, &beta}) {
-    if (t->scalar_type() != torch::kFloat32) return false;
-  }
-  return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
-         q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
 }
 
 // IntraBackward by the kernel's block code: the same gradients from the segment's inputs (q
@@ -569,6 +603,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
 void SetKdaIntraBackwardPath(KdaIntraBackwardPath path) { intra_backward_path.store(path); }
 KdaIntraBackwardPath GetKdaIntraBackwardPath() { return intra_backward_path.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
+int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -77,6 +77,9 @@ KdaIntraBackwardPath GetKdaIntraBackwardPath();
 // Segments whose intra-chunk backward ran the kernel's block code (on CUDA or emulated) so far in
 // this process: tests prove which path ran.
 int64_t KdaIntraBackwardKernelRuns();
+// Segments whose sub-block Gram form's chunk quantities (the forward, and the backward's
+// recompute) ran the same block code's forward: under the same paths, for the sub-block form.
+int64_t KdaSubBlockForwardKernelRuns();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

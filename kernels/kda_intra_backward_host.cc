@@ -15,19 +15,19 @@ int64_t KdaIntraBackwardSmemFloats(int64_t C, int64_t K, int64_t V) { return kda
 
 namespace {
 
-template <int C, int K, bool kSub>
-void Emulate(const KdaIntraBackwardArgs& a, bool reverse_threads) {
+// Runs `phase(p, sm, bh, n, tid)` for every block (bh, n) of the grid, its phases in order and
+// each phase's threads one after another (reversed with `reverse_threads`), shared memory
+// starting as NaN: a read of anything no phase wrote shows in the outputs.
+template <class Phase>
+void Emulate(int64_t blocks_bh, int64_t blocks_n, int phases, int64_t smem_floats, bool reverse_threads,
+             const Phase& phase) {
   constexpr int kThreads = kKdaIntraBackwardThreads;
-  std::vector<float> sm(static_cast<size_t>(kda_bwd::SmemFloats(C, K, a.V)));
-  for (int64_t bh = 0; bh < a.B * a.HV; ++bh) {
-    for (int64_t n = 0; n < a.N; ++n) {
-      // Shared memory starts as NaN: a read of anything no phase wrote shows in the outputs.
+  std::vector<float> sm(static_cast<size_t>(smem_floats));
+  for (int64_t bh = 0; bh < blocks_bh; ++bh) {
+    for (int64_t n = 0; n < blocks_n; ++n) {
       std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
-      for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
-        for (int i = 0; i < kThreads; ++i) {
-          const int tid = reverse_threads ? kThreads - 1 - i : i;
-          kda_bwd::KdaIntraBackwardPhase<C, K, kSub>(phase, a, sm.data(), bh, n, tid, kThreads);
-        }
+      for (int p = 0; p < phases; ++p) {
+        for (int i = 0; i < kThreads; ++i) phase(p, sm.data(), bh, n, reverse_threads ? kThreads - 1 - i : i);
       }
     }
   }
@@ -35,14 +35,27 @@ void Emulate(const KdaIntraBackwardArgs& a, bool reverse_threads) {
 
 }  // namespace
 
+void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& a, bool reverse_threads) {
+  ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    constexpr int C = decltype(c)::value, K = decltype(k)::value;
+    Emulate(a.B * a.HV, a.N, kda_bwd::sub_forward::Phases(C), kda_bwd::SmemFloats(C, K, a.V), reverse_threads,
+            [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
+              kda_bwd::sub_forward::Phase<C, K>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+            });
+  });
+}
+
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads) {
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    if (a.sub_blocks) {
-      Emulate<C, K, true>(a, reverse_threads);
-    } else {
-      Emulate<C, K, false>(a, reverse_threads);
-    }
+    Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V), reverse_threads,
+            [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
+              if (a.sub_blocks) {
+                kda_bwd::KdaIntraBackwardPhase<C, K, true>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              } else {
+                kda_bwd::KdaIntraBackwardPhase<C, K, false>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              }
+            });
   });
 }
 

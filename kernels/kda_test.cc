@@ -308,7 +308,8 @@ TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
       SetFusedKernels(false);
       std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       SetFusedKernels(true);
-      const int64_t launches = FusedKernelLaunches(), intra_backward = KdaIntraBackwardKernelRuns();
+      const int64_t launches = FusedKernelLaunches(), intra_backward = KdaIntraBackwardKernelRuns(),
+                    sub_forward = KdaSubBlockForwardKernelRuns();
       std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       // Per segment: the forward scan, the backward's state scan and reverse scan; in the
       // whole-chunk form the intra kernel in the forward and in the backward's recompute, and
@@ -316,9 +317,14 @@ TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
       const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
       EXPECT_GE(FusedKernelLaunches() - launches, (whole ? 6 : 3) * segments)
           << Name(c) << " C" << C << ": the kernels did not run";
-      int64_t by_hand = 0;  // segments whose form the intra-chunk backward kernel takes
-      for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) by_hand += form != KdaGramForm::kElementwiseDiagonal;
+      int64_t by_hand = 0, sub = 0;  // segments whose form the kernels take; of them, sub-block ones
+      for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) {
+        by_hand += form != KdaGramForm::kElementwiseDiagonal;
+        sub += form == KdaGramForm::kSubBlocks;
+      }
       EXPECT_EQ(KdaIntraBackwardKernelRuns() - intra_backward, by_hand) << Name(c) << " C" << C;
+      // The sub-block form's forward kernel: in the forward and in the backward's recompute.
+      EXPECT_EQ(KdaSubBlockForwardKernelRuns() - sub_forward, 2 * sub) << Name(c) << " C" << C;
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
@@ -356,27 +362,30 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     KdaOptions opt;
     opt.chunk_size = sh.C;
     opt.segment = 2 * sh.C;
-    const std::vector<Tensor> truth = Grads(true, in, dO, dS, opt);
+    const std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
     const Inputs f = in.To(torch::kFloat32);
     const Tensor dOf = dO.to(torch::kFloat32), dSf = dS.to(torch::kFloat32);
-    const int64_t runs = KdaIntraBackwardKernelRuns();
+    const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns();
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kLibtorch);
-    const std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt);
+    const std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
-    const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt);
+    const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
-    const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt);
+    const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
     const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
     const std::string name = Name(c) + " C" + std::to_string(sh.C);
     for (KdaGramForm form : SegmentForms(in.g, sh.C, opt.segment))
       ASSERT_EQ(static_cast<int>(form), static_cast<int>(sh.form)) << name << ": a segment takes another Gram form";
-    // Twice per segment: in order and reversed; never on the libtorch path.
+    // The backward twice per segment: in order and reversed; never on the libtorch path. The
+    // sub-block form's forward code in the forward and in the backward's recompute, twice too.
     EXPECT_EQ(KdaIntraBackwardKernelRuns() - runs, 2 * segments) << name;
+    EXPECT_EQ(KdaSubBlockForwardKernelRuns() - forward_runs, sh.form == sub ? 4 * segments : 0) << name;
     for (size_t i = 0; i < truth.size(); ++i) {
+      const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
       const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-      EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << kGradNames[i];
-      EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << kGradNames[i]
+      EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << what;
+      EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << what
                                                       << ": threads in reverse order changed the result";
     }
   }

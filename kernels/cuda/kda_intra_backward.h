@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/kda_intra.h"
+
 namespace odyssey::kernels::cuda {
 
 struct KdaIntraBackwardArgs {
@@ -53,5 +55,13 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& args, void* stream);
 // built): the blocks one after another, each phase's threads one after another (in reverse
 // order with `reverse_threads`), shared memory starting as NaN. For tests; slow.
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& args, bool reverse_threads);
+
+// The sub-block Gram form's chunk-local quantities (what KdaIntraForward writes for the
+// whole-chunk form, without its cache: qg, kg, W, U, Aqk, eGC), every Gram factor against its
+// row's 16-row block's first row; the same sizes, one block of kKdaIntraBackwardThreads threads
+// per (batch x head, chunk), the block code of kda_intra_backward_body.h (sub_forward). The CUDA
+// kernel (ODYSSEY_CUDA builds) and its emulation on the CPU (every build).
+int KdaIntraSubBlockForward(const KdaIntraArgs& args, void* stream);
+void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& args, bool reverse_threads);
 
 }  // namespace odyssey::kernels::cuda

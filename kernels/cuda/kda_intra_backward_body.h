@@ -11,10 +11,9 @@
 // over rows are free of bank conflicts): five "big" slots of C x (max(K, V, C) + 1), three "small"
 // C x (C + 1), the inverse's block-row scratch (16 x C), beta and dbeta of the chunk's rows.
 // What the slots hold, phase by phase:
-//   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km
+//   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km (k itself in the sub-block form)
 //   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dA_kk -> dL
 //   B4: X -> qp                                             S0: L_kk  S1: A_kk -> dT  S2: T
-// (B1 holds k itself in the sub-block form: its factor depends on the reading row's block.)
 // The outputs dq, dk, dg are first written, then added to, by the phases that own their
 // elements; dg holds dG until the last phase turns it into its reverse cumulative sum.
 #pragma once
@@ -22,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_intra_backward.h"
 
 #if defined(__CUDACC__)
@@ -90,18 +90,60 @@ KDA_HD void TileProductDecayed(float (&acc)[4][4], const float* a, int ai, int a
   }
 }
 
-// One block's view: its (batch x head, chunk), its inputs and outputs, its shared memory. kSub:
-// the sub-block Gram form (kernels/kda.h kSubBlocks): every factor against the first row of the
-// row's 16-row block instead of the chunk's first row, so no factor exceeds a block's decay.
-template <int C, int K, bool kSub>
-struct Block {
-  const KdaIntraBackwardArgs& a;
+// T = (I + A)^-1 for A strictly lower (C x C, leading dimension C + 1), T in the same layout, by
+// 16-row blocks: the diagonal blocks by forward substitution, a thread per column, and zeros
+// above them (one phase); then each later block row against the columns before it in two
+// phases, P = A_r,<r T_<r,<r (P: kB x C scratch), then T_r,<r = -T_rr P.
+template <int C>
+KDA_HD void InvertDiagonalBlocks(const float* A, float* T, int tid, int nt) {
+  constexpr int ld = C + 1;
+  for (int c = tid; c < C; c += nt) {
+    const int r0 = c / kB * kB;
+    for (int i = r0; i < c; ++i) T[i * ld + c] = 0.f;
+    T[c * ld + c] = 1.f;
+    for (int i = c + 1; i < r0 + kB; ++i) {
+      float s = 0.f;
+      for (int j = c; j < i; ++j) s = fmaf(-A[i * ld + j], T[j * ld + c], s);
+      T[i * ld + c] = s;
+    }
+  }
+  for (int e = tid; e < C * C; e += nt) {
+    const int i = e / C, j = e % C;
+    if (j / kB > i / kB) T[i * ld + j] = 0.f;
+  }
+}
+template <int C>
+KDA_HD void InvertRowProduct(int r0, const float* A, const float* T, float* P, int tid, int nt) {
+  constexpr int ld = C + 1;
+  for (int e = tid; e < kB * r0; e += nt) {
+    const int i = e / r0, c = e % r0;
+    float s = 0.f;
+    for (int j = c; j < r0; ++j) s = fmaf(A[(r0 + i) * ld + j], T[j * ld + c], s);
+    P[i * C + c] = s;
+  }
+}
+template <int C>
+KDA_HD void InvertRowSolve(int r0, float* T, const float* P, int tid, int nt) {
+  constexpr int ld = C + 1;
+  for (int e = tid; e < kB * r0; e += nt) {
+    const int i = e / r0, c = e % r0;
+    float s = 0.f;
+    for (int m = 0; m <= i; ++m) s = fmaf(-T[(r0 + i) * ld + r0 + m], P[m * C + c], s);
+    T[(r0 + i) * ld + c] = s;
+  }
+}
+
+// What a block of either kernel sees: its (batch x head, chunk), its inputs (Args: KdaIntraArgs or
+// KdaIntraBackwardArgs, which share these fields) and its shared memory's slots.
+template <int C, int K, class Args>
+struct ChunkView {
+  const Args& a;
   int V, ldK, ldV, ldC;
   int64_t chunk, t0, ck, cv, cc;
   const float *q, *k, *v, *beta, *G;
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
-  KDA_HD Block(const KdaIntraBackwardArgs& args, float* sm, int64_t bh, int64_t n) : a(args) {
+  KDA_HD ChunkView(const Args& args, float* sm, int64_t bh, int64_t n) : a(args) {
     V = static_cast<int>(a.V), ldK = K + 1, ldV = V + 1, ldC = C + 1;
     const int64_t b = bh / a.HV, h = bh % a.HV;
     chunk = bh * a.N + n, t0 = n * C;
@@ -115,6 +157,76 @@ struct Block {
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
     S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
   }
+  // Phase 0 of both: beta of the chunk's rows (0 past L).
+  KDA_HD void LoadBeta(int tid, int nt) {
+    for (int i = tid; i < C; i += nt) sB[i] = t0 + i < a.L ? beta[(t0 + i) * a.b_st] : 0.f;
+  }
+};
+
+// The members of a ChunkView base, by name, in a block that derives from it.
+#define KDA_CHUNK_VIEW(Base)                                                                   \
+  using Base::a;                                                                               \
+  using Base::V;                                                                               \
+  using Base::ldK;                                                                             \
+  using Base::ldV;                                                                             \
+  using Base::ldC;                                                                             \
+  using Base::chunk;                                                                           \
+  using Base::t0;                                                                              \
+  using Base::ck;                                                                              \
+  using Base::cv;                                                                              \
+  using Base::cc;                                                                              \
+  using Base::q;                                                                               \
+  using Base::k;                                                                               \
+  using Base::v;                                                                               \
+  using Base::beta;                                                                            \
+  using Base::G;                                                                               \
+  using Base::B0;                                                                              \
+  using Base::B1;                                                                              \
+  using Base::B2;                                                                              \
+  using Base::B3;                                                                              \
+  using Base::B4;                                                                              \
+  using Base::S0;                                                                              \
+  using Base::S1;                                                                              \
+  using Base::S2;                                                                              \
+  using Base::P;                                                                               \
+  using Base::sB;                                                                              \
+  using Base::sDb;                                                                             \
+  KDA_HD Block(const decltype(Base::a)& args, float* sm, int64_t bh, int64_t n) : Base(args, sm, bh, n) {}
+
+// The phases both blocks share, in order: beta, the factors, the Grams, the inverse's diagonal
+// blocks, two per later block row. False for a phase after them (the block's own).
+template <int C, class Blk>
+KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
+  constexpr int kRows = C / kB - 1;
+  if (phase == 0) {
+    b.LoadBeta(tid, nt);
+  } else if (phase == 1) {
+    b.Factors(tid, nt);
+  } else if (phase == 2) {
+    b.Grams(tid, nt);
+  } else if (phase == 3) {
+    b.InverseDiagonal(tid, nt);
+  } else if (phase < 4 + 2 * kRows) {
+    const int r0 = kB * (1 + (phase - 4) / 2);
+    if ((phase - 4) % 2 == 0) {
+      InvertRowProduct<C>(r0, b.S1, b.S2, b.P, tid, nt);
+    } else {
+      InvertRowSolve<C>(r0, b.S2, b.P, tid, nt);
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// One block of the backward. kSub: the sub-block Gram form (kernels/kda.h kSubBlocks), every
+// factor against the first row of its row's 16-row block instead of the chunk's first row, so no
+// factor exceeds a block's decay.
+template <int C, int K, bool kSub>
+struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
+  using Base = ChunkView<C, K, KdaIntraBackwardArgs>;
+  KDA_CHUNK_VIEW(Base)
+
   // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros).
   KDA_HD float K_(int i, int d) const { return t0 + i < a.L ? k[(t0 + i) * a.k_st + d] : 0.f; }
   KDA_HD float Q_(int i, int d) const { return t0 + i < a.L ? q[(t0 + i) * a.q_st + d] : 0.f; }
@@ -172,38 +284,7 @@ struct Block {
       const int i = e / V, d = e % V;
       B0[i * ldV + d] = sB[i] * V_(i, d);
     }
-    for (int c = tid; c < C; c += nt) {
-      const int r0 = c / kB * kB;
-      for (int i = r0; i < c; ++i) S2[i * ldC + c] = 0.f;
-      S2[c * ldC + c] = 1.f;
-      for (int i = c + 1; i < r0 + kB; ++i) {
-        float s = 0.f;
-        for (int j = c; j < i; ++j) s = fmaf(-S1[i * ldC + j], S2[j * ldC + c], s);
-        S2[i * ldC + c] = s;
-      }
-    }
-    for (int e = tid; e < C * C; e += nt) {
-      const int i = e / C, j = e % C;
-      if (j / kB > i / kB) S2[i * ldC + j] = 0.f;
-    }
-  }
-  // Block row r0 against the columns before it, in two phases: P = A_r,<r T_<r,<r, then
-  // T_r,<r = -T_rr P.
-  KDA_HD void InverseRowProduct(int r0, int tid, int nt) {
-    for (int e = tid; e < kB * r0; e += nt) {
-      const int i = e / r0, c = e % r0;
-      float s = 0.f;
-      for (int j = c; j < r0; ++j) s = fmaf(S1[(r0 + i) * ldC + j], S2[j * ldC + c], s);
-      P[i * C + c] = s;
-    }
-  }
-  KDA_HD void InverseRowSolve(int r0, int tid, int nt) {
-    for (int e = tid; e < kB * r0; e += nt) {
-      const int i = e / r0, c = e % r0;
-      float s = 0.f;
-      for (int m = 0; m <= i; ++m) s = fmaf(-S2[(r0 + i) * ldC + r0 + m], P[m * C + c], s);
-      S2[(r0 + i) * ldC + c] = s;
-    }
+    InvertDiagonalBlocks<C>(S1, S2, tid, nt);
   }
   // dT = dW X^T + dU Y^T (A_kk's slot: T is complete).
   KDA_HD void GradT(int tid, int nt) {
@@ -382,22 +463,7 @@ KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, floa
                                   int nt) {
   Block<C, K, kSub> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
-  if (phase == 0) {
-    for (int i = tid; i < C; i += nt) b.sB[i] = b.t0 + i < a.L ? b.beta[(b.t0 + i) * a.b_st] : 0.f;
-  } else if (phase == 1) {
-    b.Factors(tid, nt);
-  } else if (phase == 2) {
-    b.Grams(tid, nt);
-  } else if (phase == 3) {
-    b.InverseDiagonal(tid, nt);
-  } else if (phase < 4 + 2 * kRows) {
-    const int r0 = kB * (1 + (phase - 4) / 2);
-    if ((phase - 4) % 2 == 0) {
-      b.InverseRowProduct(r0, tid, nt);
-    } else {
-      b.InverseRowSolve(r0, tid, nt);
-    }
-  } else {
+  if (!LeadingPhase<C>(phase, b, tid, nt)) {
     switch (phase - 4 - 2 * kRows) {
       case 0: b.GradT(tid, nt); break;
       case 1: b.GradXY(tid, nt); break;
@@ -409,5 +475,88 @@ KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, floa
     }
   }
 }
+
+// The chunk-local quantities of the sub-block Gram form (the forward of kernels/cuda/
+// kda_intra.h's KdaIntraForward, which takes the whole-chunk form): qg, kg, W, U, Aqk and eGC
+// from q, k, v, beta and G, every Gram factor against its row's 16-row block's first row.
+// Shared memory as the backward's block: B0 kp, B1 k, B2 qp, B3 X, B4 Y, S1 A_kk, S2 T (S0 and
+// dbeta's slot unused).
+namespace sub_forward {
+
+KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 1; }
+
+template <int C, int K>
+struct Block : ChunkView<C, K, KdaIntraArgs> {
+  using Base = ChunkView<C, K, KdaIntraArgs>;
+  KDA_CHUNK_VIEW(Base)
+
+  KDA_HD static int Ref(int i) { return i / kB * kB; }
+  KDA_HD float At(const float* x, int64_t st, int i, int d) const { return t0 + i < a.L ? x[(t0 + i) * st + d] : 0.f; }
+
+  KDA_HD void Factors(int tid, int nt) {
+    for (int e = tid; e < C * K; e += nt) {
+      const int i = e / K, d = e % K;
+      const float kk = At(k, a.k_st, i, d), qq = At(q, a.q_st, i, d), g = G[i * K + d];
+      const float ep = expf(g - G[Ref(i) * K + d]), eg = expf(g), gc = G[(C - 1) * K + d];
+      B0[i * ldK + d] = kk * ep;
+      B1[i * ldK + d] = kk;
+      B2[i * ldK + d] = qq * ep;
+      B3[i * ldK + d] = sB[i] * kk * eg;
+      a.qg[ck + e] = qq * eg;
+      a.kg[ck + e] = kk * expf(gc - g);
+      if (i == 0) a.eGC[chunk * K + d] = expf(gc);
+    }
+    for (int e = tid; e < C * V; e += nt) {
+      const int i = e / V, d = e % V;
+      B4[i * ldV + d] = sB[i] * At(v, a.v_st, i, d);
+    }
+  }
+  // A_kk = diag(beta) strict_lower(L_kk) into S1, Aqk = lower(qp km) out, the keys decayed to
+  // the tile's block row on the fly.
+  KDA_HD void Grams(int tid, int nt) {
+    constexpr int kTiles = (C / 4) * (C / 4);
+    for (int tile = tid; tile < kTiles; tile += nt) {
+      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+      float lk[4][4] = {}, qk[4][4] = {};
+      if (j0 <= i0) {
+        TileProductDecayed<true>(lk, B0, ldK, 1, B1, ldK, G, K, Ref(i0), i0, j0, 0, K);
+        TileProductDecayed<true>(qk, B2, ldK, 1, B1, ldK, G, K, Ref(i0), i0, j0, 0, K);
+      }
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) {
+          const int i = i0 + x, j = j0 + y;
+          S1[i * ldC + j] = j < i ? lk[x][y] * sB[i] : 0.f;
+          a.Aqk[cc + static_cast<int64_t>(i) * C + j] = j <= i ? qk[x][y] : 0.f;
+        }
+      }
+    }
+  }
+  KDA_HD void InverseDiagonal(int tid, int nt) { InvertDiagonalBlocks<C>(S1, S2, tid, nt); }
+  // W = T X, U = T Y (T lower: columns m <= i).
+  KDA_HD void Products(int tid, int nt) {
+    const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);
+    for (int tile = tid; tile < xt + yt; tile += nt) {
+      const bool is_x = tile < xt;
+      const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
+      const int i0 = 4 * (t / (cols / 4)), d0 = 4 * (t % (cols / 4));
+      float acc[4][4] = {};
+      TileProduct(acc, S2, ldC, 1, is_x ? B3 : B4, is_x ? ldK : ldV, 1, i0, d0, 0, i0 + 4);
+      float* out = is_x ? a.W + ck : a.U + cv;
+      for (int x = 0; x < 4; ++x) {
+        for (int y = 0; y < 4; ++y) out[static_cast<int64_t>(i0 + x) * cols + d0 + y] = acc[x][y];
+      }
+    }
+  }
+};
+
+template <int C, int K>
+KDA_HD void Phase(int phase, const KdaIntraArgs& a, float* sm, int64_t bh, int64_t n, int tid, int nt) {
+  Block<C, K> b(a, sm, bh, n);
+  if (!LeadingPhase<C>(phase, b, tid, nt)) b.Products(tid, nt);
+}
+
+}  // namespace sub_forward
+
+#undef KDA_CHUNK_VIEW
 
 }  // namespace odyssey::kernels::cuda::kda_bwd
