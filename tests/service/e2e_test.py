@@ -180,14 +180,37 @@ def step_of(checkpoint):
     return int(re.search(r"step-(\d+)", checkpoint).group(1))
 
 
+def recorded_events(c, name):
+    """The job's ("checkpoint", directory) and ("state", name) events as the controller recorded
+    them, oldest first (ListJobEvents: the whole history, where a watch sees only what follows
+    its subscription and the current state)."""
+    out, token = [], ""
+    while True:
+        page = c.jobs.ListJobEvents(c.pb.ListJobEventsRequest(name=name, page_token=token), timeout=30)
+        for ev in page.events:
+            if ev.WhichOneof("event") == "checkpoint":
+                out.append(("checkpoint", ev.checkpoint))
+            elif ev.WhichOneof("event") == "state":
+                out.append(("state", c.pb.Job.State.Name(ev.state)))
+        token = page.next_page_token
+        if not token:
+            return out
+
+
 def check_resumed_from_newest(c, name, events, workers):
     """The requeued job's resume point is the newest checkpoint the workers reported before the
-    requeue (the watch's checkpoint events, not the controller's own last_checkpoint field), and
-    each of `workers` logs that it starts from it. Returns that checkpoint's step."""
-    # Events arrive in commit order: once the watch has seen the requeue (PENDING), it has seen
-    # every checkpoint reported before it.
+    requeue (the checkpoint events the controller recorded, not its own last_checkpoint field),
+    and each of `workers` logs that it starts from it. Returns that checkpoint's step."""
+    # The watch (`events`) shows the requeue; the recorded history, in commit order, every
+    # checkpoint reported before it (a watch subscribed after a checkpoint does not see it: under
+    # load the job can pass its first checkpoints before the watch's stream opens).
     wait_for("the watch to see the requeue", lambda: ("state", "PENDING") in events)
-    before = events[:events.index(("state", "PENDING"))]
+    history = recorded_events(c, name)
+    # The requeue: the first PENDING after the job first ran (the history opens with its creation's).
+    running = history.index(("state", "RUNNING")) if ("state", "RUNNING") in history else len(history)
+    if ("state", "PENDING") not in history[running:]:
+        raise Failure(f"the recorded events of {name} have no requeue (PENDING after RUNNING): {history}")
+    before = history[:history.index(("state", "PENDING"), running)]
     checkpoints = [v for k, v in before if k == "checkpoint"]
     if len(checkpoints) < 2:
         raise Failure(f"want 2+ checkpoints before the loss (a stale one must be telling): {checkpoints}")
