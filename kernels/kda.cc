@@ -177,12 +177,13 @@ std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
 
 // Whether the block code of kernels/cuda/kda_intra_backward.h (the intra-chunk backward, the
-// sub-block form's forward) takes this segment: fp32 compute of its sizes, CUDA under kAuto
-// with the fused kernels on, CPU under the emulation paths.
-bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
+// sub-block form's forward) may run for tensors on `t`'s device computed in `ct`: the path, the
+// device (CUDA under kAuto with the fused kernels on, CPU under the emulation paths), fp32.
+// Checked before a segment's inputs are prepared for it.
+bool BlockCodeMayRun(const Tensor& t, torch::ScalarType ct) {
   const KdaIntraBackwardPath path = intra_backward_path.load();
   if (path == KdaIntraBackwardPath::kLibtorch) return false;
-  if (q.is_cuda()) {
+  if (t.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     if (!FusedKernelsEnabled()) return false;
 #else
@@ -191,6 +192,13 @@ bool IntraBackwardByKernelCode(const Tensor& q, const Tensor& k, const Tensor& v
   } else if (path == KdaIntraBackwardPath::kAuto) {
     return false;
   }
+  return ct == torch::kFloat32;
+}
+
+// Whether the block code takes this segment's prepared inputs: BlockCodeMayRun, fp32 inputs of
+// its sizes with contiguous rows.
+bool BlockCodeTakes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
+  if (!BlockCodeMayRun(q, torch::kFloat32)) return false;
   for (const Tensor* t : {&q, &k, &v, &beta}) {
     if (t->scalar_type() != torch::kFloat32) return false;
   }
@@ -238,7 +246,7 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const bool recorded = torch::GradMode::is_enabled() &&
                         (q.requires_grad() || k.requires_grad() || v.requires_grad() || G.requires_grad() ||
                          beta.requires_grad());
-  if (form == KdaGramForm::kSubBlocks && cache == nullptr && !recorded && IntraBackwardByKernelCode(q, k, v, beta, C))
+  if (form == KdaGramForm::kSubBlocks && cache == nullptr && !recorded && BlockCodeTakes(q, k, v, beta, C))
     return SubBlockIntraByKernel(q, k, v, G, beta, C);
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
@@ -540,10 +548,11 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
         const KdaGramForm form = KdaDecayedGramForm(G);
         sub_blocks = form == KdaGramForm::kSubBlocks;
-        if (form != KdaGramForm::kElementwiseDiagonal) {
+        // Prepared here for the by-hand forms only: the autograd form prepares its own leaves.
+        if (form == KdaGramForm::kWholeChunk || (sub_blocks && BlockCodeMayRun(s[0], ct))) {
           x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
                       s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          by_kernel = IntraBackwardByKernelCode(x.q, x.k, x.v, x.beta, C);
+          by_kernel = BlockCodeTakes(x.q, x.k, x.v, x.beta, C);
         }
         by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
         if (by_hand) {
@@ -601,7 +610,6 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
 }  // namespace
 
 void SetKdaIntraBackwardPath(KdaIntraBackwardPath path) { intra_backward_path.store(path); }
-KdaIntraBackwardPath GetKdaIntraBackwardPath() { return intra_backward_path.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 

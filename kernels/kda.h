@@ -73,7 +73,6 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
 // Process-wide; set it before training starts, not during a step.
 enum class KdaIntraBackwardPath { kAuto, kLibtorch, kKernelCodeOnHost, kKernelCodeOnHostReversed };
 void SetKdaIntraBackwardPath(KdaIntraBackwardPath path);
-KdaIntraBackwardPath GetKdaIntraBackwardPath();
 // Segments whose intra-chunk backward ran the kernel's block code (on CUDA or emulated) so far in
 // this process: tests prove which path ran.
 int64_t KdaIntraBackwardKernelRuns();

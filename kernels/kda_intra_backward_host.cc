@@ -1,6 +1,5 @@
-// The host half of kernels/cuda/kda_intra_backward.h: the block's shared memory and the
-// emulation that runs the block's code (kda_intra_backward_body.h) on the CPU, so the CPU tests
-// check the code the CUDA kernel runs.
+// The host half of kernels/cuda/kda_intra_backward.h: the emulation that runs the blocks' code
+// (kda_intra_backward_body.h) on the CPU, so the CPU tests check the code the CUDA kernels run.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -10,8 +9,6 @@
 #include "kernels/cuda/kda_intra_backward_body.h"
 
 namespace odyssey::kernels::cuda {
-
-int64_t KdaIntraBackwardSmemFloats(int64_t C, int64_t K, int64_t V) { return kda_bwd::SmemFloats(C, K, V); }
 
 namespace {
 

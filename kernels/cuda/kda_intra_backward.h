@@ -45,14 +45,11 @@ inline bool KdaIntraBackwardSupported(int64_t C, int64_t K, int64_t V) {
 }
 // The block's threads.
 inline constexpr int kKdaIntraBackwardThreads = 512;
-// Shared memory of one block, in floats (kernels/kda_intra_backward_host.cc, built on every
-// machine, as is KdaIntraBackwardOnHost below).
-int64_t KdaIntraBackwardSmemFloats(int64_t C, int64_t K, int64_t V);
 
 // The CUDA kernel (only built with ODYSSEY_CUDA). Returns the launch's cudaError_t as an int.
 int KdaIntraBackward(const KdaIntraBackwardArgs& args, void* stream);
-// The same block code on the CPU over host pointers (kernels/kda_intra_backward_host.cc, always
-// built): the blocks one after another, each phase's threads one after another (in reverse
+// The same block code on the CPU over host pointers (kernels/kda_intra_backward_host.cc, built
+// on every machine): the blocks one after another, each phase's threads one after another (in reverse
 // order with `reverse_threads`), shared memory starting as NaN. For tests; slow.
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& args, bool reverse_threads);
 
