@@ -7,6 +7,10 @@ row per length; an out-of-memory length is reported as such.
 
   python3 bench/hf_bench.py --liger --model llama-3.2-3b --seq-len 65536 131072 --steps 2
 
+--fidelity times nothing: it prints the per-token logprobs' mean and max |d| of the bf16 forward
+(Liger's kernels too with --liger) against a float32 forward of the same weights and tokens, the
+measure odyssey-bench --fidelity prints for odyssey: how far the peer's bf16 path is from float32.
+
 liger-kernel is a benchmark peer, not a dependency: install it where the benchmark runs.
 """
 import argparse
@@ -72,6 +76,51 @@ def run(args, seq_len):
     return res
 
 
+def fidelity(args, seq_len):
+    """Per-token logprobs of the bf16 model (under --liger, its kernels) against float32 on the
+    same weights and tokens. Logits are formed in query blocks of --fidelity-block positions (bf16
+    logits as the bf16 model gives them, then float32 log-softmax), so no buffer is S x vocab."""
+    cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=max(seq_len, 131072), rms_norm_eps=1e-5,
+                                   rope_theta=500000.0, **SHAPES[args.model])
+    if args.layers:
+        cfg.num_hidden_layers = args.layers
+    cfg._attn_implementation = "sdpa"
+    if args.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), device=args.device)
+
+    def logprobs(m):
+        with torch.no_grad():
+            hidden = m.model(input_ids=ids[:, :-1]).last_hidden_state[0]  # (S, hidden)
+            out = []
+            for r0 in range(0, seq_len, args.fidelity_block):
+                logits = m.lm_head(hidden[r0:r0 + args.fidelity_block]).float()  # (block, vocab)
+                out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1 + r0:1 + r0 + logits.size(0), None])[:, 0])
+            return torch.cat(out)
+
+    t0 = time.perf_counter()
+    a = logprobs(model)
+    t_bf16 = time.perf_counter() - t0
+    model = model.float()  # the same weights, widened
+    t0 = time.perf_counter()
+    b = logprobs(model)
+    t_fp32 = time.perf_counter() - t0
+    d = (a - b).abs()
+    impl = "hf+liger" if args.liger else "hf"
+    res = dict(impl=impl, model=args.model, layers=cfg.num_hidden_layers, seq_len=seq_len, tokens=int(d.numel()),
+               fidelity_mean_abs_logprob_diff=float(d.mean()), fidelity_max_abs_logprob_diff=float(d.max()),
+               bf16_seconds=t_bf16, reference_seconds=t_fp32)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-3b", choices=sorted(SHAPES))
@@ -82,11 +131,22 @@ def main():
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     ap.add_argument("--liger", action="store_true", help="patch in Liger kernels (liger-kernel installed)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--fidelity", action="store_true",
+                    help="instead of timing: bf16 per-token logprobs against a float32 forward of the same weights")
+    ap.add_argument("--fidelity-block", type=int, default=8192, help="positions per block of logits (--fidelity)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for --fidelity on small shapes")
     args = ap.parse_args()
+    if args.fidelity_block < 1:
+        ap.error(f"--fidelity-block must be >= 1 (got {args.fidelity_block})")
+    if args.device != "cuda" and not args.fidelity:
+        ap.error("--device cpu is for --fidelity only: the timed peer runs on a GPU")
     for s in args.seq_len:
-        res = run(args, s)
+        res = fidelity(args, s) if args.fidelity else run(args, s)
         print(json.dumps(res), flush=True)
-        if res.get("oom"):
+        if args.fidelity:
+            print(f"| fidelity {res['impl']} | {args.model} | {s} | mean |d| {res['fidelity_mean_abs_logprob_diff']:.4f} | "
+                  f"max |d| {res['fidelity_max_abs_logprob_diff']:.4f} |", flush=True)
+        elif res.get("oom"):
             print(f"| {res['impl']} {args.model} | {s} | out of memory |", flush=True)
         else:
             gib = 1 << 30

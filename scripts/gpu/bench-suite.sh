@@ -102,13 +102,22 @@ if only planner; then
   row 3b-rl-16x2k --model llama-3.2-3b --seq-len 2048 --batch-size 16 --recompute layer --mlp-tile 8192 --loss-tile 4096
 fi
 # fidelity: bf16 training-forward logprobs against a float32 forward of the same weights, at each
-# length of FID_LENS (default 65536 131072), 3B shape, the flags of FID_FLAGS.
+# length of FID_LENS (default 65536 131072), 3B shape, the flags of FID_FLAGS; then the same
+# measure for transformers + Liger (bench/hf_bench.py --fidelity --liger, Liger from .whl/ when its
+# wheel is there, else plain transformers) at the same lengths: the peer's own bf16 gap.
 if only fidelity; then
   for s in ${FID_LENS:-65536 131072}; do
     run build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len "$s" \
       ${FID_FLAGS:---recompute layer --keep-attention --offload --mlp-tile 16384 --loss-tile 4096} --fidelity \
       --json "$out/fidelity.jsonl"
   done
+  site="${TMPDIR:-/tmp}/odyssey-peer-site" liger=
+  if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    liger=--liger
+  fi
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/hf_bench.py --fidelity $liger --model llama-3.2-3b \
+    --seq-len ${FID_LENS:-65536 131072} --json "$out/fidelity.jsonl" 2>&1 | grep -E '^\||Error' | tail -4
 fi
 # long1b: one full-depth step of LONG_MODEL (default llama-3.2-1b) at LONG_LEN (default 1M) started in the background
 # (it outlasts one command on a GPU host): the log goes to ${LONG_LOG:-/tmp/odyssey-long1b.log},
