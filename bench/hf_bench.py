@@ -40,7 +40,7 @@ def run(args, seq_len):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     if args.checkpointing:
@@ -89,7 +89,7 @@ def fidelity(args, seq_len):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), device=args.device)
@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--fidelity", action="store_true",
                     help="instead of timing: bf16 per-token logprobs against a float32 forward of the same weights")
     ap.add_argument("--fidelity-block", type=int, default=8192, help="positions per block of logits (--fidelity)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the random init and the random tokens")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for --fidelity on small shapes")
     args = ap.parse_args()
     if args.fidelity_block < 1:
