@@ -92,6 +92,8 @@ def fidelity(args, seq_len):
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    if args.save_weights:
+        model.save_pretrained(args.save_weights)  # config.json + safetensors: odyssey-bench --model DIR loads them
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), device=args.device)
 
     def logprobs(m):
@@ -134,11 +136,15 @@ def main():
     ap.add_argument("--fidelity", action="store_true",
                     help="instead of timing: bf16 per-token logprobs against a float32 forward of the same weights")
     ap.add_argument("--fidelity-block", type=int, default=8192, help="positions per block of logits (--fidelity)")
+    ap.add_argument("--save-weights", default="",
+                    help="--fidelity: save the bf16 model's weights to this folder (odyssey-bench --model DIR, same weights)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the random init and the random tokens")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for --fidelity on small shapes")
     args = ap.parse_args()
     if args.fidelity_block < 1:
         ap.error(f"--fidelity-block must be >= 1 (got {args.fidelity_block})")
+    if args.save_weights and not args.fidelity:
+        ap.error("--save-weights is for --fidelity only")
     if args.device != "cuda" and not args.fidelity:
         ap.error("--device cpu is for --fidelity only: the timed peer runs on a GPU")
     for s in args.seq_len:
