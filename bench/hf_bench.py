@@ -30,7 +30,9 @@ SHAPES = {
 }
 
 
-def run(args, seq_len):
+def build_model(args, seq_len, device, fused_linear_cross_entropy):
+    """The named shape (cut to --layers), SDPA attention, Liger's kernels patched in under --liger,
+    random init from --seed, in bf16 on `device`."""
     cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=max(seq_len, 131072), rms_norm_eps=1e-5,
                                    rope_theta=500000.0, **SHAPES[args.model])
     if args.layers:
@@ -39,10 +41,15 @@ def run(args, seq_len):
     if args.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+                                    fused_linear_cross_entropy=fused_linear_cross_entropy)
     torch.manual_seed(args.seed)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return cfg, model
+
+
+def run(args, seq_len):
+    cfg, model = build_model(args, seq_len, "cuda", fused_linear_cross_entropy=True)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -80,18 +87,8 @@ def fidelity(args, seq_len):
     """Per-token logprobs of the bf16 model (under --liger, its kernels) against float32 on the
     same weights and tokens. Logits are formed in query blocks of --fidelity-block positions (bf16
     logits as the bf16 model gives them, then float32 log-softmax), so no buffer is S x vocab."""
-    cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=max(seq_len, 131072), rms_norm_eps=1e-5,
-                                   rope_theta=500000.0, **SHAPES[args.model])
-    if args.layers:
-        cfg.num_hidden_layers = args.layers
-    cfg._attn_implementation = "sdpa"
-    if args.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
-    torch.manual_seed(args.seed)
-    with torch.device(args.device):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cfg, model = build_model(args, seq_len, args.device, fused_linear_cross_entropy=False)
+    model.eval()
     if args.save_weights:
         model.save_pretrained(args.save_weights)  # config.json + safetensors: odyssey-bench --model DIR loads them
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), device=args.device)
