@@ -715,47 +715,60 @@ Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, co
   return KlSum(target, MaskedLogSoftmax(IndexerScores(qi.to(ct), k_idx.to(ct), wi.to(ct)), valid));
 }
 
+// One pass over the query blocks. With `with_grad` (grad mode on and an input requiring a gradient:
+// the plain forward, or a checkpoint's recompute right before its backward), each block's graph is
+// built, differentiated for a unit upstream gradient and dropped in the forward itself, and the
+// backward only scales the three gradients: the main attention's target, the block's costliest
+// part (H (n, S) score rows), is formed once per step instead of once in the forward and again in
+// the backward. Without it (a checkpoint's first, no-grad forward) only the value is formed and
+// nothing is kept.
 struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
-                               const Tensor& q, const Tensor& k, int64_t query_block) {
+                               const Tensor& q, const Tensor& k, int64_t query_block, bool with_grad) {
     const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
     const Tensor kq = RepeatHeads(k.to(ct), q.size(1) / k.size(1));
     Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
-    for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
-      const int64_t n = std::min(query_block, q.size(2) - t0);
-      total += WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q, kq, t0, ct);
+    if (!with_grad) {
+      for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
+        const int64_t n = std::min(query_block, q.size(2) - t0);
+        total += WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q, kq, t0, ct);
+      }
+      return {total};
     }
-    ctx->save_for_backward({q_idx, k_idx, w, q, k});
-    ctx->saved_data["query_block"] = query_block;
-    return {total};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list s = ctx->get_saved_variables();
-    const Tensor &q_idx = s[0], &k_idx = s[1], &w = s[2], &q = s[3], &k = s[4];
-    const int64_t query_block = ctx->saved_data["query_block"].toInt();
-    const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
-    const Tensor kq = RepeatHeads(k.to(ct), q.size(1) / k.size(1));
     Tensor dq = torch::zeros_like(q_idx), dw = torch::zeros_like(w);
     Tensor dk = torch::zeros(k_idx.sizes(), k_idx.options().dtype(ct));  // summed over every block: in ct
     const Tensor keys = k_idx.detach().requires_grad_(true);
+    const Tensor one = torch::ones({}, total.options());
     for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
       const int64_t n = std::min(query_block, q.size(2) - t0);
-      // One block's graph at a time: rebuilt here, differentiated, dropped.
       const Tensor qi = q_idx.narrow(2, t0, n).detach().requires_grad_(true);
       const Tensor wi = w.narrow(1, t0, n).detach().requires_grad_(true);
       variable_list d;
       {
         torch::AutoGradMode grad_mode(true);
         const Tensor kl = WarmupBlockKl(qi, keys, wi, q, kq, t0, ct);
-        d = torch::autograd::grad({kl}, {qi, keys, wi}, {grads[0].to(ct)}, /*retain_graph=*/false,
+        d = torch::autograd::grad({kl}, {qi, keys, wi}, {one}, /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
+        total += kl.detach();
       }
       if (d[0].defined()) dq.narrow(2, t0, n).copy_(d[0]);
       if (d[1].defined()) dk += d[1].to(ct);
       if (d[2].defined()) dw.narrow(1, t0, n).copy_(d[2]);
     }
-    return {dq, dk.to(k_idx.scalar_type()), dw, Tensor(), Tensor(), Tensor()};
+    ctx->save_for_backward({dq, dk, dw});
+    ctx->saved_data["k_dtype"] = k_idx.scalar_type();
+    return {total};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    TORCH_CHECK(!s.empty(), "DenseWarmupKl: backward through a forward that ran without gradients");
+    const Tensor &dq = s[0], &dk = s[1], &dw = s[2];
+    const auto k_dtype = ctx->saved_data["k_dtype"].toScalarType();
+    const Tensor g = grads[0].to(dk.scalar_type());
+    // dk is summed over blocks in the compute type: scaled there, rounded once.
+    return {dq * g.to(dq.scalar_type()), (dk * g).to(k_dtype), dw * g.to(dw.scalar_type()), Tensor(), Tensor(),
+            Tensor(), Tensor()};
   }
 };
 
@@ -779,7 +792,9 @@ void CheckDenseWarmupKl(const Tensor& q_idx, const Tensor& k_idx, const Tensor& 
 Tensor DenseWarmupKl(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q, const Tensor& k,
                      int64_t query_block) {
   CheckDenseWarmupKl(q_idx, k_idx, w, q, k, query_block);
-  return DenseWarmupKlFunction::apply(q_idx, k_idx, w, q.detach(), k.detach(), query_block)[0];
+  const bool with_grad =
+      torch::GradMode::is_enabled() && (q_idx.requires_grad() || k_idx.requires_grad() || w.requires_grad());
+  return DenseWarmupKlFunction::apply(q_idx, k_idx, w, q.detach(), k.detach(), query_block, with_grad)[0];
 }
 
 Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q,

@@ -183,8 +183,10 @@ torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
 // 4p + 3 <= t) and L1-normalised; its prediction the log-softmax of the indexer's scores
 // (IndexerScores) over the same pools; rows without a visible pool add 0. q_idx (B, HI, S, DI),
 // k_idx (B, S / 4, DI), w (B, S, HI): differentiable; q (B, H, S, D), k (B, Hkv, S, D) the main
-// attention's, no gradient. A custom autograd Function: its forward keeps no graph, its backward
-// rebuilds and differentiates query_block rows at a time, so memory is one block's. (One autograd
+// attention's, no gradient. A custom autograd Function over query_block rows at a time, so memory
+// is one block's graph: with grad mode on and an input requiring a gradient, its forward
+// differentiates each block as it goes (the main attention's target formed once) and keeps only
+// the three gradients, which its backward scales; otherwise the forward forms the value alone. (One autograd
 // graph over all blocks keeps HI fp32 dot products per (row, pool) pair: ~9 GB for one DSA layer
 // of hybrid-3b at 16K, ~140 GB at 64K; DenseWarmupKlReference below builds it, for tests.) fp32 (fp64
 // for fp64 inputs); a 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the

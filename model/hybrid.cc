@@ -1091,7 +1091,8 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     // Dense warm-up: the target is the main attention's probabilities (no grad), head-averaged,
     // summed within each pool and L1-normalised; the prediction the softmax of the indexer's pool
     // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's graph at
-    // a time, in its backward). Every row from position 3 on sees pool 0.
+    // a time, differentiated in the forward when gradients are wanted). Every row from position 3
+    // on sees pool 0.
     const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
                                                 kernels::DenseWarmupKlBlock(S, H, ix.q.size(1)));
     kl->rows += B * (S - 3);
