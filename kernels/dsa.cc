@@ -692,24 +692,56 @@ struct IndexerKlFunction : public torch::autograd::Function<IndexerKlFunction> {
 
 namespace {
 
+// The main attention's keys as the warm-up target's scores read them: k as (B * Hkv, S, D), each
+// KV head's keys multiplied with its G query heads' rows at once (no copy of k per query head).
+// On CUDA with 16-bit q and k the products run on the tensor cores with fp32 outputs (at::bmm's
+// out_dtype form): the 16-bit operands and fp32 accumulation of the main attention's own scores,
+// ~10x the rate of fp32 FFMA products. Otherwise q and k in the compute dtype (fp32 or fp64).
+struct WarmupKeys {
+  Tensor grouped;  // (B * Hkv, S, D)
+  bool tensor_cores = false;
+};
+
+WarmupKeys MakeWarmupKeys(const Tensor& q, const Tensor& k, torch::ScalarType ct) {
+  const bool half = q.scalar_type() == k.scalar_type() &&
+                    (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
+  const bool tc = q.is_cuda() && half;
+  return {(tc ? k : k.to(ct)).reshape({k.size(0) * k.size(1), k.size(2), k.size(3)}).contiguous(), tc};
+}
+
+// The (B, H, n, kv) scores q k^T / sqrt(D) of query rows [t0, t0 + n) against keys [0, kv), in
+// ct.
+Tensor WarmupTargetScores(const Tensor& q, const WarmupKeys& keys, int64_t t0, int64_t n, int64_t kv,
+                          torch::ScalarType ct) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), BH = keys.grouped.size(0), G = B * H / BH;
+  const Tensor kt = keys.grouped.narrow(1, 0, kv).transpose(1, 2);
+  const Tensor qb = q.narrow(2, t0, n);
+  const Tensor s = keys.tensor_cores ? at::bmm(qb.reshape({BH, G * n, D}), kt, ct)
+                                     : at::bmm(qb.to(ct).reshape({BH, G * n, D}), kt);
+  return s.mul_(1.0 / std::sqrt(static_cast<double>(D))).view({B, H, n, kv});
+}
+
 // One block of query rows [t0, t0 + n) of the dense warm-up's KL: the target from the main
 // attention (no gradient) and the indexer's log-softmax over the visible pools (differentiable
-// in qi (B, HI, n, DI), k_idx and wi (B, n, HI) when grad mode is on). kq: k repeated to the H
-// query heads in the compute dtype.
-Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, const Tensor& q, const Tensor& kq,
+// in qi (B, HI, n, DI), k_idx and wi (B, n, HI) when grad mode is on). keys: the main
+// attention's k (MakeWarmupKeys).
+Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, const Tensor& q, const WarmupKeys& keys,
                      int64_t t0, torch::ScalarType ct) {
-  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), n = qi.size(2), P = k_idx.size(1);
+  const int64_t B = q.size(0), H = q.size(1), n = qi.size(2), P = k_idx.size(1);
   auto lo = torch::TensorOptions().dtype(torch::kLong).device(q.device());
   const Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
   const Tensor valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
   Tensor target;  // (B, n, P)
   {
     torch::NoGradGuard no_grad;
-    const Tensor s = torch::matmul(q.narrow(2, t0, n).to(ct), kq.transpose(2, 3))
-                         .mul_(1.0 / std::sqrt(static_cast<double>(D)))
-                         .masked_fill_((torch::arange(S, lo).view({1, 1, S}) > t).unsqueeze(1), -kInf);  // (B, H, n, S)
-    const Tensor p = torch::softmax(s, -1).sum(1).div_(static_cast<double>(H));                       // (B, n, S)
-    target = p.narrow(2, 0, 4 * P).view({B, n, P, 4}).sum(-1).masked_fill_(valid.logical_not(), 0.0);
+    // Only keys [0, t0 + n) are visible from the block: the later ones are neither scored nor
+    // pooled (the pools past the visible ones are 0 in the target).
+    const int64_t kv = t0 + n, pv = kv / 4;
+    const Tensor s = WarmupTargetScores(q, keys, t0, n, kv, ct)
+                         .masked_fill_((torch::arange(kv, lo).view({1, 1, kv}) > t).unsqueeze(1), -kInf);  // (B, H, n, kv)
+    const Tensor p = torch::softmax(s, -1).sum(1).div_(static_cast<double>(H));                         // (B, n, kv)
+    target = torch::constant_pad_nd(p.narrow(2, 0, 4 * pv).view({B, n, pv, 4}).sum(-1), {0, P - pv})
+                 .masked_fill_(valid.logical_not(), 0.0);
     target.div_(target.sum(-1, /*keepdim=*/true).clamp_min(1e-30));
   }
   return KlSum(target, MaskedLogSoftmax(IndexerScores(qi.to(ct), k_idx.to(ct), wi.to(ct)), valid));
@@ -726,7 +758,7 @@ struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFun
   static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
                                const Tensor& q, const Tensor& k, int64_t query_block, bool with_grad) {
     const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
-    const Tensor kq = RepeatHeads(k.to(ct), q.size(1) / k.size(1));
+    const WarmupKeys kq = MakeWarmupKeys(q, k, ct);
     Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
     if (!with_grad) {
       for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
@@ -801,7 +833,7 @@ Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Te
                               const Tensor& k, int64_t query_block) {
   CheckDenseWarmupKl(q_idx, k_idx, w, q, k, query_block);
   const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
-  const Tensor kq = RepeatHeads(k.detach().to(ct), q.size(1) / k.size(1));
+  const WarmupKeys kq = MakeWarmupKeys(q, k.detach(), ct);
   Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
   for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
     const int64_t n = std::min(query_block, q.size(2) - t0);

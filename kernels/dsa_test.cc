@@ -897,6 +897,34 @@ TEST(DsaIndexer, DenseWarmupKlEqualsTheWholeFormulaFp64) {
   }
 }
 
+// The dense warm-up's KL on the GPU with bf16 inputs: the target's scores are the tensor cores'
+// bf16 products with fp32 outputs (exact products, fp32 sums), so value and gradients equal the
+// fp64 computation on the same bf16 values up to fp32 sums and the gradients' one bf16 rounding:
+// value within 1e-4, gradients within 1e-2 (bf16's 2^-8 with room). GQA 24/8 as hybrid-3b, a
+// block size that divides nothing.
+TEST(DsaIndexer, DenseWarmupKlBf16OnTheGpuEqualsFp64_cuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 1, HI = 4, DI = 64, H = 24, Hkv = 8, D = 128, S = 301, P = S / 4;
+  torch::manual_seed(83);
+  const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const Tensor qi = torch::randn({B, HI, S, DI}, bf), keys = torch::randn({B, P, DI}, bf);
+  const Tensor w = torch::randn({B, S, HI}, bf), q = torch::randn({B, H, S, D}, bf) * 2, k = torch::randn({B, Hkv, S, D}, bf);
+  auto leaf = [](const Tensor& t, torch::Dtype dt, torch::Device dev) {
+    return t.detach().to(dev, dt).clone().requires_grad_(true);
+  };
+  const torch::Device cpu(torch::kCPU), gpu(torch::kCUDA);
+  Tensor q64 = leaf(qi, torch::kFloat64, cpu), k64 = leaf(keys, torch::kFloat64, cpu), w64 = leaf(w, torch::kFloat64, cpu);
+  const Tensor want = DenseWarmupKl(q64, k64, w64, q.to(cpu, torch::kFloat64), k.to(cpu, torch::kFloat64), 37);
+  want.backward();
+  Tensor q1 = leaf(qi, torch::kBFloat16, gpu), k1 = leaf(keys, torch::kBFloat16, gpu), w1 = leaf(w, torch::kBFloat16, gpu);
+  const Tensor got = DenseWarmupKl(q1, k1, w1, q, k, 37);
+  got.backward();
+  EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
+  EXPECT_LT(RelErr(q1.grad().to(cpu, torch::kFloat64), q64.grad()), 1e-2);
+  EXPECT_LT(RelErr(k1.grad().to(cpu, torch::kFloat64), k64.grad()), 1e-2);
+  EXPECT_LT(RelErr(w1.grad().to(cpu, torch::kFloat64), w64.grad()), 1e-2);
+}
+
 TEST(DsaIndexer, KlLossKernelWithinTwiceTheLibtorchError_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");

@@ -276,13 +276,13 @@ Prediction Predict(const Request& r) {
     // The dense warm-up (indexer stage dense_warmup; no query tiles, no context parallelism): a
     // DSA layer's backward holds, per token, its input, q, k, v, the attention output and its
     // log-sum-exp, the indexer's q and w, their gradients and the input's, the attention
-    // backward's fp32 dq accumulator, and the KL's keys expanded to the query heads in fp32
-    // (kernels::DenseWarmupKl); one KL block's transients
+    // backward's fp32 dq accumulator, and the KL target's copy of the keys, grouped by KV head in
+    // their own dtype (kernels::DenseWarmupKl); one KL block's transients
     // (~4 of 128 MiB); the residual stream around the mixer as in the sparse stage. By
     // construction, not yet measured.
     const int64_t IQ = HI * m.index_head_dim;
     const int64_t warm_per_token =
-        T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 8);
+        T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 4 + kvd * e);
     const int64_t warm_blocks = int64_t{512} << 20;
     const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream + kda_cp : 0;
     const int64_t dsa_work = m.dsa_layers == 0 ? 0
@@ -298,7 +298,7 @@ Prediction Predict(const Request& r) {
         hybrid_terms.emplace_back("KDA layer, context parallel: the head-layout output gradient, one broadcast tile",
                                   kda_cp);
     } else if (!m.dsa_sparse) {
-      hybrid_terms = {{"DSA layer, dense warm-up: attention, indexer, their gradients and the KL's fp32 keys",
+      hybrid_terms = {{"DSA layer, dense warm-up: attention, indexer, their gradients and the KL's grouped keys",
                        warm_per_token + warm_blocks},
                       {"DSA layer: the residual stream around the mixer (fitted)", dsa_stream}};
     } else {

@@ -435,7 +435,7 @@ TEST(PlannerTest, DenseWarmupTrainsTheIndexersAlone) {
 }
 
 // The warm-up's DSA layer is the whole layer at once (dense attention, the indexer over every
-// token, the KL's fp32 keys): at 1M tokens of hybrid-3b it outgrows the sparse stage's tiled
+// token, the KL's keys): at 1M tokens of hybrid-3b it outgrows the sparse stage's tiled
 // layer and names its own term; at 64K the KDA layer's working set is still the larger.
 TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   model::ModelConfig config = *model::NamedShape("hybrid-3b");
@@ -450,14 +450,16 @@ TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   const Prediction warm = Predict(r);
   const int64_t T = r.seq_len, e = 2;
   // Per token: input and its gradient, q, k, v, output and their gradients, log-sum-exp, the
-  // indexer's q (32 x 128) and w and q's gradient, cuDNN's fp32 dq and the KL's fp32 keys.
-  const int64_t per_token = 2 * 3072 * e + 3 * 3072 * e + 4 * 1024 * e + 4 * 24 + 2 * 4096 * e + 32 * e + 3072 * 8;
-  EXPECT_EQ(Term(warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's fp32 keys"),
+  // indexer's q (32 x 128) and w and q's gradient, cuDNN's fp32 dq and the KL target's copy of
+  // the keys (8 KV heads, bf16).
+  const int64_t per_token =
+      2 * 3072 * e + 3 * 3072 * e + 4 * 1024 * e + 4 * 24 + 2 * 4096 * e + 32 * e + 3072 * 4 + 1024 * e;
+  EXPECT_EQ(Term(warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's grouped keys"),
             T * per_token + (int64_t{512} << 20));
   EXPECT_GT(warm.gpu_peak_bytes, sparse.gpu_peak_bytes + (int64_t{30} << 30)) << warm.gpu_peak_bytes;
   r.seq_len = 65536;
   const Prediction short_warm = Predict(r);
-  EXPECT_EQ(Term(short_warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's fp32 keys"), -1);
+  EXPECT_EQ(Term(short_warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's grouped keys"), -1);
   EXPECT_GT(Term(short_warm, "KDA layer: the recomputed tile's autograd state"), 0);
 }
 
