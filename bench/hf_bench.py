@@ -11,6 +11,15 @@ row per length; an out-of-memory length is reported as such.
 (Liger's kernels too with --liger) against a float32 forward of the same weights and tokens, the
 measure odyssey-bench --fidelity prints for odyssey: how far the peer's bf16 path is from float32.
 
+--alst: the single-GPU parts of Snowflake's ALST recipe on top of transformers + Liger, as this
+file implements them with torch (not DeepSpeed's or Arctic Training's code: Arctic Training pins
+transformers < 5, and on one GPU ZeRO-3's sharding has nothing to shard): every decoder layer's
+input offloaded to host memory by reentrant checkpointing under torch's save_on_cpu (the one
+tensor such a checkpoint saves), the MLP computed in sequence tiles (ALST's default tile: hidden
+size tokens) with its backward recomputing one tile at a time, Liger's fused linear cross-entropy
+for the loss, and AdamW's fp32 master weights and moments in host memory, updated by torch's
+AdamW on the CPU (ZeRO-Offload's placement; the GPU holds only bf16 weights and gradients).
+
 liger-kernel is a benchmark peer, not a dependency: install it where the benchmark runs.
 """
 import argparse
@@ -30,9 +39,99 @@ SHAPES = {
 }
 
 
+class TiledMLP(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)) over `tile` positions at a time. The forward keeps only x; the
+    backward recomputes one tile's MLP with autograd at a time, so no buffer is ever (S, intermediate)
+    wide. Weight gradients are summed over the tiles in fp32 (or wider) and rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, mlp, tile, *weights):
+        ctx.mlp, ctx.tile = mlp, tile
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([_mlp(mlp, x[:, i:i + tile]) for i in range(0, x.size(1), tile)], dim=1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        mlp, tile = ctx.mlp, ctx.tile
+        weights = _mlp_weights(mlp)
+        dx = torch.empty_like(x)
+        sums = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) for w in weights]
+        for i in range(0, x.size(1), tile):
+            xt = x[:, i:i + tile].detach().requires_grad_(True)
+            with torch.enable_grad():
+                yt = _mlp(mlp, xt)
+            g = torch.autograd.grad(yt, [xt, *weights], dy[:, i:i + tile])
+            dx[:, i:i + tile] = g[0]
+            for acc, gw in zip(sums, g[1:]):
+                acc += gw
+        return (dx, None, None, *[acc.to(w.dtype) for acc, w in zip(sums, weights)])
+
+
+def _mlp(mlp, x):
+    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def _mlp_weights(mlp):
+    return [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+
+
+def tile_mlps(model, tile):
+    """Every decoder layer's MLP through TiledMLP (Llama's bias-free gated MLP)."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError("tile_mlps: the MLP projections must be bias-free")
+        mlp.forward = lambda x, mlp=mlp: TiledMLP.apply(x, mlp, tile, *_mlp_weights(mlp))
+
+
+def offload_checkpointing(model):
+    """Gradient checkpointing with each decoder layer's saved input in host memory: reentrant
+    checkpoints save exactly their tensor arguments (the layer's hidden states), and save_on_cpu
+    moves what is saved to (pinned, where there is a GPU) host memory and back for the backward."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    pin = torch.cuda.is_available()
+
+    def checkpoint(fn, *args):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
+
+    for m in model.model.layers:
+        if not getattr(m, "gradient_checkpointing", False) or not hasattr(m, "_gradient_checkpointing_func"):
+            raise RuntimeError("offload_checkpointing: a decoder layer without transformers' checkpointing hook "
+                               f"({type(m).__name__}, transformers {transformers.__version__})")
+        m._gradient_checkpointing_func = checkpoint
+
+
+class HostAdamW:
+    """AdamW with the fp32 master weights and both moments in host memory: step() brings the
+    gradients to the host in fp32, runs torch's AdamW there and writes the weights back in their
+    own dtype. The device holds no fp32 copy."""
+
+    def __init__(self, params, **adamw):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, foreach=True, **adamw)
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
+        self.opt.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none=True):
+        for p, m in zip(self.params, self.master):
+            p.grad = None
+            m.grad = None
+
+
 def build_model(args, seq_len, device, fused_linear_cross_entropy):
-    """The named shape (cut to --layers), SDPA attention, Liger's kernels patched in under --liger,
-    random init from --seed, in bf16 on `device`."""
+    """The named shape (cut to --layers), SDPA attention, Liger's kernels patched in under --liger
+    (its SwiGLU left out under --alst, whose tiled MLP replaces it), random init from --seed, in
+    bf16 on `device`."""
     cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=max(seq_len, 131072), rms_norm_eps=1e-5,
                                    rope_theta=500000.0, **SHAPES[args.model])
     if args.layers:
@@ -40,7 +139,7 @@ def build_model(args, seq_len, device, fused_linear_cross_entropy):
     cfg._attn_implementation = "sdpa"
     if args.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=not getattr(args, "alst", False), cross_entropy=False,
                                     fused_linear_cross_entropy=fused_linear_cross_entropy)
     torch.manual_seed(args.seed)
     with torch.device(device):
@@ -50,13 +149,16 @@ def build_model(args, seq_len, device, fused_linear_cross_entropy):
 
 def run(args, seq_len):
     cfg, model = build_model(args, seq_len, "cuda", fused_linear_cross_entropy=True)
-    if args.checkpointing:
+    if args.alst:
+        offload_checkpointing(model)
+        tile_mlps(model, args.mlp_tile or cfg.hidden_size)
+    elif args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = HostAdamW(model.parameters(), lr=1e-5) if args.alst else torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
     times = []
-    impl = "hf+liger" if args.liger else "hf"
+    impl = ("hf+liger" if args.liger else "hf") + ("+alst-style" if args.alst else "")
     try:
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
@@ -129,6 +231,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     ap.add_argument("--liger", action="store_true", help="patch in Liger kernels (liger-kernel installed)")
+    ap.add_argument("--alst", action="store_true",
+                    help="with --liger: ALST's single-GPU recipe (layer inputs offloaded to the host, tiled MLP, "
+                         "AdamW state on the host; see the module's doc)")
+    ap.add_argument("--mlp-tile", type=int, default=0,
+                    help="--alst: positions per MLP tile (0: the hidden size, ALST's default)")
     ap.add_argument("--json", default="")
     ap.add_argument("--fidelity", action="store_true",
                     help="instead of timing: bf16 per-token logprobs against a float32 forward of the same weights")
@@ -142,6 +249,11 @@ def main():
         ap.error(f"--fidelity-block must be >= 1 (got {args.fidelity_block})")
     if args.save_weights and not args.fidelity:
         ap.error("--save-weights is for --fidelity only")
+    if args.alst and (not args.liger or args.fidelity or not args.checkpointing):
+        ap.error("--alst needs --liger (its fused linear cross-entropy is the recipe's tiled loss) and times a step: "
+                 "not with --fidelity or --no-checkpointing")
+    if args.mlp_tile < 0 or (args.mlp_tile and not args.alst):
+        ap.error(f"--mlp-tile must be >= 1 and is for --alst only (got {args.mlp_tile})")
     if args.device != "cuda" and not args.fidelity:
         ap.error("--device cpu is for --fidelity only: the timed peer runs on a GPU")
     for s in args.seq_len:

@@ -7,7 +7,8 @@
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
 #   PEER_LENS (default 65536), one after the other in this run, then bench/compare.py's table of
-#   the ratios. Liger is a benchmark peer: its wheel (liger-kernel 0.8.5, no registry on a GPU
+#   the ratios; with PEER_ALST=1 also transformers + Liger + ALST's single-GPU recipe
+#   (bench/hf_bench.py --alst). Liger is a benchmark peer: its wheel (liger-kernel 0.8.5, no registry on a GPU
 #   host) is installed from .whl/ into a private folder, never into the project.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -70,8 +71,13 @@ if only peer; then
     run build-gpu/bench/odyssey-bench --model llama-3.2-3b --seq-len "$s" $flags --steps "$steps" --json "$out/peer-odyssey.jsonl"
     python3 bench/hf_bench.py --liger --model llama-3.2-3b --seq-len "$s" --steps "$steps" --json "$out/peer-liger.jsonl" \
       2>&1 | grep -E '^\||Error' | tail -2
+    # PEER_ALST=1: the ALST-style peer too (hf_bench.py --alst: layer inputs on the host, tiled
+    # MLP, AdamW state on the host).
+    [ -n "${PEER_ALST:-}" ] && python3 bench/hf_bench.py --liger --alst --model llama-3.2-3b --seq-len "$s" \
+      --steps "$steps" --json "$out/peer-alst.jsonl" 2>&1 | grep -E '^\||Error' | tail -2
   done
   python3 bench/compare.py "$out/peer-odyssey.jsonl" "$out/peer-liger.jsonl"
+  [ -n "${PEER_ALST:-}" ] && python3 bench/compare.py "$out/peer-odyssey.jsonl" "$out/peer-alst.jsonl"
 fi
 only hf && python3 bench/hf_bench.py --model llama-3.2-3b --seq-len 65536 --steps 2 --json "$out/hf.jsonl"
 # planner: one profiled step per measured row of planner_test (the peak of every phase: what
