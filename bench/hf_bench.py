@@ -19,6 +19,8 @@ tensor such a checkpoint saves), the MLP computed in sequence tiles (ALST's defa
 size tokens) with its backward recomputing one tile at a time, Liger's fused linear cross-entropy
 for the loss, and AdamW's fp32 master weights and moments in host memory, updated by torch's
 AdamW on the CPU (ZeRO-Offload's placement; the GPU holds only bf16 weights and gradients).
+Its memory and longest length are the recipe's; its step time is a lower bound on ALST's
+(torch's CPU AdamW is slower than DeepSpeed's vectorized one; the offload copies are synchronous).
 
 liger-kernel is a benchmark peer, not a dependency: install it where the benchmark runs.
 """
