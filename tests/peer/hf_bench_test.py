@@ -73,21 +73,29 @@ class AlstPiecesTest(unittest.TestCase):
 
     def test_host_adamw_updates_fp32_masters(self):
         model = tiny_model().to(torch.bfloat16)
-        ref = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
-        ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, weight_decay=0.1)
-        opt = hf_bench.HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.1
+        # AdamW by its formula in fp64 over the fp32 masters' starting values.
+        ref = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        m1 = {n: torch.zeros_like(t) for n, t in ref.items()}
+        m2 = {n: torch.zeros_like(t) for n, t in ref.items()}
+        opt = hf_bench.HostAdamW(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         gen = torch.Generator().manual_seed(5)
-        for _ in range(2):
+        for step in (1, 2):
             for n, p in model.named_parameters():
                 p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
-                ref[n].grad = p.grad.float()
+                g = p.grad.double()
+                ref[n].mul_(1 - lr * wd)
+                m1[n].mul_(b1).add_(g, alpha=1 - b1)
+                m2[n].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (m2[n] / (1 - b2 ** step)).sqrt().add_(eps)
+                ref[n].addcdiv_(m1[n], denom, value=-lr / (1 - b1 ** step))
             opt.step()
-            ref_opt.step()
             opt.zero_grad()
-            for n, p in model.named_parameters():
+            for (n, p), m in zip(model.named_parameters(), opt.master):
                 self.assertIsNone(p.grad)
-                self.assertEqual(p.dtype, torch.bfloat16)
-                torch.testing.assert_close(p, ref[n].detach().to(torch.bfloat16), rtol=0, atol=0, msg=n)
+                self.assertEqual((p.dtype, m.dtype, m.device.type), (torch.bfloat16, torch.float32, "cpu"))
+                torch.testing.assert_close(m.double(), ref[n], rtol=1e-5, atol=1e-6, msg=n)
+                torch.testing.assert_close(p, m.to(torch.bfloat16), rtol=0, atol=0, msg=n)
         # The masters keep what bf16 rounds away (lr 1e-2 moves weights by less than their bf16 ulp).
         finer = sum(int(not torch.equal(p.float(), m)) for p, m in zip(model.parameters(), opt.master))
         self.assertGreater(finer, 0)
