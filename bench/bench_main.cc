@@ -69,8 +69,8 @@ void AppendJsonLine(const std::string& path, const nlohmann::json& j) {
 }
 
 // The fidelity reference's attention: float32 causal attention computed in blocks of queries
-// (each block against the keys it can see, the diagonal block masked), GQA by broadcasting the
-// query heads over their KV head (no expanded K/V), no autograd. Plain fp32 matmuls (cuBLAS
+// (each block against the keys it can see, the diagonal block masked), GQA by batching each KV
+// head's G query heads into one product (no expanded K/V), no autograd. Plain fp32 matmuls (cuBLAS
 // SGEMM; TF32 stays off, libtorch's default), so its error is float32's, and no block holds more
 // than ~2 GiB of scores: ATen's float32 SDPA ran 64K for minutes and the math backend's full
 // (S, S) scores do not fit at 128K.
@@ -83,20 +83,25 @@ class BlockedFloat32Attention : public odyssey::kernels::AttentionBackend {
     torch::NoGradGuard no_grad;
     const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
     const torch::Tensor q5 = q.to(torch::kFloat32).view({B, Hkv, G, S, D});
-    const torch::Tensor k5 = k.to(torch::kFloat32).unsqueeze(2);  // (B, Hkv, 1, S, D)
-    const torch::Tensor v5 = v.to(torch::kFloat32).unsqueeze(2);
+    // K and V as (B * Hkv, S, D): each KV head's keys meet its G query heads' rows in one batched
+    // product (a broadcast matmul would copy K and V G times per block).
+    const torch::Tensor k3 = k.to(torch::kFloat32).reshape({B * Hkv, S, D}).contiguous();
+    const torch::Tensor v3 = v.to(torch::kFloat32).reshape({B * Hkv, S, D}).contiguous();
     torch::Tensor out = torch::empty({B, Hkv, G, S, D}, q5.options());
     const int64_t budget = int64_t{1} << 31;  // bytes of fp32 scores per block
     const int64_t block =
         block_ > 0 ? block_ : std::clamp<int64_t>(budget / std::max<int64_t>(1, B * Hq * S * 4), 16, 4096);
     for (int64_t q0 = 0; q0 < S; q0 += block) {
       const int64_t n = std::min(block, S - q0), keys = q0 + n;
-      torch::Tensor scores =
-          torch::matmul(q5.narrow(3, q0, n), k5.narrow(3, 0, keys).transpose(3, 4)) * scale;  // (B, Hkv, G, n, keys)
+      const torch::Tensor qb = q5.narrow(3, q0, n).reshape({B * Hkv, G * n, D});
+      torch::Tensor scores = torch::bmm(qb, k3.narrow(1, 0, keys).transpose(1, 2))
+                                 .mul_(scale)
+                                 .view({B, Hkv, G, n, keys});
       // Query q0 + i sees keys 0..q0 + i: mask the diagonal block's upper triangle.
       torch::Tensor mask = torch::ones({n, n}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
       scores.narrow(4, q0, n).masked_fill_(mask, -std::numeric_limits<float>::infinity());
-      out.narrow(3, q0, n).copy_(torch::matmul(torch::softmax(scores, -1), v5.narrow(3, 0, keys)));
+      const torch::Tensor p = torch::softmax(scores, -1).view({B * Hkv, G * n, keys});
+      out.narrow(3, q0, n).copy_(torch::bmm(p, v3.narrow(1, 0, keys)).view({B, Hkv, G, n, D}));
     }
     return out.view({B, Hq, S, D}).to(q.scalar_type());
   }
