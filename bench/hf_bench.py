@@ -143,7 +143,7 @@ def build_model(args, seq_len, device, fused_linear_cross_entropy):
     cfg._attn_implementation = "sdpa"
     if args.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=not getattr(args, "alst", False), cross_entropy=False,
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=not args.alst, cross_entropy=False,
                                     fused_linear_cross_entropy=fused_linear_cross_entropy)
     torch.manual_seed(args.seed)
     with torch.device(device):

@@ -747,6 +747,20 @@ Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, co
   return KlSum(target, MaskedLogSoftmax(IndexerScores(qi.to(ct), k_idx.to(ct), wi.to(ct)), valid));
 }
 
+// The KL summed over query blocks of query_block rows; differentiable in q_idx, k_idx and w
+// when grad mode is on (then it keeps every block's graph: DenseWarmupKlReference's form).
+Tensor WarmupKlValue(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q, const Tensor& k,
+                     int64_t query_block) {
+  const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
+  const WarmupKeys kq = MakeWarmupKeys(q, k, ct);
+  Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
+  for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
+    const int64_t n = std::min(query_block, q.size(2) - t0);
+    total = total + WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q, kq, t0, ct);
+  }
+  return total;
+}
+
 // One pass over the query blocks. With `with_grad` (grad mode on and an input requiring a gradient:
 // the plain forward, or a checkpoint's recompute right before its backward), each block's graph is
 // built, differentiated for a unit upstream gradient and dropped in the forward itself, and the
@@ -757,16 +771,10 @@ Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, co
 struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
                                const Tensor& q, const Tensor& k, int64_t query_block, bool with_grad) {
+    if (!with_grad) return {WarmupKlValue(q_idx, k_idx, w, q, k, query_block)};
     const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
     const WarmupKeys kq = MakeWarmupKeys(q, k, ct);
     Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
-    if (!with_grad) {
-      for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
-        const int64_t n = std::min(query_block, q.size(2) - t0);
-        total += WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q, kq, t0, ct);
-      }
-      return {total};
-    }
     Tensor dq = torch::zeros_like(q_idx), dw = torch::zeros_like(w);
     Tensor dk = torch::zeros(k_idx.sizes(), k_idx.options().dtype(ct));  // summed over every block: in ct
     const Tensor keys = k_idx.detach().requires_grad_(true);
@@ -832,14 +840,7 @@ Tensor DenseWarmupKl(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, 
 Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q,
                               const Tensor& k, int64_t query_block) {
   CheckDenseWarmupKl(q_idx, k_idx, w, q, k, query_block);
-  const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
-  const WarmupKeys kq = MakeWarmupKeys(q, k.detach(), ct);
-  Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
-  for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
-    const int64_t n = std::min(query_block, q.size(2) - t0);
-    total = total + WarmupBlockKl(q_idx.narrow(2, t0, n), k_idx, w.narrow(1, t0, n), q.detach(), kq, t0, ct);
-  }
-  return total;
+  return WarmupKlValue(q_idx, k_idx, w, q.detach(), k.detach(), query_block);
 }
 
 int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads) {
