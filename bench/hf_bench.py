@@ -189,6 +189,47 @@ def run(args, seq_len):
     return res
 
 
+BLOCKED_FP32 = "odyssey_blocked_fp32"
+
+
+def blocked_fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, block=512, **kwargs):
+    """Causal attention in query blocks, each KV head's query heads in one product: the float32
+    reference of --fidelity. SDPA has no float32 kernel for GQA (flash is 16-bit only and the
+    memory-efficient one takes no enable_gqa), so a float32 model falls back to the math path's
+    whole (H, S, S) scores: 384 GiB at 64K. Here a block holds (H, block, S) scores. One unpadded
+    causal sequence only (the fidelity run's input): any mask is refused."""
+    if attention_mask is not None:
+        raise ValueError("blocked_fp32_attention: one unpadded causal sequence only (got an attention mask)")
+    if dropout:
+        raise ValueError("blocked_fp32_attention: no dropout")
+    B, H, S, D = query.shape
+    Hkv = key.shape[1]
+    G = H // Hkv
+    scale = D ** -0.5 if scaling is None else scaling
+    q = query.reshape(B, Hkv, G, S, D)
+    out = torch.empty_like(q)
+    for r0 in range(0, S, block):
+        n = min(block, S - r0)
+        kv = r0 + n
+        s = torch.matmul(q[:, :, :, r0:kv], key[:, :, None, :kv].transpose(-1, -2)) * scale  # (B, Hkv, G, n, kv)
+        s[..., r0:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        out[:, :, :, r0:kv] = torch.matmul(torch.softmax(s, -1), value[:, :, None, :kv])
+    return out.reshape(B, H, S, D).transpose(1, 2).contiguous(), None  # (B, S, H, D) as transformers' SDPA
+
+
+def use_blocked_fp32_attention(model):
+    """Switches `model` to blocked_fp32_attention (registered with transformers' attention
+    interface, the SDPA mask rules: no mask for one causal sequence)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register(BLOCKED_FP32, blocked_fp32_attention)
+    AttentionMaskInterface.register(BLOCKED_FP32, sdpa_mask)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(BLOCKED_FP32)
+    else:
+        model.config._attn_implementation = BLOCKED_FP32
+
+
 def fidelity(args, seq_len):
     """Per-token logprobs of the bf16 model (under --liger, its kernels) against float32 on the
     same weights and tokens. Logits are formed in query blocks of --fidelity-block positions (bf16
@@ -212,6 +253,7 @@ def fidelity(args, seq_len):
     a = logprobs(model)
     t_bf16 = time.perf_counter() - t0
     model = model.float()  # the same weights, widened
+    use_blocked_fp32_attention(model)
     t0 = time.perf_counter()
     b = logprobs(model)
     t_fp32 = time.perf_counter() - t0

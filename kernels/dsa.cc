@@ -721,34 +721,91 @@ Tensor WarmupTargetScores(const Tensor& q, const WarmupKeys& keys, int64_t t0, i
   return s.mul_(1.0 / std::sqrt(static_cast<double>(D))).view({B, H, n, kv});
 }
 
-// One block of query rows [t0, t0 + n) of the dense warm-up's KL: the target from the main
-// attention (no gradient) and the indexer's log-softmax over the visible pools (differentiable
-// in qi (B, HI, n, DI), k_idx and wi (B, n, HI) when grad mode is on). keys: the main
+// The dense warm-up's target for query rows [t0, t0 + n): the main attention's probabilities
+// (no gradient), head-averaged, summed within each pool of 4 keys and L1-normalised over the
+// pools visible from each row: (B, n, P), 0 on the pools a row cannot see. keys: the main
 // attention's k (MakeWarmupKeys).
+Tensor WarmupTarget(const Tensor& q, const WarmupKeys& keys, int64_t t0, int64_t n, int64_t P, const Tensor& valid,
+                    torch::ScalarType ct) {
+  torch::NoGradGuard no_grad;
+  const int64_t B = q.size(0), H = q.size(1);
+  auto lo = torch::TensorOptions().dtype(torch::kLong).device(q.device());
+  // Only keys [0, t0 + n) are visible from the block: the later ones are neither scored nor
+  // pooled (the pools past the visible ones are 0 in the target).
+  const int64_t kv = t0 + n, pv = kv / 4;
+  Tensor s = WarmupTargetScores(q, keys, t0, n, kv, ct);  // (B, H, n, kv)
+  // Only the last n keys can lie past a row of the block (key t0 + i is past row t0 + j when
+  // i > j): the causal mask touches that (n, n) corner alone.
+  s.narrow(3, t0, n).masked_fill_(torch::ones({n, n}, lo.dtype(torch::kBool)).triu(1), -kInf);
+  const Tensor p = torch::softmax(s, -1).sum(1).div_(static_cast<double>(H));  // (B, n, kv)
+  s = Tensor();
+  Tensor target = torch::constant_pad_nd(p.narrow(2, 0, 4 * pv).view({B, n, pv, 4}).sum(-1), {0, P - pv})
+                      .masked_fill_(valid.logical_not(), 0.0);
+  return target.div_(target.sum(-1, /*keepdim=*/true).clamp_min(1e-30));
+}
+
+// Pool p is visible from position t when its last key, 4p + 3, is: (1, n, P) for rows [t0, t0 + n).
+Tensor WarmupVisible(int64_t t0, int64_t n, int64_t P, const torch::Device& device) {
+  auto lo = torch::TensorOptions().dtype(torch::kLong).device(device);
+  return torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= torch::arange(t0, t0 + n, lo).view({1, n, 1});
+}
+
+// One block of query rows [t0, t0 + n) of the dense warm-up's KL by autograd through the
+// indexer's log-softmax over the visible pools (differentiable in qi (B, HI, n, DI), k_idx and
+// wi (B, n, HI) when grad mode is on): DenseWarmupKlReference's form, and the formula the
+// Function's gradients by hand (WarmupBlockByHand) are checked against.
 Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, const Tensor& q, const WarmupKeys& keys,
                      int64_t t0, torch::ScalarType ct) {
-  const int64_t B = q.size(0), H = q.size(1), n = qi.size(2), P = k_idx.size(1);
-  auto lo = torch::TensorOptions().dtype(torch::kLong).device(q.device());
-  const Tensor t = torch::arange(t0, t0 + n, lo).view({1, n, 1});  // query positions
-  const Tensor valid = (torch::arange(P, lo).view({1, 1, P}) * 4 + 3 <= t).expand({B, n, P});
-  Tensor target;  // (B, n, P)
-  {
-    torch::NoGradGuard no_grad;
-    // Only keys [0, t0 + n) are visible from the block: the later ones are neither scored nor
-    // pooled (the pools past the visible ones are 0 in the target).
-    const int64_t kv = t0 + n, pv = kv / 4;
-    const Tensor s = WarmupTargetScores(q, keys, t0, n, kv, ct)
-                         .masked_fill_((torch::arange(kv, lo).view({1, 1, kv}) > t).unsqueeze(1), -kInf);  // (B, H, n, kv)
-    const Tensor p = torch::softmax(s, -1).sum(1).div_(static_cast<double>(H));                         // (B, n, kv)
-    target = torch::constant_pad_nd(p.narrow(2, 0, 4 * pv).view({B, n, pv, 4}).sum(-1), {0, P - pv})
-                 .masked_fill_(valid.logical_not(), 0.0);
-    target.div_(target.sum(-1, /*keepdim=*/true).clamp_min(1e-30));
-  }
+  const int64_t B = q.size(0), n = qi.size(2), P = k_idx.size(1);
+  const Tensor valid = WarmupVisible(t0, n, P, q.device()).expand({B, n, P});
+  const Tensor target = WarmupTarget(q, keys, t0, n, P, valid, ct);
   return KlSum(target, MaskedLogSoftmax(IndexerScores(qi.to(ct), k_idx.to(ct), wi.to(ct)), valid));
 }
 
-// The KL summed over query blocks of query_block rows; differentiable in q_idx, k_idx and w
-// when grad mode is on (then it keeps every block's graph: DenseWarmupKlReference's form).
+// One block of the KL with its gradients written out, no autograd: the block's launches are a
+// third of the graph form's and nothing is recorded, which matters because a long sequence has
+// tens of thousands of blocks a layer. Only the pools visible from the block, [0, (t0 + n) / 4),
+// are scored. With s = sum_h w_h relu(q_h . k_p) / sqrt(DI) and the log-softmax over the visible
+// pools, dKL/ds = softmax(s) * sum(target) - target per row; then
+// dw_h = sum_p ds_p relu(q_h . k_p), and through the relu's active dot products dq_h and dk_p.
+// The value is returned; with `grads`, the block's rows of dq (B, HI, S, DI) and dw (B, S, HI)
+// are written and dk (B, P, DI) is added to, for a unit upstream gradient.
+struct WarmupGrads {
+  Tensor dq, dk, dw;
+};
+Tensor WarmupBlockByHand(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q,
+                         const WarmupKeys& keys, int64_t t0, int64_t n, torch::ScalarType ct, WarmupGrads* grads) {
+  const int64_t B = q.size(0), HI = q_idx.size(1), DI = q_idx.size(3), P = k_idx.size(1);
+  const int64_t pv = std::min(P, (t0 + n) / 4);  // the pools any row of the block sees
+  if (pv == 0) return torch::zeros({}, q_idx.options().dtype(ct));
+  const Tensor valid = WarmupVisible(t0, n, pv, q.device()).expand({B, n, pv});
+  const Tensor target = WarmupTarget(q, keys, t0, n, pv, valid, ct);  // (B, n, pv)
+  const double scale = 1.0 / std::sqrt(static_cast<double>(DI));
+  const Tensor qb = q_idx.narrow(2, t0, n).to(ct).contiguous();   // (B, HI, n, DI)
+  const Tensor kb = k_idx.narrow(1, 0, pv).to(ct).contiguous();   // (B, pv, DI)
+  const Tensor wb = w.narrow(1, t0, n).to(ct).permute({0, 2, 1});  // (B, HI, n)
+  Tensor a = at::matmul(qb, kb.unsqueeze(1).transpose(-1, -2)).relu_();  // (B, HI, n, pv)
+  const Tensor s = (a * wb.unsqueeze(-1)).sum(1).mul_(scale);         // (B, n, pv)
+  const Tensor sm = s.masked_fill(valid.logical_not(), -kInf);
+  const Tensor lse = sm.logsumexp(-1, /*keepdim=*/true);  // -inf on a row without a visible pool
+  const Tensor has = target.sum(-1, /*keepdim=*/true);    // 1, or 0 on such a row
+  const Tensor logp = sm - lse;
+  const Tensor value = torch::where(target > 0, target * (target.clamp_min(1e-30).log() - logp),
+                                    torch::zeros({}, logp.options()))
+                           .sum();
+  if (grads == nullptr) return value;
+  const Tensor ds = torch::where(has > 0, logp.exp(), torch::zeros({}, logp.options())).mul_(has).sub_(target).mul_(scale);
+  grads->dw.narrow(1, t0, n).copy_((a * ds.unsqueeze(1)).sum(-1).permute({0, 2, 1}));  // (B, n, HI)
+  // dL/d(q . k) = ds * w_h where the relu passed the dot product, 0 elsewhere.
+  Tensor dd = (ds.unsqueeze(1) * wb.unsqueeze(-1)).masked_fill_(a <= 0, 0.0).contiguous();  // (B, HI, n, pv)
+  a = Tensor();
+  grads->dq.narrow(2, t0, n).copy_(at::matmul(dd, kb.unsqueeze(1)));          // (B, HI, n, DI)
+  grads->dk.narrow(1, 0, pv).add_(at::bmm(dd.view({B, HI * n, pv}).transpose(1, 2), qb.view({B, HI * n, DI})));
+  return value;
+}
+
+// The KL summed over query blocks of query_block rows by autograd (DenseWarmupKlReference):
+// differentiable in q_idx, k_idx and w when grad mode is on, keeping every block's graph.
 Tensor WarmupKlValue(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& q, const Tensor& k,
                      int64_t query_block) {
   const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
@@ -762,39 +819,30 @@ Tensor WarmupKlValue(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, 
 }
 
 // One pass over the query blocks. With `with_grad` (grad mode on and an input requiring a gradient:
-// the plain forward, or a checkpoint's recompute right before its backward), each block's graph is
-// built, differentiated for a unit upstream gradient and dropped in the forward itself, and the
-// backward only scales the three gradients: the main attention's target, the block's costliest
-// part (H (n, S) score rows), is formed once per step instead of once in the forward and again in
-// the backward. Without it (a checkpoint's first, no-grad forward) only the value is formed and
-// nothing is kept.
+// the plain forward, or a checkpoint's recompute right before its backward), each block's
+// gradients are formed by hand for a unit upstream gradient in the forward itself
+// (WarmupBlockByHand), and the backward only scales the three gradients: the main attention's
+// target, the block's costliest part (H (n, S) score rows), is formed once per step instead of
+// once in the forward and again in the backward. Without it (a checkpoint's first, no-grad
+// forward) only the value is formed and nothing is kept.
 struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
                                const Tensor& q, const Tensor& k, int64_t query_block, bool with_grad) {
-    if (!with_grad) return {WarmupKlValue(q_idx, k_idx, w, q, k, query_block)};
     const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
     const WarmupKeys kq = MakeWarmupKeys(q, k, ct);
     Tensor total = torch::zeros({}, q_idx.options().dtype(ct));
-    Tensor dq = torch::zeros_like(q_idx), dw = torch::zeros_like(w);
-    Tensor dk = torch::zeros(k_idx.sizes(), k_idx.options().dtype(ct));  // summed over every block: in ct
-    const Tensor keys = k_idx.detach().requires_grad_(true);
-    const Tensor one = torch::ones({}, total.options());
+    Tensor dq, dk, dw;
+    WarmupGrads d;
+    if (with_grad) {
+      dq = torch::zeros_like(q_idx), dw = torch::zeros_like(w);
+      dk = torch::zeros(k_idx.sizes(), k_idx.options().dtype(ct));  // summed over every block: in ct
+      d = {dq, dk, dw};
+    }
     for (int64_t t0 = 0; t0 < q.size(2); t0 += query_block) {
       const int64_t n = std::min(query_block, q.size(2) - t0);
-      const Tensor qi = q_idx.narrow(2, t0, n).detach().requires_grad_(true);
-      const Tensor wi = w.narrow(1, t0, n).detach().requires_grad_(true);
-      variable_list d;
-      {
-        torch::AutoGradMode grad_mode(true);
-        const Tensor kl = WarmupBlockKl(qi, keys, wi, q, kq, t0, ct);
-        d = torch::autograd::grad({kl}, {qi, keys, wi}, {one}, /*retain_graph=*/false,
-                                  /*create_graph=*/false, /*allow_unused=*/true);
-        total += kl.detach();
-      }
-      if (d[0].defined()) dq.narrow(2, t0, n).copy_(d[0]);
-      if (d[1].defined()) dk += d[1].to(ct);
-      if (d[2].defined()) dw.narrow(1, t0, n).copy_(d[2]);
+      total += WarmupBlockByHand(q_idx, k_idx, w, q, kq, t0, n, ct, with_grad ? &d : nullptr);
     }
+    if (!with_grad) return {total};
     ctx->save_for_backward({dq, dk, dw});
     ctx->saved_data["k_dtype"] = k_idx.scalar_type();
     return {total};
@@ -845,9 +893,12 @@ Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Te
 
 int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads) {
   // The block's largest transients: the (H, n, S) scores and their softmax, the (HI, n, S / 4)
-  // relu'd dot products and their product with w, fp32: ~128 MiB each.
+  // relu'd dot products, their products with w and ds and their gradient, fp32: ~512 MiB of each
+  // kind (~2.5 x 512 MiB in all for hybrid-3b's 24 heads and 32 indexer heads). Blocks are large
+  // because each costs a fixed ~30 launches: at 128K tokens, 128 MiB blocks (8 rows) made the KL
+  // ~34 s a layer on an H100, almost all of it launch overhead.
   const int64_t per_row = std::max<int64_t>(1, S * 4 * std::max(heads, index_heads));
-  return std::clamp<int64_t>((int64_t{128} << 20) / per_row, 1, 64);
+  return std::clamp<int64_t>((int64_t{512} << 20) / per_row, 1, 1024);
 }
 
 Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& pool_idx,

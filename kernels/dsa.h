@@ -184,13 +184,14 @@ torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
 // (IndexerScores) over the same pools; rows without a visible pool add 0. q_idx (B, HI, S, DI),
 // k_idx (B, S / 4, DI), w (B, S, HI): differentiable; q (B, H, S, D), k (B, Hkv, S, D) the main
 // attention's, no gradient. A custom autograd Function over query_block rows at a time, so memory
-// is one block's graph: with grad mode on and an input requiring a gradient, its forward
-// differentiates each block as it goes (the main attention's target formed once) and keeps only
-// the three gradients, which its backward scales; otherwise the forward forms the value alone. (One autograd
-// graph over all blocks keeps HI fp32 dot products per (row, pool) pair: ~9 GB for one DSA layer
-// of hybrid-3b at 16K, ~140 GB at 64K; DenseWarmupKlReference below builds it, for tests.) fp32 (fp64
-// for fp64 inputs); a 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the
-// block's transients near 128 MiB each.
+// is one block's transients: with grad mode on and an input requiring a gradient, its forward
+// forms each block's gradients by hand as it goes (the main attention's target formed once) and
+// keeps only the three gradients, which its backward scales; otherwise the forward forms the
+// value alone. (One autograd graph over all blocks keeps HI fp32 dot products per (row, pool)
+// pair: ~9 GB for one DSA layer of hybrid-3b at 16K, ~140 GB at 64K; DenseWarmupKlReference
+// below is the same sum by autograd, block by block, for tests.) fp32 (fp64 for fp64 inputs); a
+// 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the block's transients
+// near 512 MiB of each kind (at most 1024 rows).
 torch::Tensor DenseWarmupKl(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                             const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);
 torch::Tensor DenseWarmupKlReference(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,

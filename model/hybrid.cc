@@ -1090,8 +1090,8 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
   if (kl != nullptr && S >= 4) {
     // Dense warm-up: the target is the main attention's probabilities (no grad), head-averaged,
     // summed within each pool and L1-normalised; the prediction the softmax of the indexer's pool
-    // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's graph at
-    // a time, differentiated in the forward when gradients are wanted). Every row from position 3
+    // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's transients
+    // at a time, its gradients formed in the forward when they are wanted). Every row from position 3
     // on sees pool 0.
     const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
                                                 kernels::DenseWarmupKlBlock(S, H, ix.q.size(1)));

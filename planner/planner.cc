@@ -277,13 +277,14 @@ Prediction Predict(const Request& r) {
     // DSA layer's backward holds, per token, its input, q, k, v, the attention output and its
     // log-sum-exp, the indexer's q and w, their gradients and the input's, the attention
     // backward's fp32 dq accumulator, and the KL target's copy of the keys, grouped by KV head in
-    // their own dtype (kernels::DenseWarmupKl); one KL block's transients
-    // (~4 of 128 MiB); the residual stream around the mixer as in the sparse stage. By
-    // construction, not yet measured.
+    // their own dtype (kernels::DenseWarmupKl); one KL block's transients (~2.5 x 512 MiB:
+    // the target's scores and softmax, the indexer's dot products and their gradient,
+    // kernels::DenseWarmupKlBlock); the residual stream around the mixer as in the sparse
+    // stage. By construction, not yet measured.
     const int64_t IQ = HI * m.index_head_dim;
     const int64_t warm_per_token =
         T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 4 + kvd * e);
-    const int64_t warm_blocks = int64_t{512} << 20;
+    const int64_t warm_blocks = int64_t{3} * (int64_t{512} << 20);
     const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream + kda_cp : 0;
     const int64_t dsa_work = m.dsa_layers == 0 ? 0
                              : m.dsa_sparse    ? dsa_per_token + dsa_blocks + dsa_cp

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/hf_bench.py's --alst pieces on the CPU: the tiled MLP and the host-offloaded checkpointing
 give plain autograd's loss and gradients, the checkpoints save exactly one tensor per decoder layer
-(its input) through save_on_cpu, and HostAdamW updates as AdamW over fp32 masters does."""
+(its input) through save_on_cpu, and HostAdamW updates as AdamW over fp32 masters does. And
+--fidelity's blocked float32 reference attention equals SDPA's causal attention."""
 import os
 import sys
 import unittest
@@ -99,6 +100,35 @@ class AlstPiecesTest(unittest.TestCase):
         # The masters keep what bf16 rounds away (lr 1e-2 moves weights by less than their bf16 ulp).
         finer = sum(int(not torch.equal(p.float(), m)) for p, m in zip(model.parameters(), opt.master))
         self.assertGreater(finer, 0)
+
+
+class BlockedFp32AttentionTest(unittest.TestCase):
+    def test_equals_causal_sdpa_for_every_block_size(self):
+        torch.manual_seed(3)
+        B, H, Hkv, S, D = 2, 6, 2, 37, 8
+        q = torch.randn(B, H, S, D, dtype=torch.float64)
+        k = torch.randn(B, Hkv, S, D, dtype=torch.float64)
+        v = torch.randn(B, Hkv, S, D, dtype=torch.float64)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1), is_causal=True,
+            scale=0.3).transpose(1, 2)
+        for block in (1, 5, 37, 512):
+            got, _ = hf_bench.blocked_fp32_attention(None, q, k, v, None, scaling=0.3, block=block)
+            self.assertEqual(got.shape, (B, S, H, D))
+            self.assertLess((got - want).abs().max().item(), 1e-12, block)
+        with self.assertRaisesRegex(ValueError, "attention mask"):
+            hf_bench.blocked_fp32_attention(None, q, k, v, torch.ones(S, S, dtype=torch.bool))
+
+    def test_the_model_under_it_gives_sdpas_logits(self):
+        ids = torch.randint(0, 97, (1, 29))
+        model = tiny_model(seed=4)
+        model.eval()
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+            hf_bench.use_blocked_fp32_attention(model)
+            self.assertEqual(model.config._attn_implementation, hf_bench.BLOCKED_FP32)
+            got = model(input_ids=ids).logits
+        self.assertLess((got - want).abs().max().item(), 1e-10)
 
 
 if __name__ == "__main__":
