@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -828,6 +829,7 @@ Tensor WarmupKlValue(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, 
 struct DenseWarmupKlFunction : public torch::autograd::Function<DenseWarmupKlFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q_idx, const Tensor& k_idx, const Tensor& w,
                                const Tensor& q, const Tensor& k, int64_t query_block, bool with_grad) {
+    RECORD_USER_SCOPE("dsa warm-up KL");
     const auto ct = ComputeType({&q_idx, &k_idx, &w, &q, &k});
     const WarmupKeys kq = MakeWarmupKeys(q, k, ct);
     Tensor total = torch::zeros({}, q_idx.options().dtype(ct));

@@ -18,6 +18,12 @@
 //     (query, pool) pair.
 //   - kl: kernels::IndexerKlLoss, the indexer's KL over its top --selected / 4 pools (a random
 //     target), its CUDA kernels and its libtorch path, forward and forward + backward.
+//   - warmup: kernels::DenseWarmupKl, the dense warm-up's KL (the main attention's pooled
+//     probabilities as the target, over every visible pool), the value alone (a checkpoint's
+//     first forward) and the value with its gradients + backward (the recompute's), at each query
+//     block size of --warmup-blocks (0, the default: DenseWarmupKlBlock's choice), with the time
+//     per block; --profile DIR records one more at the last length and the first block size
+//     into DIR/warmup_trace.json.
 // The sparse attention's CUDA kernels run twice: on the tensor cores (bf16 products, the
 // default) and on CUDA cores (kernels::SetSparseTensorCores(false)).
 // One JSON line per row with --json.
@@ -88,6 +94,7 @@ int main(int argc, char** argv) {
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
   int64_t index_heads = 32, index_dim = 128;
   std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools";
+  std::vector<int64_t> warmup_blocks = {0};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -102,8 +109,9 @@ int main(int argc, char** argv) {
     else if (a == "--gate") gate = v;
     else if (a == "--profile") profile_dir = v;
     else if (a == "--selection") selection = v;
+    else if (a == "--warmup-blocks") warmup_blocks = ParseList(v);
     else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --json)\n", a.c_str());
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --json)\n", a.c_str());
       return 2;
     }
   }
@@ -125,11 +133,19 @@ int main(int argc, char** argv) {
     std::stringstream in(ops.substr(1));
     std::string op;
     while (std::getline(in, op, ',')) {
-      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer" && op != "kl") {
-        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer, kl)\n",
+      if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer" && op != "kl" &&
+          op != "warmup") {
+        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer, kl, warmup)\n",
                      op.c_str());
         return 2;
       }
+    }
+  }
+  for (int64_t b : warmup_blocks) {
+    if (b < 0) {
+      std::fprintf(stderr, "odyssey-hybrid-bench: --warmup-blocks: %lld is negative (0 = the library's choice)\n",
+                   static_cast<long long>(b));
+      return 2;
     }
   }
   auto wants = [&](const char* op) { return ops.find("," + std::string(op) + ",") != std::string::npos; };
@@ -259,6 +275,56 @@ int main(int argc, char** argv) {
                      "\",\"tokens\":" + std::to_string(T) + ",\"top_pools\":" + std::to_string(in.options.top_k) +
                      ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
+    }
+    // The dense warm-up's KL at each block size: the target from the main attention's q and k
+    // (GQA heads / kv_heads of dim), the indexer's q, pooled keys and w differentiable.
+    for (size_t bi = 0; bi < warmup_blocks.size() && wants("warmup"); ++bi) {
+      const int64_t block =
+          warmup_blocks[bi] > 0 ? warmup_blocks[bi] : odyssey::kernels::DenseWarmupKlBlock(T, heads, index_heads);
+      const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
+      const torch::Tensor q = torch::randn({1, heads, T, dim}, bf16), k = torch::randn({1, kv_heads, T, dim}, bf16);
+      auto qi = in.q.detach().requires_grad_(true), keys = in.keys.detach().requires_grad_(true),
+           w = in.w.detach().requires_grad_(true);
+      const auto value = [&] {
+        torch::NoGradGuard no_grad;
+        odyssey::kernels::DenseWarmupKl(qi, keys, w, q, k, block);
+      };
+      const auto value_and_grads = [&] {
+        odyssey::kernels::DenseWarmupKl(qi, keys, w, q, k, block).backward();
+        for (auto* t : {&qi, &keys, &w}) t->mutable_grad() = torch::Tensor();
+      };
+      const double fwd = Seconds(value, static_cast<int>(iters));
+      const double both = Seconds(value_and_grads, static_cast<int>(iters));
+      const int64_t blocks = (T + block - 1) / block;
+      std::printf("| dense warm-up KL, %lld-row blocks (%lld), target %lld/%lld x %lld, indexer %lld x %lld | %lld | "
+                  "%.1f | %.1f | %.0f | |\n",
+                  static_cast<long long>(block), static_cast<long long>(blocks), static_cast<long long>(heads),
+                  static_cast<long long>(kv_heads), static_cast<long long>(dim), static_cast<long long>(index_heads),
+                  static_cast<long long>(index_dim), static_cast<long long>(T), fwd * 1e3, both * 1e3,
+                  static_cast<double>(T) / both);
+      std::printf("|   (per block: %.3f ms value, %.3f ms value + gradients + backward) | | | | | |\n",
+                  fwd * 1e3 / blocks, both * 1e3 / blocks);
+      std::fflush(stdout);
+      Json(json, "{\"op\":\"dense_warmup_kl\",\"tokens\":" + std::to_string(T) + ",\"block\":" + std::to_string(block) +
+                     ",\"blocks\":" + std::to_string(blocks) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
+      if (!profile_dir.empty() && bi == 0 && T == tokens.back()) {
+        std::error_code ec;
+        std::filesystem::create_directories(profile_dir, ec);
+        const std::string trace = profile_dir + "/warmup_trace.json";
+        if (absl::Status st = odyssey::engine::StartProfile(/*cuda=*/true, /*memory=*/false); !st.ok()) {
+          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+        value_and_grads();
+        torch::cuda::synchronize();
+        if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
+          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+        std::fprintf(stderr, "odyssey-hybrid-bench: profiled one dense warm-up KL with gradients at %lld tokens: %s\n",
+                     static_cast<long long>(T), trace.c_str());
+      }
     }
     // Sparse attention over `selected` keys per query against dense SDPA over as many: the CUDA
     // kernels, and up to --reference-tokens the libtorch path.
