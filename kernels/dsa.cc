@@ -15,6 +15,7 @@
 #include "kernels/cuda/dsa_indexer.h"
 #include "kernels/cuda/indexer_kl.h"
 #include "kernels/cuda/sparse_attention.h"
+#include "kernels/cuda/warmup_target.h"
 #endif
 #include "kernels/fused_ops.h"
 #include "kernels/heads.h"
@@ -698,17 +699,56 @@ namespace {
 // On CUDA with 16-bit q and k the products run on the tensor cores with fp32 outputs (at::bmm's
 // out_dtype form): the 16-bit operands and fp32 accumulation of the main attention's own scores,
 // ~10x the rate of fp32 FFMA products. Otherwise q and k in the compute dtype (fp32 or fp64).
+// With the CUDA kernels (kernels/cuda/warmup_target.h: bf16 q and k of head dim 128 on a GPU,
+// while FusedKernelsEnabled()), the target never forms the scores: `kernel` is set and q, k are
+// kept as the kernels read them instead.
 struct WarmupKeys {
   Tensor grouped;  // (B * Hkv, S, D)
   bool tensor_cores = false;
+  bool kernel = false;
+  Tensor q_rows, k_rows;  // the kernels' q and k
 };
 
 WarmupKeys MakeWarmupKeys(const Tensor& q, const Tensor& k, torch::ScalarType ct) {
   const bool half = q.scalar_type() == k.scalar_type() &&
                     (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
   const bool tc = q.is_cuda() && half;
-  return {(tc ? k : k.to(ct)).reshape({k.size(0) * k.size(1), k.size(2), k.size(3)}).contiguous(), tc};
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (tc && FusedKernelsEnabled() && q.scalar_type() == torch::kBFloat16 &&
+      cuda::WarmupTargetSupported(q.size(0), q.size(1), k.size(1), q.size(3))) {
+    WarmupKeys keys;
+    keys.kernel = true;
+    keys.q_rows = Rows(q);
+    keys.k_rows = Rows(k);
+    return keys;
+  }
+#endif
+  WarmupKeys keys;
+  keys.grouped = (tc ? k : k.to(ct)).reshape({k.size(0) * k.size(1), k.size(2), k.size(3)}).contiguous();
+  keys.tensor_cores = tc;
+  return keys;
 }
+
+#ifdef ODYSSEY_KERNELS_CUDA
+// The target's pooled sums over heads of rows [t0, t0 + n) by the CUDA kernels: (B, n, pv) fp32,
+// pv = (t0 + n) / 4; 0 on the pools a row cannot see.
+Tensor WarmupPooledByKernels(const WarmupKeys& keys, int64_t t0, int64_t n) {
+  const Tensor &q = keys.q_rows, &k = keys.k_rows;
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), H = q.size(1), pv = (t0 + n) / 4;
+  const cuda::WarmupTargetArgs a{q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
+                                 k.stride(0), k.stride(1), k.stride(2), B, H, k.size(1), q.size(2), q.size(3), t0, n,
+                                 static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(3))))};
+  const auto f32 = q.options().dtype(torch::kFloat32);
+  Tensor part = torch::empty({B, H, n, cuda::WarmupTargetKeyTiles(a)}, f32);
+  CheckKernelLaunch(cuda::WarmupTargetLse(a, part.data_ptr<float>(), Stream(q)), "dense warm-up target log-sum-exp");
+  const Tensor lse = part.logsumexp(-1).contiguous();  // (B, H, n): every row sees key 0
+  Tensor pooled = torch::empty({B, n, pv}, f32);
+  CheckKernelLaunch(cuda::WarmupTargetPools(a, lse.data_ptr<float>(), pooled.data_ptr<float>(), pv, Stream(q)),
+                    "dense warm-up target pools");
+  return pooled;
+}
+#endif
 
 // The (B, H, n, kv) scores q k^T / sqrt(D) of query rows [t0, t0 + n) against keys [0, kv), in
 // ct.
@@ -734,6 +774,13 @@ Tensor WarmupTarget(const Tensor& q, const WarmupKeys& keys, int64_t t0, int64_t
   // Only keys [0, t0 + n) are visible from the block: the later ones are neither scored nor
   // pooled (the pools past the visible ones are 0 in the target).
   const int64_t kv = t0 + n, pv = kv / 4;
+#ifdef ODYSSEY_KERNELS_CUDA
+  if (keys.kernel) {
+    // The sum over heads rather than their mean: the same target once each row is normalised.
+    Tensor target = torch::constant_pad_nd(WarmupPooledByKernels(keys, t0, n), {0, P - pv});
+    return target.div_(target.sum(-1, /*keepdim=*/true).clamp_min(1e-30)).to(ct);
+  }
+#endif
   Tensor s = WarmupTargetScores(q, keys, t0, n, kv, ct);  // (B, H, n, kv)
   // Only the last n keys can lie past a row of the block (key t0 + i is past row t0 + j when
   // i > j): the causal mask touches that (n, n) corner alone.

@@ -926,6 +926,48 @@ TEST(DsaIndexer, DenseWarmupKlBf16OnTheGpuEqualsFp64_cuda) {
   EXPECT_LT(RelErr(w1.grad().to(cpu, torch::kFloat64), w64.grad()), 1e-2);
 }
 
+// The dense warm-up's target by the CUDA kernels (kernels/cuda/warmup_target.h: the scores never
+// formed) against the libtorch path (bmm's bf16 products with fp32 outputs, softmax, head mean,
+// pools) on the same bf16 inputs: the same products and fp32 sums in another order, so the KL
+// within 1e-5 and the gradients within 2e-3 of the largest (a bf16 rounding flipped here and
+// there). Shapes: GQA 24/8 and 4/4; block sizes that divide nothing, 1024 (one block of 1000
+// rows: row and key tiles cut at the end), 16; two batch rows.
+TEST(DsaIndexer, DenseWarmupTargetKernelEqualsTheLibtorchPath_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  struct Case {
+    int64_t B, H, Hkv, S, block;
+  };
+  const int64_t HI = 4, DI = 64, D = 128;
+  for (const Case& c : {Case{2, 24, 8, 1000, 37}, Case{2, 24, 8, 1000, 1024}, Case{1, 4, 4, 260, 16}}) {
+    torch::manual_seed(97);
+    const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    const int64_t P = c.S / 4;
+    const Tensor qi = torch::randn({c.B, HI, c.S, DI}, bf), keys = torch::randn({c.B, P, DI}, bf);
+    const Tensor w = torch::randn({c.B, c.S, HI}, bf), q = torch::randn({c.B, c.H, c.S, D}, bf) * 2;
+    const Tensor k = torch::randn({c.B, c.Hkv, c.S, D}, bf);
+    Tensor value[2], dq[2], dk[2], dw[2];
+    for (int kernel : {0, 1}) {
+      SetFusedKernels(kernel == 1);
+      Tensor q1 = qi.clone().requires_grad_(true), k1 = keys.clone().requires_grad_(true),
+             w1 = w.clone().requires_grad_(true);
+      value[kernel] = DenseWarmupKl(q1, k1, w1, q, k, c.block);
+      value[kernel].backward();
+      value[kernel] = value[kernel].detach();
+      dq[kernel] = q1.grad().to(torch::kFloat32), dk[kernel] = k1.grad().to(torch::kFloat32);
+      dw[kernel] = w1.grad().to(torch::kFloat32);
+    }
+    SetFusedKernels(true);
+    const std::string name = "B " + std::to_string(c.B) + " H " + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
+                             " block " + std::to_string(c.block);
+    EXPECT_NEAR(value[1].item<double>(), value[0].item<double>(), 1e-5 * std::abs(value[0].item<double>())) << name;
+    EXPECT_LT(RelErr(dq[1], dq[0]), 2e-3) << name << " dq";
+    EXPECT_LT(RelErr(dk[1], dk[0]), 2e-3) << name << " dk";
+    EXPECT_LT(RelErr(dw[1], dw[0]), 2e-3) << name << " dw";
+  }
+}
+
 TEST(DsaIndexer, KlLossKernelWithinTwiceTheLibtorchError_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");

@@ -22,8 +22,9 @@
 //     probabilities as the target, over every visible pool), the value alone (a checkpoint's
 //     first forward) and the value with its gradients + backward (the recompute's), at each query
 //     block size of --warmup-blocks (0, the default: DenseWarmupKlBlock's choice), with the time
-//     per block; --profile DIR records one more at the last length and the first block size
-//     into DIR/warmup_trace.json.
+//     per block: the target by its CUDA kernels at each size, by libtorch at the first; --profile
+//     DIR records one more (CUDA kernels) at the last length and the first block size into
+//     DIR/warmup_trace.json.
 // The sparse attention's CUDA kernels run twice: on the tensor cores (bf16 products, the
 // default) and on CUDA cores (kernels::SetSparseTensorCores(false)).
 // One JSON line per row with --json.
@@ -278,7 +279,15 @@ int main(int argc, char** argv) {
     }
     // The dense warm-up's KL at each block size: the target from the main attention's q and k
     // (GQA heads / kv_heads of dim), the indexer's q, pooled keys and w differentiable.
-    for (size_t bi = 0; bi < warmup_blocks.size() && wants("warmup"); ++bi) {
+    // The target by the CUDA kernels at every block size, then by libtorch at the first.
+    std::vector<std::pair<size_t, bool>> warmup_runs;
+    for (size_t bi = 0; bi < warmup_blocks.size(); ++bi) {
+      if (odyssey::kernels::FusedKernelsBuilt()) warmup_runs.emplace_back(bi, true);
+    }
+    if (!warmup_blocks.empty()) warmup_runs.emplace_back(0, false);
+    for (const auto& [bi, kernels] : warmup_runs) {
+      if (!wants("warmup")) break;
+      odyssey::kernels::SetFusedKernels(kernels);
       const int64_t block =
           warmup_blocks[bi] > 0 ? warmup_blocks[bi] : odyssey::kernels::DenseWarmupKlBlock(T, heads, index_heads);
       const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
@@ -296,19 +305,21 @@ int main(int argc, char** argv) {
       const double fwd = Seconds(value, static_cast<int>(iters));
       const double both = Seconds(value_and_grads, static_cast<int>(iters));
       const int64_t blocks = (T + block - 1) / block;
-      std::printf("| dense warm-up KL, %lld-row blocks (%lld), target %lld/%lld x %lld, indexer %lld x %lld | %lld | "
-                  "%.1f | %.1f | %.0f | |\n",
-                  static_cast<long long>(block), static_cast<long long>(blocks), static_cast<long long>(heads),
+      std::printf("| dense warm-up KL, target by %s, %lld-row blocks (%lld), target %lld/%lld x %lld, indexer %lld x "
+                  "%lld | %lld | %.1f | %.1f | %.0f | |\n",
+                  kernels ? "CUDA kernels" : "libtorch", static_cast<long long>(block), static_cast<long long>(blocks),
+                  static_cast<long long>(heads),
                   static_cast<long long>(kv_heads), static_cast<long long>(dim), static_cast<long long>(index_heads),
                   static_cast<long long>(index_dim), static_cast<long long>(T), fwd * 1e3, both * 1e3,
                   static_cast<double>(T) / both);
       std::printf("|   (per block: %.3f ms value, %.3f ms value + gradients + backward) | | | | | |\n",
                   fwd * 1e3 / blocks, both * 1e3 / blocks);
       std::fflush(stdout);
-      Json(json, "{\"op\":\"dense_warmup_kl\",\"tokens\":" + std::to_string(T) + ",\"block\":" + std::to_string(block) +
+      Json(json, std::string("{\"op\":\"") + (kernels ? "dense_warmup_kl_kernel" : "dense_warmup_kl_libtorch") +
+                     "\",\"tokens\":" + std::to_string(T) + ",\"block\":" + std::to_string(block) +
                      ",\"blocks\":" + std::to_string(blocks) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
-      if (!profile_dir.empty() && bi == 0 && T == tokens.back()) {
+      if (!profile_dir.empty() && bi == 0 && kernels == odyssey::kernels::FusedKernelsBuilt() && T == tokens.back()) {
         std::error_code ec;
         std::filesystem::create_directories(profile_dir, ec);
         const std::string trace = profile_dir + "/warmup_trace.json";
@@ -325,6 +336,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "odyssey-hybrid-bench: profiled one dense warm-up KL with gradients at %lld tokens: %s\n",
                      static_cast<long long>(T), trace.c_str());
       }
+      odyssey::kernels::SetFusedKernels(true);
     }
     // Sparse attention over `selected` keys per query against dense SDPA over as many: the CUDA
     // kernels, and up to --reference-tokens the libtorch path.
