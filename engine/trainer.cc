@@ -23,6 +23,26 @@
 
 namespace odyssey::engine {
 
+namespace {
+
+// Turns the DSA layers' indexer backward in the forward on for one step and off again.
+class IndexerBackwardInForward {
+ public:
+  explicit IndexerBackwardInForward(model::CausalLM& m) : m_(m) { Set(true); }
+  ~IndexerBackwardInForward() { Set(false); }
+  IndexerBackwardInForward(const IndexerBackwardInForward&) = delete;
+  IndexerBackwardInForward& operator=(const IndexerBackwardInForward&) = delete;
+
+ private:
+  void Set(bool on) {
+    for (model::DecoderLayer& layer : m_->model->layer_list)
+      if (layer->dsa) layer->dsa->set_indexer_backward_in_forward(on);
+  }
+  model::CausalLM& m_;
+};
+
+}  // namespace
+
 absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
   if (name == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   if (name == "cpu") return torch::Device(torch::kCPU);
@@ -201,6 +221,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   const model::ModelConfig& config = (*m)->config();
   // The indexer's dense warm-up (spec 2.3): only the DSA layers' indexers train, from their KL
   // against the dense attention; every other weight is frozen (no gradient, no optimizer state).
+  bool warmup = false;
   if (config.IsHybrid() && config.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup) {
     const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model '", options.model,
                                            "'), where only the DSA indexers train");
@@ -213,6 +234,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     torch::NoGradGuard no_grad;
     for (auto& p : (*m)->named_parameters())
       p.value().requires_grad_(p.key().find(".indexer.") != std::string::npos);
+    warmup = true;
   }
   if (options.data.seq_len > config.max_position_embeddings)
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
@@ -230,6 +252,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
   if (!data.ok()) return data.status();
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
+  trainer->indexer_backward_in_forward_ = warmup;
   trainer->memory_ = *std::move(memory);
   trainer->runner_ = trainer->memory_->Runner();
   if (options.memory.optimizer_on_host || options.shard_params) trainer->HookHostOptimizer();
@@ -397,11 +420,21 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   torch::Tensor loss;  // () this rank's share
   // One backward per step and no all-reduce after it: each checkpointed layer group's
   // gradients are final when its backward ends, so they may go to a host optimizer then.
-  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1;
+  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1 && !indexer_backward_in_forward_;
   try {
-    loss = Loss(batch, &local_targets) * share->loss_scale;
-    ProfilePhase phase("backward");
-    loss.backward();
+    if (indexer_backward_in_forward_) {
+      // The dense warm-up: nothing but the indexers trains and their input is detached, so the
+      // only gradients are the indexers' KLs', each sent inside its layer's forward (the
+      // gradient the KL's InjectAuxLoss would send back). The layers run without grad: no
+      // backward through them and nothing saved for one.
+      IndexerBackwardInForward scope(model_);
+      torch::NoGradGuard no_grad;
+      loss = Loss(batch, &local_targets) * share->loss_scale;
+    } else {
+      loss = Loss(batch, &local_targets) * share->loss_scale;
+      ProfilePhase phase("backward");
+      loss.backward();
+    }
   } catch (...) {
     // The gradients of a half-done step (and what was sent of them) must not reach the next.
     send_grads_early_ = false;
@@ -624,6 +657,7 @@ std::vector<torch::Tensor> Trainer::WholeLogprobs(const RlGroupRun& run, const s
 }
 
 namespace {
+
 
 // The datum's loss inputs at positions [first, first + len) (len 0: empty tensors).
 DatumTensors SliceTensors(const DatumTensors& in, int64_t first, int64_t len) {

@@ -394,6 +394,10 @@ class Trainer {
   bool hooked_runner_ = true;       // runner_ is the memory stack's (its hooks fire)
   torch::Tensor aux_loss_;          // the last Loss()'s MoE load-balancing term (undefined: none)
   bool send_grads_early_ = false;   // inside an SFT backward whose gradients are final per group
+  // The dense warm-up (only the DSA indexers train): an SFT step's forward runs without grad and
+  // each DSA layer sends its indexer KL's gradient in the forward (model/hybrid.h,
+  // set_indexer_backward_in_forward); no backward through the layers, no recompute.
+  bool indexer_backward_in_forward_ = false;
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

@@ -146,6 +146,76 @@ TEST(TrainerTest, DenseWarmupTrainsTheIndexersAlone) {
   std::filesystem::remove_all(dir);
 }
 
+// The dense warm-up's step sends each indexer KL's gradient inside its layer's forward, which
+// runs without grad: no backward through the frozen layers, no recompute. The indexers' gradients
+// equal those of the same batch through the plain forward with grad and a backward through every
+// layer (where InjectAuxLoss sends the KL's gradient), fp32, with layer recompute and without;
+// nothing else gets a gradient, and the KL reported is the same.
+TEST(TrainerTest, DenseWarmupGradientsSentInTheForwardEqualTheBackwards) {
+  torch::set_num_threads(2);
+  const auto dir = std::filesystem::temp_directory_path() / "odyssey_trainer_test_warmup_grads";
+  std::filesystem::remove_all(dir);
+  {
+    absl::StatusOr<model::ModelConfig> c = model::NamedShape("hybrid-tiny");
+    ASSERT_TRUE(c.ok()) << c.status();
+    c->hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
+    c->hybrid.indexer_loss_weight = 0.7;
+    model::CausalLM m(*c);
+    m->InitRandom(5);
+    ASSERT_TRUE(model::SaveHfCheckpoint(m, dir.string(), {torch::kFloat32}).ok());
+  }
+  for (planner::Recompute recompute : {planner::Recompute::kNone, planner::Recompute::kLayer}) {
+    SCOPED_TRACE(recompute == planner::Recompute::kNone ? "no recompute" : "layer recompute");
+    TrainerOptions o = TinyKjv(1);
+    o.model = dir.string();
+    o.data.seq_len = 96;
+    o.data.batch_size = 2;
+    o.memory.recompute = recompute;
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    const Batch batch = (*t)->data().Next();
+    ASSERT_TRUE(StartPhaseTimes(/*cuda=*/false).ok());
+    absl::StatusOr<BatchGradients> sent = (*t)->Gradients(batch);
+    absl::StatusOr<std::vector<PhaseTime>> phases = StopPhaseTimes();
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    ASSERT_TRUE(phases.ok()) << phases.status();
+    // Forward phases only: no backward, no layer recomputed.
+    bool forward = false;
+    for (const PhaseTime& ph : *phases) {
+      forward = forward || ph.kind == "layer # forward";
+      EXPECT_EQ(ph.kind.find("backward"), std::string::npos) << ph.kind;
+      EXPECT_EQ(ph.kind.find("recompute"), std::string::npos) << ph.kind;
+    }
+    EXPECT_TRUE(forward);
+    const double kl_sent = (*t)->model()->IndexerLoss().item<double>();
+    model::CausalLM& m = (*t)->model();
+    model::ForwardInputs in;
+    in.input_ids = batch.input_ids;
+    in.position_ids = batch.position_ids;
+    in.doc_lens = &batch.doc_lens;
+    const torch::Tensor h = m->Hidden(in);
+    ASSERT_TRUE(h.requires_grad());
+    h.sum().backward();  // any function of the output: the KLs' gradients enter by their weight alone
+    EXPECT_NEAR(m->IndexerLoss().item<double>(), kl_sent, 1e-6 * std::abs(kl_sent));
+    int64_t compared = 0;
+    for (const auto& p : m->named_parameters()) {
+      const bool indexer = p.key().find(".indexer.") != std::string::npos;
+      if (!indexer) {
+        EXPECT_EQ(sent->grads.count(p.key()), 0u) << p.key() << " got a gradient in the warm-up";
+        continue;
+      }
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      ASSERT_EQ(sent->grads.count(p.key()), 1u) << p.key();
+      const torch::Tensor want = p.value().grad(), got = sent->grads.at(p.key());
+      EXPECT_LE((got - want).abs().max().item<double>(), 1e-5 * want.abs().max().item<double>() + 1e-12) << p.key();
+      EXPECT_GT(want.abs().max().item<double>(), 0.0) << p.key();
+      ++compared;
+    }
+    EXPECT_GT(compared, 0);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // TrainerOptions::indexer_stage replaces the config's stage: a named shape warms up, the folder it
 // writes (config.json: dense_warmup) trains sparse without being edited, and each writes the stage
 // it ran.

@@ -1082,9 +1082,14 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
   Tensor q = SplitHeads(q_proj, q_lora, x);  // (B, H, S, D)
   Tensor k = SplitHeads(k_proj, k_lora, x);  // (B, Hkv, S, D)
   Tensor v = SplitHeads(v_proj, v_lora, x);
-  // The indexer sees a detached input: it learns only from its KL (spec 2.3).
+  // The indexer sees a detached input: it learns only from its KL (spec 2.3). With the KL's
+  // backward in the forward, its graph is built even when the forward runs without grad.
+  const bool kl_grad = torch::GradMode::is_enabled() || backward_in_forward_;
   DsaIndexerImpl::Out ix;
-  if (kl != nullptr) ix = indexer(x.detach());  // with grad: the KL's path to the indexer
+  if (kl != nullptr) {
+    torch::AutoGradMode grad(kl_grad);
+    ix = indexer(x.detach());  // with grad: the KL's path to the indexer
+  }
   TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
   Tensor out = backend->Forward(q, k, v, AttentionMeta{});  // (B, H, S, D)
   if (kl != nullptr && S >= 4) {
@@ -1093,6 +1098,7 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's transients
     // at a time, its gradients formed in the forward when they are wanted). Every row from position 3
     // on sees pool 0.
+    torch::AutoGradMode grad(kl_grad);
     const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
                                                 kernels::DenseWarmupKlBlock(S, H, ix.q.size(1)));
     kl->rows += B * (S - 3);
@@ -1103,7 +1109,9 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
 
 Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
                                Tensor* indexer_loss, const SequenceGroup* group) {
-  bool trains = indexer_loss != nullptr && loss_weight_ > 0 && torch::GradMode::is_enabled();
+  TORCH_CHECK(!backward_in_forward_ || stage_ == IndexerStage::kDenseWarmup,
+              "DSA: the indexer's backward in the forward is for the dense_warmup stage only");
+  bool trains = indexer_loss != nullptr && loss_weight_ > 0 && (torch::GradMode::is_enabled() || backward_in_forward_);
   if (trains) {
     bool any = false;
     for (const auto& p : indexer->parameters()) any = any || p.requires_grad();
@@ -1126,9 +1134,15 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
     y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
   }
   if (trains && kl.sum.defined()) {
+    torch::AutoGradMode grad(torch::GradMode::is_enabled() || backward_in_forward_);
     Tensor loss = kl.sum / static_cast<double>(std::max<int64_t>(1, kl.rows));
     last_loss_ = loss.detach();
-    *indexer_loss = loss;
+    if (backward_in_forward_) {
+      // The gradient InjectAuxLoss would send back, sent now.
+      torch::autograd::backward({loss}, {torch::full({}, loss_weight_ * gradient_scale_, loss.options())});
+    } else {
+      *indexer_loss = loss;
+    }
   }
   return y;
 }

@@ -225,6 +225,15 @@ class DsaAttentionImpl : public torch::nn::Module {
   // loss does (the trainer sets it). The gradient is indexer_loss_weight() * gradient_scale().
   void set_gradient_scale(double scale) { gradient_scale_ = scale; }
   double gradient_scale() const { return gradient_scale_; }
+  // The dense warm-up's step when every weight but the indexers is frozen (the trainer's): with
+  // it on, a forward whose indexer trains (loss weight > 0, an indexer weight requiring grad)
+  // differentiates the KL inside the layer, grad mode on or off, adds its gradient (the loss
+  // weight x the gradient scale) to the indexer's .grad at once, and leaves the layer's output
+  // without it (Heads sets no indexer_loss). The step then needs no backward through the layers
+  // and so no recompute: its forward can run without grad. last_indexer_loss() as before.
+  // REQUIRES: the dense_warmup stage, one rank per sequence (Heads refuses it otherwise).
+  void set_indexer_backward_in_forward(bool on) { backward_in_forward_ = on; }
+  bool indexer_backward_in_forward() const { return backward_in_forward_; }
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   LoraAdapter q_lora, k_lora, v_lora, o_lora;  // set by AttachLora (the indexer has none: frozen with the base)
@@ -251,6 +260,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   IndexerStage stage_;
   double loss_weight_;
   double gradient_scale_ = 1.0;
+  bool backward_in_forward_ = false;
   torch::Tensor last_loss_;
 };
 TORCH_MODULE(DsaAttention);

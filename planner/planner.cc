@@ -227,6 +227,8 @@ Prediction Predict(const Request& r) {
   // layer's working set is the larger of a KDA and a DSA layer's.
   int64_t hybrid_saved_per_layer = 0;
   Terms hybrid_terms;  // what the hybrid working set is made of (for the message)
+  // The dense warm-up's step (below): the larger of a KDA and a DSA layer's forward.
+  std::pair<std::string, int64_t> warmup_layer;
   if (m.hybrid) {
     const int64_t HK = m.kda_heads * m.kda_head_dim, Hk = m.kda_heads, K = m.kda_head_dim, C = m.kda_chunk;
     // KDA, sequences longer than a tile run tile by tile (model::kKdaTile) and inside a tile the
@@ -285,6 +287,21 @@ Prediction Predict(const Request& r) {
     const int64_t warm_per_token =
         T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 4 + kvd * e);
     const int64_t warm_blocks = int64_t{3} * (int64_t{512} << 20);
+    if (m.warmup_params > 0) {
+      // Beside the kernels' state: the norm's output, the heads' output and o_proj's (KDA); the
+      // norm's output, o_proj's, q and the attention output, k, v and the KL target's view of k
+      // (DSA).
+      const int64_t kda_forward = m.kda_layers > 0 ? kda_segment + (T > Tt ? kda_tile : 0) + 3 * kda_stream : 0;
+      const int64_t dsa_forward =
+          m.dsa_layers == 0 ? 0
+                            : T * (2 * m.hidden * e + 2 * qd * e + 3 * kvd * e + 4 * m.heads + 2 * IQ * e + 2 * HI * e) +
+                                  (T / 4) * m.index_head_dim * (e + 4) + warm_blocks;
+      warmup_layer = kda_forward >= dsa_forward
+                         ? std::pair<std::string, int64_t>{"KDA layer forward (bounded by its backward's tile and segment)",
+                                                           kda_forward}
+                         : std::pair<std::string, int64_t>{
+                               "DSA layer forward: attention, the indexer and its KL's gradients", dsa_forward};
+    }
     const int64_t kda_work = m.kda_layers > 0 ? kda_tile + kda_segment + kda_stream + kda_cp : 0;
     const int64_t dsa_work = m.dsa_layers == 0 ? 0
                              : m.dsa_sparse    ? dsa_per_token + dsa_blocks + dsa_cp
@@ -327,6 +344,53 @@ Prediction Predict(const Request& r) {
                 (st.mlp_tile > 0 || m.moe_layers > 0 ? mlp_work : 3 * T * I * e);
   }
   if (m.hybrid && !recompute) saved_per_layer = hybrid_saved_per_layer;
+  if (m.warmup_params > 0) {
+    // The dense warm-up step (engine/trainer.cc, model/hybrid.h set_indexer_backward_in_forward):
+    // only the indexers train and their input is detached, so the layers run without grad and
+    // each DSA layer sends its indexer KL's gradient inside its forward. Nothing is checkpointed
+    // or offloaded (recompute and offload have nothing to keep) and no gradient flows through the
+    // layers. The GPU holds the parameters, the indexers' gradients and optimizer state, the
+    // residual stream around one layer (its input and output), and that layer's forward working
+    // set: a KDA layer's bounded by its backward's tile and segment terms, a DSA layer's the main
+    // attention's q, k, v, output and log-sum-exp, the indexer's q, w and pooled keys with the
+    // KL's gradients (dq, dw; dk in fp32) and one KL block's transients, or the MLP's tile. By
+    // construction, not yet measured.
+    // The MLP block: its norm's output and the output buffer, and one tile's intermediates.
+    const int64_t mlp_forward = 2 * act + (m.moe_layers > 0  ? moe_work
+                                           : st.mlp_tile > 0 ? 3 * std::min(st.mlp_tile, T) * I * e
+                                                             : 3 * T * I * e);
+    Terms fwd = {{"indexer gradients", m.warmup_params * e}, {"the residual stream around one layer", 2 * act}};
+    std::pair<std::string, int64_t> layer = {"one layer's MLP block forward", mlp_forward};
+    if (warmup_layer.second > layer.second) layer = warmup_layer;
+    fwd.push_back(layer);
+    const int64_t loss_forward = st.loss_tile > 0 && st.loss_tile < T ? std::min(st.loss_tile, T) * m.vocab * 10
+                                                                      : T * m.vocab * 12;
+    const Terms loss = {{"indexer gradients", m.warmup_params * e},
+                        {"final hidden state and the final norm's input", 2 * act},
+                        {st.loss_tile > 0 && st.loss_tile < T ? "loss tile (logits, softmax)" : "untiled loss (logits, log-softmax)",
+                         loss_forward}};
+    const Terms step = {{"gradients", m.warmup_params * e}};
+    int64_t base = 0;
+    for (const auto& [name, bytes] : persistent) base += bytes;
+    int64_t best = -1;
+    for (const auto& [name, terms] : std::vector<std::pair<std::string, Terms>>{
+             {"forward (dense warm-up: no backward through the layers)", fwd}, {"loss", loss}, {"optimizer step", step}}) {
+      int64_t sum = base;
+      for (const auto& [term, bytes] : terms) sum += bytes;
+      if (sum > best) {
+        best = sum;
+        p.peak_phase = name;
+        p.terms = persistent;
+        for (const auto& [term, bytes] : terms)
+          if (bytes > 0) p.terms.emplace_back(term, bytes);
+      }
+    }
+    p.gpu_peak_bytes = best;
+    p.host_bytes = st.optimizer_on_host ? trainable * (12 + e) : 0;
+    p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
+                            : p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
+    return p;
+  }
   // Nested checkpoints (every_k): while a group's backward runs, the inputs of its layers after
   // the first stay on the device. The group's recomputed output, the root of the group's graph
   // held through that backward, is a stand-in with one element of storage (engine/memory/

@@ -434,33 +434,49 @@ TEST(PlannerTest, DenseWarmupTrainsTheIndexersAlone) {
   EXPECT_LT(p.gpu_peak_bytes, f.gpu_peak_bytes - (full.params - warm.warmup_params) * 12);
 }
 
-// The warm-up's DSA layer is the whole layer at once (dense attention, the indexer over every
-// token, the KL's keys): at 1M tokens of hybrid-3b it outgrows the sparse stage's tiled
-// layer and names its own term; at 64K the KDA layer's working set is still the larger.
+// The dense warm-up's step runs the layers without grad (engine/trainer.cc): only the indexers
+// train and their input is detached, so each DSA layer sends its KL's gradient in its forward.
+// Its plan has no checkpoints, no gradient through the layers and no offload pool, whatever the
+// recompute and offload fields say; the indexers' gradients and one layer's forward are its
+// working set. At 1M tokens of hybrid-3b the DSA layer's forward (the whole layer at once: dense
+// attention, the indexer over every token, the KL's gradients) names the peak; at 64K the KDA
+// layer's.
 TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   model::ModelConfig config = *model::NamedShape("hybrid-3b");
+  config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
   Request r;
   r.model = ShapeOf(config);
   r.seq_len = 1048576;
   r.strategy = StrategyOf("every_k", 2, true, 6, 10922, 1046, 1);
   r.strategy.optimizer_on_host = true;
-  const Prediction sparse = Predict(r);
-  config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
-  r.model = ShapeOf(config);
   const Prediction warm = Predict(r);
   const int64_t T = r.seq_len, e = 2;
-  // Per token: input and its gradient, q, k, v, output and their gradients, log-sum-exp, the
-  // indexer's q (32 x 128) and w and q's gradient, cuDNN's fp32 dq and the KL target's copy of
-  // the keys (8 KV heads, bf16); and one KL block's ~2.5 x 512 MiB of transients.
-  const int64_t per_token =
-      2 * 3072 * e + 3 * 3072 * e + 4 * 1024 * e + 4 * 24 + 2 * 4096 * e + 32 * e + 3072 * 4 + 1024 * e;
-  EXPECT_EQ(Term(warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's grouped keys"),
-            T * per_token + 3 * (int64_t{512} << 20));
-  EXPECT_GT(warm.gpu_peak_bytes, sparse.gpu_peak_bytes + (int64_t{30} << 30)) << warm.gpu_peak_bytes;
+  // Per token: the norm's and o_proj's outputs, q and the attention output, k, v and the target's
+  // view of k, the log-sum-exp, the indexer's q (32 x 128) and dq, w and dw; per pool, the pooled
+  // key (bf16) and its fp32 gradient; one KL block's ~2.5 x 512 MiB of transients.
+  const int64_t per_token = 2 * 3072 * e + 2 * 3072 * e + 3 * 1024 * e + 4 * 24 + 2 * 4096 * e + 2 * 32 * e;
+  EXPECT_EQ(Term(warm, "DSA layer forward: attention, the indexer and its KL's gradients"),
+            T * per_token + (T / 4) * 128 * (e + 4) + 3 * (int64_t{512} << 20));
+  EXPECT_EQ(warm.peak_phase, "forward (dense warm-up: no backward through the layers)");
+  EXPECT_EQ(Term(warm, "indexer gradients"), config.IndexerParameters() * e);
+  EXPECT_EQ(Term(warm, "the residual stream around one layer"), 2 * T * 3072 * e);
+  EXPECT_EQ(Term(warm, "checkpointed layer inputs on the GPU (with the prefetched one)"), -1);
+  EXPECT_EQ(Term(warm, "incoming gradient"), -1);
+  // The host: the indexers' AdamW state and staging alone; no offloaded inputs.
+  EXPECT_EQ(warm.host_bytes, config.IndexerParameters() * (12 + e));
+  // Recompute and offload have nothing to keep: the same plan under any of them.
+  for (const MemoryStrategy& s : {StrategyOf("none", 2, false, 0, 10922, 1046, 1),
+                                  StrategyOf("layer", 2, true, 0, 10922, 1046, 1)}) {
+    Request q = r;
+    q.strategy = s;
+    q.strategy.optimizer_on_host = true;
+    EXPECT_EQ(Predict(q).gpu_peak_bytes, warm.gpu_peak_bytes) << s.Describe();
+    EXPECT_EQ(Predict(q).host_bytes, warm.host_bytes) << s.Describe();
+  }
   r.seq_len = 65536;
   const Prediction short_warm = Predict(r);
-  EXPECT_EQ(Term(short_warm, "DSA layer, dense warm-up: attention, indexer, their gradients and the KL's grouped keys"), -1);
-  EXPECT_GT(Term(short_warm, "KDA layer: the recomputed tile's autograd state"), 0);
+  EXPECT_EQ(Term(short_warm, "DSA layer forward: attention, the indexer and its KL's gradients"), -1);
+  EXPECT_GT(Term(short_warm, "KDA layer forward (bounded by its backward's tile and segment)"), 0);
 }
 
 // A job's memory fields over the planner's choice, as a worker applies them.
