@@ -940,14 +940,26 @@ Tensor DenseWarmupKlReference(const Tensor& q_idx, const Tensor& k_idx, const Te
   return WarmupKlValue(q_idx, k_idx, w, q.detach(), k.detach(), query_block);
 }
 
-int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads) {
-  // The block's largest transients: the (H, n, S) scores and their softmax, the (HI, n, S / 4)
-  // relu'd dot products, their products with w and ds and their gradient, fp32: ~512 MiB of each
-  // kind (~2.5 x 512 MiB in all for hybrid-3b's 24 heads and 32 indexer heads). Blocks are large
-  // because each costs a fixed ~30 launches: at 128K tokens, 128 MiB blocks (8 rows) made the KL
-  // ~34 s a layer on an H100, almost all of it launch overhead.
-  const int64_t per_row = std::max<int64_t>(1, S * 4 * std::max(heads, index_heads));
+int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads, bool target_by_kernels) {
+  // The block's largest transients: the (H, n, S) scores and their softmax (the libtorch target
+  // only: the kernels never form them), the (HI, n, S / 4) relu'd dot products, their products
+  // with w and ds and their gradient, fp32: ~512 MiB of each kind (~2.5 x 512 MiB in all for
+  // hybrid-3b's 24 heads and 32 indexer heads). Blocks are large because each costs a fixed
+  // ~30-50 launches: at 128K tokens, 128 MiB blocks (8 rows) made the KL ~34 s a layer on an
+  // H100, almost all of it launch overhead.
+  const int64_t per_row =
+      std::max<int64_t>(1, target_by_kernels ? S * index_heads : S * 4 * std::max(heads, index_heads));
   return std::clamp<int64_t>((int64_t{512} << 20) / per_row, 1, 1024);
+}
+
+int64_t DenseWarmupKlBlockFor(const Tensor& q_idx, const Tensor& q, const Tensor& k) {
+  const int64_t S = q.size(2), H = q.size(1), HI = q_idx.size(1);
+  bool kernels = false;
+#ifdef ODYSSEY_KERNELS_CUDA
+  kernels = q.is_cuda() && q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+            FusedKernelsEnabled() && cuda::WarmupTargetSupported(q.size(0), H, k.size(1), q.size(3));
+#endif
+  return DenseWarmupKlBlock(S, H, HI, kernels);
 }
 
 Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& pool_idx,

@@ -191,12 +191,15 @@ torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
 // pair: ~9 GB for one DSA layer of hybrid-3b at 16K, ~140 GB at 64K; DenseWarmupKlReference
 // below is the same sum by autograd, block by block, for tests.) fp32 (fp64 for fp64 inputs); a
 // 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the block's transients
-// near 512 MiB of each kind (at most 1024 rows).
+// near 512 MiB of each kind (at most 1024 rows); with the target by the CUDA kernels (no score
+// rows) the indexer's alone, 4x the rows for hybrid-3b. DenseWarmupKlBlockFor: that size for
+// these tensors, knowing which path their device and dtypes take.
 torch::Tensor DenseWarmupKl(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                             const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);
 torch::Tensor DenseWarmupKlReference(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                                      const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);
-int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads);
+int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads, bool target_by_kernels = false);
+int64_t DenseWarmupKlBlockFor(const torch::Tensor& q_idx, const torch::Tensor& q, const torch::Tensor& k);
 
 // The indexer's KL loss over its selected pools (spec 2.3, sparse stage), summed over rows:
 // sum_t sum_i target[t, i] (log target[t, i] - log softmax_i(I[t, pool_idx[t, i]])) over the

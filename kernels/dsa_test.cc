@@ -888,6 +888,8 @@ TEST(DsaIndexer, DenseWarmupKlEqualsTheWholeFormulaFp64) {
   EXPECT_EQ(DenseWarmupKlBlock(64, 24, 32), 1024);
   EXPECT_EQ(DenseWarmupKlBlock(int64_t{1} << 17, 24, 32), 32);  // hybrid-3b at 128K: 512 MiB of fp32 rows
   EXPECT_LE(DenseWarmupKlBlock(int64_t{1} << 20, 24, 32) * (int64_t{1} << 20) * 4 * 32, int64_t{512} << 20);
+  EXPECT_EQ(DenseWarmupKlBlock(int64_t{1} << 17, 24, 32, /*target_by_kernels=*/true), 128);  // the indexer's rows alone
+  EXPECT_EQ(DenseWarmupKlBlockFor(qi, q, k), DenseWarmupKlBlock(S, H, HI));  // fp64 on the CPU: libtorch's target
   try {
     DenseWarmupKl(qi, keys.narrow(1, 0, P - 1), w, q, k, 8);
     ADD_FAILURE() << "k_idx without every pool was accepted";

@@ -1100,7 +1100,7 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     // on sees pool 0.
     torch::AutoGradMode grad(kl_grad);
     const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
-                                                kernels::DenseWarmupKlBlock(S, H, ix.q.size(1)));
+                                                kernels::DenseWarmupKlBlockFor(ix.q, q, k));
     kl->rows += B * (S - 3);
     kl->sum = kl->sum.defined() ? kl->sum + total : total;
   }
