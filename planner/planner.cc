@@ -11,6 +11,36 @@
 namespace odyssey::planner {
 namespace {
 
+using Terms = std::vector<std::pair<std::string, int64_t>>;
+
+// The step's peak: the persistent terms plus the largest phase's. Sets p's gpu_peak_bytes,
+// peak_phase and terms (the nonzero ones, persistent first).
+void TakePeak(const Terms& persistent, const std::vector<std::pair<std::string, Terms>>& phases, Prediction& p) {
+  int64_t base = 0;
+  for (const auto& [name, bytes] : persistent) base += bytes;
+  int64_t best = -1;
+  for (const auto& [name, terms] : phases) {
+    int64_t sum = base;
+    for (const auto& [term, bytes] : terms) sum += bytes;
+    if (sum > best) {
+      best = sum;
+      p.peak_phase = name;
+      p.terms = persistent;
+      for (const auto& [term, bytes] : terms) {
+        if (bytes > 0) p.terms.emplace_back(term, bytes);
+      }
+    }
+  }
+  p.gpu_peak_bytes = best;
+}
+
+// A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
+// counts against the same budget.
+bool Fits(const Prediction& p, const Hardware& hw) {
+  return hw.cpu ? p.gpu_peak_bytes + p.host_bytes <= hw.gpu_bytes
+                : p.gpu_peak_bytes <= hw.gpu_bytes && p.host_bytes <= hw.host_bytes;
+}
+
 std::string GiB(int64_t b) { return absl::StrFormat("%.1f GiB", static_cast<double>(b) / (int64_t{1} << 30)); }
 
 // Fixed allocator-visible overhead: cuBLAS/cuDNN workspaces, RoPE tables, small buffers
@@ -124,7 +154,6 @@ Prediction Predict(const Request& r) {
   const bool keep = st.keep_attention && st.recompute == Recompute::kLayer;
   const int64_t act = T * H * e;  // one (T, hidden) activation
   Prediction p;
-  using Terms = std::vector<std::pair<std::string, int64_t>>;
 
   // Persistent through the step: the parameters and, with the optimizer on the device, its
   // fp32 state (master + two moments in bf16 training; fp32 training has no master).
@@ -370,25 +399,11 @@ Prediction Predict(const Request& r) {
                         {st.loss_tile > 0 && st.loss_tile < T ? "loss tile (logits, softmax)" : "untiled loss (logits, log-softmax)",
                          loss_forward}};
     const Terms step = {{"gradients", m.warmup_params * e}};
-    int64_t base = 0;
-    for (const auto& [name, bytes] : persistent) base += bytes;
-    int64_t best = -1;
-    for (const auto& [name, terms] : std::vector<std::pair<std::string, Terms>>{
-             {"forward (dense warm-up: no backward through the layers)", fwd}, {"loss", loss}, {"optimizer step", step}}) {
-      int64_t sum = base;
-      for (const auto& [term, bytes] : terms) sum += bytes;
-      if (sum > best) {
-        best = sum;
-        p.peak_phase = name;
-        p.terms = persistent;
-        for (const auto& [term, bytes] : terms)
-          if (bytes > 0) p.terms.emplace_back(term, bytes);
-      }
-    }
-    p.gpu_peak_bytes = best;
+    TakePeak(persistent,
+             {{"forward (dense warm-up: no backward through the layers)", fwd}, {"loss", loss}, {"optimizer step", step}},
+             p);
     p.host_bytes = st.optimizer_on_host ? trainable * (12 + e) : 0;
-    p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
-                            : p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
+    p.fits = Fits(p, r.hardware);
     return p;
   }
   // Nested checkpoints (every_k): while a group's backward runs, the inputs of its layers after
@@ -457,22 +472,7 @@ Prediction Predict(const Request& r) {
                                                              {"first layer's backward", layer_phase(Depth::kBottom)},
                                                              {"optimizer step", step_phase}};
   if (ckpt_middle > 0) phases.emplace_back("second group's backward", layer_phase(Depth::kMiddle));
-  int64_t base = 0;
-  for (const auto& [name, bytes] : persistent) base += bytes;
-  int64_t best = -1;
-  for (const auto& [name, terms] : phases) {
-    int64_t sum = base;
-    for (const auto& [term, bytes] : terms) sum += bytes;
-    if (sum > best) {
-      best = sum;
-      p.peak_phase = name;
-      p.terms = persistent;
-      for (const auto& [term, bytes] : terms) {
-        if (bytes > 0) p.terms.emplace_back(term, bytes);
-      }
-    }
-  }
-  p.gpu_peak_bytes = best;
+  TakePeak(persistent, phases, p);
   // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
   // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
   // down in it, the updated parameter comes back up in it).
@@ -484,10 +484,7 @@ Prediction Predict(const Request& r) {
     const auto layer_bytes = static_cast<uint64_t>(T * (m.index_top_k / 4) * 4);
     p.host_bytes += m.dsa_layers * static_cast<int64_t>(std::bit_ceil(layer_bytes));
   }
-  // A CPU rank's "device" and "host" are one memory: what a spec's offload puts in the pool
-  // counts against the same budget.
-  p.fits = r.hardware.cpu ? p.gpu_peak_bytes + p.host_bytes <= r.hardware.gpu_bytes
-                          : p.gpu_peak_bytes <= r.hardware.gpu_bytes && p.host_bytes <= r.hardware.host_bytes;
+  p.fits = Fits(p, r.hardware);
   return p;
 }
 

@@ -76,6 +76,29 @@ __device__ __forceinline__ void Scores(float (&acc)[4][4], const bf16* q, const 
   }
 }
 
+// KV head kvh's 128 keys staged and this warp's 32 of them taken as B fragments (after every
+// reader of the previous head's tiles is done).
+__device__ __forceinline__ void StageKvHead(Tiles& sm, uint32_t (&bf)[4][kSteps][2], const WarmupTargetArgs& a,
+                                            int64_t b, int64_t kvh, int64_t key0, int warp, int lane) {
+  __syncthreads();
+  StageKeys(sm.k, a, b, kvh, key0, a.t0 + a.n);
+  mma::CpAsyncWait();
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) mma::LoadBAll<kD>(bf[nt], sm.k + (32 * warp + 8 * nt) * kLd, kLd, lane);
+}
+
+// Query head h's 16 rows staged (after the previous head's readers are done) and their scores
+// against the warp's keys.
+__device__ __forceinline__ void HeadScores(float (&acc)[4][4], Tiles& sm, const uint32_t (&bf)[4][kSteps][2],
+                                           const WarmupTargetArgs& a, int64_t b, int64_t h, int64_t row0, int lane) {
+  __syncthreads();
+  StageQueries(sm.q, a, b, h, row0);
+  mma::CpAsyncWait();
+  __syncthreads();
+  Scores(acc, sm.q, bf, lane);
+}
+
 // (m, s) <- the log-sum-exp pair of both (m the max, s the sum of exp(x - m); m = -inf: empty).
 __device__ __forceinline__ void Combine(float& m, float& s, float m2, float s2) {
   if (m2 == -INFINITY) return;
@@ -98,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) LseKernel(WarmupTargetArgs a, float*
   __shared__ __align__(16) Tiles sm;
   __shared__ float red_m[4][kRows], red_s[4][kRows];
   const int64_t kt = blockIdx.x, row0 = static_cast<int64_t>(blockIdx.y) * kRows, b = blockIdx.z;
-  const int64_t key0 = kt * kKeys, kv = a.t0 + a.n, G = a.H / a.Hkv;
+  const int64_t key0 = kt * kKeys, G = a.H / a.Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   if (PastTheRows(a, row0, key0)) {
     for (int64_t i = threadIdx.x; i < a.H * kRows; i += kThreads) {
@@ -108,21 +131,12 @@ __global__ void __launch_bounds__(kThreads) LseKernel(WarmupTargetArgs a, float*
     return;
   }
   for (int64_t kvh = 0; kvh < a.Hkv; ++kvh) {
-    __syncthreads();  // every reader of the staged tiles is done
-    StageKeys(sm.k, a, b, kvh, key0, kv);
-    mma::CpAsyncWait();
-    __syncthreads();
     uint32_t bf[4][kSteps][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) mma::LoadBAll<kD>(bf[nt], sm.k + (32 * warp + 8 * nt) * kLd, kLd, lane);
+    StageKvHead(sm, bf, a, b, kvh, key0, warp, lane);
     for (int64_t gi = 0; gi < G; ++gi) {
       const int64_t h = kvh * G + gi;
-      __syncthreads();  // the previous head's A fragments and reductions are read
-      StageQueries(sm.q, a, b, h, row0);
-      mma::CpAsyncWait();
-      __syncthreads();
       float acc[4][4];
-      Scores(acc, sm.q, bf, lane);
+      HeadScores(acc, sm, bf, a, b, h, row0, lane);  // (its barrier: the previous head's reductions are read)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
@@ -167,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) LseKernel(WarmupTargetArgs a, float*
 __global__ void __launch_bounds__(kThreads) PoolsKernel(WarmupTargetArgs a, const float* lse, float* out, int64_t pv) {
   __shared__ __align__(16) Tiles sm;
   const int64_t kt = blockIdx.x, row0 = static_cast<int64_t>(blockIdx.y) * kRows, b = blockIdx.z;
-  const int64_t key0 = kt * kKeys, kv = a.t0 + a.n, G = a.H / a.Hkv, pool0 = key0 / 4;
+  const int64_t key0 = kt * kKeys, G = a.H / a.Hkv, pool0 = key0 / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   if (PastTheRows(a, row0, key0)) {  // every pool of the tile ends past every row: 0
     for (int64_t i = threadIdx.x; i < kRows * (kKeys / 4); i += kThreads) {
@@ -178,21 +192,12 @@ __global__ void __launch_bounds__(kThreads) PoolsKernel(WarmupTargetArgs a, cons
   }
   float pacc[4][2] = {};  // per n-tile, rows g and g + 8: this lane's two keys, summed over heads
   for (int64_t kvh = 0; kvh < a.Hkv; ++kvh) {
-    __syncthreads();
-    StageKeys(sm.k, a, b, kvh, key0, kv);
-    mma::CpAsyncWait();
-    __syncthreads();
     uint32_t bf[4][kSteps][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) mma::LoadBAll<kD>(bf[nt], sm.k + (32 * warp + 8 * nt) * kLd, kLd, lane);
+    StageKvHead(sm, bf, a, b, kvh, key0, warp, lane);
     for (int64_t gi = 0; gi < G; ++gi) {
       const int64_t h = kvh * G + gi;
-      __syncthreads();
-      StageQueries(sm.q, a, b, h, row0);
-      mma::CpAsyncWait();
-      __syncthreads();
       float acc[4][4];
-      Scores(acc, sm.q, bf, lane);
+      HeadScores(acc, sm, bf, a, b, h, row0, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
