@@ -88,6 +88,28 @@ IndexerInputs RandomIndexerInputs(int64_t T, int64_t heads, int64_t dim, int64_t
   return in;
 }
 
+// Runs f once more under the profiler (every kernel and the code's phases) into dir/file, for
+// bench/profile_report.py; false (the reason on stderr) when the profiler failed.
+bool ProfileOnce(const std::string& dir, const std::string& file, const std::function<void()>& f, const char* what,
+                 int64_t tokens) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string trace = dir + "/" + file;
+  if (absl::Status st = odyssey::engine::StartProfile(/*cuda=*/true, /*memory=*/false); !st.ok()) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+    return false;
+  }
+  f();
+  torch::cuda::synchronize();
+  if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+    return false;
+  }
+  std::fprintf(stderr, "odyssey-hybrid-bench: profiled %s at %lld tokens: %s\n", what, static_cast<long long>(tokens),
+               trace.c_str());
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,21 +221,7 @@ int main(int argc, char** argv) {
       if (!profile_dir.empty() && variant == 0 && T == tokens.back()) {
         // One more forward + backward under the profiler: kda.cc's phases ("kda forward",
         // "kda backward: ...") and every kernel; bench/profile_report.py summarizes the trace.
-        std::error_code ec;
-        std::filesystem::create_directories(profile_dir, ec);
-        const std::string trace = profile_dir + "/kda_trace.json";
-        if (absl::Status st = odyssey::engine::StartProfile(/*cuda=*/true, /*memory=*/false); !st.ok()) {
-          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
-          return 1;
-        }
-        forward_backward();
-        torch::cuda::synchronize();
-        if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
-          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
-          return 1;
-        }
-        std::fprintf(stderr, "odyssey-hybrid-bench: profiled one KDA forward + backward at %lld tokens: %s\n",
-                     static_cast<long long>(T), trace.c_str());
+        if (!ProfileOnce(profile_dir, "kda_trace.json", forward_backward, "one KDA forward + backward", T)) return 1;
       }
       odyssey::kernels::SetFusedKernels(true);
       odyssey::kernels::SetKdaIntraBackwardPath(odyssey::kernels::KdaIntraBackwardPath::kAuto);
@@ -320,21 +328,8 @@ int main(int argc, char** argv) {
                      ",\"blocks\":" + std::to_string(blocks) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
       if (!profile_dir.empty() && bi == 0 && kernels == odyssey::kernels::FusedKernelsBuilt() && T == tokens.back()) {
-        std::error_code ec;
-        std::filesystem::create_directories(profile_dir, ec);
-        const std::string trace = profile_dir + "/warmup_trace.json";
-        if (absl::Status st = odyssey::engine::StartProfile(/*cuda=*/true, /*memory=*/false); !st.ok()) {
-          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
+        if (!ProfileOnce(profile_dir, "warmup_trace.json", value_and_grads, "one dense warm-up KL with gradients", T))
           return 1;
-        }
-        value_and_grads();
-        torch::cuda::synchronize();
-        if (absl::Status st = odyssey::engine::StopProfile(trace); !st.ok()) {
-          std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", std::string(st.message()).c_str());
-          return 1;
-        }
-        std::fprintf(stderr, "odyssey-hybrid-bench: profiled one dense warm-up KL with gradients at %lld tokens: %s\n",
-                     static_cast<long long>(T), trace.c_str());
       }
       odyssey::kernels::SetFusedKernels(true);
     }
