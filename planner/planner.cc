@@ -565,6 +565,15 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   // 4. All of that again with the optimizer state on the host (its update runs on CPU threads,
   //    overlapped with backward and the next forward but not wholly hidden; ~4 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
+  if (model.warmup_params > 0) {
+    // The dense warm-up's step runs its layers without grad (Predict): recompute and offload
+    // have nothing to keep, so the plan names neither. The indexers' optimizer state on the
+    // device, else on the host.
+    for (bool host_optimizer : {false, true}) {
+      if (consider(candidate(Recompute::kNone, 2, false, 0, host_optimizer && !hw.cpu))) return out;
+    }
+    return out;
+  }
   if (hw.cpu) {
     // A CPU rank: host memory is its device, so there is nothing to offload to or put the
     // optimizer on. Plain autograd first (CPU memory is plentiful and recompute costs ~1.3x),

@@ -473,6 +473,11 @@ TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
     EXPECT_EQ(Predict(q).gpu_peak_bytes, warm.gpu_peak_bytes) << s.Describe();
     EXPECT_EQ(Predict(q).host_bytes, warm.host_bytes) << s.Describe();
   }
+  // The plan for it names no recompute or offload.
+  absl::StatusOr<Choice> chosen = Choose(r.model, T, 1, Hardware{});
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  EXPECT_EQ(chosen->strategy.recompute, Recompute::kNone);
+  EXPECT_FALSE(chosen->strategy.offload);
   r.seq_len = 65536;
   const Prediction short_warm = Predict(r);
   EXPECT_EQ(Term(short_warm, "DSA layer forward: attention, the indexer and its KL's gradients"), -1);
