@@ -658,7 +658,6 @@ std::vector<torch::Tensor> Trainer::WholeLogprobs(const RlGroupRun& run, const s
 
 namespace {
 
-
 // The datum's loss inputs at positions [first, first + len) (len 0: empty tensors).
 DatumTensors SliceTensors(const DatumTensors& in, int64_t first, int64_t len) {
   auto cut = [&](const torch::Tensor& t) {

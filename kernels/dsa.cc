@@ -709,13 +709,23 @@ struct WarmupKeys {
   Tensor q_rows, k_rows;  // the kernels' q and k
 };
 
+// Whether the target of q (B, H, S, D) and k (B, Hkv, S, D) goes through the CUDA kernels.
+bool WarmupTargetByKernels(const Tensor& q, const Tensor& k) {
+#ifdef ODYSSEY_KERNELS_CUDA
+  return q.is_cuda() && q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+         FusedKernelsEnabled() && cuda::WarmupTargetSupported(q.size(0), q.size(1), k.size(1), q.size(3));
+#else
+  (void)q, (void)k;
+  return false;
+#endif
+}
+
 WarmupKeys MakeWarmupKeys(const Tensor& q, const Tensor& k, torch::ScalarType ct) {
   const bool half = q.scalar_type() == k.scalar_type() &&
                     (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
   const bool tc = q.is_cuda() && half;
 #ifdef ODYSSEY_KERNELS_CUDA
-  if (tc && FusedKernelsEnabled() && q.scalar_type() == torch::kBFloat16 &&
-      cuda::WarmupTargetSupported(q.size(0), q.size(1), k.size(1), q.size(3))) {
+  if (WarmupTargetByKernels(q, k)) {
     WarmupKeys keys;
     keys.kernel = true;
     keys.q_rows = Rows(q);
@@ -953,13 +963,7 @@ int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads, bool t
 }
 
 int64_t DenseWarmupKlBlockFor(const Tensor& q_idx, const Tensor& q, const Tensor& k) {
-  const int64_t S = q.size(2), H = q.size(1), HI = q_idx.size(1);
-  bool kernels = false;
-#ifdef ODYSSEY_KERNELS_CUDA
-  kernels = q.is_cuda() && q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-            FusedKernelsEnabled() && cuda::WarmupTargetSupported(q.size(0), H, k.size(1), q.size(3));
-#endif
-  return DenseWarmupKlBlock(S, H, HI, kernels);
+  return DenseWarmupKlBlock(q.size(2), q.size(1), q_idx.size(1), WarmupTargetByKernels(q, k));
 }
 
 Tensor IndexerKlLoss(const Tensor& q_idx, const Tensor& k_idx, const Tensor& w, const Tensor& pool_idx,

@@ -299,7 +299,7 @@ int main(int argc, char** argv) {
       const IndexerInputs in = RandomIndexerInputs(T, index_heads, index_dim, selected, bf16);
       const torch::Tensor q = torch::randn({1, heads, T, dim}, bf16), k = torch::randn({1, kv_heads, T, dim}, bf16);
       const int64_t block =
-          warmup_blocks[bi] > 0 ? warmup_blocks[bi] : odyssey::kernels::DenseWarmupKlBlock(T, heads, index_heads, kernels);
+          warmup_blocks[bi] > 0 ? warmup_blocks[bi] : odyssey::kernels::DenseWarmupKlBlockFor(in.q, q, k);
       auto qi = in.q.detach().requires_grad_(true), keys = in.keys.detach().requires_grad_(true),
            w = in.w.detach().requires_grad_(true);
       const auto value = [&] {

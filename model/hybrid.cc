@@ -1084,10 +1084,9 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
   Tensor v = SplitHeads(v_proj, v_lora, x);
   // The indexer sees a detached input: it learns only from its KL (spec 2.3). With the KL's
   // backward in the forward, its graph is built even when the forward runs without grad.
-  const bool kl_grad = torch::GradMode::is_enabled() || backward_in_forward_;
   DsaIndexerImpl::Out ix;
   if (kl != nullptr) {
-    torch::AutoGradMode grad(kl_grad);
+    torch::AutoGradMode grad(KlGrad());
     ix = indexer(x.detach());  // with grad: the KL's path to the indexer
   }
   TORCH_CHECK(backend != nullptr, "DSA dense warm-up needs an attention backend");
@@ -1098,7 +1097,7 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
     // scores over every visible pool (kernels::DenseWarmupKl: query blocks, one block's transients
     // at a time, its gradients formed in the forward when they are wanted). Every row from position 3
     // on sees pool 0.
-    torch::AutoGradMode grad(kl_grad);
+    torch::AutoGradMode grad(KlGrad());
     const Tensor total = kernels::DenseWarmupKl(ix.q, ix.keys, ix.w, q, k,
                                                 kernels::DenseWarmupKlBlockFor(ix.q, q, k));
     kl->rows += B * (S - 3);
@@ -1111,7 +1110,7 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
                                Tensor* indexer_loss, const SequenceGroup* group) {
   TORCH_CHECK(!backward_in_forward_ || stage_ == IndexerStage::kDenseWarmup,
               "DSA: the indexer's backward in the forward is for the dense_warmup stage only");
-  bool trains = indexer_loss != nullptr && loss_weight_ > 0 && (torch::GradMode::is_enabled() || backward_in_forward_);
+  bool trains = indexer_loss != nullptr && loss_weight_ > 0 && KlGrad();
   if (trains) {
     bool any = false;
     for (const auto& p : indexer->parameters()) any = any || p.requires_grad();
@@ -1134,7 +1133,7 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
     y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
   }
   if (trains && kl.sum.defined()) {
-    torch::AutoGradMode grad(torch::GradMode::is_enabled() || backward_in_forward_);
+    torch::AutoGradMode grad(KlGrad());
     Tensor loss = kl.sum / static_cast<double>(std::max<int64_t>(1, kl.rows));
     last_loss_ = loss.detach();
     if (backward_in_forward_) {

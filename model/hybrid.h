@@ -249,6 +249,8 @@ class DsaAttentionImpl : public torch::nn::Module {
   // proj(x) for x (B, S, hidden) split into heads of head_dim: (B, heads, S, head_dim), a view.
   torch::Tensor SplitHeads(const torch::nn::Linear& proj, const LoraAdapter& lora, const torch::Tensor& x);
   torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
+  // Whether the indexer's KL is built with grad: grad mode on, or its backward in the forward.
+  bool KlGrad() const { return torch::GradMode::is_enabled() || backward_in_forward_; }
   // The sparse stage over query tiles: without grad directly, with grad through TiledFunction;
   // with a group of more than one rank, through ShardedFunction.
   torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl, const SequenceGroup* group = nullptr);
