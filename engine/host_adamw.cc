@@ -25,6 +25,7 @@ struct HostAdamW::Param {
   bool bf16 = false;
   // Guarded by HostAdamW::mu_ (the fields below).
   bool sent = false;     // this step's gradient is in grad_staging or on its way there
+  bool released = false; // sent, and the device's .grad() dropped (ReleaseGrads)
   bool busy = false;     // Step started its update; not yet published
   bool waited = true;    // the compute stream already waits for its last upload (CUDA)
   int64_t chunks_left = 0;
@@ -165,6 +166,34 @@ void HostAdamW::GradsReady(const std::vector<int64_t>& indices) {
   for (int64_t i : indices) SendLocked(i, recorded);
 }
 
+void HostAdamW::ReleaseGrads(const std::vector<int64_t>& indices) {
+  if (!cuda_ && !options_.deferred_cpu) return;  // the CPU update reads .grad() itself
+  torch::NoGradGuard no_grad;
+  absl::MutexLock l(&mu_);
+  std::vector<torch::Tensor> grads;
+  std::vector<Param*> released;
+  for (int64_t i : indices) {
+    Param& q = *params_[static_cast<size_t>(i)];
+    if (!q.sent || q.released || !q.param.grad().defined()) continue;
+    grads.push_back(q.param.grad());
+    released.push_back(&q);
+  }
+  if (grads.empty()) return;
+  // Queued behind the kernels that produced the gradients, before their memory is freed (the
+  // allocator reuses it in stream order; the copy to the host holds it by recordStream).
+  const torch::Tensor sq = torch::stack(at::_foreach_norm(grads, 2, torch::kFloat32)).square().sum();
+  released_sq_ = released_sq_.defined() ? released_sq_ + sq : sq;
+  for (Param* q : released) {
+    q->param.mutable_grad() = torch::Tensor();
+    q->released = true;
+  }
+}
+
+torch::Tensor HostAdamW::ReleasedGradSquares() const {
+  absl::MutexLock l(&mu_);
+  return released_sq_;
+}
+
 void HostAdamW::AwaitParamLocked(int64_t i) {
   Param* q = params_[static_cast<size_t>(i)].get();
   if (!q->busy) return;
@@ -194,10 +223,11 @@ void HostAdamW::Step(const AdamWStep& step) {
   absl::MutexLock l(&mu_);
   bool recorded = false;
   chunks_.clear();
+  released_sq_ = torch::Tensor();  // read by the clip before this step
   next_chunk_ = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& q = *params_[i];
-    if (!q.param.grad().defined()) continue;  // no gradient: the state does not advance
+    if (!q.param.grad().defined() && !q.released) continue;  // no gradient: the state does not advance
     if (cuda_ || options_.deferred_cpu) {
       SendLocked(static_cast<int64_t>(i), recorded);
       q.grad = q.grad_staging.data_ptr();
@@ -206,6 +236,7 @@ void HostAdamW::Step(const AdamWStep& step) {
       q.grad = q.grad_ref.data_ptr();
     }
     q.sent = false;  // consumed: the next step's gradient is sent anew
+    q.released = false;
     q.k = AdamWConstants::For(step, q.decay);
     q.busy = true;
     q.waited = false;
@@ -321,7 +352,8 @@ void HostAdamW::Finish() {
 
 void HostAdamW::DropGrads() {
   absl::MutexLock l(&mu_);
-  for (auto& q : params_) q->sent = false;
+  for (auto& q : params_) q->sent = q->released = false;
+  released_sq_ = torch::Tensor();
 }
 
 }  // namespace odyssey::engine

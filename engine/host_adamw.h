@@ -86,6 +86,15 @@ class HostAdamW {
   // to the host (CUDA; deferred_cpu: copy now). Parameters without a gradient, or already sent
   // this step, are skipped. Waits for the previous update of those params first.
   void GradsReady(const std::vector<int64_t>& indices);
+  // The gradients of params[i] for i in `indices` were sent (GradsReady) and nothing on the
+  // device reads them again this step: their squared L2 norms are added (fp32, on the device,
+  // queued on the current stream) to ReleasedGradSquares() and the device tensors are dropped, so
+  // a layer's gradients leave the GPU with its backward rather than at the step (a full-depth
+  // 3B model's bf16 gradients are 6 GB). Step updates them from what was sent. CUDA and
+  // deferred_cpu only (the CPU update reads .grad() itself); params not sent are skipped.
+  void ReleaseGrads(const std::vector<int64_t>& indices);
+  // The sum of the squared norms of the gradients released this step (undefined when none was).
+  torch::Tensor ReleasedGradSquares() const;
   // Updates every parameter that has a gradient (sending those not sent yet) with `step`'s
   // hyperparameters; returns at once on CUDA (CPU: when done). Waits for the previous update.
   void Step(const AdamWStep& step);
@@ -94,7 +103,7 @@ class HostAdamW {
   void WaitParams(const std::vector<int64_t>& indices);
   // WaitParams for every parameter.
   void Finish();
-  // The step's gradients were dropped (ZeroGrad): nothing counts as sent any more.
+  // The step's gradients were dropped (ZeroGrad): nothing counts as sent or released any more.
   void DropGrads();
   int threads() const { return static_cast<int>(workers_.size()); }
 
@@ -127,6 +136,7 @@ class HostAdamW {
   size_t next_chunk_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t busy_ ABSL_GUARDED_BY(mu_) = 0;      // parameters not yet published this step
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  torch::Tensor released_sq_ ABSL_GUARDED_BY(mu_);  // ReleasedGradSquares()
   std::string error_ ABSL_GUARDED_BY(mu_);     // the first worker failure (CUDA calls)
   std::vector<std::thread> workers_;
 };

@@ -63,21 +63,27 @@ double ClipGradNorm(const std::vector<torch::Tensor>& params, double max_norm) {
   return total;
 }
 
-GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm) {
+GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm,
+                       const torch::Tensor& released_squares) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   GradClip out;
-  if (grads.empty()) {
+  if (grads.empty() && !released_squares.defined()) {
     out.norm = torch::zeros({}, torch::kFloat32);
     if (max_norm > 0) out.scale = torch::ones({}, torch::kFloat32);
     return out;
   }
-  // Per-tensor norms accumulated in fp32 from the bf16 gradients (no fp32 copies of them).
-  std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2, torch::kFloat32);
-  out.norm = torch::stack(norms).norm();  // ()
+  if (grads.empty()) {
+    out.norm = released_squares.to(torch::kFloat32).sqrt();
+  } else {
+    // Per-tensor norms accumulated in fp32 from the bf16 gradients (no fp32 copies of them).
+    std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2, torch::kFloat32);
+    out.norm = released_squares.defined() ? (torch::stack(norms).square().sum() + released_squares).sqrt()
+                                          : torch::stack(norms).norm();  // ()
+  }
   if (max_norm > 0) out.scale = (max_norm / (out.norm + 1e-6)).clamp_max(1.0);
   return out;
 }
@@ -149,6 +155,12 @@ void AdamW::Step(double lr, double grad_scale) {
 void AdamW::GradsReady(const std::vector<int64_t>& indices) {
   if (host_) host_->GradsReady(indices);
 }
+
+void AdamW::ReleaseGrads(const std::vector<int64_t>& indices) {
+  if (host_) host_->ReleaseGrads(indices);
+}
+
+torch::Tensor AdamW::ReleasedGradSquares() const { return host_ ? host_->ReleasedGradSquares() : torch::Tensor(); }
 
 void AdamW::WaitParams(const std::vector<int64_t>& indices) {
   if (host_) host_->WaitParams(indices);

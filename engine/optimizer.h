@@ -56,11 +56,14 @@ double ClipScale(double norm, double max_norm);
 // fp32 scalar tensor on the gradients' device; 0 on the CPU when none has a gradient) and the
 // factor that clips it, min(1, max_norm / (norm + 1e-6)) (undefined when max_norm <= 0), for
 // AdamW::Step to multiply into each gradient as it reads it. One multi-tensor norm, no host sync.
+// released_squares: the squared norms of gradients no longer on the device
+// (AdamW::ReleasedGradSquares), counted in the norm.
 struct GradClip {
   torch::Tensor norm;
   torch::Tensor scale;
 };
-GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm);
+GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm,
+                       const torch::Tensor& released_squares = torch::Tensor());
 
 class AdamW {
  public:
@@ -92,6 +95,11 @@ class AdamW {
   // forward): wait for their update. Finish: WaitParams for all; anything that reads or writes
   // the parameters or the state outside a forward (checkpoints, eval, export) calls it first.
   void GradsReady(const std::vector<int64_t>& indices);
+  // Host state only: after GradsReady, drops those params' device gradients (HostAdamW::
+  // ReleaseGrads); ReleasedGradSquares: their squared norms' sum for the clip (GradClipScale's
+  // released_squares), undefined when none was released.
+  void ReleaseGrads(const std::vector<int64_t>& indices);
+  torch::Tensor ReleasedGradSquares() const;
   void WaitParams(const std::vector<int64_t>& indices);
   void Finish();
   int64_t steps() const { return steps_; }

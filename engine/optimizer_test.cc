@@ -404,6 +404,59 @@ TEST(AdamWTest, DeferredHostUpdateRunsWhenWaitedFor) {
   EXPECT_TRUE(torch::equal(w2, w1));
 }
 
+// Released gradients (deferred_cpu, as the CUDA pipeline): after GradsReady, ReleaseGrads drops
+// the device's .grad() of the params sent and keeps their squared norms; a param not sent keeps
+// its gradient. The clip over what is left plus the released squares is the norm of every
+// gradient, and the step from the sent copies equals the synchronous optimizer's, clipped. The
+// next step starts with nothing released, and ZeroGrad forgets a release too.
+TEST(AdamWTest, ReleasedGradientsStillUpdateAndCountInTheClip) {
+  torch::manual_seed(19);
+  const torch::Tensor w0 = torch::randn({5, 4}), n0 = torch::randn({4}), b0 = torch::randn({3});
+  const torch::Tensor gw = torch::randn({5, 4}) * 3, gn = torch::randn({4}), gb = torch::randn({3});
+  AdamWOptions o;
+  o.weight_decay = 0.1;
+  torch::Tensor w1 = w0.clone().requires_grad_(true), n1 = n0.clone().requires_grad_(true),
+                b1 = b0.clone().requires_grad_(true);
+  AdamW sync({{"w", w1}, {"n", n1}, {"b", b1}}, o, true);
+  HostOptimizerOptions lazy;
+  lazy.deferred_cpu = true;
+  torch::Tensor w2 = w0.clone().requires_grad_(true), n2 = n0.clone().requires_grad_(true),
+                b2 = b0.clone().requires_grad_(true);
+  AdamW deferred({{"w", w2}, {"n", n2}, {"b", b2}}, o, true, lazy);
+  for (int step = 0; step < 2; ++step) {
+    w1.mutable_grad() = gw.clone(), n1.mutable_grad() = gn.clone(), b1.mutable_grad() = gb.clone();
+    w2.mutable_grad() = gw.clone(), n2.mutable_grad() = gn.clone(), b2.mutable_grad() = gb.clone();
+    EXPECT_FALSE(deferred.ReleasedGradSquares().defined()) << "step " << step;
+    deferred.GradsReady({0, 1});
+    deferred.ReleaseGrads({0, 1, 2});  // b was not sent: it stays
+    EXPECT_FALSE(w2.grad().defined());
+    EXPECT_FALSE(n2.grad().defined());
+    ASSERT_TRUE(b2.grad().defined());
+    const torch::Tensor sq = deferred.ReleasedGradSquares();
+    ASSERT_TRUE(sq.defined());
+    EXPECT_NEAR(sq.item<double>(), (gw.square().sum() + gn.square().sum()).item<double>(), 1e-4);
+    const GradClip want = GradClipScale({w1, n1, b1}, 1.0);
+    const GradClip got = GradClipScale({w2, n2, b2}, 1.0, sq);
+    EXPECT_NEAR(got.norm.item<double>(), want.norm.item<double>(), 1e-5 * want.norm.item<double>());
+    EXPECT_LT(want.scale.item<double>(), 1.0) << "the clip is exercised";
+    sync.Step(1e-2, want.scale);
+    deferred.Step(1e-2, got.scale);
+    sync.ZeroGrad();
+    deferred.ZeroGrad();
+    deferred.Finish();
+    EXPECT_LT((w2 - w1).abs().max().item<double>(), 1e-6) << "step " << step;
+    EXPECT_LT((n2 - n1).abs().max().item<double>(), 1e-6) << "step " << step;
+    EXPECT_LT((b2 - b1).abs().max().item<double>(), 1e-6) << "step " << step;
+    EXPECT_GT((w2 - w0).abs().max().item<double>(), 1e-4) << "the released params moved";
+  }
+  // A release dropped with its gradients (a failed step) is not counted by the next.
+  w2.mutable_grad() = gw.clone();
+  deferred.GradsReady({0});
+  deferred.ReleaseGrads({0});
+  deferred.ZeroGrad();
+  EXPECT_FALSE(deferred.ReleasedGradSquares().defined());
+}
+
 // The CUDA pipeline (bf16 params on the GPU): gradients sent early for some params (as the
 // trainer does at the end of a layer group's backward) and at Step for the rest, the update on
 // host threads in small chunks, and reads of each parameter on the compute stream right after

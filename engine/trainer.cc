@@ -311,7 +311,13 @@ void Trainer::HookHostOptimizer() {
   hooks.after_backward = [this](int64_t first, int64_t count) {
     if (shards_)
       for (int64_t l = first; l < first + count; ++l) shards_->ReduceGradients(1 + l);
-    if (send_grads_early_) optimizer_->GradsReady(LayerParams(first, count));
+    if (send_grads_early_) {
+      const std::vector<int64_t> params = LayerParams(first, count);
+      optimizer_->GradsReady(params);
+      // Sent: off the GPU now (the clip counts their norms). Sharded, the shards' clip reads
+      // every shard's gradient: they stay.
+      if (!shards_) optimizer_->ReleaseGrads(params);
+    }
   };
   if (options_.shard_params) {  // shards_ is built after the hooks
     hooks.after_forward = [this](int64_t first, int64_t count, bool kept) {
@@ -1020,7 +1026,7 @@ absl::Status Trainer::ShardParameters(Communicator& group) {
 
 absl::StatusOr<GradClip> Trainer::ClipGradients() {
   if (shards_) return shards_->ClipScale(options_.grad_clip);
-  return GradClipScale(params_, options_.grad_clip);
+  return GradClipScale(params_, options_.grad_clip, optimizer_->ReleasedGradSquares());
 }
 
 absl::Status Trainer::SaveShardedCheckpoint(const std::string& dir) {

@@ -828,6 +828,12 @@ Tensor WarmupBlockKl(const Tensor& qi, const Tensor& k_idx, const Tensor& wi, co
 // dw_h = sum_p ds_p relu(q_h . k_p), and through the relu's active dot products dq_h and dk_p.
 // The value is returned; with `grads`, the block's rows of dq (B, HI, S, DI) and dw (B, S, HI)
 // are written and dk (B, P, DI) is added to, for a unit upstream gradient.
+// With 16-bit q_idx and k_idx on a GPU the three matmuls run on the tensor cores with fp32
+// outputs (at::bmm's out_dtype form): the dot products' operands are the 16-bit values either
+// way, so a's products are exact and only the summation order changes; dq and dk take the
+// gradient dd rounded to q_idx's dtype (one rounding, 2^-9 relative, where dq is rounded to it
+// anyway and dk sums fp32 products). fp32 FFMA matmuls were a third of the KL's time (2026-12-05,
+// one H200: 1.44 of 4.62 s a layer at 128K tokens).
 struct WarmupGrads {
   Tensor dq, dk, dw;
 };
@@ -839,10 +845,15 @@ Tensor WarmupBlockByHand(const Tensor& q_idx, const Tensor& k_idx, const Tensor&
   const Tensor valid = WarmupVisible(t0, n, pv, q.device()).expand({B, n, pv});
   const Tensor target = WarmupTarget(q, keys, t0, n, pv, valid, ct);  // (B, n, pv)
   const double scale = 1.0 / std::sqrt(static_cast<double>(DI));
-  const Tensor qb = q_idx.narrow(2, t0, n).to(ct).contiguous();   // (B, HI, n, DI)
-  const Tensor kb = k_idx.narrow(1, 0, pv).to(ct).contiguous();   // (B, pv, DI)
+  const bool tc = q_idx.is_cuda() && q_idx.scalar_type() == k_idx.scalar_type() &&
+                  (q_idx.scalar_type() == torch::kBFloat16 || q_idx.scalar_type() == torch::kHalf);
+  const auto mt = tc ? q_idx.scalar_type() : ct;  // the matmuls' operand dtype
+  const Tensor qb = q_idx.narrow(2, t0, n).to(mt).contiguous();   // (B, HI, n, DI)
+  const Tensor kb = k_idx.narrow(1, 0, pv).to(mt).contiguous();   // (B, pv, DI)
   const Tensor wb = w.narrow(1, t0, n).to(ct).permute({0, 2, 1});  // (B, HI, n)
-  Tensor a = at::matmul(qb, kb.unsqueeze(1).transpose(-1, -2)).relu_();  // (B, HI, n, pv)
+  // x (B, r, c) times y (B, c, m) with ct outputs.
+  auto mm = [&](const Tensor& x, const Tensor& y) { return tc ? at::bmm(x, y, ct) : at::bmm(x, y); };
+  Tensor a = mm(qb.view({B, HI * n, DI}), kb.transpose(1, 2)).view({B, HI, n, pv}).relu_();  // (B, HI, n, pv)
   const Tensor s = (a * wb.unsqueeze(-1)).sum(1).mul_(scale);         // (B, n, pv)
   const Tensor sm = s.masked_fill(valid.logical_not(), -kInf);
   const Tensor lse = sm.logsumexp(-1, /*keepdim=*/true);  // -inf on a row without a visible pool
@@ -855,10 +866,11 @@ Tensor WarmupBlockByHand(const Tensor& q_idx, const Tensor& k_idx, const Tensor&
   const Tensor ds = torch::where(has > 0, logp.exp(), torch::zeros({}, logp.options())).mul_(has).sub_(target).mul_(scale);
   grads->dw.narrow(1, t0, n).copy_((a * ds.unsqueeze(1)).sum(-1).permute({0, 2, 1}));  // (B, n, HI)
   // dL/d(q . k) = ds * w_h where the relu passed the dot product, 0 elsewhere.
-  Tensor dd = (ds.unsqueeze(1) * wb.unsqueeze(-1)).masked_fill_(a <= 0, 0.0).contiguous();  // (B, HI, n, pv)
+  Tensor dd = (ds.unsqueeze(1) * wb.unsqueeze(-1)).masked_fill_(a <= 0, 0.0).to(mt).contiguous();  // (B, HI, n, pv)
   a = Tensor();
-  grads->dq.narrow(2, t0, n).copy_(at::matmul(dd, kb.unsqueeze(1)));          // (B, HI, n, DI)
-  grads->dk.narrow(1, 0, pv).add_(at::bmm(dd.view({B, HI * n, pv}).transpose(1, 2), qb.view({B, HI * n, DI})));
+  const Tensor ddr = dd.view({B, HI * n, pv});
+  grads->dq.narrow(2, t0, n).copy_(mm(ddr, kb).view({B, HI, n, DI}));
+  grads->dk.narrow(1, 0, pv).add_(mm(ddr.transpose(1, 2), qb.view({B, HI * n, DI})));
   return value;
 }
 
@@ -956,9 +968,12 @@ int64_t DenseWarmupKlBlock(int64_t S, int64_t heads, int64_t index_heads, bool t
   // with w and ds and their gradient, fp32: ~512 MiB of each kind (~2.5 x 512 MiB in all for
   // hybrid-3b's 24 heads and 32 indexer heads). Blocks are large because each costs a fixed
   // ~30-50 launches: at 128K tokens, 128 MiB blocks (8 rows) made the KL ~34 s a layer on an
-  // H100, almost all of it launch overhead.
-  const int64_t per_row =
-      std::max<int64_t>(1, target_by_kernels ? S * index_heads : S * 4 * std::max(heads, index_heads));
+  // H100, almost all of it launch overhead. With the target by the kernels the block's
+  // transients are the indexer's (HI, n, S / 4) fp32 tensors alone, 2 GiB of each kind: at 128K
+  // tokens 512-row blocks took the KL 14% below 128-row ones (2026-12-05, one H200: 3.90 against
+  // 4.54 s a layer). planner/planner.cc counts the same budgets.
+  if (target_by_kernels) return std::clamp<int64_t>((int64_t{2} << 30) / std::max<int64_t>(1, S * index_heads), 1, 1024);
+  const int64_t per_row = std::max<int64_t>(1, S * 4 * std::max(heads, index_heads));
   return std::clamp<int64_t>((int64_t{512} << 20) / per_row, 1, 1024);
 }
 

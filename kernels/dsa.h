@@ -192,7 +192,7 @@ torch::Tensor KlSum(const torch::Tensor& target, const torch::Tensor& logp);
 // below is the same sum by autograd, block by block, for tests.) fp32 (fp64 for fp64 inputs); a
 // 0-d tensor. DenseWarmupKlBlock: a block size for S tokens that keeps the block's transients
 // near 512 MiB of each kind (at most 1024 rows); with the target by the CUDA kernels (no score
-// rows) the indexer's alone, 4x the rows for hybrid-3b. DenseWarmupKlBlockFor: that size for
+// rows) the indexer's alone, near 2 GiB of each kind: 16x the rows for hybrid-3b. DenseWarmupKlBlockFor: that size for
 // these tensors, knowing which path their device and dtypes take.
 torch::Tensor DenseWarmupKl(const torch::Tensor& q_idx, const torch::Tensor& k_idx, const torch::Tensor& w,
                             const torch::Tensor& q, const torch::Tensor& k, int64_t query_block);

@@ -888,7 +888,7 @@ TEST(DsaIndexer, DenseWarmupKlEqualsTheWholeFormulaFp64) {
   EXPECT_EQ(DenseWarmupKlBlock(64, 24, 32), 1024);
   EXPECT_EQ(DenseWarmupKlBlock(int64_t{1} << 17, 24, 32), 32);  // hybrid-3b at 128K: 512 MiB of fp32 rows
   EXPECT_LE(DenseWarmupKlBlock(int64_t{1} << 20, 24, 32) * (int64_t{1} << 20) * 4 * 32, int64_t{512} << 20);
-  EXPECT_EQ(DenseWarmupKlBlock(int64_t{1} << 17, 24, 32, /*target_by_kernels=*/true), 128);  // the indexer's rows alone
+  EXPECT_EQ(DenseWarmupKlBlock(int64_t{1} << 17, 24, 32, /*target_by_kernels=*/true), 512);  // the indexer's rows alone, 2 GiB
   EXPECT_EQ(DenseWarmupKlBlockFor(qi, q, k), DenseWarmupKlBlock(S, H, HI));  // fp64 on the CPU: libtorch's target
   try {
     DenseWarmupKl(qi, keys.narrow(1, 0, P - 1), w, q, k, 8);
@@ -900,11 +900,12 @@ TEST(DsaIndexer, DenseWarmupKlEqualsTheWholeFormulaFp64) {
   }
 }
 
-// The dense warm-up's KL on the GPU with bf16 inputs: the target's scores are the tensor cores'
-// bf16 products with fp32 outputs (exact products, fp32 sums), so value and gradients equal the
-// fp64 computation on the same bf16 values up to fp32 sums and the gradients' one bf16 rounding:
-// value within 1e-4, gradients within 1e-2 (bf16's 2^-8 with room). GQA 24/8 as hybrid-3b, a
-// block size that divides nothing.
+// The dense warm-up's KL on the GPU with bf16 inputs: the target's scores and the indexer's dot
+// products are the tensor cores' bf16 products with fp32 outputs (exact products, fp32 sums), so
+// value and gradients equal the fp64 computation on the same bf16 values up to fp32 sums, the
+// indexer gradient's one bf16 rounding before its two matmuls and the gradients' own: value
+// within 1e-4, gradients within 1e-2 (bf16's 2^-8 with room). GQA 24/8 as hybrid-3b, a block
+// size that divides nothing.
 TEST(DsaIndexer, DenseWarmupKlBf16OnTheGpuEqualsFp64_cuda) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t B = 1, HI = 4, DI = 64, H = 24, Hkv = 8, D = 128, S = 301, P = S / 4;

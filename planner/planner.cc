@@ -202,8 +202,11 @@ Prediction Predict(const Request& r) {
   const int64_t ckpt_middle = recompute && C >= 3 ? 2 : 0;
   const int64_t group_layers = st.recompute == Recompute::kEveryK ? st.every_k : 1;
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
-  // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host
-  // each layer's gradients leave the GPU as they are produced.
+  // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host each
+  // layer's gradients leave the GPU as they are produced (engine/host_adamw.h ReleaseGrads: sent
+  // to the host and dropped at the end of the layer's backward; before 2026-12-05 they stayed to
+  // the step, and Llama-3.2-3B at 64K without kept attention outputs peaked 3.7 GB above this
+  // plan in layer 1's backward). RL sessions' backward passes send nothing early: not counted here.
   // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
   // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = frozen ? 0 : m.vocab * H * e;
@@ -308,25 +311,32 @@ Prediction Predict(const Request& r) {
     // DSA layer's backward holds, per token, its input, q, k, v, the attention output and its
     // log-sum-exp, the indexer's q and w, their gradients and the input's, the attention
     // backward's fp32 dq accumulator, and the KL target's copy of the keys, grouped by KV head in
-    // their own dtype (kernels::DenseWarmupKl); one KL block's transients (~2.5 x 512 MiB:
-    // the target's scores and softmax, the indexer's dot products and their gradient,
+    // their own dtype (kernels::DenseWarmupKl); one KL block's transients (~2.5 x 2 GiB on a
+    // GPU: the indexer's dot products, their weighted sum and their gradient,
     // kernels::DenseWarmupKlBlock); the residual stream around the mixer as in the sparse
-    // stage. By construction, not yet measured.
+    // stage. By construction; only reached by a warm-up with a backward through the layers
+    // (LoRA, which the trainer refuses with the warm-up).
     const int64_t IQ = HI * m.index_head_dim;
     const int64_t warm_per_token =
         T * (2 * m.hidden * e + 3 * qd * e + 4 * kvd * e + 4 * m.heads + 2 * IQ * e + HI * e + qd * 4 + kvd * e);
-    const int64_t warm_blocks = int64_t{3} * (int64_t{512} << 20);
+    // (On a GPU the target runs as CUDA kernels and a block's transients are the indexer's,
+    // ~2.5 of 2 GiB: kernels::DenseWarmupKlBlock.)
+    const int64_t warm_blocks = int64_t{3} * (int64_t{2} << 30);
     if (m.warmup_params > 0) {
-      // Beside the kernels' state: the norm's output, the heads' output and o_proj's (KDA); the
-      // norm's output, o_proj's, q and the attention output, k, v and the KL target's view of k
-      // (DSA).
-      const int64_t kda_forward = m.kda_layers > 0 ? kda_segment + (T > Tt ? kda_tile : 0) + 3 * kda_stream : 0;
+      // Without grad a KDA layer holds, per token of its tile, q, k, v and the output in the
+      // params' dtype, the fp32 gate and the output gate's two 16-bit intermediates; per token of
+      // the segment, its fp32 inputs and chunk quantities (~14 of (Ts, HK): q, k, v, g, G, the
+      // decay factors, W, U, kg, qg, the output) ; beside them the norm's output, the heads' output
+      // and o_proj's, (T, hidden) each. A DSA layer: the norm's output, o_proj's, q and the
+      // attention output, k, v and the KL target's view of k, the log-sum-exp, the indexer's q, w
+      // and pooled keys with their gradients, and one KL block's transients. By construction.
+      const int64_t kda_forward = m.kda_layers > 0 ? Tt * HK * (6 * e + 4) + Ts * HK * 56 + 3 * kda_stream : 0;
       const int64_t dsa_forward =
           m.dsa_layers == 0 ? 0
                             : T * (2 * m.hidden * e + 2 * qd * e + 3 * kvd * e + 4 * m.heads + 2 * IQ * e + 2 * HI * e) +
                                   (T / 4) * m.index_head_dim * (e + 4) + warm_blocks;
       warmup_layer = kda_forward >= dsa_forward
-                         ? std::pair<std::string, int64_t>{"KDA layer forward (bounded by its backward's tile and segment)",
+                         ? std::pair<std::string, int64_t>{"KDA layer forward (one tile's and one segment's tensors)",
                                                            kda_forward}
                          : std::pair<std::string, int64_t>{
                                "DSA layer forward: attention, the indexer and its KL's gradients", dsa_forward};
@@ -380,10 +390,11 @@ Prediction Predict(const Request& r) {
     // or offloaded (recompute and offload have nothing to keep) and no gradient flows through the
     // layers. The GPU holds the parameters, the indexers' gradients and optimizer state, the
     // residual stream around one layer (its input and output), and that layer's forward working
-    // set: a KDA layer's bounded by its backward's tile and segment terms, a DSA layer's the main
+    // set: a KDA layer's tile and segment without autograd state, a DSA layer's the main
     // attention's q, k, v, output and log-sum-exp, the indexer's q, w and pooled keys with the
     // KL's gradients (dq, dw; dk in fp32) and one KL block's transients, or the MLP's tile. By
-    // construction, not yet measured.
+    // construction; measured at 128K on one H100 (2026-12-05): 1.011x the peak, in a DSA
+    // layer's KL.
     // The MLP block: its norm's output and the output buffer, and one tile's intermediates.
     const int64_t mlp_forward = 2 * act + (m.moe_layers > 0  ? moe_work
                                            : st.mlp_tile > 0 ? 3 * std::min(st.mlp_tile, T) * I * e

@@ -439,8 +439,8 @@ TEST(PlannerTest, DenseWarmupTrainsTheIndexersAlone) {
 // Its plan has no checkpoints, no gradient through the layers and no offload pool, whatever the
 // recompute and offload fields say; the indexers' gradients and one layer's forward are its
 // working set. At 1M tokens of hybrid-3b the DSA layer's forward (the whole layer at once: dense
-// attention, the indexer over every token, the KL's gradients) names the peak; at 64K the KDA
-// layer's.
+// attention, the indexer over every token, the KL's gradients) names the peak, and at 64K too:
+// one KL block's transients (~3 x 2 GiB on the GPU's kernel path) outweigh a KDA layer's tile.
 TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   model::ModelConfig config = *model::NamedShape("hybrid-3b");
   config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
@@ -453,10 +453,10 @@ TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   const int64_t T = r.seq_len, e = 2;
   // Per token: the norm's and o_proj's outputs, q and the attention output, k, v and the target's
   // view of k, the log-sum-exp, the indexer's q (32 x 128) and dq, w and dw; per pool, the pooled
-  // key (bf16) and its fp32 gradient; one KL block's ~2.5 x 512 MiB of transients.
+  // key (bf16) and its fp32 gradient; one KL block's ~2.5 x 2 GiB of transients.
   const int64_t per_token = 2 * 3072 * e + 2 * 3072 * e + 3 * 1024 * e + 4 * 24 + 2 * 4096 * e + 2 * 32 * e;
-  EXPECT_EQ(Term(warm, "DSA layer forward: attention, the indexer and its KL's gradients"),
-            T * per_token + (T / 4) * 128 * (e + 4) + 3 * (int64_t{512} << 20));
+  auto dsa_forward = [&](int64_t t) { return t * per_token + (t / 4) * 128 * (e + 4) + 3 * (int64_t{2} << 30); };
+  EXPECT_EQ(Term(warm, "DSA layer forward: attention, the indexer and its KL's gradients"), dsa_forward(T));
   EXPECT_EQ(warm.peak_phase, "forward (dense warm-up: no backward through the layers)");
   EXPECT_EQ(Term(warm, "indexer gradients"), config.IndexerParameters() * e);
   EXPECT_EQ(Term(warm, "the residual stream around one layer"), 2 * T * 3072 * e);
@@ -480,8 +480,8 @@ TEST(PlannerTest, DenseWarmupDsaLayerHasItsOwnTerms) {
   EXPECT_FALSE(chosen->strategy.offload);
   r.seq_len = 65536;
   const Prediction short_warm = Predict(r);
-  EXPECT_EQ(Term(short_warm, "DSA layer forward: attention, the indexer and its KL's gradients"), -1);
-  EXPECT_GT(Term(short_warm, "KDA layer forward (bounded by its backward's tile and segment)"), 0);
+  EXPECT_EQ(Term(short_warm, "DSA layer forward: attention, the indexer and its KL's gradients"), dsa_forward(65536));
+  EXPECT_EQ(Term(short_warm, "KDA layer forward (one tile's and one segment's tensors)"), -1);
 }
 
 // A job's memory fields over the planner's choice, as a worker applies them.
@@ -621,6 +621,7 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     MemoryStrategy strategy;
     int64_t measured_gpu, measured_host;
     int64_t batch = 1;
+    bool dense_warmup = false;  // the DSA layers' indexer stage dense_warmup
   };
   auto keep = [](MemoryStrategy s) {
     s.keep_attention = true;
@@ -640,6 +641,10 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 64568811008, 11274289152},
       {"llama-3.2-3b", 28, 65536, on_host(keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1))), 26015813120,
        11274289152 + 3212749824LL * 14},
+      // (Without kept attention outputs, the same flags as the row above peaked at 18906247680 bytes
+      // in layer 1's backward on 2026-12-05, every layer's gradients alive until the step: the
+      // row that had the host optimizer release each layer's gradients after its backward. Not
+      // re-measured since, so not a row here; docs/benchmarks.md has it.)
       {"llama-3.2-3b", 28, 262144, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 118811397632, 45097156608},
       {"llama-3.2-3b", 28, 262144, on_host(keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1))), 80258399744,
        45097156608 + 3212749824LL * 14},
@@ -679,12 +684,18 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       // of libtorch's pinned caching allocator (2 KB a token: 2 GiB at 1M).
       {"hybrid-3b", 28, 1048576, kept(StrategyOf("every_k", 2, true, 2, 10922, 1046, 1)), 147570563072,
        77309411328 + 2147483648LL * 7},
+      // The dense warm-up step at 128K (2026-12-05, eleventh session, on one H100: allocations do
+      // not depend on the card; the 64K Llama peak above the release measured the same bytes on
+      // both): no backward through the layers, the KL target by the CUDA kernels and its indexer
+      // side on the tensor cores, 512-row KL blocks; the peak in a DSA layer's KL.
+      {"hybrid-3b", 28, 131072, StrategyOf("layer", 2, false, 0, 10922, 1046, 1), 22833267200, 0, 1, true},
   };
   for (const Row& row : rows) {
     SCOPED_TRACE(testing::Message() << row.shape << " layers " << row.layers << " seq " << row.seq << " x "
                                     << row.batch << " " << row.strategy.Describe());
     auto config = *model::NamedShape(row.shape);
     config.num_hidden_layers = row.layers;
+    if (row.dense_warmup) config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
     Request r;
     r.model = ShapeOf(config);
     r.seq_len = row.seq;
