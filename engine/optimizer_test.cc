@@ -457,8 +457,9 @@ TEST(AdamWTest, ReleasedGradientsStillUpdateAndCountInTheClip) {
   EXPECT_FALSE(deferred.ReleasedGradSquares().defined());
 }
 
-// The CUDA pipeline (bf16 params on the GPU): gradients sent early for some params (as the
-// trainer does at the end of a layer group's backward) and at Step for the rest, the update on
+// The CUDA pipeline (bf16 params on the GPU): gradients sent early and released from the GPU
+// for some params (as the trainer does at the end of a layer group's backward) and at Step for
+// the rest, the update on
 // host threads in small chunks, and reads of each parameter on the compute stream right after
 // WaitParams, before the update has finished elsewhere. After 3 steps (one clipped) the params
 // match the device AdamW's to a bf16 ulp (the device path rounds a clipped gradient to bf16,
@@ -494,7 +495,11 @@ TEST(HostAdamWGpuTest, PipelineMatchesDeviceAdamW) {
       torch::Tensor g = torch::randn(shapes[static_cast<size_t>(i)], torch::TensorOptions().device(cuda)).to(torch::kBFloat16);
       dev_params[static_cast<size_t>(i)].second.mutable_grad() = g.clone();
       host_params[static_cast<size_t>(i)].second.mutable_grad() = g;
-      if (i % 2 == 1) host.GradsReady({i});  // the rest go at Step
+      if (i % 2 == 1) {  // the rest go at Step
+        host.GradsReady({i});
+        host.ReleaseGrads({i});  // off the GPU: the update reads the copy
+        EXPECT_FALSE(host_params[static_cast<size_t>(i)].second.grad().defined());
+      }
     }
     dev.Step(o.lr, scale);
     host.Step(o.lr, scale);
