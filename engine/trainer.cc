@@ -426,6 +426,7 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   torch::Tensor loss;  // () this rank's share
   // One backward per step and no all-reduce after it: each checkpointed layer group's
   // gradients are final when its backward ends, so they may go to a host optimizer then.
+  // (The planner's mirror of this rule: planner::GradientsToStep.)
   send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1 && !indexer_backward_in_forward_;
   try {
     if (indexer_backward_in_forward_) {

@@ -215,6 +215,35 @@ TEST(MemorySpecTest, PlanJobSpecReadsTheSpec) {
   EXPECT_EQ(p->strategy.host_budget_bytes, int64_t{8} << 30);
 }
 
+// With the optimizer on the host an SFT job's layers' gradients leave the GPU with their
+// backward; an RL session's, data-parallel replicas' and context-parallel ranks' stay to the step
+// (GradientsToStep): their plans hold them as the device optimizer's does, and the same spec as
+// an RL session plans more GPU memory than as SFT.
+TEST(MemorySpecTest, GradientsStayToTheStepWhereNothingIsSentEarly) {
+  EXPECT_FALSE(GradientsToStep(false, 1, 1));
+  EXPECT_TRUE(GradientsToStep(true, 1, 1));
+  EXPECT_TRUE(GradientsToStep(false, 2, 1));
+  EXPECT_TRUE(GradientsToStep(false, 2, 2));
+  const Hardware h200;
+  v1::JobSpec sft = Spec3B(65536);
+  sft.mutable_memory()->set_recompute("layer");
+  sft.mutable_memory()->set_offload("on");
+  sft.mutable_memory()->set_optimizer_on_host(true);
+  v1::JobSpec rl = sft;
+  rl.set_kind(v1::RL_SESSION);
+  absl::StatusOr<JobPlan> a = PlanJobSpec(sft, h200), b = PlanJobSpec(rl, h200);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  auto term = [](const JobPlan& p, const std::string& name) {
+    for (const auto& [n, bytes] : p.prediction.terms)
+      if (n == name) return bytes;
+    return int64_t{-1};
+  };
+  EXPECT_GT(b->prediction.gpu_peak_bytes, a->prediction.gpu_peak_bytes);
+  const int64_t layer_grads = term(*b, "gradients so far");
+  EXPECT_GT(layer_grads, int64_t{5} << 30) << b->prediction.Describe();  // 27 of 28 layers' bf16 gradients
+  EXPECT_LT(term(*a, "gradients so far"), int64_t{1} << 30) << a->prediction.Describe();
+}
+
 // Context parallel: one rank holds seq_len / context_parallel positions, and is planned so.
 TEST(MemorySpecTest, ContextParallelPlansOneRanksShardOfTheSequence) {
   const Hardware h200;

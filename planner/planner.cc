@@ -206,18 +206,19 @@ Prediction Predict(const Request& r) {
   // layer's gradients leave the GPU as they are produced (engine/host_adamw.h ReleaseGrads: sent
   // to the host and dropped at the end of the layer's backward; before 2026-12-05 they stayed to
   // the step, and Llama-3.2-3B at 64K without kept attention outputs peaked 3.7 GB above this
-  // plan in layer 1's backward). RL sessions' backward passes send nothing early: not counted here.
+  // plan in layer 1's backward). Where the trainer sends nothing early (m.gradients_to_step: RL
+  // sessions, replicas, context-parallel ranks) they stay, as with the optimizer on the GPU.
   // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
   // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = frozen ? 0 : m.vocab * H * e;
-  const int64_t grads_bottom = shards > 1              ? owned * e + head_grad + layer_params * e
-                               : st.optimizer_on_host ? head_grad + layer_params * e
-                                                      : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
+  const bool grads_leave = st.optimizer_on_host && !m.gradients_to_step;
+  const int64_t grads_bottom = shards > 1   ? owned * e + head_grad + layer_params * e
+                               : grads_leave ? head_grad + layer_params * e
+                                             : std::max<int64_t>(head_grad, (trainable - layer_params) * e);
   // The middle phase: the two bottom groups' layers have no gradients yet.
   const int64_t grads_middle =
-      shards > 1 || st.optimizer_on_host
-          ? grads_bottom
-          : std::max<int64_t>(head_grad, (trainable - 2 * group_layers * layer_params) * e);
+      shards > 1 || grads_leave ? grads_bottom
+                                : std::max<int64_t>(head_grad, (trainable - 2 * group_layers * layer_params) * e);
   const int64_t kept_per_layer = keep ? T * (qd * e + 4 * m.heads) : 0;
   // Without recompute every layer's autograd state stays until backward reaches it: the
   // attention half (layer input, norm output, rotated q and k, v, attention output, residual)
@@ -667,15 +668,18 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& q) {
 
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks,
+                                     bool gradients_to_step) {
   absl::StatusOr<model::ModelConfig> config = model::ResolveModelConfig(model_name);
   if (!config.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.model.name: ", config.status().message()));
-  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora, shard_ranks, context_ranks);
+  return PlanModelJob(*config, dtype, seq_len, batch_size, fields, hardware, lora, shard_ranks, context_ranks,
+                      gradients_to_step);
 }
 
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
-                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks) {
+                                     const model::LoraConfig& lora, int64_t shard_ranks, int64_t context_ranks,
+                                     bool gradients_to_step) {
   if (absl::Status s = lora.Validate("spec.lora", &config); !s.ok()) return s;
   if (fields.head_groups && config.num_key_value_heads % *fields.head_groups != 0)
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups: (", *fields.head_groups,
@@ -701,6 +705,7 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   q.model = ShapeOf(config, lora);
   q.model.shard_ranks = std::max<int64_t>(1, shard_ranks);
   q.model.context_ranks = std::max<int64_t>(1, context_ranks);
+  q.model.gradients_to_step = gradients_to_step;
   q.seq_len = seq_len;
   q.batch_size = std::max<int64_t>(1, batch_size);
   q.param_bytes = dtype == "float32" ? 4 : 2;
@@ -709,6 +714,10 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   absl::StatusOr<JobPlan> plan = PlanJob(q);
   if (!plan.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", plan.status().message()));
   return plan;
+}
+
+bool GradientsToStep(bool rl_session, int64_t world_size, int64_t context_parallel) {
+  return rl_session || world_size > 1 || context_parallel > 1;
 }
 
 Hardware CpuHardware(int64_t host_memory_bytes, int64_t spec_budget_bytes) {

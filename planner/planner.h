@@ -50,6 +50,10 @@ struct ModelShape {
   // output gradient in the head layout beside the incoming one, and one broadcast tile's input
   // (model/hybrid.h). 1: one rank holds whole rows.
   int64_t context_ranks = 1;
+  // With the optimizer on the host, whether every gradient stays on the GPU until the step
+  // (GradientsToStep) rather than leaving with its layer's backward (engine/host_adamw.h
+  // ReleaseGrads, which the trainer runs only for one SFT rank per sequence).
+  bool gradients_to_step = false;
   // The hybrid family (model::Architecture::kHybrid): kda_layers + dsa_layers == layers, and
   // heads / kv_heads / head_dim are the DSA layers' main attention. Their terms in Predict() name
   // the CUDA path's tensors, sized by fits to hybrid-3b's peaks measured on one H200 (64K-512K).
@@ -158,17 +162,24 @@ absl::StatusOr<JobPlan> PlanJob(const JobPlanRequest& request);
 // ("spec.memory.attention_head_groups (3) must divide ...") when the model cannot take the fields.
 // `shard_ranks`: ModelShape::shard_ranks (parallel.world_size when parallel.shard_params);
 // `context_ranks`: ModelShape::context_ranks (parallel.context_parallel; seq_len is one rank's).
+// `gradients_to_step`: ModelShape::gradients_to_step (GradientsToStep).
 absl::StatusOr<JobPlan> PlanModelJob(const std::string& model_name, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
                                      const model::LoraConfig& lora = {}, int64_t shard_ranks = 1,
-                                     int64_t context_ranks = 1);
+                                     int64_t context_ranks = 1, bool gradients_to_step = false);
 // The same for a model already resolved (callers that need its config anyway resolve it once).
 // `lora`: the job's adapters (rank 0: full fine-tuning); INVALID_ARGUMENT naming spec.lora.<field>
 // when they cannot run on the model.
 absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std::string& dtype, int64_t seq_len,
                                      int64_t batch_size, const MemoryFields& fields, const Hardware& hardware,
                                      const model::LoraConfig& lora = {}, int64_t shard_ranks = 1,
-                                     int64_t context_ranks = 1);
+                                     int64_t context_ranks = 1, bool gradients_to_step = false);
+
+// Whether a job's gradients stay on the GPU until the step even with the optimizer on the host
+// (ModelShape::gradients_to_step): RL sessions (gradients accumulate over forward_backward calls),
+// and data-parallel replicas or context-parallel ranks (an all-reduce after the backward). The
+// engine's rule (engine/trainer.cc, send_grads_early_).
+bool GradientsToStep(bool rl_session, int64_t world_size, int64_t context_parallel);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384,

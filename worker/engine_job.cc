@@ -133,7 +133,9 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   if (absl::Status s = model::SetIndexerStage("spec.model.indexer_stage", j.indexer_stage, &*config); !s.ok()) return s;
   absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(*config, dtype, rank_seq, j.batch_size, j.memory, hw,
                                                                 j.lora, j.shard_params ? j.world_size : 1,
-                                                                std::max(1, j.context_parallel));
+                                                                std::max(1, j.context_parallel),
+                                                                planner::GradientsToStep(j.rl_session, j.world_size,
+                                                                                         j.context_parallel));
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));

@@ -57,6 +57,7 @@ struct EngineJobOptions {
   std::string dtype = "auto";
   std::string attention = "auto";
   std::string indexer_stage;  // JobSpec model.indexer_stage: "" = the model's (engine::TrainerOptions)
+  bool rl_session = false;    // an RL session's trainer (RlSession::Create sets it): its plan keeps every gradient
   int64_t steps = 0;
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0, min_lr_ratio = 0;
   int64_t warmup_steps = 0;

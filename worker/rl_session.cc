@@ -271,6 +271,7 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
   try {
     auto impl = std::make_unique<Impl>();
     impl->options = options;
+    impl->options.rl_session = true;  // its plan keeps every gradient to the step (planner::GradientsToStep)
     // Before any work, as an SFT run: a folder holding another job's steps fails the session now.
     if (!options.checkpoint_dir.empty() && options.rank == 0) {
       if (absl::Status s =
@@ -279,7 +280,7 @@ absl::StatusOr<std::unique_ptr<RlSession>> RlSession::Create(const EngineJobOpti
         return s;
       RemoveStagingLeftovers(options.checkpoint_dir, options.checkpoint_owner);  // of a run that died mid-write
     }
-    if (absl::Status s = BuildTrainerOptions(options, &impl->trainer_options); !s.ok()) return s;
+    if (absl::Status s = BuildTrainerOptions(impl->options, &impl->trainer_options); !s.ok()) return s;
     if (options.world_size > 1) {  // as an SFT run (engine_job.cc)
       absl::StatusOr<torch::Device> device = engine::ParseDevice(impl->trainer_options.device);
       if (!device.ok()) return device.status();
