@@ -89,13 +89,26 @@ absl::Status CheckReplaceable(const std::string& folder, const std::string& owne
                    "not written by odyssey); it is left as it is: choose a new folder"));
 }
 
-void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep) {
+void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep,
+                      const std::function<void(const std::string&)>& remove) {
   if (keep <= 0) return;
   std::vector<std::string> own;
   for (const std::string& step : ListCheckpoints(dir))
     if (ReadOwner(step) == owner) own.push_back(step);
   std::error_code ec;
-  for (size_t i = 0; i + static_cast<size_t>(keep) < own.size(); ++i) fs::remove_all(own[i], ec);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < own.size(); ++i) {
+    const fs::path from(own[i]);
+    const fs::path to = from.parent_path() / absl::StrCat(".", from.filename().string(), ".pruned");
+    fs::remove_all(to, ec);  // an earlier prune's interrupted leftover of the same step
+    ec.clear();
+    fs::rename(from, to, ec);
+    if (ec) continue;
+    if (remove) {
+      remove(to.string());
+    } else {
+      fs::remove_all(to, ec);
+    }
+  }
 }
 
 void RemoveStagingLeftovers(const std::string& dir, const std::string& owner) {

@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -56,8 +57,14 @@ absl::Status CheckCheckpointFolder(const std::string& dir, const std::string& ow
 absl::Status CheckReplaceable(const std::string& folder, const std::string& owner, absl::string_view field);
 
 // Removes `owner`'s oldest step folders in `dir` until `keep` of its own remain (keep <= 0:
-// none removed). Other owners' step folders are neither removed nor counted.
-void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep);
+// none removed). Other owners' step folders are neither removed nor counted. Each goes out of
+// the step folders' names first (renamed to ".step-NNNNNNNN.pruned", a leftover that
+// RemoveStagingLeftovers clears) and is then removed by `remove` (default: std::filesystem::
+// remove_all; tests interrupt it): a run killed while a removal is half done leaves no step
+// folder without its owner file behind, which the job's restart would refuse (the soak's kill -9
+// failed a job so). A step folder that cannot be renamed stays whole, for the next prune.
+void PruneCheckpoints(const std::string& dir, const std::string& owner, int keep,
+                      const std::function<void(const std::string&)>& remove = {});
 
 // The checkpoint a restarted run of `owner` resumes from, given `recorded`, the one the controller
 // last heard of: the newest of `owner`'s step folders in `dir` when it is at least as new as

@@ -74,6 +74,36 @@ TEST_F(CheckpointFolderTest, PruningCountsAndRemovesOnlyOwnSteps) {
   EXPECT_EQ(ListCheckpoints(dir_).size(), 5u);
 }
 
+// A prune killed halfway through removing a step folder (here: after its owner file, which
+// remove_all may take first) leaves no step folder without an owner: the job's restart takes its
+// folder, and the leftover, still named a pruned step, is a staging leftover (cleared once its
+// owner is known, or once old without one).
+TEST_F(CheckpointFolderTest, APruneKilledMidRemovalLeavesNoOwnerlessStep) {
+  for (int64_t step : {6, 7, 8}) Step(step, kMine);
+  std::vector<std::string> removed;
+  PruneCheckpoints(dir_, kMine, 2, [&removed](const std::string& path) {
+    fs::remove(fs::path(path) / kOwnerFile);  // and then the process dies
+    removed.push_back(path);
+  });
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(fs::path(removed[0]).filename().string(), ".step-00000006.pruned");
+  EXPECT_EQ(ListCheckpoints(dir_), (std::vector<std::string>{CheckpointPath(dir_, 7), CheckpointPath(dir_, 8)}));
+  EXPECT_TRUE(CheckCheckpointFolder(dir_, kMine, "spec.checkpoint.directory").ok());
+  fs::last_write_time(removed[0], fs::file_time_type::clock::now() - kOwnerlessStagingAge - std::chrono::minutes(1));
+  RemoveStagingLeftovers(dir_, kMine);
+  EXPECT_FALSE(fs::exists(removed[0]));
+  // Killed before the removal began: the leftover keeps its owner and goes as the job's own;
+  // the next prune of the same step name replaces any leftover of it.
+  Step(9, kMine);
+  PruneCheckpoints(dir_, kMine, 2, [](const std::string&) {});
+  EXPECT_EQ(ReadOwner(dir_ + "/.step-00000007.pruned"), kMine);
+  RemoveStagingLeftovers(dir_, kMine);
+  EXPECT_FALSE(fs::exists(dir_ + "/.step-00000007.pruned"));
+  PruneCheckpoints(dir_, kMine, 1);
+  EXPECT_EQ(ListCheckpoints(dir_), std::vector<std::string>{CheckpointPath(dir_, 9)});
+  EXPECT_FALSE(fs::exists(dir_ + "/.step-00000008.pruned"));
+}
+
 // A restart resumes from the job's newest own step folder, also when the controller's recorded
 // one was pruned by a run it had lost track of; never from another owner's, never back in time.
 TEST_F(CheckpointFolderTest, RestartResumesFromTheNewestOwnStep) {
