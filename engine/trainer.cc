@@ -221,7 +221,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   const model::ModelConfig& config = (*m)->config();
   // The indexer's dense warm-up (spec 2.3): only the DSA layers' indexers train, from their KL
   // against the dense attention; every other weight is frozen (no gradient, no optimizer state).
-  bool warmup = false;
   if (config.IsHybrid() && config.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup) {
     const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model '", options.model,
                                            "'), where only the DSA indexers train");
@@ -234,7 +233,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     torch::NoGradGuard no_grad;
     for (auto& p : (*m)->named_parameters())
       p.value().requires_grad_(p.key().find(".indexer.") != std::string::npos);
-    warmup = true;
   }
   if (options.data.seq_len > config.max_position_embeddings)
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len (", options.data.seq_len,
@@ -252,7 +250,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   absl::StatusOr<std::unique_ptr<DataSource>> data = OpenDataSource(data_options);
   if (!data.ok()) return data.status();
   auto trainer = std::unique_ptr<Trainer>(new Trainer(options, *std::move(m), *std::move(data), *device, dtype));
-  trainer->indexer_backward_in_forward_ = warmup;
   trainer->memory_ = *std::move(memory);
   trainer->runner_ = trainer->memory_->Runner();
   if (options.memory.optimizer_on_host || options.shard_params) trainer->HookHostOptimizer();
@@ -414,6 +411,11 @@ absl::Status Trainer::ReduceGradients(std::vector<torch::Tensor>& riders) {
   return gradients_->Reduce(riders);
 }
 
+bool Trainer::IndexerBackwardInForwardStep() const {
+  const model::ModelConfig& c = model_->config();
+  return c.IsHybrid() && c.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup;
+}
+
 absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, TokenShare* share_out,
                                                        bool send_early) {
   const Batch batch = LocalShard(whole);  // (B, S/P) under context parallelism
@@ -427,9 +429,9 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   // One backward per step and no all-reduce after it: each checkpointed layer group's
   // gradients are final when its backward ends, so they may go to a host optimizer then.
   // (The planner's mirror of this rule: planner::GradientsToStep.)
-  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1 && !indexer_backward_in_forward_;
+  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1 && !IndexerBackwardInForwardStep();
   try {
-    if (indexer_backward_in_forward_) {
+    if (IndexerBackwardInForwardStep()) {
       // The dense warm-up: nothing but the indexers trains and their input is detached, so the
       // only gradients are the indexers' KLs', each sent inside its layer's forward (the
       // gradient the KL's InjectAuxLoss would send back). The layers run without grad: no

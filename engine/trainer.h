@@ -326,6 +326,10 @@ class Trainer {
   void HookHostOptimizer();
   // More than one rank: a rank's RL slice may then be empty (the whole batch is the controller's).
   bool DataParallel() const { return comm_->world_size() > 1; }
+  // The dense warm-up (only the DSA indexers train: Create froze the rest): an SFT step's forward
+  // runs without grad and each DSA layer sends its indexer KL's gradient in the forward
+  // (model/hybrid.h, set_indexer_backward_in_forward); no backward through the layers, no recompute.
+  bool IndexerBackwardInForwardStep() const;
   // The RL batch's one validation: `shard`, then `loss` (when given) and the batch's datums
   // (ValidateDatums); an empty batch only when `allow_empty`. The whole-batch weight rule is
   // ForwardBackward's (it needs the whole batch's W, agreed across the ranks).
@@ -394,10 +398,6 @@ class Trainer {
   bool hooked_runner_ = true;       // runner_ is the memory stack's (its hooks fire)
   torch::Tensor aux_loss_;          // the last Loss()'s MoE load-balancing term (undefined: none)
   bool send_grads_early_ = false;   // inside an SFT backward whose gradients are final per group
-  // The dense warm-up (only the DSA indexers train): an SFT step's forward runs without grad and
-  // each DSA layer sends its indexer KL's gradient in the forward (model/hybrid.h,
-  // set_indexer_backward_in_forward); no backward through the layers, no recompute.
-  bool indexer_backward_in_forward_ = false;
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

@@ -720,10 +720,15 @@ bool WarmupTargetByKernels(const Tensor& q, const Tensor& k) {
 #endif
 }
 
+// Whether a x b's matmuls take their 16-bit operands as they are, on the tensor cores with fp32
+// outputs (at::bmm's out_dtype form): both of one 16-bit dtype, on a GPU.
+bool TensorCoreOperands(const Tensor& a, const Tensor& b) {
+  return a.is_cuda() && a.scalar_type() == b.scalar_type() &&
+         (a.scalar_type() == torch::kBFloat16 || a.scalar_type() == torch::kHalf);
+}
+
 WarmupKeys MakeWarmupKeys(const Tensor& q, const Tensor& k, torch::ScalarType ct) {
-  const bool half = q.scalar_type() == k.scalar_type() &&
-                    (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
-  const bool tc = q.is_cuda() && half;
+  const bool tc = TensorCoreOperands(q, k);
 #ifdef ODYSSEY_KERNELS_CUDA
   if (WarmupTargetByKernels(q, k)) {
     WarmupKeys keys;
@@ -845,8 +850,7 @@ Tensor WarmupBlockByHand(const Tensor& q_idx, const Tensor& k_idx, const Tensor&
   const Tensor valid = WarmupVisible(t0, n, pv, q.device()).expand({B, n, pv});
   const Tensor target = WarmupTarget(q, keys, t0, n, pv, valid, ct);  // (B, n, pv)
   const double scale = 1.0 / std::sqrt(static_cast<double>(DI));
-  const bool tc = q_idx.is_cuda() && q_idx.scalar_type() == k_idx.scalar_type() &&
-                  (q_idx.scalar_type() == torch::kBFloat16 || q_idx.scalar_type() == torch::kHalf);
+  const bool tc = TensorCoreOperands(q_idx, k_idx);
   const auto mt = tc ? q_idx.scalar_type() : ct;  // the matmuls' operand dtype
   const Tensor qb = q_idx.narrow(2, t0, n).to(mt).contiguous();   // (B, HI, n, DI)
   const Tensor kb = k_idx.narrow(1, 0, pv).to(mt).contiguous();   // (B, pv, DI)

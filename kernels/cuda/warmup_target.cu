@@ -99,6 +99,24 @@ __device__ __forceinline__ void HeadScores(float (&acc)[4][4], Tiles& sm, const 
   Scores(acc, sm.q, bf, lane);
 }
 
+// For each KV head's keys staged, each of its query heads' scores against the warp's keys:
+// f(h, acc) per query head h, in head order.
+template <typename F>
+__device__ __forceinline__ void ForEachHeadScores(Tiles& sm, const WarmupTargetArgs& a, int64_t b, int64_t key0,
+                                                  int64_t row0, int warp, int lane, F&& f) {
+  const int64_t G = a.H / a.Hkv;
+  for (int64_t kvh = 0; kvh < a.Hkv; ++kvh) {
+    uint32_t bf[4][kSteps][2];
+    StageKvHead(sm, bf, a, b, kvh, key0, warp, lane);
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t h = kvh * G + gi;
+      float acc[4][4];
+      HeadScores(acc, sm, bf, a, b, h, row0, lane);  // (its barrier: the previous head's readers are done)
+      f(h, acc);
+    }
+  }
+}
+
 // (m, s) <- the log-sum-exp pair of both (m the max, s the sum of exp(x - m); m = -inf: empty).
 __device__ __forceinline__ void Combine(float& m, float& s, float m2, float s2) {
   if (m2 == -INFINITY) return;
@@ -121,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) LseKernel(WarmupTargetArgs a, float*
   __shared__ __align__(16) Tiles sm;
   __shared__ float red_m[4][kRows], red_s[4][kRows];
   const int64_t kt = blockIdx.x, row0 = static_cast<int64_t>(blockIdx.y) * kRows, b = blockIdx.z;
-  const int64_t key0 = kt * kKeys, G = a.H / a.Hkv;
+  const int64_t key0 = kt * kKeys;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   if (PastTheRows(a, row0, key0)) {
     for (int64_t i = threadIdx.x; i < a.H * kRows; i += kThreads) {
@@ -130,58 +148,53 @@ __global__ void __launch_bounds__(kThreads) LseKernel(WarmupTargetArgs a, float*
     }
     return;
   }
-  for (int64_t kvh = 0; kvh < a.Hkv; ++kvh) {
-    uint32_t bf[4][kSteps][2];
-    StageKvHead(sm, bf, a, b, kvh, key0, warp, lane);
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const int64_t h = kvh * G + gi;
-      float acc[4][4];
-      HeadScores(acc, sm, bf, a, b, h, row0, lane);  // (its barrier: the previous head's reductions are read)
+  // (HeadScores' barrier also orders the previous head's reductions, read below, before the
+  // next head's writes.)
+  ForEachHeadScores(sm, a, b, key0, row0, warp, lane, [&](int64_t h, const float (&acc)[4][4]) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
-        const bool row_ok = r < a.n;
-        float m = -INFINITY, s = 0.f;
+    for (int i = 0; i < 2; ++i) {
+      const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
+      const bool row_ok = r < a.n;
+      float m = -INFINITY, s = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int64_t key = key0 + 32 * warp + 8 * nt + 2 * c + j;
+          if (row_ok && key <= t) m = fmaxf(m, acc[nt][2 * i + j] * a.scale);
+        }
+      }
+      if (m != -INFINITY) {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int64_t key = key0 + 32 * warp + 8 * nt + 2 * c + j;
-            if (row_ok && key <= t) m = fmaxf(m, acc[nt][2 * i + j] * a.scale);
+            if (row_ok && key <= t) s += expf(acc[nt][2 * i + j] * a.scale - m);
           }
         }
-        if (m != -INFINITY) {
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int64_t key = key0 + 32 * warp + 8 * nt + 2 * c + j;
-              if (row_ok && key <= t) s += expf(acc[nt][2 * i + j] * a.scale - m);
-            }
-          }
-        }
-#pragma unroll
-        for (int off = 1; off <= 2; off *= 2) {
-          const float m2 = __shfl_xor_sync(mma::kFull, m, off), s2 = __shfl_xor_sync(mma::kFull, s, off);
-          Combine(m, s, m2, s2);
-        }
-        if (c == 0) red_m[warp][g + 8 * i] = m, red_s[warp][g + 8 * i] = s;
       }
-      __syncthreads();
-      if (threadIdx.x < kRows) {
-        float m = red_m[0][threadIdx.x], s = red_s[0][threadIdx.x];
-        for (int w = 1; w < 4; ++w) Combine(m, s, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
-        const int64_t r = row0 + threadIdx.x;
-        if (r < a.n) part[((b * a.H + h) * a.n + r) * tiles + kt] = s > 0.f ? m + logf(s) : -INFINITY;
+#pragma unroll
+      for (int off = 1; off <= 2; off *= 2) {
+        const float m2 = __shfl_xor_sync(mma::kFull, m, off), s2 = __shfl_xor_sync(mma::kFull, s, off);
+        Combine(m, s, m2, s2);
       }
+      if (c == 0) red_m[warp][g + 8 * i] = m, red_s[warp][g + 8 * i] = s;
     }
-  }
+    __syncthreads();
+    if (threadIdx.x < kRows) {
+      float m = red_m[0][threadIdx.x], s = red_s[0][threadIdx.x];
+      for (int w = 1; w < 4; ++w) Combine(m, s, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
+      const int64_t r = row0 + threadIdx.x;
+      if (r < a.n) part[((b * a.H + h) * a.n + r) * tiles + kt] = s > 0.f ? m + logf(s) : -INFINITY;
+    }
+  });
 }
 
 __global__ void __launch_bounds__(kThreads) PoolsKernel(WarmupTargetArgs a, const float* lse, float* out, int64_t pv) {
   __shared__ __align__(16) Tiles sm;
   const int64_t kt = blockIdx.x, row0 = static_cast<int64_t>(blockIdx.y) * kRows, b = blockIdx.z;
-  const int64_t key0 = kt * kKeys, G = a.H / a.Hkv, pool0 = key0 / 4;
+  const int64_t key0 = kt * kKeys, pool0 = key0 / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   if (PastTheRows(a, row0, key0)) {  // every pool of the tile ends past every row: 0
     for (int64_t i = threadIdx.x; i < kRows * (kKeys / 4); i += kThreads) {
@@ -191,29 +204,22 @@ __global__ void __launch_bounds__(kThreads) PoolsKernel(WarmupTargetArgs a, cons
     return;
   }
   float pacc[4][2] = {};  // per n-tile, rows g and g + 8: this lane's two keys, summed over heads
-  for (int64_t kvh = 0; kvh < a.Hkv; ++kvh) {
-    uint32_t bf[4][kSteps][2];
-    StageKvHead(sm, bf, a, b, kvh, key0, warp, lane);
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const int64_t h = kvh * G + gi;
-      float acc[4][4];
-      HeadScores(acc, sm, bf, a, b, h, row0, lane);
+  ForEachHeadScores(sm, a, b, key0, row0, warp, lane, [&](int64_t h, const float (&acc)[4][4]) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
-        const bool row_ok = r < a.n;
-        const float l = row_ok ? lse[(b * a.H + h) * a.n + r] : 0.f;
+    for (int i = 0; i < 2; ++i) {
+      const int64_t r = row0 + g + 8 * i, t = a.t0 + r;
+      const bool row_ok = r < a.n;
+      const float l = row_ok ? lse[(b * a.H + h) * a.n + r] : 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int64_t key = key0 + 32 * warp + 8 * nt + 2 * c + j;
-            if (row_ok && key <= t) pacc[nt][i] += expf(acc[nt][2 * i + j] * a.scale - l);
-          }
+        for (int j = 0; j < 2; ++j) {
+          const int64_t key = key0 + 32 * warp + 8 * nt + 2 * c + j;
+          if (row_ok && key <= t) pacc[nt][i] += expf(acc[nt][2 * i + j] * a.scale - l);
         }
       }
     }
-  }
+  });
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
