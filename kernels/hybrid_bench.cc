@@ -1,8 +1,9 @@
 // odyssey-hybrid-bench: the hybrid layers' attention paths on one CUDA device, at hybrid-3b's
 // shapes (or the flags'), forward and forward + backward:
 //   - KDA: kernels::KdaChunked (C = 64) over T tokens, 24 heads of 128, bf16 inputs, with its
-//     CUDA kernels (scans, chunk quantities, intra-chunk backward), the same with the intra-chunk
-//     backward by libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
+//     CUDA kernels (scans, chunk quantities, intra-chunk backward), the same with the scans on CUDA
+//     cores in fp32 instead of the tensor cores, the same with the intra-chunk backward by
+//     libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
 //     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
@@ -178,19 +179,25 @@ int main(int argc, char** argv) {
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   for (int64_t T : tokens) {
     // KDA, (B, H, T, K) layout; q, k L2-normalised, log-decay g < 0 near 0, beta in (0, 1).
-    // 0: every CUDA kernel; 1: the same with the intra-chunk backward by libtorch ops (what the
-    // kernel of kernels/cuda/kda_intra_backward.h replaces); 2: libtorch throughout.
-    for (int variant : {0, 1, 2}) {
-      const bool kernels = variant < 2;
+    // 0: every CUDA kernel (the state scans on the tensor cores); 1: the same with the scans on
+    // CUDA cores in fp32 (what kernels/cuda/kda_scan_tf32.cu replaces); 2: the intra-chunk
+    // backward by libtorch ops (what kernels/cuda/kda_intra_backward.h replaces); 3: libtorch
+    // throughout.
+    for (int variant : {0, 1, 2, 3}) {
+      const bool kernels = variant < 3;
       if (!wants("kda") || (!kernels && T > reference_tokens)) continue;
       if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
       odyssey::kernels::SetFusedKernels(kernels);
-      odyssey::kernels::SetKdaIntraBackwardPath(variant == 1 ? odyssey::kernels::KdaIntraBackwardPath::kLibtorch
+      odyssey::kernels::SetKdaScanTensorCores(variant != 1);
+      odyssey::kernels::SetKdaIntraBackwardPath(variant == 2 ? odyssey::kernels::KdaIntraBackwardPath::kLibtorch
                                                              : odyssey::kernels::KdaIntraBackwardPath::kAuto);
-      const char* name = variant == 0 ? "CUDA kernels" : variant == 1 ? "CUDA kernels, intra backward by libtorch"
-                                                                      : "libtorch";
+      const char* name = variant == 0   ? "CUDA kernels"
+                         : variant == 1 ? "CUDA kernels, fp32 scans on CUDA cores"
+                         : variant == 2 ? "CUDA kernels, intra backward by libtorch"
+                                        : "libtorch";
       const char* json_op = variant == 0   ? "kda_chunked_kernel"
-                            : variant == 1 ? "kda_chunked_kernel_libtorch_intra_backward"
+                            : variant == 1 ? "kda_chunked_kernel_fp32_scans"
+                            : variant == 2 ? "kda_chunked_kernel_libtorch_intra_backward"
                                            : "kda_chunked_libtorch";
       auto q = torch::nn::functional::normalize(torch::randn({1, heads, T, dim}, bf16),
                                                 torch::nn::functional::NormalizeFuncOptions().dim(-1));
@@ -224,6 +231,7 @@ int main(int argc, char** argv) {
         if (!ProfileOnce(profile_dir, "kda_trace.json", forward_backward, "one KDA forward + backward", T)) return 1;
       }
       odyssey::kernels::SetFusedKernels(true);
+      odyssey::kernels::SetKdaScanTensorCores(true);
       odyssey::kernels::SetKdaIntraBackwardPath(odyssey::kernels::KdaIntraBackwardPath::kAuto);
       Json(json, std::string("{\"op\":\"") + json_op + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +

@@ -173,6 +173,8 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 #endif
 
 std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
+std::atomic<bool> scan_tensor_cores{true};
+std::atomic<int64_t> scan_tensor_core_launches{0};
 std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
 
@@ -433,7 +435,9 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   cuda::KdaScanForwardArgs a{ptr(W), ptr(U), ptr(kg), ptr(eGC), ptr(qg), ptr(Aqk), ptr(h),
                              ptr(r.o), ptr(r.vt), ptr(r.states), ptr(r.S), B * HV, N, C, K, V};
+  a.tf32 = scan_tensor_cores.load();
   CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
+  if (a.tf32) scan_tensor_core_launches.fetch_add(1);
   return r;
 }
 
@@ -450,7 +454,9 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& P, 
                               qg.data_ptr<float>(), dOd.data_ptr<float>(), Pd.data_ptr<float>(),
                               dSNd.data_ptr<float>(), r.dvt.data_ptr<float>(), r.dS.data_ptr<float>(),
                               r.dS0.data_ptr<float>(), B * HV, N, C, K, V};
+  a.tf32 = scan_tensor_cores.load();
   CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");
+  if (a.tf32) scan_tensor_core_launches.fetch_add(1);
   return r;
 }
 #endif
@@ -610,6 +616,9 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
 }  // namespace
 
 void SetKdaIntraBackwardPath(KdaIntraBackwardPath path) { intra_backward_path.store(path); }
+void SetKdaScanTensorCores(bool enabled) { scan_tensor_cores.store(enabled); }
+bool KdaScanTensorCores() { return scan_tensor_cores.load(); }
+int64_t KdaScanTensorCoreLaunches() { return scan_tensor_core_launches.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 

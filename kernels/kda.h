@@ -50,7 +50,7 @@ std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const t
 // recomputes a segment's chunk quantities, reruns its state scan and runs the reverse scan of
 // spec 1.4, segment by segment from the last. The final state's gradient (a state carried into a
 // next call) flows back like o's. On CUDA fp32 compute with C in {32, 64}, K in {32, 64, 128}
-// and V a multiple of 32, the two scans are the kernels of kernels/cuda/kda_scan.cu, the chunk
+// and V a multiple of 32, the two scans are CUDA kernels (SetKdaScanTensorCores below), the chunk
 // quantities kernels/cuda/kda_intra.cu's and their backward kernels/cuda/kda_intra_backward.cu's
 // (when FusedKernelsEnabled(); KdaIntraBackwardPath below); everything else is batched libtorch
 // ops, on every device.
@@ -60,6 +60,16 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
                                                    const torch::Tensor& v, const torch::Tensor& g,
                                                    const torch::Tensor& beta, const torch::Tensor& h0,
                                                    const KdaOptions& options = {});
+
+// Process-wide (set it before the calls): whether the CUDA state scans multiply on the tensor
+// cores with TF32 operands and fp32 sums (default; kernels/cuda/kda_scan_tf32.cu: the state stays
+// fp32, each product's operands keep 10 mantissa bits, the class of fla's bf16 kernels and inside
+// the spec's error bars) or on CUDA cores in fp32 (kernels/cuda/kda_scan.cu). Benchmarks and tests
+// compare the two; without the CUDA kernels it changes nothing.
+void SetKdaScanTensorCores(bool enabled);
+bool KdaScanTensorCores();
+// State scans (forward or reverse) that ran on the tensor cores so far in this process.
+int64_t KdaScanTensorCoreLaunches();
 
 // Which code runs KdaChunked's intra-chunk backward (spec 1.4 steps 4-6) in the whole-chunk and
 // the sub-block Gram forms (kElementwiseDiagonal always runs libtorch's autograd):

@@ -273,7 +273,8 @@ TEST(Kda, SegmentsEqualOneSegmentFp64) {
   }
 }
 
-// On CUDA the two state scans are kernels/cuda/kda_scan.cu's. Their results, forward and every
+// On CUDA the two state scans are kernels (kernels/cuda/kda_scan.cu on CUDA cores, kda_scan_tf32.cu
+// on the tensor cores). Their results, forward and every
 // gradient, against the fp64 truth: within twice the error of the libtorch scans on the same
 // device (the house bar; the dg floor as in the fp32 backward test above). Every supported
 // (C, K), lengths that are not a multiple of C, several segments, HV > H, h0 and a final-state
@@ -283,10 +284,14 @@ TEST(Kda, SegmentsEqualOneSegmentFp64) {
 // against fp64: forward and every gradient. Padding (T not a multiple of the chunk), V != K,
 // HV > H, two segments, and inputs strided as the model passes them (token-major, heads
 // transposed).
-TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
-  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
-    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
-  }
+// With `tf32` the scans run on the tensor cores (SetKdaScanTensorCores) and the reference is the
+// libtorch path with its matmuls in TF32 too (cuBLAS's TF32 mode: the same operand precision, in
+// every product of the path where the kernels round only the scans'); every error also inside the
+// spec's bars (4: relative RMS o and the final state 0.005, dq, dk, dv, dh0 0.008, dg, dbeta 0.02).
+void ScanKernelsAgainstLibtorch(bool tf32) {
+  constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
+  SetKdaScanTensorCores(tf32);
+  const int64_t tc_launches = KdaScanTensorCoreLaunches();
   for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 1, 2, 1000, 64, 96, -5.0},
                         Case{1, 2, 2, 200, 32, 32, -0.02}, Case{1, 2, 2, 150, 128, 128, -0.1}}) {
     for (int64_t C : {64, 32}) {
@@ -306,7 +311,9 @@ TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
       }
       Tensor dOf = dO.to(torch::kCUDA, torch::kFloat32), dSf = dS.to(torch::kCUDA, torch::kFloat32);
       SetFusedKernels(false);
+      at::globalContext().setAllowTF32CuBLAS(tf32);
       std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      at::globalContext().setAllowTF32CuBLAS(false);
       SetFusedKernels(true);
       const int64_t launches = FusedKernelLaunches(), intra_backward = KdaIntraBackwardKernelRuns(),
                     sub_forward = KdaSubBlockForwardKernelRuns();
@@ -328,11 +335,30 @@ TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-        EXPECT_LE(RelRms(got[i].cpu(), truth[i]), 2 * RelRms(ref[i].cpu(), truth[i]) + floor)
-            << Name(c) << " C" << C << " " << what;
+        const double err = RelRms(got[i].cpu(), truth[i]);
+        EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " " << what;
+        EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " " << what << ": the spec's bar";
       }
     }
   }
+  // Three scans a segment (forward, the backward's state scan, the reverse scan) on the tensor
+  // cores with `tf32`, none without.
+  EXPECT_EQ(KdaScanTensorCoreLaunches() > tc_launches, tf32);
+  SetKdaScanTensorCores(true);
+}
+
+TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  ScanKernelsAgainstLibtorch(/*tf32=*/false);
+}
+
+TEST(Kda, Tf32ScanKernelsWithinTwiceTheTf32LibtorchError_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  ScanKernelsAgainstLibtorch(/*tf32=*/true);
 }
 
 // The intra-chunk backward kernel's own block code (kernels/cuda/kda_intra_backward_body.h),

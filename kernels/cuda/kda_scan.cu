@@ -353,6 +353,7 @@ int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
       (a.qg == nullptr) != (a.o == nullptr) || (a.qg == nullptr) != (a.Aqk == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
+  if (a.tf32) return KdaScanForwardTf32(a, stream);
   ODYSSEY_KDA_DISPATCH(Forward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
 }
 
@@ -360,6 +361,7 @@ int KdaScanBackward(const KdaScanBackwardArgs& a, void* stream) {
   if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
+  if (a.tf32) return KdaScanBackwardTf32(a, stream);
   ODYSSEY_KDA_DISPATCH(Backward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
 }
 

@@ -12,7 +12,9 @@
 //   eGC (BH, N, K)            states, dS (BH, N, K, V)             h0, hN, dSN, dS0 (BH, K, V)
 // Supported: C in {32, 64}, K in {32, 64, 128}, V a multiple of 32, 16-byte aligned pointers
 // (ScanSupported says). Each launcher returns the launch's cudaError_t as an int (0 = success).
-// Only built with ODYSSEY_CUDA.
+// Each launcher runs the products on CUDA cores in fp32 (kda_scan.cu) or, with `tf32` set, on the
+// tensor cores with TF32 operands and fp32 sums (kda_scan_tf32.cu: the state itself stays fp32,
+// only its use as an operand is rounded). Only built with ODYSSEY_CUDA.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,7 @@ struct KdaScanForwardArgs {
   const float *W, *U, *kg, *eGC, *qg, *Aqk, *h0;
   float *o, *vt, *states, *hN;
   int64_t BH, N, C, K, V;
+  bool tf32 = false;
 };
 int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
 
@@ -41,7 +44,12 @@ struct KdaScanBackwardArgs {
   const float *W, *kg, *eGC, *qg, *dO, *P, *dSN;
   float *dvt, *dS, *dS0;
   int64_t BH, N, C, K, V;
+  bool tf32 = false;
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
+
+// The tensor-core kernels behind `tf32` (arguments checked by the two above).
+int KdaScanForwardTf32(const KdaScanForwardArgs& args, void* stream);
+int KdaScanBackwardTf32(const KdaScanBackwardArgs& args, void* stream);
 
 }  // namespace odyssey::kernels::cuda

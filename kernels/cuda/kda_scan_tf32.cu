@@ -1,0 +1,363 @@
+// The state scans of chunked KDA (kda_scan.h) on the tensor cores: mma.sync m16n8k8 with TF32
+// operands and fp32 accumulators. Same blocks as kda_scan.cu (one block of 8 warps owns 32 value
+// columns of one (batch, head); the chunk's operand tiles stream through two cp.async staging
+// buffers), but every product of a scan step is a warp-level matrix multiply:
+//  - the state S (K x 32, fp32) lives in the accumulators of the warps for the whole sequence,
+//    warp w owning rows 16 (w % (K/16)) .. + 16 and K/32 column tiles of 8; a copy of it in shared
+//    memory is the B operand of the (C x K) x (K x 32) products of the next chunk. The state is
+//    never rounded: only its use as an operand is (TF32 keeps 10 of fp32's 23 mantissa bits, so
+//    each product carries ~2^-11 relative error, the class of fla's bf16 kernels and well inside
+//    the spec's error bars; the sums are fp32);
+//  - the (C x 32) products (vt, o, dvt) are split over the warps by 16-row tiles and column tiles.
+// Inside a k-step of 8, lane (g, c) of the mma takes its two k values from the physical columns
+// k0 + 2c and k0 + 2c + 1 (the A fragment and the B fragment use the same permutation, so the sum
+// is the same), which makes a row-read A fragment two 8-byte loads. Shared row strides are chosen
+// so that every fragment load is free of bank conflicts: tiles read by rows (A = tile) have a
+// stride of 8 (mod 32) floats, tiles read transposed (A = tile^T) and the (rows x 32) slices
+// (B operands) of 4 (mod 32).
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/kda_scan.h"
+
+namespace odyssey::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBV = 32;        // state columns per block
+constexpr int kSLd = kBV + 4;  // row stride of the (rows x 32) slices in shared memory
+
+template <int C, int K>
+struct Layout {
+  static constexpr int kWide = K > C ? K : C;
+  static constexpr int kLdRow = kWide + 8;  // tiles read by rows
+  static constexpr int kLdCol = kWide + 4;  // tiles read transposed
+  static constexpr int kTile = C * kLdRow;  // floats per staging buffer (the larger stride)
+  // The (C x 32) products: 16-row tiles x groups of column tiles over the 8 warps.
+  static constexpr int kCRowTiles = C / 16;
+  static constexpr int kCN = 4 * kCRowTiles / kWarps;  // column tiles of 8 per warp
+  // The state (K x 32): the same over its K rows.
+  static constexpr int kKRowTiles = K / 16;
+  static constexpr int kKN = 4 * kKRowTiles / kWarps;
+  // Two staging buffers, the state's (or its gradient's) copy (K x 32), two (C x 32) slices.
+  static constexpr int kFloats = 2 * kTile + K * kSLd + 2 * C * kSLd;
+  static_assert(kCN >= 1 && kKN >= 1, "C and K must be at least 32");
+};
+
+__device__ __forceinline__ uint32_t Tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fragments of one k-step [k0, k0 + 8), lane = 4 g + c (PTX m16n8k8 .tf32: a0 (g, c), a1 (g + 8, c),
+// a2 (g, c + 4), a3 (g + 8, c + 4); b0 (c, g), b1 (c + 4, g); logical k c -> physical k0 + 2c,
+// c + 4 -> k0 + 2c + 1).
+// A = rows [m0, m0 + 16) of a row-major tile (stride ld = 8 mod 32).
+__device__ __forceinline__ void LoadA(uint32_t (&a)[4], const float* t, int ld, int m0, int k0, int g, int c) {
+  const float2 x = *reinterpret_cast<const float2*>(t + (m0 + g) * ld + k0 + 2 * c);
+  const float2 y = *reinterpret_cast<const float2*>(t + (m0 + g + 8) * ld + k0 + 2 * c);
+  a[0] = Tf32(x.x), a[2] = Tf32(x.y), a[1] = Tf32(y.x), a[3] = Tf32(y.y);
+}
+// A = tile^T, rows [m0, m0 + 16): A[m][k] = t[k][m] (stride ld = 4 mod 32).
+__device__ __forceinline__ void LoadAT(uint32_t (&a)[4], const float* t, int ld, int m0, int k0, int g, int c) {
+  const float* r0 = t + (k0 + 2 * c) * ld + m0 + g;
+  a[0] = Tf32(r0[0]), a[1] = Tf32(r0[8]), a[2] = Tf32(r0[ld]), a[3] = Tf32(r0[ld + 8]);
+}
+// B = a (rows x 32) slice (stride kSLd), columns [n0, n0 + 8); `negate` flips its sign.
+template <bool negate = false>
+__device__ __forceinline__ void LoadB(uint32_t& b0, uint32_t& b1, const float* s, int k0, int n0, int g, int c) {
+  const float* p = s + (k0 + 2 * c) * kSLd + n0 + g;
+  b0 = Tf32(negate ? -p[0] : p[0]);
+  b1 = Tf32(negate ? -p[kSLd] : p[kSLd]);
+}
+
+// The accumulator element e of a lane: row g + 8 (e / 2), column 2c + e % 2 of its 16 x 8 tile.
+// Fragments of `n` column tiles from rows [m0, m0 + 16) x columns [n0, n0 + 8 n) of a row-major
+// matrix (stride ld floats) to registers, in pairs (8-byte accesses); src null = zeros.
+template <int n>
+__device__ __forceinline__ void FragLoad(float (&f)[n][4], const float* src, int64_t ld, int m0, int n0, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float2 x = make_float2(0.f, 0.f);
+      if (src != nullptr) x = *reinterpret_cast<const float2*>(src + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c);
+      f[j][2 * h] = x.x, f[j][2 * h + 1] = x.y;
+    }
+}
+template <int n>
+__device__ __forceinline__ void FragStore(float* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
+          make_float2(f[j][2 * h], f[j][2 * h + 1]);
+}
+template <int n>
+__device__ __forceinline__ void Zero(float (&f)[n][4]) {
+#pragma unroll
+  for (int j = 0; j < n; ++j) f[j][0] = f[j][1] = f[j][2] = f[j][3] = 0.f;
+}
+
+// acc (rows [m0, m0 + 16), n column tiles from n0) += tile (row-major, `depth` columns) x slice
+// (depth x 32).
+template <int n, int depth>
+__device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
+                                               int n0, int g, int c) {
+#pragma unroll 4
+  for (int k0 = 0; k0 < depth; k0 += 8) {
+    uint32_t a[4];
+    LoadA(a, t, ld, m0, k0, g, c);
+#pragma unroll
+    for (int j = 0; j < n; ++j) {
+      uint32_t b0, b1;
+      LoadB(b0, b1, s, k0, n0 + 8 * j, g, c);
+      Mma(acc[j], a, b0, b1);
+    }
+  }
+}
+// acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it.
+template <int n, int depth, bool negate = false>
+__device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
+                                                     int n0, int g, int c) {
+#pragma unroll 4
+  for (int k0 = 0; k0 < depth; k0 += 8) {
+    uint32_t a[4];
+    LoadAT(a, t, ld, m0, k0, g, c);
+#pragma unroll
+    for (int j = 0; j < n; ++j) {
+      uint32_t b0, b1;
+      LoadB<negate>(b0, b1, s, k0, n0 + 8 * j, g, c);
+      Mma(acc[j], a, b0, b1);
+    }
+  }
+}
+
+// rows x cols floats (cols % 4 == 0) from global memory (row stride src_ld) into shared memory
+// (row stride ld), asynchronously (the caller commits and waits).
+__device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int rows, int cols, int64_t src_ld) {
+  const int per_row = cols / 4;
+  for (int i = threadIdx.x; i < rows * per_row; i += kThreads) {
+    const int r = i / per_row, c = (i - r * per_row) * 4;
+    __pipeline_memcpy_async(dst + r * ld + c, src + r * src_ld + c, 16);
+  }
+}
+
+// Phases of one chunk as in kda_scan.cu: W (vt), [qg (o from the state), Aqk (o from vt),] kg
+// (the update).
+template <int C, int K, bool kOut>
+__global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForwardArgs a) {
+  using L = Layout<C, K>;
+  extern __shared__ float4 shared4[];
+  float* const sh = reinterpret_cast<float*>(shared4);
+  float* const Ss = sh + 2 * L::kTile;  // (K x 32) the state, as the next products' operand
+  float* const vts = Ss + K * kSLd;     // (C x 32)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
+  const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
+  const int km0 = (warp % L::kKRowTiles) * 16, kn0 = (warp / L::kKRowTiles) * L::kKN * 8;
+  const int64_t bh = blockIdx.y, N = a.N, V = a.V, v0 = static_cast<int64_t>(blockIdx.x) * kBV;
+  const float* W = a.W + bh * N * C * K;
+  const float* kg = a.kg + bh * N * C * K;
+  const float* qg = kOut ? a.qg + bh * N * C * K : nullptr;
+  const float* Aqk = kOut ? a.Aqk + bh * N * C * C : nullptr;
+  const float* U = a.U + bh * N * C * V + v0;
+  const float* eGC = a.eGC + bh * N * K;
+  constexpr int kPhases = kOut ? 4 : 2;
+  auto issue = [&](int64_t j) {
+    const int64_t c = j / kPhases;
+    const int p = static_cast<int>(j % kPhases);
+    float* dst = sh + (j & 1) * L::kTile;
+    if (p == 0) Stage(dst, L::kLdRow, W + c * C * K, C, K, K);
+    else if (p == kPhases - 1) Stage(dst, L::kLdCol, kg + c * C * K, C, K, K);
+    else if (p == 1) Stage(dst, L::kLdRow, qg + c * C * K, C, K, K);
+    else Stage(dst, L::kLdRow, Aqk + c * C * C, C, C, C);
+    __pipeline_commit();
+  };
+  float S[L::kKN][4], u[L::kCN][4], un[L::kCN][4], out[L::kCN][4];
+  FragLoad(S, a.h0 != nullptr ? a.h0 + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
+  FragStore(Ss, kSLd, S, km0, kn0, g, c4);
+  FragLoad(u, U, V, cm0, cn0, g, c4);
+  issue(0);
+  const int64_t total = N * kPhases;
+  for (int64_t c = 0; c < N; ++c) {
+#pragma unroll
+    for (int p = 0; p < kPhases; ++p) {
+      const int64_t j = c * kPhases + p;
+      if (j + 1 < total) {
+        issue(j + 1);
+        __pipeline_wait_prior(1);
+      } else {
+        __pipeline_wait_prior(0);
+      }
+      __syncthreads();
+      const float* t = sh + (j & 1) * L::kTile;
+      if (p == 0) {
+        if (a.states != nullptr) FragStore(a.states + (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
+        if (c + 1 < N) FragLoad(un, U + (c + 1) * C * V, V, cm0, cn0, g, c4);
+        float acc[L::kCN][4];
+        Zero(acc);
+        RowsTimesSlice<L::kCN, K>(acc, t, L::kLdRow, Ss, cm0, cn0, g, c4);
+#pragma unroll
+        for (int i = 0; i < L::kCN; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][e] = u[i][e] - acc[i][e];
+        FragStore(vts, kSLd, acc, cm0, cn0, g, c4);
+        if (a.vt != nullptr) FragStore(a.vt + (bh * N + c) * C * V + v0, V, acc, cm0, cn0, g, c4);
+      } else if (p == kPhases - 1) {
+        const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
+#pragma unroll
+        for (int i = 0; i < L::kKN; ++i) S[i][0] *= eg0, S[i][1] *= eg0, S[i][2] *= eg1, S[i][3] *= eg1;
+        TransposedTimesSlice<L::kKN, C>(S, t, L::kLdCol, vts, km0, kn0, g, c4);
+        FragStore(Ss, kSLd, S, km0, kn0, g, c4);
+#pragma unroll
+        for (int i = 0; i < L::kCN; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) u[i][e] = un[i][e];
+      } else if (p == 1) {
+        Zero(out);
+        RowsTimesSlice<L::kCN, K>(out, t, L::kLdRow, Ss, cm0, cn0, g, c4);
+      } else {
+        RowsTimesSlice<L::kCN, C>(out, t, L::kLdRow, vts, cm0, cn0, g, c4);
+        FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
+      }
+      __syncthreads();
+    }
+  }
+  FragStore(a.hN + bh * K * V + v0, V, S, km0, kn0, g, c4);
+}
+
+// Phases of one chunk, c from N - 1 down, as in kda_scan.cu: kg and the dO slice (dvt), qg (dO's
+// part of the state gradient), W (dvt's part). The state gradient dS lives in the accumulators.
+template <int C, int K>
+__global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
+  using L = Layout<C, K>;
+  extern __shared__ float4 shared4[];
+  float* const sh = reinterpret_cast<float*>(shared4);
+  float* const dSs = sh + 2 * L::kTile;  // (K x 32) the gradient of the state after chunk c
+  float* const dvts = dSs + K * kSLd;    // (C x 32)
+  float* const dOs = dvts + C * kSLd;    // (C x 32)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
+  const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
+  const int km0 = (warp % L::kKRowTiles) * 16, kn0 = (warp / L::kKRowTiles) * L::kKN * 8;
+  const int64_t bh = blockIdx.y, N = a.N, V = a.V, v0 = static_cast<int64_t>(blockIdx.x) * kBV;
+  const float* W = a.W + bh * N * C * K;
+  const float* kg = a.kg + bh * N * C * K;
+  const float* qg = a.qg + bh * N * C * K;
+  const float* dO = a.dO + bh * N * C * V + v0;
+  const float* P = a.P + bh * N * C * V + v0;
+  const float* eGC = a.eGC + bh * N * K;
+  constexpr int kPhases = 3;
+  auto issue = [&](int64_t j) {
+    const int64_t c = N - 1 - j / kPhases;
+    const int p = static_cast<int>(j % kPhases);
+    float* dst = sh + (j & 1) * L::kTile;
+    if (p == 0) {
+      Stage(dst, L::kLdRow, kg + c * C * K, C, K, K);
+      Stage(dOs, kSLd, dO + c * C * V, C, kBV, V);
+    } else if (p == 1) {
+      Stage(dst, L::kLdCol, qg + c * C * K, C, K, K);
+    } else {
+      Stage(dst, L::kLdCol, W + c * C * K, C, K, K);
+    }
+    __pipeline_commit();
+  };
+  float dS[L::kKN][4], pr[L::kCN][4], pn[L::kCN][4];
+  FragLoad(dS, a.dSN != nullptr ? a.dSN + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
+  FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
+  FragLoad(pr, P + (N - 1) * C * V, V, cm0, cn0, g, c4);
+  issue(0);
+  const int64_t total = N * kPhases;
+  for (int64_t step = 0; step < N; ++step) {
+    const int64_t c = N - 1 - step;
+#pragma unroll
+    for (int p = 0; p < kPhases; ++p) {
+      const int64_t j = step * kPhases + p;
+      if (j + 1 < total) {
+        issue(j + 1);
+        __pipeline_wait_prior(1);
+      } else {
+        __pipeline_wait_prior(0);
+      }
+      __syncthreads();
+      const float* t = sh + (j & 1) * L::kTile;
+      if (p == 0) {
+        FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
+        if (c > 0) FragLoad(pn, P + (c - 1) * C * V, V, cm0, cn0, g, c4);
+        RowsTimesSlice<L::kCN, K>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
+        FragStore(dvts, kSLd, pr, cm0, cn0, g, c4);
+        FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
+      } else if (p == 1) {
+        const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
+#pragma unroll
+        for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
+        TransposedTimesSlice<L::kKN, C>(dS, t, L::kLdCol, dOs, km0, kn0, g, c4);
+      } else {
+        TransposedTimesSlice<L::kKN, C, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
+        FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
+#pragma unroll
+        for (int i = 0; i < L::kCN; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pr[i][e] = pn[i][e];
+      }
+      __syncthreads();
+    }
+  }
+  FragStore(a.dS0 + bh * K * V + v0, V, dS, km0, kn0, g, c4);
+}
+
+template <typename Kernel, typename Args>
+int Launch(Kernel* kernel, const Args& a, size_t bytes, cudaStream_t stream) {
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  const dim3 grid(static_cast<unsigned>(a.V / kBV), static_cast<unsigned>(a.BH));
+  kernel<<<grid, kThreads, bytes, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int C, int K>
+int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
+  const size_t bytes = Layout<C, K>::kFloats * sizeof(float);
+  return a.qg != nullptr ? Launch(&ScanForwardTf32Kernel<C, K, true>, a, bytes, stream)
+                         : Launch(&ScanForwardTf32Kernel<C, K, false>, a, bytes, stream);
+}
+
+template <int C, int K>
+int Backward(const KdaScanBackwardArgs& a, cudaStream_t stream) {
+  return Launch(&ScanBackwardTf32Kernel<C, K>, a, Layout<C, K>::kFloats * sizeof(float), stream);
+}
+
+#define ODYSSEY_KDA_TF32_DISPATCH(FN, C_, K_, ...)                 \
+  do {                                                             \
+    if ((C_) == 64 && (K_) == 128) return FN<64, 128>(__VA_ARGS__); \
+    if ((C_) == 64 && (K_) == 64) return FN<64, 64>(__VA_ARGS__);   \
+    if ((C_) == 64 && (K_) == 32) return FN<64, 32>(__VA_ARGS__);   \
+    if ((C_) == 32 && (K_) == 128) return FN<32, 128>(__VA_ARGS__); \
+    if ((C_) == 32 && (K_) == 64) return FN<32, 64>(__VA_ARGS__);   \
+    if ((C_) == 32 && (K_) == 32) return FN<32, 32>(__VA_ARGS__);   \
+    return static_cast<int>(cudaErrorInvalidValue);                \
+  } while (false)
+
+}  // namespace
+
+int KdaScanForwardTf32(const KdaScanForwardArgs& a, void* stream) {
+  ODYSSEY_KDA_TF32_DISPATCH(Forward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
+}
+
+int KdaScanBackwardTf32(const KdaScanBackwardArgs& a, void* stream) {
+  ODYSSEY_KDA_TF32_DISPATCH(Backward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace odyssey::kernels::cuda
