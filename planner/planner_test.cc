@@ -642,9 +642,11 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       {"llama-3.2-3b", 28, 65536, on_host(keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1))), 26015813120,
        11274289152 + 3212749824LL * 14},
       // (Without kept attention outputs, the same flags as the row above peaked at 18906247680 bytes
-      // in layer 1's backward on 2026-12-05, every layer's gradients alive until the step: the
-      // row that had the host optimizer release each layer's gradients after its backward. Not
-      // re-measured since, so not a row here; docs/benchmarks.md has it.)
+      // on 2026-12-05, every layer's gradients alive until the step, and at 13671437312 once the
+      // host optimizer released each layer's gradients after its backward (twelfth session, one
+      // H100). The plan is 1.11x that: its working set without kept outputs was fitted on
+      // head-chunked rows (512K, 1M below) and over-counts at one head group by ~1.2 GiB. Not a
+      // row here until refitted on more than one row; docs/benchmarks.md has both.)
       {"llama-3.2-3b", 28, 262144, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 118811397632, 45097156608},
       {"llama-3.2-3b", 28, 262144, on_host(keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1))), 80258399744,
        45097156608 + 3212749824LL * 14},
