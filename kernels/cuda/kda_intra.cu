@@ -84,25 +84,41 @@ __global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
 
   for (int i = tid; i < C; i += kThreads) sB[i] = t0 + i < a.L ? beta[(t0 + i) * a.b_st] : 0.f;
   __syncthreads();
-  // A: the element-wise factors.
-  for (int e = tid; e < C * K; e += kThreads) {
-    const int i = e / K, d = e % K;
-    const int64_t t = t0 + i;
-    const bool in = t < a.L;
-    const float g = G[e], g0 = G[d], gc = G[(C - 1) * K + d];
-    const float kk = in ? k[t * a.k_st + d] : 0.f, qq = in ? q[t * a.q_st + d] : 0.f;
-    const float ep = expf(g - g0), em = expf(g0 - g), eg = expf(g), ec = expf(gc - g);
-    const float kp = kk * ep, km = kk * em, qp = qq * ep, x = sB[i] * kk * eg;
-    sKp[d * L::kLdT + i] = kp;
-    sKm[d * L::kLdT + i] = km;
-    sQp[d * L::kLdT + i] = qp;
-    sX[i * L::kLdX + d] = x;
-    a.qg[ck + e] = qq * eg;
-    a.kg[ck + e] = kk * ec;
-    if (i == 0) a.eGC[chunk * K + d] = expf(gc);
-    if (p.cache) {
-      p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
-      p.c.kp[ck + e] = kp, p.c.km[ck + e] = km, p.c.qp[ck + e] = qp, p.c.X[ck + e] = x;
+  // A: the element-wise factors. A thread's elements e = tid + s kThreads share their column d
+  // (kThreads is a multiple of K), and the inputs of 4 of them are loaded before any is used:
+  // the loads are in flight together instead of one element's at a time (the stores below may
+  // alias the inputs as far as the compiler knows, so it would not hoist them itself).
+  static_assert(kThreads % K == 0 && (C * K) % kThreads == 0, "a thread's elements share a column");
+  constexpr int kPer = C * K / kThreads, kBatch = kPer < 4 ? kPer : 4;  // 4: no spills in any instance
+  const float g0 = G[tid % K], gc = G[(C - 1) * K + tid % K];
+  for (int s0 = 0; s0 < kPer; s0 += kBatch) {
+    float gs[kBatch], ks[kBatch], qs[kBatch];
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int e = tid + (s0 + s) * kThreads, i = e / K, d = e % K;
+      const int64_t t = t0 + i;
+      const bool in = t < a.L;
+      gs[s] = G[e];
+      ks[s] = in ? k[t * a.k_st + d] : 0.f;
+      qs[s] = in ? q[t * a.q_st + d] : 0.f;
+    }
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int e = tid + (s0 + s) * kThreads, i = e / K, d = e % K;
+      const float g = gs[s], kk = ks[s], qq = qs[s];
+      const float ep = expf(g - g0), em = expf(g0 - g), eg = expf(g), ec = expf(gc - g);
+      const float kp = kk * ep, km = kk * em, qp = qq * ep, x = sB[i] * kk * eg;
+      sKp[d * L::kLdT + i] = kp;
+      sKm[d * L::kLdT + i] = km;
+      sQp[d * L::kLdT + i] = qp;
+      sX[i * L::kLdX + d] = x;
+      a.qg[ck + e] = qq * eg;
+      a.kg[ck + e] = kk * ec;
+      if (i == 0) a.eGC[chunk * K + d] = expf(gc);
+      if (p.cache) {
+        p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
+        p.c.kp[ck + e] = kp, p.c.km[ck + e] = km, p.c.qp[ck + e] = qp, p.c.X[ck + e] = x;
+      }
     }
   }
   for (int e = tid; e < C * V; e += kThreads) {

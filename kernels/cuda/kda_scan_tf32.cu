@@ -35,15 +35,16 @@ struct Layout {
   static constexpr int kWide = K > C ? K : C;
   static constexpr int kLdRow = kWide + 8;  // tiles read by rows
   static constexpr int kLdCol = kWide + 4;  // tiles read transposed
-  static constexpr int kTile = C * kLdRow;  // floats per staging buffer (the larger stride)
+  static constexpr int kTile = C * kLdRow;  // floats per staged tile (the larger stride)
   // The (C x 32) products: 16-row tiles x groups of column tiles over the 8 warps.
   static constexpr int kCRowTiles = C / 16;
   static constexpr int kCN = 4 * kCRowTiles / kWarps;  // column tiles of 8 per warp
   // The state (K x 32): the same over its K rows.
   static constexpr int kKRowTiles = K / 16;
   static constexpr int kKN = 4 * kKRowTiles / kWarps;
-  // Two staging buffers, the state's (or its gradient's) copy (K x 32), two (C x 32) slices.
-  static constexpr int kFloats = 2 * kTile + K * kSLd + 2 * C * kSLd;
+  // Two staging buffers of two tiles each, the state's (or its gradient's) copy (K x 32), two
+  // (C x 32) slices.
+  static constexpr int kFloats = 4 * kTile + K * kSLd + 2 * C * kSLd;
   static_assert(kCN >= 1 && kKN >= 1, "C and K must be at least 32");
 };
 
@@ -116,7 +117,7 @@ __device__ __forceinline__ void Zero(float (&f)[n][4]) {
 template <int n, int depth>
 __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                int n0, int g, int c) {
-#pragma unroll 4
+#pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
     LoadA(a, t, ld, m0, k0, g, c);
@@ -132,7 +133,7 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
 template <int n, int depth, bool negate = false>
 __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                      int n0, int g, int c) {
-#pragma unroll 4
+#pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
     LoadAT(a, t, ld, m0, k0, g, c);
@@ -155,14 +156,17 @@ __device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int 
   }
 }
 
-// Phases of one chunk as in kda_scan.cu: W (vt), [qg (o from the state), Aqk (o from vt),] kg
-// (the update).
+// Two phases a chunk, each staging its tiles together (so the products of a phase that do not
+// depend on each other run as independent mma chains, and a chunk waits at 4 barriers, not 8):
+//   0: W and qg: vt = U - W S and o = qg S (one B fragment of S feeds both);
+//   1: kg and Aqk: S <- eGC (.) S + kg^T vt and o += Aqk vt.
+// The chain from one chunk's state to the next runs through W S and kg^T vt only.
 template <int C, int K, bool kOut>
 __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForwardArgs a) {
   using L = Layout<C, K>;
   extern __shared__ float4 shared4[];
   float* const sh = reinterpret_cast<float*>(shared4);
-  float* const Ss = sh + 2 * L::kTile;  // (K x 32) the state, as the next products' operand
+  float* const Ss = sh + 4 * L::kTile;  // (K x 32) the state, as the next products' operand
   float* const vts = Ss + K * kSLd;     // (C x 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
   const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
@@ -174,15 +178,17 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
   const float* Aqk = kOut ? a.Aqk + bh * N * C * C : nullptr;
   const float* U = a.U + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
-  constexpr int kPhases = kOut ? 4 : 2;
+  constexpr int kPhases = 2;
   auto issue = [&](int64_t j) {
     const int64_t c = j / kPhases;
-    const int p = static_cast<int>(j % kPhases);
-    float* dst = sh + (j & 1) * L::kTile;
-    if (p == 0) Stage(dst, L::kLdRow, W + c * C * K, C, K, K);
-    else if (p == kPhases - 1) Stage(dst, L::kLdCol, kg + c * C * K, C, K, K);
-    else if (p == 1) Stage(dst, L::kLdRow, qg + c * C * K, C, K, K);
-    else Stage(dst, L::kLdRow, Aqk + c * C * C, C, C, C);
+    float* dst = sh + (j & 1) * 2 * L::kTile;
+    if (j % kPhases == 0) {
+      Stage(dst, L::kLdRow, W + c * C * K, C, K, K);
+      if (kOut) Stage(dst + L::kTile, L::kLdRow, qg + c * C * K, C, K, K);
+    } else {
+      Stage(dst, L::kLdCol, kg + c * C * K, C, K, K);
+      if (kOut) Stage(dst + L::kTile, L::kLdRow, Aqk + c * C * C, C, C, C);
+    }
     __pipeline_commit();
   };
   float S[L::kKN][4], u[L::kCN][4], un[L::kCN][4], out[L::kCN][4];
@@ -202,35 +208,64 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
         __pipeline_wait_prior(0);
       }
       __syncthreads();
-      const float* t = sh + (j & 1) * L::kTile;
+      const float* t = sh + (j & 1) * 2 * L::kTile;
+      const float* t2 = t + L::kTile;
       if (p == 0) {
         if (a.states != nullptr) FragStore(a.states + (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
         if (c + 1 < N) FragLoad(un, U + (c + 1) * C * V, V, cm0, cn0, g, c4);
         float acc[L::kCN][4];
         Zero(acc);
-        RowsTimesSlice<L::kCN, K>(acc, t, L::kLdRow, Ss, cm0, cn0, g, c4);
+        if (kOut) Zero(out);
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 8) {
+          uint32_t aw[4], aq[4];
+          LoadA(aw, t, L::kLdRow, cm0, k0, g, c4);
+          if (kOut) LoadA(aq, t2, L::kLdRow, cm0, k0, g, c4);
+#pragma unroll
+          for (int i = 0; i < L::kCN; ++i) {
+            uint32_t b0, b1;
+            LoadB(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
+            Mma(acc[i], aw, b0, b1);
+            if (kOut) Mma(out[i], aq, b0, b1);
+          }
+        }
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][e] = u[i][e] - acc[i][e];
         FragStore(vts, kSLd, acc, cm0, cn0, g, c4);
         if (a.vt != nullptr) FragStore(a.vt + (bh * N + c) * C * V + v0, V, acc, cm0, cn0, g, c4);
-      } else if (p == kPhases - 1) {
+      } else {
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) S[i][0] *= eg0, S[i][1] *= eg0, S[i][2] *= eg1, S[i][3] *= eg1;
-        TransposedTimesSlice<L::kKN, C>(S, t, L::kLdCol, vts, km0, kn0, g, c4);
+#pragma unroll
+        for (int k0 = 0; k0 < C; k0 += 8) {
+          uint32_t ak[4];
+          LoadAT(ak, t, L::kLdCol, km0, k0, g, c4);
+#pragma unroll
+          for (int i = 0; i < L::kKN; ++i) {
+            uint32_t b0, b1;
+            LoadB(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
+            Mma(S[i], ak, b0, b1);
+          }
+          if (kOut) {
+            uint32_t aa[4];
+            LoadA(aa, t2, L::kLdRow, cm0, k0, g, c4);
+#pragma unroll
+            for (int i = 0; i < L::kCN; ++i) {
+              uint32_t b0, b1;
+              LoadB(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
+              Mma(out[i], aa, b0, b1);
+            }
+          }
+        }
         FragStore(Ss, kSLd, S, km0, kn0, g, c4);
+        if (kOut) FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) u[i][e] = un[i][e];
-      } else if (p == 1) {
-        Zero(out);
-        RowsTimesSlice<L::kCN, K>(out, t, L::kLdRow, Ss, cm0, cn0, g, c4);
-      } else {
-        RowsTimesSlice<L::kCN, C>(out, t, L::kLdRow, vts, cm0, cn0, g, c4);
-        FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
       }
       __syncthreads();
     }
@@ -238,14 +273,16 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
   FragStore(a.hN + bh * K * V + v0, V, S, km0, kn0, g, c4);
 }
 
-// Phases of one chunk, c from N - 1 down, as in kda_scan.cu: kg and the dO slice (dvt), qg (dO's
-// part of the state gradient), W (dvt's part). The state gradient dS lives in the accumulators.
+// Two phases a chunk, c from N - 1 down, the state gradient dS in the accumulators:
+//   0: kg, qg and the dO slice: dvt = P + kg dS (from dS's shared copy) and, independently,
+//      dS <- eGC (.) dS + qg^T dO;
+//   1: W: dS -= W^T dvt, copied to shared memory for the next chunk.
 template <int C, int K>
 __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
   using L = Layout<C, K>;
   extern __shared__ float4 shared4[];
   float* const sh = reinterpret_cast<float*>(shared4);
-  float* const dSs = sh + 2 * L::kTile;  // (K x 32) the gradient of the state after chunk c
+  float* const dSs = sh + 4 * L::kTile;  // (K x 32) the gradient of the state after chunk c
   float* const dvts = dSs + K * kSLd;    // (C x 32)
   float* const dOs = dvts + C * kSLd;    // (C x 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
@@ -258,16 +295,14 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   const float* dO = a.dO + bh * N * C * V + v0;
   const float* P = a.P + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
-  constexpr int kPhases = 3;
+  constexpr int kPhases = 2;
   auto issue = [&](int64_t j) {
     const int64_t c = N - 1 - j / kPhases;
-    const int p = static_cast<int>(j % kPhases);
-    float* dst = sh + (j & 1) * L::kTile;
-    if (p == 0) {
+    float* dst = sh + (j & 1) * 2 * L::kTile;
+    if (j % kPhases == 0) {
       Stage(dst, L::kLdRow, kg + c * C * K, C, K, K);
+      Stage(dst + L::kTile, L::kLdCol, qg + c * C * K, C, K, K);
       Stage(dOs, kSLd, dO + c * C * V, C, kBV, V);
-    } else if (p == 1) {
-      Stage(dst, L::kLdCol, qg + c * C * K, C, K, K);
     } else {
       Stage(dst, L::kLdCol, W + c * C * K, C, K, K);
     }
@@ -291,18 +326,17 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
         __pipeline_wait_prior(0);
       }
       __syncthreads();
-      const float* t = sh + (j & 1) * L::kTile;
+      const float* t = sh + (j & 1) * 2 * L::kTile;
       if (p == 0) {
         FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
         if (c > 0) FragLoad(pn, P + (c - 1) * C * V, V, cm0, cn0, g, c4);
-        RowsTimesSlice<L::kCN, K>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
-        FragStore(dvts, kSLd, pr, cm0, cn0, g, c4);
-        FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
-      } else if (p == 1) {
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
-        TransposedTimesSlice<L::kKN, C>(dS, t, L::kLdCol, dOs, km0, kn0, g, c4);
+        RowsTimesSlice<L::kCN, K>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
+        TransposedTimesSlice<L::kKN, C>(dS, t + L::kTile, L::kLdCol, dOs, km0, kn0, g, c4);
+        FragStore(dvts, kSLd, pr, cm0, cn0, g, c4);
+        FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
         FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
