@@ -480,6 +480,26 @@ TEST(Kda, Bf16InputsComputeInFp32) {
   EXPECT_LT(RelRms(s_h, s_f), 1e-5);   // the state never leaves fp32
 }
 
+// The scans' tensor-core switch is a CUDA kernel's: on the CPU both settings run the same
+// libtorch scans, bit for bit, forward and backward; it reads back as set and starts on.
+TEST(Kda, ScanTensorCoreSwitchChangesNothingOnTheCpu) {
+  EXPECT_TRUE(KdaScanTensorCores());
+  const Case c{1, 1, 2, 150, 32, 32, -0.1};
+  Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 13).To(torch::kFloat32, torch::kCPU);
+  Tensor dO = torch::randn({c.B, c.HV, c.T, c.V});
+  Tensor dS = torch::randn({c.B, c.HV, c.K, c.V});
+  KdaOptions opt;
+  const int64_t launches = KdaScanTensorCoreLaunches();
+  std::vector<Tensor> on = Grads(true, in, dO, dS, opt, /*forward=*/true);
+  SetKdaScanTensorCores(false);
+  EXPECT_FALSE(KdaScanTensorCores());
+  std::vector<Tensor> off = Grads(true, in, dO, dS, opt, /*forward=*/true);
+  SetKdaScanTensorCores(true);
+  EXPECT_EQ(KdaScanTensorCoreLaunches(), launches);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) EXPECT_TRUE(torch::equal(on[i], off[i])) << i;
+}
+
 // Both forms of the diagonal blocks: per-token decay up to 1 (blocks decay by < 16: the matmul
 // around the middle row) and up to 8 (blocks decay by up to 128 > 60: element-wise).
 TEST(Kda, DecayedGramEqualsItsDefinition) {
