@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_scan.h"
 
 namespace odyssey::kernels::cuda {
@@ -373,25 +374,20 @@ int Backward(const KdaScanBackwardArgs& a, cudaStream_t stream) {
   return Launch(&ScanBackwardTf32Kernel<C, K>, a, Layout<C, K>::kFloats * sizeof(float), stream);
 }
 
-#define ODYSSEY_KDA_TF32_DISPATCH(FN, C_, K_, ...)                 \
-  do {                                                             \
-    if ((C_) == 64 && (K_) == 128) return FN<64, 128>(__VA_ARGS__); \
-    if ((C_) == 64 && (K_) == 64) return FN<64, 64>(__VA_ARGS__);   \
-    if ((C_) == 64 && (K_) == 32) return FN<64, 32>(__VA_ARGS__);   \
-    if ((C_) == 32 && (K_) == 128) return FN<32, 128>(__VA_ARGS__); \
-    if ((C_) == 32 && (K_) == 64) return FN<32, 64>(__VA_ARGS__);   \
-    if ((C_) == 32 && (K_) == 32) return FN<32, 32>(__VA_ARGS__);   \
-    return static_cast<int>(cudaErrorInvalidValue);                \
-  } while (false)
-
 }  // namespace
 
+// (C, K) as kda_intra.h's ByChunkAndKey instantiates them; KdaScanForward and KdaScanBackward
+// checked the sizes.
 int KdaScanForwardTf32(const KdaScanForwardArgs& a, void* stream) {
-  ODYSSEY_KDA_TF32_DISPATCH(Forward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    return Forward<decltype(c)::value, decltype(k)::value>(a, static_cast<cudaStream_t>(stream));
+  });
 }
 
 int KdaScanBackwardTf32(const KdaScanBackwardArgs& a, void* stream) {
-  ODYSSEY_KDA_TF32_DISPATCH(Backward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    return Backward<decltype(c)::value, decltype(k)::value>(a, static_cast<cudaStream_t>(stream));
+  });
 }
 
 }  // namespace odyssey::kernels::cuda
