@@ -221,7 +221,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   const model::ModelConfig& config = (*m)->config();
   // The indexer's dense warm-up (spec 2.3): only the DSA layers' indexers train, from their KL
   // against the dense attention; every other weight is frozen (no gradient, no optimizer state).
-  if (config.IsHybrid() && config.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup) {
+  if (config.InDenseWarmup()) {
     const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model '", options.model,
                                            "'), where only the DSA indexers train");
     if (options.lora.enabled())
@@ -411,10 +411,7 @@ absl::Status Trainer::ReduceGradients(std::vector<torch::Tensor>& riders) {
   return gradients_->Reduce(riders);
 }
 
-bool Trainer::IndexerBackwardInForwardStep() const {
-  const model::ModelConfig& c = model_->config();
-  return c.IsHybrid() && c.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup;
-}
+bool Trainer::IndexerBackwardInForwardStep() const { return model_->config().InDenseWarmup(); }
 
 absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, TokenShare* share_out,
                                                        bool send_early) {

@@ -94,6 +94,9 @@ struct ModelConfig {
   MoeConfig moe;
 
   bool IsHybrid() const { return architecture == Architecture::kHybrid; }
+  // A hybrid model whose DSA indexers are in their dense warm-up (spec 2.3): only the indexers
+  // train, from their KL against the dense attention.
+  bool InDenseWarmup() const { return IsHybrid() && hybrid.indexer_stage == IndexerStage::kDenseWarmup; }
   // 'K' or 'D' for layer i of a hybrid model; 'A' (dense attention) otherwise.
   char LayerKind(int64_t i) const;
   int64_t NumLayersOfKind(char kind) const;

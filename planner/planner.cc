@@ -130,7 +130,7 @@ ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
     m.moe_intermediate = c.moe.moe_intermediate_size;
     m.shared_intermediate = c.moe.shared_expert_intermediate_size;
   }
-  if (c.IsHybrid() && c.hybrid.indexer_stage == model::IndexerStage::kDenseWarmup && !lora.enabled()) {
+  if (c.InDenseWarmup() && !lora.enabled()) {
     m.warmup_params = c.IndexerParameters();
     m.warmup_largest = c.hidden_size * c.hybrid.index_num_heads * c.hybrid.index_head_dim;  // wq
   }

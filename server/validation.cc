@@ -243,7 +243,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
                                                   ".parallel.shard_params is not implemented yet: set one of them"));
   }
   // The indexer's dense warm-up trains the DSA indexers alone (spec 2.3; engine/trainer.cc).
-  if (config->IsHybrid() && config->hybrid.indexer_stage == odyssey::model::IndexerStage::kDenseWarmup) {
+  if (config->InDenseWarmup()) {
     const std::string stage = absl::StrCat(" with the dense_warmup indexer stage (model ", Quote(model.name()),
                                            "), where only the DSA indexers train");
     if (lora->enabled())

@@ -10,14 +10,18 @@
 // banks apart).
 #include "kernels/cuda/kda_scan.h"
 
+#include "kernels/cuda/kda_scan_common.cuh"
+
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 namespace odyssey::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kBV = 32;              // state columns per block
+using kda_scan::kBV;
+using kda_scan::kThreads;
+using kda_scan::Launch;
+using kda_scan::Stage;
 constexpr int kTX = kBV / 4;         // threads across the columns, 4 (one float4) each
 constexpr int kTY = kThreads / kTX;  // thread rows
 
@@ -32,16 +36,6 @@ struct Layout {
   static constexpr int kFloats = 2 * kTile + K * kBV + 2 * C * kBV;
   static_assert(C % kTY == 0 && K % kTY == 0, "C and K must be multiples of 32");
 };
-
-// rows x cols floats (cols % 4 == 0) from global memory with row stride src_ld into shared
-// memory with row stride ld, asynchronously (the caller commits and waits).
-__device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int rows, int cols, int64_t src_ld) {
-  const int per_row = cols / 4;
-  for (int i = threadIdx.x; i < rows * per_row; i += kThreads) {
-    const int r = i / per_row, c = (i - r * per_row) * 4;
-    __pipeline_memcpy_async(dst + r * ld + c, src + r * src_ld + c, 16);
-  }
-}
 
 __device__ __forceinline__ float4 Ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void St4(float* p, const float (&v)[4]) {
@@ -305,17 +299,6 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardKernel(KdaScanBackwardAr
     }
   }
   SliceToGlobal<K>(a.dS0 + bh * K * V + v0, V, dS);
-}
-
-template <typename Kernel, typename Args>
-int Launch(Kernel* kernel, const Args& a, size_t bytes, cudaStream_t stream) {
-  // Above 48 KB of dynamic shared memory a kernel has to opt in (sm_90 allows 227 KB).
-  const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return static_cast<int>(e);
-  const dim3 grid(static_cast<unsigned>(a.V / kBV), static_cast<unsigned>(a.BH));
-  kernel<<<grid, kThreads, bytes, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
 }
 
 template <int C, int K>

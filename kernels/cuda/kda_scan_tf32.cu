@@ -22,13 +22,19 @@
 
 #include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_scan.h"
+#include "kernels/cuda/kda_scan_common.cuh"
+#include "kernels/cuda/mma.cuh"
 
 namespace odyssey::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using kda_scan::kBV;
+using kda_scan::kThreads;
+using kda_scan::Launch;
+using kda_scan::Stage;
+using mma::MmaTf32;
+using mma::Tf32;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBV = 32;        // state columns per block
 constexpr int kSLd = kBV + 4;  // row stride of the (rows x 32) slices in shared memory
 
 template <int C, int K>
@@ -48,19 +54,6 @@ struct Layout {
   static constexpr int kFloats = 4 * kTile + K * kSLd + 2 * C * kSLd;
   static_assert(kCN >= 1 && kKN >= 1, "C and K must be at least 32");
 };
-
-__device__ __forceinline__ uint32_t Tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Fragments of one k-step [k0, k0 + 8), lane = 4 g + c (PTX m16n8k8 .tf32: a0 (g, c), a1 (g + 8, c),
 // a2 (g, c + 4), a3 (g + 8, c + 4); b0 (c, g), b1 (c + 4, g); logical k c -> physical k0 + 2c,
@@ -126,7 +119,7 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
       LoadB(b0, b1, s, k0, n0 + 8 * j, g, c);
-      Mma(acc[j], a, b0, b1);
+      MmaTf32(acc[j], a, b0, b1);
     }
   }
 }
@@ -142,18 +135,8 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
       LoadB<negate>(b0, b1, s, k0, n0 + 8 * j, g, c);
-      Mma(acc[j], a, b0, b1);
+      MmaTf32(acc[j], a, b0, b1);
     }
-  }
-}
-
-// rows x cols floats (cols % 4 == 0) from global memory (row stride src_ld) into shared memory
-// (row stride ld), asynchronously (the caller commits and waits).
-__device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int rows, int cols, int64_t src_ld) {
-  const int per_row = cols / 4;
-  for (int i = threadIdx.x; i < rows * per_row; i += kThreads) {
-    const int r = i / per_row, c = (i - r * per_row) * 4;
-    __pipeline_memcpy_async(dst + r * ld + c, src + r * src_ld + c, 16);
   }
 }
 
@@ -226,8 +209,8 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
           for (int i = 0; i < L::kCN; ++i) {
             uint32_t b0, b1;
             LoadB(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
-            Mma(acc[i], aw, b0, b1);
-            if (kOut) Mma(out[i], aq, b0, b1);
+            MmaTf32(acc[i], aw, b0, b1);
+            if (kOut) MmaTf32(out[i], aq, b0, b1);
           }
         }
 #pragma unroll
@@ -248,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
           for (int i = 0; i < L::kKN; ++i) {
             uint32_t b0, b1;
             LoadB(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
-            Mma(S[i], ak, b0, b1);
+            MmaTf32(S[i], ak, b0, b1);
           }
           if (kOut) {
             uint32_t aa[4];
@@ -257,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
             for (int i = 0; i < L::kCN; ++i) {
               uint32_t b0, b1;
               LoadB(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
-              Mma(out[i], aa, b0, b1);
+              MmaTf32(out[i], aa, b0, b1);
             }
           }
         }
@@ -350,16 +333,6 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
     }
   }
   FragStore(a.dS0 + bh * K * V + v0, V, dS, km0, kn0, g, c4);
-}
-
-template <typename Kernel, typename Args>
-int Launch(Kernel* kernel, const Args& a, size_t bytes, cudaStream_t stream) {
-  const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return static_cast<int>(e);
-  const dim3 grid(static_cast<unsigned>(a.V / kBV), static_cast<unsigned>(a.BH));
-  kernel<<<grid, kThreads, bytes, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
 }
 
 template <int C, int K>

@@ -1,5 +1,6 @@
 // Tensor-core building blocks shared by the .cu files of kernels/cuda (device code only): shared
-// memory addresses, ldmatrix, mma.sync m16n8k16 bf16 -> fp32, cp.async and the fragment loads.
+// memory addresses, ldmatrix, mma.sync m16n8k16 bf16 -> fp32 (and m16n8k8 TF32 -> fp32), cp.async
+// and the fragment loads.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16), lane = 4 g + c:
 //   A (16 x 16, row-major): a0 = A[g][2c, 2c+1], a1 = A[g+8][2c, 2c+1], a2 = A[g][2c+8, 2c+9],
@@ -40,6 +41,22 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x rounded to TF32 (10 mantissa bits, to nearest) for the .tf32 mma below.
+__device__ __forceinline__ uint32_t Tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+// d += a b, mma.sync m16n8k8 with TF32 operands (from Tf32) and fp32 sums. Fragments (lane =
+// 4 g + c): a0 (g, c), a1 (g + 8, c), a2 (g, c + 4), a3 (g + 8, c + 4); b0 (c, g), b1 (c + 4, g);
+// the accumulator as m16n8k16's.
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // 16 bytes global -> shared, asynchronous; zeros when !valid (src is then not read).
