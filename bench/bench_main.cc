@@ -570,7 +570,7 @@ int main(int argc, char** argv) {
     req.model = odyssey::planner::ShapeOf(cfg, o.lora);
     req.model.context_ranks = context_parallel;  // a rank's plan: S / P positions
     req.model.shard_ranks = shard ? context_parallel : 1;
-    req.model.gradients_to_step = odyssey::planner::GradientsToStep(!rl_loss.empty(), context_parallel, context_parallel);
+    req.model.gradients_to_step = odyssey::planner::GradientsToStep(!rl_loss.empty(), context_parallel);
     req.seq_len = S / context_parallel;
     req.batch_size = B;
     req.strategy = o.memory;  // the strategy the run used, as the planner sees it

@@ -310,7 +310,16 @@ void Trainer::HookHostOptimizer() {
       for (int64_t l = first; l < first + count; ++l) shards_->ReduceGradients(1 + l);
     if (send_grads_early_) {
       const std::vector<int64_t> params = LayerParams(first, count);
+      // Data-parallel replicas: the group's gradients summed over the ranks first, so that what
+      // leaves is the global batch's (the step's Reduce skips them). A failed collective throws
+      // out of the backward, as a sharded reduce-scatter's does.
+      if (!shards_ && DataParallel()) {
+        const absl::Status s = gradients_->ReduceEarly(params);
+        TORCH_CHECK(s.ok(), "data-parallel all-reduce of layers ", first, " to ", first + count - 1,
+                    "'s gradients: ", s.message());
+      }
       optimizer_->GradsReady(params);
+      params_sent_in_backward_ += static_cast<int64_t>(params.size());
       // Sent: off the GPU now (the clip counts their norms). Sharded, the shards' clip reads
       // every shard's gradient: they stay.
       if (!shards_) optimizer_->ReleaseGrads(params);
@@ -423,10 +432,14 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   *share_out = *share;
   int64_t local_targets = 0;
   torch::Tensor loss;  // () this rank's share
-  // One backward per step and no all-reduce after it: each checkpointed layer group's
-  // gradients are final when its backward ends, so they may go to a host optimizer then.
-  // (The planner's mirror of this rule: planner::GradientsToStep.)
-  send_grads_early_ = send_early && !DataParallel() && ContextParallelDegree() == 1 && !IndexerBackwardInForwardStep();
+  // One backward per step: each checkpointed layer group's gradients are final when its
+  // backward ends, so they may go to a host optimizer then, data-parallel replicas' after their
+  // all-reduce in the same hook (sharded ranks reduce-scatter there instead and keep theirs to
+  // the step; context-parallel ranks sum over two groups after the backward). The planner's
+  // mirror of this rule: planner::GradientsToStep.
+  send_grads_early_ = send_early && (!DataParallel() || !shards_) && ContextParallelDegree() == 1 &&
+                      !IndexerBackwardInForwardStep();
+  params_sent_in_backward_ = 0;
   try {
     if (IndexerBackwardInForwardStep()) {
       // The dense warm-up: nothing but the indexers trains and their input is detached, so the
@@ -444,6 +457,7 @@ absl::StatusOr<torch::Tensor> Trainer::ReducedGradients(const Batch& whole, Toke
   } catch (...) {
     // The gradients of a half-done step (and what was sent of them) must not reach the next.
     send_grads_early_ = false;
+    gradients_->Forget();
     optimizer_->ZeroGrad();
     if (shards_) shards_->ReleaseAll();
     throw;

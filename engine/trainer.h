@@ -268,6 +268,12 @@ class Trainer {
   // gradients pending since the last OptimStep (they were computed on the replaced weights).
   absl::Status LoadCheckpoint(const std::string& dir);
 
+  // Parameters whose gradients the last Step sent to the host optimizer from its backward's
+  // layer hooks, off the GPU before the update (data-parallel replicas' after their all-reduce
+  // there); 0 with the optimizer on the device, under context parallelism or sharding over
+  // several ranks, and after Gradients.
+  int64_t params_sent_in_backward() const { return params_sent_in_backward_; }
+
   // A runner of the caller's: the host optimizer then waits for every layer before the stack.
   void set_layer_runner(model::LayerStackRunner runner) {
     runner_ = std::move(runner);
@@ -398,6 +404,7 @@ class Trainer {
   bool hooked_runner_ = true;       // runner_ is the memory stack's (its hooks fire)
   torch::Tensor aux_loss_;          // the last Loss()'s MoE load-balancing term (undefined: none)
   bool send_grads_early_ = false;   // inside an SFT backward whose gradients are final per group
+  int64_t params_sent_in_backward_ = 0;
 };
 
 // "auto" | "cpu" | "cuda" | "cuda:N"; errors name the field and rule.

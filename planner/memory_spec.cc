@@ -130,8 +130,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const model::ModelC
   if (!lora.ok()) return lora.status();
   return PlanModelJob(config, spec.model().dtype(), RankSeqLen(spec), spec.data().batch_size(), *fields, hardware,
                       *lora, ShardRanks(spec), std::max<int64_t>(1, spec.parallel().context_parallel()),
-                      GradientsToStep(spec.kind() == v1::RL_SESSION, spec.parallel().world_size(),
-                                      spec.parallel().context_parallel()));
+                      GradientsToStep(spec.kind() == v1::RL_SESSION, spec.parallel().context_parallel()));
 }
 
 }  // namespace odyssey::planner

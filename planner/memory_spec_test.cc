@@ -216,14 +216,13 @@ TEST(MemorySpecTest, PlanJobSpecReadsTheSpec) {
 }
 
 // With the optimizer on the host an SFT job's layers' gradients leave the GPU with their
-// backward; an RL session's, data-parallel replicas' and context-parallel ranks' stay to the step
-// (GradientsToStep): their plans hold them as the device optimizer's does, and the same spec as
-// an RL session plans more GPU memory than as SFT.
+// backward, data-parallel replicas' too (after their all-reduce); an RL session's and
+// context-parallel ranks' stay to the step (GradientsToStep): their plans hold them as the device
+// optimizer's does, and the same spec as an RL session plans more GPU memory than as SFT.
 TEST(MemorySpecTest, GradientsStayToTheStepWhereNothingIsSentEarly) {
-  EXPECT_FALSE(GradientsToStep(false, 1, 1));
-  EXPECT_TRUE(GradientsToStep(true, 1, 1));
-  EXPECT_TRUE(GradientsToStep(false, 2, 1));
-  EXPECT_TRUE(GradientsToStep(false, 2, 2));
+  EXPECT_FALSE(GradientsToStep(false, 1));
+  EXPECT_TRUE(GradientsToStep(true, 1));
+  EXPECT_TRUE(GradientsToStep(false, 2));
   const Hardware h200;
   v1::JobSpec sft = Spec3B(65536);
   sft.mutable_memory()->set_recompute("layer");
@@ -239,6 +238,12 @@ TEST(MemorySpecTest, GradientsStayToTheStepWhereNothingIsSentEarly) {
     return int64_t{-1};
   };
   EXPECT_GT(b->prediction.gpu_peak_bytes, a->prediction.gpu_peak_bytes);
+  // Replicas (unsharded) plan as one rank: their gradients leave with the backward too.
+  v1::JobSpec dp = sft;
+  dp.mutable_parallel()->set_world_size(2);
+  absl::StatusOr<JobPlan> d = PlanJobSpec(dp, h200);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prediction.gpu_peak_bytes, a->prediction.gpu_peak_bytes) << d->prediction.Describe();
   const int64_t layer_grads = term(*b, "gradients so far");
   EXPECT_GT(layer_grads, int64_t{5} << 30) << b->prediction.Describe();  // 27 of 28 layers' bf16 gradients
   EXPECT_LT(term(*a, "gradients so far"), int64_t{1} << 30) << a->prediction.Describe();

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   if (shard) shape.shard_ranks = context_parallel;
   shape.context_ranks = context_parallel;
   // P ranks of one sequence all-reduce after the backward: no gradient leaves the GPU early.
-  shape.gradients_to_step = odyssey::planner::GradientsToStep(false, context_parallel, context_parallel);
+  shape.gradients_to_step = odyssey::planner::GradientsToStep(false, context_parallel);
   const int64_t P = context_parallel;
   odyssey::planner::ChooseOptions options;
   options.allow_keep_attention = keep;

@@ -206,8 +206,9 @@ Prediction Predict(const Request& r) {
   // layer's gradients leave the GPU as they are produced (engine/host_adamw.h ReleaseGrads: sent
   // to the host and dropped at the end of the layer's backward; before 2026-12-05 they stayed to
   // the step, and Llama-3.2-3B at 64K without kept attention outputs peaked 3.7 GB above this
-  // plan in layer 1's backward). Where the trainer sends nothing early (m.gradients_to_step: RL
-  // sessions, replicas, context-parallel ranks) they stay, as with the optimizer on the GPU.
+  // plan in layer 1's backward; data-parallel replicas send them after the group's all-reduce).
+  // Where the trainer sends nothing early (m.gradients_to_step: RL sessions, context-parallel
+  // ranks) they stay, as with the optimizer on the GPU.
   // Sharded, each layer's gradients are reduce-scattered into this rank's shard after its
   // backward: the shard's gradients, the head's and one layer's whole.
   const int64_t head_grad = frozen ? 0 : m.vocab * H * e;
@@ -716,8 +717,8 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
   return plan;
 }
 
-bool GradientsToStep(bool rl_session, int64_t world_size, int64_t context_parallel) {
-  return rl_session || world_size > 1 || context_parallel > 1;
+bool GradientsToStep(bool rl_session, int64_t context_parallel) {
+  return rl_session || context_parallel > 1;
 }
 
 Hardware CpuHardware(int64_t host_memory_bytes, int64_t spec_budget_bytes) {

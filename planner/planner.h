@@ -176,10 +176,12 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
                                      int64_t context_ranks = 1, bool gradients_to_step = false);
 
 // Whether a job's gradients stay on the GPU until the step even with the optimizer on the host
-// (ModelShape::gradients_to_step): RL sessions (gradients accumulate over forward_backward calls),
-// and data-parallel replicas or context-parallel ranks (an all-reduce after the backward). The
-// engine's rule (engine/trainer.cc, send_grads_early_).
-bool GradientsToStep(bool rl_session, int64_t world_size, int64_t context_parallel);
+// (ModelShape::gradients_to_step): RL sessions (gradients accumulate over forward_backward calls)
+// and context-parallel ranks (their sums over two groups after the backward). Data-parallel
+// replicas send each layer group's gradients after its all-reduce in the group's backward, as
+// one rank does; sharded ranks are planned by their shards. The engine's rule
+// (engine/trainer.cc, send_grads_early_).
+bool GradientsToStep(bool rl_session, int64_t context_parallel);
 
 // The longest sequence (a multiple of `granularity`) for which Choose() finds a strategy.
 int64_t MaxSeqLen(const ModelShape& model, const Hardware& hardware, int64_t granularity = 16384,

@@ -134,8 +134,7 @@ absl::Status ChooseMemory(const EngineJobOptions& j, engine::TrainerOptions* o) 
   absl::StatusOr<planner::JobPlan> plan = planner::PlanModelJob(*config, dtype, rank_seq, j.batch_size, j.memory, hw,
                                                                 j.lora, j.shard_params ? j.world_size : 1,
                                                                 std::max(1, j.context_parallel),
-                                                                planner::GradientsToStep(j.rl_session, j.world_size,
-                                                                                         j.context_parallel));
+                                                                planner::GradientsToStep(j.rl_session, j.context_parallel));
   if (!plan.ok()) return plan.status();
   if (!plan->fits)
     return absl::ResourceExhaustedError(absl::StrCat("memory: no strategy fits: ", plan->message));

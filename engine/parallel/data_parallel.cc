@@ -23,16 +23,34 @@ absl::StatusOr<TokenShare> GradientReducer::ShareTokens(int64_t local_targets, i
 }
 
 absl::Status GradientReducer::Reduce(std::vector<torch::Tensor>& riders) {
+  std::vector<int64_t> indices;
+  indices.reserve(params_.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
+    if (reduced_early_.empty() || !reduced_early_[static_cast<size_t>(i)]) indices.push_back(i);
+  Forget();
+  return ReduceIndices(indices, riders);
+}
+
+absl::Status GradientReducer::ReduceEarly(const std::vector<int64_t>& indices) {
+  if (reduced_early_.empty()) reduced_early_.assign(params_.size(), 0);
+  for (int64_t i : indices) reduced_early_.at(static_cast<size_t>(i)) = 1;
+  std::vector<torch::Tensor> none;
+  return ReduceIndices(indices, none);
+}
+
+void GradientReducer::Forget() { reduced_early_.clear(); }
+
+absl::Status GradientReducer::ReduceIndices(const std::vector<int64_t>& indices, std::vector<torch::Tensor>& riders) {
   // The gradients (zeros where this rank has none, so every rank sends the same list), the
   // riders, and which ranks had a gradient per parameter travel in one all-reduce.
-  const int64_t P = static_cast<int64_t>(params_.size());
+  const int64_t P = static_cast<int64_t>(indices.size());
   std::vector<torch::Tensor> reduce;
-  reduce.reserve(params_.size() + riders.size() + 1);
+  reduce.reserve(indices.size() + riders.size() + 1);
   torch::Tensor has_grad = torch::zeros({P}, torch::kFloat32);  // (P,) CPU: 1 where this rank has a gradient
   float* has = has_grad.data_ptr<float>();
   for (int64_t i = 0; i < P; ++i) {
     // A copy of the handle: assigning its grad sets the parameter's.
-    torch::Tensor p = params_[static_cast<size_t>(i)];
+    torch::Tensor p = params_.at(static_cast<size_t>(indices[static_cast<size_t>(i)]));
     if (p.grad().defined()) {
       has[i] = 1.0f;
     } else {
@@ -46,7 +64,7 @@ absl::Status GradientReducer::Reduce(std::vector<torch::Tensor>& riders) {
   // AllReduce wrote into the tensors themselves (gradients, riders, has_grad) in place.
   for (int64_t i = 0; i < P; ++i) {
     if (has[i] == 0) {
-      torch::Tensor p = params_[static_cast<size_t>(i)];
+      torch::Tensor p = params_.at(static_cast<size_t>(indices[static_cast<size_t>(i)]));
       p.mutable_grad() = torch::Tensor();  // no rank had one: none, as on one rank
     }
   }

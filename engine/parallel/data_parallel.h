@@ -63,13 +63,31 @@ class GradientReducer {
   // all-reduce. Every rank must call together, with riders of the same shapes and dtypes.
   // Errors: the communicator's (the group is broken); the gradients are then unspecified and
   // must be dropped.
+  // Reduce's sum over every parameter not reduced early since the last Reduce (or Forget):
+  // those keep what ReduceEarly gave them (or what was done with it since: a host optimizer takes
+  // and drops them). Then no parameter is marked.
   absl::Status Reduce(std::vector<torch::Tensor>& riders);
+
+  // Sums the gradients of params[i] for i in `indices` over the ranks now, as Reduce would (the
+  // same absent-gradient rule), and marks them so that the next Reduce skips them: a layer
+  // group's gradients are final when its backward ends (one backward per step), so a host
+  // optimizer may take the global batch's while the backward goes on. Every rank must call with
+  // the same indices in the same order. Errors: the communicator's (the gradients are then
+  // unspecified and must be dropped, with Forget).
+  absl::Status ReduceEarly(const std::vector<int64_t>& indices);
+  // Drops the early marks (a step that failed half-way).
+  void Forget();
 
   Communicator& communicator() { return comm_; }
 
  private:
+  // The sum over the ranks of params[i]'s gradients for i in `indices`, riders summed in the
+  // same all-reduce.
+  absl::Status ReduceIndices(const std::vector<int64_t>& indices, std::vector<torch::Tensor>& riders);
+
   Communicator& comm_;
   const std::vector<torch::Tensor> params_;
+  std::vector<char> reduced_early_;  // per parameter: reduced by ReduceEarly since the last Reduce
 };
 
 }  // namespace odyssey::engine

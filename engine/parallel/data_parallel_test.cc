@@ -162,6 +162,68 @@ TEST(DataParallelTest, TwoRanksStayIdenticalAndEqualOneRankOnTheConcatenatedBatc
   }
 }
 
+// With the optimizer on the host, replicas send each layer group's gradients to it from the
+// backward, after their all-reduce there, as one rank sends its own: they train as one rank on
+// the concatenated batch. deferred_cpu updates from the gradients as they were when sent, so a
+// group sent before its all-reduce (this rank's half of the batch) or reduced twice moves the
+// weights by ~lr; both ranks send as many parameters early as one rank does.
+TEST(DataParallelTest, HostOptimizerReplicasSendReducedLayerGradientsFromTheBackward) {
+  torch::set_num_threads(1);
+  TrainerOptions o = Tiny();
+  o.memory.recompute = planner::Recompute::kLayer;
+  o.memory.optimizer_on_host = true;
+  o.host_optimizer.deferred_cpu = true;
+  auto single = Trainer::Create(o);
+  ASSERT_TRUE(single.ok()) << single.status();
+
+  auto group = InProcessGroup::Create(2, absl::Seconds(60));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
+  std::vector<std::unique_ptr<Trainer>> ranks(2);
+  std::vector<absl::Status> created(2);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainerOptions ro = o;
+        ro.communicator = comms[r].get();
+        auto t = Trainer::Create(ro);
+        created[r] = t.status();
+        if (t.ok()) ranks[r] = *std::move(t);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  ASSERT_TRUE(created[0].ok()) << created[0];
+  ASSERT_TRUE(created[1].ok()) << created[1];
+  CopyWeights(*ranks[0], **single);
+  for (int step = 0; step < 3; ++step) {
+    Batch a = (*single)->data().Next(), b = (*single)->data().Next();
+    Batch both;
+    both.input_ids = torch::cat({a.input_ids, b.input_ids});
+    both.labels = torch::cat({a.labels, b.labels});
+    both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
+    both.position_ids = torch::cat({a.position_ids, b.position_ids});
+    StepResult r0, r1;
+    std::thread t1([&] { r1 = ranks[1]->Step(b); });
+    r0 = ranks[0]->Step(a);
+    t1.join();
+    ASSERT_TRUE(r0.status.ok()) << r0.status;
+    ASSERT_TRUE(r1.status.ok()) << r1.status;
+    StepResult rs = (*single)->Step(both);
+    ASSERT_TRUE(rs.status.ok()) << rs.status;
+    EXPECT_GT((*single)->params_sent_in_backward(), 0);
+    EXPECT_EQ(ranks[0]->params_sent_in_backward(), (*single)->params_sent_in_backward());
+    EXPECT_EQ(ranks[1]->params_sent_in_backward(), (*single)->params_sent_in_backward());
+    EXPECT_EQ(r0.loss, r1.loss);
+    EXPECT_EQ(r0.grad_norm, r1.grad_norm);
+    EXPECT_NEAR(r0.loss, rs.loss, 1e-6 * rs.loss);
+    EXPECT_NEAR(r0.grad_norm, rs.grad_norm, 1e-5 * rs.grad_norm);
+    ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");
+    ExpectClose(*ranks[0], **single, 1e-5, 1e-5, "data parallel vs one rank");
+  }
+}
+
 // Ranks with different numbers of target tokens: the loss is still the mean over all targets
 // (not the mean of the ranks' means).
 TEST(DataParallelTest, UnequalTargetCountsWeighTokensNotRanks) {
