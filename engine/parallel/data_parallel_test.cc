@@ -101,31 +101,59 @@ void ExpectClose(Trainer& a, Trainer& b, double rtol, double atol, const std::st
   }
 }
 
+// Two ranks of `o` over an in-process group, created concurrently (their weights broadcast from
+// rank 0). Null where creation failed; `created` holds each rank's status.
+struct TwoRanks {
+  std::shared_ptr<InProcessGroup> group;
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<Trainer>> ranks{2};
+  std::vector<absl::Status> created{2};
+};
+std::unique_ptr<TwoRanks> MakeTwoRanks(const TrainerOptions& o) {
+  auto two = std::make_unique<TwoRanks>();
+  two->group = InProcessGroup::Create(2, absl::Seconds(60));
+  for (int r = 0; r < 2; ++r) two->comms.push_back(two->group->Rank(r));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&two, &o, r] {
+      TrainerOptions ro = o;
+      ro.communicator = two->comms[r].get();
+      auto t = Trainer::Create(ro);
+      two->created[r] = t.status();
+      if (t.ok()) two->ranks[r] = *std::move(t);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return two;
+}
+
+// The batch of rank 0's rows then rank 1's: what one rank trains on.
+Batch Concatenated(const Batch& a, const Batch& b) {
+  Batch both;
+  both.input_ids = torch::cat({a.input_ids, b.input_ids});
+  both.labels = torch::cat({a.labels, b.labels});
+  both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
+  both.position_ids = torch::cat({a.position_ids, b.position_ids});
+  return both;
+}
+
+// One step of both ranks together (rank 1 on its own thread).
+std::pair<StepResult, StepResult> StepBoth(TwoRanks& two, const Batch& a, const Batch& b) {
+  StepResult r0, r1;
+  std::thread t1([&] { r1 = two.ranks[1]->Step(b); });
+  r0 = two.ranks[0]->Step(a);
+  t1.join();
+  return {r0, r1};
+}
+
 TEST(DataParallelTest, TwoRanksStayIdenticalAndEqualOneRankOnTheConcatenatedBatch) {
   torch::set_num_threads(1);
   auto single = Trainer::Create(Tiny());
   ASSERT_TRUE(single.ok()) << single.status();
-
-  auto group = InProcessGroup::Create(2, absl::Seconds(60));
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
-  std::vector<std::unique_ptr<Trainer>> ranks(2);
-  std::vector<absl::Status> created(2);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        TrainerOptions o = Tiny();
-        o.communicator = comms[r].get();
-        auto t = Trainer::Create(o);
-        created[r] = t.status();
-        if (t.ok()) ranks[r] = *std::move(t);
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  ASSERT_TRUE(created[0].ok()) << created[0];
-  ASSERT_TRUE(created[1].ok()) << created[1];
+  std::unique_ptr<TwoRanks> two = MakeTwoRanks(Tiny());
+  ASSERT_TRUE(two->created[0].ok()) << two->created[0];
+  ASSERT_TRUE(two->created[1].ok()) << two->created[1];
+  std::vector<std::unique_ptr<Trainer>>& ranks = two->ranks;
   ExpectClose(*ranks[0], *ranks[1], 0, 0, "initial weights (broadcast from rank 0)");
   CopyWeights(*ranks[0], **single);
 
@@ -134,18 +162,10 @@ TEST(DataParallelTest, TwoRanksStayIdenticalAndEqualOneRankOnTheConcatenatedBatc
 
   for (int step = 0; step < 4; ++step) {
     Batch a = (*single)->data().Next(), b = (*single)->data().Next();
-    Batch both;
-    both.input_ids = torch::cat({a.input_ids, b.input_ids});
-    both.labels = torch::cat({a.labels, b.labels});
-    both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
-    both.position_ids = torch::cat({a.position_ids, b.position_ids});
-    StepResult r0, r1;
-    std::thread t1([&] { r1 = ranks[1]->Step(b); });
-    r0 = ranks[0]->Step(a);
-    t1.join();
+    auto [r0, r1] = StepBoth(*two, a, b);
     ASSERT_TRUE(r0.status.ok()) << r0.status;
     ASSERT_TRUE(r1.status.ok()) << r1.status;
-    StepResult rs = (*single)->Step(both);
+    StepResult rs = (*single)->Step(Concatenated(a, b));
 
     EXPECT_EQ(r0.loss, r1.loss);
     EXPECT_EQ(r0.grad_norm, r1.grad_norm);
@@ -175,42 +195,17 @@ TEST(DataParallelTest, HostOptimizerReplicasSendReducedLayerGradientsFromTheBack
   o.host_optimizer.deferred_cpu = true;
   auto single = Trainer::Create(o);
   ASSERT_TRUE(single.ok()) << single.status();
-
-  auto group = InProcessGroup::Create(2, absl::Seconds(60));
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
-  std::vector<std::unique_ptr<Trainer>> ranks(2);
-  std::vector<absl::Status> created(2);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        TrainerOptions ro = o;
-        ro.communicator = comms[r].get();
-        auto t = Trainer::Create(ro);
-        created[r] = t.status();
-        if (t.ok()) ranks[r] = *std::move(t);
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  ASSERT_TRUE(created[0].ok()) << created[0];
-  ASSERT_TRUE(created[1].ok()) << created[1];
+  std::unique_ptr<TwoRanks> two = MakeTwoRanks(o);
+  ASSERT_TRUE(two->created[0].ok()) << two->created[0];
+  ASSERT_TRUE(two->created[1].ok()) << two->created[1];
+  std::vector<std::unique_ptr<Trainer>>& ranks = two->ranks;
   CopyWeights(*ranks[0], **single);
   for (int step = 0; step < 3; ++step) {
     Batch a = (*single)->data().Next(), b = (*single)->data().Next();
-    Batch both;
-    both.input_ids = torch::cat({a.input_ids, b.input_ids});
-    both.labels = torch::cat({a.labels, b.labels});
-    both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
-    both.position_ids = torch::cat({a.position_ids, b.position_ids});
-    StepResult r0, r1;
-    std::thread t1([&] { r1 = ranks[1]->Step(b); });
-    r0 = ranks[0]->Step(a);
-    t1.join();
+    auto [r0, r1] = StepBoth(*two, a, b);
     ASSERT_TRUE(r0.status.ok()) << r0.status;
     ASSERT_TRUE(r1.status.ok()) << r1.status;
-    StepResult rs = (*single)->Step(both);
+    StepResult rs = (*single)->Step(Concatenated(a, b));
     ASSERT_TRUE(rs.status.ok()) << rs.status;
     EXPECT_GT((*single)->params_sent_in_backward(), 0);
     EXPECT_EQ(ranks[0]->params_sent_in_backward(), (*single)->params_sent_in_backward());
@@ -230,35 +225,15 @@ TEST(DataParallelTest, UnequalTargetCountsWeighTokensNotRanks) {
   torch::set_num_threads(1);
   auto single = Trainer::Create(Tiny());
   ASSERT_TRUE(single.ok()) << single.status();
-  auto group = InProcessGroup::Create(2, absl::Seconds(60));
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < 2; ++r) comms.push_back(group->Rank(r));
-  std::vector<std::unique_ptr<Trainer>> ranks(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      TrainerOptions o = Tiny();
-      o.communicator = comms[r].get();
-      auto t = Trainer::Create(o);
-      if (t.ok()) ranks[r] = *std::move(t);
-    });
-  }
-  for (auto& t : threads) t.join();
-  ASSERT_TRUE(ranks[0] && ranks[1]);
+  std::unique_ptr<TwoRanks> two = MakeTwoRanks(Tiny());
+  ASSERT_TRUE(two->ranks[0] && two->ranks[1]);
+  std::vector<std::unique_ptr<Trainer>>& ranks = two->ranks;
   CopyWeights(*ranks[0], **single);
 
   Batch a = (*single)->data().Next(), b = (*single)->data().Next();
   b.loss_mask.slice(1, 0, 20).zero_();  // rank 1 counts 12 of 32 positions per row
-  Batch both;
-  both.input_ids = torch::cat({a.input_ids, b.input_ids});
-  both.labels = torch::cat({a.labels, b.labels});
-  both.loss_mask = torch::cat({a.loss_mask, b.loss_mask});
-  both.position_ids = torch::cat({a.position_ids, b.position_ids});
-  StepResult r0, r1;
-  std::thread t1([&] { r1 = ranks[1]->Step(b); });
-  r0 = ranks[0]->Step(a);
-  t1.join();
-  StepResult rs = (*single)->Step(both);
+  const StepResult r0 = StepBoth(*two, a, b).first;
+  StepResult rs = (*single)->Step(Concatenated(a, b));
   EXPECT_EQ(r0.target_tokens, rs.target_tokens);
   EXPECT_NEAR(r0.loss, rs.loss, 1e-6 * rs.loss);
   ExpectClose(*ranks[0], *ranks[1], 0, 0, "rank 0 vs rank 1");
