@@ -355,6 +355,9 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
                                dUd.data_ptr<float>(), dAqkd.data_ptr<float>(), deGCd.data_ptr<float>(),
                                dq.data_ptr<float>(),  dk.data_ptr<float>(),   dv.data_ptr<float>(),
                                dg.data_ptr<float>(),  dbeta.data_ptr<float>(),  sub_blocks};
+  // The products on the tensor cores with the scans' (the CPU emulation runs the same block code
+  // in fp32).
+  a.tf32 = scan_tensor_cores.load();
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -415,6 +418,9 @@ ReverseResult ReverseLoop(const Intra& in, const Tensor& dO, const Tensor& P, co
   return {torch::stack(dvts, 2), torch::stack(dSs, 2), dS};
 }
 
+// P_c = Aqk_c^T dO_c, the reverse scan's term that does not depend on the state gradient.
+Tensor ReverseP(const Intra& in, const Tensor& dO) { return in.Aqk.transpose(-1, -2).matmul(dO); }
+
 #ifdef ODYSSEY_KERNELS_CUDA
 bool KernelScans(const Intra& in) {
   return FusedKernelsEnabled() && in.W.is_cuda() && in.W.scalar_type() == torch::kFloat32 &&
@@ -441,20 +447,22 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   return r;
 }
 
-ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& P, const Tensor& dSN) {
+ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN) {
   const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),
                 V = in.U.size(4);
   c10::cuda::CUDAGuard guard(in.W.device());
+  const bool tf32 = scan_tensor_cores.load();
+  // The tensor-core kernel forms P from Aqk itself; the fp32 one reads it.
   Tensor W = Dense(in.W), kg = Dense(in.kg), eGC = Dense(in.eGC), qg = Dense(in.qg), dOd = Dense(dO),
-         Pd = Dense(P), dSNd = Dense(dSN);
+         dSNd = Dense(dSN), Aqk = tf32 ? Dense(in.Aqk) : Tensor(), Pd = tf32 ? Tensor() : Dense(ReverseP(in, dOd));
   auto opts = W.options();
   ReverseResult r{torch::empty({B, HV, N, C, V}, opts), torch::empty({B, HV, N, K, V}, opts),
                   torch::empty({B, HV, K, V}, opts)};
-  cuda::KdaScanBackwardArgs a{W.data_ptr<float>(), kg.data_ptr<float>(), eGC.data_ptr<float>(),
-                              qg.data_ptr<float>(), dOd.data_ptr<float>(), Pd.data_ptr<float>(),
-                              dSNd.data_ptr<float>(), r.dvt.data_ptr<float>(), r.dS.data_ptr<float>(),
-                              r.dS0.data_ptr<float>(), B * HV, N, C, K, V};
-  a.tf32 = scan_tensor_cores.load();
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  cuda::KdaScanBackwardArgs a{ptr(W),     ptr(kg),   ptr(eGC),  ptr(qg),    ptr(dOd), ptr(Pd), ptr(dSNd),
+                              ptr(r.dvt), ptr(r.dS), ptr(r.dS0), B * HV, N,        C,       K,         V};
+  a.tf32 = tf32;
+  a.Aqk = ptr(Aqk);
   CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");
   if (a.tf32) scan_tensor_core_launches.fetch_add(1);
   return r;
@@ -468,11 +476,47 @@ ScanResult ScanForward(const Intra& in, const Tensor& h0, bool want_o, bool want
   return ScanLoop(in, h0, want_o, want_states);
 }
 
-ReverseResult ScanBackward(const Intra& in, const Tensor& dO, const Tensor& P, const Tensor& dSN) {
+ReverseResult ScanBackward(const Intra& in, const Tensor& dO, const Tensor& dSN) {
 #ifdef ODYSSEY_KERNELS_CUDA
-  if (KernelScans(in)) return ReverseKernel(in, dO, P, dSN);
+  if (KernelScans(in)) return ReverseKernel(in, dO, dSN);
 #endif
-  return ReverseLoop(in, dO, P, dSN);
+  return ReverseLoop(in, dO, ReverseP(in, dO), dSN);
+}
+
+// The gradients of the chunk quantities given the forward states and the reverse scan's dS
+// (spec 1.4): dq_g = dO h^T, dW = -dvt h^T, dk_g = vt dS^T, dA_qk = dO vt^T, d exp(G_C) =
+// sum(h * dS) over V, batched over a segment's chunks.
+struct ChunkGradsResult {
+  Tensor dqg, dW, dkg, dAqk, deGC;
+};
+ChunkGradsResult ChunkGrads(const ScanResult& f, const ReverseResult& r, const Tensor& dO) {
+#ifdef ODYSSEY_KERNELS_CUDA
+  // With the scans on the tensor cores, one kernel (TF32 operands, as the scans'); otherwise
+  // batched fp32 products.
+  if (scan_tensor_cores.load() && FusedKernelsEnabled() && f.states.is_cuda() &&
+      f.states.scalar_type() == torch::kFloat32 &&
+      cuda::KdaScanSupported(dO.size(3), f.states.size(3), f.states.size(4))) {
+    const int64_t B = dO.size(0), HV = dO.size(1), N = dO.size(2), C = dO.size(3), K = f.states.size(3),
+                  V = f.states.size(4);
+    c10::cuda::CUDAGuard guard(dO.device());
+    Tensor h = Dense(f.states), dS = Dense(r.dS), dOd = Dense(dO), vt = Dense(f.vt), dvt = Dense(r.dvt);
+    auto opts = h.options();
+    ChunkGradsResult g{torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, K}, opts),
+                       torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, C}, opts),
+                       torch::empty({B, HV, N, K}, opts)};
+    cuda::KdaChunkGradsArgs a{h.data_ptr<float>(),     dS.data_ptr<float>(),    dOd.data_ptr<float>(),
+                              vt.data_ptr<float>(),    dvt.data_ptr<float>(),   g.dqg.data_ptr<float>(),
+                              g.dW.data_ptr<float>(),  g.dkg.data_ptr<float>(), g.dAqk.data_ptr<float>(),
+                              g.deGC.data_ptr<float>(), B * HV,                 N,
+                              C,                       K,                       V};
+    CheckKernelLaunch(cuda::KdaChunkGrads(a, Stream(h)), "kda chunk gradients");
+    scan_tensor_core_launches.fetch_add(1);
+    return g;
+  }
+#endif
+  Tensor hT = f.states.transpose(-1, -2);  // (B, HV, n, V, K)
+  return {dO.matmul(hT), -r.dvt.matmul(hT), f.vt.matmul(r.dS.transpose(-1, -2)), dO.matmul(f.vt.transpose(-1, -2)),
+          (f.states * r.dS).sum(-1)};
 }
 
 // One segment's inputs in the compute dtype, q and k expanded to the HV value heads, q scaled.
@@ -577,14 +621,10 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
       Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct), C)
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)
-      Tensor P = in.Aqk.transpose(-1, -2).matmul(dO);
-      ReverseResult r = ScanBackward(in, dO, P, dS);
+      ReverseResult r = ScanBackward(in, dO, dS);
       // The gradients of the chunk quantities, batched over the segment's chunks.
-      Tensor hT = f.states.transpose(-1, -2);  // (B, HV, n, V, K)
-      Tensor dqg = dO.matmul(hT), dW = -r.dvt.matmul(hT);
-      Tensor dkg = f.vt.matmul(r.dS.transpose(-1, -2));
-      Tensor dAqk = dO.matmul(f.vt.transpose(-1, -2));
-      Tensor deGC = (f.states * r.dS).sum(-1);
+      const ChunkGradsResult cg = ChunkGrads(f, r, dO);
+      const Tensor &dqg = cg.dqg, &dW = cg.dW, &dkg = cg.dkg, &dAqk = cg.dAqk, &deGC = cg.deGC;
       scans.end();
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");

@@ -61,14 +61,18 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
                                                    const torch::Tensor& beta, const torch::Tensor& h0,
                                                    const KdaOptions& options = {});
 
-// Process-wide (set it before the calls): whether the CUDA state scans multiply on the tensor
-// cores with TF32 operands and fp32 sums (default; kernels/cuda/kda_scan_tf32.cu: the state stays
-// fp32, each product's operands keep 10 mantissa bits, the class of fla's bf16 kernels and inside
-// the spec's error bars) or on CUDA cores in fp32 (kernels/cuda/kda_scan.cu). Benchmarks and tests
+// Process-wide (set it before the calls): whether the CUDA state scans and the backward's
+// products over the states multiply on the tensor cores with TF32 operands and fp32 sums
+// (default; kernels/cuda/kda_scan_tf32.cu: the state stays fp32, each product's operands keep 10
+// mantissa bits, the class of fla's bf16 kernels and inside the spec's error bars) or in fp32:
+// the scans on CUDA cores (kernels/cuda/kda_scan.cu), the products as batched fp32 libtorch
+// matmuls. On the tensor cores the reverse scan forms Aqk^T dO itself and one kernel
+// (KdaChunkGrads) takes the chunk quantities' gradients given the states. Benchmarks and tests
 // compare the two; without the CUDA kernels it changes nothing.
 void SetKdaScanTensorCores(bool enabled);
 bool KdaScanTensorCores();
-// State scans (forward or reverse) that ran on the tensor cores so far in this process.
+// Tensor-core launches so far in this process: state scans (forward or reverse) and the chunk
+// gradients' kernel.
 int64_t KdaScanTensorCoreLaunches();
 
 // Which code runs KdaChunked's intra-chunk backward (spec 1.4 steps 4-6) in the whole-chunk and

@@ -45,12 +45,16 @@ void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& a, bool reverse_threads) 
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads) {
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V), reverse_threads,
+    const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
+    Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V, tc), reverse_threads,
             [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
-              if (a.sub_blocks) {
-                kda_bwd::KdaIntraBackwardPhase<C, K, true>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              constexpr int nt = kKdaIntraBackwardThreads;
+              if (tc) {
+                kda_bwd::KdaIntraBackwardPhase<C, K, false, true>(p, a, sm, bh, n, tid, nt);
+              } else if (a.sub_blocks) {
+                kda_bwd::KdaIntraBackwardPhase<C, K, true, false>(p, a, sm, bh, n, tid, nt);
               } else {
-                kda_bwd::KdaIntraBackwardPhase<C, K, false>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+                kda_bwd::KdaIntraBackwardPhase<C, K, false, false>(p, a, sm, bh, n, tid, nt);
               }
             });
   });

@@ -291,7 +291,6 @@ TEST(Kda, SegmentsEqualOneSegmentFp64) {
 void ScanKernelsAgainstLibtorch(bool tf32) {
   constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
   SetKdaScanTensorCores(tf32);
-  const int64_t tc_launches = KdaScanTensorCoreLaunches();
   for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 1, 2, 1000, 64, 96, -5.0},
                         Case{1, 2, 2, 200, 32, 32, -0.02}, Case{1, 2, 2, 150, 128, 128, -0.1}}) {
     for (int64_t C : {64, 32}) {
@@ -317,6 +316,7 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
       SetFusedKernels(true);
       const int64_t launches = FusedKernelLaunches(), intra_backward = KdaIntraBackwardKernelRuns(),
                     sub_forward = KdaSubBlockForwardKernelRuns();
+      const int64_t tc_before = KdaScanTensorCoreLaunches();
       std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       // Per segment: the forward scan, the backward's state scan and reverse scan; in the
       // whole-chunk form the intra kernel in the forward and in the backward's recompute, and
@@ -324,6 +324,9 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
       const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
       EXPECT_GE(FusedKernelLaunches() - launches, (whole ? 6 : 3) * segments)
           << Name(c) << " C" << C << ": the kernels did not run";
+      // On the tensor cores with `tf32`, per segment: the forward scan, the backward's state scan,
+      // the reverse scan and the chunk gradients' kernel; none without.
+      EXPECT_EQ(KdaScanTensorCoreLaunches() - tc_before, tf32 ? 4 * segments : 0) << Name(c) << " C" << C;
       int64_t by_hand = 0, sub = 0;  // segments whose form the kernels take; of them, sub-block ones
       for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) {
         by_hand += form != KdaGramForm::kElementwiseDiagonal;
@@ -341,9 +344,6 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
       }
     }
   }
-  // Three scans a segment (forward, the backward's state scan, the reverse scan) on the tensor
-  // cores with `tf32`, none without.
-  EXPECT_EQ(KdaScanTensorCoreLaunches() > tc_launches, tf32);
   SetKdaScanTensorCores(true);
 }
 
@@ -391,29 +391,36 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     const std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
     const Inputs f = in.To(torch::kFloat32);
     const Tensor dOf = dO.to(torch::kFloat32), dSf = dS.to(torch::kFloat32);
-    const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns();
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kLibtorch);
     const std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
-    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
-    const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
-    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
-    const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
-    SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
-    const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
-    const std::string name = Name(c) + " C" + std::to_string(sh.C);
-    for (KdaGramForm form : SegmentForms(in.g, sh.C, opt.segment))
-      ASSERT_EQ(static_cast<int>(form), static_cast<int>(sh.form)) << name << ": a segment takes another Gram form";
-    // The backward twice per segment: in order and reversed; never on the libtorch path. The
-    // sub-block form's forward code in the forward and in the backward's recompute, twice too.
-    EXPECT_EQ(KdaIntraBackwardKernelRuns() - runs, 2 * segments) << name;
-    EXPECT_EQ(KdaSubBlockForwardKernelRuns() - forward_runs, sh.form == sub ? 4 * segments : 0) << name;
-    for (size_t i = 0; i < truth.size(); ++i) {
-      const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
-      const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-      EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << what;
-      EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << what
-                                                      << ": threads in reverse order changed the result";
+    // Both block codes: the products by 4 x 4 tiles a thread (fp32) and by warp tiles (the
+    // tensor-core form, which the whole-chunk form with V a multiple of 8 takes; emulated in
+    // fp32, so its indexing is what this checks).
+    for (bool tc : {false, true}) {
+      SetKdaScanTensorCores(tc);
+      const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns();
+      SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
+      const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
+      const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
+      const int64_t segments = (c.T + opt.segment - 1) / opt.segment;
+      const std::string name = Name(c) + " C" + std::to_string(sh.C) + (tc ? " warp tiles" : " thread tiles");
+      for (KdaGramForm form : SegmentForms(in.g, sh.C, opt.segment))
+        ASSERT_EQ(static_cast<int>(form), static_cast<int>(sh.form)) << name << ": a segment takes another Gram form";
+      // The backward twice per segment: in order and reversed; never on the libtorch path. The
+      // sub-block form's forward code in the forward and in the backward's recompute, twice too.
+      EXPECT_EQ(KdaIntraBackwardKernelRuns() - runs, 2 * segments) << name;
+      EXPECT_EQ(KdaSubBlockForwardKernelRuns() - forward_runs, sh.form == sub ? 4 * segments : 0) << name;
+      for (size_t i = 0; i < truth.size(); ++i) {
+        const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
+        const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+        EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << what;
+        EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << what
+                                                        << ": threads in reverse order changed the result";
+      }
     }
+    SetKdaScanTensorCores(true);
   }
 }
 

@@ -11,11 +11,11 @@
 namespace odyssey::kernels::cuda {
 namespace {
 
-template <int C, int K, bool kSub>
+template <int C, int K, bool kSub, bool kTc>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) IntraBackwardKernel(KdaIntraBackwardArgs a) {
   extern __shared__ float sm[];
   for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
-    kda_bwd::KdaIntraBackwardPhase<C, K, kSub>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
+    kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
     __syncthreads();
   }
 }
@@ -62,10 +62,12 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
   if (!Valid(a)) return static_cast<int>(cudaErrorInvalidValue);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    const int64_t floats = kda_bwd::SmemFloats(C, K, a.V);
+    const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
+    const int64_t floats = kda_bwd::SmemFloats(C, K, a.V, tc);
     const auto s = static_cast<cudaStream_t>(stream);
-    return a.sub_blocks ? Launch(&IntraBackwardKernel<C, K, true>, a, floats, s)
-                        : Launch(&IntraBackwardKernel<C, K, false>, a, floats, s);
+    if (tc) return Launch(&IntraBackwardKernel<C, K, false, true>, a, floats, s);
+    return a.sub_blocks ? Launch(&IntraBackwardKernel<C, K, true, false>, a, floats, s)
+                        : Launch(&IntraBackwardKernel<C, K, false, false>, a, floats, s);
   });
 }
 

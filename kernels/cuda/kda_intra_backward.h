@@ -37,6 +37,10 @@ struct KdaIntraBackwardArgs {
   // chunk's first row), true the sub-block form (against each 16-row block's first row; the
   // chunk may decay by any amount, a block by at most 60 e-folds).
   bool sub_blocks;
+  // The products on the tensor cores (TF32 operands, fp32 sums) where the form takes it
+  // (kda_intra_backward_body.h TensorCoreForm: the whole-chunk form, V a multiple of 8); the
+  // element-wise work, the UT inverse's substitutions and every sum stay fp32.
+  bool tf32 = false;
 };
 
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).

@@ -23,6 +23,9 @@
 
 #include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_intra_backward.h"
+#if defined(__CUDACC__)
+#include "kernels/cuda/mma.cuh"
+#endif
 
 #if defined(__CUDACC__)
 #define KDA_HD __host__ __device__ __forceinline__
@@ -40,9 +43,16 @@ constexpr int kB = 16;  // the inverse's block
 KDA_HD constexpr int64_t Widest(int64_t C, int64_t K, int64_t V) {
   return K > V ? (K > C ? K : C) : (V > C ? V : C);
 }
-KDA_HD int64_t SmemFloats(int64_t C, int64_t K, int64_t V) {
-  return 5 * C * (Widest(C, K, V) + 1) + 3 * C * (C + 1) + kB * C + 2 * C;
+// Row padding: odd strides for the CUDA-core products (4 x 4 tiles walk columns over rows), 4
+// floats for the tensor-core ones (kTc: an mma fragment's 8 rows x 4 columns then fall in distinct
+// banks when read by rows, at most 2 to a bank when read transposed; widths are multiples of 8).
+KDA_HD constexpr int Pad(bool tc) { return tc ? 4 : 1; }
+KDA_HD int64_t SmemFloats(int64_t C, int64_t K, int64_t V, bool tc = false) {
+  return 5 * C * (Widest(C, K, V) + Pad(tc)) + 3 * C * (C + Pad(tc)) + kB * C + 2 * C;
 }
+// Whether the tensor-core form takes these sizes: the whole-chunk Gram form with V a multiple of 8
+// (every product's depth and width then a whole number of mma steps).
+KDA_HD constexpr bool TensorCoreForm(bool sub_blocks, int64_t V) { return !sub_blocks && V % 8 == 0; }
 // 0 beta; 1 factors; 2 Grams; 3 the inverse's diagonal blocks; two per later block row; then dT,
 // dX and dY, R, dA_kk, dL, the products of dL and dA, the last.
 KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 7; }
@@ -90,13 +100,41 @@ KDA_HD void TileProductDecayed(float (&acc)[4][4], const float* a, int ai, int a
   }
 }
 
-// T = (I + A)^-1 for A strictly lower (C x C, leading dimension C + 1), T in the same layout, by
+// The tensor-core products: a warp owns a 16 x 8 tile of an mma.sync m16n8k8 (TF32 operands,
+// fp32 sums); lane = 4 g + c holds its rows g and g + 8 and columns 2c and 2c + 1, element e at
+// row FragRow(lane, e), column FragCol(lane, e).
+KDA_HD int FragRow(int lane, int e) { return lane / 4 + 8 * (e / 2); }
+KDA_HD int FragCol(int lane, int e) { return 2 * (lane % 4) + e % 2; }
+
+// acc += sum over m in [m0, m1) (a multiple of 8 long) of a(i0 + row, m) b(m, j0 + col) for the
+// lane's elements, a and b strided as TileProduct's. On the GPU the warp's lanes run it together
+// (one mma per 8 of m, operands rounded to TF32); the CPU emulation runs each lane alone, in fp32,
+// over the same shared-memory elements, so it checks the indexing, not the rounding.
+KDA_HD void WarpTile(float (&acc)[4], const float* a, int ai, int am, const float* b, int bm, int bj, int i0, int j0,
+                     int m0, int m1, int lane) {
+#if defined(__CUDA_ARCH__)
+  const int g = lane / 4, c = lane % 4;
+  const float* ar = a + (i0 + g) * ai;
+  const float* bc = b + (j0 + g) * bj;
+  for (int m = m0; m < m1; m += 8) {
+    const uint32_t af[4] = {mma::Tf32(ar[(m + c) * am]), mma::Tf32(ar[8 * ai + (m + c) * am]),
+                            mma::Tf32(ar[(m + c + 4) * am]), mma::Tf32(ar[8 * ai + (m + c + 4) * am])};
+    mma::MmaTf32(acc, af, mma::Tf32(bc[(m + c) * bm]), mma::Tf32(bc[(m + c + 4) * bm]));
+  }
+#else
+  for (int e = 0; e < 4; ++e) {
+    const int i = i0 + FragRow(lane, e), j = j0 + FragCol(lane, e);
+    for (int m = m0; m < m1; ++m) acc[e] = fmaf(a[i * ai + m * am], b[m * bm + j * bj], acc[e]);
+  }
+#endif
+}
+
+// T = (I + A)^-1 for A strictly lower (C x C, leading dimension ld), T in the same layout, by
 // 16-row blocks: the diagonal blocks by forward substitution, a thread per column, and zeros
 // above them (one phase); then each later block row against the columns before it in two
 // phases, P = A_r,<r T_<r,<r (P: kB x C scratch), then T_r,<r = -T_rr P.
 template <int C>
-KDA_HD void InvertDiagonalBlocks(const float* A, float* T, int tid, int nt) {
-  constexpr int ld = C + 1;
+KDA_HD void InvertDiagonalBlocks(const float* A, float* T, int ld, int tid, int nt) {
   for (int c = tid; c < C; c += nt) {
     const int r0 = c / kB * kB;
     for (int i = r0; i < c; ++i) T[i * ld + c] = 0.f;
@@ -113,8 +151,7 @@ KDA_HD void InvertDiagonalBlocks(const float* A, float* T, int tid, int nt) {
   }
 }
 template <int C>
-KDA_HD void InvertRowProduct(int r0, const float* A, const float* T, float* P, int tid, int nt) {
-  constexpr int ld = C + 1;
+KDA_HD void InvertRowProduct(int r0, const float* A, const float* T, float* P, int ld, int tid, int nt) {
   for (int e = tid; e < kB * r0; e += nt) {
     const int i = e / r0, c = e % r0;
     float s = 0.f;
@@ -123,8 +160,7 @@ KDA_HD void InvertRowProduct(int r0, const float* A, const float* T, float* P, i
   }
 }
 template <int C>
-KDA_HD void InvertRowSolve(int r0, float* T, const float* P, int tid, int nt) {
-  constexpr int ld = C + 1;
+KDA_HD void InvertRowSolve(int r0, float* T, const float* P, int ld, int tid, int nt) {
   for (int e = tid; e < kB * r0; e += nt) {
     const int i = e / r0, c = e % r0;
     float s = 0.f;
@@ -135,7 +171,7 @@ KDA_HD void InvertRowSolve(int r0, float* T, const float* P, int tid, int nt) {
 
 // What a block of either kernel sees: its (batch x head, chunk), its inputs (Args: KdaIntraArgs or
 // KdaIntraBackwardArgs, which share these fields) and its shared memory's slots.
-template <int C, int K, class Args>
+template <int C, int K, class Args, bool kTc = false>
 struct ChunkView {
   const Args& a;
   int V, ldK, ldV, ldC;
@@ -144,7 +180,7 @@ struct ChunkView {
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
   KDA_HD ChunkView(const Args& args, float* sm, int64_t bh, int64_t n) : a(args) {
-    V = static_cast<int>(a.V), ldK = K + 1, ldV = V + 1, ldC = C + 1;
+    V = static_cast<int>(a.V), ldK = K + Pad(kTc), ldV = V + Pad(kTc), ldC = C + Pad(kTc);
     const int64_t b = bh / a.HV, h = bh % a.HV;
     chunk = bh * a.N + n, t0 = n * C;
     ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
@@ -153,7 +189,7 @@ struct ChunkView {
     v = a.v + b * a.v_sb + h * a.v_sh;
     beta = a.beta + b * a.b_sb + h * a.b_sh;
     G = a.G + ck;
-    const int64_t big = C * (Widest(C, K, V) + 1), small = C * (C + 1);
+    const int64_t big = C * (Widest(C, K, V) + Pad(kTc)), small = C * (C + Pad(kTc));
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
     S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
   }
@@ -209,9 +245,9 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
   } else if (phase < 4 + 2 * kRows) {
     const int r0 = kB * (1 + (phase - 4) / 2);
     if ((phase - 4) % 2 == 0) {
-      InvertRowProduct<C>(r0, b.S1, b.S2, b.P, tid, nt);
+      InvertRowProduct<C>(r0, b.S1, b.S2, b.P, b.ldC, tid, nt);
     } else {
-      InvertRowSolve<C>(r0, b.S2, b.P, tid, nt);
+      InvertRowSolve<C>(r0, b.S2, b.P, b.ldC, tid, nt);
     }
   } else {
     return false;
@@ -221,10 +257,14 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
 
 // One block of the backward. kSub: the sub-block Gram form (kernels/kda.h kSubBlocks), every
 // factor against the first row of its row's 16-row block instead of the chunk's first row, so no
-// factor exceeds a block's decay.
-template <int C, int K, bool kSub>
-struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
-  using Base = ChunkView<C, K, KdaIntraBackwardArgs>;
+// factor exceeds a block's decay. kTc: the products on the tensor cores (WarpTile, 16 x 8 tiles a
+// warp, TF32 operands) instead of 4 x 4 register tiles a thread (fp32); the whole-chunk form only
+// (TensorCoreForm). Every output element is written by the one lane or thread that owns it, in
+// both.
+template <int C, int K, bool kSub, bool kTc = false>
+struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc> {
+  static_assert(!(kSub && kTc), "the tensor-core products take the whole-chunk form only");
+  using Base = ChunkView<C, K, KdaIntraBackwardArgs, kTc>;
   KDA_CHUNK_VIEW(Base)
 
   // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros).
@@ -237,6 +277,8 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
   KDA_HD float Em(int i, int d) const { return expf(G[d] - G[i * K + d]); }
   KDA_HD float EG(int i, int d) const { return expf(G[i * K + d]); }
   KDA_HD float EC(int i, int d) const { return expf(G[(C - 1) * K + d] - G[i * K + d]); }
+  // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
+  static constexpr int kPer = kTc ? 2 : 4;
 
   // 1: the factors the products read; the outputs' first terms.
   KDA_HD void Factors(int tid, int nt) {
@@ -254,8 +296,23 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
     }
     for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
   }
-  // 2: L_kk = strict_lower(kp km^T) and A_kk = diag(beta) L_kk, by 4 x 4 tiles.
+  // 2: L_kk = strict_lower(kp km^T) and A_kk = diag(beta) L_kk.
+  KDA_HD void GramOut(int i, int j, float acc) {
+    const float l = j < i ? acc : 0.f;
+    S0[i * ldC + j] = l;
+    S1[i * ldC + j] = l * sB[i];
+  }
   KDA_HD void Grams(int tid, int nt) {
+    if constexpr (kTc) {
+      const int lane = tid % 32;
+      for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
+        const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
+        float acc[4] = {};
+        if (j0 < i0 + 16) WarpTile(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K, lane);
+        for (int e = 0; e < 4; ++e) GramOut(i0 + FragRow(lane, e), j0 + FragCol(lane, e), acc[e]);
+      }
+      return;
+    }
     constexpr int kTiles = (C / 4) * (C / 4);
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
@@ -268,12 +325,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
         }
       }
       for (int x = 0; x < 4; ++x) {
-        for (int y = 0; y < 4; ++y) {
-          const int i = i0 + x, j = j0 + y;
-          const float l = j < i ? acc[x][y] : 0.f;
-          S0[i * ldC + j] = l;
-          S1[i * ldC + j] = l * sB[i];
-        }
+        for (int y = 0; y < 4; ++y) GramOut(i0 + x, j0 + y, acc[x][y]);
       }
     }
   }
@@ -284,10 +336,21 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
       const int i = e / V, d = e % V;
       B0[i * ldV + d] = sB[i] * V_(i, d);
     }
-    InvertDiagonalBlocks<C>(S1, S2, tid, nt);
+    InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt);
   }
   // dT = dW X^T + dU Y^T (A_kk's slot: T is complete).
   KDA_HD void GradT(int tid, int nt) {
+    if constexpr (kTc) {
+      const int lane = tid % 32;
+      for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
+        const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
+        float acc[4] = {};
+        WarpTile(acc, B2, ldK, 1, B4, 1, ldK, i0, j0, 0, K, lane);
+        WarpTile(acc, B3, ldV, 1, B0, 1, ldV, i0, j0, 0, V, lane);
+        for (int e = 0; e < 4; ++e) S1[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = acc[e];
+      }
+      return;
+    }
     constexpr int kTiles = (C / 4) * (C / 4);
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
@@ -300,12 +363,47 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
     }
   }
   // dX = T^T dW and dY = T^T dU by tiles (T lower: rows m >= i), each tile's terms of dk, dG and
-  // dv written, and its rows' partial sums of dbeta into B0 (Y's slot: dT is done): [C][K / 4]
-  // for dX, then [C][V / 4] for dY.
+  // dv written, and its rows' partial sums of dbeta into B0 (Y's slot: dT is done): [C][K / kPer]
+  // for dX, then [C][V / kPer] for dY.
+  // Element (i, d) of dX (is_x) or dY, g its value: its terms of dk, dG, dv; returns its term of
+  // dbeta's row sum.
+  KDA_HD float XYOut(bool is_x, int i, int d, float g) {
+    if (is_x) {
+      const int64_t o = ck + static_cast<int64_t>(i) * K + d;
+      const float eg = EG(i, d);
+      a.dk[o] += g * sB[i] * eg;
+      a.dg[o] += g * B4[i * ldK + d];
+      return g * (K_(i, d) * eg);
+    }
+    a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
+    return g * V_(i, d);
+  }
   KDA_HD void GradXY(int tid, int nt) {
-    const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);
     float* px = B0;
-    float* py = B0 + C * (K / 4);
+    float* py = B0 + C * (K / kPer);
+    if constexpr (kTc) {
+      const int lane = tid % 32, xt = (C / 16) * (K / 8), yt = (C / 16) * (V / 8);
+      for (int tile = tid / 32; tile < xt + yt; tile += nt / 32) {
+        const bool is_x = tile < xt;
+        const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
+        const int i0 = 16 * (t / (cols / 8)), d0 = 8 * (t % (cols / 8));
+        float acc[4] = {};
+        WarpTile(acc, S2, 1, ldC, is_x ? B2 : B3, is_x ? ldK : ldV, 1, i0, d0, i0, C, lane);
+        for (int h = 0; h < 2; ++h) {  // the lane's rows g and g + 8, two columns each
+          const int i = i0 + FragRow(lane, 2 * h);
+          float row = 0.f;
+          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(is_x, i, d0 + FragCol(lane, e), acc[e]);
+          const int slot = (d0 + FragCol(lane, 2 * h)) / kPer;
+          if (is_x) {
+            px[i * (K / kPer) + slot] = row;
+          } else {
+            py[i * (V / kPer) + slot] = row;
+          }
+        }
+      }
+      return;
+    }
+    const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);
     for (int tile = tid; tile < xt + yt; tile += nt) {
       const bool is_x = tile < xt;
       const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
@@ -319,20 +417,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
       for (int x = 0; x < 4; ++x) {
         const int i = i0 + x;
         float row = 0.f;
-        for (int y = 0; y < 4; ++y) {
-          const int d = d0 + y;
-          const float g = acc[x][y];
-          if (is_x) {
-            const int64_t o = ck + static_cast<int64_t>(i) * K + d;
-            const float keg = K_(i, d) * EG(i, d);
-            a.dk[o] += g * sB[i] * EG(i, d);
-            a.dg[o] += g * B4[i * ldK + d];
-            row = fmaf(g, keg, row);
-          } else {
-            a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
-            row = fmaf(g, V_(i, d), row);
-          }
-        }
+        for (int y = 0; y < 4; ++y) row += XYOut(is_x, i, d0 + y, acc[x][y]);
         if (is_x) {
           px[i * (K / 4) + d0 / 4] = row;
         } else {
@@ -346,9 +431,19 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
   KDA_HD void GradR(int tid, int nt) {
     for (int i = tid; i < C; i += nt) {
       float s = 0.f;
-      for (int c = 0; c < K / 4; ++c) s += B0[i * (K / 4) + c];
-      for (int c = 0; c < V / 4; ++c) s += B0[C * (K / 4) + i * (V / 4) + c];
+      for (int c = 0; c < K / kPer; ++c) s += B0[i * (K / kPer) + c];
+      for (int c = 0; c < V / kPer; ++c) s += B0[C * (K / kPer) + i * (V / kPer) + c];
       sDb[i] = s;
+    }
+    if constexpr (kTc) {
+      const int lane = tid % 32;
+      for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
+        const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
+        float acc[4] = {};
+        WarpTile(acc, S1, ldC, 1, S2, 1, ldC, i0, j0, 0, j0 + 8, lane);
+        for (int e = 0; e < 4; ++e) B2[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = acc[e];
+      }
+      return;
     }
     constexpr int kTiles = (C / 4) * (C / 4);
     for (int tile = tid; tile < kTiles; tile += nt) {
@@ -362,6 +457,19 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
   }
   // dA_kk = strict_lower(-T^T R) into B3 (dU's slot), T lower: rows m >= i.
   KDA_HD void GradAkk(int tid, int nt) {
+    if constexpr (kTc) {
+      const int lane = tid % 32;
+      for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
+        const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
+        float acc[4] = {};
+        if (j0 < i0 + 16) WarpTile(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C, lane);
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + FragRow(lane, e), j = j0 + FragCol(lane, e);
+          B3[i * ldC + j] = j < i ? -acc[e] : 0.f;
+        }
+      }
+      return;
+    }
     constexpr int kTiles = (C / 4) * (C / 4);
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
@@ -397,8 +505,31 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
   }
   // By tiles of rows r and columns d: dkp = dL km (dL strict lower: columns j < r), dqp = dA km
   // (j <= r), dkm = dL^T kp + dA^T qp (rows i >= r); their terms of dq, dk and dG. The one thread
-  // of a tile owns its elements in all three.
+  // (or lane) of a tile element owns it in all three.
+  KDA_HD void QKOut(int r, int d, float dkp, float dqp, float dkm) {
+    const int64_t o = ck + static_cast<int64_t>(r) * K + d;
+    const float ep = Ep(r, d);
+    a.dq[o] += dqp * ep;
+    // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
+    const float dk_m = kSub ? dkm : dkm * Em(r, d);
+    a.dk[o] += dkp * ep + dk_m;
+    // dG_r loses dkm times what B1 holds: km (whole chunk) or k itself (kSub, the factor folded in).
+    a.dg[o] += dqp * B4[r * ldK + d] + dkp * B0[r * ldK + d] - dkm * B1[r * ldK + d];
+  }
   KDA_HD void GradQK(int tid, int nt) {
+    if constexpr (kTc) {
+      const int lane = tid % 32;
+      for (int tile = tid / 32; tile < (C / 16) * (K / 8); tile += nt / 32) {
+        const int r0 = 16 * (tile / (K / 8)), d0 = 8 * (tile % (K / 8));
+        float dkp[4] = {}, dqp[4] = {}, dkm[4] = {};
+        WarpTile(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
+        WarpTile(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
+        WarpTile(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C, lane);
+        WarpTile(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C, lane);
+        for (int e = 0; e < 4; ++e) QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e]);
+      }
+      return;
+    }
     constexpr int kTiles = (C / 4) * (K / 4);
     for (int tile = tid; tile < kTiles; tile += nt) {
       const int r0 = 4 * (tile / (K / 4)), d0 = 4 * (tile % (K / 4));
@@ -427,17 +558,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
         TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
       }
       for (int x = 0; x < 4; ++x) {
-        for (int y = 0; y < 4; ++y) {
-          const int r = r0 + x, d = d0 + y;
-          const int64_t o = ck + static_cast<int64_t>(r) * K + d;
-          const float ep = Ep(r, d);
-          a.dq[o] += dqp[x][y] * ep;
-          // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
-          const float dk_m = kSub ? dkm[x][y] : dkm[x][y] * Em(r, d);
-          a.dk[o] += dkp[x][y] * ep + dk_m;
-          // dG_r loses dkm times what B1 holds: km (whole chunk) or k itself (kSub, the factor folded in).
-          a.dg[o] += dqp[x][y] * B4[r * ldK + d] + dkp[x][y] * B0[r * ldK + d] - dkm[x][y] * B1[r * ldK + d];
-        }
+        for (int y = 0; y < 4; ++y) QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y]);
       }
     }
   }
@@ -458,10 +579,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs> {
 };
 
 // Phase `phase` of thread `tid` (of `nt`) of the block of (bh, chunk n).
-template <int C, int K, bool kSub>
+template <int C, int K, bool kSub, bool kTc = false>
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
                                   int nt) {
-  Block<C, K, kSub> b(a, sm, bh, n);
+  Block<C, K, kSub, kTc> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (!LeadingPhase<C>(phase, b, tid, nt)) {
     switch (phase - 4 - 2 * kRows) {
@@ -531,7 +652,7 @@ struct Block : ChunkView<C, K, KdaIntraArgs> {
       }
     }
   }
-  KDA_HD void InverseDiagonal(int tid, int nt) { InvertDiagonalBlocks<C>(S1, S2, tid, nt); }
+  KDA_HD void InverseDiagonal(int tid, int nt) { InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt); }
   // W = T X, U = T Y (T lower: columns m <= i).
   KDA_HD void Products(int tid, int nt) {
     const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);

@@ -39,14 +39,33 @@ int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
 // with dS the gradient of the state after chunk c and P_c = Aqk_c^T dO_c:
 //   dS_c = dS (written out),  dvt_c = P_c + kg_c dS,
 //   dS <- eGC_c (.) dS + qg_c^T dO_c - W_c^T dvt_c.
-// dS0 gets the gradient of h0.
+// dS0 gets the gradient of h0. The fp32 kernel reads P; the tensor-core one (`tf32`) forms each
+// P_c from Aqk and dO itself, an independent product beside the scan's chain, and reads Aqk
+// instead (the other may be null).
 struct KdaScanBackwardArgs {
   const float *W, *kg, *eGC, *qg, *dO, *P, *dSN;
   float *dvt, *dS, *dS0;
   int64_t BH, N, C, K, V;
   bool tf32 = false;
+  const float* Aqk = nullptr;
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
+
+// The gradients of the chunk quantities given the states, on the tensor cores (TF32 operands,
+// fp32 sums), per chunk c with h = states_c and dS = dS_c (the gradient of the state after c):
+//   dqg_c = dO_c h^T,  dW_c = -dvt_c h^T,  dkg_c = vt_c dS^T,  dAqk_c = dO_c vt_c^T,
+//   deGC_c = rowsum(h (.) dS)  (over V).
+// Every product sums over V, which the scans split across blocks, so this is its own pass:
+// one block per SM walks (batch x head, chunk) items, streaming each item's operands through
+// shared memory in slices of 32 value columns, the next slice in flight while one is used.
+// Shapes as above; outputs contiguous: dqg, dW, dkg (BH, N, C, K), dAqk (BH, N, C, C), deGC
+// (BH, N, K). Sizes as KdaScanSupported.
+struct KdaChunkGradsArgs {
+  const float *states, *dS, *dO, *vt, *dvt;
+  float *dqg, *dW, *dkg, *dAqk, *deGC;
+  int64_t BH, N, C, K, V;
+};
+int KdaChunkGrads(const KdaChunkGradsArgs& args, void* stream);
 
 // The tensor-core kernels behind `tf32` (arguments checked by the two above).
 int KdaScanForwardTf32(const KdaScanForwardArgs& args, void* stream);

@@ -15,10 +15,12 @@ constexpr int kThreads = 256;
 constexpr int kBV = 32;  // state columns per block
 
 // rows x cols floats (cols % 4 == 0) from global memory with row stride src_ld into shared
-// memory with row stride ld, asynchronously (the caller commits and waits).
+// memory with row stride ld, asynchronously, by a block of kNT threads (the caller commits and
+// waits).
+template <int kNT = kThreads>
 __device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int rows, int cols, int64_t src_ld) {
   const int per_row = cols / 4;
-  for (int i = threadIdx.x; i < rows * per_row; i += kThreads) {
+  for (int i = threadIdx.x; i < rows * per_row; i += kNT) {
     const int r = i / per_row, c = (i - r * per_row) * 4;
     __pipeline_memcpy_async(dst + r * ld + c, src + r * src_ld + c, 16);
   }

@@ -18,6 +18,7 @@
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/kda_intra.h"
@@ -49,9 +50,9 @@ struct Layout {
   // The state (K x 32): the same over its K rows.
   static constexpr int kKRowTiles = K / 16;
   static constexpr int kKN = 4 * kKRowTiles / kWarps;
-  // Two staging buffers of two tiles each, the state's (or its gradient's) copy (K x 32), two
-  // (C x 32) slices.
-  static constexpr int kFloats = 4 * kTile + K * kSLd + 2 * C * kSLd;
+  // Two staging buffers of two tiles each, the state's (or its gradient's) copy (K x 32), three
+  // (C x 32) slices (the forward uses one).
+  static constexpr int kFloats = 4 * kTile + K * kSLd + 3 * C * kSLd;
   static_assert(kCN >= 1 && kKN >= 1, "C and K must be at least 32");
 };
 
@@ -258,9 +259,12 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
 }
 
 // Two phases a chunk, c from N - 1 down, the state gradient dS in the accumulators:
-//   0: kg, qg and the dO slice: dvt = P + kg dS (from dS's shared copy) and, independently,
+//   0: kg and qg: dvt = P + kg dS (from dS's shared copy) and, independently,
 //      dS <- eGC (.) dS + qg^T dO;
-//   1: W: dS -= W^T dvt, copied to shared memory for the next chunk.
+//   1: W, and the next chunk's Aqk and dO: dS -= W^T dvt, copied to shared memory for the next
+//      chunk, and, independently, the next chunk's P = Aqk^T dO (so P is never written out).
+// dO's slice is double-buffered by chunk: staged in phase 1 of the chunk after it (a prologue
+// for the last chunk), read there for P and in its own phase 0.
 template <int C, int K>
 __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
   using L = Layout<C, K>;
@@ -268,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   float* const sh = reinterpret_cast<float*>(shared4);
   float* const dSs = sh + 4 * L::kTile;  // (K x 32) the gradient of the state after chunk c
   float* const dvts = dSs + K * kSLd;    // (C x 32)
-  float* const dOs = dvts + C * kSLd;    // (C x 32)
+  float* const dOs = dvts + C * kSLd;    // 2 x (C x 32): chunk c's slice at dOs + (c & 1) C kSLd
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
   const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
   const int km0 = (warp % L::kKRowTiles) * 16, kn0 = (warp / L::kKRowTiles) * L::kKN * 8;
@@ -276,33 +280,49 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   const float* W = a.W + bh * N * C * K;
   const float* kg = a.kg + bh * N * C * K;
   const float* qg = a.qg + bh * N * C * K;
+  const float* Aqk = a.Aqk + bh * N * C * C;
   const float* dO = a.dO + bh * N * C * V + v0;
-  const float* P = a.P + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
-  constexpr int kPhases = 2;
+  auto dOslice = [&](int64_t c) { return dOs + (c & 1) * C * kSLd; };
+  // Chunk c's Aqk (read transposed) into dst's second tile and its dO slice into its buffer.
+  auto stage_p = [&](float* dst, int64_t c) {
+    Stage(dst + L::kTile, L::kLdCol, Aqk + c * C * C, C, C, C);
+    Stage(dOslice(c), kSLd, dO + c * C * V, C, kBV, V);
+  };
+  // Group 0: the last chunk's Aqk and dO; then groups 1 + 2 step + p, p the phase of chunk
+  // N - 1 - step.
   auto issue = [&](int64_t j) {
-    const int64_t c = N - 1 - j / kPhases;
     float* dst = sh + (j & 1) * 2 * L::kTile;
-    if (j % kPhases == 0) {
-      Stage(dst, L::kLdRow, kg + c * C * K, C, K, K);
-      Stage(dst + L::kTile, L::kLdCol, qg + c * C * K, C, K, K);
-      Stage(dOs, kSLd, dO + c * C * V, C, kBV, V);
+    if (j == 0) {
+      stage_p(dst, N - 1);
     } else {
-      Stage(dst, L::kLdCol, W + c * C * K, C, K, K);
+      const int64_t c = N - 1 - (j - 1) / 2;
+      if ((j - 1) % 2 == 0) {
+        Stage(dst, L::kLdRow, kg + c * C * K, C, K, K);
+        Stage(dst + L::kTile, L::kLdCol, qg + c * C * K, C, K, K);
+      } else {
+        Stage(dst, L::kLdCol, W + c * C * K, C, K, K);
+        if (c > 0) stage_p(dst, c - 1);
+      }
     }
     __pipeline_commit();
   };
   float dS[L::kKN][4], pr[L::kCN][4], pn[L::kCN][4];
   FragLoad(dS, a.dSN != nullptr ? a.dSN + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
   FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
-  FragLoad(pr, P + (N - 1) * C * V, V, cm0, cn0, g, c4);
+  const int64_t total = 1 + 2 * N;
   issue(0);
-  const int64_t total = N * kPhases;
+  issue(1);
+  __pipeline_wait_prior(1);
+  __syncthreads();
+  Zero(pr);
+  TransposedTimesSlice<L::kCN, C>(pr, sh + L::kTile, L::kLdCol, dOslice(N - 1), cm0, cn0, g, c4);
+  __syncthreads();
   for (int64_t step = 0; step < N; ++step) {
     const int64_t c = N - 1 - step;
 #pragma unroll
-    for (int p = 0; p < kPhases; ++p) {
-      const int64_t j = step * kPhases + p;
+    for (int p = 0; p < 2; ++p) {
+      const int64_t j = 1 + step * 2 + p;
       if (j + 1 < total) {
         issue(j + 1);
         __pipeline_wait_prior(1);
@@ -313,16 +333,19 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
       const float* t = sh + (j & 1) * 2 * L::kTile;
       if (p == 0) {
         FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
-        if (c > 0) FragLoad(pn, P + (c - 1) * C * V, V, cm0, cn0, g, c4);
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
         RowsTimesSlice<L::kCN, K>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
-        TransposedTimesSlice<L::kKN, C>(dS, t + L::kTile, L::kLdCol, dOs, km0, kn0, g, c4);
+        TransposedTimesSlice<L::kKN, C>(dS, t + L::kTile, L::kLdCol, dOslice(c), km0, kn0, g, c4);
         FragStore(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
+        if (c > 0) {
+          Zero(pn);
+          TransposedTimesSlice<L::kCN, C>(pn, t + L::kTile, L::kLdCol, dOslice(c - 1), cm0, cn0, g, c4);
+        }
         FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
@@ -333,6 +356,151 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
     }
   }
   FragStore(a.dS0 + bh * K * V + v0, V, dS, km0, kn0, g, c4);
+}
+
+// The chunk gradients given the states (kda_scan.h KdaChunkGrads): 16 warps, warp w owning the
+// 16-row tile (w % (C/16)) of every output and every (16 / (C/16))-th column tile of 8 from
+// w / (C/16). An item's operands stream through two staging buffers in slices of 32 value
+// columns (the reduction index of every product), each slice read by rows: dO, dvt and vt as A
+// fragments, h, dS and vt as B = X^T fragments (X[n][k]), all with stride 40 (8 mod 32).
+namespace chunk_grads {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLd = kBV + 8;
+
+template <int C, int K>
+struct Layout {
+  static constexpr int kStage = (2 * K + 3 * C) * kLd;  // h, dS (K x 32); dO, vt, dvt (C x 32)
+  static constexpr int kFloats = 2 * kStage;
+  static constexpr int kRowTiles = C / 16;
+  static constexpr int kWarpsPerRow = kWarps / kRowTiles;
+  static constexpr int kKT = (K / 8 + kWarpsPerRow - 1) / kWarpsPerRow;  // column tiles of K a warp
+  static constexpr int kCT = (C / 8 + kWarpsPerRow - 1) / kWarpsPerRow;  // of C (dAqk)
+  static constexpr int kTpr = kThreads / K;                              // deGC: threads a row
+  static_assert(kTpr >= 1 && kBV % kTpr == 0, "K must divide the block and 32 columns split over a row");
+};
+
+// B = X^T columns [n0, n0 + 8): b0 (c, g) = X[n0 + g][k0 + 2c], b1 = X[n0 + g][k0 + 2c + 1] (the
+// permuted k of LoadA).
+__device__ __forceinline__ void LoadBT(uint32_t& b0, uint32_t& b1, const float* x, int n0, int k0, int g, int c) {
+  const float2 v = *reinterpret_cast<const float2*>(x + (n0 + g) * kLd + k0 + 2 * c);
+  b0 = Tf32(v.x), b1 = Tf32(v.y);
+}
+
+// One 16 x 8 accumulator tile to rows [m0, m0 + 16) x columns [n0, n0 + 8) of a row-major matrix,
+// times `sign`.
+__device__ __forceinline__ void StoreTile(float* dst, int64_t ld, const float (&f)[4], int m0, int n0, int g, int c,
+                                          float sign) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 2 * c) =
+        make_float2(sign * f[2 * h], sign * f[2 * h + 1]);
+}
+
+}  // namespace chunk_grads
+
+template <int C, int K>
+__global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(KdaChunkGradsArgs a) {
+  using L = chunk_grads::Layout<C, K>;
+  using chunk_grads::kLd;
+  using chunk_grads::LoadBT;
+  using chunk_grads::StoreTile;
+  constexpr int kNT = chunk_grads::kThreads;
+  extern __shared__ float4 shared4[];
+  float* const sh = reinterpret_cast<float*>(shared4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
+  const int m0 = (warp % L::kRowTiles) * 16, wc = warp / L::kRowTiles;
+  const int64_t V = a.V, items = a.BH * a.N, slices = V / kBV;
+  const int64_t mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t total = mine * slices;
+  auto item_of = [&](int64_t j) { return static_cast<int64_t>(blockIdx.x) + (j / slices) * gridDim.x; };
+  auto issue = [&](int64_t j) {
+    const int64_t it = item_of(j), v0 = (j % slices) * kBV;
+    float* h = sh + (j & 1) * L::kStage;
+    Stage<kNT>(h, kLd, a.states + it * K * V + v0, K, kBV, V);
+    Stage<kNT>(h + K * kLd, kLd, a.dS + it * K * V + v0, K, kBV, V);
+    Stage<kNT>(h + 2 * K * kLd, kLd, a.dO + it * C * V + v0, C, kBV, V);
+    Stage<kNT>(h + 2 * K * kLd + C * kLd, kLd, a.vt + it * C * V + v0, C, kBV, V);
+    Stage<kNT>(h + 2 * K * kLd + 2 * C * kLd, kLd, a.dvt + it * C * V + v0, C, kBV, V);
+    __pipeline_commit();
+  };
+  float dq[L::kKT][4], dw[L::kKT][4], dk[L::kKT][4], da[L::kCT][4];
+  // deGC: thread t sums row t / kTpr over its kBV / kTpr columns of each slice.
+  constexpr int kCpt = kBV / L::kTpr;
+  const int er = threadIdx.x / L::kTpr, ec = (threadIdx.x % L::kTpr) * kCpt;
+  float eg = 0.f;
+  if (total > 0) issue(0);
+  for (int64_t j = 0; j < total; ++j) {
+    if (j + 1 < total) {
+      issue(j + 1);
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const int64_t slice = j % slices;
+    if (slice == 0) {
+      Zero(dq), Zero(dw), Zero(dk), Zero(da);
+      eg = 0.f;
+    }
+    const float* h = sh + (j & 1) * L::kStage;
+    const float* dS = h + K * kLd;
+    const float* dO = dS + K * kLd;
+    const float* vt = dO + C * kLd;
+    const float* dvt = vt + C * kLd;
+#pragma unroll
+    for (int k0 = 0; k0 < kBV; k0 += 8) {
+      uint32_t ao[4], av[4], ad[4];
+      LoadA(ao, dO, kLd, m0, k0, g, c4);
+      LoadA(av, vt, kLd, m0, k0, g, c4);
+      LoadA(ad, dvt, kLd, m0, k0, g, c4);
+#pragma unroll
+      for (int i = 0; i < L::kKT; ++i) {
+        const int n0 = (wc + L::kWarpsPerRow * i) * 8;
+        if (n0 < K) {
+          uint32_t b0, b1;
+          LoadBT(b0, b1, h, n0, k0, g, c4);
+          MmaTf32(dq[i], ao, b0, b1);
+          MmaTf32(dw[i], ad, b0, b1);
+          LoadBT(b0, b1, dS, n0, k0, g, c4);
+          MmaTf32(dk[i], av, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < L::kCT; ++i) {
+        const int n0 = (wc + L::kWarpsPerRow * i) * 8;
+        if (n0 < C) {
+          uint32_t b0, b1;
+          LoadBT(b0, b1, vt, n0, k0, g, c4);
+          MmaTf32(da[i], ao, b0, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kCpt; ++e) eg = fmaf(h[er * kLd + ec + e], dS[er * kLd + ec + e], eg);
+    if (slice == slices - 1) {
+      const int64_t it = item_of(j);
+#pragma unroll
+      for (int i = 0; i < L::kKT; ++i) {
+        const int n0 = (wc + L::kWarpsPerRow * i) * 8;
+        if (n0 < K) {
+          StoreTile(a.dqg + it * C * K, K, dq[i], m0, n0, g, c4, 1.f);
+          StoreTile(a.dW + it * C * K, K, dw[i], m0, n0, g, c4, -1.f);
+          StoreTile(a.dkg + it * C * K, K, dk[i], m0, n0, g, c4, 1.f);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < L::kCT; ++i) {
+        const int n0 = (wc + L::kWarpsPerRow * i) * 8;
+        if (n0 < C) StoreTile(a.dAqk + it * C * C, C, da[i], m0, n0, g, c4, 1.f);
+      }
+#pragma unroll
+      for (int off = L::kTpr / 2; off > 0; off /= 2) eg += __shfl_xor_sync(0xffffffffu, eg, off);
+      if (threadIdx.x % L::kTpr == 0) a.deGC[it * K + er] = eg;
+    }
+    __syncthreads();
+  }
 }
 
 template <int C, int K>
@@ -360,6 +528,28 @@ int KdaScanForwardTf32(const KdaScanForwardArgs& a, void* stream) {
 int KdaScanBackwardTf32(const KdaScanBackwardArgs& a, void* stream) {
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     return Backward<decltype(c)::value, decltype(k)::value>(a, static_cast<cudaStream_t>(stream));
+  });
+}
+
+int KdaChunkGrads(const KdaChunkGradsArgs& a, void* stream) {
+  if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    constexpr int C = decltype(c)::value, K = decltype(k)::value;
+    auto* kernel = &ChunkGradsTf32Kernel<C, K>;
+    const size_t bytes = chunk_grads::Layout<C, K>::kFloats * sizeof(float);
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err != cudaSuccess) return static_cast<int>(err);
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, chunk_grads::kThreads, bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    // One wave of blocks, each walking its share of the (batch x head, chunk) items.
+    const int64_t blocks = std::min<int64_t>(a.BH * a.N, static_cast<int64_t>(sms) * std::max(per_sm, 1));
+    kernel<<<static_cast<unsigned>(blocks), chunk_grads::kThreads, bytes, static_cast<cudaStream_t>(stream)>>>(a);
+    return static_cast<int>(cudaGetLastError());
   });
 }
 
