@@ -1,8 +1,9 @@
 // odyssey-hybrid-bench: the hybrid layers' attention paths on one CUDA device, at hybrid-3b's
 // shapes (or the flags'), forward and forward + backward:
 //   - KDA: kernels::KdaChunked (C = 64) over T tokens, 24 heads of 128, bf16 inputs, with its
-//     CUDA kernels (scans, chunk quantities, intra-chunk backward), the same with the scans on CUDA
-//     cores in fp32 instead of the tensor cores, the same with the intra-chunk backward by
+//     CUDA kernels (scans, chunk quantities, intra-chunk backward), the same in fp32 on CUDA cores
+//     instead of TF32 on the tensor cores (SetKdaScanTensorCores(false): the scans, the chunk
+//     gradients and the intra-chunk backward's products), the same with the intra-chunk backward by
 //     libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
 //     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
@@ -192,7 +193,7 @@ int main(int argc, char** argv) {
       odyssey::kernels::SetKdaIntraBackwardPath(variant == 2 ? odyssey::kernels::KdaIntraBackwardPath::kLibtorch
                                                              : odyssey::kernels::KdaIntraBackwardPath::kAuto);
       const char* name = variant == 0   ? "CUDA kernels"
-                         : variant == 1 ? "CUDA kernels, fp32 scans on CUDA cores"
+                         : variant == 1 ? "CUDA kernels, fp32 on CUDA cores (no TF32)"
                          : variant == 2 ? "CUDA kernels, intra backward by libtorch"
                                         : "libtorch";
       const char* json_op = variant == 0   ? "kda_chunked_kernel"

@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
+        Zero(pn);
         if (c > 0) {
-          Zero(pn);
           TransposedTimesSlice<L::kCN, C>(pn, t + L::kTile, L::kLdCol, dOslice(c - 1), cm0, cn0, g, c4);
         }
         FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
