@@ -180,8 +180,9 @@ int main(int argc, char** argv) {
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   for (int64_t T : tokens) {
     // KDA, (B, H, T, K) layout; q, k L2-normalised, log-decay g < 0 near 0, beta in (0, 1).
-    // 0: every CUDA kernel (the state scans on the tensor cores); 1: the same with the scans on
-    // CUDA cores in fp32 (what kernels/cuda/kda_scan_tf32.cu replaces); 2: the intra-chunk
+    // 0: every CUDA kernel (TF32 products on the tensor cores); 1: the same in fp32 on CUDA
+    // cores (SetKdaScanTensorCores(false): the scans of kernels/cuda/kda_scan.cu, the chunk
+    // gradients as fp32 matmuls, the intra-chunk backward's 4 x 4 thread tiles); 2: the intra-chunk
     // backward by libtorch ops (what kernels/cuda/kda_intra_backward.h replaces); 3: libtorch
     // throughout.
     for (int variant : {0, 1, 2, 3}) {
