@@ -391,8 +391,12 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     const std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
     const Inputs f = in.To(torch::kFloat32);
     const Tensor dOf = dO.to(torch::kFloat32), dSf = dS.to(torch::kFloat32);
+    const int64_t ref_runs = KdaIntraBackwardKernelRuns(), ref_forward_runs = KdaSubBlockForwardKernelRuns();
     SetKdaIntraBackwardPath(KdaIntraBackwardPath::kLibtorch);
     const std::vector<Tensor> ref = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+    // The libtorch path never runs the block code.
+    EXPECT_EQ(KdaIntraBackwardKernelRuns(), ref_runs);
+    EXPECT_EQ(KdaSubBlockForwardKernelRuns(), ref_forward_runs);
     // Both block codes: the products by 4 x 4 tiles a thread (fp32) and by warp tiles (the
     // tensor-core form, which the whole-chunk form with V a multiple of 8 takes; emulated in
     // fp32, so its indexing is what this checks).
