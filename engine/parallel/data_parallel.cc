@@ -8,7 +8,7 @@
 namespace odyssey::engine {
 
 GradientReducer::GradientReducer(Communicator& comm, std::vector<torch::Tensor> params)
-    : comm_(comm), params_(std::move(params)) {}
+    : comm_(comm), params_(std::move(params)), reduced_early_(params_.size(), 0) {}
 
 absl::StatusOr<TokenShare> GradientReducer::ShareTokens(int64_t local_targets, int64_t local_positions) {
   std::vector<torch::Tensor> counts = {
@@ -26,19 +26,18 @@ absl::Status GradientReducer::Reduce(std::vector<torch::Tensor>& riders) {
   std::vector<int64_t> indices;
   indices.reserve(params_.size());
   for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i)
-    if (reduced_early_.empty() || !reduced_early_[static_cast<size_t>(i)]) indices.push_back(i);
+    if (!reduced_early_[static_cast<size_t>(i)]) indices.push_back(i);
   Forget();
   return ReduceIndices(indices, riders);
 }
 
 absl::Status GradientReducer::ReduceEarly(const std::vector<int64_t>& indices) {
-  if (reduced_early_.empty()) reduced_early_.assign(params_.size(), 0);
   for (int64_t i : indices) reduced_early_.at(static_cast<size_t>(i)) = 1;
   std::vector<torch::Tensor> none;
   return ReduceIndices(indices, none);
 }
 
-void GradientReducer::Forget() { reduced_early_.clear(); }
+void GradientReducer::Forget() { std::fill(reduced_early_.begin(), reduced_early_.end(), 0); }
 
 absl::Status GradientReducer::ReduceIndices(const std::vector<int64_t>& indices, std::vector<torch::Tensor>& riders) {
   // The gradients (zeros where this rank has none, so every rank sends the same list), the

@@ -56,16 +56,15 @@ class GradientReducer {
   // Every rank must call together. Errors: the communicator's (the group is broken).
   absl::StatusOr<TokenShare> ShareTokens(int64_t local_targets, int64_t local_positions);
 
-  // Replaces every parameter's gradient by its sum over the ranks. A parameter without a
-  // gradient on this rank contributes zeros; one that has none on any rank stays without (the
-  // optimizer skips it, as when training alone) rather than getting a zero gradient that would
-  // decay it. `riders` (small defined tensors, e.g. a loss share) are summed in the same
-  // all-reduce. Every rank must call together, with riders of the same shapes and dtypes.
-  // Errors: the communicator's (the group is broken); the gradients are then unspecified and
-  // must be dropped.
-  // Reduce's sum over every parameter not reduced early since the last Reduce (or Forget):
-  // those keep what ReduceEarly gave them (or what was done with it since: a host optimizer takes
-  // and drops them). Then no parameter is marked.
+  // Replaces every parameter's gradient by its sum over the ranks, except those ReduceEarly
+  // marked since the last Reduce (or Forget): they keep what ReduceEarly gave them, or what was
+  // done with it since (a host optimizer takes and drops them); afterwards none is marked. A
+  // parameter without a gradient on this rank contributes zeros; one that has none on any rank
+  // stays without (the optimizer skips it, as when training alone) rather than getting a zero
+  // gradient that would decay it. `riders` (small defined tensors, e.g. a loss share) are summed
+  // in the same all-reduce. Every rank must call together, with riders of the same shapes and
+  // dtypes. Errors: the communicator's (the group is broken); the gradients are then
+  // unspecified and must be dropped.
   absl::Status Reduce(std::vector<torch::Tensor>& riders);
 
   // Sums the gradients of params[i] for i in `indices` over the ranks now, as Reduce would (the
@@ -87,7 +86,7 @@ class GradientReducer {
 
   Communicator& comm_;
   const std::vector<torch::Tensor> params_;
-  std::vector<char> reduced_early_;  // per parameter: reduced by ReduceEarly since the last Reduce
+  std::vector<char> reduced_early_;  // per parameter (params_'s order): marked by ReduceEarly
 };
 
 }  // namespace odyssey::engine
