@@ -141,8 +141,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     const std::string why = absl::StrCat(" is not implemented for the hybrid family (model '", options.model,
                                          "'): its KDA and DSA layers do not run through the dense attention backend");
     if (options.memory.keep_attention) return absl::InvalidArgumentError(absl::StrCat("memory.keep_attention", why));
-    if (head_groups > 1)
-      return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups, ")", why));
+    if (const std::string no = resolved->HeadGroupsRefusal(head_groups, P); !no.empty())
+      return absl::InvalidArgumentError(absl::StrCat("memory.head_groups (", head_groups, ")", no));
     if (P > 1) {
       // Context parallelism runs inside the KDA and DSA layers (model/hybrid.h): their heads
       // split over the ranks, the sequence's tiles broadcast by the rank that holds them.
@@ -260,8 +260,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   trainer->comm_ = comm;
   // Each data-parallel replica's indexer KL enters the summed gradients as its share of the
   // replicas' mean (the LM loss's share is its targets'; model/hybrid.h).
-  for (model::DecoderLayer layer : trainer->model_->model->layer_list)  // holders: shared_ptrs
-    if (layer->dsa) layer->dsa->set_gradient_scale(1.0 / comm->world_size());
+  // The DSA layers' sparse stage runs its backward in the memory stack's KV-head groups (the
+  // dense warm-up's attention through the backend above).
+  for (model::DecoderLayer layer : trainer->model_->model->layer_list) {  // holders: shared_ptrs
+    if (!layer->dsa) continue;
+    layer->dsa->set_gradient_scale(1.0 / comm->world_size());
+    layer->dsa->set_head_groups(head_groups);
+  }
   {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> params = trainer->params_;

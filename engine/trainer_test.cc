@@ -12,6 +12,7 @@
 #include "engine/profiler.h"
 #include "model/causal_lm.h"
 #include "model/config.h"
+#include "model/hybrid.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 
@@ -55,6 +56,38 @@ TEST(TrainerTest, TinyModelLearnsKingJamesText) {
   EXPECT_LT(after, 2.3);
 }
 
+// A hybrid model's gradients of `batch` with its DSA layers' 2 KV heads in 2 groups equal those
+// with them in one, within `bar` relative to each gradient's largest entry; every gradient is
+// nonzero, the indexer's among them, and every DSA layer took the groups.
+void ExpectHeadGroupsGiveTheSameGradients(const TrainerOptions& o, const Batch& batch, double bar) {
+  auto gradients = [&](int64_t groups) {
+    TrainerOptions g = o;
+    g.memory.head_groups = groups;
+    auto grouped = Trainer::Create(g);
+    EXPECT_TRUE(grouped.ok()) << grouped.status();
+    if (!grouped.ok()) return std::map<std::string, torch::Tensor>{};
+    int64_t dsa_layers = 0;
+    for (model::DecoderLayer layer : (*grouped)->model()->model->layer_list) {
+      if (!layer->dsa) continue;
+      EXPECT_EQ(layer->dsa->head_groups(), groups);
+      ++dsa_layers;
+    }
+    EXPECT_GT(dsa_layers, 0);
+    absl::StatusOr<BatchGradients> grads = (*grouped)->Gradients(batch);
+    EXPECT_TRUE(grads.ok()) << grads.status();
+    return grads.ok() ? grads->grads : std::map<std::string, torch::Tensor>{};
+  };
+  const std::map<std::string, torch::Tensor> ungrouped = gradients(1), grouped = gradients(2);
+  ASSERT_EQ(ungrouped.size(), grouped.size());
+  ASSERT_TRUE(ungrouped.count("model.layers.3.self_attn.indexer.wq.weight"));
+  for (const auto& [name, want] : ungrouped) {
+    ASSERT_TRUE(grouped.count(name)) << name;
+    const double scale = want.abs().max().item<double>();
+    EXPECT_GT(scale, 0.0) << name;
+    EXPECT_LE((grouped.at(name) - want).abs().max().item<double>(), bar * scale) << name;
+  }
+}
+
 // The hybrid family trains through the same trainer: a few CPU steps of hybrid-tiny (KDA and DSA
 // layers, the indexer KL beside the LM loss) on the King James text lower the held-out loss.
 TEST(TrainerTest, HybridTinyLossFallsInAFewSteps) {
@@ -80,6 +113,10 @@ TEST(TrainerTest, HybridTinyLossFallsInAFewSteps) {
   std::printf("hybrid-tiny: loss %.3f -> %.3f, indexer KL %.4f\n", before, after, kl);
   EXPECT_LT(after, before - 0.8);
   EXPECT_GT(kl, 0.0);
+  // The memory stack's head groups act on the DSA layers (their backward's KV-head groups): with
+  // the 2 KV heads in 2 groups a batch's gradients (with recompute, through the indexer KL too)
+  // are those with them in one.
+  ExpectHeadGroupsGiveTheSameGradients(o, held_out, 1e-5);
   // What acts only on dense attention is refused by name.
   o.memory.keep_attention = true;
   auto refused = Trainer::Create(o);
@@ -712,6 +749,21 @@ TEST(TrainerGpuTest, HostOptimizerTrainsAsTheDeviceOptimizer) {
   }
   EXPECT_LT(last, first) << "the host optimizer trained";
   EXPECT_LT(MaxParamDifference(**dev, **host), 5e-2);
+}
+
+// On the GPU (hybrid-tiny in bf16, the CUDA sparse attention kernels): the DSA layers' head
+// groups give the gradients of one group, to bf16's rounding of the weight gradients' sums.
+TEST(TrainerGpuTest, HybridHeadGroupsGiveTheSameGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  TrainerOptions o = TinyKjv(1);
+  o.model = "hybrid-tiny";
+  o.device = "cuda";
+  o.data.seq_len = 512;
+  o.data.batch_size = 2;
+  o.memory = Recompute(planner::Recompute::kLayer);
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ExpectHeadGroupsGiveTheSameGradients(o, (*t)->data().Next(), 2e-2);
 }
 
 // Phase times (engine/profiler.h): every user scope on every thread, timed by kind.

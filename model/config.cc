@@ -72,6 +72,16 @@ int64_t ModelConfig::NumLayersOfKind(char kind) const {
   return n;
 }
 
+std::string ModelConfig::HeadGroupsRefusal(int64_t head_groups, int64_t context_parallel) const {
+  if (head_groups <= 1 || !IsHybrid()) return "";
+  if (NumLayersOfKind('D') == 0)
+    return " acts on the DSA layers of the hybrid family (their KV heads); this model has none";
+  if (context_parallel > 1)
+    return absl::StrCat(" is not implemented for the hybrid family with context parallelism (", context_parallel,
+                        " ranks), whose ranks split the DSA layers' heads already");
+  return "";
+}
+
 absl::StatusOr<IndexerStage> ParseIndexerStage(const std::string& name) {
   if (name == "dense_warmup") return IndexerStage::kDenseWarmup;
   if (name == "sparse") return IndexerStage::kSparse;

@@ -100,6 +100,13 @@ struct ModelConfig {
   // 'K' or 'D' for layer i of a hybrid model; 'A' (dense attention) otherwise.
   char LayerKind(int64_t i) const;
   int64_t NumLayersOfKind(char kind) const;
+  // Why the memory stack's head_groups (> 1) cannot act on this model, as a phrase to follow the
+  // field and its value; empty where it acts. (That it divides the KV heads is checked with the
+  // memory fields.) The dense family: the attention backend runs the KV heads in groups. The
+  // hybrid family: the DSA layers do (their sparse stage's backward, DsaAttentionImpl::
+  // set_head_groups, and the dense warm-up's attention), on one rank per sequence (context
+  // parallelism's ranks split those heads already); KDA layers have no KV heads.
+  std::string HeadGroupsRefusal(int64_t head_groups, int64_t context_parallel) const;
 
   int64_t HeadDim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
   bool QkvBias() const { return architecture == Architecture::kQwen2 || attention_bias; }

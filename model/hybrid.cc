@@ -519,6 +519,12 @@ void DsaAttentionImpl::set_tile(int64_t tokens) {
   tile_ = tokens;
 }
 
+void DsaAttentionImpl::set_head_groups(int64_t groups) {
+  TORCH_CHECK(groups >= 1 && kv_heads_ % groups == 0, "DSA head_groups (", groups,
+              ") must be a positive divisor of the layer's KV heads (", kv_heads_, ")");
+  head_groups_ = groups;
+}
+
 void DsaAttentionImpl::set_selection_mode(SelectionMode mode) {
   if (mode == SelectionMode::kRecord) kept_.clear();  // a new first forward replaces what was kept
   replay_cursor_ = 0;
@@ -573,6 +579,15 @@ struct DsaSelectionIo {
   Tensor replay;  // (B, S, kp) int32, host or device: the selection to use
   Tensor record;  // (B, S, kp) int32: where to keep this pass's selection
 };
+
+// Heads [first, first + count) of head_dim of proj(x), x (B, n, in): (B, count, n, head_dim),
+// through those heads' rows of the weight.
+Tensor HeadRows(const torch::nn::Linear& proj, const LoraAdapter& lora, const Tensor& x, int64_t first, int64_t count,
+               int64_t head_dim) {
+  return ProjectRows(proj, lora, x, first * head_dim, count * head_dim)
+      .view({x.size(0), x.size(1), count, head_dim})
+      .transpose(1, 2);
+}
 
 struct DsaTileState : torch::CustomClassHolder {
   DsaAttentionImpl* mixer = nullptr;
@@ -642,94 +657,105 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     const std::vector<Tensor> weights = TrainedWeights(m);
     Fp32GradSums sums(weights);
     Tensor dx = torch::zeros_like(x);
-    // The whole sequence's keys and values (and pooled indexer keys) once, with a graph back to
-    // x and the weights; the tiles add their gradients into fp32 accumulators.
-    const Tensor xl = x.detach().requires_grad_(true);
-    Tensor k, v, keys;
-    {
-      torch::AutoGradMode grad(true);
-      if (out_grad) {
-        k = m.SplitHeads(m.k_proj, m.k_lora, xl);  // (B, Hkv, S, D)
-        v = m.SplitHeads(m.v_proj, m.v_lora, xl);
-      }
-      if (kl_grad) keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
-    }
     const auto acc = torch::TensorOptions().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
                          .device(x.device());
-    Tensor dk_acc, dv_acc, keys_leaf, dkeys;
-    if (out_grad) {
-      dk_acc = torch::zeros({B, Hkv, S, D}, acc);
-      dv_acc = torch::zeros({B, Hkv, S, D}, acc);
-    }
+    // The KV heads in head_groups() groups, one after another: group g's query heads
+    // [g hq, (g + 1) hq) read its KV heads [g hk, (g + 1) hk) (GQA's order). Per group, its heads'
+    // keys and values of the whole sequence once, with a graph back to x and the weights; the
+    // tiles add their gradients into fp32 accumulators of those heads. The indexer's KL (no
+    // heads) runs with the first group, its pooled keys of the whole sequence once.
+    const int64_t G = out_grad ? m.head_groups_ : 1, hq = H / G, hk = Hkv / G;
+    const Tensor xl = x.detach().requires_grad_(true);
+    Tensor keys, keys_leaf, dkeys;
     if (kl_grad) {
+      {
+        torch::AutoGradMode grad(true);
+        keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
+      }
       keys_leaf = keys.detach().requires_grad_(true);
       dkeys = torch::zeros(keys.sizes(), acc);
     }
-    for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
-      const int64_t n = std::min(m.tile_, S - t0);
-      const Tensor xt = x.narrow(1, t0, n).detach().requires_grad_(true);
-      const Tensor pool = pool_all.narrow(1, t0, n);
-      std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
+    for (int64_t g = 0; g < G; ++g) {
+      const bool kl_here = kl_grad && g == 0;
+      Tensor k, v, dk_acc, dv_acc;
       if (out_grad) {
-        Tensor q;
         {
           torch::AutoGradMode grad(true);
-          q = m.SplitHeads(m.q_proj, m.q_lora, xt);  // (B, H, n, D)
+          k = HeadRows(m.k_proj, m.k_lora, xl, g * hk, hk, D);  // (B, hk, S, D)
+          v = HeadRows(m.v_proj, m.v_lora, xl, g * hk, hk, D);
         }
-        const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
-        const Tensor g = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).transpose(1, 2);
-        RECORD_USER_SCOPE("dsa sparse attention backward");
-        Tensor dq = kernels::SparseAttentionBackward(g, q.detach(), k.detach(), v.detach(), idx,
-                                                     lse_all.narrow(2, t0, n), 0.0, dk_acc, dv_acc);
-        outputs.push_back(q);
-        grad_outputs.push_back(dq);
+        dk_acc = torch::zeros({B, hk, S, D}, acc);
+        dv_acc = torch::zeros({B, hk, S, D}, acc);
       }
-      if (kl_grad) {
-        Tensor iq, iw, kl;
+      for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
+        const int64_t n = std::min(m.tile_, S - t0);
+        const Tensor xt = x.narrow(1, t0, n).detach().requires_grad_(true);
+        const Tensor pool = pool_all.narrow(1, t0, n);
+        std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
+        if (out_grad) {
+          Tensor q;
+          {
+            torch::AutoGradMode grad(true);
+            q = HeadRows(m.q_proj, m.q_lora, xt, g * hq, hq, D);  // (B, hq, n, D)
+          }
+          const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
+          const Tensor gt = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).narrow(2, g * hq, hq).transpose(1, 2);
+          RECORD_USER_SCOPE("dsa sparse attention backward");
+          Tensor dq = kernels::SparseAttentionBackward(gt, q.detach(), k.detach(), v.detach(), idx,
+                                                       lse_all.narrow(1, g * hq, hq).narrow(2, t0, n), 0.0, dk_acc,
+                                                       dv_acc);
+          outputs.push_back(q);
+          grad_outputs.push_back(dq);
+        }
+        if (kl_here) {
+          Tensor iq, iw, kl;
+          {
+            torch::AutoGradMode grad(true);
+            m.indexer->Queries(xt.detach(), &iq, &iw);
+            kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t0, n));
+          }
+          outputs.push_back(kl);
+          grad_outputs.push_back(grads[1].to(kl.scalar_type()));
+          inputs.push_back(keys_leaf);
+        }
+        inputs.insert(inputs.end(), weights.begin(), weights.end());
+        std::vector<Tensor> d;
         {
-          torch::AutoGradMode grad(true);
-          m.indexer->Queries(xt.detach(), &iq, &iw);
-          kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t0, n));
+          RECORD_USER_SCOPE("dsa backward: q projection and indexer kl");
+          d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
         }
-        outputs.push_back(kl);
-        grad_outputs.push_back(grads[1].to(kl.scalar_type()));
-        inputs.push_back(keys_leaf);
+        if (d[0].defined()) dx.narrow(1, t0, n).add_(d[0]);
+        size_t next = 1;
+        if (kl_here && d[next].defined()) dkeys.add_(d[next]);
+        if (kl_here) ++next;
+        sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
       }
+      // The incoming gradient (one (T, H D)) is read by the last group; let it go before its key side.
+      if (g == G - 1) grads.clear();
+      // The key side: this group's k and v (and the first group's pooled keys) back to x and
+      // their weights, once (the fp32 accumulators let go as their casts are made).
+      std::vector<Tensor> outputs, grad_outputs, inputs = {xl};
+      if (out_grad) {
+        outputs.insert(outputs.end(), {k, v});
+        grad_outputs.insert(grad_outputs.end(), {dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())});
+      }
+      if (kl_here) {
+        outputs.push_back(keys);
+        grad_outputs.push_back(dkeys.to(keys.scalar_type()));
+        keys = keys_leaf = dkeys = Tensor();
+      }
+      k = v = dk_acc = dv_acc = Tensor();
       inputs.insert(inputs.end(), weights.begin(), weights.end());
       std::vector<Tensor> d;
       {
-        RECORD_USER_SCOPE("dsa backward: q projection and indexer kl");
+        RECORD_USER_SCOPE("dsa backward: k, v and indexer key projections");
         d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
       }
-      if (d[0].defined()) dx.narrow(1, t0, n).add_(d[0]);
-      size_t next = 1;
-      if (kl_grad && d[next].defined()) dkeys.add_(d[next]);
-      if (kl_grad) ++next;
-      sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
+      if (d[0].defined()) dx.add_(d[0]);
+      sums.Add(std::vector<Tensor>(d.begin() + 1, d.end()));
     }
-    grads.clear();  // the incoming gradient (one (T, H D)) is read; let it go before the key side
-    // The key side: k, v and the pooled keys back to x and their weights, once (the fp32
-    // accumulators let go as their casts are made).
-    std::vector<Tensor> outputs, grad_outputs, inputs = {xl};
-    if (out_grad) {
-      outputs.insert(outputs.end(), {k, v});
-      grad_outputs.insert(grad_outputs.end(), {dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())});
-    }
-    if (kl_grad) {
-      outputs.push_back(keys);
-      grad_outputs.push_back(dkeys.to(keys.scalar_type()));
-    }
-    dk_acc = dv_acc = dkeys = Tensor();
-    inputs.insert(inputs.end(), weights.begin(), weights.end());
-    std::vector<Tensor> d;
-    {
-      RECORD_USER_SCOPE("dsa backward: k, v and indexer key projections");
-      d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                /*create_graph=*/false, /*allow_unused=*/true);
-    }
-    if (d[0].defined()) dx.add_(d[0]);
-    sums.Add(std::vector<Tensor>(d.begin() + 1, d.end()));
     sums.WriteGrads();
     return {dx, Tensor()};
   }
@@ -805,19 +831,6 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     return out;
   }
 };
-
-namespace {
-
-// Heads [first, first + count) of head_dim of proj(x), x (B, n, in): (B, count, n, head_dim),
-// through those heads' rows of the weight.
-Tensor HeadRows(const torch::nn::Linear& proj, const LoraAdapter& lora, const Tensor& x, int64_t first, int64_t count,
-               int64_t head_dim) {
-  return ProjectRows(proj, lora, x, first * head_dim, count * head_dim)
-      .view({x.size(0), x.size(1), count, head_dim})
-      .transpose(1, 2);
-}
-
-}  // namespace
 
 // x (B, L, hidden), this rank's shard -> (B, L, H D) and the KL of this rank's rows (fp32 0-d)
 // over the group (DsaAttentionImpl::Heads). Saved: x, this rank's pool selection (B, L, kp)
@@ -1124,6 +1137,8 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
     TORCH_CHECK(stage_ == IndexerStage::kSparse,
                 "DSA: the dense_warmup indexer stage is not implemented with context parallelism (train it on one "
                 "rank per sequence, or use the sparse stage)");
+    TORCH_CHECK(head_groups_ == 1, "DSA: head_groups (", head_groups_,
+                ") is not implemented with context parallelism (its ranks already split the heads)");
     TORCH_CHECK(heads_ % P == 0 && kv_heads_ % P == 0, "DSA: context_parallel (", P,
                 ") must divide the layer's query heads (", heads_, ") and KV heads (", kv_heads_, ")");
     TORCH_CHECK(x.size(1) % 4 == 0, "DSA: a context-parallel rank's positions (", x.size(1),

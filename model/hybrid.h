@@ -168,9 +168,10 @@ TORCH_MODULE(DsaIndexer);
 // pooled indexer keys against one tile's queries at a time), so what grows with the sequence is
 // per key, not per query. With grad it goes through a Function that keeps x, each query's pool
 // selection, the attention's log-sum-exp and the KL's target (~4 KB a token for hybrid-3b) and,
-// in backward, recomputes k, v and the pooled keys once and each tile's queries and token indices
-// on their own, the key-side gradients summed over tiles in fp32 (kernels::SparseAttentionBackward)
-// and the weight gradients too (model/grad_sums.h). Neither the indexer nor the attention runs
+// in backward, recomputes k, v and the pooled keys once (k and v per KV-head group:
+// set_head_groups) and each tile's queries and token indices on their own, the key-side gradients
+// summed over tiles in fp32 (kernels::SparseAttentionBackward) and the weight gradients too
+// (model/grad_sums.h). Neither the indexer nor the attention runs
 // forward again in backward.
 class DsaAttentionImpl : public torch::nn::Module {
  public:
@@ -179,6 +180,16 @@ class DsaAttentionImpl : public torch::nn::Module {
   static constexpr int64_t kDefaultTile = kDsaTile;
   int64_t tile() const { return tile_; }
   void set_tile(int64_t tokens);
+  // KV-head groups the sparse stage's backward runs one after another (the memory stack's
+  // head_groups; default 1). Each group holds the whole sequence's keys and values of its
+  // Hkv / groups KV heads and their fp32 gradient accumulators, where one group holds all of
+  // them: 2 Hkv D (4 + dtype bytes) a token over `groups` (hybrid-3b: 12 KB a token at 1, 1.5 KB
+  // at 8). Each group projects its own heads' rows of q, k and v, so the projections' work is
+  // the same; the tiles' selections are expanded once per group. The indexer's KL runs once.
+  // REQUIRES: groups divides the KV heads; one rank per sequence (Heads refuses a group of ranks
+  // with more than one head group).
+  int64_t head_groups() const { return head_groups_; }
+  void set_head_groups(int64_t groups);
   // Everything before o_proj: (B, S, hidden) -> (B, S, Hq * D). When `indexer_loss` is given and
   // the loss can train (grad mode on, the indexer's parameters require grad, weight > 0), it is
   // set to the indexer KL (fp32 scalar, differentiable w.r.t. the indexer's parameters only);
@@ -256,6 +267,7 @@ class DsaAttentionImpl : public torch::nn::Module {
   torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl, const SequenceGroup* group = nullptr);
   int64_t heads_, kv_heads_, head_dim_, top_pools_;
   int64_t tile_ = kDefaultTile;
+  int64_t head_groups_ = 1;
   SelectionMode selection_mode_ = SelectionMode::kOff;
   std::vector<torch::Tensor> kept_;  // one per document of the last kRecord pass
   size_t replay_cursor_ = 0;

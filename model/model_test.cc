@@ -428,7 +428,8 @@ DsaAttention RandomFp64Dsa(const ModelConfig& c, uint64_t seed) {
 // The DSA layer's sparse stage in query tiles equals plain autograd of the untiled layer (the
 // projections, the selection, SparseAttention and IndexerKlLoss composed directly): the output,
 // the KL, the input's gradient and every parameter's, with tiles that split a pool, a last tile
-// of one token and one tile for the whole row; and without grad.
+// of one token and one tile for the whole row, the KV heads in one group and in two (the
+// backward's head groups); and without grad.
 TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
   ModelConfig c = TinyHybrid();
   DsaAttention m = RandomFp64Dsa(c, 23);
@@ -476,8 +477,10 @@ TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
   }
   ASSERT_GT(plain["dx"].abs().max().item<double>(), 0.0);
   ASSERT_GT(plain["indexer.wq.weight"].abs().max().item<double>(), 0.0);
-  for (int64_t tile : {int64_t{1000}, int64_t{37}, int64_t{6}, int64_t{160}}) {
+  ASSERT_EQ(Hkv, 2);
+  for (auto [tile, groups] : std::vector<std::pair<int64_t, int64_t>>{{1000, 1}, {37, 1}, {6, 1}, {160, 1}, {37, 2}, {1000, 2}}) {
     m->set_tile(tile);
+    m->set_head_groups(groups);
     m->zero_grad();
     torch::Tensor xi = x.clone().requires_grad_(true);
     torch::Tensor kl;
@@ -491,13 +494,16 @@ TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
       const bool fp32 = name == "kl" || name.find("indexer.") == 0;
       const double bar = (fp32 ? 1e-6 : 1e-10) * (1.0 + want.abs().max().item<double>());
       ASSERT_TRUE(tiled.count(name)) << name;
-      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), bar) << name << " tile " << tile;
+      EXPECT_LT((tiled[name] - want).abs().max().item<double>(), bar) << name << " tile " << tile << " head groups "
+                                                                        << groups;
     }
     torch::NoGradGuard no_grad;
     EXPECT_LT((m->Heads(x, AttentionMeta{}, nullptr, nullptr) - plain["y"]).abs().max().item<double>(), 1e-10)
         << "no grad, tile " << tile;
   }
   EXPECT_THROW(m->set_tile(0), c10::Error);
+  EXPECT_THROW(m->set_head_groups(0), c10::Error);
+  EXPECT_THROW(m->set_head_groups(3), c10::Error);  // not a divisor of the 2 KV heads
 }
 
 // Kept selections (DsaAttentionImpl::set_selection_mode): a kRecord pass keeps each call's pool

@@ -286,7 +286,9 @@ Prediction Predict(const Request& r) {
     // DSA: the sparse stage runs in query tiles (model::kDsaTile; model/hybrid.h). Its backward
     // holds, per token of the sequence: the layer's norm output (the Function's input) and its
     // gradient, the pool selection and the KL's fp32 target, the log-sum-exp, the incoming
-    // gradient, k and v and their fp32 gradient accumulators (~34 KB a token for hybrid-3b); per
+    // gradient, k and v and their fp32 gradient accumulators (~34 KB a token for hybrid-3b), the
+    // last two of one KV-head group at a time (st.head_groups; DsaAttentionImpl::set_head_groups:
+    // 12 KB a token at 1 group, 1.5 KB at 8); per
     // token of one tile, q and dq and the token indices (top_k + 3 int32). Around the mixer, the
     // layer's residual stream while that backward runs: 4.5 of (T, hidden), fitted to the peaks
     // measured on one H200 (hybrid-3b, 2026-12-04: 1M tokens 116.0 GiB in a DSA layer; at 256K
@@ -299,7 +301,7 @@ Prediction Predict(const Request& r) {
     const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
     const int64_t dsa_stream = 9 * T * m.hidden * e / 2;
     const int64_t dsa_per_token =
-        T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e)) + dsa_indices + dsa_stream;
+        T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e) / groups) + dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores;
     // Context parallel (model/hybrid.h): each layer's backward also holds its output gradient in
@@ -523,9 +525,11 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   for (int64_t g = 1; g <= model.kv_heads; ++g) {
     if (model.kv_heads % g == 0) group_options.push_back(g);
   }
+  // The hybrid family groups only the DSA layers' KV heads, in their sparse stage's backward on
+  // one rank per sequence (model::ModelConfig::HeadGroupsRefusal); elsewhere in it there is
+  // nothing to group.
+  if (model.hybrid && !(model.dsa_sparse && model.context_ranks == 1)) group_options = {1};
   if (fixed.head_groups || group_options.empty()) group_options = {fixed.head_groups.value_or(1)};
-  // Hybrid layers run no head-grouped dense attention (the engine refuses head groups there).
-  if (model.hybrid) group_options = {1};
   Search out;
   Choice& best_miss = out.best;
   int64_t& best_over = out.over;
@@ -690,11 +694,13 @@ absl::StatusOr<JobPlan> PlanModelJob(const model::ModelConfig& config, const std
     return absl::InvalidArgumentError(absl::StrCat("spec.memory.recompute_every_k: (", *fields.every_k,
                                                    ") must be <= the model's num_hidden_layers (",
                                                    config.num_hidden_layers, ")"));
+  if (fields.head_groups) {
+    if (const std::string no = config.HeadGroupsRefusal(*fields.head_groups, context_ranks); !no.empty())
+      return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups (", *fields.head_groups, ")", no));
+  }
   if (config.IsHybrid()) {
     const char* why = ") is not implemented for the hybrid family: its KDA and DSA layers do not run through the dense "
                       "attention backend";
-    if (fields.head_groups && *fields.head_groups > 1)
-      return absl::InvalidArgumentError(absl::StrCat("spec.memory.attention_head_groups (", *fields.head_groups, why));
     if (fields.keep_attention && *fields.keep_attention)
       return absl::InvalidArgumentError(absl::StrCat("spec.memory.keep_attention (true", why));
   }

@@ -786,13 +786,49 @@ TEST(PlannerTest, HybridModelHasKdaAndDsaTerms) {
     EXPECT_EQ(two.gpu_peak_bytes - one.gpu_peak_bytes, want) << kind;
     for (const auto& [name, bytes] : one.terms) EXPECT_EQ(name.find("context parallel"), std::string::npos) << name;
   }
-  // Fields that act only on dense attention are refused by name.
+  // KV-head groups (DsaAttentionImpl::set_head_groups): a DSA layer's backward holds k, v and
+  // their fp32 gradient accumulators of one group's heads at a time, 2 x 1024 x (4 + 2) bytes a
+  // token over the groups; a KDA layer has nothing to group.
+  for (int64_t g : {int64_t{2}, int64_t{8}}) {
+    const int64_t len = int64_t{1} << 20;
+    Request grouped = one_kind('D', len);
+    grouped.strategy.head_groups = g;
+    const int64_t saved = len * 2 * 8 * 128 * (4 + 2) - len * 2 * 8 * 128 * (4 + 2) / g;
+    EXPECT_EQ(Predict(one_kind('D', len)).gpu_peak_bytes - Predict(grouped).gpu_peak_bytes, saved) << g;
+    Request kda = one_kind('K', len);
+    kda.strategy.head_groups = g;
+    EXPECT_EQ(Predict(kda).gpu_peak_bytes, Predict(one_kind('K', len)).gpu_peak_bytes) << g;
+  }
+  // The search takes groups where a plan needs them: hybrid-3b's longest plan on one H200 with
+  // head groups is longer than with one group.
+  MemoryFields one_group;
+  one_group.head_groups = 1;
+  ChooseOptions fixed_one;
+  fixed_one.fixed = one_group;
+  const int64_t longest = MaxSeqLen(ShapeOf(*c), Hardware{}), longest_one = MaxSeqLen(ShapeOf(*c), Hardware{}, 16384, fixed_one);
+  EXPECT_GT(longest, longest_one);
+  absl::StatusOr<Choice> at_longest = Choose(ShapeOf(*c), longest, 1, Hardware{});
+  ASSERT_TRUE(at_longest.ok()) << at_longest.status();
+  EXPECT_GT(at_longest->strategy.head_groups, 1);
+  // Head groups are refused by name where nothing would act on them: with context parallelism
+  // (its ranks split the DSA heads already) and on a model without DSA layers.
   MemoryFields groups;
   groups.head_groups = 2;
-  absl::StatusOr<JobPlan> refused = PlanModelJob(*c, "bfloat16", 65536, 1, groups, Hardware{});
+  ASSERT_TRUE(PlanModelJob(*c, "bfloat16", 65536, 1, groups, Hardware{}).ok());
+  absl::StatusOr<JobPlan> refused = PlanModelJob(*c, "bfloat16", 65536, 1, groups, Hardware{}, model::LoraConfig{},
+                                                 /*shard_ranks=*/1, /*context_ranks=*/2);
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("spec.memory.attention_head_groups (2) is not implemented for the hybrid"),
-            std::string::npos);
+  EXPECT_NE(refused.status().message().find(
+                "spec.memory.attention_head_groups (2) is not implemented for the hybrid family with context"),
+            std::string::npos)
+      << refused.status();
+  model::ModelConfig kda_only = *c;
+  kda_only.hybrid.layer_pattern = "K";
+  refused = PlanModelJob(kda_only, "bfloat16", 65536, 1, groups, Hardware{});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("spec.memory.attention_head_groups (2) acts on the DSA layers"),
+            std::string::npos)
+      << refused.status();
 }
 
 }  // namespace

@@ -293,8 +293,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec, absl::string_view f, SpecU
         return Invalid(field, absl::StrCat(at, " with data.format \"jsonl\" (packed documents) is not implemented "
                                                "for the hybrid family yet"));
     }
-    if (memory->head_groups && *memory->head_groups > 1)
-      return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", why));
+    if (memory->head_groups) {
+      if (const std::string no = config->HeadGroupsRefusal(*memory->head_groups, cp); !no.empty())
+        return Invalid(p + ".memory.attention_head_groups", absl::StrCat("(", *memory->head_groups, ")", no));
+    }
     if (memory->keep_attention && *memory->keep_attention) return Invalid(p + ".memory.keep_attention", why.substr(1));
   }
 

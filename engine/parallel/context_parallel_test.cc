@@ -423,6 +423,11 @@ TEST(ContextParallelTest, HybridLayoutsTheLayersCannotSplitAreRefused) {
   o.context_parallel.head_chunk = 2;
   EXPECT_THAT(std::string(Trainer::Create(o).status().message()),
               testing::HasSubstr("context_parallel.head_chunk (2) is not implemented for the hybrid family"));
+  o.context_parallel.head_chunk = 0;
+  o.memory.head_groups = 2;
+  EXPECT_THAT(std::string(Trainer::Create(o).status().message()),
+              testing::HasSubstr("memory.head_groups (2) is not implemented for the hybrid family with context "
+                                 "parallelism (2 ranks)"));
 }
 
 // A KDA and a DSA layer of hybrid-tiny's widths (4 KV heads, so that 4 ranks split them too),
