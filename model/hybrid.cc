@@ -661,11 +661,13 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
                          .device(x.device());
     // The KV heads in head_groups() groups, one after another: group g's query heads
     // [g hq, (g + 1) hq) read its KV heads [g hk, (g + 1) hk) (GQA's order). Per group, its heads'
-    // keys and values of the whole sequence once, with a graph back to x and the weights; the
-    // tiles add their gradients into fp32 accumulators of those heads. The indexer's KL (no
-    // heads) runs with the first group, its pooled keys of the whole sequence once.
+    // keys and values of the whole sequence without a graph and their fp32 gradient accumulators;
+    // then the tiles from the last: once a tile's queries are done no query left sees its keys
+    // (causal), so their gradient is final and goes back through the tile's own k and v
+    // projections in the same gradient call as its q's. Nothing (T, hidden) wide is made here
+    // but dx. The indexer's KL (no heads) runs with the first group; its pooled keys (pools count
+    // from the sequence's first token, across tiles) go back once for the whole sequence.
     const int64_t G = out_grad ? m.head_groups_ : 1, hq = H / G, hk = Hkv / G;
-    const Tensor xl = x.detach().requires_grad_(true);
     Tensor keys, keys_leaf, dkeys;
     if (kl_grad) {
       {
@@ -675,37 +677,41 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       keys_leaf = keys.detach().requires_grad_(true);
       dkeys = torch::zeros(keys.sizes(), acc);
     }
+    const int64_t tiles = (S + m.tile_ - 1) / m.tile_;
     for (int64_t g = 0; g < G; ++g) {
       const bool kl_here = kl_grad && g == 0;
       Tensor k, v, dk_acc, dv_acc;
       if (out_grad) {
         {
-          torch::AutoGradMode grad(true);
-          k = HeadRows(m.k_proj, m.k_lora, xl, g * hk, hk, D);  // (B, hk, S, D)
-          v = HeadRows(m.v_proj, m.v_lora, xl, g * hk, hk, D);
+          torch::NoGradGuard no_grad;
+          k = HeadRows(m.k_proj, m.k_lora, x, g * hk, hk, D);  // (B, hk, S, D)
+          v = HeadRows(m.v_proj, m.v_lora, x, g * hk, hk, D);
         }
         dk_acc = torch::zeros({B, hk, S, D}, acc);
         dv_acc = torch::zeros({B, hk, S, D}, acc);
       }
-      for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
-        const int64_t n = std::min(m.tile_, S - t0);
+      for (int64_t i = tiles; i-- > 0;) {
+        const int64_t t0 = i * m.tile_, n = std::min(m.tile_, S - t0);
         const Tensor xt = x.narrow(1, t0, n).detach().requires_grad_(true);
         const Tensor pool = pool_all.narrow(1, t0, n);
         std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
         if (out_grad) {
-          Tensor q;
+          Tensor q, kt, vt;
           {
             torch::AutoGradMode grad(true);
             q = HeadRows(m.q_proj, m.q_lora, xt, g * hq, hq, D);  // (B, hq, n, D)
+            kt = HeadRows(m.k_proj, m.k_lora, xt, g * hk, hk, D);
+            vt = HeadRows(m.v_proj, m.v_lora, xt, g * hk, hk, D);
           }
           const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
           const Tensor gt = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).narrow(2, g * hq, hq).transpose(1, 2);
           RECORD_USER_SCOPE("dsa sparse attention backward");
-          Tensor dq = kernels::SparseAttentionBackward(gt, q.detach(), k.detach(), v.detach(), idx,
+          Tensor dq = kernels::SparseAttentionBackward(gt, q.detach(), k, v, idx,
                                                        lse_all.narrow(1, g * hq, hq).narrow(2, t0, n), 0.0, dk_acc,
                                                        dv_acc);
-          outputs.push_back(q);
-          grad_outputs.push_back(dq);
+          outputs.insert(outputs.end(), {q, kt, vt});
+          grad_outputs.insert(grad_outputs.end(), {dq, dk_acc.narrow(2, t0, n).to(kt.scalar_type()),
+                                                   dv_acc.narrow(2, t0, n).to(vt.scalar_type())});
         }
         if (kl_here) {
           Tensor iq, iw, kl;
@@ -721,7 +727,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         inputs.insert(inputs.end(), weights.begin(), weights.end());
         std::vector<Tensor> d;
         {
-          RECORD_USER_SCOPE("dsa backward: q projection and indexer kl");
+          RECORD_USER_SCOPE("dsa backward: q, k, v projections and indexer kl");
           d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
                                     /*create_graph=*/false, /*allow_unused=*/true);
         }
@@ -731,30 +737,15 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         if (kl_here) ++next;
         sums.Add(std::vector<Tensor>(d.begin() + static_cast<std::ptrdiff_t>(next), d.end()));
       }
-      // The incoming gradient (one (T, H D)) is read by the last group; let it go before its key side.
-      if (g == G - 1) grads.clear();
-      // The key side: this group's k and v (and the first group's pooled keys) back to x and
-      // their weights, once (the fp32 accumulators let go as their casts are made).
-      std::vector<Tensor> outputs, grad_outputs, inputs = {xl};
-      if (out_grad) {
-        outputs.insert(outputs.end(), {k, v});
-        grad_outputs.insert(grad_outputs.end(), {dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())});
-      }
-      if (kl_here) {
-        outputs.push_back(keys);
-        grad_outputs.push_back(dkeys.to(keys.scalar_type()));
-        keys = keys_leaf = dkeys = Tensor();
-      }
-      k = v = dk_acc = dv_acc = Tensor();
-      inputs.insert(inputs.end(), weights.begin(), weights.end());
-      std::vector<Tensor> d;
-      {
-        RECORD_USER_SCOPE("dsa backward: k, v and indexer key projections");
-        d = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                  /*create_graph=*/false, /*allow_unused=*/true);
-      }
-      if (d[0].defined()) dx.add_(d[0]);
-      sums.Add(std::vector<Tensor>(d.begin() + 1, d.end()));
+    }
+    grads.clear();  // the incoming gradient (one (T, H D)) is read
+    if (kl_grad) {
+      // The pooled keys back to the indexer's key-side weights (its input is detached: no dx).
+      RECORD_USER_SCOPE("dsa backward: indexer key projections");
+      std::vector<Tensor> d = torch::autograd::grad({keys}, weights, {dkeys.to(keys.scalar_type())},
+                                                    /*retain_graph=*/false, /*create_graph=*/false,
+                                                    /*allow_unused=*/true);
+      sums.Add(d);
     }
     sums.WriteGrads();
     return {dx, Tensor()};
