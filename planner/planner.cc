@@ -295,7 +295,11 @@ Prediction Predict(const Request& r) {
     // the DSA layer's working set below the KDA layer's). A CPU profile of the same layer
     // (bench/profile_report.py's "alive at the peak") names 2 of them: the gradient the MLP block
     // hands back and the recomputed output rooting the layer's graph; the other 2.5 the GPU peak
-    // holds and that profile does not show.
+    // holds and that profile does not show. Since the backward runs its tiles from the last with
+    // each tile's key side in its own gradient call (2026-12-06), hybrid-3b cut to 4 layers at 768K
+    // in 8 KV-head groups peaked 10.7 GB (~2.2 of (T, hidden)) below this prediction on an H100
+    // (docs/benchmarks.md): those 2.5 were most likely the old key side's whole-sequence
+    // transients. Kept (a safe over-prediction) until the full-depth rows are measured again.
     const int64_t W = m.index_top_k + 3, HI = m.index_heads, kp = m.index_top_k / 4;
     const int64_t Tq = std::min(T, model::kDsaTile);
     const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
