@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | gqa | cp | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | dsagroups | gqa | cp | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -217,6 +217,27 @@ if only hybridstep; then
       --warmup 0 --steps 1 --json "$out/hybridstep.jsonl" >"$log" 2>&1
     rc=$?
     grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; }
+  done
+fi
+# dsagroups: the DSA layer's backward in KV-head groups: hybrid-3b cut to 4 layers (KKKD: the
+# peak in the DSA layer's backward) at DSAG_LEN (default 786432) with each head-group count of
+# DSAG_GROUPS (default "1 8"), one step each under DSAG_TIMEOUT seconds (default 150); a line a
+# run: groups, s/step, the GPU peak, the planner's prediction and its ratio to the peak, the
+# sparse attention's backward time.
+if only dsagroups; then
+  for g in ${DSAG_GROUPS:-1 8}; do
+    echo "+ hybrid-3b x4 ${DSAG_LEN:-786432} head groups $g" >&2
+    timeout "${DSAG_TIMEOUT:-150}" build-gpu/bench/odyssey-bench --model hybrid-3b --layers 4 --seq-len "${DSAG_LEN:-786432}" \
+      --recompute layer --offload --device-resident 2 --mlp-tile 10922 --loss-tile 1046 --optimizer-on-host \
+      --keep-selection --warmup 0 --steps 1 --phase-times --head-groups "$g" --json "$out/dsagroups.jsonl" \
+      >"$out/dsagroups-$g.log" 2>&1 || { echo "dsagroups $g: exit $?"; tail -5 "$out/dsagroups-$g.log"; continue; }
+    python3 -c "
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])][-1]
+peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
+sparse = r['phase_seconds_per_step'].get('dsa sparse attention backward', {}).get('seconds', 0)
+print(f\"groups {r['head_groups']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), sparse backward {sparse:.2f} s\")
+" "$out/dsagroups.jsonl"
   done
 fi
 # gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
