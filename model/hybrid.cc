@@ -630,6 +630,15 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     return {std::move(out), saved.kl};
   }
 
+  // A tile's q, k and v with a graph back to xt (B, n, hidden) and the weights: query heads
+  // [q0, q0 + hq) and KV heads [k0, k0 + hk), each (B, heads, n, head_dim).
+  static std::tuple<Tensor, Tensor, Tensor> TileProjections(DsaAttentionImpl& m, const Tensor& xt, int64_t q0,
+                                                            int64_t hq, int64_t k0, int64_t hk) {
+    torch::AutoGradMode grad(true);
+    return {HeadRows(m.q_proj, m.q_lora, xt, q0, hq, m.head_dim_), HeadRows(m.k_proj, m.k_lora, xt, k0, hk, m.head_dim_),
+            HeadRows(m.v_proj, m.v_lora, xt, k0, hk, m.head_dim_)};
+  }
+
   // The layer's parameters that train: q, k and v's (which learn only from the output), then the
   // indexer's (only from the KL).
   static std::vector<Tensor> TrainedWeights(DsaAttentionImpl& m) {
@@ -696,13 +705,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
         const Tensor pool = pool_all.narrow(1, t0, n);
         std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
         if (out_grad) {
-          Tensor q, kt, vt;
-          {
-            torch::AutoGradMode grad(true);
-            q = HeadRows(m.q_proj, m.q_lora, xt, g * hq, hq, D);  // (B, hq, n, D)
-            kt = HeadRows(m.k_proj, m.k_lora, xt, g * hk, hk, D);
-            vt = HeadRows(m.v_proj, m.v_lora, xt, g * hk, hk, D);
-          }
+          const auto [q, kt, vt] = TileProjections(m, xt, g * hq, hq, g * hk, hk);  // (B, hq | hk, n, D)
           const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
           const Tensor gt = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).narrow(2, g * hq, hq).transpose(1, 2);
           RECORD_USER_SCOPE("dsa sparse attention backward");
@@ -905,13 +908,7 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
       const Tensor pool = group.AllGather(my_pool.contiguous(), 1);  // (B, n, kp)
       std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
       if (out_grad) {
-        Tensor q, kt, vt;
-        {
-          torch::AutoGradMode grad(true);
-          q = HeadRows(m.q_proj, m.q_lora, xt, rank * H, H, D);  // (B, H, n, D)
-          kt = HeadRows(m.k_proj, m.k_lora, xt, rank * Hkv, Hkv, D);
-          vt = HeadRows(m.v_proj, m.v_lora, xt, rank * Hkv, Hkv, D);
-        }
+        const auto [q, kt, vt] = TiledFunction::TileProjections(m, xt, rank * H, H, rank * Hkv, Hkv);  // (B, H | Hkv, n, D)
         const Tensor idx = kernels::ExpandPoolSelection(pool, t.start);
         RECORD_USER_SCOPE("dsa sparse attention backward");
         Tensor dq = kernels::SparseAttentionBackward(gh.narrow(2, t.start, t.n), q.detach(), k, v, idx,

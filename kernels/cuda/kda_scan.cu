@@ -21,6 +21,7 @@ namespace {
 using kda_scan::kBV;
 using kda_scan::kThreads;
 using kda_scan::Launch;
+using kda_scan::PipelineStep;
 using kda_scan::Stage;
 constexpr int kTX = kBV / 4;         // threads across the columns, 4 (one float4) each
 constexpr int kTY = kThreads / kTX;  // thread rows
@@ -105,13 +106,7 @@ __global__ void __launch_bounds__(kThreads) ScanForwardKernel(KdaScanForwardArgs
 #pragma unroll
     for (int p = 0; p < kPhases; ++p) {
       const int64_t j = c * kPhases + p;
-      if (j + 1 < total) {
-        issue(j + 1);
-        __pipeline_wait_prior(1);
-      } else {
-        __pipeline_wait_prior(0);
-      }
-      __syncthreads();
+      PipelineStep(j, total, issue);
       const float* t = sh + (j & 1) * L::kTile;
       if (p == 0) {
         if (a.states != nullptr) SliceToGlobal<K>(a.states + (bh * N + c) * K * V + v0, V, S);
@@ -237,13 +232,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardKernel(KdaScanBackwardAr
 #pragma unroll
     for (int p = 0; p < kPhases; ++p) {
       const int64_t j = step * kPhases + p;
-      if (j + 1 < total) {
-        issue(j + 1);
-        __pipeline_wait_prior(1);
-      } else {
-        __pipeline_wait_prior(0);
-      }
-      __syncthreads();
+      PipelineStep(j, total, issue);
       const float* t = sh + (j & 1) * L::kTile;
       if (p == 0) {
         SliceToGlobal<K>(a.dS + (bh * N + c) * K * V + v0, V, dS);

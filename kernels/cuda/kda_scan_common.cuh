@@ -26,6 +26,20 @@ __device__ __forceinline__ void Stage(float* dst, int ld, const float* src, int 
   }
 }
 
+// Step j of a double-buffered pipeline of `total` stages: issues stage j + 1's copies where there
+// is one (issue(j + 1) stages and commits them), waits for stage j's, and makes them visible to
+// the block.
+template <typename Issue>
+__device__ __forceinline__ void PipelineStep(int64_t j, int64_t total, Issue&& issue) {
+  if (j + 1 < total) {
+    issue(j + 1);
+    __pipeline_wait_prior(1);
+  } else {
+    __pipeline_wait_prior(0);
+  }
+  __syncthreads();
+}
+
 // One launch over the (V / kBV, BH) grid with `bytes` of dynamic shared memory; the launch's
 // cudaError_t as an int.
 template <typename Kernel, typename Args>

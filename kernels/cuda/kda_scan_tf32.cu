@@ -32,6 +32,7 @@ namespace {
 using kda_scan::kBV;
 using kda_scan::kThreads;
 using kda_scan::Launch;
+using kda_scan::PipelineStep;
 using kda_scan::Stage;
 using mma::MmaTf32;
 using mma::Tf32;
@@ -186,13 +187,7 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
 #pragma unroll
     for (int p = 0; p < kPhases; ++p) {
       const int64_t j = c * kPhases + p;
-      if (j + 1 < total) {
-        issue(j + 1);
-        __pipeline_wait_prior(1);
-      } else {
-        __pipeline_wait_prior(0);
-      }
-      __syncthreads();
+      PipelineStep(j, total, issue);
       const float* t = sh + (j & 1) * 2 * L::kTile;
       const float* t2 = t + L::kTile;
       if (p == 0) {
@@ -323,13 +318,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int64_t j = 1 + step * 2 + p;
-      if (j + 1 < total) {
-        issue(j + 1);
-        __pipeline_wait_prior(1);
-      } else {
-        __pipeline_wait_prior(0);
-      }
-      __syncthreads();
+      PipelineStep(j, total, issue);
       const float* t = sh + (j & 1) * 2 * L::kTile;
       if (p == 0) {
         FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
@@ -432,13 +421,7 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
   float eg = 0.f;
   if (total > 0) issue(0);
   for (int64_t j = 0; j < total; ++j) {
-    if (j + 1 < total) {
-      issue(j + 1);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();
+    PipelineStep(j, total, issue);
     const int64_t slice = j % slices;
     if (slice == 0) {
       Zero(dq), Zero(dw), Zero(dk), Zero(da);
