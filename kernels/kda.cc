@@ -489,13 +489,11 @@ ReverseResult ScanBackward(const Intra& in, const Tensor& dO, const Tensor& dSN)
 struct ChunkGradsResult {
   Tensor dqg, dW, dkg, dAqk, deGC;
 };
-ChunkGradsResult ChunkGrads(const ScanResult& f, const ReverseResult& r, const Tensor& dO) {
+ChunkGradsResult ChunkGrads(const Intra& in, const ScanResult& f, const ReverseResult& r, const Tensor& dO) {
 #ifdef ODYSSEY_KERNELS_CUDA
-  // With the scans on the tensor cores, one kernel (TF32 operands, as the scans'); otherwise
+  // Where the scans ran on the tensor cores, one kernel (TF32 operands, as the scans'); otherwise
   // batched fp32 products.
-  if (scan_tensor_cores.load() && FusedKernelsEnabled() && f.states.is_cuda() &&
-      f.states.scalar_type() == torch::kFloat32 &&
-      cuda::KdaScanSupported(dO.size(3), f.states.size(3), f.states.size(4))) {
+  if (scan_tensor_cores.load() && KernelScans(in)) {
     const int64_t B = dO.size(0), HV = dO.size(1), N = dO.size(2), C = dO.size(3), K = f.states.size(3),
                   V = f.states.size(4);
     c10::cuda::CUDAGuard guard(dO.device());
@@ -623,7 +621,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)
       ReverseResult r = ScanBackward(in, dO, dS);
       // The gradients of the chunk quantities, batched over the segment's chunks.
-      const ChunkGradsResult cg = ChunkGrads(f, r, dO);
+      const ChunkGradsResult cg = ChunkGrads(in, f, r, dO);
       const Tensor &dqg = cg.dqg, &dW = cg.dW, &dkg = cg.dkg, &dAqk = cg.dAqk, &deGC = cg.deGC;
       scans.end();
       if (by_hand) {
