@@ -589,7 +589,9 @@ int main(int argc, char** argv) {
   for (int i = 0; i < warmup + steps; ++i) {
     if (i == warmup) odyssey::engine::ResetPeakMemory(dev);
     if (i == warmup && phase_times) {
-      if (absl::Status st = odyssey::engine::StartPhaseTimes(dev.is_cuda()); !st.ok()) {
+      // The step's peak is named by the scope that reached it (phase_peak in the JSON).
+      auto peak = [dev] { return odyssey::engine::ReadDeviceMemory(dev).peak_allocated; };
+      if (absl::Status st = odyssey::engine::StartPhaseTimes(dev.is_cuda(), dev.is_cuda() ? std::function<int64_t()>(peak) : nullptr); !st.ok()) {
         std::fprintf(stderr, "odyssey-bench: --phase-times: %s\n", std::string(st.message()).c_str());
         return 1;
       }
@@ -657,6 +659,8 @@ int main(int argc, char** argv) {
     nlohmann::json pj = nlohmann::json::object();
     for (const auto& p : phases) pj[p.kind] = {{"seconds", p.seconds / steps}, {"count", p.count / steps}};
     j["phase_seconds_per_step"] = pj;
+    const odyssey::engine::PeakScope peak = odyssey::engine::PhasePeak();
+    if (peak.bytes > 0) j["phase_peak"] = {{"bytes", peak.bytes}, {"scopes", peak.path}};
   }
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
@@ -711,6 +715,10 @@ int main(int argc, char** argv) {
       std::printf("| %s | %lld | %.3f | %.1f%% |\n", p.kind.c_str(), static_cast<long long>(p.count / steps),
                   p.seconds / steps, total > 0 ? 100.0 * p.seconds / steps / total : 0.0);
     }
+    const odyssey::engine::PeakScope peak = odyssey::engine::PhasePeak();
+    if (peak.bytes > 0)
+      std::printf("GPU peak %s GiB reached in: %s\n", GiB(peak.bytes).c_str(),
+                  peak.path.empty() ? "(outside every scope)" : peak.path.c_str());
   }
   AppendJsonLine(json_path, j);
   return 0;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <set>
 #include <utility>
 
@@ -37,6 +38,10 @@ struct PhaseTimer {
   bool running ABSL_GUARDED_BY(mu) = false;
   std::vector<Span> spans ABSL_GUARDED_BY(mu);
   std::string error ABSL_GUARDED_BY(mu);  // the first CUDA call that failed
+  // The peak reader of the recording (null: no peak attribution). Each scope keeps the one it
+  // started under, so a scope that ends after StopPhaseTimes still pops what it pushed.
+  std::shared_ptr<const std::function<int64_t()>> peak_bytes ABSL_GUARDED_BY(mu);
+  PeakScope peak ABSL_GUARDED_BY(mu);
   // Set by StartPhaseTimes before its callback is added, read by the callbacks.
   std::atomic<bool> cuda{false};
   at::CallbackHandle handle = 0;  // StartPhaseTimes / StopPhaseTimes only
@@ -75,13 +80,26 @@ struct SpanContext : at::ObserverContext {
   std::string name;
   Clock::time_point t0;
   void* start = nullptr;
+  std::shared_ptr<const std::function<int64_t()>> peak_bytes;  // the recording's, at the start
+  int64_t peak0 = 0;  // its value at the start
   ~SpanContext() override { DestroyEvent(start); }
 };
+
+// The open scopes of this thread, outermost first (for the peak's path).
+thread_local std::vector<std::string> t_open;
 
 std::unique_ptr<at::ObserverContext> OnScopeStart(const at::RecordFunction& fn) {
   PhaseTimer& timer = Timer();
   auto c = std::make_unique<SpanContext>();
   c->name = fn.name();
+  {
+    absl::MutexLock lock(&timer.mu);
+    c->peak_bytes = timer.peak_bytes;
+  }
+  if (c->peak_bytes) {
+    c->peak0 = (*c->peak_bytes)();
+    t_open.push_back(c->name);
+  }
   c->t0 = Clock::now();
   if (timer.cuda) c->start = RecordEvent(timer);
   return c;
@@ -90,6 +108,18 @@ std::unique_ptr<at::ObserverContext> OnScopeStart(const at::RecordFunction& fn) 
 void OnScopeEnd(const at::RecordFunction&, at::ObserverContext* ctx) {
   PhaseTimer& timer = Timer();
   auto* c = static_cast<SpanContext*>(ctx);
+  if (c->peak_bytes) {
+    const int64_t now = (*c->peak_bytes)();
+    std::string path;
+    if (now > c->peak0) {
+      for (size_t i = 0; i < t_open.size(); ++i) absl::StrAppend(&path, i == 0 ? "" : " > ", t_open[i]);
+    }
+    if (!t_open.empty()) t_open.pop_back();
+    if (now > c->peak0) {
+      absl::MutexLock lock(&timer.mu);
+      if (timer.running && now > timer.peak.bytes) timer.peak = PeakScope{std::move(path), now};
+    }
+  }
   Span s;
   s.wall = std::chrono::duration<double>(Clock::now() - c->t0).count();
   if (c->start != nullptr) {
@@ -121,7 +151,7 @@ std::string PhaseKind(const std::string& name) {
   return kind;
 }
 
-absl::Status StartPhaseTimes(bool cuda) {
+absl::Status StartPhaseTimes(bool cuda, std::function<int64_t()> peak_bytes) {
   PhaseTimer& timer = Timer();
   {
     absl::MutexLock lock(&timer.mu);
@@ -133,6 +163,9 @@ absl::Status StartPhaseTimes(bool cuda) {
     timer.cuda = cuda;
     timer.spans.clear();
     timer.error.clear();
+    timer.peak = PeakScope{};
+    timer.peak_bytes =
+        peak_bytes ? std::make_shared<const std::function<int64_t()>>(std::move(peak_bytes)) : nullptr;
   }
   at::RecordFunctionCallback cb(&OnScopeStart, &OnScopeEnd);
   cb.scopes({at::RecordScope::USER_SCOPE});
@@ -145,16 +178,24 @@ absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes() {
   std::vector<Span> spans;
   std::string error;
   bool cuda = false;
+  std::shared_ptr<const std::function<int64_t()>> reader;
   {
     absl::MutexLock lock(&timer.mu);
     if (!timer.running) return absl::FailedPreconditionError("no phase times are being recorded");
     timer.running = false;
+    reader.swap(timer.peak_bytes);
     spans.swap(timer.spans);
     error.swap(timer.error);
     cuda = timer.cuda;
   }
   at::removeCallback(timer.handle);
   timer.handle = 0;
+  if (reader) {
+    // A peak above every scope's claim rose outside them all.
+    const int64_t final_peak = (*reader)();
+    absl::MutexLock lock(&timer.mu);
+    if (final_peak > timer.peak.bytes) timer.peak = PeakScope{"", final_peak};
+  }
 #ifndef ODYSSEY_WITH_CUDA
   (void)cuda;  // StartPhaseTimes refused a GPU timer
 #else
@@ -194,6 +235,12 @@ absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes() {
   }
   std::stable_sort(out.begin(), out.end(), [](const PhaseTime& a, const PhaseTime& b) { return a.seconds > b.seconds; });
   return out;
+}
+
+PeakScope PhasePeak() {
+  PhaseTimer& timer = Timer();
+  absl::MutexLock lock(&timer.mu);
+  return timer.peak;
 }
 
 absl::Status StartProfile(bool cuda, bool memory) {

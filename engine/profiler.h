@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -40,10 +41,26 @@ struct PhaseTime {
 // Thread safety: one recording at a time per process; start and stop from one thread (between
 // steps), scopes from any thread.
 // Starts recording (GPU time where `cuda`). FAILED_PRECONDITION if already recording.
-absl::Status StartPhaseTimes(bool cuda);
+// With `peak_bytes` (the device's peak allocated bytes since its last reset, e.g.
+// ReadDeviceMemory(dev).peak_allocated), each scope also reads it at its start and end, and the
+// recording names the scope in which the peak was reached (PhasePeak).
+absl::Status StartPhaseTimes(bool cuda, std::function<int64_t()> peak_bytes = {});
 // Stops (after synchronizing the device where `cuda`) and returns the kinds by time, longest
 // first. FAILED_PRECONDITION if not recording; INTERNAL if a CUDA event failed.
 absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes();
+// Where the last recording's peak was reached: the innermost scope that was open when the
+// allocated peak first reached its final value (a scope owns the peak when the counter rose
+// between its start and its end and no scope inside it already claimed that value), with the
+// scopes around it on its thread, outermost first ("backward > layers 26-27 backward > layer 27
+// backward > dsa sparse attention backward"). Scopes on other threads (the autograd engine's
+// workers) are not in the path. The path is empty where the peak rose outside every scope (its
+// bytes then the reader's value at StopPhaseTimes) and both are where no reader was given.
+// Valid after StopPhaseTimes, until the next StartPhaseTimes.
+struct PeakScope {
+  std::string path;    // "" where none
+  int64_t bytes = 0;   // the peak's value as the owning scope read it at its end
+};
+PeakScope PhasePeak();
 // The kind a scope's name counts under: each run of ASCII digits replaced by '#'.
 std::string PhaseKind(const std::string& name);
 

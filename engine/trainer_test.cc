@@ -1,6 +1,7 @@
 #include "engine/trainer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <chrono>
 #include <map>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "engine/device_stats.h"
 #include "engine/profiler.h"
 #include "model/causal_lm.h"
 #include "model/config.h"
@@ -805,6 +807,88 @@ TEST(PhaseTimesTest, NestedScopesOnEveryThreadAreTimedByKind) {
   EXPECT_TRUE(times->empty());
 }
 
+// The peak's scope (engine/profiler.h PhasePeak): the innermost scope open when the peak counter
+// first reached its final value, with the scopes around it on its thread.
+TEST(PhaseTimesTest, ThePeakIsNamedByTheInnermostScopeThatReachedIt) {
+  std::atomic<int64_t> peak{0};
+  auto allocate = [&](int64_t bytes) {  // a peak counter: it only rises
+    int64_t p = peak.load();
+    while (bytes > p && !peak.compare_exchange_weak(p, bytes)) {
+    }
+  };
+  auto reader = [&] { return peak.load(); };
+  // Inside a nested scope; a later sibling that reaches less does not take it; the scope around
+  // them ends with the same value and leaves it to the inner one.
+  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
+  allocate(5);  // outside every scope
+  {
+    ProfilePhase outer("backward");
+    {
+      ProfilePhase group("layers 1-2 backward");
+      allocate(10);
+      {
+        ProfilePhase inner("layer 2 backward");
+        allocate(50);
+      }
+      {
+        ProfilePhase inner("layer 1 backward");
+        allocate(40);
+      }
+    }
+  }
+  { ProfilePhase optimizer("optimizer"); }
+  ASSERT_TRUE(StopPhaseTimes().ok());
+  EXPECT_EQ(PhasePeak().path, "backward > layers 1-2 backward > layer 2 backward");
+  EXPECT_EQ(PhasePeak().bytes, 50);
+  // Reached by a scope after its inner scopes ended: that scope owns it.
+  peak = 0;
+  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
+  {
+    ProfilePhase outer("layer 3 recompute");
+    {
+      ProfilePhase inner("kda forward: intra");
+      allocate(30);
+    }
+    allocate(70);
+  }
+  ASSERT_TRUE(StopPhaseTimes().ok());
+  EXPECT_EQ(PhasePeak().path, "layer 3 recompute");
+  EXPECT_EQ(PhasePeak().bytes, 70);
+  // Reached outside every scope, and on another thread: the other thread's scope names it, with
+  // none of this thread's scopes in its path.
+  peak = 0;
+  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
+  {
+    ProfilePhase outer("layer 4 backward");
+    allocate(20);
+  }
+  allocate(90);
+  ASSERT_TRUE(StopPhaseTimes().ok());
+  EXPECT_EQ(PhasePeak().path, "");
+  EXPECT_EQ(PhasePeak().bytes, 90);
+  peak = 0;
+  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
+  {
+    ProfilePhase outer("backward");
+    std::thread worker([&] {
+      ProfilePhase phase("dsa sparse attention backward");
+      allocate(60);
+    });
+    worker.join();
+  }
+  ASSERT_TRUE(StopPhaseTimes().ok());
+  EXPECT_EQ(PhasePeak().path, "dsa sparse attention backward");
+  // Without a reader nothing is attributed.
+  ASSERT_TRUE(StartPhaseTimes(false).ok());
+  {
+    ProfilePhase outer("backward");
+    allocate(100);
+  }
+  ASSERT_TRUE(StopPhaseTimes().ok());
+  EXPECT_EQ(PhasePeak().path, "");
+  EXPECT_EQ(PhasePeak().bytes, 0);
+}
+
 // A training step's phases: each layer's forward, recompute and backward (the backward's on
 // autograd's threads), the loss and the optimizer, and the KDA and DSA kernels' own scopes.
 void ExpectStepPhases(const std::string& device) {
@@ -817,10 +901,18 @@ void ExpectStepPhases(const std::string& device) {
   auto t = Trainer::Create(o);
   ASSERT_TRUE(t.ok()) << t.status();
   (*t)->TrainStep();  // the first step's one-time work outside the timed one
-  ASSERT_TRUE(StartPhaseTimes(device != "cpu").ok());
+  const torch::Device dev = device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, 0);
+  ResetPeakMemory(dev);
+  ASSERT_TRUE(StartPhaseTimes(device != "cpu", [dev] { return ReadDeviceMemory(dev).peak_allocated; }).ok());
   (*t)->TrainStep();
   absl::StatusOr<std::vector<PhaseTime>> times = StopPhaseTimes();
   ASSERT_TRUE(times.ok()) << times.status();
+  if (dev.is_cuda()) {
+    // The step's peak is named by one of its scopes, at the value the allocator reports.
+    EXPECT_EQ(PhasePeak().bytes, ReadDeviceMemory(dev).peak_allocated);
+    EXPECT_NE(PhasePeak().path, "");
+    std::cout << "peak " << PhasePeak().bytes << " bytes in " << PhasePeak().path << "\n";
+  }
   std::map<std::string, PhaseTime> by_kind;
   for (const PhaseTime& t : *times) by_kind[t.kind] = t;
   const int64_t layers = (*t)->model()->config().num_hidden_layers;

@@ -290,20 +290,18 @@ Prediction Predict(const Request& r) {
     // last two of one KV-head group at a time (st.head_groups; DsaAttentionImpl::set_head_groups:
     // 12 KB a token at 1 group, 1.5 KB at 8); per
     // token of one tile, q and dq and the token indices (top_k + 3 int32). Around the mixer, the
-    // layer's residual stream while that backward runs: 4.5 of (T, hidden), fitted to the peaks
-    // measured on one H200 (hybrid-3b, 2026-12-04: 1M tokens 116.0 GiB in a DSA layer; at 256K
-    // the DSA layer's working set below the KDA layer's). A CPU profile of the same layer
-    // (bench/profile_report.py's "alive at the peak") names 2 of them: the gradient the MLP block
-    // hands back and the recomputed output rooting the layer's graph; the other 2.5 the GPU peak
-    // holds and that profile does not show. Since the backward runs its tiles from the last with
-    // each tile's key side in its own gradient call (2026-12-06), hybrid-3b cut to 4 layers at 768K
-    // in 8 KV-head groups peaked 10.7 GB (~2.2 of (T, hidden)) below this prediction on an H100
-    // (docs/benchmarks.md): those 2.5 were most likely the old key side's whole-sequence
-    // transients. Kept (a safe over-prediction) until the full-depth rows are measured again.
+    // layer's residual stream while that backward runs: 2.6 of (T, hidden), fitted to the peaks
+    // of the backward that runs its tiles from the last with each tile's key side in its own
+    // gradient call (2026-12-06, one H100, each peak named by odyssey-bench --phase-times as
+    // "dsa sparse attention backward"): hybrid-3b at 512K at full depth in 1 and 8 KV-head groups
+    // and cut to 4 layers at 768K in 1 and 8 (2.29-2.54 of (T, hidden) measured). A CPU profile of
+    // the same layer (bench/profile_report.py's "alive at the peak") names 2 of them: the gradient
+    // the MLP block hands back and the recomputed output rooting the layer's graph. (It was 4.5
+    // before that restructure: the old key side's whole-sequence transients.)
     const int64_t W = m.index_top_k + 3, HI = m.index_heads, kp = m.index_top_k / 4;
     const int64_t Tq = std::min(T, model::kDsaTile);
     const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
-    const int64_t dsa_stream = 9 * T * m.hidden * e / 2;
+    const int64_t dsa_stream = 13 * T * m.hidden * e / 5;
     const int64_t dsa_per_token =
         T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e) / groups) + dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);

@@ -662,34 +662,31 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       {"llama-3.2-1b", 16, 262144, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 53540214272, 17179869184},
       // hybrid-3b (21 KDA + 7 DSA layers), the KDA mixer in tiles of 32768 tokens and segments
       // of 8192, the DSA layer's sparse stage in query tiles of 32768 (2026-12-04): the peak in
-      // a KDA layer's backward at 64K, 128K and 256K, in a DSA layer's at 512K and 1M. The DSA
-      // rows were measured before its backward ran the tiles from the last with each tile's key
-      // side on its own (2026-12-06), which lowered a 768K DSA peak 12.3 GB below its earlier
-      // form: they bound today's peaks from above until measured again (bench-suite's
-      // dsagroups and long1b with LONG_MODEL=hybrid-3b). 64K, 256K and 1M
-      // measured with the DSA query tiles (64K's peak did not move; 256K's fell from 43033004032,
-      // 1M's from 134505951232); 128K before them and before the fused KDA intra and short-conv
-      // kernels, so it bounds today's peak from above. The 512K row (a DSA peak before the tiles)
-      // is gone: not re-measured.
+      // a KDA layer's backward at 64K, 128K and 256K. 64K and 256K measured with the DSA query
+      // tiles (64K's peak did not move; 256K's fell from 43033004032); 128K before them and before
+      // the fused KDA intra and short-conv kernels, so it bounds today's peak from above.
       {"hybrid-3b", 28, 65536, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 27352826880,
        8053063680 + 3606690168LL * 14},
       {"hybrid-3b", 28, 131072, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 31182130176,
        16106127360 + 3606690168LL * 14},
       {"hybrid-3b", 28, 262144, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 39343944704,
        32212254720 + 3606690168LL * 14},
-      {"hybrid-3b", 28, 1048576, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 1)), 124552738304,
-       51539607552 + 3606690168LL * 14},
-      // The same plan at 512K (2026-12-04, fourth session), a step under the profiler (which
-      // records host-side; the allocator's peak is the step's).
-      {"hybrid-3b", 28, 524288, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 1)), 66446947840,
+      // The DSA layer's backward from the last query tile, each tile's key side in its own
+      // gradient call, k and v's gradients in KV-head groups (2026-12-06, fifteenth session, one
+      // H100: allocations do not depend on the card), each peak named "dsa sparse attention
+      // backward" by odyssey-bench --phase-times. Full depth at 512K, nested checkpoints every 2
+      // layers, 6 inputs on the GPU, in 1 and 8 groups (66446947840 bytes before the restructure);
+      // the 8-group row after a group's incoming gradient is freed once its top layer is done
+      // (engine/memory/checkpoint.cc; before, 57789444608 bytes in the group's lower KDA layer).
+      // hybrid-3b cut to 4 layers (KKKD: the peak in the DSA layer's backward) at 768K with the
+      // selections kept, in 1 and 8 groups (66.85 and 61.20 GB before the restructure). The
+      // pre-restructure 1M rows (124552738304 and 147570563072 bytes) are gone, not re-measured.
+      {"hybrid-3b", 28, 524288, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 1)), 61814663168,
        25769803776 + 3606690168LL * 14},
-      // The planner's own 1M plan (odyssey-plan --model hybrid-3b --seq-len 1048576; 2026-12-04,
-      // fifth session): the optimizer on the GPU, 2 inputs resident, the DSA selections kept. Its
-      // peak, 137.4 GiB, is the closest any row runs to the GPU's capacity. Host: the offload
-      // pool's 12 slots (pinned_host_bytes) and the 7 DSA layers' kept selections, each one block
-      // of libtorch's pinned caching allocator (2 KB a token: 2 GiB at 1M).
-      {"hybrid-3b", 28, 1048576, kept(StrategyOf("every_k", 2, true, 2, 10922, 1046, 1)), 147570563072,
-       77309411328 + 2147483648LL * 7},
+      {"hybrid-3b", 28, 524288, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 8)), 55701202944,
+       25769803776 + 3606690168LL * 14},
+      {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 1))), 57797627904, -1},
+      {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 8))), 48867692544, -1},
       // The dense warm-up step at 128K (2026-12-05, eleventh session, on one H100: allocations do
       // not depend on the card; the 64K Llama peak above the release measured the same bytes on
       // both): no backward through the layers, the KL target by the CUDA kernels and its indexer
@@ -717,27 +714,6 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       EXPECT_EQ(p.host_bytes, row.measured_host);
     }
   }
-}
-
-// The DSA backward from the last tile, each tile's key side on its own (2026-12-06): hybrid-3b
-// cut to 4 layers (KKKD: the peak in the DSA layer's backward) at 768K in 8 KV-head groups peaked
-// at 48,867,692,544 bytes on an H100, 22% under the prediction (the fit of the residual stream
-// around the mixer predates it; docs/benchmarks.md). Until the fit is redone on re-measured rows,
-// the planner stays above that peak: it may refuse what would fit, never plan what would not.
-TEST(PlannerTest, RestructuredDsaBackwardPeakStaysUnderThePrediction) {
-  model::ModelConfig config = *model::NamedShape("hybrid-3b");
-  config.num_hidden_layers = 4;
-  Request r;
-  r.model = ShapeOf(config);
-  r.seq_len = 786432;
-  r.strategy = StrategyOf("layer", 2, true, 2, 10922, 1046, 8, /*optimizer_on_host=*/true);
-  r.strategy.keep_selection = true;
-  const Prediction p = Predict(r);
-  const int64_t measured = 48867692544;
-  std::cout << "hybrid-3b x4 768K, 8 head groups: predicted / measured GPU peak "
-            << static_cast<double>(p.gpu_peak_bytes) / static_cast<double>(measured) << " (" << p.peak_phase << ")\n";
-  EXPECT_GE(p.gpu_peak_bytes, measured);
-  EXPECT_NE(p.peak_phase.find("backward"), std::string::npos) << p.peak_phase;
 }
 
 // The hybrid family's terms: hybrid-3b plans at 128K tokens on one H200 and the plan names the

@@ -274,6 +274,56 @@ TEST(CheckpointBlockTest, RecomputedOutputReleasedUnlessSaved) {
   }
 }
 
+// Nested blocks (a group of two layers, as every_k builds them): the gradient coming into the
+// group is freed once the group's top layer is done with it, before the layer below runs its
+// backward; it does not live through the whole group's backward. The gradients are plain
+// autograd's.
+TEST(CheckpointBlockTest, GroupsIncomingGradientFreedAfterItsTopLayer) {
+  torch::manual_seed(8);
+  const torch::Tensor x0 = torch::randn({2, 24, 8}, torch::kFloat64);
+  const torch::Tensor w0 = torch::randn({8, 8}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor w1 = torch::randn({8, 8}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor c = torch::randn({2, 24, 8}, torch::kFloat64);
+  auto layer = [](const torch::Tensor& x, const torch::Tensor& w) { return torch::tanh(torch::matmul(x, w)) + x; };
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> incoming;
+  int lower_backward_runs = 0;
+  bool alive_in_lower_backward = true;
+  SavedInputs outer(nullptr, 0);
+  outer.BeginStep(1);
+  const torch::Tensor x = x0.clone().requires_grad_(true);
+  const torch::Tensor y = CheckpointBlock(x, [&](const torch::Tensor& xg, bool recompute) {
+    if (!recompute) return layer(layer(xg, w0), w1);
+    auto inner = std::make_shared<SavedInputs>(nullptr, 0);
+    inner->BeginStep(2);
+    torch::Tensor h = CheckpointBlock(xg, [&](const torch::Tensor& xi, bool inner_recompute) {
+      if (inner_recompute) {  // the lower layer's backward is about to run
+        ++lower_backward_runs;
+        alive_in_lower_backward = !incoming || !incoming->expired();
+      }
+      return layer(xi, w0);
+    }, inner.get(), 0, inner, nullptr, "layer 0");
+    return CheckpointBlock(h, [&](const torch::Tensor& xi, bool) { return layer(xi, w1); }, inner.get(), 1, inner,
+                           nullptr, "layer 1");
+  }, &outer, 0, nullptr, nullptr, "layers 0-1");
+  // The loss is <y, c>: the gradient into the group is made by the mul's backward, and the hook
+  // takes a weak reference to it as it arrives.
+  torch::Tensor yy = y;
+  yy.register_hook([&](const torch::Tensor& g) {
+    incoming.emplace(g.getIntrusivePtr());
+  });
+  (yy * c).sum().backward();
+  EXPECT_EQ(lower_backward_runs, 1);
+  EXPECT_FALSE(alive_in_lower_backward) << "the group's incoming gradient outlived its top layer's backward";
+  const torch::Tensor dx = x.grad().clone(), dw0 = w0.grad().clone(), dw1 = w1.grad().clone();
+  w0.mutable_grad() = torch::Tensor();
+  w1.mutable_grad() = torch::Tensor();
+  const torch::Tensor xr = x0.clone().requires_grad_(true);
+  (layer(layer(xr, w0), w1) * c).sum().backward();
+  EXPECT_TRUE(torch::allclose(dx, xr.grad(), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(dw0, w0.grad(), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(dw1, w1.grad(), 1e-12, 1e-12));
+}
+
 TEST_F(MemoryStrategyTest, OffloadToHostPool) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
