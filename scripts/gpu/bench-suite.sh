@@ -223,7 +223,7 @@ fi
 # peak in the DSA layer's backward) at DSAG_LEN (default 786432) with each head-group count of
 # DSAG_GROUPS (default "1 8"), one step each under DSAG_TIMEOUT seconds (default 150); a line a
 # run: groups, s/step, the GPU peak, the planner's prediction and its ratio to the peak, the
-# sparse attention's backward time.
+# sparse attention's backward time, the scope the peak was reached in.
 if only dsagroups; then
   for g in ${DSAG_GROUPS:-1 8}; do
     echo "+ hybrid-3b x4 ${DSAG_LEN:-786432} head groups $g" >&2
@@ -236,7 +236,7 @@ import json, sys
 r = [json.loads(l) for l in open(sys.argv[1])][-1]
 peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
 sparse = r['phase_seconds_per_step'].get('dsa sparse attention backward', {}).get('seconds', 0)
-print(f\"groups {r['head_groups']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), sparse backward {sparse:.2f} s\")
+print(f\"groups {r['head_groups']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), sparse backward {sparse:.2f} s, peak in {r.get('phase_peak', {}).get('scopes', '?')}\")
 " "$out/dsagroups.jsonl"
   done
 fi
