@@ -575,8 +575,10 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     const Tensor& entry = s[5];  // (segments, B, HV, K, V)
     const auto ct = entry.scalar_type();
     const int64_t T = s[0].size(2), H = s[0].size(1), HV = s[2].size(1);
+    // Not zero-filled: every segment writes its whole slice of each gradient below (the by-hand
+    // forms all five; the autograd form each one it gets, zeroing any it does not).
     variable_list dx;
-    for (int i = 0; i < 5; ++i) dx.push_back(torch::zeros_like(s[i]));
+    for (int i = 0; i < 5; ++i) dx.push_back(torch::empty_like(s[i]));
     Tensor dS = grads[1].defined() ? grads[1].to(ct) : torch::zeros_like(entry[0]);  // (B, HV, K, V)
     for (int64_t seg = entry.size(0) - 1; seg >= 0; --seg) {
       const int64_t t0 = seg * segment, len = std::min(segment, T - t0);
@@ -629,7 +631,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         IntraGrads d = by_kernel ? IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
                                                          sub_blocks)
                                  : IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
-        dx[0].narrow(2, t0, len).copy_(SumHeadRepeats(d.dq, H) * scale);
+        Tensor dq = dx[0].narrow(2, t0, len);
+        at::mul_out(dq, SumHeadRepeats(d.dq, H), scale);  // scaled in the compute dtype, stored in q's: one pass
         dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
         dx[2].narrow(2, t0, len).copy_(d.dv);
         dx[3].narrow(2, t0, len).copy_(d.dg);
@@ -642,7 +645,11 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
                                                 {dqg, dkg, dW, r.dvt, dAqk, deGC}, /*retain_graph=*/false,
                                                 /*create_graph=*/false, /*allow_unused=*/true);
         for (int i = 0; i < 5; ++i) {
-          if (d[i].defined()) dx[i].narrow(2, t0, len).copy_(d[i]);
+          if (d[i].defined()) {
+            dx[i].narrow(2, t0, len).copy_(d[i]);
+          } else {
+            dx[i].narrow(2, t0, len).zero_();
+          }
         }
       }
       dS = r.dS0;
