@@ -619,7 +619,11 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       at::RecordFunction scans(at::RecordScope::USER_SCOPE);
       if (scans.isActive()) scans.before("kda backward: scans and chunk gradients");
       ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
-      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct), C)
+      // Cast and laid out densely in one pass: the model hands a transposed view (its heads'
+      // layout), which the scan and chunk-gradient kernels would otherwise each copy (Dense).
+      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct, /*non_blocking=*/false, /*copy=*/false,
+                                                                               c10::MemoryFormat::Contiguous),
+                                             C)
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)
       ReverseResult r = ScanBackward(in, dO, dS);
       // The gradients of the chunk quantities, batched over the segment's chunks.
