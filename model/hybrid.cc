@@ -265,19 +265,23 @@ class KdaTiledFunction : public torch::autograd::Function<KdaTiledFunction> {
     return {dx, Tensor()};
   }
 
-  // The tiles without a graph; *states gets the state entering each tile after the first.
+  // The tiles without a graph; *states gets the state entering each tile after the first. Each
+  // tile's output goes into its slice of the result as it is made: never the whole sequence's
+  // output twice (the tiles and their concatenation).
   static Tensor Run(KdaAttentionImpl& m, const Tensor& x, int64_t tile, std::vector<Tensor>* states) {
     const int64_t S = x.size(1), c = m.conv_context();
-    std::vector<Tensor> parts;
-    Tensor h;
+    Tensor out, h;
     for (int64_t t0 = 0; t0 < S; t0 += tile) {
       const int64_t n = std::min(tile, S - t0), ctx_n = std::min(c, t0);
       if (t0 > 0 && states != nullptr) states->push_back(h);
       Tensor next;
-      parts.push_back(m.TileHeads(x.narrow(1, t0 - ctx_n, ctx_n + n), ctx_n, h, &next));
+      const Tensor part = m.TileHeads(x.narrow(1, t0 - ctx_n, ctx_n + n), ctx_n, h, &next);
+      if (t0 == 0 && n == S) return part;  // one tile: the result itself
+      if (!out.defined()) out = torch::empty({part.size(0), S, part.size(2)}, part.options());
+      out.narrow(1, t0, n).copy_(part);
       h = next;
     }
-    return torch::cat(parts, 1);
+    return out;
   }
 };
 
