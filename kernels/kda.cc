@@ -636,7 +636,9 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
                                                          sub_blocks)
                                  : IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
         Tensor dq = dx[0].narrow(2, t0, len);
-        at::mul_out(dq, SumHeadRepeats(d.dq, H), scale);  // scaled in the compute dtype, stored in q's: one pass
+        // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
+        // the output; the Scalar one wants the output in the compute dtype).
+        at::mul_out(dq, SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
         dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
         dx[2].narrow(2, t0, len).copy_(d.dv);
         dx[3].narrow(2, t0, len).copy_(d.dg);

@@ -489,6 +489,19 @@ TEST(Kda, Bf16InputsComputeInFp32) {
   EXPECT_EQ(s_h.scalar_type(), torch::kFloat32);
   EXPECT_LT(RelRms(o_h, o_f), 0.005);  // one bf16 rounding of the output: ~2^-9 / sqrt(3)
   EXPECT_LT(RelRms(s_h, s_f), 1e-5);   // the state never leaves fp32
+  // The backward: each input's gradient in its own dtype, within a few bf16 roundings of the
+  // fp32 inputs' gradients (both forms: the sub-block form at these gates, by autograd, and the
+  // whole-chunk form by hand).
+  for (double lb : {-5.0, -0.05}) {
+    Inputs hb = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, lb, true, 9).To(torch::kBFloat16);
+    Inputs fb = hb.To(torch::kFloat32);
+    const Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}), dS = torch::randn({c.B, c.HV, c.K, c.V});
+    const std::vector<Tensor> gh = Grads(true, hb, dO, dS), gf = Grads(true, fb, dO, dS);
+    for (size_t i = 0; i < gh.size(); ++i) {
+      EXPECT_EQ(gh[i].scalar_type(), torch::kBFloat16) << kGradNames[i];
+      EXPECT_LT(RelRms(gh[i], gf[i]), 0.02) << "lb " << lb << " " << kGradNames[i];
+    }
+  }
 }
 
 // The scans' tensor-core switch is a CUDA kernel's: on the CPU both settings run the same
