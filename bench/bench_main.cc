@@ -589,9 +589,10 @@ int main(int argc, char** argv) {
   for (int i = 0; i < warmup + steps; ++i) {
     if (i == warmup) odyssey::engine::ResetPeakMemory(dev);
     if (i == warmup && phase_times) {
-      // The step's peak is named by the scope that reached it (phase_peak in the JSON).
-      auto peak = [dev] { return odyssey::engine::ReadDeviceMemory(dev).peak_allocated; };
-      if (absl::Status st = odyssey::engine::StartPhaseTimes(dev.is_cuda(), dev.is_cuda() ? std::function<int64_t()>(peak) : nullptr); !st.ok()) {
+      // On a GPU the step's peak is named by the scope that reached it (phase_peak in the JSON).
+      std::function<int64_t()> peak;
+      if (dev.is_cuda()) peak = [dev] { return odyssey::engine::ReadDeviceMemory(dev).peak_allocated; };
+      if (absl::Status st = odyssey::engine::StartPhaseTimes(dev.is_cuda(), std::move(peak)); !st.ok()) {
         std::fprintf(stderr, "odyssey-bench: --phase-times: %s\n", std::string(st.message()).c_str());
         return 1;
       }
@@ -622,6 +623,7 @@ int main(int argc, char** argv) {
     }
     phases = *std::move(p);
   }
+  const odyssey::engine::PeakScope phase_peak = odyssey::engine::PhasePeak();  // bytes 0: none
   if (!profile_dir.empty() && rl_loss.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(profile_dir, ec);
@@ -659,8 +661,7 @@ int main(int argc, char** argv) {
     nlohmann::json pj = nlohmann::json::object();
     for (const auto& p : phases) pj[p.kind] = {{"seconds", p.seconds / steps}, {"count", p.count / steps}};
     j["phase_seconds_per_step"] = pj;
-    const odyssey::engine::PeakScope peak = odyssey::engine::PhasePeak();
-    if (peak.bytes > 0) j["phase_peak"] = {{"bytes", peak.bytes}, {"scopes", peak.path}};
+    if (phase_peak.bytes > 0) j["phase_peak"] = {{"bytes", phase_peak.bytes}, {"scopes", phase_peak.path}};
   }
   if (!rl_loss.empty()) {
     j["rl_loss"] = rl_loss;
@@ -715,10 +716,9 @@ int main(int argc, char** argv) {
       std::printf("| %s | %lld | %.3f | %.1f%% |\n", p.kind.c_str(), static_cast<long long>(p.count / steps),
                   p.seconds / steps, total > 0 ? 100.0 * p.seconds / steps / total : 0.0);
     }
-    const odyssey::engine::PeakScope peak = odyssey::engine::PhasePeak();
-    if (peak.bytes > 0)
-      std::printf("GPU peak %s GiB reached in: %s\n", GiB(peak.bytes).c_str(),
-                  peak.path.empty() ? "(outside every scope)" : peak.path.c_str());
+    if (phase_peak.bytes > 0)
+      std::printf("GPU peak %s GiB reached in: %s\n", GiB(phase_peak.bytes).c_str(),
+                  phase_peak.path.empty() ? "(outside every scope)" : phase_peak.path.c_str());
   }
   AppendJsonLine(json_path, j);
   return 0;

@@ -42,8 +42,9 @@ struct PhaseTimer {
   // started under, so a scope that ends after StopPhaseTimes still pops what it pushed.
   std::shared_ptr<const std::function<int64_t()>> peak_bytes ABSL_GUARDED_BY(mu);
   PeakScope peak ABSL_GUARDED_BY(mu);
-  // Set by StartPhaseTimes before its callback is added, read by the callbacks.
-  std::atomic<bool> cuda{false};
+  // Set by StartPhaseTimes before its callback is added, read by the callbacks (peak_on: whether
+  // peak_bytes is set, so that a recording without a reader takes no lock at a scope's start).
+  std::atomic<bool> cuda{false}, peak_on{false};
   at::CallbackHandle handle = 0;  // StartPhaseTimes / StopPhaseTimes only
 };
 PhaseTimer& Timer() {
@@ -92,7 +93,7 @@ std::unique_ptr<at::ObserverContext> OnScopeStart(const at::RecordFunction& fn) 
   PhaseTimer& timer = Timer();
   auto c = std::make_unique<SpanContext>();
   c->name = fn.name();
-  {
+  if (timer.peak_on) {
     absl::MutexLock lock(&timer.mu);
     c->peak_bytes = timer.peak_bytes;
   }
@@ -166,6 +167,7 @@ absl::Status StartPhaseTimes(bool cuda, std::function<int64_t()> peak_bytes) {
     timer.peak = PeakScope{};
     timer.peak_bytes =
         peak_bytes ? std::make_shared<const std::function<int64_t()>>(std::move(peak_bytes)) : nullptr;
+    timer.peak_on = timer.peak_bytes != nullptr;
   }
   at::RecordFunctionCallback cb(&OnScopeStart, &OnScopeEnd);
   cb.scopes({at::RecordScope::USER_SCOPE});
@@ -184,6 +186,7 @@ absl::StatusOr<std::vector<PhaseTime>> StopPhaseTimes() {
     if (!timer.running) return absl::FailedPreconditionError("no phase times are being recorded");
     timer.running = false;
     reader.swap(timer.peak_bytes);
+    timer.peak_on = false;
     spans.swap(timer.spans);
     error.swap(timer.error);
     cuda = timer.cuda;

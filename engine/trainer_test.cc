@@ -816,77 +816,77 @@ TEST(PhaseTimesTest, ThePeakIsNamedByTheInnermostScopeThatReachedIt) {
     while (bytes > p && !peak.compare_exchange_weak(p, bytes)) {
     }
   };
-  auto reader = [&] { return peak.load(); };
+  // One recording of `body` from a counter at 0 (with the counter as its peak reader, or none).
+  auto record = [&](bool with_reader, const std::function<void()>& body) {
+    peak = 0;
+    EXPECT_TRUE(StartPhaseTimes(false, with_reader ? std::function<int64_t()>([&] { return peak.load(); })
+                                                   : std::function<int64_t()>())
+                    .ok());
+    body();
+    EXPECT_TRUE(StopPhaseTimes().ok());
+    return PhasePeak();
+  };
   // Inside a nested scope; a later sibling that reaches less does not take it; the scope around
   // them ends with the same value and leaves it to the inner one.
-  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
-  allocate(5);  // outside every scope
-  {
-    ProfilePhase outer("backward");
+  PeakScope got = record(true, [&] {
+    allocate(5);  // outside every scope
     {
-      ProfilePhase group("layers 1-2 backward");
-      allocate(10);
+      ProfilePhase outer("backward");
       {
-        ProfilePhase inner("layer 2 backward");
-        allocate(50);
-      }
-      {
-        ProfilePhase inner("layer 1 backward");
-        allocate(40);
+        ProfilePhase group("layers 1-2 backward");
+        allocate(10);
+        {
+          ProfilePhase inner("layer 2 backward");
+          allocate(50);
+        }
+        {
+          ProfilePhase inner("layer 1 backward");
+          allocate(40);
+        }
       }
     }
-  }
-  { ProfilePhase optimizer("optimizer"); }
-  ASSERT_TRUE(StopPhaseTimes().ok());
-  EXPECT_EQ(PhasePeak().path, "backward > layers 1-2 backward > layer 2 backward");
-  EXPECT_EQ(PhasePeak().bytes, 50);
+    ProfilePhase optimizer("optimizer");
+  });
+  EXPECT_EQ(got.path, "backward > layers 1-2 backward > layer 2 backward");
+  EXPECT_EQ(got.bytes, 50);
   // Reached by a scope after its inner scopes ended: that scope owns it.
-  peak = 0;
-  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
-  {
+  got = record(true, [&] {
     ProfilePhase outer("layer 3 recompute");
     {
       ProfilePhase inner("kda forward: intra");
       allocate(30);
     }
     allocate(70);
-  }
-  ASSERT_TRUE(StopPhaseTimes().ok());
-  EXPECT_EQ(PhasePeak().path, "layer 3 recompute");
-  EXPECT_EQ(PhasePeak().bytes, 70);
+  });
+  EXPECT_EQ(got.path, "layer 3 recompute");
+  EXPECT_EQ(got.bytes, 70);
   // Reached outside every scope, and on another thread: the other thread's scope names it, with
   // none of this thread's scopes in its path.
-  peak = 0;
-  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
-  {
-    ProfilePhase outer("layer 4 backward");
-    allocate(20);
-  }
-  allocate(90);
-  ASSERT_TRUE(StopPhaseTimes().ok());
-  EXPECT_EQ(PhasePeak().path, "");
-  EXPECT_EQ(PhasePeak().bytes, 90);
-  peak = 0;
-  ASSERT_TRUE(StartPhaseTimes(false, reader).ok());
-  {
+  got = record(true, [&] {
+    {
+      ProfilePhase outer("layer 4 backward");
+      allocate(20);
+    }
+    allocate(90);
+  });
+  EXPECT_EQ(got.path, "");
+  EXPECT_EQ(got.bytes, 90);
+  got = record(true, [&] {
     ProfilePhase outer("backward");
     std::thread worker([&] {
       ProfilePhase phase("dsa sparse attention backward");
       allocate(60);
     });
     worker.join();
-  }
-  ASSERT_TRUE(StopPhaseTimes().ok());
-  EXPECT_EQ(PhasePeak().path, "dsa sparse attention backward");
+  });
+  EXPECT_EQ(got.path, "dsa sparse attention backward");
   // Without a reader nothing is attributed.
-  ASSERT_TRUE(StartPhaseTimes(false).ok());
-  {
+  got = record(false, [&] {
     ProfilePhase outer("backward");
     allocate(100);
-  }
-  ASSERT_TRUE(StopPhaseTimes().ok());
-  EXPECT_EQ(PhasePeak().path, "");
-  EXPECT_EQ(PhasePeak().bytes, 0);
+  });
+  EXPECT_EQ(got.path, "");
+  EXPECT_EQ(got.bytes, 0);
 }
 
 // A training step's phases: each layer's forward, recompute and backward (the backward's on
