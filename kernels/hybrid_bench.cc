@@ -5,7 +5,9 @@
 //     instead of TF32 on the tensor cores (SetKdaScanTensorCores(false): the scans, the chunk
 //     gradients and the intra-chunk backward's products), the same with the intra-chunk backward by
 //     libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
-//     fla's chunk_kda with. --gate mild|strong picks the log-decay (below); --profile DIR
+//     fla's chunk_kda with. --variants picks which of those run (0 kernels, 1 fp32 on CUDA cores, 2 intra
+//     backward by libtorch, 3 libtorch; all by default), --chunk 32|64 and --segment the KdaOptions
+//     (64 and 32768 by default). --gate mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
 //     its CUDA kernels and (up to --reference-tokens) its libtorch path, --selection pools (the
@@ -120,6 +122,8 @@ int main(int argc, char** argv) {
   int64_t index_heads = 32, index_dim = 128;
   std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools";
   std::vector<int64_t> warmup_blocks = {0};
+  std::vector<int64_t> kda_variants = {0, 1, 2, 3};
+  odyssey::kernels::KdaOptions kda_options;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--tokens") tokens = ParseList(v);
@@ -135,8 +139,11 @@ int main(int argc, char** argv) {
     else if (a == "--profile") profile_dir = v;
     else if (a == "--selection") selection = v;
     else if (a == "--warmup-blocks") warmup_blocks = ParseList(v);
+    else if (a == "--chunk") kda_options.chunk_size = std::stoll(v);
+    else if (a == "--segment") kda_options.segment = std::stoll(v);
+    else if (a == "--variants") kda_variants = ParseList(v);
     else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --json)\n", a.c_str());
+      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --variants, --json)\n", a.c_str());
       return 2;
     }
   }
@@ -166,6 +173,23 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (kda_options.chunk_size != 32 && kda_options.chunk_size != 64) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --chunk: %lld is neither 32 nor 64 (the sizes KDA's kernels take)\n",
+                 static_cast<long long>(kda_options.chunk_size));
+    return 2;
+  }
+  if (kda_options.segment <= 0 || kda_options.segment % kda_options.chunk_size != 0) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --segment: %lld is not a positive multiple of the chunk (%lld)\n",
+                 static_cast<long long>(kda_options.segment), static_cast<long long>(kda_options.chunk_size));
+    return 2;
+  }
+  for (int64_t variant : kda_variants) {
+    if (variant < 0 || variant > 3) {
+      std::fprintf(stderr, "odyssey-hybrid-bench: --variants: %lld is not one of 0 (CUDA kernels), 1 (fp32 on CUDA cores), 2 (intra backward by libtorch), 3 (libtorch)\n",
+                   static_cast<long long>(variant));
+      return 2;
+    }
+  }
   for (int64_t b : warmup_blocks) {
     if (b < 0) {
       std::fprintf(stderr, "odyssey-hybrid-bench: --warmup-blocks: %lld is negative (0 = the library's choice)\n",
@@ -185,7 +209,7 @@ int main(int argc, char** argv) {
     // gradients as fp32 matmuls, the intra-chunk backward's 4 x 4 thread tiles); 2: the intra-chunk
     // backward by libtorch ops (what kernels/cuda/kda_intra_backward.h replaces); 3: libtorch
     // throughout.
-    for (int variant : {0, 1, 2, 3}) {
+    for (int64_t variant : kda_variants) {
       const bool kernels = variant < 3;
       if (!wants("kda") || (!kernels && T > reference_tokens)) continue;
       if (kernels && !odyssey::kernels::FusedKernelsBuilt()) continue;
@@ -216,10 +240,10 @@ int main(int argc, char** argv) {
       auto dout = torch::randn({1, heads, T, dim}, bf16);
       const double fwd = Seconds([&] {
         torch::NoGradGuard no_grad;
-        odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
+        odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor(), kda_options);
       }, static_cast<int>(iters));
       auto forward_backward = [&] {
-        auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor());
+        auto [o, state] = odyssey::kernels::KdaChunked(q, k, v, g, beta, torch::Tensor(), kda_options);
         torch::autograd::backward({o}, {dout});
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
       };
@@ -236,7 +260,8 @@ int main(int argc, char** argv) {
       odyssey::kernels::SetKdaScanTensorCores(true);
       odyssey::kernels::SetKdaIntraBackwardPath(odyssey::kernels::KdaIntraBackwardPath::kAuto);
       Json(json, std::string("{\"op\":\"") + json_op + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
-                     ",\"dim\":" + std::to_string(dim) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"dim\":" + std::to_string(dim) + ",\"chunk\":" + std::to_string(kda_options.chunk_size) +
+                     ",\"segment\":" + std::to_string(kda_options.segment) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }
     // The lightning indexer's selection: top selected / 4 pools of 4 keys per query.

@@ -1,16 +1,24 @@
 // Chunked KDA's chunk-local quantities, whole-chunk Gram form (see kda_intra.h), fp32 on CUDA
-// cores. One block of 512 threads per (batch x head, chunk), the chunk in shared memory, five
-// phases:
-//   A: element-wise (a warp's lanes on consecutive columns of a row: coalesced global access):
-//      kp, km, qp into shared memory transposed (column d's C values contiguous), X and Y row
-//      major; qg, kg, eGC (and the cache's factors) out.
+// cores. One block of 512 threads per (batch x head, chunk), the chunk in shared memory, two blocks
+// to a multiprocessor (shared memory ~105 KB a block at C = 64, K = V = 128; 64 registers a
+// thread): one block's barriers and serial steps (the inverse) overlap the other's loads. Phases:
+//   A: element-wise over one slice of KS = min(K, 64) key columns at a time (a warp's lanes on
+//      consecutive columns of a row: coalesced global access): kp, km, qp of the slice into shared
+//      memory transposed (column d's C values contiguous); qg, kg, eGC (and the cache's factors)
+//      out.
 //   B: the two Grams by 4 x 4 tiles, half the threads on Lkk = strict_lower(kp km^T), half on
-//      Aqk = lower(qp km^T); a tile's rows and columns are one float4 each per column d (the
-//      rows' a broadcast within the warp), tiles above the diagonal skipped.
+//      Aqk = lower(qp km^T), each tile's sums in registers across the slices; a tile's rows and
+//      columns are one float4 each per column d (the rows' a broadcast within the warp), tiles
+//      above the diagonal skipped. A and B alternate until every slice is in.
+//   X: X = beta k exp(G) and Y = beta v row-major into the region the slices used.
 //   C: T = (I + A_kk)^-1 by blocks of 16: each diagonal block inverted by forward substitution,
 //      one thread per column (columns are independent: no barrier inside); then block row by
 //      block row, T_ij = -T_ii sum_k A_ik T_kj as two small products.
-//   D: W = T X, U = T Y by 4 x 4 tiles (T's rows as one float4 of its transpose).
+//   D: W = T X, U = T Y by 4 x 4 tiles (a tile's 4 rows of T read as scalars: the warp's lanes
+//      share them, a broadcast).
+// Before the slices (one block a multiprocessor, 227 KB) the kernel held all of kp, km, qp, X, Y
+// and T's transpose at once: 25% occupancy, latency-bound (ncu at 32K tokens: 3.75 ms, 910 GB/s,
+// 9 cycles a warp between issues).
 #include "kernels/cuda/kda_intra.h"
 
 #include <cuda_runtime.h>
@@ -41,23 +49,28 @@ __device__ __forceinline__ void OuterAdd(float (&acc)[4][4], const float* a, con
 
 template <int C, int K>
 struct Smem {
-  static constexpr int kLdT = C + 4;   // transposed kp, km, qp: [K][C + 4] (16-byte rows)
-  static constexpr int kLdX = K + 4;   // X: [C][K + 4]
-  static constexpr int kLdA = C + 1;   // A_kk, T: [C][C + 1]
-  static constexpr int kLdTT = C + 4;  // T transposed: [C][C + 4]
-  static constexpr int kKp = 0, kKm = kKp + K * kLdT, kQp = kKm + K * kLdT, kX = kQp + K * kLdT;
-  static constexpr int kY = kX + C * kLdX;  // Y: [C][ldy], ldy = V + 4 (V at run time)
-  __host__ __device__ static int A(int V) { return kY + C * (V + 4); }
+  static constexpr int KS = K < 64 ? K : 64;  // key columns a slice
+  static constexpr int kLdT = C + 4;          // transposed kp, km, qp of a slice: [KS][C + 4] (16-byte rows)
+  static constexpr int kLdX = K + 4;          // X: [C][K + 4]
+  static constexpr int kLdA = C + 1;          // A_kk, T: [C][C + 1]
+  // The region of the slices (A, B), then of X and Y (X, D).
+  static constexpr int kKp = 0, kKm = kKp + KS * kLdT, kQp = kKm + KS * kLdT, kSlices = kQp + KS * kLdT;
+  static constexpr int kX = 0, kY = kX + C * kLdX;  // Y: [C][ldy], ldy = V + 4 (V at run time)
+  __host__ __device__ static int Region(int V) {
+    const int xy = kY + C * (V + 4);
+    return xy > kSlices ? xy : kSlices;
+  }
+  __host__ __device__ static int A(int V) { return Region(V); }
   __host__ __device__ static int T(int V) { return A(V) + C * kLdA; }
-  __host__ __device__ static int TT(int V) { return T(V) + C * kLdA; }
-  __host__ __device__ static int P(int V) { return TT(V) + C * kLdTT; }  // [kB][C] scratch of the block rows
-  __host__ __device__ static int B(int V) { return P(V) + kB * C; }      // beta of the chunk's rows
+  __host__ __device__ static int P(int V) { return T(V) + C * kLdA; }  // [kB][C] scratch of the block rows
+  __host__ __device__ static int B(int V) { return P(V) + kB * C; }    // beta of the chunk's rows
   __host__ __device__ static int Floats(int V) { return B(V) + C; }
 };
 
 template <int C, int K>
-__global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   using L = Smem<C, K>;
+  constexpr int KS = L::KS;
   extern __shared__ __align__(16) float sm[];
   const KdaIntraArgs& a = p.a;
   const int V = static_cast<int>(a.V), ldy = V + 4;
@@ -68,7 +81,6 @@ __global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
   float* sY = sm + L::kY;
   float* sA = sm + L::A(V);
   float* sT = sm + L::T(V);
-  float* sTT = sm + L::TT(V);
   float* sP = sm + L::P(V);
   float* sB = sm + L::B(V);
 
@@ -84,42 +96,84 @@ __global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
 
   for (int i = tid; i < C; i += kThreads) sB[i] = t0 + i < a.L ? beta[(t0 + i) * a.b_st] : 0.f;
   __syncthreads();
-  // A: the element-wise factors. A thread's elements e = tid + s kThreads share their column d
-  // (kThreads is a multiple of K), and the inputs of 4 of them are loaded before any is used:
-  // the loads are in flight together instead of one element's at a time (the stores below may
-  // alias the inputs as far as the compiler knows, so it would not hoist them itself).
-  static_assert(kThreads % K == 0 && (C * K) % kThreads == 0, "a thread's elements share a column");
-  constexpr int kPer = C * K / kThreads, kBatch = kPer < 4 ? kPer : 4;  // 4: no spills in any instance
-  const float g0 = G[tid % K], gc = G[(C - 1) * K + tid % K];
-  for (int s0 = 0; s0 < kPer; s0 += kBatch) {
-    float gs[kBatch], ks[kBatch], qs[kBatch];
+
+  // The Gram tiles: threads [0, tiles) on Lkk, [tiles, 2 tiles) on Aqk; sums across the slices.
+  constexpr int kTiles = (C / 4) * (C / 4);
+  static_assert(2 * kTiles <= kThreads, "one tile per thread");
+  const bool gram = tid < 2 * kTiles, qk = tid >= kTiles;
+  const int tile = qk ? tid - kTiles : tid, ti = tile / (C / 4), tj = tile % (C / 4);
+  const int i0 = 4 * ti, j0 = 4 * tj;
+  float acc[4][4] = {};
+
+  // A thread's elements e = tid + s kThreads of a slice share their column (kThreads is a multiple
+  // of KS), and the inputs of 4 of them are loaded before any is used: the loads are in flight
+  // together instead of one element's at a time (the stores below may alias the inputs as far as
+  // the compiler knows, so it would not hoist them itself).
+  static_assert(kThreads % KS == 0 && (C * KS) % kThreads == 0 && K % KS == 0, "a thread's elements share a column");
+  constexpr int kPer = C * KS / kThreads, kBatch = kPer < 4 ? kPer : 4;
+  for (int d0 = 0; d0 < K; d0 += KS) {
+    const int dl = tid % KS, d = d0 + dl;
+    const float g0 = G[d], gc = G[(C - 1) * K + d];
+    for (int s0 = 0; s0 < kPer; s0 += kBatch) {
+      float gs[kBatch], ks[kBatch], qs[kBatch];
 #pragma unroll
-    for (int s = 0; s < kBatch; ++s) {
-      const int e = tid + (s0 + s) * kThreads, i = e / K, d = e % K;
-      const int64_t t = t0 + i;
-      const bool in = t < a.L;
-      gs[s] = G[e];
-      ks[s] = in ? k[t * a.k_st + d] : 0.f;
-      qs[s] = in ? q[t * a.q_st + d] : 0.f;
-    }
+      for (int s = 0; s < kBatch; ++s) {
+        const int i = (tid + (s0 + s) * kThreads) / KS;
+        const int64_t t = t0 + i;
+        const bool in = t < a.L;
+        gs[s] = G[i * K + d];
+        ks[s] = in ? k[t * a.k_st + d] : 0.f;
+        qs[s] = in ? q[t * a.q_st + d] : 0.f;
+      }
 #pragma unroll
-    for (int s = 0; s < kBatch; ++s) {
-      const int e = tid + (s0 + s) * kThreads, i = e / K, d = e % K;
-      const float g = gs[s], kk = ks[s], qq = qs[s];
-      const float ep = expf(g - g0), em = expf(g0 - g), eg = expf(g), ec = expf(gc - g);
-      const float kp = kk * ep, km = kk * em, qp = qq * ep, x = sB[i] * kk * eg;
-      sKp[d * L::kLdT + i] = kp;
-      sKm[d * L::kLdT + i] = km;
-      sQp[d * L::kLdT + i] = qp;
-      sX[i * L::kLdX + d] = x;
-      a.qg[ck + e] = qq * eg;
-      a.kg[ck + e] = kk * ec;
-      if (i == 0) a.eGC[chunk * K + d] = expf(gc);
-      if (p.cache) {
-        p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
-        p.c.kp[ck + e] = kp, p.c.km[ck + e] = km, p.c.qp[ck + e] = qp, p.c.X[ck + e] = x;
+      for (int s = 0; s < kBatch; ++s) {
+        const int i = (tid + (s0 + s) * kThreads) / KS, e = i * K + d;
+        const float g = gs[s], kk = ks[s], qq = qs[s];
+        const float ep = expf(g - g0), em = expf(g0 - g), eg = expf(g), ec = expf(gc - g);
+        const float kp = kk * ep, km = kk * em, qp = qq * ep;
+        sKp[dl * L::kLdT + i] = kp;
+        sKm[dl * L::kLdT + i] = km;
+        sQp[dl * L::kLdT + i] = qp;
+        a.qg[ck + e] = qq * eg;
+        a.kg[ck + e] = kk * ec;
+        if (i == 0) a.eGC[chunk * K + d] = expf(gc);
+        if (p.cache) {
+          p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
+          p.c.kp[ck + e] = kp, p.c.km[ck + e] = km, p.c.qp[ck + e] = qp, p.c.X[ck + e] = sB[i] * kk * eg;
+        }
       }
     }
+    __syncthreads();
+    if (gram && tj <= ti) {
+      const float* rows = qk ? sQp : sKp;
+#pragma unroll 8
+      for (int dd = 0; dd < KS; ++dd) OuterAdd(acc, rows + dd * L::kLdT + i0, sKm + dd * L::kLdT + j0);
+    }
+    __syncthreads();
+  }
+  if (gram) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int i = i0 + x;
+#pragma unroll
+      for (int y = 0; y < 4; ++y) {
+        const int j = j0 + y;
+        if (qk) {
+          a.Aqk[cc + i * C + j] = j <= i ? acc[x][y] : 0.f;
+        } else {
+          const float lk = j < i ? acc[x][y] : 0.f;
+          if (p.cache) p.c.Lkk[cc + i * C + j] = lk;
+          sA[i * L::kLdA + j] = lk * sB[i];
+        }
+      }
+    }
+  }
+  // X and Y into the slices' region (free since the last barrier); k and G again from global
+  // memory (the block read them above: mostly L2 hits).
+  for (int e = tid; e < C * K; e += kThreads) {
+    const int i = e / K, d = e % K;
+    const int64_t t = t0 + i;
+    sX[i * L::kLdX + d] = t < a.L ? sB[i] * k[t * a.k_st + d] * expf(G[e]) : 0.f;
   }
   for (int e = tid; e < C * V; e += kThreads) {
     const int i = e / V, d = e % V;
@@ -127,38 +181,6 @@ __global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
     const float y = sB[i] * (t < a.L ? v[t * a.v_st + d] : 0.f);
     sY[i * ldy + d] = y;
     if (p.cache) p.c.Y[cv + e] = y;
-  }
-  __syncthreads();
-  // B: 4 x 4 tiles of the two Grams; threads [0, tiles) on Lkk, [tiles, 2 tiles) on Aqk.
-  {
-    constexpr int kTiles = (C / 4) * (C / 4);
-    static_assert(2 * kTiles <= kThreads, "one tile per thread");
-    if (tid < 2 * kTiles) {
-      const bool qk = tid >= kTiles;
-      const int tile = qk ? tid - kTiles : tid, ti = tile / (C / 4), tj = tile % (C / 4);
-      const int i0 = 4 * ti, j0 = 4 * tj;
-      float acc[4][4] = {};
-      if (tj <= ti) {
-        const float* rows = qk ? sQp : sKp;
-#pragma unroll 8
-        for (int d = 0; d < K; ++d) OuterAdd(acc, rows + d * L::kLdT + i0, sKm + d * L::kLdT + j0);
-      }
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int i = i0 + x;
-#pragma unroll
-        for (int y = 0; y < 4; ++y) {
-          const int j = j0 + y;
-          if (qk) {
-            a.Aqk[cc + i * C + j] = j <= i ? acc[x][y] : 0.f;
-          } else {
-            const float lk = j < i ? acc[x][y] : 0.f;
-            if (p.cache) p.c.Lkk[cc + i * C + j] = lk;
-            sA[i * L::kLdA + j] = lk * sB[i];
-          }
-        }
-      }
-    }
   }
   __syncthreads();
   // C: T = (I + A_kk)^-1. The diagonal blocks: thread c owns column c of its block.
@@ -196,25 +218,29 @@ __global__ void __launch_bounds__(kThreads) IntraKernel(Params p) {
     }
     __syncthreads();
   }
-  // T transposed for D's float4 reads of a row tile; the cache's T.
-  for (int e = tid; e < C * C; e += kThreads) {
-    const int i = e / C, j = e % C;
-    const float t = sT[i * L::kLdA + j];
-    sTT[j * L::kLdTT + i] = t;
-    if (p.cache) p.c.T[cc + e] = t;
+  if (p.cache) {
+    for (int e = tid; e < C * C; e += kThreads) p.c.T[cc + e] = sT[(e / C) * L::kLdA + e % C];
   }
-  __syncthreads();
-  // D: W = T X, U = T Y by 4 x 4 tiles (rows i0.., columns d0..); T is lower: j <= i0 + 3.
+  // D: W = T X, U = T Y by 4 x 4 tiles (rows r0.., columns c0..); T is lower: j <= r0 + 3.
   auto product = [&](const float* src, int ld, int cols, float* dst) {
     const int tiles = (C / 4) * (cols / 4);
-    for (int tile = tid; tile < tiles; tile += kThreads) {
-      const int i0 = 4 * (tile / (cols / 4)), d0 = 4 * (tile % (cols / 4));
-      float acc[4][4] = {};
-      for (int j = 0; j < i0 + 4; ++j) OuterAdd(acc, sTT + j * L::kLdTT + i0, src + j * ld + d0);
+    for (int t = tid; t < tiles; t += kThreads) {
+      const int r0 = 4 * (t / (cols / 4)), c0 = 4 * (t % (cols / 4));
+      float out[4][4] = {};
+      for (int j = 0; j < r0 + 4; ++j) {
+        const float4 w = *reinterpret_cast<const float4*>(src + j * ld + c0);
+        const float bv[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const float tv = sT[(r0 + x) * L::kLdA + j];
+#pragma unroll
+          for (int y = 0; y < 4; ++y) out[x][y] = fmaf(tv, bv[y], out[x][y]);
+        }
+      }
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        *reinterpret_cast<float4*>(dst + static_cast<int64_t>(i0 + r) * cols + d0) =
-            make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        *reinterpret_cast<float4*>(dst + static_cast<int64_t>(r0 + r) * cols + c0) =
+            make_float4(out[r][0], out[r][1], out[r][2], out[r][3]);
       }
     }
   };
@@ -229,6 +255,10 @@ int Launch(const Params& p, cudaStream_t stream) {
   const cudaError_t e =
       cudaFuncSetAttribute(&IntraKernel<C, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return static_cast<int>(e);
+  // All of the multiprocessor's unified L1 as shared memory: room for two blocks.
+  const cudaError_t carve = cudaFuncSetAttribute(&IntraKernel<C, K>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  if (carve != cudaSuccess) return static_cast<int>(carve);
   const dim3 grid(static_cast<unsigned>(p.a.N), static_cast<unsigned>(p.a.B * p.a.HV));
   IntraKernel<C, K><<<grid, kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
