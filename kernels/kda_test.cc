@@ -342,6 +342,22 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
         EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " " << what;
         EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " " << what << ": the spec's bar";
       }
+      if (whole) {
+        // The intra-chunk backward by libtorch ops over the cache the intra kernel writes for it
+        // (kda_intra.h's KdaIntraCache), under the same bars.
+        SetKdaIntraBackwardPath(KdaIntraBackwardPath::kLibtorch);
+        const int64_t by_kernel = KdaIntraBackwardKernelRuns();
+        std::vector<Tensor> cached = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+        SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
+        EXPECT_EQ(KdaIntraBackwardKernelRuns(), by_kernel) << Name(c) << " C" << C << ": the cache was not read";
+        for (size_t i = 0; i < truth.size(); ++i) {
+          const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
+          const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+          const double err = RelRms(cached[i].cpu(), truth[i]);
+          EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " cached " << what;
+          EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " cached " << what << ": the spec's bar";
+        }
+      }
     }
   }
   SetKdaScanTensorCores(true);
