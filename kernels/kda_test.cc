@@ -335,13 +335,17 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
       EXPECT_EQ(KdaIntraBackwardKernelRuns() - intra_backward, by_hand) << Name(c) << " C" << C;
       // The sub-block form's forward kernel: in the forward and in the backward's recompute.
       EXPECT_EQ(KdaSubBlockForwardKernelRuns() - sub_forward, 2 * sub) << Name(c) << " C" << C;
-      for (size_t i = 0; i < truth.size(); ++i) {
-        const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
-        const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-        const double err = RelRms(got[i].cpu(), truth[i]);
-        EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " " << what;
-        EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " " << what << ": the spec's bar";
-      }
+      // Every result within twice the reference's error of the truth, and inside the spec's bars.
+      auto check = [&](const std::vector<Tensor>& res, const std::string& tag) {
+        for (size_t i = 0; i < truth.size(); ++i) {
+          const std::string what = tag + (i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S"));
+          const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
+          const double err = RelRms(res[i].cpu(), truth[i]);
+          EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " " << what;
+          EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " " << what << ": the spec's bar";
+        }
+      };
+      check(got, "");
       if (whole) {
         // The intra-chunk backward by libtorch ops over the cache the intra kernel writes for it
         // (kda_intra.h's KdaIntraCache), under the same bars.
@@ -350,13 +354,7 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
         std::vector<Tensor> cached = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
         SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
         EXPECT_EQ(KdaIntraBackwardKernelRuns(), by_kernel) << Name(c) << " C" << C << ": the cache was not read";
-        for (size_t i = 0; i < truth.size(); ++i) {
-          const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
-          const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
-          const double err = RelRms(cached[i].cpu(), truth[i]);
-          EXPECT_LE(err, 2 * RelRms(ref[i].cpu(), truth[i]) + floor) << Name(c) << " C" << C << " cached " << what;
-          EXPECT_LE(err, kSpecBars[i]) << Name(c) << " C" << C << " cached " << what << ": the spec's bar";
-        }
+        check(cached, "cached ");
       }
     }
   }
