@@ -213,6 +213,9 @@ int main(int argc, char** argv) {
   app.add_option("--attention", o.attention, "auto | cudnn | sdpa | math")->capture_default_str();
   app.add_option("--indexer-stage", o.indexer_stage,
                  "hybrid models with DSA layers: dense_warmup | sparse replaces the config's indexer stage (empty = the model's)");
+  app.add_option("--kda-chunk-size", o.kda_chunk_size,
+                 "hybrid models with KDA layers: 32 | 64 replaces the config's chunk size (0 = the model's)")
+      ->capture_default_str();
   app.add_option("--head-groups", o.memory.head_groups, "KV-head groups run one after another")->capture_default_str();
   std::string recompute = "none";
   app.add_option("--recompute", recompute, "none | layer | every_k")->capture_default_str();
@@ -501,7 +504,7 @@ int main(int argc, char** argv) {
     const double bf16_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - fid_t0).count();
     std::fprintf(stderr, "fidelity: the bf16 ForwardBackward took %.1f s\n", bf16_seconds);
     // The same weights in float32 (the bf16 values, upcast), plain forward without autograd.
-    auto m32 = odyssey::model::LoadModel(o.model, odyssey::model::ModelOverrides{o.num_layers, o.indexer_stage},
+    auto m32 = odyssey::model::LoadModel(o.model, odyssey::model::ModelOverrides{o.num_layers, o.indexer_stage, o.kda_chunk_size},
                                          torch::kFloat32, dev, o.seed);
     if (!m32.ok()) {
       std::fprintf(stderr, "odyssey-bench: %s\n", std::string(m32.status().message()).c_str());
@@ -672,6 +675,7 @@ int main(int argc, char** argv) {
       if (auto* kda = dynamic_cast<odyssey::model::KdaAttentionImpl*>(m.get())) {
         j["kda_tile"] = kda->tile();
         j["kda_segment"] = kda->segment();
+        j["kda_chunk_size"] = kda->chunk_size();
         break;
       }
     }

@@ -123,7 +123,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     dtype = *d;
   }
   const int64_t head_groups = options.memory.head_groups;
-  const model::ModelOverrides overrides{options.num_layers, options.indexer_stage};
+  const model::ModelOverrides overrides{options.num_layers, options.indexer_stage, options.kda_chunk_size};
   absl::StatusOr<model::ModelConfig> resolved = model::ResolveModelConfig(options.model, overrides);
   if (!resolved.ok()) return resolved.status();
   if (absl::Status s = options.memory.ValidateForModel(resolved->num_hidden_layers, resolved->num_key_value_heads);

@@ -109,6 +109,9 @@ struct TrainerOptions {
   // stage (a warm-up checkpoint trains sparse; the checkpoints written say the stage they ran);
   // "" = the model's own. Refused for a model without DSA layers.
   std::string indexer_stage;
+  // Hybrid models with KDA layers: > 0 replaces the config's chunk size C (32 or 64; benchmarks,
+  // model::ModelOverrides). 0 = the model's own.
+  int64_t kda_chunk_size = 0;
   // Every memory knob (recompute, offload, tiles, head groups, kept attention, optimizer state
   // on the host); the default is plain autograd. See planner/memory_strategy.h.
   planner::MemoryStrategy memory;

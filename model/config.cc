@@ -695,6 +695,14 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir, c
     c->num_hidden_layers = o.num_layers;
   }
   if (absl::Status s = SetIndexerStage(field_prefix + "indexer_stage", o.indexer_stage, &*c); !s.ok()) return s;
+  if (o.kda_chunk_size != 0) {
+    if (c->NumLayersOfKind('K') == 0)
+      return absl::InvalidArgumentError(absl::StrCat(field_prefix, "kda_chunk_size: the model has no KDA layers"));
+    if (o.kda_chunk_size != 32 && o.kda_chunk_size != 64)
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_prefix, "kda_chunk_size (", o.kda_chunk_size, ") must be 32 or 64"));
+    c->hybrid.kda_chunk_size = o.kda_chunk_size;
+  }
   return c;
 }
 

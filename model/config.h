@@ -145,9 +145,12 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir);
 struct ModelOverrides {
   int64_t num_layers = 0;     // > 0: cut a named shape to this many layers (benchmarks); refused for a directory
   std::string indexer_stage;  // "" = the config's; "dense_warmup" | "sparse": hybrid models with DSA layers
+  // > 0: the KDA layers' chunk size C (32 or 64; benchmarks: the weights do not depend on it);
+  // refused for a model without KDA layers. 0 = the config's.
+  int64_t kda_chunk_size = 0;
 };
 // ResolveModelConfig with `o` applied. Errors name `field_prefix` + "indexer_stage" /
-// "num_layers" and the rule. A warm-up checkpoint (config.json: dense_warmup) trains sparse with
+// "num_layers" / "kda_chunk_size" and the rule. A warm-up checkpoint (config.json: dense_warmup) trains sparse with
 // indexer_stage "sparse", and the checkpoints that job writes say so.
 absl::StatusOr<ModelConfig> ResolveModelConfig(const std::string& name_or_dir, const ModelOverrides& o,
                                                const std::string& field_prefix = "");

@@ -181,7 +181,8 @@ TEST(ConfigTest, HybridConfigRoundTripsAndRefusesWhatItCannotCompute) {
 }
 
 // What a job may change of the model it names: the indexer stage (hybrid models with DSA
-// layers), the layer count (named shapes); refusals name the field and the rule.
+// layers), the layer count (named shapes), the KDA chunk size (hybrid models with KDA layers);
+// refusals name the field and the rule.
 TEST(ConfigTest, OverridesActOrAreRefusedByName) {
   absl::StatusOr<ModelConfig> warm = ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "dense_warmup"}, "spec.");
   ASSERT_TRUE(warm.ok()) << warm.status();
@@ -220,7 +221,21 @@ TEST(ConfigTest, OverridesActOrAreRefusedByName) {
   ASSERT_TRUE(folder.ok()) << folder.status();
   EXPECT_EQ(folder->hybrid.indexer_stage, IndexerStage::kSparse);
   fails(ResolveModelConfig(dir.string(), ModelOverrides{2, ""}), "num_layers can only cut a named shape");
+  // The chunk size does not change the weights: a checkpoint folder takes it too.
+  absl::StatusOr<ModelConfig> folder32 = ResolveModelConfig(dir.string(), ModelOverrides{0, "", 32});
+  ASSERT_TRUE(folder32.ok()) << folder32.status();
+  EXPECT_EQ(folder32->hybrid.kda_chunk_size, 32);
   std::filesystem::remove_all(dir);
+  ASSERT_EQ(warm->hybrid.kda_chunk_size, 64);  // the named shape's own; 0 leaves it
+  for (int64_t C : {32, 64}) {
+    absl::StatusOr<ModelConfig> chunked = ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "", C});
+    ASSERT_TRUE(chunked.ok()) << chunked.status();
+    EXPECT_EQ(chunked->hybrid.kda_chunk_size, C);
+  }
+  fails(ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "", 48}, "--"), "--kda_chunk_size (48) must be 32 or 64");
+  fails(ResolveModelConfig("hybrid-tiny", ModelOverrides{0, "", -32}), "kda_chunk_size (-32) must be 32 or 64");
+  fails(ResolveModelConfig("tiny", ModelOverrides{0, "", 32}, "spec."),
+        "spec.kda_chunk_size: the model has no KDA layers");
 }
 
 }  // namespace

@@ -95,6 +95,8 @@ class KdaAttentionImpl : public torch::nn::Module {
   static constexpr int64_t kDefaultSegment = kKdaSegment;
   int64_t segment() const { return segment_; }
   void set_segment(int64_t tokens);
+  // The chunked op's C (the config's kda_chunk_size).
+  int64_t chunk_size() const { return chunk_; }
   // One tile: x_ctx (B, ctx + n, hidden), its first ctx tokens only context for the convolution;
   // h0 (B, Hn, K, K) fp32 the entering state (undefined: zero). Returns the n tokens' heads
   // (B, n, Hn * K) and sets *h_out to the state after the tile. Heads [first_head, first_head +

@@ -35,8 +35,13 @@ int main(int argc, char** argv) {
   std::string indexer_stage;
   app.add_option("--indexer-stage", indexer_stage,
                  "hybrid models with DSA layers: dense_warmup | sparse replaces the config's indexer stage (empty = the model's)");
+  int64_t kda_chunk_size = 0;
+  app.add_option("--kda-chunk-size", kda_chunk_size,
+                 "hybrid models with KDA layers: 32 | 64 replaces the config's chunk size (0 = the model's)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  auto config = odyssey::model::ResolveModelConfig(model, odyssey::model::ModelOverrides{0, indexer_stage}, "--");
+  auto config =
+      odyssey::model::ResolveModelConfig(model, odyssey::model::ModelOverrides{0, indexer_stage, kda_chunk_size}, "--");
   if (!config.ok()) {
     std::fprintf(stderr, "odyssey-plan: %s\n", std::string(config.status().message()).c_str());
     return 2;
