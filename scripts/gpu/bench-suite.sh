@@ -2,7 +2,7 @@
 # On a GPU host: build (engine side), run the GPU tests, then the benchmark runs that
 # docs/benchmarks.md records, writing JSON lines to ${OUT:-out}/bench.jsonl. One argument picks a
 # subset, or several joined by commas: tests | 64k | 256k | 1m | hf | 1b | 512k | rl | kernels |
-# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | dsagroups | gqa | cp | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
+# peer | planner | fidelity | long1b | long1b-wait | paralleltests | gputests | hybrid | hybridstep | dsagroups | gqa | cp | kdachunk | all (= tests, 64k, 256k, 1m; about 9 minutes). 512k (one full-depth step, ~7 minutes), 1b,
 # hf, rl (an SFT step and a PPO step of 16 x 2048 tokens, ~1 minute), kernels (the fused-kernel
 # tests and odyssey-kernel-bench) and peer run only when named.
 #   peer: odyssey-bench (flags in PEER_FLAGS) and transformers + Liger kernels at each length of
@@ -28,6 +28,7 @@ only paralleltests && targets="$targets attention_test communicator_test context
 gpu_bins="attention_test fused_ops_test kda_test dsa_test optimizer_test trainer_test memory_test communicator_test context_parallel_test rl_loss_test"
 only gputests && targets="$targets $gpu_bins"
 only hybrid && targets="$targets odyssey-hybrid-bench kda_test dsa_test"
+only kdachunk && targets="$targets odyssey-hybrid-bench kda_test"
 ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 source "$root/scripts/gpu/env.sh"
@@ -238,6 +239,45 @@ peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
 sparse = r['phase_seconds_per_step'].get('dsa sparse attention backward', {}).get('seconds', 0)
 print(f\"groups {r['head_groups']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), sparse backward {sparse:.2f} s, peak in {r.get('phase_peak', {}).get('scopes', '?')}\")
 " "$out/dsagroups.jsonl"
+  done
+fi
+# kdachunk: KDA's chunk size, C = 64 (the models' default) against C = 32, in one run: kda_test's
+# CUDA cases; fla's chunk_kda alone on the GPU first (its wheel from .whl/, a benchmark peer);
+# then the KDA op at KDAC_LENS (default 65536,262144) with the two sizes alternately, KDAC_ROUNDS
+# times (default 3: one machine's figures move by a few % from run to run); then a full-depth
+# hybrid-3b step at KDAC_STEP_LEN (default 65536, flags HYBSTEP_FLAGS' default) at each size,
+# with its GPU peak against the planner's prediction for that size (--kda-chunk-size) and the
+# summed time of its KDA op scopes (kernels/kda.cc's "kda forward: ...", "kda backward: ...").
+if only kdachunk; then
+  build-gpu/kernels/kda_test --gtest_filter='*_cuda*' 2>&1 | grep -E '^\[ *(FAILED|PASSED|SKIPPED) |Failure' | tail -6
+  lens="${KDAC_LENS:-65536,262144}"
+  site="${TMPDIR:-/tmp}/odyssey-peer-site"
+  if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${lens//,/ } \
+      --json "$out/kdachunk.jsonl" 2>&1 | grep '^|'
+  else
+    echo "kdachunk: no .whl/fla_core-*.whl: the fla peer was not run"
+  fi
+  for round in $(seq "${KDAC_ROUNDS:-3}"); do
+    for c in 64 32; do
+      build-gpu/kernels/odyssey-hybrid-bench --ops kda --variants 0 --tokens "$lens" --iters 3 --reference-tokens 0 \
+        --chunk "$c" --json "$out/kdachunk.jsonl" 2>&1 | grep '^| KDA' | sed "s/^/round $round C $c /"
+    done
+  done
+  for c in 64 32; do
+    log="$out/kdachunk-step-$c.log"
+    timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "${KDAC_STEP_LEN:-65536}" \
+      --recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host \
+      --kda-chunk-size "$c" --warmup 0 --steps 1 --phase-times --json "$out/kdachunk-step.jsonl" >"$log" 2>&1 \
+      || { echo "kdachunk step C $c: exit $?"; tail -5 "$log"; continue; }
+    python3 -c "
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])][-1]
+peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
+kda = sum(v['seconds'] for k, v in r['phase_seconds_per_step'].items() if k.startswith('kda '))
+print(f\"C {r['kda_chunk_size']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), loss {r['loss']:.6f}, kda phases {kda:.2f} s\")
+" "$out/kdachunk-step.jsonl"
   done
 fi
 # gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
