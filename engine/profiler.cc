@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 
 namespace odyssey::engine {
@@ -111,12 +112,10 @@ void OnScopeEnd(const at::RecordFunction&, at::ObserverContext* ctx) {
   auto* c = static_cast<SpanContext*>(ctx);
   if (c->peak_bytes) {
     const int64_t now = (*c->peak_bytes)();
-    std::string path;
-    if (now > c->peak0) {
-      for (size_t i = 0; i < t_open.size(); ++i) absl::StrAppend(&path, i == 0 ? "" : " > ", t_open[i]);
-    }
+    const bool rose = now > c->peak0;
+    std::string path = rose ? absl::StrJoin(t_open, " > ") : std::string();  // before this scope leaves it
     if (!t_open.empty()) t_open.pop_back();
-    if (now > c->peak0) {
+    if (rose) {
       absl::MutexLock lock(&timer.mu);
       if (timer.running && now > timer.peak.bytes) timer.peak = PeakScope{std::move(path), now};
     }

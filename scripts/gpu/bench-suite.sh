@@ -34,6 +34,21 @@ ODYSSEY_SERVICE=OFF bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1 \
 source "$root/scripts/gpu/env.sh"
 B="build-gpu/bench/odyssey-bench --model llama-3.2-3b --mlp-tile 8192 --loss-tile 2048 --json $out/bench.jsonl"
 run() { echo "+ $*" >&2; "$@" 2>&1 | grep -E '^\||error|what\(\)|kernel' | tail -2; }
+# fla_peer MODE LENS JSON: fla's chunk_kda (bench/fla_kda_bench.py) at LENS (comma-separated), its
+# rows appended to JSON; fla-core and einops installed from .whl/ into a private folder (a
+# benchmark peer, never a dependency).
+fla_peer() {
+  local site="${TMPDIR:-/tmp}/odyssey-peer-site"
+  if ! ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    echo "$1: no .whl/fla_core-*.whl: the fla peer was not run"
+    return
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${2//,/ } --json "$3" 2>&1 \
+    | tail -6
+}
+# The full-depth hybrid-3b step's flags of hybridstep and kdachunk.
+hybstep_flags="${HYBSTEP_FLAGS:---recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host}"
 has tests && { build-gpu/engine/memory_test 2>&1 | tail -4; build-gpu/engine/rl_loss_test --gtest_filter="*Gpu*" 2>&1 | tail -4; }
 if only gputests; then
   (cd build-gpu && ctest -R '_gpu$' -E 'job_runner|device_probe' --output-on-failure >"$out/gputests.log" 2>&1)
@@ -195,15 +210,7 @@ if only hybrid; then
     build-gpu/kernels/$t 2>&1 | grep -E '^\[ *(FAILED|PASSED|SKIPPED) |Failure' | tail -6
   done
   build-gpu/kernels/odyssey-hybrid-bench --ops kda,sparse,dense,kl --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
-  site="${TMPDIR:-/tmp}/odyssey-peer-site"
-  if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-    lens="${HYB_LENS:-65536,262144}"
-    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${lens//,/ } \
-      --json "$out/hybrid.jsonl" 2>&1 | tail -6
-  else
-    echo "hybrid: no .whl/fla_core-*.whl: the fla peer was not run"
-  fi
+  fla_peer hybrid "${HYB_LENS:-65536,262144}" "$out/hybrid.jsonl"
 fi
 # hybridstep: one full-depth hybrid-3b step (no warm-up) at each length of HYBSTEP_LENS (default
 # 65536 262144), flags HYBSTEP_FLAGS, each under HYBSTEP_TIMEOUT seconds (default 400: the
@@ -214,8 +221,7 @@ if only hybridstep; then
     log="$out/hybridstep-$s.log"
     echo "+ hybrid-3b $s" >&2
     timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "$s" \
-      ${HYBSTEP_FLAGS:---recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host} \
-      --warmup 0 --steps 1 --json "$out/hybridstep.jsonl" >"$log" 2>&1
+      $hybstep_flags --warmup 0 --steps 1 --json "$out/hybridstep.jsonl" >"$log" 2>&1
     rc=$?
     grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; }
   done
@@ -245,20 +251,13 @@ fi
 # CUDA cases; fla's chunk_kda alone on the GPU first (its wheel from .whl/, a benchmark peer);
 # then the KDA op at KDAC_LENS (default 65536,262144) with the two sizes alternately, KDAC_ROUNDS
 # times (default 3: one machine's figures move by a few % from run to run); then a full-depth
-# hybrid-3b step at KDAC_STEP_LEN (default 65536, flags HYBSTEP_FLAGS' default) at each size,
+# hybrid-3b step at KDAC_STEP_LEN (default 65536, hybridstep's flags, HYBSTEP_FLAGS) at each size,
 # with its GPU peak against the planner's prediction for that size (--kda-chunk-size) and the
 # summed time of its KDA op scopes (kernels/kda.cc's "kda forward: ...", "kda backward: ...").
 if only kdachunk; then
   build-gpu/kernels/kda_test --gtest_filter='*_cuda*' 2>&1 | grep -E '^\[ *(FAILED|PASSED|SKIPPED) |Failure' | tail -6
   lens="${KDAC_LENS:-65536,262144}"
-  site="${TMPDIR:-/tmp}/odyssey-peer-site"
-  if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/fla_kda_bench.py --tokens ${lens//,/ } \
-      --json "$out/kdachunk.jsonl" 2>&1 | grep '^|'
-  else
-    echo "kdachunk: no .whl/fla_core-*.whl: the fla peer was not run"
-  fi
+  fla_peer kdachunk "$lens" "$out/kdachunk.jsonl"
   for round in $(seq "${KDAC_ROUNDS:-3}"); do
     for c in 64 32; do
       build-gpu/kernels/odyssey-hybrid-bench --ops kda --variants 0 --tokens "$lens" --iters 3 --reference-tokens 0 \
@@ -268,8 +267,7 @@ if only kdachunk; then
   for c in 64 32; do
     log="$out/kdachunk-step-$c.log"
     timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "${KDAC_STEP_LEN:-65536}" \
-      --recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host \
-      --kda-chunk-size "$c" --warmup 0 --steps 1 --phase-times --json "$out/kdachunk-step.jsonl" >"$log" 2>&1 \
+      $hybstep_flags --kda-chunk-size "$c" --warmup 0 --steps 1 --phase-times --json "$out/kdachunk-step.jsonl" >"$log" 2>&1 \
       || { echo "kdachunk step C $c: exit $?"; tail -5 "$log"; continue; }
     python3 -c "
 import json, sys
