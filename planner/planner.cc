@@ -268,19 +268,22 @@ Prediction Predict(const Request& r) {
     // KDA, sequences longer than a tile run tile by tile (model::kKdaTile) and inside a tile the
     // chunked op a segment at a time (model::kKdaSegment). A layer's backward holds:
     //  - the recomputed tile's autograd state: projections, convs, SiLU, L2 norms, gates, the
-    //    output norm and gate (~13 of (Tt, HK) in the params' dtype and ~20 fp32);
+    //    output norm and gate (the fused kernels' saved inputs: ~19 bytes a (Tt, HK) element);
     //  - one segment's fp32 intermediates: the chunk quantities recomputed without autograd and
     //    the cache of their factors, the gradients of both (~45 of (Ts, HK)), and the per-chunk
     //    states h with their gradients, 2 x [Ts / C, HV, K, V].
     // Measured for hybrid-3b's 24 heads of 128: 602 KB a segment token (segments of 8192, 16384
-    // and 32768 tokens at 64K), ~327 KB a tile token, and beyond the checkpointed inputs and the
-    // incoming gradient one (T, hidden) that grows with the sequence: the KDA peak measured at
-    // 256K (2026-12-04, third session: the first KDA peak at that length) sits 5.6 KB a token
-    // above the 64K fit's slope. Fitted, not attributed (the layer's recomputed output or its
-    // input's gradient are candidates).
+    // and 32768 tokens at 64K, 2026-12-04). Refitted on 2026-12-06 (seventeenth session, one
+    // H100; the 12-04 peaks had fallen by 7 GB since, with the fused short convs and the intra
+    // kernels, and the plan was 1.40x at 64K): the KDA layer's backward peaks at 64K (C = 64 and
+    // 32) and 128K give ~19 bytes a (tile token x HK) element for the tile, ~58 KB a tile token
+    // where the unfused libtorch graph held ~327 KB, and three (T, hidden) that grow with the
+    // sequence beyond the checkpointed inputs and the incoming gradient. Fitted, not attributed
+    // (the layer's recomputed output, its input's gradient and the mixer's output gradient are
+    // candidates).
     const int64_t Tt = std::min(T, model::kKdaTile), Ts = std::min(Tt, model::kKdaSegment);
-    const int64_t kda_stream = T * m.hidden * e;
-    const int64_t kda_tile = Tt * HK * (13 * e + 81);
+    const int64_t kda_stream = 3 * T * m.hidden * e;
+    const int64_t kda_tile = Tt * HK * 19;
     const int64_t kda_state = 2 * (Ts / C) * Hk * K * K * 4;
     const int64_t kda_segment = Ts * HK * 180 + kda_state;
     // DSA: the sparse stage runs in query tiles (model::kDsaTile; model/hybrid.h). Its backward
@@ -336,7 +339,7 @@ Prediction Predict(const Request& r) {
       // and o_proj's, (T, hidden) each. A DSA layer: the norm's output, o_proj's, q and the
       // attention output, k, v and the KL target's view of k, the log-sum-exp, the indexer's q, w
       // and pooled keys with their gradients, and one KL block's transients. By construction.
-      const int64_t kda_forward = m.kda_layers > 0 ? Tt * HK * (6 * e + 4) + Ts * HK * 56 + 3 * kda_stream : 0;
+      const int64_t kda_forward = m.kda_layers > 0 ? Tt * HK * (6 * e + 4) + Ts * HK * 56 + 3 * T * m.hidden * e : 0;
       const int64_t dsa_forward =
           m.dsa_layers == 0 ? 0
                             : T * (2 * m.hidden * e + 2 * qd * e + 3 * kvd * e + 4 * m.heads + 2 * IQ * e + 2 * HI * e) +
@@ -356,7 +359,7 @@ Prediction Predict(const Request& r) {
       hybrid_terms = {{"KDA layer: the recomputed tile's autograd state", kda_tile},
                       {"KDA layer: one segment's fp32 chunk intermediates and gradients", kda_segment - kda_state},
                       {"KDA layer: per-chunk states h [T/C, HV, K, V] fp32 and their gradients", kda_state},
-                      {"KDA layer: one (T, hidden) around the mixer (fitted)", kda_stream}};
+                      {"KDA layer: three (T, hidden) around the mixer (fitted)", kda_stream}};
       if (split)
         hybrid_terms.emplace_back("KDA layer, context parallel: the head-layout output gradient, one broadcast tile",
                                   kda_cp);

@@ -622,6 +622,7 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     int64_t measured_gpu, measured_host;
     int64_t batch = 1;
     bool dense_warmup = false;  // the DSA layers' indexer stage dense_warmup
+    int64_t kda_chunk = 0;      // the KDA layers' chunk size (0: the shape's)
   };
   auto keep = [](MemoryStrategy s) {
     s.keep_attention = true;
@@ -661,15 +662,19 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       {"llama-3.2-1b", 16, 65536, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 28925670912, 4294967296},
       {"llama-3.2-1b", 16, 262144, keep(StrategyOf("layer", 2, true, 0, 16384, 4096, 1)), 53540214272, 17179869184},
       // hybrid-3b (21 KDA + 7 DSA layers), the KDA mixer in tiles of 32768 tokens and segments
-      // of 8192, the DSA layer's sparse stage in query tiles of 32768 (2026-12-04): the peak in
-      // a KDA layer's backward at 64K, 128K and 256K. 64K and 256K measured with the DSA query
-      // tiles (64K's peak did not move; 256K's fell from 43033004032); 128K before them and before
-      // the fused KDA intra and short-conv kernels, so it bounds today's peak from above.
-      {"hybrid-3b", 28, 65536, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 27352826880,
+      // of 8192, the DSA layer's sparse stage in query tiles of 32768, one step each on one H100
+      // (2026-12-06, seventeenth session; allocations do not depend on the card), peaks named by
+      // odyssey-bench --phase-times: at 64K and 128K in a KDA layer's backward ("kda backward:
+      // intra by hand"; the 12-04 rows, 27352826880 and 31182130176 bytes, had fallen by 7 and 6
+      // GB since), at 256K in the last DSA layer's ("dsa sparse attention backward"; 39343944704
+      // on 12-04, then in a KDA layer). 64K at KDA chunk size 32 too (+355 MB of per-chunk states).
+      {"hybrid-3b", 28, 65536, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 20380443648,
        8053063680 + 3606690168LL * 14},
-      {"hybrid-3b", 28, 131072, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 31182130176,
+      {"hybrid-3b", 28, 65536, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 20735910912,
+       8053063680 + 3606690168LL * 14, 1, false, 32},
+      {"hybrid-3b", 28, 131072, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 25216269312,
        16106127360 + 3606690168LL * 14},
-      {"hybrid-3b", 28, 262144, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 39343944704,
+      {"hybrid-3b", 28, 262144, on_host(StrategyOf("layer", 2, true, 8, 16384, 4096, 1)), 36161251840,
        32212254720 + 3606690168LL * 14},
       // The DSA layer's backward from the last query tile, each tile's key side in its own
       // gradient call, k and v's gradients in KV-head groups (2026-12-06, fifteenth session, one
@@ -699,6 +704,7 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     auto config = *model::NamedShape(row.shape);
     config.num_hidden_layers = row.layers;
     if (row.dense_warmup) config.hybrid.indexer_stage = model::IndexerStage::kDenseWarmup;
+    if (row.kda_chunk > 0) config.hybrid.kda_chunk_size = row.kda_chunk;
     Request r;
     r.model = ShapeOf(config);
     r.seq_len = row.seq;
