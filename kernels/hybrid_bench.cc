@@ -40,12 +40,14 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include "common/wire_text.h"
 #include "engine/profiler.h"
 #include "kernels/dsa.h"
 #include "kernels/fused_ops.h"
@@ -67,11 +69,21 @@ void Json(const std::string& path, const std::string& line) {
   std::ofstream(path, std::ios::app) << line << "\n";
 }
 
+// A whole integer: std::stoll alone reads "64k" as 64. Throws std::invalid_argument or
+// std::out_of_range (the flag loop names the flag).
+int64_t ParseInt(const std::string& s) {
+  size_t used = 0;
+  const long long v = std::stoll(s, &used);
+  if (used != s.size()) throw std::invalid_argument(s);
+  return v;
+}
+
 std::vector<int64_t> ParseList(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream in(s);
   std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+  while (std::getline(in, item, ',')) out.push_back(ParseInt(item));
+  if (out.empty()) throw std::invalid_argument(s);
   return out;
 }
 
@@ -114,9 +126,7 @@ bool ProfileOnce(const std::string& dir, const std::string& file, const std::fun
   return true;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
   int64_t index_heads = 32, index_dim = 128;
@@ -126,38 +136,62 @@ int main(int argc, char** argv) {
   odyssey::kernels::KdaOptions kda_options;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--tokens") tokens = ParseList(v);
-    else if (a == "--heads") heads = std::stoll(v);
-    else if (a == "--kv-heads") kv_heads = std::stoll(v);
-    else if (a == "--dim") dim = std::stoll(v);
-    else if (a == "--selected") selected = std::stoll(v);
-    else if (a == "--iters") iters = std::stoll(v);
-    else if (a == "--json") json = v;
-    else if (a == "--ops") ops = "," + v + ",";
-    else if (a == "--reference-tokens") reference_tokens = std::stoll(v);
-    else if (a == "--gate") gate = v;
-    else if (a == "--profile") profile_dir = v;
-    else if (a == "--selection") selection = v;
-    else if (a == "--warmup-blocks") warmup_blocks = ParseList(v);
-    else if (a == "--chunk") kda_options.chunk_size = std::stoll(v);
-    else if (a == "--segment") kda_options.segment = std::stoll(v);
-    else if (a == "--variants") kda_variants = ParseList(v);
-    else {
-      std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --variants, --json)\n", a.c_str());
+    try {
+      if (a == "--tokens") tokens = ParseList(v);
+      else if (a == "--heads") heads = ParseInt(v);
+      else if (a == "--kv-heads") kv_heads = ParseInt(v);
+      else if (a == "--dim") dim = ParseInt(v);
+      else if (a == "--selected") selected = ParseInt(v);
+      else if (a == "--iters") iters = ParseInt(v);
+      else if (a == "--json") json = v;
+      else if (a == "--ops") ops = "," + v + ",";
+      else if (a == "--reference-tokens") reference_tokens = ParseInt(v);
+      else if (a == "--gate") gate = v;
+      else if (a == "--profile") profile_dir = v;
+      else if (a == "--selection") selection = v;
+      else if (a == "--warmup-blocks") warmup_blocks = ParseList(v);
+      else if (a == "--chunk") kda_options.chunk_size = ParseInt(v);
+      else if (a == "--segment") kda_options.segment = ParseInt(v);
+      else if (a == "--variants") kda_variants = ParseList(v);
+      else {
+        std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --variants, --json)\n", odyssey::WireText(a).c_str());
+        return 2;
+      }
+    } catch (const std::logic_error&) {  // std::stoll's invalid_argument and out_of_range
+      std::fprintf(stderr, "odyssey-hybrid-bench: %s: %s is not an integer (or a comma-separated list of them)\n",
+                   a.c_str(), odyssey::WireText(v).c_str());
       return 2;
     }
   }
-  if (!torch::cuda::is_available()) {
-    std::fprintf(stderr, "odyssey-hybrid-bench: needs a CUDA device\n");
-    return 1;
+  if (argc % 2 == 0) {  // a flag without its value
+    std::fprintf(stderr, "odyssey-hybrid-bench: %s needs a value\n", odyssey::WireText(argv[argc - 1]).c_str());
+    return 2;
+  }
+  for (const auto& [name, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"--heads", heads}, {"--kv-heads", kv_heads}, {"--dim", dim}, {"--selected", selected}, {"--iters", iters}}) {
+    if (value < 1) {
+      std::fprintf(stderr, "odyssey-hybrid-bench: %s: %lld must be at least 1\n", name, static_cast<long long>(value));
+      return 2;
+    }
+  }
+  if (heads % kv_heads != 0) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: --kv-heads: %lld does not divide --heads (%lld)\n",
+                 static_cast<long long>(kv_heads), static_cast<long long>(heads));
+    return 2;
+  }
+  for (int64_t T : tokens) {
+    if (T < 1) {
+      std::fprintf(stderr, "odyssey-hybrid-bench: --tokens: %lld must be at least 1\n", static_cast<long long>(T));
+      return 2;
+    }
   }
   if (gate != "mild" && gate != "strong") {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", gate.c_str());
+    std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", odyssey::WireText(gate).c_str());
     return 2;
   }
   if (selection != "window" && selection != "random" && selection != "pools") {
     std::fprintf(stderr, "odyssey-hybrid-bench: --selection: %s is not one of window, random, pools\n",
-                 selection.c_str());
+                 odyssey::WireText(selection).c_str());
     return 2;
   }
   if (ops.front() != ',') ops = "," + ops + ",";
@@ -168,7 +202,7 @@ int main(int argc, char** argv) {
       if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer" && op != "kl" &&
           op != "warmup") {
         std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer, kl, warmup)\n",
-                     op.c_str());
+                     odyssey::WireText(op).c_str());
         return 2;
       }
     }
@@ -196,6 +230,11 @@ int main(int argc, char** argv) {
                    static_cast<long long>(b));
       return 2;
     }
+  }
+  // Every flag checked first, so a bad one is refused on any machine.
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: needs a CUDA device\n");
+    return 1;
   }
   auto wants = [&](const char* op) { return ops.find("," + std::string(op) + ",") != std::string::npos; };
   torch::manual_seed(0);
@@ -474,4 +513,19 @@ int main(int argc, char** argv) {
                    ",\"tflops_fwd_bwd\":" + std::to_string(2.5 * flop / both / 1e12) + "}");
   }
   return 0;
+}
+
+}  // namespace
+
+// An exception (CUDA out of memory at a length the card cannot hold, a kernel's launch error)
+// ends the bench with its message, libtorch's stack trace cut (common/wire_text.h), and exit 1;
+// the rows printed before it stand.
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "odyssey-hybrid-bench: stopped: %s\n", odyssey::WireText(e.what()).c_str());
+    return 1;
+  }
 }
