@@ -214,16 +214,21 @@ if only hybrid; then
 fi
 # hybridstep: one full-depth hybrid-3b step (no warm-up) at each length of HYBSTEP_LENS (default
 # 65536 262144), flags HYBSTEP_FLAGS, each under HYBSTEP_TIMEOUT seconds (default 400: the
-# process's start takes ~50 s before its first step); a run that fails or is killed prints its
-# log's tail (stderr included: an out-of-memory kill leaves only the shell's "Killed").
+# process's start takes ~50 s before its first step), with --phase-times: its row, then
+# bench/peak_report.py's line (the GPU peak against the planner, the scope it was reached in, KDA's
+# and DSA's phases summed). These are planner_test's hybrid-3b rows at 64K-256K: re-measure them
+# with HYBSTEP_LENS="65536 131072 262144" after a change to the hybrid layers' memory (the 12-04
+# rows had gone 29-40% stale by 12-06). A run that fails or is killed prints its log's tail (stderr
+# included: an out-of-memory kill leaves only the shell's "Killed").
 if only hybridstep; then
   for s in ${HYBSTEP_LENS:-65536 262144}; do
     log="$out/hybridstep-$s.log"
     echo "+ hybrid-3b $s" >&2
     timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "$s" \
-      $hybstep_flags --warmup 0 --steps 1 --json "$out/hybridstep.jsonl" >"$log" 2>&1
+      $hybstep_flags --warmup 0 --steps 1 --phase-times --json "$out/hybridstep.jsonl" >"$log" 2>&1
     rc=$?
-    grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; }
+    grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; continue; }
+    python3 bench/peak_report.py "$out/hybridstep.jsonl" --last --sum "kda " "dsa "
   done
 fi
 # dsagroups: the DSA layer's backward in KV-head groups: hybrid-3b cut to 4 layers (KKKD: the
@@ -238,13 +243,7 @@ if only dsagroups; then
       --recompute layer --offload --device-resident 2 --mlp-tile 10922 --loss-tile 1046 --optimizer-on-host \
       --keep-selection --warmup 0 --steps 1 --phase-times --head-groups "$g" --json "$out/dsagroups.jsonl" \
       >"$out/dsagroups-$g.log" 2>&1 || { echo "dsagroups $g: exit $?"; tail -5 "$out/dsagroups-$g.log"; continue; }
-    python3 -c "
-import json, sys
-r = [json.loads(l) for l in open(sys.argv[1])][-1]
-peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
-sparse = r['phase_seconds_per_step'].get('dsa sparse attention backward', {}).get('seconds', 0)
-print(f\"groups {r['head_groups']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), sparse backward {sparse:.2f} s, peak in {r.get('phase_peak', {}).get('scopes', '?')}\")
-" "$out/dsagroups.jsonl"
+    python3 bench/peak_report.py "$out/dsagroups.jsonl" --last --label head_groups --sum "dsa sparse attention backward"
   done
 fi
 # kdachunk: KDA's chunk size, C = 64 (the models' default) against C = 32, in one run: kda_test's
@@ -269,13 +268,7 @@ if only kdachunk; then
     timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "${KDAC_STEP_LEN:-65536}" \
       $hybstep_flags --kda-chunk-size "$c" --warmup 0 --steps 1 --phase-times --json "$out/kdachunk-step.jsonl" >"$log" 2>&1 \
       || { echo "kdachunk step C $c: exit $?"; tail -5 "$log"; continue; }
-    python3 -c "
-import json, sys
-r = [json.loads(l) for l in open(sys.argv[1])][-1]
-peak, plan = r['gpu_peak_allocated_bytes'], r['planned_gpu_peak_bytes']
-kda = sum(v['seconds'] for k, v in r['phase_seconds_per_step'].items() if k.startswith('kda '))
-print(f\"C {r['kda_chunk_size']}: {r['seconds_per_step']:.2f} s/step, peak {peak / 1e9:.2f} GB, planner {plan / 1e9:.2f} GB ({plan / peak:.3f}), loss {r['loss']:.6f}, kda phases {kda:.2f} s\")
-" "$out/kdachunk-step.jsonl"
+    python3 bench/peak_report.py "$out/kdachunk-step.jsonl" --last --label kda_chunk_size --sum "kda "
   done
 fi
 # gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
