@@ -9,6 +9,7 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <torch/torch.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "c10/util/Exception.h"
 #include "common/files.h"
@@ -51,9 +52,10 @@ absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
       return absl::FailedPreconditionError(absl::StrCat("device '", name, "': this build or machine has no CUDA device"));
     int index = 0;
     if (name.size() > 4) {
-      if (name[4] != ':' || name.size() == 5 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+      // Digits only, and small enough for an int (std::stoi would throw on "cuda:99999999999").
+      if (name[4] != ':' || name.size() == 5 || name.find_first_not_of("0123456789", 5) != std::string::npos ||
+          !absl::SimpleAtoi(absl::string_view(name).substr(5), &index))
         return absl::InvalidArgumentError(absl::StrCat("device '", name, "' must be cpu, cuda or cuda:N"));
-      index = std::stoi(name.substr(5));
     }
     if (index >= static_cast<int>(torch::cuda::device_count()))
       return absl::InvalidArgumentError(absl::StrCat("device '", name, "': only ", torch::cuda::device_count(), " CUDA devices"));

@@ -36,6 +36,25 @@ TrainerOptions TinyKjv(int64_t steps) {
   return o;
 }
 
+// A device name is parsed, never thrown over: "auto", "cpu" and "cuda[:N]" only, an index that
+// does not fit an int refused like any other bad index (std::stoi threw std::out_of_range on it).
+TEST(TrainerTest, ParseDeviceRefusesBadNamesWithAStatus) {
+  ASSERT_TRUE(ParseDevice("cpu").ok());
+  EXPECT_EQ(ParseDevice("cpu")->type(), torch::kCPU);
+  for (const char* bad : {"gpu", "cpu0", ""}) {
+    absl::StatusOr<torch::Device> d = ParseDevice(bad);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  for (const char* bad : {"cuda:99999999999", "cuda:", "cuda:-1", "cuda0"}) {
+    absl::StatusOr<torch::Device> d;
+    EXPECT_NO_THROW(d = ParseDevice(bad)) << bad;
+    // Without CUDA every cuda name is refused for that first; with it, for its form or index.
+    EXPECT_EQ(d.status().code(), torch::cuda::is_available() ? absl::StatusCode::kInvalidArgument
+                                                             : absl::StatusCode::kFailedPrecondition)
+        << bad;
+  }
+}
+
 // The embedded default learns: the tiny byte-level model on the King James text goes from
 // the uniform ~5.5 nats/byte to below 2.3 on held-out text within 120 CPU steps (it is near 2.0
 // there, 1.6 after the demo's 300 steps; 120 keeps this test at a third of CI's former cost).

@@ -339,7 +339,9 @@ absl::StatusOr<v1::ListJobsResponse> Controller::ListJobs(const v1::ListJobsRequ
   absl::MutexLock lock(&mu_);
   const int32_t page_size = request.page_size() == 0 ? kDefaultPageSize : request.page_size();
   int64_t below = INT64_MAX;
-  if (!request.page_token().empty()) below = std::stoll(request.page_token());
+  // (ValidateListJobsRequest refused a token that is not a positive id; no exception on a bad one here.)
+  if (!request.page_token().empty() && !absl::SimpleAtoi(request.page_token(), &below))
+    return absl::InvalidArgumentError(absl::StrCat("page_token: \"", request.page_token(), "\" is not a token"));
   v1::ListJobsResponse response;
   // Newest first: descending ids; the page token is the last id returned.
   for (auto it = std::make_reverse_iterator(jobs_.lower_bound(below)); it != jobs_.rend(); ++it) {
