@@ -274,10 +274,10 @@ Prediction Predict(const Request& r) {
     //    states h with their gradients, 2 x [Ts / C, HV, K, V].
     // Measured for hybrid-3b's 24 heads of 128: 602 KB a segment token (segments of 8192, 16384
     // and 32768 tokens at 64K, 2026-12-04). Refitted on 2026-12-06 (seventeenth session, one
-    // H100; the 12-04 peaks had fallen by 7 GB since, with the fused short convs and the intra
-    // kernels, and the plan was 1.40x at 64K): the KDA layer's backward peaks at 64K (C = 64 and
-    // 32) and 128K give ~19 bytes a (tile token x HK) element for the tile, ~58 KB a tile token
-    // where the unfused libtorch graph held ~327 KB, and three (T, hidden) that grow with the
+    // H100; the 12-04 peaks had fallen by 6-7 GB since, the fused KDA kernels landing in between,
+    // and the plan was 1.40x at 64K): the KDA layer's backward peaks at 64K (C = 64 and 32) and
+    // 128K give ~19 bytes a (tile token x HK) element for the tile, ~58 KB a tile token where the
+    // 12-04 fit had ~327 KB, and three (T, hidden) that grow with the
     // sequence beyond the checkpointed inputs and the incoming gradient. Fitted, not attributed
     // (the layer's recomputed output, its input's gradient and the mixer's output gradient are
     // candidates).
