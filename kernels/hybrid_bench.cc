@@ -47,6 +47,7 @@
 
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/wire_text.h"
 #include "engine/profiler.h"
 #include "kernels/dsa.h"
@@ -134,6 +135,11 @@ int Run(int argc, char** argv) {
   std::vector<int64_t> warmup_blocks = {0};
   std::vector<int64_t> kda_variants = {0, 1, 2, 3};
   odyssey::kernels::KdaOptions kda_options;
+  // A refused flag: its message on stderr, exit 2 (the value quoted through WireText by callers).
+  auto refuse = [](const std::string& message) {
+    std::fprintf(stderr, "odyssey-hybrid-bench: %s\n", message.c_str());
+    return 2;
+  };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     try {
@@ -153,83 +159,51 @@ int Run(int argc, char** argv) {
       else if (a == "--chunk") kda_options.chunk_size = ParseInt(v);
       else if (a == "--segment") kda_options.segment = ParseInt(v);
       else if (a == "--variants") kda_variants = ParseList(v);
-      else {
-        std::fprintf(stderr, "odyssey-hybrid-bench: unknown flag %s (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, --gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --variants, --json)\n", odyssey::WireText(a).c_str());
-        return 2;
-      }
+      else
+        return refuse(absl::StrCat("unknown flag ", odyssey::WireText(a),
+                                   " (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, "
+                                   "--gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --variants, --json)"));
     } catch (const std::logic_error&) {  // std::stoll's invalid_argument and out_of_range
-      std::fprintf(stderr, "odyssey-hybrid-bench: %s: %s is not an integer (or a comma-separated list of them)\n",
-                   a.c_str(), odyssey::WireText(v).c_str());
-      return 2;
+      return refuse(absl::StrCat(a, ": ", odyssey::WireText(v), " is not an integer (or a comma-separated list of them)"));
     }
   }
-  if (argc % 2 == 0) {  // a flag without its value
-    std::fprintf(stderr, "odyssey-hybrid-bench: %s needs a value\n", odyssey::WireText(argv[argc - 1]).c_str());
-    return 2;
-  }
+  if (argc % 2 == 0) return refuse(absl::StrCat(odyssey::WireText(argv[argc - 1]), " needs a value"));  // no value
   for (const auto& [name, value] : std::vector<std::pair<const char*, int64_t>>{
            {"--heads", heads}, {"--kv-heads", kv_heads}, {"--dim", dim}, {"--selected", selected}, {"--iters", iters}}) {
-    if (value < 1) {
-      std::fprintf(stderr, "odyssey-hybrid-bench: %s: %lld must be at least 1\n", name, static_cast<long long>(value));
-      return 2;
-    }
+    if (value < 1) return refuse(absl::StrCat(name, ": ", value, " must be at least 1"));
   }
-  if (heads % kv_heads != 0) {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --kv-heads: %lld does not divide --heads (%lld)\n",
-                 static_cast<long long>(kv_heads), static_cast<long long>(heads));
-    return 2;
-  }
+  if (heads % kv_heads != 0)
+    return refuse(absl::StrCat("--kv-heads: ", kv_heads, " does not divide --heads (", heads, ")"));
   for (int64_t T : tokens) {
-    if (T < 1) {
-      std::fprintf(stderr, "odyssey-hybrid-bench: --tokens: %lld must be at least 1\n", static_cast<long long>(T));
-      return 2;
-    }
+    if (T < 1) return refuse(absl::StrCat("--tokens: ", T, " must be at least 1"));
   }
-  if (gate != "mild" && gate != "strong") {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --gate: %s is neither mild nor strong\n", odyssey::WireText(gate).c_str());
-    return 2;
-  }
-  if (selection != "window" && selection != "random" && selection != "pools") {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --selection: %s is not one of window, random, pools\n",
-                 odyssey::WireText(selection).c_str());
-    return 2;
-  }
+  if (gate != "mild" && gate != "strong")
+    return refuse(absl::StrCat("--gate: ", odyssey::WireText(gate), " is neither mild nor strong"));
+  if (selection != "window" && selection != "random" && selection != "pools")
+    return refuse(absl::StrCat("--selection: ", odyssey::WireText(selection), " is not one of window, random, pools"));
   if (ops.front() != ',') ops = "," + ops + ",";
   {
     std::stringstream in(ops.substr(1));
     std::string op;
     while (std::getline(in, op, ',')) {
       if (!op.empty() && op != "kda" && op != "sparse" && op != "dense" && op != "indexer" && op != "kl" &&
-          op != "warmup") {
-        std::fprintf(stderr, "odyssey-hybrid-bench: --ops: unknown op %s (kda, sparse, dense, indexer, kl, warmup)\n",
-                     odyssey::WireText(op).c_str());
-        return 2;
-      }
+          op != "warmup")
+        return refuse(absl::StrCat("--ops: unknown op ", odyssey::WireText(op), " (kda, sparse, dense, indexer, kl, warmup)"));
     }
   }
-  if (kda_options.chunk_size != 32 && kda_options.chunk_size != 64) {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --chunk: %lld is neither 32 nor 64 (the sizes KDA's kernels take)\n",
-                 static_cast<long long>(kda_options.chunk_size));
-    return 2;
-  }
-  if (kda_options.segment <= 0 || kda_options.segment % kda_options.chunk_size != 0) {
-    std::fprintf(stderr, "odyssey-hybrid-bench: --segment: %lld is not a positive multiple of the chunk (%lld)\n",
-                 static_cast<long long>(kda_options.segment), static_cast<long long>(kda_options.chunk_size));
-    return 2;
-  }
+  if (kda_options.chunk_size != 32 && kda_options.chunk_size != 64)
+    return refuse(absl::StrCat("--chunk: ", kda_options.chunk_size, " is neither 32 nor 64 (the sizes KDA's kernels take)"));
+  if (kda_options.segment <= 0 || kda_options.segment % kda_options.chunk_size != 0)
+    return refuse(absl::StrCat("--segment: ", kda_options.segment, " is not a positive multiple of the chunk (",
+                               kda_options.chunk_size, ")"));
   for (int64_t variant : kda_variants) {
-    if (variant < 0 || variant > 3) {
-      std::fprintf(stderr, "odyssey-hybrid-bench: --variants: %lld is not one of 0 (CUDA kernels), 1 (fp32 on CUDA cores), 2 (intra backward by libtorch), 3 (libtorch)\n",
-                   static_cast<long long>(variant));
-      return 2;
-    }
+    if (variant < 0 || variant > 3)
+      return refuse(absl::StrCat("--variants: ", variant,
+                                 " is not one of 0 (CUDA kernels), 1 (fp32 on CUDA cores), 2 (intra backward by "
+                                 "libtorch), 3 (libtorch)"));
   }
   for (int64_t b : warmup_blocks) {
-    if (b < 0) {
-      std::fprintf(stderr, "odyssey-hybrid-bench: --warmup-blocks: %lld is negative (0 = the library's choice)\n",
-                   static_cast<long long>(b));
-      return 2;
-    }
+    if (b < 0) return refuse(absl::StrCat("--warmup-blocks: ", b, " is negative (0 = the library's choice)"));
   }
   // Every flag checked first, so a bad one is refused on any machine.
   if (!torch::cuda::is_available()) {

@@ -49,6 +49,25 @@ fla_peer() {
 }
 # The full-depth hybrid-3b step's flags of hybridstep and kdachunk.
 hybstep_flags="${HYBSTEP_FLAGS:---recompute layer --offload --device-resident 8 --mlp-tile 16384 --loss-tile 4096 --optimizer-on-host}"
+# hybrid_step LEN JSON LOG [FLAGS...]: one such step at LEN (no warm-up, --phase-times) under
+# HYBSTEP_TIMEOUT seconds (default 400: the process's start takes ~50 s before its first step),
+# its JSON line appended to JSON, its output in LOG; then bench/peak_report.py's line for it. A
+# run that fails or is killed prints its log's tail (stderr included: an out-of-memory kill
+# leaves only the shell's "Killed") and returns non-zero.
+hybrid_step() {
+  local s="$1" json="$2" log="$3"
+  shift 3
+  timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "$s" $hybstep_flags "$@" \
+    --warmup 0 --steps 1 --phase-times --json "$json" >"$log" 2>&1
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "hybrid-3b step at $s $*: exit $rc"
+    tail -5 "$log"
+    return 1
+  fi
+  grep -E '^\| hybrid' "$log"
+  python3 bench/peak_report.py "$json" --last --label seq_len kda_chunk_size --sum "kda " "dsa "
+}
 has tests && { build-gpu/engine/memory_test 2>&1 | tail -4; build-gpu/engine/rl_loss_test --gtest_filter="*Gpu*" 2>&1 | tail -4; }
 if only gputests; then
   (cd build-gpu && ctest -R '_gpu$' -E 'job_runner|device_probe' --output-on-failure >"$out/gputests.log" 2>&1)
@@ -212,23 +231,15 @@ if only hybrid; then
   build-gpu/kernels/odyssey-hybrid-bench --ops kda,sparse,dense,kl --tokens "${HYB_LENS:-65536,262144}" --json "$out/hybrid.jsonl" 2>&1 | tail -12
   fla_peer hybrid "${HYB_LENS:-65536,262144}" "$out/hybrid.jsonl"
 fi
-# hybridstep: one full-depth hybrid-3b step (no warm-up) at each length of HYBSTEP_LENS (default
-# 65536 262144), flags HYBSTEP_FLAGS, each under HYBSTEP_TIMEOUT seconds (default 400: the
-# process's start takes ~50 s before its first step), with --phase-times: its row, then
-# bench/peak_report.py's line (the GPU peak against the planner, the scope it was reached in, KDA's
-# and DSA's phases summed). These are planner_test's hybrid-3b rows at 64K-256K: re-measure them
-# with HYBSTEP_LENS="65536 131072 262144" after a change to the hybrid layers' memory (the 12-04
-# rows had gone 29-40% stale by 12-06). A run that fails or is killed prints its log's tail (stderr
-# included: an out-of-memory kill leaves only the shell's "Killed").
+# hybridstep: one full-depth hybrid-3b step (hybrid_step above) at each length of HYBSTEP_LENS
+# (default 65536 262144), flags HYBSTEP_FLAGS: its row, then the GPU peak against the planner, the
+# scope it was reached in, KDA's and DSA's phases summed. These are planner_test's hybrid-3b rows
+# at 64K-256K: re-measure them with HYBSTEP_LENS="65536 131072 262144" after a change to the hybrid
+# layers' memory (the 12-04 rows had gone 29-40% stale by 12-06).
 if only hybridstep; then
   for s in ${HYBSTEP_LENS:-65536 262144}; do
-    log="$out/hybridstep-$s.log"
     echo "+ hybrid-3b $s" >&2
-    timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "$s" \
-      $hybstep_flags --warmup 0 --steps 1 --phase-times --json "$out/hybridstep.jsonl" >"$log" 2>&1
-    rc=$?
-    grep -E '^\| hybrid' "$log" || { echo "hybridstep $s: exit $rc"; tail -5 "$log"; continue; }
-    python3 bench/peak_report.py "$out/hybridstep.jsonl" --last --sum "kda " "dsa "
+    hybrid_step "$s" "$out/hybridstep.jsonl" "$out/hybridstep-$s.log"
   done
 fi
 # dsagroups: the DSA layer's backward in KV-head groups: hybrid-3b cut to 4 layers (KKKD: the
@@ -264,11 +275,7 @@ if only kdachunk; then
     done
   done
   for c in 64 32; do
-    log="$out/kdachunk-step-$c.log"
-    timeout "${HYBSTEP_TIMEOUT:-400}" build-gpu/bench/odyssey-bench --model hybrid-3b --seq-len "${KDAC_STEP_LEN:-65536}" \
-      $hybstep_flags --kda-chunk-size "$c" --warmup 0 --steps 1 --phase-times --json "$out/kdachunk-step.jsonl" >"$log" 2>&1 \
-      || { echo "kdachunk step C $c: exit $?"; tail -5 "$log"; continue; }
-    python3 bench/peak_report.py "$out/kdachunk-step.jsonl" --last --label kda_chunk_size --sum "kda "
+    hybrid_step "${KDAC_STEP_LEN:-65536}" "$out/kdachunk-step.jsonl" "$out/kdachunk-step-$c.log" --kda-chunk-size "$c"
   done
 fi
 # gqa: the 3B shape at GQA_LEN (default 64K) with the cuDNN kept-attention kernels on K/V
