@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <ATen/record_function.h>
@@ -94,8 +95,9 @@ Tensor LowerProduct(const Tensor& a, const Tensor& b, bool strict) {
   return torch::where(LowerMask(m.size(-1), strict, m.device()), m, torch::zeros({}, m.options()));
 }
 
-// G = the chunk-local cumulative sum of g (B, HV, T, K) -> (B, HV, N, C, K), fp32/fp64.
-Tensor ChunkCumsum(const Tensor& g, int64_t C) { return Chunk(g, C).cumsum(-2); }
+// G = the chunk-local cumulative sum of g (B, HV, T, K) -> (B, HV, N, C, K) in `ct` (fp32/fp64),
+// g read in its own dtype: one pass.
+Tensor ChunkCumsum(const Tensor& g, int64_t C, torch::ScalarType ct) { return Chunk(g, C).cumsum(-2, ct); }
 
 // What the hand-written backward of the whole-chunk form (IntraBackward) reads, kept by
 // ComputeIntra when asked: every tensor (B, HV, N, C, .) of the segment's chunks.
@@ -109,10 +111,21 @@ struct IntraCache {
   Tensor EC;          // exp(G_C - G): kg = k * EC
 };
 
+// The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
+uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
+  auto bit = [](const Tensor& t, uint8_t b) { return t.scalar_type() == torch::kBFloat16 ? b : uint8_t{0}; };
+  return bit(q, cuda::kKdaBf16Q) | bit(k, cuda::kKdaBf16K) | bit(v, cuda::kKdaBf16V) | bit(beta, cuda::kKdaBf16Beta);
+}
+// Whether the chunk kernels read t as it is: fp32 or bf16.
+bool KernelDtype(const Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
 // The chunk quantities' outputs allocated in `in` (fp32, G's device) and the arguments of the
-// kernels that write them (kernels/cuda/kda_intra.h), without a cache.
+// kernels that write them (kernels/cuda/kda_intra.h), without a cache; q is scaled by q_scale as
+// the kernels read it.
 cuda::KdaIntraArgs IntraArgsOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, const Tensor& Gd,
-                               int64_t C, Intra* in) {
+                               int64_t C, Intra* in, double q_scale) {
   const int64_t B = q.size(0), HV = q.size(1), L = q.size(2), K = q.size(3), V = v.size(3), N = Gd.size(2);
   auto opts = Gd.options();
   in->qg = torch::empty({B, HV, N, C, K}, opts);
@@ -121,11 +134,14 @@ cuda::KdaIntraArgs IntraArgsOf(const Tensor& q, const Tensor& k, const Tensor& v
   in->U = torch::empty({B, HV, N, C, V}, opts);
   in->Aqk = torch::empty({B, HV, N, C, C}, opts);
   in->eGC = torch::empty({B, HV, N, K}, opts);
-  return {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(), Gd.data_ptr<float>(),
-          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-          v.stride(2), beta.stride(0), beta.stride(1), beta.stride(2), B, HV, N, C, K, V, L,
-          in->qg.data_ptr<float>(), in->kg.data_ptr<float>(), in->W.data_ptr<float>(), in->U.data_ptr<float>(),
-          in->Aqk.data_ptr<float>(), in->eGC.data_ptr<float>(), nullptr};
+  cuda::KdaIntraArgs a{q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), Gd.data_ptr<float>(),
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                       v.stride(1), v.stride(2), beta.stride(0), beta.stride(1), beta.stride(2), B, HV, N, C, K, V, L,
+                       in->qg.data_ptr<float>(), in->kg.data_ptr<float>(), in->W.data_ptr<float>(),
+                       in->U.data_ptr<float>(), in->Aqk.data_ptr<float>(), in->eGC.data_ptr<float>(), nullptr};
+  a.bf16 = Bf16Bits(q, k, v, beta);
+  a.q_scale = static_cast<float>(q_scale);
+  return a;
 }
 
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -136,15 +152,17 @@ Tensor Dense(const Tensor& t) {
 }
 void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-// The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for fp32 CUDA
-// tensors of supported sizes while FusedKernelsEnabled(); false: the caller builds them with
-// libtorch ops.
+// The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for CUDA
+// tensors of supported sizes while FusedKernelsEnabled(): G fp32, q, k, v, beta fp32 or bf16 (all
+// fp32 with a cache, whose chunked inputs libtorch reads), q scaled by q_scale as read; false: the
+// caller builds them with libtorch ops.
 bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
-                   Intra* in, IntraCache* cache) {
+                   Intra* in, IntraCache* cache, double q_scale) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
-  if (!FusedKernelsEnabled() || !q.is_cuda() || q.scalar_type() != torch::kFloat32 ||
-      k.scalar_type() != torch::kFloat32 || v.scalar_type() != torch::kFloat32 ||
-      G.scalar_type() != torch::kFloat32 || beta.scalar_type() != torch::kFloat32 ||
+  const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                    v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
+  if (!FusedKernelsEnabled() || !q.is_cuda() || !KernelDtype(q) || !KernelDtype(k) || !KernelDtype(v) ||
+      !KernelDtype(beta) || (cache != nullptr && (!fp32 || q_scale != 1.0)) || G.scalar_type() != torch::kFloat32 ||
       !cuda::KdaIntraSupported(C, K, V) || B * HV > 65535 || q.stride(3) != 1 || k.stride(3) != 1 ||
       v.stride(3) != 1) {
     return false;
@@ -152,7 +170,7 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   c10::cuda::CUDAGuard guard(q.device());
   const Tensor Gd = Dense(G);
   auto opts = Gd.options();
-  cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in);
+  cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in, q_scale);
   cuda::KdaIntraCache kc{};
   if (cache != nullptr) {
     in->T = torch::empty({B, HV, N, C, C}, opts);
@@ -177,6 +195,7 @@ std::atomic<bool> scan_tensor_cores{true};
 std::atomic<int64_t> scan_tensor_core_launches{0};
 std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
+std::atomic<int64_t> direct_input_runs{0};
 
 // Whether the block code of kernels/cuda/kda_intra_backward.h (the intra-chunk backward, the
 // sub-block form's forward) may run for tensors on `t`'s device computed in `ct`: the path, the
@@ -197,12 +216,12 @@ bool BlockCodeMayRun(const Tensor& t, torch::ScalarType ct) {
   return ct == torch::kFloat32;
 }
 
-// Whether the block code takes this segment's prepared inputs: BlockCodeMayRun, fp32 inputs of
-// its sizes with contiguous rows.
+// Whether the block code takes this segment's inputs (prepared, or the caller's as they are):
+// BlockCodeMayRun, fp32 or bf16 inputs of its sizes with contiguous rows.
 bool BlockCodeTakes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
   if (!BlockCodeMayRun(q, torch::kFloat32)) return false;
   for (const Tensor* t : {&q, &k, &v, &beta}) {
-    if (t->scalar_type() != torch::kFloat32) return false;
+    if (!KernelDtype(*t)) return false;
   }
   return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
          q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
@@ -211,10 +230,10 @@ bool BlockCodeTakes(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 // The sub-block form's chunk quantities by the kernel's block code (no cache: only the kernel's
 // backward follows, and it recomputes what it needs).
 Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
-                            int64_t C) {
+                            int64_t C, double q_scale) {
   const Tensor Gd = G.contiguous();
   Intra in;
-  const cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, &in);
+  const cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, &in, q_scale);
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -227,8 +246,9 @@ Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, c
   return in;
 }
 
-// q already scaled and expanded to HV heads, G = ChunkCumsum(g, C), `form` =
-// KdaDecayedGramForm(G); all in the compute dtype. The whole-chunk form shares its factors
+// q already scaled and expanded to HV heads, G = ChunkCumsum(g, C, ct), `form` =
+// KdaDecayedGramForm(G); all in the compute dtype (ComputeIntraFor below also lets the kernels
+// read the caller's tensors). The whole-chunk form shares its factors
 // between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
 // autograd) keeps what IntraBackward reads.
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
@@ -242,14 +262,14 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                                                                               v.requires_grad() || G.requires_grad() ||
                                                                               beta.requires_grad()))) {
     Intra in;
-    if (IntraByKernel(q, k, v, G, beta, C, &in, cache)) return in;
+    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0)) return in;
   }
 #endif
   const bool recorded = torch::GradMode::is_enabled() &&
                         (q.requires_grad() || k.requires_grad() || v.requires_grad() || G.requires_grad() ||
                          beta.requires_grad());
   if (form == KdaGramForm::kSubBlocks && cache == nullptr && !recorded && BlockCodeTakes(q, k, v, beta, C))
-    return SubBlockIntraByKernel(q, k, v, G, beta, C);
+    return SubBlockIntraByKernel(q, k, v, G, beta, C, 1.0);
   Tensor qc = Chunk(q, C), kc = Chunk(k, C), vc = Chunk(v, C);  // (B, HV, N, C, K|V)
   // Padding tokens: g = 0 (no decay), beta = 0 (no write), so the state passes them unchanged.
   Tensor bc = Chunk(beta, C).unsqueeze(-1);  // (B, HV, N, C, 1)
@@ -328,13 +348,14 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
 }
 
 // IntraBackward by the kernel's block code: the same gradients from the segment's inputs (q
-// scaled and expanded, k expanded, as ComputeIntra took them), G and the chunk quantities'
-// gradients, for the whole-chunk or (sub_blocks) the sub-block Gram form; the block recomputes
-// every factor itself (no IntraCache).
+// expanded, k expanded, as ComputeIntra took them: prepared, or the caller's fp32 or bf16 tensors
+// with q scaled by q_scale as read; dq is the scaled q's gradient either way), G and the chunk
+// quantities' gradients, for the whole-chunk or (sub_blocks) the sub-block Gram form; the block
+// recomputes every factor itself (no IntraCache).
 IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
-                                 const Tensor& beta, const Tensor& dqg, const Tensor& dkg, const Tensor& dW,
-                                 const Tensor& dU, const Tensor& dAqk, const Tensor& deGC, int64_t len,
-                                 bool sub_blocks) {
+                                 const Tensor& beta, double q_scale, const Tensor& dqg, const Tensor& dkg,
+                                 const Tensor& dW, const Tensor& dU, const Tensor& dAqk, const Tensor& deGC,
+                                 int64_t len, bool sub_blocks) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
   auto dense = [](const Tensor& t) { return t.contiguous(); };
   const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
@@ -343,8 +364,8 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
   Tensor dq = torch::empty({B, HV, N, C, K}, opts), dk = torch::empty({B, HV, N, C, K}, opts);
   Tensor dg = torch::empty({B, HV, N, C, K}, opts), dv = torch::empty({B, HV, N, C, V}, opts);
   Tensor dbeta = torch::empty({B, HV, N, C}, opts);
-  cuda::KdaIntraBackwardArgs a{q.data_ptr<float>(),  k.data_ptr<float>(),    v.data_ptr<float>(),
-                               beta.data_ptr<float>(), Gd.data_ptr<float>(), q.stride(0),
+  cuda::KdaIntraBackwardArgs a{q.data_ptr(),          k.data_ptr(),          v.data_ptr(),
+                               beta.data_ptr(),       Gd.data_ptr<float>(), q.stride(0),
                                q.stride(1),          q.stride(2),           k.stride(0),
                                k.stride(1),          k.stride(2),           v.stride(0),
                                v.stride(1),          v.stride(2),           beta.stride(0),
@@ -358,6 +379,8 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
   // The products on the tensor cores with the scans' (the CPU emulation runs the same block code
   // in fp32).
   a.tf32 = scan_tensor_cores.load();
+  a.bf16 = Bf16Bits(q, k, v, beta);
+  a.q_scale = static_cast<float>(q_scale);
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -526,6 +549,61 @@ Segment Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   return {ExpandHeads(q.to(ct), HV) * scale, ExpandHeads(k.to(ct), HV), v.to(ct), g.to(ct), beta.to(ct)};
 }
 
+// One segment's inputs as the caller gave them (narrowed, any float dtype, q unscaled with H
+// heads), and their prepared form (Prepare), made only if something needs it. The chunk kernels
+// read the caller's q, k, v and beta directly where they can (Direct()): each fp32 or bf16, q
+// scaled as read; the prepared copies (four fp32 tensors of the segment, ~26 bytes of traffic an
+// element for bf16 inputs) are then never made. libtorch paths, a cache for IntraBackward and
+// HV > H take the prepared form.
+class SegmentInputs {
+ public:
+  SegmentInputs() = default;
+  SegmentInputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, torch::ScalarType ct, int64_t HV,
+                double scale)
+      : q(std::move(q)), k(std::move(k)), v(std::move(v)), g(std::move(g)), beta(std::move(beta)), scale(scale),
+        ct_(ct), HV_(HV) {}
+  // Whether the kernels may read the caller's q, k, v, beta: fp32 compute, q and k already with
+  // HV heads, each fp32 or bf16 with contiguous rows (beta any strides).
+  bool Direct() const {
+    return !torch::GradMode::is_enabled() && ct_ == torch::kFloat32 && q.size(1) == HV_ && KernelDtype(q) &&
+           KernelDtype(k) && KernelDtype(v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 &&
+           v.stride(3) == 1;
+  }
+  const Segment& Prepared() {
+    if (!prepared_.q.defined()) prepared_ = Prepare(q, k, v, g, beta, ct_, HV_, scale);
+    return prepared_;
+  }
+
+  Tensor q, k, v, g, beta;
+  double scale = 1.0;
+
+ private:
+  torch::ScalarType ct_ = torch::kFloat32;
+  int64_t HV_ = 0;
+  Segment prepared_;
+};
+
+// ComputeIntra over a segment's inputs: its kernels on the caller's tensors where they take them
+// (no cache: IntraBackward's libtorch ops read the cache's chunked inputs in fp32), else
+// ComputeIntra of the prepared form.
+Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm form, IntraCache* cache = nullptr) {
+  if (cache == nullptr && x.Direct()) {
+#ifdef ODYSSEY_KERNELS_CUDA
+    Intra in;
+    if (form == KdaGramForm::kWholeChunk && IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale)) {
+      direct_input_runs.fetch_add(1);
+      return in;
+    }
+#endif
+    if (form == KdaGramForm::kSubBlocks && BlockCodeTakes(x.q, x.k, x.v, x.beta, C)) {
+      direct_input_runs.fetch_add(1);
+      return SubBlockIntraByKernel(x.q, x.k, x.v, G, x.beta, C, x.scale);
+    }
+  }
+  const Segment& p = x.Prepared();
+  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache);
+}
+
 // Inputs as the caller gave them (q, k with H heads, any float dtype), h0 (B, HV, K, V) in the
 // compute dtype. The sequence runs in segments of `segment` tokens (a multiple of C): all
 // chunk-parallel work is batched over a segment's chunks, and the backward holds one segment's
@@ -547,14 +625,14 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     for (int64_t t0 = 0; t0 < T; t0 += segment) {
       const int64_t len = std::min(segment, T - t0);
       entry.push_back(S);
-      Segment x = Prepare(q.narrow(2, t0, len), k.narrow(2, t0, len), v.narrow(2, t0, len), g.narrow(2, t0, len),
-                          beta.narrow(2, t0, len), ct, HV, scale);
+      SegmentInputs x(q.narrow(2, t0, len), k.narrow(2, t0, len), v.narrow(2, t0, len), g.narrow(2, t0, len),
+                      beta.narrow(2, t0, len), ct, HV, scale);
       // (Profiler phases: user scopes, free when no profiler runs.)
       Intra in;
       {
         RECORD_USER_SCOPE("kda forward: intra");
-        Tensor G = ChunkCumsum(x.g, C);
-        in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, KdaDecayedGramForm(G));
+        Tensor G = ChunkCumsum(x.g, C, ct);
+        in = ComputeIntraFor(x, G, C, KdaDecayedGramForm(G));
       }
       RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
@@ -589,30 +667,35 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       variable_list leaves;
       Intra in;
       IntraCache cache;
-      Segment x;  // the by-hand forms' inputs, kept for the kernel's backward
+      SegmentInputs x;  // the by-hand forms' inputs, kept for the kernel's backward
       Tensor G;
       bool by_hand = false, by_kernel = false, sub_blocks = false;
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::NoGradGuard no_grad;
-        G = ChunkCumsum(s[3].narrow(2, t0, len).to(ct), C);  // Prepare's g, chunked and summed
+        G = ChunkCumsum(s[3].narrow(2, t0, len), C, ct);
         const KdaGramForm form = KdaDecayedGramForm(G);
         sub_blocks = form == KdaGramForm::kSubBlocks;
         // Prepared here for the by-hand forms only: the autograd form prepares its own leaves.
         if (form == KdaGramForm::kWholeChunk || (sub_blocks && BlockCodeMayRun(s[0], ct))) {
-          x = Prepare(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
-                      s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          by_kernel = BlockCodeTakes(x.q, x.k, x.v, x.beta, C);
+          x = SegmentInputs(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
+                            s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
+          if (x.Direct()) {
+            by_kernel = BlockCodeTakes(x.q, x.k, x.v, x.beta, C);
+          } else {
+            const Segment& p = x.Prepared();
+            by_kernel = BlockCodeTakes(p.q, p.k, p.v, p.beta, C);
+          }
         }
         by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
         if (by_hand) {
           // The kernel recomputes its factors itself: the recompute keeps nothing for it.
-          in = ComputeIntra(x.q, x.k, x.v, G, x.beta, C, form, by_kernel ? nullptr : &cache);
+          in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);
           Segment xl = Prepare(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], ct, HV, scale);
-          in = ComputeIntra(xl.q, xl.k, xl.v, ChunkCumsum(xl.g, C), xl.beta, C, form);
+          in = ComputeIntra(xl.q, xl.k, xl.v, ChunkCumsum(xl.g, C, ct), xl.beta, C, form);
         }
       }
       torch::NoGradGuard no_grad;
@@ -632,9 +715,17 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       scans.end();
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
-        IntraGrads d = by_kernel ? IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
-                                                         sub_blocks)
-                                 : IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+        IntraGrads d;
+        if (by_kernel && x.Direct()) {
+          d = IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, x.scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
+                                    sub_blocks);
+          direct_input_runs.fetch_add(1);
+        } else if (by_kernel) {
+          const Segment& p = x.Prepared();
+          d = IntraBackwardByKernel(p.q, p.k, p.v, G, p.beta, 1.0, dqg, dkg, dW, r.dvt, dAqk, deGC, len, sub_blocks);
+        } else {
+          d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+        }
         Tensor dq = dx[0].narrow(2, t0, len);
         // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
         // the output; the Scalar one wants the output in the compute dtype).
@@ -672,6 +763,7 @@ bool KdaScanTensorCores() { return scan_tensor_cores.load(); }
 int64_t KdaScanTensorCoreLaunches() { return scan_tensor_core_launches.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
+int64_t KdaDirectInputRuns() { return direct_input_runs.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -53,7 +53,10 @@ std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const t
 // and V a multiple of 32, the two scans are CUDA kernels (SetKdaScanTensorCores below), the chunk
 // quantities kernels/cuda/kda_intra.cu's and their backward kernels/cuda/kda_intra_backward.cu's
 // (when FusedKernelsEnabled(); KdaIntraBackwardPath below); everything else is batched libtorch
-// ops, on every device.
+// ops, on every device. Those chunk kernels read the caller's q, k, v and beta as they are (fp32
+// or bf16, any batch/head/token strides with contiguous rows, q scaled as read) when q and k have
+// the HV value heads already: no fp32 copy of a segment's inputs is made (KdaDirectInputRuns).
+// g is read once, by its chunk-local cumulative sum in the compute dtype.
 // REQUIRES: shapes as in the file comment; g <= 0 (the stability argument of spec 1.5 needs it;
 // not checked per element).
 std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const torch::Tensor& k,
@@ -93,6 +96,11 @@ int64_t KdaIntraBackwardKernelRuns();
 // Segments whose sub-block Gram form's chunk quantities (the forward, and the backward's
 // recompute) ran the same block code's forward: under the same paths, for the sub-block form.
 int64_t KdaSubBlockForwardKernelRuns();
+// Kernel passes over a segment (the chunk quantities, in the forward or the backward's recompute,
+// and the intra-chunk backward) that read the caller's q, k, v and beta as they are, fp32 or
+// bf16 with q scaled as read, so far in this process: no fp32 copies of the segment's inputs were
+// made for them. Inputs with HV > H (q and k expanded) and fp64 compute are copied (prepared).
+int64_t KdaDirectInputRuns();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

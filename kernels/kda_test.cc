@@ -379,8 +379,9 @@ TEST(Kda, Tf32ScanKernelsWithinTwiceTheTf32LibtorchError_cuda) {
 // emulated on the CPU: its gradients within twice the libtorch backward's error against the fp64
 // truth, with the threads of each phase in order and in reverse giving the same bits (no thread
 // reads what another writes in the same phase), shared memory starting as NaN (nothing read
-// before written). Every supported C and K, V not a power of two, HV > H, lengths not a
-// multiple of C (padding rows), several segments.
+// before written). Every supported C and K, V not a power of two, HV > H (prepared inputs) and
+// HV = H (the caller's tensors read directly), lengths not a multiple of C (padding rows),
+// several segments.
 TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
   struct Shape {
     int64_t C, K, V, T;
@@ -395,7 +396,9 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
                           // do not (the sub-block form, differentiated by autograd in libtorch).
                           Shape{64, 128, 128, 200, -3.0, sub}, Shape{64, 64, 36, 250, -3.0, sub},
                           Shape{32, 32, 16, 124, -3.5, sub}}) {
-    const Case c{sh.C == 32 ? 2 : 1, 1, 2, sh.T, sh.K, sh.V, sh.lb};  // B 2 at C 32: the batch stride
+    // B 2 at C 32: the batch stride. H 1 (q and k expanded to HV 2: the prepared inputs) at C 32,
+    // H = HV = 2 at C 64 (the block code reads the caller's tensors, q scaled as read).
+    const Case c{sh.C == 32 ? 2 : 1, sh.C == 32 ? 1 : 2, 2, sh.T, sh.K, sh.V, sh.lb};
     Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 21);
     Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
     Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
@@ -416,7 +419,8 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     // fp32, so its indexing is what this checks).
     for (bool tc : {false, true}) {
       SetKdaScanTensorCores(tc);
-      const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns();
+      const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns(),
+                    direct = KdaDirectInputRuns();
       SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
       const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
@@ -430,6 +434,8 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
       // sub-block form's forward code in the forward and in the backward's recompute, twice too.
       EXPECT_EQ(KdaIntraBackwardKernelRuns() - runs, 2 * segments) << name;
       EXPECT_EQ(KdaSubBlockForwardKernelRuns() - forward_runs, sh.form == sub ? 4 * segments : 0) << name;
+      // Read directly: every backward, and the sub-block forward code, where H = HV.
+      EXPECT_EQ(KdaDirectInputRuns() - direct, c.H == c.HV ? (sh.form == sub ? 6 : 2) * segments : 0) << name;
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
@@ -516,6 +522,57 @@ TEST(Kda, Bf16InputsComputeInFp32) {
       EXPECT_LT(RelRms(gh[i], gf[i]), 0.02) << "lb " << lb << " " << kGradNames[i];
     }
   }
+}
+
+// The kernels read the caller's q, k, v and beta as they are (kernels/kda.cc SegmentInputs: fp32
+// or bf16, q scaled as read, no fp32 copies of a segment's inputs). bf16 inputs then give exactly
+// the bits that fp32 inputs holding the same values give (the conversion is exact and every
+// operation after it the same), forward and every gradient (the fp32 run's rounded to bf16), in
+// both Gram forms the kernels take, strided as the model passes them (token-major, heads
+// transposed), over two segments; the counter shows the kernels read them directly: the chunk
+// quantities in the forward and the backward's recompute (on the CPU only the sub-block form's
+// run the block code; the whole-chunk form's are libtorch's there, on prepared copies) and the
+// intra-chunk backward. HV > H (q and k expanded per value head) is prepared: no direct reads.
+void ExpectBf16InputsReadAsTheirFp32Values(torch::Device device) {
+  const bool cuda = device.is_cuda();
+  if (!cuda) SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
+  for (const Case& c : {Case{1, 2, 2, 200, 64, 64, -0.05}, Case{1, 2, 2, 200, 64, 64, -3.0},
+                        Case{1, 1, 2, 200, 64, 64, -0.05}}) {
+    const bool whole = c.lb > -1;
+    Inputs h = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 31).To(torch::kBFloat16, device);
+    if (c.H == c.HV) {
+      auto token_major = [](const Tensor& t) { return t.transpose(1, 2).contiguous().transpose(1, 2); };
+      h.q = token_major(h.q), h.k = token_major(h.k), h.v = token_major(h.v), h.beta = token_major(h.beta);
+    }
+    Inputs f = h;  // the same values in fp32, the same strides
+    for (Tensor* t : {&f.q, &f.k, &f.v, &f.g, &f.beta, &f.h0}) *t = t->to(torch::kFloat32);
+    ASSERT_EQ(f.q.strides(), h.q.strides());
+    // dO bf16-exact: o's cast to fp32 in Grads then hands both runs the same gradient.
+    const Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}).to(torch::kBFloat16).to(device, torch::kFloat32);
+    const Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}).to(device);
+    KdaOptions opt;
+    opt.segment = 128;  // two segments, the second padded
+    const int64_t before = KdaDirectInputRuns();
+    const std::vector<Tensor> gh = Grads(true, h, dO, dS, opt, /*forward=*/true);
+    const std::vector<Tensor> gf = Grads(true, f, dO, dS, opt, /*forward=*/true);
+    const int64_t per_segment = c.H != c.HV ? 0 : (cuda || !whole ? 3 : 1);
+    EXPECT_EQ(KdaDirectInputRuns() - before, 2 * 2 * per_segment) << Name(c);
+    for (size_t i = 0; i < gh.size(); ++i) {
+      const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
+      EXPECT_EQ(gh[i].scalar_type(), i == 7 ? torch::kFloat32 : torch::kBFloat16) << what;
+      EXPECT_TRUE(torch::equal(gh[i], gf[i].to(gh[i].scalar_type()))) << Name(c) << " " << what;
+    }
+  }
+  SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
+}
+
+TEST(Kda, KernelCodeReadsBf16InputsAsTheirFp32Values) { ExpectBf16InputsReadAsTheirFp32Values(torch::kCPU); }
+
+TEST(Kda, KernelsReadBf16InputsAsTheirFp32Values_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  ExpectBf16InputsReadAsTheirFp32Values(torch::kCUDA);
 }
 
 // The scans' tensor-core switch is a CUDA kernel's: on the CPU both settings run the same

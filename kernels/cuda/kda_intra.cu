@@ -86,15 +86,18 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
 
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / a.HV, h = bh % a.HV;
   const int64_t chunk = bh * a.N + n, t0 = n * C;
-  const float* q = a.q + b * a.q_sb + h * a.q_sh;
-  const float* k = a.k + b * a.k_sb + h * a.k_sh;
-  const float* v = a.v + b * a.v_sb + h * a.v_sh;
-  const float* beta = a.beta + b * a.b_sb + h * a.b_sh;
+  // The inputs, fp32 or bf16 (kda_intra.h KdaLoad): token t's element d; q scaled as read.
+  const int64_t qo = b * a.q_sb + h * a.q_sh, ko = b * a.k_sb + h * a.k_sh, vo = b * a.v_sb + h * a.v_sh,
+                bo = b * a.b_sb + h * a.b_sh;
+  const bool q16 = a.bf16 & kKdaBf16Q, k16 = a.bf16 & kKdaBf16K, v16 = a.bf16 & kKdaBf16V, b16 = a.bf16 & kKdaBf16Beta;
+  auto q = [&](int64_t t, int d) { return KdaLoad(a.q, q16, qo + t * a.q_st + d) * a.q_scale; };
+  auto k = [&](int64_t t, int d) { return KdaLoad(a.k, k16, ko + t * a.k_st + d); };
+  auto v = [&](int64_t t, int d) { return KdaLoad(a.v, v16, vo + t * a.v_st + d); };
   const float* G = a.G + chunk * C * K;
   const int64_t ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
   const int tid = threadIdx.x;
 
-  for (int i = tid; i < C; i += kThreads) sB[i] = t0 + i < a.L ? beta[(t0 + i) * a.b_st] : 0.f;
+  for (int i = tid; i < C; i += kThreads) sB[i] = t0 + i < a.L ? KdaLoad(a.beta, b16, bo + (t0 + i) * a.b_st) : 0.f;
   __syncthreads();
 
   // The Gram tiles: threads [0, tiles) on Lkk, [tiles, 2 tiles) on Aqk; sums across the slices.
@@ -122,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
         const int64_t t = t0 + i;
         const bool in = t < a.L;
         gs[s] = G[i * K + d];
-        ks[s] = in ? k[t * a.k_st + d] : 0.f;
-        qs[s] = in ? q[t * a.q_st + d] : 0.f;
+        ks[s] = in ? k(t, d) : 0.f;
+        qs[s] = in ? q(t, d) : 0.f;
       }
 #pragma unroll
       for (int s = 0; s < kBatch; ++s) {
@@ -173,12 +176,12 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   for (int e = tid; e < C * K; e += kThreads) {
     const int i = e / K, d = e % K;
     const int64_t t = t0 + i;
-    sX[i * L::kLdX + d] = t < a.L ? sB[i] * k[t * a.k_st + d] * expf(G[e]) : 0.f;
+    sX[i * L::kLdX + d] = t < a.L ? sB[i] * k(t, d) * expf(G[e]) : 0.f;
   }
   for (int e = tid; e < C * V; e += kThreads) {
     const int i = e / V, d = e % V;
     const int64_t t = t0 + i;
-    const float y = sB[i] * (t < a.L ? v[t * a.v_st + d] : 0.f);
+    const float y = sB[i] * (t < a.L ? v(t, d) : 0.f);
     sY[i * ldy + d] = y;
     if (p.cache) p.c.Y[cv + e] = y;
   }

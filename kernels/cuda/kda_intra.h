@@ -13,9 +13,11 @@
 // block also writes what the hand-written backward (IntraBackward) reads: T, Lkk, Ep, Em, qp, kp,
 // km, X, Y, EC = exp(G_C - G) and eG = exp(G).
 //
-// Raw device pointers (no CUDA or libtorch headers here), fp32. q, k (B, HV, L, K) and v
-// (B, HV, L, V) with element strides for batch, head and token (the last dim contiguous); beta
-// (B, HV, L) strided the same way; rows at or past L are zeros (the padding of the last chunk).
+// Raw device pointers (no CUDA or libtorch headers here). q, k (B, HV, L, K) and v (B, HV, L, V)
+// with element strides for batch, head and token (the last dim contiguous); beta (B, HV, L)
+// strided the same way; rows at or past L are zeros (the padding of the last chunk). Each of q, k,
+// v and beta is fp32 or bf16 (`bf16`'s bits, KdaLoad), as the caller holds it: the block converts
+// as it reads, and multiplies q by `q_scale`, so no fp32 copy of the inputs is ever made.
 // G (BH, N, C, K) contiguous: the chunk-local cumulative sums of g, padding included. Outputs
 // contiguous: qg, kg, W, Ep, Em, qp, kp, km, X, EC, eG (BH, N, C, K); U, Y (BH, N, C, V); Aqk, T,
 // Lkk (BH, N, C, C); eGC (BH, N, K). Supported: KdaIntraSupported. Returns the launch's
@@ -23,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace odyssey::kernels::cuda {
@@ -47,16 +50,44 @@ decltype(auto) ByChunkAndKey(int64_t C, int64_t K, F&& f) {
 // the chunk).
 bool KdaIntraSupported(int64_t C, int64_t K, int64_t V);
 
+// Which of the chunk kernels' inputs are bf16 (the others fp32): KdaIntraArgs::bf16 and
+// KdaIntraBackwardArgs::bf16 are these bits.
+enum : uint8_t { kKdaBf16Q = 1, kKdaBf16K = 2, kKdaBf16V = 4, kKdaBf16Beta = 8 };
+
+#if defined(__CUDACC__)
+#define KDA_LOAD_HD __host__ __device__ __forceinline__
+#else
+#define KDA_LOAD_HD inline
+#endif
+// Element i of an input that is bf16 (its 16 bits are the top half of an fp32: exact) or fp32.
+KDA_LOAD_HD float KdaLoad(const void* p, bool bf16, int64_t i) {
+  if (bf16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(bits);
+#else
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+  }
+  return static_cast<const float*>(p)[i];
+}
+#undef KDA_LOAD_HD
+
 struct KdaIntraCache {
   float *T, *Lkk, *Ep, *Em, *qp, *kp, *km, *X, *Y, *EC, *eG;
 };
 
 struct KdaIntraArgs {
-  const float *q, *k, *v, *beta, *G;
+  const void *q, *k, *v, *beta;  // fp32 or bf16 (`bf16`)
+  const float* G;
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, b_sb, b_sh, b_st;
   int64_t B, HV, N, C, K, V, L;
   float *qg, *kg, *W, *U, *Aqk, *eGC;
   const KdaIntraCache* cache;  // null: the forward's outputs only
+  uint8_t bf16 = 0;            // kKdaBf16* bits: which of q, k, v, beta are bf16
+  float q_scale = 1.f;         // q as read is q * q_scale
 };
 int KdaIntraForward(const KdaIntraArgs& args, void* stream);
 

@@ -15,10 +15,12 @@
 // and kernels/kda.cc's host emulation (tests: the same code, thread by thread between barriers,
 // on the CPU) both compile.
 //
-// Raw pointers, fp32. q, k, v, beta and G exactly as KdaIntraArgs (kernels/cuda/kda_intra.h);
+// Raw pointers. q, k, v, beta (fp32 or bf16, q times q_scale as read) and G (fp32) exactly as
+// KdaIntraArgs (kernels/cuda/kda_intra.h); the rest fp32:
 // the gradients of the chunk quantities contiguous: dqg, dkg, dW (BH, N, C, K), dU (BH, N, C,
 // V), dAqk (BH, N, C, C), deGC (BH, N, K). Outputs contiguous over every row of every chunk
-// (the padding rows too): dq, dk, dg (BH, N, C, K), dv (BH, N, C, V), dbeta (BH, N, C).
+// (the padding rows too): dq, dk, dg (BH, N, C, K), dv (BH, N, C, V), dbeta (BH, N, C); dq is
+// the gradient of q as read (times q_scale).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +30,8 @@
 namespace odyssey::kernels::cuda {
 
 struct KdaIntraBackwardArgs {
-  const float *q, *k, *v, *beta, *G;
+  const void *q, *k, *v, *beta;  // fp32 or bf16 (`bf16`)
+  const float* G;
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, b_sb, b_sh, b_st;
   int64_t B, HV, N, C, K, V, L;
   const float *dqg, *dkg, *dW, *dU, *dAqk, *deGC;
@@ -41,6 +44,8 @@ struct KdaIntraBackwardArgs {
   // (kda_intra_backward_body.h TensorCoreForm: the whole-chunk form, V a multiple of 8); the
   // element-wise work, the UT inverse's substitutions and every sum stay fp32.
   bool tf32 = false;
+  uint8_t bf16 = 0;     // kKdaBf16* bits (kernels/cuda/kda_intra.h): which of q, k, v, beta are bf16
+  float q_scale = 1.f;  // q as read is q * q_scale
 };
 
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).

@@ -176,7 +176,8 @@ struct ChunkView {
   const Args& a;
   int V, ldK, ldV, ldC;
   int64_t chunk, t0, ck, cv, cc;
-  const float *q, *k, *v, *beta, *G;
+  int64_t qo, ko, vo, bo;  // the (batch, head)'s first element of q, k, v, beta
+  const float* G;
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
   KDA_HD ChunkView(const Args& args, float* sm, int64_t bh, int64_t n) : a(args) {
@@ -184,18 +185,29 @@ struct ChunkView {
     const int64_t b = bh / a.HV, h = bh % a.HV;
     chunk = bh * a.N + n, t0 = n * C;
     ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
-    q = a.q + b * a.q_sb + h * a.q_sh;
-    k = a.k + b * a.k_sb + h * a.k_sh;
-    v = a.v + b * a.v_sb + h * a.v_sh;
-    beta = a.beta + b * a.b_sb + h * a.b_sh;
+    qo = b * a.q_sb + h * a.q_sh, ko = b * a.k_sb + h * a.k_sh, vo = b * a.v_sb + h * a.v_sh;
+    bo = b * a.b_sb + h * a.b_sh;
     G = a.G + ck;
     const int64_t big = C * (Widest(C, K, V) + Pad(kTc)), small = C * (C + Pad(kTc));
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
     S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
   }
+  // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros). The inputs are
+  // fp32 or bf16 (kda_intra.h KdaLoad); q is scaled as read.
+  KDA_HD float K_(int i, int d) const {
+    return t0 + i < a.L ? KdaLoad(a.k, a.bf16 & kKdaBf16K, ko + (t0 + i) * a.k_st + d) : 0.f;
+  }
+  KDA_HD float Q_(int i, int d) const {
+    return t0 + i < a.L ? KdaLoad(a.q, a.bf16 & kKdaBf16Q, qo + (t0 + i) * a.q_st + d) * a.q_scale : 0.f;
+  }
+  KDA_HD float V_(int i, int d) const {
+    return t0 + i < a.L ? KdaLoad(a.v, a.bf16 & kKdaBf16V, vo + (t0 + i) * a.v_st + d) : 0.f;
+  }
   // Phase 0 of both: beta of the chunk's rows (0 past L).
   KDA_HD void LoadBeta(int tid, int nt) {
-    for (int i = tid; i < C; i += nt) sB[i] = t0 + i < a.L ? beta[(t0 + i) * a.b_st] : 0.f;
+    for (int i = tid; i < C; i += nt) {
+      sB[i] = t0 + i < a.L ? KdaLoad(a.beta, a.bf16 & kKdaBf16Beta, bo + (t0 + i) * a.b_st) : 0.f;
+    }
   }
 };
 
@@ -211,11 +223,10 @@ struct ChunkView {
   using Base::ck;                                                                              \
   using Base::cv;                                                                              \
   using Base::cc;                                                                              \
-  using Base::q;                                                                               \
-  using Base::k;                                                                               \
-  using Base::v;                                                                               \
-  using Base::beta;                                                                            \
   using Base::G;                                                                               \
+  using Base::K_;                                                                              \
+  using Base::Q_;                                                                              \
+  using Base::V_;                                                                              \
   using Base::B0;                                                                              \
   using Base::B1;                                                                              \
   using Base::B2;                                                                              \
@@ -267,10 +278,6 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc> {
   using Base = ChunkView<C, K, KdaIntraBackwardArgs, kTc>;
   KDA_CHUNK_VIEW(Base)
 
-  // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros).
-  KDA_HD float K_(int i, int d) const { return t0 + i < a.L ? k[(t0 + i) * a.k_st + d] : 0.f; }
-  KDA_HD float Q_(int i, int d) const { return t0 + i < a.L ? q[(t0 + i) * a.q_st + d] : 0.f; }
-  KDA_HD float V_(int i, int d) const { return t0 + i < a.L ? v[(t0 + i) * a.v_st + d] : 0.f; }
   // The reference row of row i's factors.
   KDA_HD static int Ref(int i) { return kSub ? i / kB * kB : 0; }
   KDA_HD float Ep(int i, int d) const { return expf(G[i * K + d] - G[Ref(i) * K + d]); }
@@ -612,12 +619,11 @@ struct Block : ChunkView<C, K, KdaIntraArgs> {
   KDA_CHUNK_VIEW(Base)
 
   KDA_HD static int Ref(int i) { return i / kB * kB; }
-  KDA_HD float At(const float* x, int64_t st, int i, int d) const { return t0 + i < a.L ? x[(t0 + i) * st + d] : 0.f; }
 
   KDA_HD void Factors(int tid, int nt) {
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
-      const float kk = At(k, a.k_st, i, d), qq = At(q, a.q_st, i, d), g = G[i * K + d];
+      const float kk = K_(i, d), qq = Q_(i, d), g = G[i * K + d];
       const float ep = expf(g - G[Ref(i) * K + d]), eg = expf(g), gc = G[(C - 1) * K + d];
       B0[i * ldK + d] = kk * ep;
       B1[i * ldK + d] = kk;
@@ -629,7 +635,7 @@ struct Block : ChunkView<C, K, KdaIntraArgs> {
     }
     for (int e = tid; e < C * V; e += nt) {
       const int i = e / V, d = e % V;
-      B4[i * ldV + d] = sB[i] * At(v, a.v_st, i, d);
+      B4[i * ldV + d] = sB[i] * V_(i, d);
     }
   }
   // A_kk = diag(beta) strict_lower(L_kk) into S1, Aqk = lower(qp km) out, the keys decayed to
