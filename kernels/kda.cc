@@ -111,6 +111,14 @@ struct IntraCache {
   Tensor EC;          // exp(G_C - G): kg = k * EC
 };
 
+// The process-wide switches and counters of kernels/kda.h.
+std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
+std::atomic<bool> scan_tensor_cores{true};
+std::atomic<int64_t> scan_tensor_core_launches{0};
+std::atomic<int64_t> intra_backward_kernel_runs{0};
+std::atomic<int64_t> sub_forward_kernel_runs{0};
+std::atomic<int64_t> direct_input_runs{0};
+
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
   auto bit = [](const Tensor& t, uint8_t b) { return t.scalar_type() == torch::kBFloat16 ? b : uint8_t{0}; };
@@ -185,17 +193,12 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
           f(cache->km), f(cache->X), f(cache->Y), f(cache->EC), f(cache->eG)};
   }
   if (cache != nullptr) a.cache = &kc;
+  a.tf32 = scan_tensor_cores.load();  // the Grams and W, U on the tensor cores with the scans
   CheckKernelLaunch(cuda::KdaIntraForward(a, Stream(q)), "kda intra-chunk forward");
   return true;
 }
 #endif
 
-std::atomic<KdaIntraBackwardPath> intra_backward_path{KdaIntraBackwardPath::kAuto};
-std::atomic<bool> scan_tensor_cores{true};
-std::atomic<int64_t> scan_tensor_core_launches{0};
-std::atomic<int64_t> intra_backward_kernel_runs{0};
-std::atomic<int64_t> sub_forward_kernel_runs{0};
-std::atomic<int64_t> direct_input_runs{0};
 
 // Whether the block code of kernels/cuda/kda_intra_backward.h (the intra-chunk backward, the
 // sub-block form's forward) may run for tensors on `t`'s device computed in `ct`: the path, the

@@ -70,8 +70,11 @@ std::pair<torch::Tensor, torch::Tensor> KdaChunked(const torch::Tensor& q, const
 // mantissa bits, the class of fla's bf16 kernels and inside the spec's error bars) or in fp32:
 // the scans on CUDA cores (kernels/cuda/kda_scan.cu), the products as batched fp32 libtorch
 // matmuls. On the tensor cores the reverse scan forms Aqk^T dO itself and one kernel
-// (KdaChunkGrads) takes the chunk quantities' gradients given the states. Benchmarks and tests
-// compare the two; without the CUDA kernels it changes nothing.
+// (KdaChunkGrads) takes the chunk quantities' gradients given the states. The intra-chunk
+// kernels follow it too: the whole-chunk forward's Grams and W = T X, U = T Y
+// (kernels/cuda/kda_intra.cu) and the intra-chunk backward's products run on the tensor cores
+// under it (V a multiple of 8); their element-wise factors and the UT inverse stay fp32.
+// Benchmarks and tests compare the two; without the CUDA kernels it changes nothing.
 void SetKdaScanTensorCores(bool enabled);
 bool KdaScanTensorCores();
 // Tensor-core launches so far in this process: state scans (forward or reverse) and the chunk

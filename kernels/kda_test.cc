@@ -284,9 +284,9 @@ TEST(Kda, SegmentsEqualOneSegmentFp64) {
 // against fp64: forward and every gradient. Padding (T not a multiple of the chunk), V != K,
 // HV > H, two segments, and inputs strided as the model passes them (token-major, heads
 // transposed).
-// With `tf32` the scans run on the tensor cores (SetKdaScanTensorCores) and the reference is the
-// libtorch path with its matmuls in TF32 too (cuBLAS's TF32 mode: the same operand precision, in
-// every product of the path where the kernels round only the scans'); every error also inside the
+// With `tf32` the scans, the intra kernel's Grams and W, U and the intra backward's products run
+// on the tensor cores (SetKdaScanTensorCores) and the reference is the libtorch path with its
+// matmuls in TF32 too (cuBLAS's TF32 mode: the same operand precision); every error also inside the
 // spec's bars (4: relative RMS o and the final state 0.005, dq, dk, dv, dh0 0.008, dg, dbeta 0.02).
 void ScanKernelsAgainstLibtorch(bool tf32) {
   constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};

@@ -16,12 +16,18 @@
 //      block row, T_ij = -T_ii sum_k A_ik T_kj as two small products.
 //   D: W = T X, U = T Y by 4 x 4 tiles (a tile's 4 rows of T read as scalars: the warp's lanes
 //      share them, a broadcast).
+// With `tf32` (KdaIntraArgs; V a multiple of 8) B and D run on the tensor cores instead: 16 x 8
+// warp tiles of mma.sync m16n8k8 (kda_bwd::WarpTile, TF32 operands, fp32 sums), a warp's Gram
+// tiles summed in its registers across the slices; A_kk and T then have rows of C + 4 (the
+// fragments' rows in distinct banks). The factors, X, Y and the inverse are the same code.
 // Before the slices (one block a multiprocessor, 227 KB) the kernel held all of kp, km, qp, X, Y
 // and T's transpose at once: 25% occupancy, latency-bound (ncu at 32K tokens: 3.75 ms, 910 GB/s,
 // 9 cycles a warp between issues).
 #include "kernels/cuda/kda_intra.h"
 
 #include <cuda_runtime.h>
+
+#include "kernels/cuda/kda_intra_backward_body.h"  // WarpTile, FragRow, FragCol: the tensor-core tiles
 
 namespace odyssey::kernels::cuda {
 namespace {
@@ -47,12 +53,14 @@ __device__ __forceinline__ void OuterAdd(float (&acc)[4][4], const float* a, con
   }
 }
 
-template <int C, int K>
+template <int C, int K, bool kTc>
 struct Smem {
   static constexpr int KS = K < 64 ? K : 64;  // key columns a slice
   static constexpr int kLdT = C + 4;          // transposed kp, km, qp of a slice: [KS][C + 4] (16-byte rows)
   static constexpr int kLdX = K + 4;          // X: [C][K + 4]
-  static constexpr int kLdA = C + 1;          // A_kk, T: [C][C + 1]
+  // A_kk, T: [C][C + 1] (odd: the 4 x 4 tiles walk T's rows by columns), [C][C + 4] for the
+  // tensor-core tiles (an mma fragment's 8 rows x 4 columns in distinct banks).
+  static constexpr int kLdA = kTc ? C + 4 : C + 1;
   // The region of the slices (A, B), then of X and Y (X, D).
   static constexpr int kKp = 0, kKm = kKp + KS * kLdT, kQp = kKm + KS * kLdT, kSlices = kQp + KS * kLdT;
   static constexpr int kX = 0, kY = kX + C * kLdX;  // Y: [C][ldy], ldy = V + 4 (V at run time)
@@ -67,9 +75,9 @@ struct Smem {
   __host__ __device__ static int Floats(int V) { return B(V) + C; }
 };
 
-template <int C, int K>
+template <int C, int K, bool kTc>
 __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
-  using L = Smem<C, K>;
+  using L = Smem<C, K, kTc>;
   constexpr int KS = L::KS;
   extern __shared__ __align__(16) float sm[];
   const KdaIntraArgs& a = p.a;
@@ -107,6 +115,13 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   const int tile = qk ? tid - kTiles : tid, ti = tile / (C / 4), tj = tile % (C / 4);
   const int i0 = 4 * ti, j0 = 4 * tj;
   float acc[4][4] = {};
+  // kTc: the Grams by 16 x 8 warp tiles on the tensor cores (kda_bwd::WarpTile: TF32 operands,
+  // fp32 sums); warp w owns tiles w, w + 16, ... of the (C / 16) x (C / 8) grid of each Gram
+  // (Lkk's first, then Aqk's), kPerWarp of them, their sums in registers across the slices.
+  constexpr int kWarps = kThreads / 32, kGramTiles = (C / 16) * (C / 8);
+  constexpr int kPerWarp = (2 * kGramTiles + kWarps - 1) / kWarps;
+  const int lane = tid % 32, warp = tid / 32;
+  float tacc[kPerWarp][4] = {};
 
   // A thread's elements e = tid + s kThreads of a slice share their column (kThreads is a multiple
   // of KS), and the inputs of 4 of them are loaded before any is used: the loads are in flight
@@ -147,14 +162,43 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
       }
     }
     __syncthreads();
-    if (gram && tj <= ti) {
+    if constexpr (kTc) {
+#pragma unroll
+      for (int w = 0; w < kPerWarp; ++w) {
+        const int t = warp + w * kWarps;
+        if (t >= 2 * kGramTiles) break;
+        const int u = t % kGramTiles, ti0 = 16 * (u / (C / 8)), tj0 = 8 * (u % (C / 8));
+        // a(i, m) = rows[m][i], b(m, j) = km[m][j]: the slices are stored transposed.
+        if (tj0 < ti0 + 16) {
+          kda_bwd::WarpTile(tacc[w], t < kGramTiles ? sKp : sQp, 1, L::kLdT, sKm, L::kLdT, 1, ti0, tj0, 0, KS, lane);
+        }
+      }
+    } else if (gram && tj <= ti) {
       const float* rows = qk ? sQp : sKp;
 #pragma unroll 8
       for (int dd = 0; dd < KS; ++dd) OuterAdd(acc, rows + dd * L::kLdT + i0, sKm + dd * L::kLdT + j0);
     }
     __syncthreads();
   }
-  if (gram) {
+  if constexpr (kTc) {
+#pragma unroll
+    for (int w = 0; w < kPerWarp; ++w) {
+      const int t = warp + w * kWarps;
+      if (t >= 2 * kGramTiles) break;
+      const int u = t % kGramTiles, ti0 = 16 * (u / (C / 8)), tj0 = 8 * (u % (C / 8));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = ti0 + kda_bwd::FragRow(lane, e), j = tj0 + kda_bwd::FragCol(lane, e);
+        if (t >= kGramTiles) {
+          a.Aqk[cc + i * C + j] = j <= i ? tacc[w][e] : 0.f;
+        } else {
+          const float lk = j < i ? tacc[w][e] : 0.f;
+          if (p.cache) p.c.Lkk[cc + i * C + j] = lk;
+          sA[i * L::kLdA + j] = lk * sB[i];
+        }
+      }
+    }
+  } else if (gram) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int i = i0 + x;
@@ -224,7 +268,25 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   if (p.cache) {
     for (int e = tid; e < C * C; e += kThreads) p.c.T[cc + e] = sT[(e / C) * L::kLdA + e % C];
   }
-  // D: W = T X, U = T Y by 4 x 4 tiles (rows r0.., columns c0..); T is lower: j <= r0 + 3.
+  // D: W = T X, U = T Y by 4 x 4 tiles (rows r0.., columns c0..); T is lower: j <= r0 + 3. kTc:
+  // by 16 x 8 warp tiles on the tensor cores, T's columns m < i0 + 16.
+  if constexpr (kTc) {
+    const int xt = (C / 16) * (K / 8), yt = (C / 16) * (V / 8);
+    for (int t = warp; t < xt + yt; t += kWarps) {
+      const bool is_x = t < xt;
+      const int cols = is_x ? K : V, u = is_x ? t : t - xt;
+      const int ti0 = 16 * (u / (cols / 8)), td0 = 8 * (u % (cols / 8));
+      float out[4] = {};
+      kda_bwd::WarpTile(out, sT, L::kLdA, 1, is_x ? sX : sY, is_x ? L::kLdX : ldy, 1, ti0, td0, 0, ti0 + 16, lane);
+      float* dst = is_x ? a.W + ck : a.U + cv;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {  // the lane's rows g and g + 8, two adjacent columns each
+        const int i = ti0 + kda_bwd::FragRow(lane, 2 * h2), d = td0 + kda_bwd::FragCol(lane, 2 * h2);
+        *reinterpret_cast<float2*>(dst + static_cast<int64_t>(i) * cols + d) = make_float2(out[2 * h2], out[2 * h2 + 1]);
+      }
+    }
+    return;
+  }
   auto product = [&](const float* src, int ld, int cols, float* dst) {
     const int tiles = (C / 4) * (cols / 4);
     for (int t = tid; t < tiles; t += kThreads) {
@@ -251,19 +313,19 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   product(sY, ldy, V, a.U + cv);
 }
 
-template <int C, int K>
+template <int C, int K, bool kTc>
 int Launch(const Params& p, cudaStream_t stream) {
-  const size_t bytes = static_cast<size_t>(Smem<C, K>::Floats(static_cast<int>(p.a.V))) * sizeof(float);
+  const size_t bytes = static_cast<size_t>(Smem<C, K, kTc>::Floats(static_cast<int>(p.a.V))) * sizeof(float);
   // Above 48 KB of dynamic shared memory a kernel has to opt in (sm_90 allows 227 KB).
-  const cudaError_t e =
-      cudaFuncSetAttribute(&IntraKernel<C, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  const cudaError_t e = cudaFuncSetAttribute(&IntraKernel<C, K, kTc>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(bytes));
   if (e != cudaSuccess) return static_cast<int>(e);
   // All of the multiprocessor's unified L1 as shared memory: room for two blocks.
-  const cudaError_t carve = cudaFuncSetAttribute(&IntraKernel<C, K>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                 static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  const cudaError_t carve = cudaFuncSetAttribute(
+      &IntraKernel<C, K, kTc>, cudaFuncAttributePreferredSharedMemoryCarveout, static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (carve != cudaSuccess) return static_cast<int>(carve);
   const dim3 grid(static_cast<unsigned>(p.a.N), static_cast<unsigned>(p.a.B * p.a.HV));
-  IntraKernel<C, K><<<grid, kThreads, bytes, stream>>>(p);
+  IntraKernel<C, K, kTc><<<grid, kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -280,7 +342,12 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};
   const auto s = static_cast<cudaStream_t>(stream);
-  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) { return Launch<decltype(c)::value, decltype(k)::value>(p, s); });
+  // The tensor-core form needs every product's width a whole number of 8-column tiles.
+  const bool tc = a.tf32 && a.V % 8 == 0;
+  return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
+    constexpr int Cc = decltype(c)::value, Kc = decltype(k)::value;
+    return tc ? Launch<Cc, Kc, true>(p, s) : Launch<Cc, Kc, false>(p, s);
+  });
 }
 
 }  // namespace odyssey::kernels::cuda

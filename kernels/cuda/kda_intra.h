@@ -88,6 +88,9 @@ struct KdaIntraArgs {
   const KdaIntraCache* cache;  // null: the forward's outputs only
   uint8_t bf16 = 0;            // kKdaBf16* bits: which of q, k, v, beta are bf16
   float q_scale = 1.f;         // q as read is q * q_scale
+  // KdaIntraForward's Grams and W = T X, U = T Y on the tensor cores (TF32 operands, fp32 sums;
+  // V a multiple of 8, else the CUDA-core form); the factors and the UT inverse stay fp32.
+  bool tf32 = false;
 };
 int KdaIntraForward(const KdaIntraArgs& args, void* stream);
 
