@@ -625,6 +625,9 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     Tensor o = torch::empty(v.sizes(), v.options());
     Tensor S = h0;
     std::vector<Tensor> entry;
+    // Each segment's Gram form: the backward recomputes the same G from the same g, so it takes
+    // the form from here instead of reducing G again (a pass over G and a host sync a segment).
+    std::vector<int64_t> forms;
     for (int64_t t0 = 0; t0 < T; t0 += segment) {
       const int64_t len = std::min(segment, T - t0);
       entry.push_back(S);
@@ -635,7 +638,9 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       {
         RECORD_USER_SCOPE("kda forward: intra");
         Tensor G = ChunkCumsum(x.g, C, ct);
-        in = ComputeIntraFor(x, G, C, KdaDecayedGramForm(G));
+        const KdaGramForm form = KdaDecayedGramForm(G);
+        forms.push_back(static_cast<int64_t>(form));
+        in = ComputeIntraFor(x, G, C, form);
       }
       RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
@@ -646,6 +651,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["C"] = C;
     ctx->saved_data["segment"] = segment;
+    ctx->saved_data["forms"] = forms;
     return {o, S};
   }
 
@@ -653,6 +659,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
     const variable_list s = ctx->get_saved_variables();
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t C = ctx->saved_data["C"].toInt(), segment = ctx->saved_data["segment"].toInt();
+    const std::vector<int64_t> forms = ctx->saved_data["forms"].toIntVector();
     const Tensor& entry = s[5];  // (segments, B, HV, K, V)
     const auto ct = entry.scalar_type();
     const int64_t T = s[0].size(2), H = s[0].size(1), HV = s[2].size(1);
@@ -677,7 +684,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::NoGradGuard no_grad;
         G = ChunkCumsum(s[3].narrow(2, t0, len), C, ct);
-        const KdaGramForm form = KdaDecayedGramForm(G);
+        const auto form = static_cast<KdaGramForm>(forms[seg]);  // the forward's: the same G
         sub_blocks = form == KdaGramForm::kSubBlocks;
         // Prepared here for the by-hand forms only: the autograd form prepares its own leaves.
         if (form == KdaGramForm::kWholeChunk || (sub_blocks && BlockCodeMayRun(s[0], ct))) {
