@@ -525,15 +525,17 @@ TEST(Kda, Bf16InputsComputeInFp32) {
 }
 
 // The kernels read the caller's q, k, v and beta as they are (kernels/kda.cc SegmentInputs: fp32
-// or bf16, q scaled as read, no fp32 copies of a segment's inputs). bf16 inputs then give exactly
-// the bits that fp32 inputs holding the same values give (the conversion is exact and every
-// operation after it the same), forward and every gradient (the fp32 run's rounded to bf16), in
+// or bf16, q scaled as read, no fp32 copies of a segment's inputs), and the intra backward writes
+// the input gradients into the caller's tensors itself (rounded to bf16 as libtorch rounds). bf16
+// inputs then give exactly the bits that fp32 inputs holding the same values give (the conversion
+// is exact and every operation after it the same), forward and every gradient (the fp32 run's
+// rounded to bf16 by libtorch), in
 // both Gram forms the kernels take, strided as the model passes them (token-major, heads
 // transposed), over two segments; the counter shows the kernels read them directly: the chunk
 // quantities in the forward and the backward's recompute (on the CPU only the sub-block form's
 // run the block code; the whole-chunk form's are libtorch's there, on prepared copies) and the
 // intra-chunk backward. HV > H (q and k expanded per value head) is prepared: no direct reads.
-void ExpectBf16InputsReadAsTheirFp32Values(torch::Device device) {
+void ExpectBf16TakenAsTheFp32Values(torch::Device device) {
   const bool cuda = device.is_cuda();
   if (!cuda) SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
   for (const Case& c : {Case{1, 2, 2, 200, 64, 64, -0.05}, Case{1, 2, 2, 200, 64, 64, -3.0},
@@ -566,13 +568,13 @@ void ExpectBf16InputsReadAsTheirFp32Values(torch::Device device) {
   SetKdaIntraBackwardPath(KdaIntraBackwardPath::kAuto);
 }
 
-TEST(Kda, KernelCodeReadsBf16InputsAsTheirFp32Values) { ExpectBf16InputsReadAsTheirFp32Values(torch::kCPU); }
+TEST(Kda, KernelCodeTakesBf16AsTheFp32Values) { ExpectBf16TakenAsTheFp32Values(torch::kCPU); }
 
-TEST(Kda, KernelsReadBf16InputsAsTheirFp32Values_cuda) {
+TEST(Kda, KernelsTakeBf16AsTheFp32Values_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
   }
-  ExpectBf16InputsReadAsTheirFp32Values(torch::kCUDA);
+  ExpectBf16TakenAsTheFp32Values(torch::kCUDA);
 }
 
 // The scans' tensor-core switch is a CUDA kernel's: on the CPU both settings run the same
