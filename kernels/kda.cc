@@ -118,6 +118,8 @@ std::atomic<int64_t> scan_tensor_core_launches{0};
 std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
 std::atomic<int64_t> direct_input_runs{0};
+std::atomic<bool> direct_inputs{true};
+std::atomic<bool> direct_gradients{true};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
@@ -584,7 +586,8 @@ class SegmentInputs {
   // Whether the kernels may read the caller's q, k, v, beta: fp32 compute, q and k already with
   // HV heads, each fp32 or bf16 with contiguous rows (beta any strides).
   bool Direct() const {
-    return !torch::GradMode::is_enabled() && ct_ == torch::kFloat32 && q.size(1) == HV_ && KernelDtype(q) &&
+    return direct_inputs.load() && !torch::GradMode::is_enabled() && ct_ == torch::kFloat32 && q.size(1) == HV_ &&
+           KernelDtype(q) &&
            KernelDtype(k) && KernelDtype(v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 &&
            v.stride(3) == 1;
   }
@@ -749,7 +752,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         for (int i = 0; i < 5; ++i) out.push_back(dx[i].narrow(2, t0, len));
         bool written = false;
         if (by_kernel && x.Direct()) {
-          const bool direct_out = std::all_of(out.begin(), out.end(), [](const Tensor& t) {
+          const bool direct_out = direct_gradients.load() && std::all_of(out.begin(), out.end(), [](const Tensor& t) {
             return KernelDtype(t) && (t.dim() == 3 || t.stride(3) == 1);
           });
           d = IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, x.scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
@@ -801,6 +804,8 @@ int64_t KdaScanTensorCoreLaunches() { return scan_tensor_core_launches.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 int64_t KdaDirectInputRuns() { return direct_input_runs.load(); }
+void SetKdaDirectInputs(bool enabled) { direct_inputs.store(enabled); }
+void SetKdaDirectGradients(bool enabled) { direct_gradients.store(enabled); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits
