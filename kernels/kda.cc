@@ -130,6 +130,10 @@ uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 bool KernelDtype(const Tensor& t) {
   return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
 }
+// And q, k, v together: one dtype the kernels read (they are built for all fp32 or all bf16).
+bool KernelDtypes(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return KernelDtype(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type();
+}
 
 // The chunk quantities' outputs allocated in `in` (fp32, G's device) and the arguments of the
 // kernels that write them (kernels/cuda/kda_intra.h), without a cache; q is scaled by q_scale as
@@ -171,8 +175,8 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
-  if (!FusedKernelsEnabled() || !q.is_cuda() || !KernelDtype(q) || !KernelDtype(k) || !KernelDtype(v) ||
-      !KernelDtype(beta) || (cache != nullptr && (!fp32 || q_scale != 1.0)) || G.scalar_type() != torch::kFloat32 ||
+  if (!FusedKernelsEnabled() || !q.is_cuda() || !KernelDtypes(q, k, v) || !KernelDtype(beta) ||
+      (cache != nullptr && (!fp32 || q_scale != 1.0)) || G.scalar_type() != torch::kFloat32 ||
       !cuda::KdaIntraSupported(C, K, V) || B * HV > 65535 || q.stride(3) != 1 || k.stride(3) != 1 ||
       v.stride(3) != 1) {
     return false;
@@ -225,9 +229,7 @@ bool BlockCodeMayRun(const Tensor& t, torch::ScalarType ct) {
 // BlockCodeMayRun, fp32 or bf16 inputs of its sizes with contiguous rows.
 bool BlockCodeTakes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
   if (!BlockCodeMayRun(q, torch::kFloat32)) return false;
-  for (const Tensor* t : {&q, &k, &v, &beta}) {
-    if (!KernelDtype(*t)) return false;
-  }
+  if (!KernelDtypes(q, k, v) || !KernelDtype(beta)) return false;
   return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
          q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
 }
@@ -587,9 +589,7 @@ class SegmentInputs {
   // HV heads, each fp32 or bf16 with contiguous rows (beta any strides).
   bool Direct() const {
     return direct_inputs.load() && !torch::GradMode::is_enabled() && ct_ == torch::kFloat32 && q.size(1) == HV_ &&
-           KernelDtype(q) &&
-           KernelDtype(k) && KernelDtype(v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 &&
-           v.stride(3) == 1;
+           KernelDtypes(q, k, v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
   }
   const Segment& Prepared() {
     if (!prepared_.q.defined()) prepared_ = Prepare(q, k, v, g, beta, ct_, HV_, scale);

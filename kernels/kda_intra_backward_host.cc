@@ -2,6 +2,8 @@
 // (kda_intra_backward_body.h) on the CPU, so the CPU tests check the code the CUDA kernels run.
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/kda_intra.h"
@@ -32,31 +34,47 @@ void Emulate(int64_t blocks_bh, int64_t blocks_n, int phases, int64_t smem_float
 
 }  // namespace
 
+// Both run the block code for q, k, v of one dtype (bf16 or fp32, as the kernels are built).
 void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& a, bool reverse_threads) {
+  if (!KdaQkvSameDtype(a.bf16)) throw std::invalid_argument("KDA block code: q, k and v of different dtypes");
+  const bool in16 = KdaQkvBf16(a.bf16);
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     Emulate(a.B * a.HV, a.N, kda_bwd::sub_forward::Phases(C), kda_bwd::SmemFloats(C, K, a.V), reverse_threads,
             [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
-              kda_bwd::sub_forward::Phase<C, K>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              if (in16) {
+                kda_bwd::sub_forward::Phase<C, K, true>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              } else {
+                kda_bwd::sub_forward::Phase<C, K, false>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
+              }
             });
   });
 }
 
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads) {
+  if (!KdaQkvSameDtype(a.bf16)) throw std::invalid_argument("KDA block code: q, k and v of different dtypes");
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
-    Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V, tc), reverse_threads,
-            [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
-              constexpr int nt = kKdaIntraBackwardThreads;
-              if (tc) {
-                kda_bwd::KdaIntraBackwardPhase<C, K, false, true>(p, a, sm, bh, n, tid, nt);
-              } else if (a.sub_blocks) {
-                kda_bwd::KdaIntraBackwardPhase<C, K, true, false>(p, a, sm, bh, n, tid, nt);
-              } else {
-                kda_bwd::KdaIntraBackwardPhase<C, K, false, false>(p, a, sm, bh, n, tid, nt);
-              }
-            });
+    auto by_input = [&](auto in16) {
+      constexpr bool b16 = decltype(in16)::value;
+      Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V, tc), reverse_threads,
+              [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
+                constexpr int nt = kKdaIntraBackwardThreads;
+                if (tc) {
+                  kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16>(p, a, sm, bh, n, tid, nt);
+                } else if (a.sub_blocks) {
+                  kda_bwd::KdaIntraBackwardPhase<C, K, true, false, b16>(p, a, sm, bh, n, tid, nt);
+                } else {
+                  kda_bwd::KdaIntraBackwardPhase<C, K, false, false, b16>(p, a, sm, bh, n, tid, nt);
+                }
+              });
+    };
+    if (KdaQkvBf16(a.bf16)) {
+      by_input(std::true_type{});
+    } else {
+      by_input(std::false_type{});
+    }
   });
 }
 

@@ -27,6 +27,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/kda_intra_backward_body.h"  // WarpTile, FragRow, FragCol: the tensor-core tiles
 
 namespace odyssey::kernels::cuda {
@@ -75,7 +77,8 @@ struct Smem {
   __host__ __device__ static int Floats(int V) { return B(V) + C; }
 };
 
-template <int C, int K, bool kTc>
+// kIn16: q, k, v bf16 (else fp32), fixed at compile time (no branch in the loads).
+template <int C, int K, bool kTc, bool kIn16>
 __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   using L = Smem<C, K, kTc>;
   constexpr int KS = L::KS;
@@ -94,13 +97,16 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
 
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / a.HV, h = bh % a.HV;
   const int64_t chunk = bh * a.N + n, t0 = n * C;
-  // The inputs, fp32 or bf16 (kda_intra.h KdaLoad): token t's element d; q scaled as read.
-  const int64_t qo = b * a.q_sb + h * a.q_sh, ko = b * a.k_sb + h * a.k_sh, vo = b * a.v_sb + h * a.v_sh,
-                bo = b * a.b_sb + h * a.b_sh;
-  const bool q16 = a.bf16 & kKdaBf16Q, k16 = a.bf16 & kKdaBf16K, v16 = a.bf16 & kKdaBf16V, b16 = a.bf16 & kKdaBf16Beta;
-  auto q = [&](int64_t t, int d) { return KdaLoad(a.q, q16, qo + t * a.q_st + d) * a.q_scale; };
-  auto k = [&](int64_t t, int d) { return KdaLoad(a.k, k16, ko + t * a.k_st + d); };
-  auto v = [&](int64_t t, int d) { return KdaLoad(a.v, v16, vo + t * a.v_st + d); };
+  // The inputs, fp32 or bf16 (kIn16; beta by its own bit): token t's element d; q scaled as read.
+  using In = std::conditional_t<kIn16, uint16_t, float>;
+  const In* qp = static_cast<const In*>(a.q) + b * a.q_sb + h * a.q_sh;
+  const In* kp = static_cast<const In*>(a.k) + b * a.k_sb + h * a.k_sh;
+  const In* vp = static_cast<const In*>(a.v) + b * a.v_sb + h * a.v_sh;
+  const int64_t bo = b * a.b_sb + h * a.b_sh;
+  const bool b16 = a.bf16 & kKdaBf16Beta;
+  auto q = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(qp, t * a.q_st + d) * a.q_scale; };
+  auto k = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(kp, t * a.k_st + d); };
+  auto v = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(vp, t * a.v_st + d); };
   const float* G = a.G + chunk * C * K;
   const int64_t ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
   const int tid = threadIdx.x;
@@ -313,19 +319,19 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   product(sY, ldy, V, a.U + cv);
 }
 
-template <int C, int K, bool kTc>
+template <int C, int K, bool kTc, bool kIn16>
 int Launch(const Params& p, cudaStream_t stream) {
+  const auto kernel = &IntraKernel<C, K, kTc, kIn16>;
   const size_t bytes = static_cast<size_t>(Smem<C, K, kTc>::Floats(static_cast<int>(p.a.V))) * sizeof(float);
   // Above 48 KB of dynamic shared memory a kernel has to opt in (sm_90 allows 227 KB).
-  const cudaError_t e = cudaFuncSetAttribute(&IntraKernel<C, K, kTc>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(bytes));
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return static_cast<int>(e);
   // All of the multiprocessor's unified L1 as shared memory: room for two blocks.
-  const cudaError_t carve = cudaFuncSetAttribute(
-      &IntraKernel<C, K, kTc>, cudaFuncAttributePreferredSharedMemoryCarveout, static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  const cudaError_t carve = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (carve != cudaSuccess) return static_cast<int>(carve);
   const dim3 grid(static_cast<unsigned>(p.a.N), static_cast<unsigned>(p.a.B * p.a.HV));
-  IntraKernel<C, K, kTc><<<grid, kThreads, bytes, stream>>>(p);
+  kernel<<<grid, kThreads, bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -337,7 +343,7 @@ bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
 
 int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
-      a.N > 2147483647 || a.L > a.N * a.C) {
+      a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};
@@ -346,7 +352,8 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   const bool tc = a.tf32 && a.V % 8 == 0;
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int Cc = decltype(c)::value, Kc = decltype(k)::value;
-    return tc ? Launch<Cc, Kc, true>(p, s) : Launch<Cc, Kc, false>(p, s);
+    if (KdaQkvBf16(a.bf16)) return tc ? Launch<Cc, Kc, true, true>(p, s) : Launch<Cc, Kc, false, true>(p, s);
+    return tc ? Launch<Cc, Kc, true, false>(p, s) : Launch<Cc, Kc, false, false>(p, s);
   });
 }
 

@@ -15,9 +15,10 @@
 //
 // Raw device pointers (no CUDA or libtorch headers here). q, k (B, HV, L, K) and v (B, HV, L, V)
 // with element strides for batch, head and token (the last dim contiguous); beta (B, HV, L)
-// strided the same way; rows at or past L are zeros (the padding of the last chunk). Each of q, k,
-// v and beta is fp32 or bf16 (`bf16`'s bits, KdaLoad), as the caller holds it: the block converts
-// as it reads, and multiplies q by `q_scale`, so no fp32 copy of the inputs is ever made.
+// strided the same way; rows at or past L are zeros (the padding of the last chunk). q, k and v
+// are all fp32 or all bf16, beta either (`bf16`'s bits, KdaLoad), as the caller holds them: the
+// block converts as it reads, and multiplies q by `q_scale`, so no fp32 copy of the inputs is
+// ever made.
 // G (BH, N, C, K) contiguous: the chunk-local cumulative sums of g, padding included. Outputs
 // contiguous: qg, kg, W, Ep, Em, qp, kp, km, X, EC, eG (BH, N, C, K); U, Y (BH, N, C, V); Aqk, T,
 // Lkk (BH, N, C, C); eGC (BH, N, K). Supported: KdaIntraSupported. Returns the launch's
@@ -73,6 +74,22 @@ KDA_LOAD_HD float KdaLoad(const void* p, bool bf16, int64_t i) {
   }
   return static_cast<const float*>(p)[i];
 }
+// The same with the dtype fixed at compile time: the kernels are built for q, k and v all fp32 or
+// all bf16 (KdaQkvBf16), so the loads of their inner loops carry no branch.
+template <bool kBf16>
+KDA_LOAD_HD float KdaLoadAs(const void* p, int64_t i) {
+  if constexpr (kBf16) {
+    return KdaLoad(p, true, i);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+// q, k and v share a dtype (the kernels' requirement; beta has its own bit), and which.
+KDA_LOAD_HD bool KdaQkvSameDtype(uint8_t bits) {
+  const int m = bits & (kKdaBf16Q | kKdaBf16K | kKdaBf16V);
+  return m == 0 || m == (kKdaBf16Q | kKdaBf16K | kKdaBf16V);
+}
+KDA_LOAD_HD bool KdaQkvBf16(uint8_t bits) { return (bits & kKdaBf16Q) != 0; }
 // Element i of an output that is bf16 (rounded to nearest, ties to even, as libtorch's casts) or
 // fp32.
 KDA_LOAD_HD void KdaStore(void* p, bool bf16, int64_t i, float v) {

@@ -5,26 +5,31 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_intra_backward_body.h"
 
 namespace odyssey::kernels::cuda {
 namespace {
 
-template <int C, int K, bool kSub, bool kTc>
+// kIn16: q, k, v bf16 (else fp32), fixed at compile time so the loads of the inner loops carry no
+// branch.
+template <int C, int K, bool kSub, bool kTc, bool kIn16>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) IntraBackwardKernel(KdaIntraBackwardArgs a) {
   extern __shared__ float sm[];
   for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
-    kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
+    kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc, kIn16>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x,
+                                                           blockDim.x);
     __syncthreads();
   }
 }
 
-template <int C, int K>
+template <int C, int K, bool kIn16>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) SubBlockForwardKernel(KdaIntraArgs a) {
   extern __shared__ float sm[];
   for (int phase = 0; phase < kda_bwd::sub_forward::Phases(C); ++phase) {
-    kda_bwd::sub_forward::Phase<C, K>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
+    kda_bwd::sub_forward::Phase<C, K, kIn16>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x, blockDim.x);
     __syncthreads();
   }
 }
@@ -33,7 +38,7 @@ __global__ void __launch_bounds__(kKdaIntraBackwardThreads) SubBlockForwardKerne
 template <class Args>
 bool Valid(const Args& a) {
   return KdaIntraBackwardSupported(a.C, a.K, a.V) && a.N > 0 && a.B > 0 && a.HV > 0 && a.B * a.HV <= 65535 &&
-         a.N <= 2147483647 && a.L <= a.N * a.C;
+         a.N <= 2147483647 && a.L <= a.N * a.C && KdaQkvSameDtype(a.bf16);
 }
 
 // One block per (chunk, batch x head) with the block's shared memory.
@@ -54,7 +59,10 @@ int KdaIntraSubBlockForward(const KdaIntraArgs& a, void* stream) {
   if (!Valid(a)) return static_cast<int>(cudaErrorInvalidValue);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    return Launch(&SubBlockForwardKernel<C, K>, a, kda_bwd::SmemFloats(C, K, a.V), static_cast<cudaStream_t>(stream));
+    const auto s = static_cast<cudaStream_t>(stream);
+    const int64_t floats = kda_bwd::SmemFloats(C, K, a.V);
+    return KdaQkvBf16(a.bf16) ? Launch(&SubBlockForwardKernel<C, K, true>, a, floats, s)
+                              : Launch(&SubBlockForwardKernel<C, K, false>, a, floats, s);
   });
 }
 
@@ -65,9 +73,13 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
     const int64_t floats = kda_bwd::SmemFloats(C, K, a.V, tc);
     const auto s = static_cast<cudaStream_t>(stream);
-    if (tc) return Launch(&IntraBackwardKernel<C, K, false, true>, a, floats, s);
-    return a.sub_blocks ? Launch(&IntraBackwardKernel<C, K, true, false>, a, floats, s)
-                        : Launch(&IntraBackwardKernel<C, K, false, false>, a, floats, s);
+    auto by_input = [&](auto in16) {
+      constexpr bool b16 = decltype(in16)::value;
+      if (tc) return Launch(&IntraBackwardKernel<C, K, false, true, b16>, a, floats, s);
+      return a.sub_blocks ? Launch(&IntraBackwardKernel<C, K, true, false, b16>, a, floats, s)
+                          : Launch(&IntraBackwardKernel<C, K, false, false, b16>, a, floats, s);
+    };
+    return KdaQkvBf16(a.bf16) ? by_input(std::true_type{}) : by_input(std::false_type{});
   });
 }
 

@@ -171,13 +171,15 @@ KDA_HD void InvertRowSolve(int r0, float* T, const float* P, int ld, int tid, in
 
 // What a block of either kernel sees: its (batch x head, chunk), its inputs (Args: KdaIntraArgs or
 // KdaIntraBackwardArgs, which share these fields) and its shared memory's slots.
-template <int C, int K, class Args, bool kTc = false>
+// kIn16: q, k and v are bf16 (else fp32; kda_intra.h KdaQkvBf16).
+template <int C, int K, class Args, bool kTc = false, bool kIn16 = false>
 struct ChunkView {
   const Args& a;
   int V, ldK, ldV, ldC;
   int64_t chunk, t0, ck, cv, cc;
-  int64_t qo, ko, vo, bo;  // the (batch, head)'s first element of q, k, v, beta
-  int64_t b_, h_;          // the block's batch and value head
+  const void *qb, *kb, *vb;  // the (batch, head)'s first element of q, k, v
+  int64_t bo;                // and of beta
+  int64_t b_, h_;            // the block's batch and value head
   const float* G;
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
@@ -186,7 +188,8 @@ struct ChunkView {
     const int64_t b = bh / a.HV, h = bh % a.HV;
     chunk = bh * a.N + n, t0 = n * C;
     ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
-    qo = b * a.q_sb + h * a.q_sh, ko = b * a.k_sb + h * a.k_sh, vo = b * a.v_sb + h * a.v_sh;
+    qb = Advance(a.q, b * a.q_sb + h * a.q_sh), kb = Advance(a.k, b * a.k_sb + h * a.k_sh);
+    vb = Advance(a.v, b * a.v_sb + h * a.v_sh);
     bo = b * a.b_sb + h * a.b_sh;
     b_ = b, h_ = h;
     G = a.G + ck;
@@ -194,17 +197,21 @@ struct ChunkView {
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
     S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
   }
-  // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros). The inputs are
-  // fp32 or bf16 (kda_intra.h KdaLoad); q is scaled as read.
-  KDA_HD float K_(int i, int d) const {
-    return t0 + i < a.L ? KdaLoad(a.k, a.bf16 & kKdaBf16K, ko + (t0 + i) * a.k_st + d) : 0.f;
+  // x advanced by `elements` of q's, k's and v's dtype.
+  KDA_HD static const void* Advance(const void* x, int64_t elements) {
+    if constexpr (kIn16) {
+      return static_cast<const uint16_t*>(x) + elements;
+    } else {
+      return static_cast<const float*>(x) + elements;
+    }
   }
+  // Row i of the chunk is token t0 + i; rows at or past L are padding (zeros). q, k, v are fp32
+  // or bf16 (kIn16); q is scaled as read.
+  KDA_HD float K_(int i, int d) const { return t0 + i < a.L ? KdaLoadAs<kIn16>(kb, (t0 + i) * a.k_st + d) : 0.f; }
   KDA_HD float Q_(int i, int d) const {
-    return t0 + i < a.L ? KdaLoad(a.q, a.bf16 & kKdaBf16Q, qo + (t0 + i) * a.q_st + d) * a.q_scale : 0.f;
+    return t0 + i < a.L ? KdaLoadAs<kIn16>(qb, (t0 + i) * a.q_st + d) * a.q_scale : 0.f;
   }
-  KDA_HD float V_(int i, int d) const {
-    return t0 + i < a.L ? KdaLoad(a.v, a.bf16 & kKdaBf16V, vo + (t0 + i) * a.v_st + d) : 0.f;
-  }
+  KDA_HD float V_(int i, int d) const { return t0 + i < a.L ? KdaLoadAs<kIn16>(vb, (t0 + i) * a.v_st + d) : 0.f; }
   // Phase 0 of both: beta of the chunk's rows (0 past L).
   KDA_HD void LoadBeta(int tid, int nt) {
     for (int i = tid; i < C; i += nt) {
@@ -276,10 +283,10 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
 // warp, TF32 operands) instead of 4 x 4 register tiles a thread (fp32); the whole-chunk form only
 // (TensorCoreForm). Every output element is written by the one lane or thread that owns it, in
 // both.
-template <int C, int K, bool kSub, bool kTc = false>
-struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc> {
+template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false>
+struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   static_assert(!(kSub && kTc), "the tensor-core products take the whole-chunk form only");
-  using Base = ChunkView<C, K, KdaIntraBackwardArgs, kTc>;
+  using Base = ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16>;
   KDA_CHUNK_VIEW(Base)
 
   // The reference row of row i's factors.
@@ -621,10 +628,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc> {
 };
 
 // Phase `phase` of thread `tid` (of `nt`) of the block of (bh, chunk n).
-template <int C, int K, bool kSub, bool kTc = false>
+template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false>
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
                                   int nt) {
-  Block<C, K, kSub, kTc> b(a, sm, bh, n);
+  Block<C, K, kSub, kTc, kIn16> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (!LeadingPhase<C>(phase, b, tid, nt)) {
     switch (phase - 4 - 2 * kRows) {
@@ -648,9 +655,9 @@ namespace sub_forward {
 
 KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 1; }
 
-template <int C, int K>
-struct Block : ChunkView<C, K, KdaIntraArgs> {
-  using Base = ChunkView<C, K, KdaIntraArgs>;
+template <int C, int K, bool kIn16 = false>
+struct Block : ChunkView<C, K, KdaIntraArgs, false, kIn16> {
+  using Base = ChunkView<C, K, KdaIntraArgs, false, kIn16>;
   KDA_CHUNK_VIEW(Base)
 
   KDA_HD static int Ref(int i) { return i / kB * kB; }
@@ -711,9 +718,9 @@ struct Block : ChunkView<C, K, KdaIntraArgs> {
   }
 };
 
-template <int C, int K>
+template <int C, int K, bool kIn16 = false>
 KDA_HD void Phase(int phase, const KdaIntraArgs& a, float* sm, int64_t bh, int64_t n, int tid, int nt) {
-  Block<C, K> b(a, sm, bh, n);
+  Block<C, K, kIn16> b(a, sm, bh, n);
   if (!LeadingPhase<C>(phase, b, tid, nt)) b.Products(tid, nt);
 }
 
