@@ -7,9 +7,9 @@
 //     libtorch ops, and, up to --reference-tokens, libtorch throughout; the same shapes as bench/fla_kda_bench.py times
 //     fla's chunk_kda with. --variants picks which of those run (0 kernels, 1 fp32 on CUDA cores, 2 intra
 //     backward by libtorch, 3 libtorch; all by default), --chunk 32|64 and --segment the KdaOptions
-//     (64 and 32768 by default); --kda-direct all|inputs|off whether the kernels read the inputs and
-//     write the input gradients directly (all, the default), read the inputs only, or neither
-//     (kernels::SetKdaDirectInputs / SetKdaDirectGradients). --gate mild|strong picks the log-decay (below); --profile DIR
+//     (64 and 32768 by default); --kda-direct on|off whether the kernels read the caller's inputs
+//     directly (on, the default) or prepared fp32 copies (kernels::SetKdaDirectInputs). --gate
+//     mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
 //     its CUDA kernels and (up to --reference-tokens) its libtorch path, --selection pools (the
@@ -133,7 +133,7 @@ int Run(int argc, char** argv) {
   std::vector<int64_t> tokens = {65536, 262144};
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
   int64_t index_heads = 32, index_dim = 128;
-  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools", kda_direct = "all";
+  std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools", kda_direct = "on";
   std::vector<int64_t> warmup_blocks = {0};
   std::vector<int64_t> kda_variants = {0, 1, 2, 3};
   odyssey::kernels::KdaOptions kda_options;
@@ -200,10 +200,9 @@ int Run(int argc, char** argv) {
   if (kda_options.segment <= 0 || kda_options.segment % kda_options.chunk_size != 0)
     return refuse(absl::StrCat("--segment: ", kda_options.segment, " is not a positive multiple of the chunk (",
                                kda_options.chunk_size, ")"));
-  if (kda_direct != "all" && kda_direct != "inputs" && kda_direct != "off")
-    return refuse(absl::StrCat("--kda-direct: ", odyssey::WireText(kda_direct), " is not one of all, inputs, off"));
-  odyssey::kernels::SetKdaDirectInputs(kda_direct != "off");
-  odyssey::kernels::SetKdaDirectGradients(kda_direct == "all");
+  if (kda_direct != "on" && kda_direct != "off")
+    return refuse(absl::StrCat("--kda-direct: ", odyssey::WireText(kda_direct), " is neither on nor off"));
+  odyssey::kernels::SetKdaDirectInputs(kda_direct == "on");
   for (int64_t variant : kda_variants) {
     if (variant < 0 || variant > 3)
       return refuse(absl::StrCat("--variants: ", variant,

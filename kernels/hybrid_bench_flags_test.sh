@@ -22,7 +22,7 @@ refused "--chunk: 48 is neither 32 nor 64" --chunk 48
 refused "--segment: 100 is not a positive multiple of the chunk (64)" --segment 100
 refused "--variants: 4 is not one of" --variants 0,4
 refused "--gate: medium is neither mild nor strong" --gate medium
-refused "--kda-direct: some is not one of all, inputs, off" --kda-direct some
+refused "--kda-direct: some is neither on nor off" --kda-direct some
 refused "--ops: unknown op attention" --ops kda,attention
 refused "unknown flag --chunks" --chunks 32
 refused "--json needs a value" --ops kda --json

@@ -119,7 +119,6 @@ std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
 std::atomic<int64_t> direct_input_runs{0};
 std::atomic<bool> direct_inputs{true};
-std::atomic<bool> direct_gradients{true};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
@@ -358,23 +357,19 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
 // expanded, k expanded, as ComputeIntra took them: prepared, or the caller's fp32 or bf16 tensors
 // with q scaled by q_scale as read; dq is the scaled q's gradient either way), G and the chunk
 // quantities' gradients, for the whole-chunk or (sub_blocks) the sub-block Gram form; the block
-// recomputes every factor itself (no IntraCache). With `out` (the segment's slices of the input
-// gradients dq, dk, dv, dg, dbeta: GradsOutTake says when) the block writes them itself, dq
-// times q_scale (the caller's unscaled q's gradient), and the result is empty.
+// recomputes every factor itself (no IntraCache).
 IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
                                  const Tensor& beta, double q_scale, const Tensor& dqg, const Tensor& dkg,
                                  const Tensor& dW, const Tensor& dU, const Tensor& dAqk, const Tensor& deGC,
-                                 int64_t len, bool sub_blocks, const std::vector<Tensor>* out = nullptr) {
+                                 int64_t len, bool sub_blocks) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
   auto dense = [](const Tensor& t) { return t.contiguous(); };
   const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
                dAqkd = dense(dAqk), deGCd = dense(deGC);
   auto opts = Gd.options();
-  // dq, dk, dg: the block's sums (its scratch when it writes `out`); dv and dbeta only without.
   Tensor dq = torch::empty({B, HV, N, C, K}, opts), dk = torch::empty({B, HV, N, C, K}, opts);
-  Tensor dg = torch::empty({B, HV, N, C, K}, opts);
-  Tensor dv = out != nullptr ? torch::empty({1}, opts) : torch::empty({B, HV, N, C, V}, opts);
-  Tensor dbeta = out != nullptr ? torch::empty({1}, opts) : torch::empty({B, HV, N, C}, opts);
+  Tensor dg = torch::empty({B, HV, N, C, K}, opts), dv = torch::empty({B, HV, N, C, V}, opts);
+  Tensor dbeta = torch::empty({B, HV, N, C}, opts);
   cuda::KdaIntraBackwardArgs a{q.data_ptr(),          k.data_ptr(),          v.data_ptr(),
                                beta.data_ptr(),       Gd.data_ptr<float>(), q.stride(0),
                                q.stride(1),          q.stride(2),           k.stride(0),
@@ -392,17 +387,6 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
   a.tf32 = scan_tensor_cores.load();
   a.bf16 = Bf16Bits(q, k, v, beta);
   a.q_scale = static_cast<float>(q_scale);
-  if (out != nullptr) {
-    auto grad_out = [](const Tensor& t) {
-      cuda::KdaGradOut o;
-      o.p = t.data_ptr();
-      o.sb = t.stride(0), o.sh = t.stride(1), o.st = t.stride(2);
-      o.bf16 = t.scalar_type() == torch::kBFloat16;
-      return o;
-    };
-    a.dq_out = grad_out((*out)[0]), a.dk_out = grad_out((*out)[1]), a.dv_out = grad_out((*out)[2]);
-    a.dg_out = grad_out((*out)[3]), a.dbeta_out = grad_out((*out)[4]);
-  }
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -412,7 +396,6 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
     cuda::KdaIntraBackwardOnHost(a, intra_backward_path.load() == KdaIntraBackwardPath::kKernelCodeOnHostReversed);
   }
   intra_backward_kernel_runs.fetch_add(1);
-  if (out != nullptr) return {};
   auto unchunk = [len](const Tensor& t) { return t.flatten(2, 3).narrow(2, 0, len); };
   return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
 }
@@ -745,35 +728,24 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
         IntraGrads d;
-        // The segment's slices of the input gradients: the kernel writes them itself where it
-        // reads the caller's inputs and each is fp32 or bf16 with contiguous rows (no fp32
-        // gradients of the segment, no copies into these).
-        std::vector<Tensor> out;
-        for (int i = 0; i < 5; ++i) out.push_back(dx[i].narrow(2, t0, len));
-        bool written = false;
         if (by_kernel && x.Direct()) {
-          const bool direct_out = direct_gradients.load() && std::all_of(out.begin(), out.end(), [](const Tensor& t) {
-            return KernelDtype(t) && (t.dim() == 3 || t.stride(3) == 1);
-          });
           d = IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, x.scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
-                                    sub_blocks, direct_out ? &out : nullptr);
+                                    sub_blocks);
           direct_input_runs.fetch_add(1);
-          written = direct_out;
         } else if (by_kernel) {
           const Segment& p = x.Prepared();
           d = IntraBackwardByKernel(p.q, p.k, p.v, G, p.beta, 1.0, dqg, dkg, dW, r.dvt, dAqk, deGC, len, sub_blocks);
         } else {
           d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
         }
-        if (!written) {
-          // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
-          // the output; the Scalar one wants the output in the compute dtype).
-          at::mul_out(out[0], SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
-          out[1].copy_(SumHeadRepeats(d.dk, H));
-          out[2].copy_(d.dv);
-          out[3].copy_(d.dg);
-          out[4].copy_(d.dbeta);
-        }
+        Tensor dq = dx[0].narrow(2, t0, len);
+        // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
+        // the output; the Scalar one wants the output in the compute dtype).
+        at::mul_out(dq, SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
+        dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
+        dx[2].narrow(2, t0, len).copy_(d.dv);
+        dx[3].narrow(2, t0, len).copy_(d.dg);
+        dx[4].narrow(2, t0, len).copy_(d.dbeta);
       } else {
         RECORD_USER_SCOPE("kda backward: intra autograd");
         // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
@@ -805,7 +777,6 @@ int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load();
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 int64_t KdaDirectInputRuns() { return direct_input_runs.load(); }
 void SetKdaDirectInputs(bool enabled) { direct_inputs.store(enabled); }
-void SetKdaDirectGradients(bool enabled) { direct_gradients.store(enabled); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -105,11 +105,8 @@ int64_t KdaSubBlockForwardKernelRuns();
 // made for them. Inputs with HV > H (q and k expanded) and fp64 compute are copied (prepared).
 int64_t KdaDirectInputRuns();
 // Process-wide (set before the calls; benchmarks compare): whether the chunk kernels read the
-// caller's inputs directly where they can (default on; off: the prepared fp32 copies) and
-// whether the intra-chunk backward kernel then also writes the input gradients into the caller's
-// tensors itself (default on; off: it writes fp32 gradients of the segment, which are copied).
+// caller's inputs directly where they can (default on; off: the prepared fp32 copies).
 void SetKdaDirectInputs(bool enabled);
-void SetKdaDirectGradients(bool enabled);
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

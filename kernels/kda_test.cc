@@ -525,11 +525,9 @@ TEST(Kda, Bf16InputsComputeInFp32) {
 }
 
 // The kernels read the caller's q, k, v and beta as they are (kernels/kda.cc SegmentInputs: fp32
-// or bf16, q scaled as read, no fp32 copies of a segment's inputs), and the intra backward writes
-// the input gradients into the caller's tensors itself (rounded to bf16 as libtorch rounds). bf16
-// inputs then give exactly the bits that fp32 inputs holding the same values give (the conversion
-// is exact and every operation after it the same), forward and every gradient (the fp32 run's
-// rounded to bf16 by libtorch), in
+// or bf16, q scaled as read, no fp32 copies of a segment's inputs). bf16 inputs then give exactly
+// the bits that fp32 inputs holding the same values give (the conversion is exact and every
+// operation after it the same), forward and every gradient (the fp32 run's rounded to bf16), in
 // both Gram forms the kernels take, strided as the model passes them (token-major, heads
 // transposed), over two segments; the counter shows the kernels read them directly: the chunk
 // quantities in the forward and the backward's recompute (on the CPU only the sub-block form's

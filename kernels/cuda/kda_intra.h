@@ -90,22 +90,6 @@ KDA_LOAD_HD bool KdaQkvSameDtype(uint8_t bits) {
   return m == 0 || m == (kKdaBf16Q | kKdaBf16K | kKdaBf16V);
 }
 KDA_LOAD_HD bool KdaQkvBf16(uint8_t bits) { return (bits & kKdaBf16Q) != 0; }
-// Element i of an output that is bf16 (rounded to nearest, ties to even, as libtorch's casts) or
-// fp32.
-KDA_LOAD_HD void KdaStore(void* p, bool bf16, int64_t i, float v) {
-  if (bf16) {
-#if defined(__CUDA_ARCH__)
-    const uint32_t u = __float_as_uint(v);
-#else
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-#endif
-    const uint32_t r = v != v ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(r);
-    return;
-  }
-  static_cast<float*>(p)[i] = v;
-}
 #undef KDA_LOAD_HD
 
 struct KdaIntraCache {

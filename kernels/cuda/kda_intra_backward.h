@@ -29,15 +29,6 @@
 
 namespace odyssey::kernels::cuda {
 
-// An input gradient as it leaves the kernel: (B, HV, L, .) with element strides for batch, head
-// and token (the last dim contiguous; beta's gradient (B, HV, L)), fp32 or bf16; rows at or past
-// L are not written.
-struct KdaGradOut {
-  void* p = nullptr;
-  int64_t sb = 0, sh = 0, st = 0;
-  bool bf16 = false;
-};
-
 struct KdaIntraBackwardArgs {
   const void *q, *k, *v, *beta;  // fp32 or bf16 (`bf16`)
   const float* G;
@@ -55,10 +46,6 @@ struct KdaIntraBackwardArgs {
   bool tf32 = false;
   uint8_t bf16 = 0;     // kKdaBf16* bits (kernels/cuda/kda_intra.h): which of q, k, v, beta are bf16
   float q_scale = 1.f;  // q as read is q * q_scale
-  // With dq_out.p set, the block writes the gradients of the caller's q (times q_scale: the
-  // unscaled q's), k, v, g and beta into these (all five set) as it finishes them; dq, dk and dg
-  // above are then only its scratch for the sums (rows past L included), dv and dbeta unused.
-  KdaGradOut dq_out{}, dk_out{}, dv_out{}, dg_out{}, dbeta_out{};
 };
 
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).

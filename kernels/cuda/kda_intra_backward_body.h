@@ -179,7 +179,6 @@ struct ChunkView {
   int64_t chunk, t0, ck, cv, cc;
   const void *qb, *kb, *vb;  // the (batch, head)'s first element of q, k, v
   int64_t bo;                // and of beta
-  int64_t b_, h_;            // the block's batch and value head
   const float* G;
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
@@ -191,7 +190,6 @@ struct ChunkView {
     qb = Advance(a.q, b * a.q_sb + h * a.q_sh), kb = Advance(a.k, b * a.k_sb + h * a.k_sh);
     vb = Advance(a.v, b * a.v_sb + h * a.v_sh);
     bo = b * a.b_sb + h * a.b_sh;
-    b_ = b, h_ = h;
     G = a.G + ck;
     const int64_t big = C * (Widest(C, K, V) + Pad(kTc)), small = C * (C + Pad(kTc));
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
@@ -233,8 +231,6 @@ struct ChunkView {
   using Base::cv;                                                                              \
   using Base::cc;                                                                              \
   using Base::G;                                                                               \
-  using Base::b_;                                                                              \
-  using Base::h_;                                                                              \
   using Base::K_;                                                                              \
   using Base::Q_;                                                                              \
   using Base::V_;                                                                              \
@@ -297,12 +293,6 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   KDA_HD float EC(int i, int d) const { return expf(G[(C - 1) * K + d] - G[i * K + d]); }
   // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
   static constexpr int kPer = kTc ? 2 : 4;
-  // Whether the input gradients leave through KdaIntraBackwardArgs::*_out; element (i, d) of one
-  // (row i of the chunk; none past L).
-  KDA_HD bool Direct() const { return a.dq_out.p != nullptr; }
-  KDA_HD void Out(KdaGradOut o, int i, int d, float v) const {  // by value: no local copy of the parameter
-    if (t0 + i < a.L) KdaStore(o.p, o.bf16, b_ * o.sb + h_ * o.sh + (t0 + i) * o.st + d, v);
-  }
 
   // 1: the factors the products read; the outputs' first terms.
   KDA_HD void Factors(int tid, int nt) {
@@ -399,11 +389,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       a.dg[o] += g * B4[i * ldK + d];
       return g * (K_(i, d) * eg);
     }
-    if (Direct()) {
-      Out(a.dv_out, i, d, g * sB[i]);
-    } else {
-      a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
-    }
+    a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
     return g * V_(i, d);
   }
   KDA_HD void GradXY(int tid, int nt) {
@@ -539,16 +525,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   KDA_HD void QKOut(int r, int d, float dkp, float dqp, float dkm) {
     const int64_t o = ck + static_cast<int64_t>(r) * K + d;
     const float ep = Ep(r, d);
+    a.dq[o] += dqp * ep;
     // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
     const float dk_m = kSub ? dkm : dkm * Em(r, d);
-    // dq's and dk's last terms: with Direct() they leave from here.
-    if (Direct()) {
-      Out(a.dq_out, r, d, (a.dq[o] + dqp * ep) * a.q_scale);
-      Out(a.dk_out, r, d, a.dk[o] + (dkp * ep + dk_m));
-    } else {
-      a.dq[o] += dqp * ep;
-      a.dk[o] += dkp * ep + dk_m;
-    }
+    a.dk[o] += dkp * ep + dk_m;
     // dG_r loses dkm times what B1 holds: km (whole chunk) or k itself (kSub, the factor folded in).
     a.dg[o] += dqp * B4[r * ldK + d] + dkp * B0[r * ldK + d] - dkm * B1[r * ldK + d];
   }
@@ -593,7 +573,6 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
         TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
       }
-      // Unrolled: the tiles stay in registers (indexed at run time they would go to local memory).
       KDA_UNROLL
       for (int x = 0; x < 4; ++x) {
         KDA_UNROLL
@@ -610,20 +589,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int i = C - 1; i >= 0; --i) {
         const int64_t o = ck + static_cast<int64_t>(i) * K + d;
         s += a.dg[o];
-        if (Direct()) {
-          Out(a.dg_out, i, d, s);
-        } else {
-          a.dg[o] = s;
-        }
+        a.dg[o] = s;
       }
     }
-    for (int i = tid; i < C; i += nt) {
-      if (Direct()) {
-        Out(a.dbeta_out, i, 0, sDb[i]);
-      } else {
-        a.dbeta[chunk * C + i] = sDb[i];
-      }
-    }
+    for (int i = tid; i < C; i += nt) a.dbeta[chunk * C + i] = sDb[i];
   }
 };
 
