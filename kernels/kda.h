@@ -53,9 +53,10 @@ std::pair<torch::Tensor, torch::Tensor> KdaNaive(const torch::Tensor& q, const t
 // and V a multiple of 32, the two scans are CUDA kernels (SetKdaScanTensorCores below), the chunk
 // quantities kernels/cuda/kda_intra.cu's and their backward kernels/cuda/kda_intra_backward.cu's
 // (when FusedKernelsEnabled(); KdaIntraBackwardPath below); everything else is batched libtorch
-// ops, on every device. Those chunk kernels read the caller's q, k, v and beta as they are (fp32
-// or bf16, any batch/head/token strides with contiguous rows, q scaled as read) when q and k have
-// the HV value heads already: no fp32 copy of a segment's inputs is made (KdaDirectInputRuns).
+// ops, on every device. Those chunk kernels read the caller's q, k, v and beta as they are (q, k,
+// v all fp32 or all bf16, beta either; any batch/head/token strides with contiguous rows; q scaled
+// as read) when q and k have the HV value heads already: no fp32 copy of a segment's inputs is
+// made (KdaDirectInputRuns).
 // g is read once, by its chunk-local cumulative sum in the compute dtype.
 // REQUIRES: shapes as in the file comment; g <= 0 (the stability argument of spec 1.5 needs it;
 // not checked per element).
