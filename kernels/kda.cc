@@ -578,6 +578,17 @@ class SegmentInputs {
     if (!prepared_.q.defined()) prepared_ = Prepare(q, k, v, g, beta, ct_, HV_, scale);
     return prepared_;
   }
+  // What the block code reads: the caller's tensors with q's scale (Direct()), else the prepared
+  // ones (q already scaled).
+  struct ForKernels {
+    const Tensor &q, &k, &v, &beta;
+    double q_scale;
+  };
+  ForKernels Kernels() {
+    if (Direct()) return {q, k, v, beta, scale};
+    const Segment& p = Prepared();
+    return {p.q, p.k, p.v, p.beta, 1.0};
+  }
 
   Tensor q, k, v, g, beta;
   double scale = 1.0;
@@ -692,12 +703,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         if (form == KdaGramForm::kWholeChunk || (sub_blocks && BlockCodeMayRun(s[0], ct))) {
           x = SegmentInputs(s[0].narrow(2, t0, len), s[1].narrow(2, t0, len), s[2].narrow(2, t0, len),
                             s[3].narrow(2, t0, len), s[4].narrow(2, t0, len), ct, HV, scale);
-          if (x.Direct()) {
-            by_kernel = BlockCodeTakes(x.q, x.k, x.v, x.beta, C);
-          } else {
-            const Segment& p = x.Prepared();
-            by_kernel = BlockCodeTakes(p.q, p.k, p.v, p.beta, C);
-          }
+          const SegmentInputs::ForKernels kx = x.Kernels();
+          by_kernel = BlockCodeTakes(kx.q, kx.k, kx.v, kx.beta, C);
         }
         by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
         if (by_hand) {
@@ -728,13 +735,11 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
         IntraGrads d;
-        if (by_kernel && x.Direct()) {
-          d = IntraBackwardByKernel(x.q, x.k, x.v, G, x.beta, x.scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
+        if (by_kernel) {
+          const SegmentInputs::ForKernels kx = x.Kernels();
+          d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
                                     sub_blocks);
-          direct_input_runs.fetch_add(1);
-        } else if (by_kernel) {
-          const Segment& p = x.Prepared();
-          d = IntraBackwardByKernel(p.q, p.k, p.v, G, p.beta, 1.0, dqg, dkg, dW, r.dvt, dAqk, deGC, len, sub_blocks);
+          if (x.Direct()) direct_input_runs.fetch_add(1);
         } else {
           d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
         }
