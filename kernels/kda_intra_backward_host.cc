@@ -14,23 +14,37 @@ namespace odyssey::kernels::cuda {
 
 namespace {
 
-// Runs `phase(p, sm, bh, n, tid)` for every block (bh, n) of the grid, its phases in order and
-// each phase's threads one after another (reversed with `reverse_threads`), shared memory
-// starting as NaN: a read of anything no phase wrote shows in the outputs.
-template <class Phase>
+// Runs `phase(p, sm, bh, n, tid, carry)` for every block (bh, n) of the grid, its phases in order
+// and each phase's threads one after another (reversed with `reverse_threads`), shared memory
+// and every thread's carry (what the kernel keeps in registers from phase to phase) starting as
+// NaN: a read of anything no phase wrote shows in the outputs.
+template <class Carry, class Phase>
 void Emulate(int64_t blocks_bh, int64_t blocks_n, int phases, int64_t smem_floats, bool reverse_threads,
              const Phase& phase) {
   constexpr int kThreads = kKdaIntraBackwardThreads;
   std::vector<float> sm(static_cast<size_t>(smem_floats));
+  std::vector<Carry> carry(kThreads);
   for (int64_t bh = 0; bh < blocks_bh; ++bh) {
     for (int64_t n = 0; n < blocks_n; ++n) {
       std::fill(sm.begin(), sm.end(), std::numeric_limits<float>::quiet_NaN());
+      for (Carry& c : carry) {
+        auto* f = reinterpret_cast<float*>(&c);
+        std::fill(f, f + sizeof(Carry) / sizeof(float), std::numeric_limits<float>::quiet_NaN());
+      }
       for (int p = 0; p < phases; ++p) {
-        for (int i = 0; i < kThreads; ++i) phase(p, sm.data(), bh, n, reverse_threads ? kThreads - 1 - i : i);
+        for (int i = 0; i < kThreads; ++i) {
+          const int tid = reverse_threads ? kThreads - 1 - i : i;
+          phase(p, sm.data(), bh, n, tid, carry[tid]);
+        }
       }
     }
   }
 }
+
+// The sub-block forward carries nothing between phases.
+struct NoCarry {
+  float unused;
+};
 
 }  // namespace
 
@@ -40,8 +54,8 @@ void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& a, bool reverse_threads) 
   const bool in16 = KdaQkvBf16(a.bf16);
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    Emulate(a.B * a.HV, a.N, kda_bwd::sub_forward::Phases(C), kda_bwd::SmemFloats(C, K, a.V), reverse_threads,
-            [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
+    Emulate<NoCarry>(a.B * a.HV, a.N, kda_bwd::sub_forward::Phases(C), kda_bwd::SmemFloats(C, K, a.V),
+                     reverse_threads, [&](int p, float* sm, int64_t bh, int64_t n, int tid, NoCarry&) {
               if (in16) {
                 kda_bwd::sub_forward::Phase<C, K, true>(p, a, sm, bh, n, tid, kKdaIntraBackwardThreads);
               } else {
@@ -58,17 +72,26 @@ void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads)
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
     auto by_input = [&](auto in16) {
       constexpr bool b16 = decltype(in16)::value;
-      Emulate(a.B * a.HV, a.N, kda_bwd::Phases(C), kda_bwd::SmemFloats(C, K, a.V, tc), reverse_threads,
-              [&](int p, float* sm, int64_t bh, int64_t n, int tid) {
-                constexpr int nt = kKdaIntraBackwardThreads;
-                if (tc) {
-                  kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16>(p, a, sm, bh, n, tid, nt);
-                } else if (a.sub_blocks) {
-                  kda_bwd::KdaIntraBackwardPhase<C, K, true, false, b16>(p, a, sm, bh, n, tid, nt);
-                } else {
-                  kda_bwd::KdaIntraBackwardPhase<C, K, false, false, b16>(p, a, sm, bh, n, tid, nt);
-                }
-              });
+      constexpr int nt = kKdaIntraBackwardThreads;
+      const int phases = kda_bwd::Phases(C);
+      const int64_t smem = kda_bwd::SmemFloats(C, K, a.V, tc);
+      if (tc) {
+        Emulate<kda_bwd::Carry<C, K, true>>(a.B * a.HV, a.N, phases, smem, reverse_threads,
+                                            [&](int p, float* sm, int64_t bh, int64_t n, int tid, auto& carry) {
+                                              kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16>(p, a, sm, bh, n,
+                                                                                                     tid, nt, carry);
+                                            });
+      } else {
+        Emulate<kda_bwd::Carry<C, K, false>>(
+            a.B * a.HV, a.N, phases, smem, reverse_threads,
+            [&](int p, float* sm, int64_t bh, int64_t n, int tid, auto& carry) {
+              if (a.sub_blocks) {
+                kda_bwd::KdaIntraBackwardPhase<C, K, true, false, b16>(p, a, sm, bh, n, tid, nt, carry);
+              } else {
+                kda_bwd::KdaIntraBackwardPhase<C, K, false, false, b16>(p, a, sm, bh, n, tid, nt, carry);
+              }
+            });
+      }
     };
     if (KdaQkvBf16(a.bf16)) {
       by_input(std::true_type{});

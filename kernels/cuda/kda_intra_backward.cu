@@ -18,9 +18,10 @@ namespace {
 template <int C, int K, bool kSub, bool kTc, bool kIn16>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) IntraBackwardKernel(KdaIntraBackwardArgs a) {
   extern __shared__ float sm[];
+  kda_bwd::Carry<C, K, kTc> carry;  // the thread's registers from one phase to a later one
   for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
     kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc, kIn16>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x,
-                                                           blockDim.x);
+                                                           kKdaIntraBackwardThreads, carry);
     __syncthreads();
   }
 }

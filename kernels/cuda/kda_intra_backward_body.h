@@ -8,14 +8,18 @@
 // any break of that rule would show.)
 //
 // Shared memory (floats), every matrix row-major with an odd leading dimension (column walks
-// over rows are free of bank conflicts): five "big" slots of C x (max(K, V, C) + 1), three "small"
-// C x (C + 1), the inverse's block-row scratch (16 x C), beta and dbeta of the chunk's rows.
+// over rows are free of bank conflicts): five "big" slots of C x (max(K, V, C) + 1), then the
+// tail: three "small" C x (C + 1) and the inverse's block-row scratch (16 x C), which the last
+// phases reuse for dG and the column sums' partials; beta and dbeta of the chunk's rows.
 // What the slots hold, phase by phase:
 //   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km (k itself in the sub-block form)
 //   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dA_kk -> dL
 //   B4: X -> qp                                             S0: L_kk  S1: A_kk -> dT  S2: T
-// The outputs dq, dk, dg are first written, then added to, by the phases that own their
-// elements; dg holds dG until the last phase turns it into its reverse cumulative sum.
+//   the tail, from GradQK on: dG (C x (K + 1)), then the partial column sums of dkg kg
+// Every element of dq, dk and dg is written once, by the thread or lane that owns it in GradQK
+// (dq, dk; dG into the tail) or in the last phase (dg, the reverse cumulative sum of dG): what
+// earlier phases contribute to it travels in that thread's registers (Carry: dX, whose tiles
+// GradXY gives the same owners as GradQK's), not through global memory.
 #pragma once
 
 #include <cmath>
@@ -30,9 +34,11 @@
 #if defined(__CUDACC__)
 #define KDA_HD __host__ __device__ __forceinline__
 #define KDA_UNROLL _Pragma("unroll")
+#define KDA_NO_UNROLL _Pragma("unroll 1")
 #else
 #define KDA_HD inline
 #define KDA_UNROLL
+#define KDA_NO_UNROLL
 #endif
 
 namespace odyssey::kernels::cuda::kda_bwd {
@@ -47,8 +53,16 @@ KDA_HD constexpr int64_t Widest(int64_t C, int64_t K, int64_t V) {
 // floats for the tensor-core ones (kTc: an mma fragment's 8 rows x 4 columns then fall in distinct
 // banks when read by rows, at most 2 to a bank when read transposed; widths are multiples of 8).
 KDA_HD constexpr int Pad(bool tc) { return tc ? 4 : 1; }
+// Rows of the partial column sums of dkg kg the last phase adds: one a lane's two rows (tensor
+// cores) or a thread's four.
+KDA_HD constexpr int64_t PartRows(int64_t C, bool tc) { return tc ? C / 2 : C / 4; }
+// The tail: the small slots and the inverse's scratch, or dG and the partials if wider.
+KDA_HD constexpr int64_t TailFloats(int64_t C, int64_t K, bool tc) {
+  const int64_t small = 3 * C * (C + Pad(tc)) + kB * C, late = C * (K + 1) + PartRows(C, tc) * K;
+  return small > late ? small : late;
+}
 KDA_HD int64_t SmemFloats(int64_t C, int64_t K, int64_t V, bool tc = false) {
-  return 5 * C * (Widest(C, K, V) + Pad(tc)) + 3 * C * (C + Pad(tc)) + kB * C + 2 * C;
+  return 5 * C * (Widest(C, K, V) + Pad(tc)) + TailFloats(C, K, tc) + 2 * C;
 }
 // Whether the tensor-core form takes these sizes: the whole-chunk Gram form with V a multiple of 8
 // (every product's depth and width then a whole number of mma steps).
@@ -193,7 +207,7 @@ struct ChunkView {
     G = a.G + ck;
     const int64_t big = C * (Widest(C, K, V) + Pad(kTc)), small = C * (C + Pad(kTc));
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
-    S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = P + kB * C, sDb = sB + C;
+    S0 = B4 + big, S1 = S0 + small, S2 = S1 + small, P = S2 + small, sB = S0 + TailFloats(C, K, kTc), sDb = sB + C;
   }
   // x advanced by `elements` of q's, k's and v's dtype.
   KDA_HD static const void* Advance(const void* x, int64_t elements) {
@@ -273,6 +287,27 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
   return true;
 }
 
+// Tile j of the n tiles a phase enumerates for warp (kTc) or thread `tid` of the block's
+// kKdaIntraBackwardThreads: tiles go to warps (threads) round robin, so GradXY's tiles of dX and
+// GradQK's tiles of C x K have the same owner lane by lane, which lets dX travel in registers.
+template <bool kTc>
+KDA_HD constexpr int TilesPerOwner(int n) {
+  const int owners = kTc ? kKdaIntraBackwardThreads / 32 : kKdaIntraBackwardThreads;
+  return (n + owners - 1) / owners;
+}
+template <bool kTc>
+KDA_HD int OwnedTile(int tid, int j) {
+  return kTc ? tid / 32 + j * (kKdaIntraBackwardThreads / 32) : tid + j * kKdaIntraBackwardThreads;
+}
+// What a thread carries from one phase to a later one: dX's elements of its C x K tiles (4 a
+// lane's 16 x 8 tile, or a thread's 4 x 4), from GradXY to GradQK.
+template <int C, int K, bool kTc>
+struct Carry {
+  static constexpr int kTiles = kTc ? TilesPerOwner<true>((C / 16) * (K / 8)) : TilesPerOwner<false>((C / 4) * (K / 4));
+  static constexpr int kElems = kTc ? 4 : 16;
+  float gx[kTiles][kElems];
+};
+
 // One block of the backward. kSub: the sub-block Gram form (kernels/kda.h kSubBlocks), every
 // factor against the first row of its row's 16-row block instead of the chunk's first row, so no
 // factor exceeds a block's decay. kTc: the products on the tensor cores (WarpTile, 16 x 8 tiles a
@@ -294,19 +329,15 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
   static constexpr int kPer = kTc ? 2 : 4;
 
-  // 1: the factors the products read; the outputs' first terms.
+  // 1: the factors the products read.
   KDA_HD void Factors(int tid, int nt) {
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
-      const float kk = K_(i, d), qq = Q_(i, d), eg = EG(i, d), ec = EC(i, d);
+      const float kk = K_(i, d);
       B0[i * ldK + d] = kk * Ep(i, d);
       B1[i * ldK + d] = kSub ? kk : kk * Em(i, d);  // kSub: k itself, decayed per block row on the fly
       B2[i * ldK + d] = a.dW[ck + e];
-      B4[i * ldK + d] = sB[i] * kk * eg;
-      const float dqg = a.dqg[ck + e], dkg = a.dkg[ck + e];
-      a.dq[ck + e] = dqg * eg;
-      a.dk[ck + e] = dkg * ec;
-      a.dg[ck + e] = dqg * (qq * eg) - dkg * (kk * ec);
+      B4[i * ldK + d] = sB[i] * kk * EG(i, d);
     }
     for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
   }
@@ -376,68 +407,80 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       }
     }
   }
-  // dX = T^T dW and dY = T^T dU by tiles (T lower: rows m >= i), each tile's terms of dk, dG and
-  // dv written, and its rows' partial sums of dbeta into B0 (Y's slot: dT is done): [C][K / kPer]
-  // for dX, then [C][V / kPer] for dY.
-  // Element (i, d) of dX (is_x) or dY, g its value: its terms of dk, dG, dv; returns its term of
-  // dbeta's row sum.
+  // dX = T^T dW and dY = T^T dU by tiles (T lower: rows m >= i): dX kept in the owner's carry
+  // for GradQK (its terms of dk and dG), dY's term of dv written, and each tile's rows' partial
+  // sums of dbeta into B0 (Y's slot: dT is done): [C][K / kPer] for dX, then [C][V / kPer] for dY.
+  // Element (i, d) of dX (is_x) or dY, g its value: dv for dY; returns its term of dbeta's row sum.
   KDA_HD float XYOut(bool is_x, int i, int d, float g) {
-    if (is_x) {
-      const int64_t o = ck + static_cast<int64_t>(i) * K + d;
-      const float eg = EG(i, d);
-      a.dk[o] += g * sB[i] * eg;
-      a.dg[o] += g * B4[i * ldK + d];
-      return g * (K_(i, d) * eg);
-    }
+    if (is_x) return g * (K_(i, d) * EG(i, d));
     a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
     return g * V_(i, d);
   }
-  KDA_HD void GradXY(int tid, int nt) {
+  KDA_HD void GradXY(int tid, int nt, Carry<C, K, kTc>& carry) {
     float* px = B0;
     float* py = B0 + C * (K / kPer);
     if constexpr (kTc) {
-      const int lane = tid % 32, xt = (C / 16) * (K / 8), yt = (C / 16) * (V / 8);
-      for (int tile = tid / 32; tile < xt + yt; tile += nt / 32) {
-        const bool is_x = tile < xt;
-        const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
-        const int i0 = 16 * (t / (cols / 8)), d0 = 8 * (t % (cols / 8));
-        float acc[4] = {};
-        WarpTile(acc, S2, 1, ldC, is_x ? B2 : B3, is_x ? ldK : ldV, 1, i0, d0, i0, C, lane);
+      const int lane = tid % 32;
+      constexpr int xt = (C / 16) * (K / 8);
+      const int yt = (C / 16) * (V / 8);
+      // dX's tiles first, each the j-th of its warp (GradQK's numbering), then dY's.
+      KDA_NO_UNROLL
+      for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
+        const int t = OwnedTile<true>(tid, j);
+        if (t >= xt) break;
+        const int i0 = 16 * (t / (K / 8)), d0 = 8 * (t % (K / 8));
+        float* acc = carry.gx[j];
+        for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+        WarpTile(carry.gx[j], S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C, lane);
         for (int h = 0; h < 2; ++h) {  // the lane's rows g and g + 8, two columns each
           const int i = i0 + FragRow(lane, 2 * h);
           float row = 0.f;
-          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(is_x, i, d0 + FragCol(lane, e), acc[e]);
-          const int slot = (d0 + FragCol(lane, 2 * h)) / kPer;
-          if (is_x) {
-            px[i * (K / kPer) + slot] = row;
-          } else {
-            py[i * (V / kPer) + slot] = row;
-          }
+          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(true, i, d0 + FragCol(lane, e), acc[e]);
+          px[i * (K / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
         }
       }
-      return;
-    }
-    const int xt = (C / 4) * (K / 4), yt = (C / 4) * (V / 4);
-    for (int tile = tid; tile < xt + yt; tile += nt) {
-      const bool is_x = tile < xt;
-      const int cols = is_x ? K : V, t = is_x ? tile : tile - xt;
-      const int i0 = 4 * (t / (cols / 4)), d0 = 4 * (t % (cols / 4));
-      float acc[4][4] = {};
-      if (is_x) {
-        TileProduct(acc, S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C);
-      } else {
-        TileProduct(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C);
+      for (int t = tid / 32; t < yt; t += nt / 32) {
+        const int i0 = 16 * (t / (V / 8)), d0 = 8 * (t % (V / 8));
+        float acc[4] = {};
+        WarpTile(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C, lane);
+        for (int h = 0; h < 2; ++h) {
+          const int i = i0 + FragRow(lane, 2 * h);
+          float row = 0.f;
+          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(false, i, d0 + FragCol(lane, e), acc[e]);
+          py[i * (V / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
+        }
       }
-      KDA_UNROLL
-      for (int x = 0; x < 4; ++x) {
-        const int i = i0 + x;
-        float row = 0.f;
+    } else {
+      constexpr int xt = (C / 4) * (K / 4);
+      const int yt = (C / 4) * (V / 4);
+      KDA_NO_UNROLL
+      for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
+        const int t = OwnedTile<false>(tid, j);
+        if (t >= xt) break;
+        const int i0 = 4 * (t / (K / 4)), d0 = 4 * (t % (K / 4));
+        float acc[4][4] = {};
+        TileProduct(acc, S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C);
         KDA_UNROLL
-        for (int y = 0; y < 4; ++y) row += XYOut(is_x, i, d0 + y, acc[x][y]);
-        if (is_x) {
-          px[i * (K / 4) + d0 / 4] = row;
-        } else {
-          py[i * (V / 4) + d0 / 4] = row;
+        for (int x = 0; x < 4; ++x) {
+          float row = 0.f;
+          KDA_UNROLL
+          for (int y = 0; y < 4; ++y) {
+            carry.gx[j][4 * x + y] = acc[x][y];
+            row += XYOut(true, i0 + x, d0 + y, acc[x][y]);
+          }
+          px[(i0 + x) * (K / 4) + d0 / 4] = row;
+        }
+      }
+      for (int t = tid; t < yt; t += nt) {
+        const int i0 = 4 * (t / (V / 4)), d0 = 4 * (t % (V / 4));
+        float acc[4][4] = {};
+        TileProduct(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C);
+        KDA_UNROLL
+        for (int x = 0; x < 4; ++x) {
+          float row = 0.f;
+          KDA_UNROLL
+          for (int y = 0; y < 4; ++y) row += XYOut(false, i0 + x, d0 + y, acc[x][y]);
+          py[(i0 + x) * (V / 4) + d0 / 4] = row;
         }
       }
     }
@@ -520,96 +563,121 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     }
   }
   // By tiles of rows r and columns d: dkp = dL km (dL strict lower: columns j < r), dqp = dA km
-  // (j <= r), dkm = dL^T kp + dA^T qp (rows i >= r); their terms of dq, dk and dG. The one thread
-  // (or lane) of a tile element owns it in all three.
-  KDA_HD void QKOut(int r, int d, float dkp, float dqp, float dkm) {
+  // (j <= r), dkm = dL^T kp + dA^T qp (rows i >= r). The tile's owner then has every term of its
+  // elements (dX from its carry) and writes dq, dk, dG (into the tail) and the partial column
+  // sums of dkg kg. Element (r, d): returns its dkg kg.
+  KDA_HD float QKOut(int r, int d, float dkp, float dqp, float dkm, float gx) {
     const int64_t o = ck + static_cast<int64_t>(r) * K + d;
-    const float ep = Ep(r, d);
-    a.dq[o] += dqp * ep;
+    const float ep = Ep(r, d), eg = EG(r, d), ec = EC(r, d), kk = K_(r, d), qq = Q_(r, d);
+    const float dqg = a.dqg[o], dkg = a.dkg[o];
+    a.dq[o] = dqg * eg + dqp * ep;
     // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
-    const float dk_m = kSub ? dkm : dkm * Em(r, d);
-    a.dk[o] += dkp * ep + dk_m;
-    // dG_r loses dkm times what B1 holds: km (whole chunk) or k itself (kSub, the factor folded in).
-    a.dg[o] += dqp * B4[r * ldK + d] + dkp * B0[r * ldK + d] - dkm * B1[r * ldK + d];
+    // kSub: dkm is already the gradient of k (the factor folded in), and dG loses dkm k.
+    const float em = kSub ? 1.f : Em(r, d);
+    const float xk = gx * sB[r] * eg;  // dX's term of dk (X = diag(beta) k eG)
+    a.dk[o] = dkg * ec + xk + dkp * ep + dkm * em;
+    const float kg = dkg * (kk * ec);
+    Tail()[r * (K + 1) + d] = dqg * (qq * eg) - kg + xk * kk + dqp * (qq * ep) + dkp * (kk * ep) - dkm * (kk * em);
+    return kg;
   }
-  KDA_HD void GradQK(int tid, int nt) {
+  // The tail's dG (C x (K + 1)) and, after it, the partial column sums (PartRows(C, kTc) x K).
+  KDA_HD float* Tail() const { return S0; }
+  KDA_HD float* Parts() const { return S0 + C * (K + 1); }
+  KDA_HD void GradQK(int tid, int nt, const Carry<C, K, kTc>& carry) {
+    (void)nt;
     if constexpr (kTc) {
       const int lane = tid % 32;
-      for (int tile = tid / 32; tile < (C / 16) * (K / 8); tile += nt / 32) {
+      constexpr int tiles = (C / 16) * (K / 8);
+      KDA_NO_UNROLL
+      for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
+        const int tile = OwnedTile<true>(tid, j);
+        if (tile >= tiles) break;
         const int r0 = 16 * (tile / (K / 8)), d0 = 8 * (tile % (K / 8));
-        float dkp[4] = {}, dqp[4] = {}, dkm[4] = {};
+        float dkp[4] = {}, dqp[4] = {}, dkm[4] = {}, kg[4];
         WarpTile(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
         WarpTile(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
         WarpTile(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C, lane);
         WarpTile(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C, lane);
-        for (int e = 0; e < 4; ++e) QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e]);
+        for (int e = 0; e < 4; ++e) {
+          kg[e] = QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e], carry.gx[j][e]);
+        }
+        // The lane's rows g and g + 8 summed per column: partial row r0 / 2 + g.
+        for (int e = 0; e < 2; ++e) Parts()[(r0 / 2 + FragRow(lane, 0)) * K + d0 + FragCol(lane, e)] = kg[e] + kg[e + 2];
       }
-      return;
-    }
-    constexpr int kTiles = (C / 4) * (K / 4);
-    for (int tile = tid; tile < kTiles; tile += nt) {
-      const int r0 = 4 * (tile / (K / 4)), d0 = 4 * (tile % (K / 4));
-      float dkp[4][4] = {}, dqp[4][4] = {}, dkm[4][4] = {};
-      if (kSub) {
-        // The keys decayed to the tile's block row; dkm per block row b of the rows i >= r that
-        // read r's key, each decayed to that block's reference row: dkm here is already the
-        // gradient of k_r (the factor folded in), and dG_r loses dkm k_r.
-        TileProductDecayed<false>(dkp, B3, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
-        TileProductDecayed<false>(dqp, B2, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
-        for (int rb = Ref(r0); rb < C; rb += kB) {
-          float part[4][4] = {};
-          TileProduct(part, B3, 1, ldC, B0, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
-          TileProduct(part, B2, 1, ldC, B4, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
-          for (int x = 0; x < 4; ++x) {
-            for (int y = 0; y < 4; ++y) {
-              const int r = r0 + x, d = d0 + y;
-              dkm[x][y] = fmaf(part[x][y], expf(G[rb * K + d] - G[r * K + d]), dkm[x][y]);
+    } else {
+      constexpr int tiles = (C / 4) * (K / 4);
+      KDA_NO_UNROLL
+      for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
+        const int tile = OwnedTile<false>(tid, j);
+        if (tile >= tiles) break;
+        const int r0 = 4 * (tile / (K / 4)), d0 = 4 * (tile % (K / 4));
+        float dkp[4][4] = {}, dqp[4][4] = {}, dkm[4][4] = {};
+        if (kSub) {
+          // The keys decayed to the tile's block row; dkm per block row b of the rows i >= r that
+          // read r's key, each decayed to that block's reference row: dkm here is already the
+          // gradient of k_r (the factor folded in).
+          TileProductDecayed<false>(dkp, B3, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
+          TileProductDecayed<false>(dqp, B2, ldC, 1, B1, ldK, G, K, Ref(r0), r0, d0, 0, r0 + 4);
+          for (int rb = Ref(r0); rb < C; rb += kB) {
+            float part[4][4] = {};
+            TileProduct(part, B3, 1, ldC, B0, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
+            TileProduct(part, B2, 1, ldC, B4, ldK, 1, r0, d0, rb > r0 ? rb : r0, rb + kB);
+            for (int x = 0; x < 4; ++x) {
+              for (int y = 0; y < 4; ++y) {
+                const int r = r0 + x, d = d0 + y;
+                dkm[x][y] = fmaf(part[x][y], expf(G[rb * K + d] - G[r * K + d]), dkm[x][y]);
+              }
             }
           }
+        } else {
+          TileProduct(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+          TileProduct(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
+          TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
+          TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
         }
-      } else {
-        TileProduct(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
-        TileProduct(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 4);
-        TileProduct(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C);
-        TileProduct(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C);
-      }
-      KDA_UNROLL
-      for (int x = 0; x < 4; ++x) {
+        float col[4] = {};
         KDA_UNROLL
-        for (int y = 0; y < 4; ++y) QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y]);
+        for (int x = 0; x < 4; ++x) {
+          KDA_UNROLL
+          for (int y = 0; y < 4; ++y) {
+            col[y] += QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y], carry.gx[j][4 * x + y]);
+          }
+        }
+        for (int y = 0; y < 4; ++y) Parts()[(r0 / 4) * K + d0 + y] = col[y];
       }
     }
   }
-  // The last row's terms of dG (the kg sum and deGC eGC), then dg = the reverse cumulative sum of
-  // dG down each column (a thread per column); dbeta out.
+  // dg = the reverse cumulative sum of dG down each column, from the last row's terms: the sum of
+  // dkg kg over the chunk (the partials) and deGC eGC (a thread per column); dbeta out.
   KDA_HD void Last(int tid, int nt) {
+    constexpr int kParts = static_cast<int>(PartRows(C, kTc));
     for (int d = tid; d < K; d += nt) {
       float s = a.deGC[chunk * K + d] * expf(G[(C - 1) * K + d]);
-      for (int i = 0; i < C; ++i) s = fmaf(a.dkg[ck + static_cast<int64_t>(i) * K + d], K_(i, d) * EC(i, d), s);
+      for (int p = 0; p < kParts; ++p) s += Parts()[p * K + d];
       for (int i = C - 1; i >= 0; --i) {
-        const int64_t o = ck + static_cast<int64_t>(i) * K + d;
-        s += a.dg[o];
-        a.dg[o] = s;
+        s += Tail()[i * (K + 1) + d];
+        a.dg[ck + static_cast<int64_t>(i) * K + d] = s;
       }
     }
     for (int i = tid; i < C; i += nt) a.dbeta[chunk * C + i] = sDb[i];
   }
 };
 
-// Phase `phase` of thread `tid` (of `nt`) of the block of (bh, chunk n).
+// Phase `phase` of thread `tid` (of `nt`, which must be kKdaIntraBackwardThreads) of the block
+// of (bh, chunk n); `carry` the thread's own, kept from one phase to the next.
 template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false>
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
-                                  int nt) {
+                                  int nt, Carry<C, K, kTc>& carry) {
   Block<C, K, kSub, kTc, kIn16> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (!LeadingPhase<C>(phase, b, tid, nt)) {
     switch (phase - 4 - 2 * kRows) {
       case 0: b.GradT(tid, nt); break;
-      case 1: b.GradXY(tid, nt); break;
+      case 1: b.GradXY(tid, nt, carry); break;
       case 2: b.GradR(tid, nt); break;
       case 3: b.GradAkk(tid, nt); break;
       case 4: b.GradL(tid, nt); break;
-      case 5: b.GradQK(tid, nt); break;
+      case 5: b.GradQK(tid, nt, carry); break;
       default: b.Last(tid, nt); break;
     }
   }
