@@ -322,22 +322,22 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
 
   // The reference row of row i's factors.
   KDA_HD static int Ref(int i) { return kSub ? i / kB * kB : 0; }
-  KDA_HD float Ep(int i, int d) const { return expf(G[i * K + d] - G[Ref(i) * K + d]); }
-  KDA_HD float Em(int i, int d) const { return expf(G[d] - G[i * K + d]); }
-  KDA_HD float EG(int i, int d) const { return expf(G[i * K + d]); }
-  KDA_HD float EC(int i, int d) const { return expf(G[(C - 1) * K + d] - G[i * K + d]); }
   // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
   static constexpr int kPer = kTc ? 2 : 4;
 
   // 1: the factors the products read.
+  // The element-wise loops run a thread's elements in one loop the compiler unrolls whole (nt is
+  // the constant kKdaIntraBackwardThreads in the kernel), so their loads are in flight together;
+  // grouping them by hand into fours measured slower (session 52, call K7).
   KDA_HD void Factors(int tid, int nt) {
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
-      const float kk = K_(i, d);
-      B0[i * ldK + d] = kk * Ep(i, d);
-      B1[i * ldK + d] = kSub ? kk : kk * Em(i, d);  // kSub: k itself, decayed per block row on the fly
+      const float kk = K_(i, d), gi = G[e], gr = G[Ref(i) * K + d];
+      B0[i * ldK + d] = kk * expf(gi - gr);
+      // kSub: k itself, decayed per block row on the fly; else km = k Em (the reference row is 0).
+      B1[i * ldK + d] = kSub ? kk : kk * expf(gr - gi);
       B2[i * ldK + d] = a.dW[ck + e];
-      B4[i * ldK + d] = sB[i] * kk * EG(i, d);
+      B4[i * ldK + d] = sB[i] * kk * expf(gi);
     }
     for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
   }
@@ -410,11 +410,19 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // dX = T^T dW and dY = T^T dU by tiles (T lower: rows m >= i): dX kept in the owner's carry
   // for GradQK (its terms of dk and dG), dY's term of dv written, and each tile's rows' partial
   // sums of dbeta into B0 (Y's slot: dT is done): [C][K / kPer] for dX, then [C][V / kPer] for dY.
-  // Element (i, d) of dX (is_x) or dY, g its value: dv for dY; returns its term of dbeta's row sum.
-  KDA_HD float XYOut(bool is_x, int i, int d, float g) {
-    if (is_x) return g * (K_(i, d) * EG(i, d));
+  // Element (i, d) of dX (is_x) or dY, g its value, in = k and G there (dX) or v (dY), loaded
+  // by XYIn before the product: dv for dY; returns its term of dbeta's row sum.
+  struct XYIn {
+    float kv, gi;
+  };
+  KDA_HD XYIn XYLoad(bool is_x, int i, int d) const {
+    if (is_x) return {K_(i, d), G[i * K + d]};
+    return {V_(i, d), 0.f};
+  }
+  KDA_HD float XYOut(bool is_x, int i, int d, float g, XYIn in) {
+    if (is_x) return g * (in.kv * expf(in.gi));
     a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
-    return g * V_(i, d);
+    return g * in.kv;
   }
   KDA_HD void GradXY(int tid, int nt, Carry<C, K, kTc>& carry) {
     float* px = B0;
@@ -429,24 +437,28 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         const int t = OwnedTile<true>(tid, j);
         if (t >= xt) break;
         const int i0 = 16 * (t / (K / 8)), d0 = 8 * (t % (K / 8));
+        XYIn in[4];
+        for (int e = 0; e < 4; ++e) in[e] = XYLoad(true, i0 + FragRow(lane, e), d0 + FragCol(lane, e));
         float* acc = carry.gx[j];
         for (int e = 0; e < 4; ++e) acc[e] = 0.f;
         WarpTile(carry.gx[j], S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C, lane);
         for (int h = 0; h < 2; ++h) {  // the lane's rows g and g + 8, two columns each
           const int i = i0 + FragRow(lane, 2 * h);
           float row = 0.f;
-          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(true, i, d0 + FragCol(lane, e), acc[e]);
+          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(true, i, d0 + FragCol(lane, e), acc[e], in[e]);
           px[i * (K / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
         }
       }
       for (int t = tid / 32; t < yt; t += nt / 32) {
         const int i0 = 16 * (t / (V / 8)), d0 = 8 * (t % (V / 8));
+        XYIn in[4];
+        for (int e = 0; e < 4; ++e) in[e] = XYLoad(false, i0 + FragRow(lane, e), d0 + FragCol(lane, e));
         float acc[4] = {};
         WarpTile(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C, lane);
         for (int h = 0; h < 2; ++h) {
           const int i = i0 + FragRow(lane, 2 * h);
           float row = 0.f;
-          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(false, i, d0 + FragCol(lane, e), acc[e]);
+          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(false, i, d0 + FragCol(lane, e), acc[e], in[e]);
           py[i * (V / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
         }
       }
@@ -466,7 +478,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
           KDA_UNROLL
           for (int y = 0; y < 4; ++y) {
             carry.gx[j][4 * x + y] = acc[x][y];
-            row += XYOut(true, i0 + x, d0 + y, acc[x][y]);
+            row += XYOut(true, i0 + x, d0 + y, acc[x][y], XYLoad(true, i0 + x, d0 + y));
           }
           px[(i0 + x) * (K / 4) + d0 / 4] = row;
         }
@@ -479,7 +491,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         for (int x = 0; x < 4; ++x) {
           float row = 0.f;
           KDA_UNROLL
-          for (int y = 0; y < 4; ++y) row += XYOut(false, i0 + x, d0 + y, acc[x][y]);
+          for (int y = 0; y < 4; ++y) row += XYOut(false, i0 + x, d0 + y, acc[x][y], XYLoad(false, i0 + x, d0 + y));
           py[(i0 + x) * (V / 4) + d0 / 4] = row;
         }
       }
@@ -489,10 +501,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // columns m <= j.
   KDA_HD void GradR(int tid, int nt) {
     for (int i = tid; i < C; i += nt) {
-      float s = 0.f;
-      for (int c = 0; c < K / kPer; ++c) s += B0[i * (K / kPer) + c];
-      for (int c = 0; c < V / kPer; ++c) s += B0[C * (K / kPer) + i * (V / kPer) + c];
-      sDb[i] = s;
+      float s[4] = {};  // four chains of adds, not one
+      for (int c = 0; c < K / kPer; ++c) s[c % 4] += B0[i * (K / kPer) + c];
+      for (int c = 0; c < V / kPer; ++c) s[c % 4] += B0[C * (K / kPer) + i * (V / kPer) + c];
+      sDb[i] = (s[0] + s[1]) + (s[2] + s[3]);
     }
     if constexpr (kTc) {
       const int lane = tid % 32;
@@ -514,7 +526,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       }
     }
   }
-  // dA_kk = strict_lower(-T^T R) into B3 (dU's slot), T lower: rows m >= i.
+  // dA_kk = strict_lower(-T^T R), T lower: rows m >= i. Written as dL = diag(beta) dA_kk into B3
+  // (dU's slot), and each owner's partial row sums of dA_kk L_kk (dbeta's Gram term) into S1
+  // (dT's slot: R is done), [C][Slots()]: a lane's two columns or a thread's four.
+  KDA_HD static constexpr int Slots() { return kTc ? C / 2 : C / 4; }
   KDA_HD void GradAkk(int tid, int nt) {
     if constexpr (kTc) {
       const int lane = tid % 32;
@@ -522,38 +537,46 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
         float acc[4] = {};
         if (j0 < i0 + 16) WarpTile(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C, lane);
+        float part[2] = {};
         for (int e = 0; e < 4; ++e) {
           const int i = i0 + FragRow(lane, e), j = j0 + FragCol(lane, e);
-          B3[i * ldC + j] = j < i ? -acc[e] : 0.f;
+          const float da = j < i ? -acc[e] : 0.f;
+          B3[i * ldC + j] = da * sB[i];
+          part[e / 2] = fmaf(da, S0[i * ldC + j], part[e / 2]);
         }
+        for (int h = 0; h < 2; ++h) S1[(i0 + FragRow(lane, 2 * h)) * ldC + j0 / 2 + lane % 4] = part[h];
       }
-      return;
-    }
-    constexpr int kTiles = (C / 4) * (C / 4);
-    for (int tile = tid; tile < kTiles; tile += nt) {
-      const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
-      float acc[4][4] = {};
-      if (j0 <= i0) TileProduct(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C);
-      for (int x = 0; x < 4; ++x) {
-        for (int y = 0; y < 4; ++y) {
-          const int i = i0 + x, j = j0 + y;
-          B3[i * ldC + j] = j < i ? -acc[x][y] : 0.f;
+    } else {
+      constexpr int kTiles = (C / 4) * (C / 4);
+      for (int tile = tid; tile < kTiles; tile += nt) {
+        const int i0 = 4 * (tile / (C / 4)), j0 = 4 * (tile % (C / 4));
+        float acc[4][4] = {};
+        if (j0 <= i0) TileProduct(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C);
+        for (int x = 0; x < 4; ++x) {
+          const int i = i0 + x;
+          float part = 0.f;
+          for (int y = 0; y < 4; ++y) {
+            const int j = j0 + y;
+            const float da = j < i ? -acc[x][y] : 0.f;
+            B3[i * ldC + j] = da * sB[i];
+            part = fmaf(da, S0[i * ldC + j], part);
+          }
+          S1[i * ldC + j0 / 4] = part;
         }
       }
     }
   }
-  // dbeta += rowsum(dA_kk L_kk) and dL = diag(beta) dA_kk in place (a thread per row); kp, qp
-  // (B0, B4) and dA = lower(dAqk) (B2: R is done) for the last products.
+  // dbeta += rowsum(dA_kk L_kk) from GradAkk's partials (a thread per row); kp, qp (B0, B4) and
+  // dA = lower(dAqk) (B2: R is done) for the last products.
   KDA_HD void GradL(int tid, int nt) {
     for (int i = tid; i < C; i += nt) {
-      float s = 0.f;
-      for (int j = 0; j < i; ++j) s = fmaf(B3[i * ldC + j], S0[i * ldC + j], s);
-      sDb[i] += s;
-      for (int j = 0; j < C; ++j) B3[i * ldC + j] *= sB[i];
+      float s[4] = {};
+      for (int c = 0; c < Slots(); ++c) s[c % 4] += S1[i * ldC + c];
+      sDb[i] += (s[0] + s[1]) + (s[2] + s[3]);
     }
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
-      const float ep = Ep(i, d);
+      const float ep = expf(G[e] - G[Ref(i) * K + d]);
       B0[i * ldK + d] = K_(i, d) * ep;
       B4[i * ldK + d] = Q_(i, d) * ep;
     }
@@ -565,15 +588,24 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // By tiles of rows r and columns d: dkp = dL km (dL strict lower: columns j < r), dqp = dA km
   // (j <= r), dkm = dL^T kp + dA^T qp (rows i >= r). The tile's owner then has every term of its
   // elements (dX from its carry) and writes dq, dk, dG (into the tail) and the partial column
-  // sums of dkg kg. Element (r, d): returns its dkg kg.
-  KDA_HD float QKOut(int r, int d, float dkp, float dqp, float dkm, float gx) {
+  // sums of dkg kg. Element (r, d), its inputs loaded by QKLoad before the products: returns its
+  // dkg kg.
+  struct QKIn {
+    float dqg, dkg, kk, qq, gi, gr, gc;  // G at the element, its reference row and the chunk's last row
+  };
+  KDA_HD QKIn QKLoad(int r, int d) const {
     const int64_t o = ck + static_cast<int64_t>(r) * K + d;
-    const float ep = Ep(r, d), eg = EG(r, d), ec = EC(r, d), kk = K_(r, d), qq = Q_(r, d);
-    const float dqg = a.dqg[o], dkg = a.dkg[o];
+    return {a.dqg[o], a.dkg[o], K_(r, d), Q_(r, d), G[r * K + d], G[Ref(r) * K + d], G[(C - 1) * K + d]};
+  }
+  KDA_HD float QKOut(int r, int d, float dkp, float dqp, float dkm, float gx, const QKIn& in) {
+    const int64_t o = ck + static_cast<int64_t>(r) * K + d;
+    const float ep = expf(in.gi - in.gr), eg = expf(in.gi), ec = expf(in.gc - in.gi), kk = in.kk, qq = in.qq;
+    const float dqg = in.dqg, dkg = in.dkg;
     a.dq[o] = dqg * eg + dqp * ep;
-    // Whole-chunk form: dkm is the gradient of km = k Em, so dk gains dkm Em, dG loses dkm km.
-    // kSub: dkm is already the gradient of k (the factor folded in), and dG loses dkm k.
-    const float em = kSub ? 1.f : Em(r, d);
+    // Whole-chunk form: dkm is the gradient of km = k Em (Em against row 0, the reference row), so
+    // dk gains dkm Em, dG loses dkm km. kSub: dkm is already the gradient of k (the factor folded
+    // in), and dG loses dkm k.
+    const float em = kSub ? 1.f : expf(in.gr - in.gi);
     const float xk = gx * sB[r] * eg;  // dX's term of dk (X = diag(beta) k eG)
     a.dk[o] = dkg * ec + xk + dkp * ep + dkm * em;
     const float kg = dkg * (kk * ec);
@@ -593,13 +625,15 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         const int tile = OwnedTile<true>(tid, j);
         if (tile >= tiles) break;
         const int r0 = 16 * (tile / (K / 8)), d0 = 8 * (tile % (K / 8));
+        QKIn in[4];  // in flight while the products run
+        for (int e = 0; e < 4; ++e) in[e] = QKLoad(r0 + FragRow(lane, e), d0 + FragCol(lane, e));
         float dkp[4] = {}, dqp[4] = {}, dkm[4] = {}, kg[4];
         WarpTile(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
         WarpTile(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
         WarpTile(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C, lane);
         WarpTile(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C, lane);
         for (int e = 0; e < 4; ++e) {
-          kg[e] = QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e], carry.gx[j][e]);
+          kg[e] = QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e], carry.gx[j][e], in[e]);
         }
         // The lane's rows g and g + 8 summed per column: partial row r0 / 2 + g.
         for (int e = 0; e < 2; ++e) Parts()[(r0 / 2 + FragRow(lane, 0)) * K + d0 + FragCol(lane, e)] = kg[e] + kg[e + 2];
@@ -640,7 +674,8 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         for (int x = 0; x < 4; ++x) {
           KDA_UNROLL
           for (int y = 0; y < 4; ++y) {
-            col[y] += QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y], carry.gx[j][4 * x + y]);
+            col[y] += QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y], carry.gx[j][4 * x + y],
+                            QKLoad(r0 + x, d0 + y));
           }
         }
         for (int y = 0; y < 4; ++y) Parts()[(r0 / 4) * K + d0 + y] = col[y];
