@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/kda_intra.h"
 #include "kernels/cuda/kda_intra_backward.h"
@@ -304,8 +305,8 @@ KDA_HD int OwnedTile(int tid, int j) {
 template <int C, int K, bool kTc>
 struct Carry {
   static constexpr int kTiles = kTc ? TilesPerOwner<true>((C / 16) * (K / 8)) : TilesPerOwner<false>((C / 4) * (K / 4));
-  static constexpr int kElems = kTc ? 4 : 16;
-  float gx[kTiles][kElems];
+  using Tile = std::conditional_t<kTc, float[4], float[4][4]>;  // as the tile's products hold it
+  Tile gx[kTiles];
 };
 
 // One block of the backward. kSub: the sub-block Gram form (kernels/kda.h kSubBlocks), every
@@ -424,43 +425,51 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
     return g * in.kv;
   }
+  // One tile of dX (is_x: T^T dW) or dY (T^T dU) into acc, its inputs loaded before the product,
+  // dv written for dY, its rows' partial sums of dbeta into B0's [C][cols / kPer] of dX or dY. A
+  // lane's 16 x 8 tile (tensor cores) from row i0, column d0:
+  KDA_HD void XYTile(bool is_x, int i0, int d0, int lane, float (&acc)[4]) {
+    const int cols = is_x ? K : V;
+    float* part = is_x ? B0 : B0 + C * (K / kPer);
+    XYIn in[4];
+    for (int e = 0; e < 4; ++e) in[e] = XYLoad(is_x, i0 + FragRow(lane, e), d0 + FragCol(lane, e));
+    for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+    WarpTile(acc, S2, 1, ldC, is_x ? B2 : B3, is_x ? ldK : ldV, 1, i0, d0, i0, C, lane);
+    for (int h = 0; h < 2; ++h) {  // the lane's rows g and g + 8, two columns each
+      const int i = i0 + FragRow(lane, 2 * h);
+      float row = 0.f;
+      for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(is_x, i, d0 + FragCol(lane, e), acc[e], in[e]);
+      part[i * (cols / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
+    }
+  }
+  // or a thread's 4 x 4 (CUDA cores).
+  KDA_HD void XYTile(bool is_x, int i0, int d0, float (&acc)[4][4]) {
+    const int cols = is_x ? K : V;
+    float* part = is_x ? B0 : B0 + C * (K / kPer);
+    TileProduct(acc, S2, 1, ldC, is_x ? B2 : B3, is_x ? ldK : ldV, 1, i0, d0, i0, C);
+    KDA_UNROLL
+    for (int x = 0; x < 4; ++x) {
+      float row = 0.f;
+      KDA_UNROLL
+      for (int y = 0; y < 4; ++y) row += XYOut(is_x, i0 + x, d0 + y, acc[x][y], XYLoad(is_x, i0 + x, d0 + y));
+      part[(i0 + x) * (cols / kPer) + d0 / kPer] = row;
+    }
+  }
   KDA_HD void GradXY(int tid, int nt, Carry<C, K, kTc>& carry) {
-    float* px = B0;
-    float* py = B0 + C * (K / kPer);
     if constexpr (kTc) {
       const int lane = tid % 32;
       constexpr int xt = (C / 16) * (K / 8);
       const int yt = (C / 16) * (V / 8);
-      // dX's tiles first, each the j-th of its warp (GradQK's numbering), then dY's.
+      // dX's tiles first, each the j-th of its warp (GradQK's numbering), into the carry; then dY's.
       KDA_NO_UNROLL
       for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
         const int t = OwnedTile<true>(tid, j);
         if (t >= xt) break;
-        const int i0 = 16 * (t / (K / 8)), d0 = 8 * (t % (K / 8));
-        XYIn in[4];
-        for (int e = 0; e < 4; ++e) in[e] = XYLoad(true, i0 + FragRow(lane, e), d0 + FragCol(lane, e));
-        float* acc = carry.gx[j];
-        for (int e = 0; e < 4; ++e) acc[e] = 0.f;
-        WarpTile(carry.gx[j], S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C, lane);
-        for (int h = 0; h < 2; ++h) {  // the lane's rows g and g + 8, two columns each
-          const int i = i0 + FragRow(lane, 2 * h);
-          float row = 0.f;
-          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(true, i, d0 + FragCol(lane, e), acc[e], in[e]);
-          px[i * (K / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
-        }
+        XYTile(true, 16 * (t / (K / 8)), 8 * (t % (K / 8)), lane, carry.gx[j]);
       }
       for (int t = tid / 32; t < yt; t += nt / 32) {
-        const int i0 = 16 * (t / (V / 8)), d0 = 8 * (t % (V / 8));
-        XYIn in[4];
-        for (int e = 0; e < 4; ++e) in[e] = XYLoad(false, i0 + FragRow(lane, e), d0 + FragCol(lane, e));
-        float acc[4] = {};
-        WarpTile(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C, lane);
-        for (int h = 0; h < 2; ++h) {
-          const int i = i0 + FragRow(lane, 2 * h);
-          float row = 0.f;
-          for (int e = 2 * h; e < 2 * h + 2; ++e) row += XYOut(false, i, d0 + FragCol(lane, e), acc[e], in[e]);
-          py[i * (V / kPer) + (d0 + FragCol(lane, 2 * h)) / kPer] = row;
-        }
+        float acc[4];
+        XYTile(false, 16 * (t / (V / 8)), 8 * (t % (V / 8)), lane, acc);
       }
     } else {
       constexpr int xt = (C / 4) * (K / 4);
@@ -469,31 +478,15 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int j = 0; j < Carry<C, K, kTc>::kTiles; ++j) {
         const int t = OwnedTile<false>(tid, j);
         if (t >= xt) break;
-        const int i0 = 4 * (t / (K / 4)), d0 = 4 * (t % (K / 4));
-        float acc[4][4] = {};
-        TileProduct(acc, S2, 1, ldC, B2, ldK, 1, i0, d0, i0, C);
-        KDA_UNROLL
+        float(&acc)[4][4] = carry.gx[j];
         for (int x = 0; x < 4; ++x) {
-          float row = 0.f;
-          KDA_UNROLL
-          for (int y = 0; y < 4; ++y) {
-            carry.gx[j][4 * x + y] = acc[x][y];
-            row += XYOut(true, i0 + x, d0 + y, acc[x][y], XYLoad(true, i0 + x, d0 + y));
-          }
-          px[(i0 + x) * (K / 4) + d0 / 4] = row;
+          for (int y = 0; y < 4; ++y) acc[x][y] = 0.f;
         }
+        XYTile(true, 4 * (t / (K / 4)), 4 * (t % (K / 4)), acc);
       }
       for (int t = tid; t < yt; t += nt) {
-        const int i0 = 4 * (t / (V / 4)), d0 = 4 * (t % (V / 4));
         float acc[4][4] = {};
-        TileProduct(acc, S2, 1, ldC, B3, ldV, 1, i0, d0, i0, C);
-        KDA_UNROLL
-        for (int x = 0; x < 4; ++x) {
-          float row = 0.f;
-          KDA_UNROLL
-          for (int y = 0; y < 4; ++y) row += XYOut(false, i0 + x, d0 + y, acc[x][y], XYLoad(false, i0 + x, d0 + y));
-          py[(i0 + x) * (V / 4) + d0 / 4] = row;
-        }
+        XYTile(false, 4 * (t / (V / 4)), 4 * (t % (V / 4)), acc);
       }
     }
   }
@@ -674,7 +667,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         for (int x = 0; x < 4; ++x) {
           KDA_UNROLL
           for (int y = 0; y < 4; ++y) {
-            col[y] += QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y], carry.gx[j][4 * x + y],
+            col[y] += QKOut(r0 + x, d0 + y, dkp[x][y], dqp[x][y], dkm[x][y], carry.gx[j][x][y],
                             QKLoad(r0 + x, d0 + y));
           }
         }
