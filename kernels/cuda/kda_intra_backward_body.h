@@ -13,8 +13,9 @@
 // phases reuse for dG and the column sums' partials; beta and dbeta of the chunk's rows.
 // What the slots hold, phase by phase:
 //   B0: kp -> Y -> dbeta's partial row sums -> kp again     B1: km (k itself in the sub-block form)
-//   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dA_kk -> dL
-//   B4: X -> qp                                             S0: L_kk  S1: A_kk -> dT  S2: T
+//   B2: dW -> R = dT T^T -> dA = lower(dAqk)                B3: dU -> dL = diag(beta) dA_kk
+//   B4: X -> qp                                             S0: L_kk  S2: T
+//   S1: A_kk -> dT -> the partial row sums of dA_kk L_kk (dbeta's Gram term)
 //   the tail, from GradQK on: dG (C x (K + 1)), then the partial column sums of dkg kg
 // Every element of dq, dk and dg is written once, by the thread or lane that owns it in GradQK
 // (dq, dk; dG into the tail) or in the last phase (dg, the reverse cumulative sum of dG): what
@@ -329,7 +330,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // 1: the factors the products read.
   // The element-wise loops run a thread's elements in one loop the compiler unrolls whole (nt is
   // the constant kKdaIntraBackwardThreads in the kernel), so their loads are in flight together;
-  // grouping them by hand into fours measured slower (session 52, call K7).
+  // grouping them by hand into fours measured slower (docs/benchmarks.md, nineteenth session).
   KDA_HD void Factors(int tid, int nt) {
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
@@ -412,7 +413,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // for GradQK (its terms of dk and dG), dY's term of dv written, and each tile's rows' partial
   // sums of dbeta into B0 (Y's slot: dT is done): [C][K / kPer] for dX, then [C][V / kPer] for dY.
   // Element (i, d) of dX (is_x) or dY, g its value, in = k and G there (dX) or v (dY), loaded
-  // by XYIn before the product: dv for dY; returns its term of dbeta's row sum.
+  // by XYLoad before the product: dv for dY; returns its term of dbeta's row sum.
   struct XYIn {
     float kv, gi;
   };
