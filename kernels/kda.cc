@@ -133,6 +133,11 @@ bool KernelDtype(const Tensor& t) {
 bool KernelDtypes(const Tensor& q, const Tensor& k, const Tensor& v) {
   return KernelDtype(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type();
 }
+// The one rule for inputs the chunk kernels read as they are: q, k, v of one of their dtypes, beta
+// of either, q's, k's and v's rows contiguous (any batch, head and token strides).
+bool KernelReadable(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
+  return KernelDtypes(q, k, v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
+}
 
 // The chunk quantities' outputs allocated in `in` (fp32, G's device) and the arguments of the
 // kernels that write them (kernels/cuda/kda_intra.h), without a cache; q is scaled by q_scale as
@@ -174,10 +179,9 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
-  if (!FusedKernelsEnabled() || !q.is_cuda() || !KernelDtypes(q, k, v) || !KernelDtype(beta) ||
+  if (!FusedKernelsEnabled() || !q.is_cuda() || !KernelReadable(q, k, v, beta) ||
       (cache != nullptr && (!fp32 || q_scale != 1.0)) || G.scalar_type() != torch::kFloat32 ||
-      !cuda::KdaIntraSupported(C, K, V) || B * HV > 65535 || q.stride(3) != 1 || k.stride(3) != 1 ||
-      v.stride(3) != 1) {
+      !cuda::KdaIntraSupported(C, K, V) || B * HV > 65535) {
     return false;
   }
   c10::cuda::CUDAGuard guard(q.device());
@@ -228,9 +232,8 @@ bool BlockCodeMayRun(const Tensor& t, torch::ScalarType ct) {
 // BlockCodeMayRun, fp32 or bf16 inputs of its sizes with contiguous rows.
 bool BlockCodeTakes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, int64_t C) {
   if (!BlockCodeMayRun(q, torch::kFloat32)) return false;
-  if (!KernelDtypes(q, k, v) || !KernelDtype(beta)) return false;
-  return cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) && q.size(0) * q.size(1) <= 65535 &&
-         q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
+  return KernelReadable(q, k, v, beta) && cuda::KdaIntraBackwardSupported(C, q.size(3), v.size(3)) &&
+         q.size(0) * q.size(1) <= 65535;
 }
 
 // The sub-block form's chunk quantities by the kernel's block code (no cache: only the kernel's
@@ -572,7 +575,7 @@ class SegmentInputs {
   // HV heads, each fp32 or bf16 with contiguous rows (beta any strides).
   bool Direct() const {
     return direct_inputs.load() && !torch::GradMode::is_enabled() && ct_ == torch::kFloat32 && q.size(1) == HV_ &&
-           KernelDtypes(q, k, v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
+           KernelReadable(q, k, v, beta);
   }
   const Segment& Prepared() {
     if (!prepared_.q.defined()) prepared_ = Prepare(q, k, v, g, beta, ct_, HV_, scale);

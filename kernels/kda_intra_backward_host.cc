@@ -42,9 +42,7 @@ void Emulate(int64_t blocks_bh, int64_t blocks_n, int phases, int64_t smem_float
 }
 
 // The sub-block forward carries nothing between phases.
-struct NoCarry {
-  float unused;
-};
+struct NoCarry {};
 
 }  // namespace
 
