@@ -118,6 +118,7 @@ std::atomic<int64_t> scan_tensor_core_launches{0};
 std::atomic<int64_t> intra_backward_kernel_runs{0};
 std::atomic<int64_t> sub_forward_kernel_runs{0};
 std::atomic<int64_t> direct_input_runs{0};
+std::atomic<int64_t> direct_grad_runs{0};
 std::atomic<bool> direct_inputs{true};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
@@ -356,23 +357,36 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
   return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
 }
 
-// IntraBackward by the kernel's block code: the same gradients from the segment's inputs (q
+// IntraBackward by the kernel's block code: the input gradients from the segment's inputs (q
 // expanded, k expanded, as ComputeIntra took them: prepared, or the caller's fp32 or bf16 tensors
-// with q scaled by q_scale as read; dq is the scaled q's gradient either way), G and the chunk
-// quantities' gradients, for the whole-chunk or (sub_blocks) the sub-block Gram form; the block
-// recomputes every factor itself (no IntraCache).
+// with q scaled by q_scale as read), G and the chunk quantities' gradients, for the whole-chunk or
+// (sub_blocks) the sub-block Gram form; the block recomputes every factor itself (no IntraCache)
+// and writes each gradient once, dq times dq_scale. With `out` (dq, dk, dv, dg, dbeta: (B, HV, len,
+// .) slices the block can write, GradsOutTake) it writes them there and returns nothing; else into
+// tensors of its own, returned: dq, dk, dv in q's dtype, dg and dbeta fp32.
 IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
                                  const Tensor& beta, double q_scale, const Tensor& dqg, const Tensor& dkg,
                                  const Tensor& dW, const Tensor& dU, const Tensor& dAqk, const Tensor& deGC,
-                                 int64_t len, bool sub_blocks) {
+                                 int64_t len, bool sub_blocks, double dq_scale, const std::vector<Tensor>* out) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
   auto dense = [](const Tensor& t) { return t.contiguous(); };
   const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
                dAqkd = dense(dAqk), deGCd = dense(deGC);
-  auto opts = Gd.options();
-  Tensor dq = torch::empty({B, HV, N, C, K}, opts), dk = torch::empty({B, HV, N, C, K}, opts);
-  Tensor dg = torch::empty({B, HV, N, C, K}, opts), dv = torch::empty({B, HV, N, C, V}, opts);
-  Tensor dbeta = torch::empty({B, HV, N, C}, opts);
+  IntraGrads own;
+  if (out == nullptr) {
+    auto qo = q.options(), fo = Gd.options();
+    own = {torch::empty({B, HV, len, K}, qo), torch::empty({B, HV, len, K}, qo), torch::empty({B, HV, len, V}, qo),
+           torch::empty({B, HV, len, K}, fo), torch::empty({B, HV, len}, fo)};
+  }
+  const std::vector<Tensor> dst =
+      out != nullptr ? *out : std::vector<Tensor>{own.dq, own.dk, own.dv, own.dg, own.dbeta};
+  auto grad_out = [](const Tensor& t) {
+    cuda::KdaGradOut o;
+    o.p = t.data_ptr();
+    o.sb = t.stride(0), o.sh = t.stride(1), o.st = t.stride(2);
+    o.bf16 = t.scalar_type() == torch::kBFloat16;
+    return o;
+  };
   cuda::KdaIntraBackwardArgs a{q.data_ptr(),          k.data_ptr(),          v.data_ptr(),
                                beta.data_ptr(),       Gd.data_ptr<float>(), q.stride(0),
                                q.stride(1),          q.stride(2),           k.stride(0),
@@ -383,13 +397,14 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
                                K,                    V,                     len,
                                dqgd.data_ptr<float>(), dkgd.data_ptr<float>(), dWd.data_ptr<float>(),
                                dUd.data_ptr<float>(), dAqkd.data_ptr<float>(), deGCd.data_ptr<float>(),
-                               dq.data_ptr<float>(),  dk.data_ptr<float>(),   dv.data_ptr<float>(),
-                               dg.data_ptr<float>(),  dbeta.data_ptr<float>(),  sub_blocks};
+                               grad_out(dst[0]),      grad_out(dst[1]),     grad_out(dst[2]),
+                               grad_out(dst[3]),      grad_out(dst[4]),     sub_blocks};
   // The products on the tensor cores with the scans' (the CPU emulation runs the same block code
   // in fp32).
   a.tf32 = scan_tensor_cores.load();
   a.bf16 = Bf16Bits(q, k, v, beta);
   a.q_scale = static_cast<float>(q_scale);
+  a.dq_scale = static_cast<float>(dq_scale);
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -399,8 +414,17 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
     cuda::KdaIntraBackwardOnHost(a, intra_backward_path.load() == KdaIntraBackwardPath::kKernelCodeOnHostReversed);
   }
   intra_backward_kernel_runs.fetch_add(1);
-  auto unchunk = [len](const Tensor& t) { return t.flatten(2, 3).narrow(2, 0, len); };
-  return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta.unsqueeze(-1)).squeeze(-1)};
+  return own;
+}
+// Whether the block code can write a segment's input gradients `out` (dq, dk, dv, dg, dbeta) where
+// it reads q: dq, dk, dv in q's dtype, dg and dbeta fp32 or bf16, every row contiguous.
+bool GradsOutTake(const std::vector<Tensor>& out, const Tensor& q) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Tensor& t = out[i];
+    const bool dtype = i < 3 ? t.scalar_type() == q.scalar_type() : KernelDtype(t);
+    if (!dtype || t.device() != q.device() || (t.dim() == 4 && t.stride(3) != 1)) return false;
+  }
+  return true;
 }
 
 // The inter-chunk scan (spec 1.3 steps 3-4) of one segment's chunks, all (B, HV, n, ., .).
@@ -737,23 +761,36 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       scans.end();
       if (by_hand) {
         RECORD_USER_SCOPE("kda backward: intra by hand");
-        IntraGrads d;
+        // The segment's slices of the input gradients: where the kernel reads the caller's
+        // inputs (q, k with the HV heads) it writes these itself, each element once.
+        std::vector<Tensor> out;
+        for (int i = 0; i < 5; ++i) out.push_back(dx[i].narrow(2, t0, len));
         if (by_kernel) {
           const SegmentInputs::ForKernels kx = x.Kernels();
-          d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
-                                    sub_blocks);
+          const bool direct_out = x.Direct() && GradsOutTake(out, kx.q);
+          // dq leaves as the caller's q's gradient: times the scale either way (the prepared q
+          // holds it, the direct one is scaled as read).
+          const IntraGrads d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt,
+                                                     dAqk, deGC, len, sub_blocks, scale, direct_out ? &out : nullptr);
           if (x.Direct()) direct_input_runs.fetch_add(1);
+          if (direct_out) direct_grad_runs.fetch_add(1);
+          if (!direct_out) {
+            out[0].copy_(SumHeadRepeats(d.dq, H));
+            out[1].copy_(SumHeadRepeats(d.dk, H));
+            out[2].copy_(d.dv);
+            out[3].copy_(d.dg);
+            out[4].copy_(d.dbeta);
+          }
         } else {
-          d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+          const IntraGrads d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+          // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
+          // the output; the Scalar one wants the output in the compute dtype).
+          at::mul_out(out[0], SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
+          out[1].copy_(SumHeadRepeats(d.dk, H));
+          out[2].copy_(d.dv);
+          out[3].copy_(d.dg);
+          out[4].copy_(d.dbeta);
         }
-        Tensor dq = dx[0].narrow(2, t0, len);
-        // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
-        // the output; the Scalar one wants the output in the compute dtype).
-        at::mul_out(dq, SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
-        dx[1].narrow(2, t0, len).copy_(SumHeadRepeats(d.dk, H));
-        dx[2].narrow(2, t0, len).copy_(d.dv);
-        dx[3].narrow(2, t0, len).copy_(d.dg);
-        dx[4].narrow(2, t0, len).copy_(d.dbeta);
       } else {
         RECORD_USER_SCOPE("kda backward: intra autograd");
         // WY, inverse, intra-chunk and cumsum backward (spec 1.4 steps 4-6) by autograd of the
@@ -784,6 +821,7 @@ int64_t KdaScanTensorCoreLaunches() { return scan_tensor_core_launches.load(); }
 int64_t KdaIntraBackwardKernelRuns() { return intra_backward_kernel_runs.load(); }
 int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); }
 int64_t KdaDirectInputRuns() { return direct_input_runs.load(); }
+int64_t KdaDirectGradientRuns() { return direct_grad_runs.load(); }
 void SetKdaDirectInputs(bool enabled) { direct_inputs.store(enabled); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {

@@ -105,6 +105,9 @@ int64_t KdaSubBlockForwardKernelRuns();
 // bf16 with q scaled as read, so far in this process: no fp32 copies of the segment's inputs were
 // made for them. Inputs with HV > H (q and k expanded) and fp64 compute are copied (prepared).
 int64_t KdaDirectInputRuns();
+// The intra backward kernel passes that wrote the segment's input gradients into the caller's
+// gradient tensors themselves (bf16 or fp32, each element once), with no fp32 copies of them.
+int64_t KdaDirectGradientRuns();
 // Process-wide (set before the calls; benchmarks compare): whether the chunk kernels read the
 // caller's inputs directly where they can (default on; off: the prepared fp32 copies).
 void SetKdaDirectInputs(bool enabled);

@@ -65,6 +65,9 @@ void KdaIntraSubBlockForwardOnHost(const KdaIntraArgs& a, bool reverse_threads) 
 
 void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads) {
   if (!KdaQkvSameDtype(a.bf16)) throw std::invalid_argument("KDA block code: q, k and v of different dtypes");
+  if (!KdaGradOutsValid(a)) {
+    throw std::invalid_argument("KDA block code: a gradient without a destination, or dq, dk, dv not in q's dtype");
+  }
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);

@@ -420,7 +420,7 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     for (bool tc : {false, true}) {
       SetKdaScanTensorCores(tc);
       const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns(),
-                    direct = KdaDirectInputRuns();
+                    direct = KdaDirectInputRuns(), direct_grads = KdaDirectGradientRuns();
       SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
       const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
@@ -436,6 +436,8 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
       EXPECT_EQ(KdaSubBlockForwardKernelRuns() - forward_runs, sh.form == sub ? 4 * segments : 0) << name;
       // Read directly: every backward, and the sub-block forward code, where H = HV.
       EXPECT_EQ(KdaDirectInputRuns() - direct, c.H == c.HV ? (sh.form == sub ? 6 : 2) * segments : 0) << name;
+      // And the backward's input gradients written by the block code itself where it read directly.
+      EXPECT_EQ(KdaDirectGradientRuns() - direct_grads, c.H == c.HV ? 2 * segments : 0) << name;
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
@@ -552,11 +554,13 @@ void ExpectBf16TakenAsTheFp32Values(torch::Device device) {
     const Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}).to(device);
     KdaOptions opt;
     opt.segment = 128;  // two segments, the second padded
-    const int64_t before = KdaDirectInputRuns();
+    const int64_t before = KdaDirectInputRuns(), before_grads = KdaDirectGradientRuns();
     const std::vector<Tensor> gh = Grads(true, h, dO, dS, opt, /*forward=*/true);
     const std::vector<Tensor> gf = Grads(true, f, dO, dS, opt, /*forward=*/true);
     const int64_t per_segment = c.H != c.HV ? 0 : (cuda || !whole ? 3 : 1);
     EXPECT_EQ(KdaDirectInputRuns() - before, 2 * 2 * per_segment) << Name(c);
+    // The gradients written by the block code itself, bf16 and fp32 (one backward a segment).
+    EXPECT_EQ(KdaDirectGradientRuns() - before_grads, c.H == c.HV ? 2 * 2 : 0) << Name(c);
     for (size_t i = 0; i < gh.size(); ++i) {
       const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
       EXPECT_EQ(gh[i].scalar_type(), i == 7 ? torch::kFloat32 : torch::kBFloat16) << what;

@@ -84,6 +84,27 @@ KDA_LOAD_HD float KdaLoadAs(const void* p, int64_t i) {
     return static_cast<const float*>(p)[i];
   }
 }
+// Element i of an output that is bf16 (rounded to nearest, ties to even, as libtorch's casts round)
+// or fp32.
+KDA_LOAD_HD void KdaStore(void* p, bool bf16, int64_t i, float v) {
+  if (bf16) {
+#if defined(__CUDA_ARCH__)
+    const uint32_t u = __float_as_uint(v);
+#else
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+#endif
+    const uint32_t r = v != v ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(r);
+    return;
+  }
+  static_cast<float*>(p)[i] = v;
+}
+// The same with the dtype fixed at compile time (q's, k's and v's gradients take their dtype).
+template <bool kBf16>
+KDA_LOAD_HD void KdaStoreAs(void* p, int64_t i, float v) {
+  KdaStore(p, kBf16, i, v);
+}
 // q, k and v share a dtype (the kernels' requirement; beta has its own bit), and which.
 KDA_LOAD_HD bool KdaQkvSameDtype(uint8_t bits) {
   const int m = bits & (kKdaBf16Q | kKdaBf16K | kKdaBf16V);

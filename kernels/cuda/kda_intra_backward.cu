@@ -68,7 +68,7 @@ int KdaIntraSubBlockForward(const KdaIntraArgs& a, void* stream) {
 }
 
 int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
-  if (!Valid(a)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!Valid(a) || !KdaGradOutsValid(a)) return static_cast<int>(cudaErrorInvalidValue);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);

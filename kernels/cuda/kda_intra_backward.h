@@ -18,9 +18,10 @@
 // Raw pointers. q, k, v, beta (fp32 or bf16, q times q_scale as read) and G (fp32) exactly as
 // KdaIntraArgs (kernels/cuda/kda_intra.h); the rest fp32:
 // the gradients of the chunk quantities contiguous: dqg, dkg, dW (BH, N, C, K), dU (BH, N, C,
-// V), dAqk (BH, N, C, C), deGC (BH, N, K). Outputs contiguous over every row of every chunk
-// (the padding rows too): dq, dk, dg (BH, N, C, K), dv (BH, N, C, V), dbeta (BH, N, C); dq is
-// the gradient of q as read (times q_scale).
+// V), dAqk (BH, N, C, C), deGC (BH, N, K). The outputs, the input gradients, go where the caller
+// says (KdaGradOut: (B, HV, L, .) by batch, head and token strides, rows contiguous, rows past L
+// not written): dq, dk, dv in q's dtype (fp32 or bf16, as q, k, v are), dg and dbeta fp32 or bf16
+// each; dq is q's gradient as read times dq_scale.
 #pragma once
 
 #include <cstdint>
@@ -29,13 +30,21 @@
 
 namespace odyssey::kernels::cuda {
 
+// An input gradient as it leaves the kernel: element (b, h, t, d) at b sb + h sh + t st + d of p,
+// fp32 or bf16 (`bf16`; for dq, dk and dv it must be q's dtype).
+struct KdaGradOut {
+  void* p = nullptr;
+  int64_t sb = 0, sh = 0, st = 0;
+  bool bf16 = false;
+};
+
 struct KdaIntraBackwardArgs {
   const void *q, *k, *v, *beta;  // fp32 or bf16 (`bf16`)
   const float* G;
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, b_sb, b_sh, b_st;
   int64_t B, HV, N, C, K, V, L;
   const float *dqg, *dkg, *dW, *dU, *dAqk, *deGC;
-  float *dq, *dk, *dv, *dg, *dbeta;
+  KdaGradOut dq, dk, dv, dg, dbeta;
   // The Grams' form (kernels/kda.h KdaGramForm): false the whole-chunk form (factors against the
   // chunk's first row), true the sub-block form (against each 16-row block's first row; the
   // chunk may decay by any amount, a block by at most 60 e-folds).
@@ -46,8 +55,18 @@ struct KdaIntraBackwardArgs {
   bool tf32 = false;
   uint8_t bf16 = 0;     // kKdaBf16* bits (kernels/cuda/kda_intra.h): which of q, k, v, beta are bf16
   float q_scale = 1.f;  // q as read is q * q_scale
+  float dq_scale = 1.f;  // dq leaves as q's gradient times this (q_scale: the caller's unscaled q's)
 };
 
+// Whether the gradients' destinations are set and dq, dk and dv take q's dtype, as the block code
+// writes them.
+inline bool KdaGradOutsValid(const KdaIntraBackwardArgs& a) {
+  const bool in16 = (a.bf16 & kKdaBf16Q) != 0;
+  for (const KdaGradOut* o : {&a.dq, &a.dk, &a.dv, &a.dg, &a.dbeta}) {
+    if (o->p == nullptr) return false;
+  }
+  return a.dq.bf16 == in16 && a.dk.bf16 == in16 && a.dv.bf16 == in16;
+}
 // C in {32, 64}, K in {32, 64, 128}, V a multiple of 4 up to 128 (KdaIntraSupported's sizes).
 inline bool KdaIntraBackwardSupported(int64_t C, int64_t K, int64_t V) {
   return (C == 32 || C == 64) && (K == 32 || K == 64 || K == 128) && V >= 4 && V <= 128 && V % 4 == 0;

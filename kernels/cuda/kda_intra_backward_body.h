@@ -195,6 +195,7 @@ struct ChunkView {
   int64_t chunk, t0, ck, cv, cc;
   const void *qb, *kb, *vb;  // the (batch, head)'s first element of q, k, v
   int64_t bo;                // and of beta
+  int64_t b_, h_;            // the block's batch and value head
   const float* G;
   float *B0, *B1, *B2, *B3, *B4, *S0, *S1, *S2, *P, *sB, *sDb;
 
@@ -206,6 +207,7 @@ struct ChunkView {
     qb = Advance(a.q, b * a.q_sb + h * a.q_sh), kb = Advance(a.k, b * a.k_sb + h * a.k_sh);
     vb = Advance(a.v, b * a.v_sb + h * a.v_sh);
     bo = b * a.b_sb + h * a.b_sh;
+    b_ = b, h_ = h;
     G = a.G + ck;
     const int64_t big = C * (Widest(C, K, V) + Pad(kTc)), small = C * (C + Pad(kTc));
     B0 = sm, B1 = B0 + big, B2 = B1 + big, B3 = B2 + big, B4 = B3 + big;
@@ -247,6 +249,8 @@ struct ChunkView {
   using Base::cv;                                                                              \
   using Base::cc;                                                                              \
   using Base::G;                                                                               \
+  using Base::b_;                                                                              \
+  using Base::h_;                                                                              \
   using Base::K_;                                                                              \
   using Base::Q_;                                                                              \
   using Base::V_;                                                                              \
@@ -326,6 +330,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   KDA_HD static int Ref(int i) { return kSub ? i / kB * kB : 0; }
   // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
   static constexpr int kPer = kTc ? 2 : 4;
+  // Whether row i of the chunk is a token (rows past L are padding: no gradient leaves for them),
+  // and element (i, d) of an input gradient o.
+  KDA_HD bool Token(int i) const { return t0 + i < a.L; }
+  KDA_HD int64_t At(const KdaGradOut& o, int i, int d) const { return b_ * o.sb + h_ * o.sh + (t0 + i) * o.st + d; }
 
   // 1: the factors the products read.
   // The element-wise loops run a thread's elements in one loop the compiler unrolls whole (nt is
@@ -423,7 +431,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   }
   KDA_HD float XYOut(bool is_x, int i, int d, float g, XYIn in) {
     if (is_x) return g * (in.kv * expf(in.gi));
-    a.dv[cv + static_cast<int64_t>(i) * V + d] = g * sB[i];
+    if (Token(i)) KdaStoreAs<kIn16>(a.dv.p, At(a.dv, i, d), g * sB[i]);
     return g * in.kv;
   }
   // One tile of dX (is_x: T^T dW) or dY (T^T dU) into acc, its inputs loaded before the product,
@@ -592,16 +600,15 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     return {a.dqg[o], a.dkg[o], K_(r, d), Q_(r, d), G[r * K + d], G[Ref(r) * K + d], G[(C - 1) * K + d]};
   }
   KDA_HD float QKOut(int r, int d, float dkp, float dqp, float dkm, float gx, const QKIn& in) {
-    const int64_t o = ck + static_cast<int64_t>(r) * K + d;
     const float ep = expf(in.gi - in.gr), eg = expf(in.gi), ec = expf(in.gc - in.gi), kk = in.kk, qq = in.qq;
     const float dqg = in.dqg, dkg = in.dkg;
-    a.dq[o] = dqg * eg + dqp * ep;
+    if (Token(r)) KdaStoreAs<kIn16>(a.dq.p, At(a.dq, r, d), (dqg * eg + dqp * ep) * a.dq_scale);
     // Whole-chunk form: dkm is the gradient of km = k Em (Em against row 0, the reference row), so
     // dk gains dkm Em, dG loses dkm km. kSub: dkm is already the gradient of k (the factor folded
     // in), and dG loses dkm k.
     const float em = kSub ? 1.f : expf(in.gr - in.gi);
     const float xk = gx * sB[r] * eg;  // dX's term of dk (X = diag(beta) k eG)
-    a.dk[o] = dkg * ec + xk + dkp * ep + dkm * em;
+    if (Token(r)) KdaStoreAs<kIn16>(a.dk.p, At(a.dk, r, d), dkg * ec + xk + dkp * ep + dkm * em);
     const float kg = dkg * (kk * ec);
     Tail()[r * (K + 1) + d] = dqg * (qq * eg) - kg + xk * kk + dqp * (qq * ep) + dkp * (kk * ep) - dkm * (kk * em);
     return kg;
@@ -685,10 +692,12 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int p = 0; p < kParts; ++p) s += Parts()[p * K + d];
       for (int i = C - 1; i >= 0; --i) {
         s += Tail()[i * (K + 1) + d];
-        a.dg[ck + static_cast<int64_t>(i) * K + d] = s;
+        if (Token(i)) KdaStore(a.dg.p, a.dg.bf16, At(a.dg, i, d), s);
       }
     }
-    for (int i = tid; i < C; i += nt) a.dbeta[chunk * C + i] = sDb[i];
+    for (int i = tid; i < C; i += nt) {
+      if (Token(i)) KdaStore(a.dbeta.p, a.dbeta.bf16, At(a.dbeta, i, 0), sDb[i]);
+    }
   }
 };
 

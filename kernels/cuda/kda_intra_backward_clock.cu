@@ -137,15 +137,21 @@ int Run(int argc, char** argv) {
   a.dU = static_cast<const float*>(Filled(cv, 1.f, false, 9));
   a.dAqk = static_cast<const float*>(Filled(BH * N * kC * kC * 4, 1.f, false, 10));
   a.deGC = static_cast<const float*>(Filled(BH * N * kK * 4, 1.f, false, 11));
-  a.dq = static_cast<float*>(Filled(ck, 0.f, false, 0)), a.dk = static_cast<float*>(Filled(ck, 0.f, false, 0));
-  a.dg = static_cast<float*>(Filled(ck, 0.f, false, 0)), a.dv = static_cast<float*>(Filled(cv, 0.f, false, 0));
-  a.dbeta = static_cast<float*>(Filled(BH * N * kC * 4, 0.f, false, 0));
+  // The input gradients as the model's backward takes them: dq, dk, dv bf16 in q's layout (B, T,
+  // HV, D), dg fp32 (B, HV, T, K) (the gate's dtype), dbeta fp32 (B, HV, T).
+  auto out = [](void* p, int64_t sb, int64_t sh, int64_t st, bool bf16) { return KdaGradOut{p, sb, sh, st, bf16}; };
+  a.dq = out(Filled(L * HV * kK * 2, 0.f, true, 0), L * HV * kK, kK, HV * kK, true);
+  a.dk = out(Filled(L * HV * kK * 2, 0.f, true, 0), L * HV * kK, kK, HV * kK, true);
+  a.dv = out(Filled(L * HV * kV * 2, 0.f, true, 0), L * HV * kV, kV, HV * kV, true);
+  a.dg = out(Filled(L * HV * kK * 4, 0.f, false, 0), L * HV * kK, L * kK, kK, false);
+  a.dbeta = out(Filled(L * HV * 4, 0.f, false, 0), L * HV, L, 1, false);
+  a.dq_scale = a.q_scale;
   for (const void* p : {a.q, a.k, a.v, a.beta, static_cast<const void*>(a.G), static_cast<const void*>(a.dqg),
                         static_cast<const void*>(a.dkg), static_cast<const void*>(a.dW),
                         static_cast<const void*>(a.dU), static_cast<const void*>(a.dAqk),
-                        static_cast<const void*>(a.deGC), static_cast<const void*>(a.dq),
-                        static_cast<const void*>(a.dk), static_cast<const void*>(a.dg),
-                        static_cast<const void*>(a.dv), static_cast<const void*>(a.dbeta)}) {
+                        static_cast<const void*>(a.deGC), static_cast<const void*>(a.dq.p),
+                        static_cast<const void*>(a.dk.p), static_cast<const void*>(a.dg.p),
+                        static_cast<const void*>(a.dv.p), static_cast<const void*>(a.dbeta.p)}) {
     if (p == nullptr) return 1;
   }
   const size_t smem = static_cast<size_t>(kda_bwd::SmemFloats(kC, kK, kV, true)) * sizeof(float);
