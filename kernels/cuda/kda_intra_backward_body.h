@@ -684,13 +684,19 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     }
   }
   // dg = the reverse cumulative sum of dG down each column, from the last row's terms: the sum of
-  // dkg kg over the chunk (the partials) and deGC eGC (a thread per column); dbeta out.
+  // dkg kg over the chunk (the partials) and deGC eGC; dbeta out. Each column's rows are cut into
+  // kSegs segments of kB rows, a thread each: it adds the rows below its segment itself (no
+  // thread reads another's sums within the phase), then writes its own rows' dg, so a column's
+  // stores run kSegs at a time where one thread a column wrote all C.
+  static constexpr int kSegs = C / kB;
   KDA_HD void Last(int tid, int nt) {
     constexpr int kParts = static_cast<int>(PartRows(C, kTc));
-    for (int d = tid; d < K; d += nt) {
+    for (int w = tid; w < K * kSegs; w += nt) {
+      const int d = w % K, i0 = w / K * kB;
       float s = a.deGC[chunk * K + d] * expf(G[(C - 1) * K + d]);
       for (int p = 0; p < kParts; ++p) s += Parts()[p * K + d];
-      for (int i = C - 1; i >= 0; --i) {
+      for (int i = C - 1; i >= i0 + kB; --i) s += Tail()[i * (K + 1) + d];
+      for (int i = i0 + kB - 1; i >= i0; --i) {
         s += Tail()[i * (K + 1) + d];
         if (Token(i)) KdaStore(a.dg.p, a.dg.bf16, At(a.dg, i, d), s);
       }
