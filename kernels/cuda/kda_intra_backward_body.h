@@ -145,6 +145,28 @@ KDA_HD void WarpTile(float (&acc)[4], const float* a, int ai, int am, const floa
 #endif
 }
 
+// rows x cols floats from global src (rows of cols) into shared dst (row stride ld), by 16-byte
+// pieces (cols, ld and both addresses multiples of 4 floats): on the GPU asynchronous (cp.async;
+// each thread waits for its own with AsyncWait, before the barrier after which others read them),
+// in the emulation a plain copy.
+KDA_HD void AsyncRows(float* dst, int ld, const float* src, int rows, int cols, int tid, int nt) {
+  const int per = cols / 4;
+  for (int e = tid; e < rows * per; e += nt) {
+    const int i = e / per, c = 4 * (e % per);
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(mma::SmemAddr(dst + i * ld + c)),
+                 "l"(src + static_cast<int64_t>(i) * cols + c));
+#else
+    for (int x = 0; x < 4; ++x) dst[i * ld + c + x] = src[static_cast<int64_t>(i) * cols + c + x];
+#endif
+  }
+}
+KDA_HD void AsyncWait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // T = (I + A)^-1 for A strictly lower (C x C, leading dimension ld), T in the same layout, by
 // 16-row blocks: the diagonal blocks by forward substitution, a thread per column, and zeros
 // above them (one phase); then each later block row against the columns before it in two
@@ -339,17 +361,26 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   // The element-wise loops run a thread's elements in one loop the compiler unrolls whole (nt is
   // the constant kKdaIntraBackwardThreads in the kernel), so their loads are in flight together;
   // grouping them by hand into fours measured slower (docs/benchmarks.md, nineteenth session).
+  // The tensor-core form's rows (ldK, ldV multiples of 4) take dW and dU by asynchronous copies
+  // that land while the factors and the inverse compute (InverseDiagonal waits for them; GradT
+  // reads them first); the CUDA-core form's odd strides take them element by element.
   KDA_HD void Factors(int tid, int nt) {
+    if constexpr (kTc) {
+      AsyncRows(B2, ldK, a.dW + ck, C, K, tid, nt);
+      AsyncRows(B3, ldV, a.dU + cv, C, V, tid, nt);
+    }
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
       const float kk = K_(i, d), gi = G[e], gr = G[Ref(i) * K + d];
       B0[i * ldK + d] = kk * expf(gi - gr);
       // kSub: k itself, decayed per block row on the fly; else km = k Em (the reference row is 0).
       B1[i * ldK + d] = kSub ? kk : kk * expf(gr - gi);
-      B2[i * ldK + d] = a.dW[ck + e];
+      if (!kTc) B2[i * ldK + d] = a.dW[ck + e];
       B4[i * ldK + d] = sB[i] * kk * expf(gi);
     }
-    for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
+    if (!kTc) {
+      for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
+    }
   }
   // 2: L_kk = strict_lower(kp km^T) and A_kk = diag(beta) L_kk.
   KDA_HD void GramOut(int i, int j, float acc) {
@@ -392,6 +423,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       B0[i * ldV + d] = sB[i] * V_(i, d);
     }
     InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt);
+    if constexpr (kTc) AsyncWait();  // dW and dU (Factors) in place before this phase's barrier
   }
   // dT = dW X^T + dU Y^T (A_kk's slot: T is complete).
   KDA_HD void GradT(int tid, int nt) {
