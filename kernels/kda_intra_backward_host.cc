@@ -70,6 +70,8 @@ void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads)
   }
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
+    // The kernel also wants dW and dU on 16 bytes for this form (its cp.async rows); here they
+    // are plain copies, and the tests' fresh tensors are aligned either way.
     const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
     auto by_input = [&](auto in16) {
       constexpr bool b16 = decltype(in16)::value;

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/cuda/kda_intra.h"
@@ -71,7 +72,11 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
   if (!Valid(a) || !KdaGradOutsValid(a)) return static_cast<int>(cudaErrorInvalidValue);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V);
+    // The tensor-core form copies dW's and dU's rows by 16-byte cp.async: it takes them only where
+    // both start on 16 bytes (fresh allocations do; a view into the middle of one may not), and
+    // the CUDA-core form, which loads them element by element, runs otherwise.
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V) && aligned(a.dW) && aligned(a.dU);
     const int64_t floats = kda_bwd::SmemFloats(C, K, a.V, tc);
     const auto s = static_cast<cudaStream_t>(stream);
     auto by_input = [&](auto in16) {
