@@ -765,27 +765,29 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         // inputs (q, k with the HV heads) it writes these itself, each element once.
         std::vector<Tensor> out;
         for (int i = 0; i < 5; ++i) out.push_back(dx[i].narrow(2, t0, len));
+        IntraGrads d;            // what is left to copy into `out` (undefined where the kernel wrote it)
+        bool dq_scaled = false;  // d.dq already times the scale
         if (by_kernel) {
           const SegmentInputs::ForKernels kx = x.Kernels();
           const bool direct_out = x.Direct() && GradsOutTake(out, kx.q);
           // dq leaves as the caller's q's gradient: times the scale either way (the prepared q
           // holds it, the direct one is scaled as read).
-          const IntraGrads d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt,
-                                                     dAqk, deGC, len, sub_blocks, scale, direct_out ? &out : nullptr);
+          d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
+                                    sub_blocks, scale, direct_out ? &out : nullptr);
+          dq_scaled = true;
           if (x.Direct()) direct_input_runs.fetch_add(1);
           if (direct_out) direct_grad_runs.fetch_add(1);
-          if (!direct_out) {
-            out[0].copy_(SumHeadRepeats(d.dq, H));
-            out[1].copy_(SumHeadRepeats(d.dk, H));
-            out[2].copy_(d.dv);
-            out[3].copy_(d.dg);
-            out[4].copy_(d.dbeta);
-          }
         } else {
-          const IntraGrads d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
-          // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts to
-          // the output; the Scalar one wants the output in the compute dtype).
-          at::mul_out(out[0], SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
+          d = IntraBackward(in, cache, dqg, dkg, dW, r.dvt, dAqk, deGC, len);
+        }
+        if (d.dq.defined()) {
+          if (dq_scaled) {
+            out[0].copy_(SumHeadRepeats(d.dq, H));
+          } else {
+            // Scaled in the compute dtype and stored in q's, one pass (the Tensor overload casts
+            // to the output; the Scalar one wants the output in the compute dtype).
+            at::mul_out(out[0], SumHeadRepeats(d.dq, H), at::scalar_tensor(scale, torch::kDouble));
+          }
           out[1].copy_(SumHeadRepeats(d.dk, H));
           out[2].copy_(d.dv);
           out[3].copy_(d.dg);
