@@ -695,6 +695,11 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
        25769803776 + 3606690168LL * 14},
       {"hybrid-3b", 28, 524288, on_host(StrategyOf("every_k", 2, true, 6, 10922, 1046, 8)), 55701202944,
        25769803776 + 3606690168LL * 14},
+      // The longest plan at full depth (2026-12-06, twenty-first session, one H200): 1,753,088
+      // tokens, nested checkpoints every 4 layers, 2 inputs on the GPU, 8 groups, 623.8 s a step;
+      // the peak in "layers 4-7 backward > layer 7 backward > dsa sparse attention backward".
+      {"hybrid-3b", 28, 1753088, on_host(StrategyOf("every_k", 4, true, 2, 10922, 1046, 8)), 141177746944,
+       53854863360 + 3606690168LL * 14},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 1))), 57797627904, -1},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 8))), 48867692544, -1},
       // The dense warm-up step at 128K (2026-12-05, eleventh session, on one H100: allocations do
