@@ -140,7 +140,7 @@ TEST_F(CliProcessTest, PlanShowsTheStrategyAndExitsOneWhenNothingFits) {
   EXPECT_THAT(r.out, HasSubstr("\nfits\n"));
   EXPECT_THAT(r.out, HasSubstr("strategy: recompute=layer offload=on"));
   EXPECT_THAT(r.out, HasSubstr("optimizer state (fp32 master and moments)"));
-  EXPECT_THAT(r.out, HasSubstr("longest sequence that fits (one per step): 1490944 tokens"));
+  EXPECT_THAT(r.out, HasSubstr("longest sequence that fits (one per step): 1589248 tokens"));
 
   r = Cli({"plan", spec("8m.yaml", int64_t{8} << 20)});
   EXPECT_EQ(r.code, 1) << r.out << r.err;

@@ -51,6 +51,11 @@ torch::Tensor CausalLMImpl::Hidden(const ForwardInputs& in, const LayerStackRunn
   ctx.attention.doc_lens = in.doc_lens;
   ctx.backend = backend_.get();
   ctx.sequence = sequence_.get();
+  // The same lookup again, for a runner that would rather recompute h than keep it.
+  ctx.stack_input = [embed = model->embed_tokens, ids]() mutable {
+    torch::NoGradGuard no_grad;
+    return embed(ids);
+  };
   if (runner) {
     h = runner(model->layer_list, h, ctx);
   } else {

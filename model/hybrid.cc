@@ -12,6 +12,7 @@
 #include "kernels/heads.h"
 #include "kernels/kda.h"
 #include "model/grad_sums.h"
+#include "model/layers.h"
 
 namespace odyssey::model {
 namespace {
@@ -595,6 +596,7 @@ Tensor HeadRows(const torch::nn::Linear& proj, const LoraAdapter& lora, const Te
 
 struct DsaTileState : torch::CustomClassHolder {
   DsaAttentionImpl* mixer = nullptr;
+  RMSNormImpl* norm = nullptr;           // TiledFunction's input is the norm's (Heads' input_norm)
   const SequenceGroup* group = nullptr;  // ShardedFunction's ranks
   DsaSelectionIo selection;
   bool kl = false;   // compute the indexer KL (the second output)
@@ -617,9 +619,23 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
                                                 c10::intrusive_ptr<DsaTileState> st) {
     torch::NoGradGuard no_grad;
     Saved saved;
-    Tensor out = Run(*st->mixer, x, st->kl, &saved, st->selection);
+    // With the norm folded in, its output lives only while the tiles run.
+    Tensor out = Run(*st->mixer, st->norm != nullptr ? st->norm->forward(x) : x, st->kl, &saved, st->selection);
     return Keep(ctx, st, x, saved, std::move(out));
   }
+
+  // Rows [t0, t0 + n) of the layer's normalized input without a graph: x's own, or with the norm
+  // folded in (st.norm), the norm of x's rows.
+  static Tensor NormedRows(const DsaTileState& st, const Tensor& x, int64_t t0, int64_t n) {
+    const Tensor rows = x.narrow(1, t0, n);
+    if (st.norm == nullptr) return rows;
+    torch::NoGradGuard no_grad;
+    return st.norm->forward(rows);
+  }
+
+  // Chunks of whole pools (a multiple of 4 tokens, pools counting from the sequence's first
+  // token) covering [0, S): the folded norm's pooled keys are built and differentiated by them.
+  static int64_t KeyChunk(const DsaAttentionImpl& m) { return std::max<int64_t>(4, m.tile_ / 4 * 4); }
 
   // What forward keeps for backward of a pass's result (ShardedFunction's too): x, the selection,
   // the log-sum-exp and the KL target; returns the output and the KL.
@@ -667,7 +683,9 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     const int64_t B = x.size(0), S = x.size(1), H = m.heads_, Hkv = m.kv_heads_, D = m.head_dim_;
     const bool out_grad = grads[0].defined(), kl_grad = st->kl && grads.size() > 1 && grads[1].defined();
     if (!out_grad && !kl_grad) return {Tensor(), Tensor()};
-    const std::vector<Tensor> weights = TrainedWeights(m);
+    const bool folded = st->norm != nullptr;  // x is the norm's input; dx its gradient
+    std::vector<Tensor> weights = TrainedWeights(m);
+    if (folded && st->norm->weight.requires_grad()) weights.push_back(st->norm->weight);
     Fp32GradSums sums(weights);
     Tensor dx = torch::zeros_like(x);
     const auto acc = torch::TensorOptions().dtype(x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
@@ -682,8 +700,16 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     // from the sequence's first token, across tiles) go back once for the whole sequence.
     const int64_t G = out_grad ? m.head_groups_ : 1, hq = H / G, hk = Hkv / G;
     Tensor keys, keys_leaf, dkeys;
+    const int64_t kc = KeyChunk(m);
     if (kl_grad) {
-      {
+      if (folded) {  // without a graph, a chunk at a time (their backward is by chunks, below)
+        std::vector<Tensor> parts;
+        for (int64_t c0 = 0; c0 < S; c0 += kc) {
+          torch::NoGradGuard no_grad;
+          parts.push_back(m.indexer->Keys(NormedRows(*st, x, c0, std::min(kc, S - c0))));
+        }
+        keys = torch::cat(parts, 1);
+      } else {
         torch::AutoGradMode grad(true);
         keys = m.indexer->Keys(x.detach());  // the indexer's input is detached
       }
@@ -697,8 +723,19 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       if (out_grad) {
         {
           torch::NoGradGuard no_grad;
-          k = HeadRows(m.k_proj, m.k_lora, x, g * hk, hk, D);  // (B, hk, S, D)
-          v = HeadRows(m.v_proj, m.v_lora, x, g * hk, hk, D);
+          if (folded) {  // (B, hk, S, D), a tile of normalized rows at a time
+            k = torch::empty({B, hk, S, D}, x.options());
+            v = torch::empty({B, hk, S, D}, x.options());
+            for (int64_t t0 = 0; t0 < S; t0 += m.tile_) {
+              const int64_t n = std::min(m.tile_, S - t0);
+              const Tensor xt = NormedRows(*st, x, t0, n);
+              k.narrow(2, t0, n).copy_(HeadRows(m.k_proj, m.k_lora, xt, g * hk, hk, D));
+              v.narrow(2, t0, n).copy_(HeadRows(m.v_proj, m.v_lora, xt, g * hk, hk, D));
+            }
+          } else {
+            k = HeadRows(m.k_proj, m.k_lora, x, g * hk, hk, D);  // (B, hk, S, D)
+            v = HeadRows(m.v_proj, m.v_lora, x, g * hk, hk, D);
+          }
         }
         dk_acc = torch::zeros({B, hk, S, D}, acc);
         dv_acc = torch::zeros({B, hk, S, D}, acc);
@@ -706,10 +743,15 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
       for (int64_t i = tiles; i-- > 0;) {
         const int64_t t0 = i * m.tile_, n = std::min(m.tile_, S - t0);
         const Tensor xt = x.narrow(1, t0, n).detach().requires_grad_(true);
+        Tensor xn = xt;  // the tile's normalized rows, with a graph back to xt
+        if (folded) {
+          torch::AutoGradMode grad(true);
+          xn = st->norm->forward(xt);
+        }
         const Tensor pool = pool_all.narrow(1, t0, n);
         std::vector<Tensor> outputs, grad_outputs, inputs = {xt};
         if (out_grad) {
-          const auto [q, kt, vt] = TileProjections(m, xt, g * hq, hq, g * hk, hk);  // (B, hq | hk, n, D)
+          const auto [q, kt, vt] = TileProjections(m, xn, g * hq, hq, g * hk, hk);  // (B, hq | hk, n, D)
           const Tensor idx = kernels::ExpandPoolSelection(pool, t0);
           const Tensor gt = grads[0].narrow(1, t0, n).reshape({B, n, H, D}).narrow(2, g * hq, hq).transpose(1, 2);
           RECORD_USER_SCOPE("dsa sparse attention backward");
@@ -724,7 +766,7 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
           Tensor iq, iw, kl;
           {
             torch::AutoGradMode grad(true);
-            m.indexer->Queries(xt.detach(), &iq, &iw);
+            m.indexer->Queries(xn.detach(), &iq, &iw);
             kl = kernels::IndexerKlLoss(iq, keys_leaf, iw, pool, target_all.narrow(1, t0, n));
           }
           outputs.push_back(kl);
@@ -749,10 +791,25 @@ class DsaAttentionImpl::TiledFunction : public torch::autograd::Function<TiledFu
     if (kl_grad) {
       // The pooled keys back to the indexer's key-side weights (its input is detached: no dx).
       RECORD_USER_SCOPE("dsa backward: indexer key projections");
-      std::vector<Tensor> d = torch::autograd::grad({keys}, weights, {dkeys.to(keys.scalar_type())},
-                                                    /*retain_graph=*/false, /*create_graph=*/false,
-                                                    /*allow_unused=*/true);
-      sums.Add(d);
+      if (folded) {  // chunk by chunk, each chunk's keys again with a graph
+        for (int64_t c0 = 0; c0 < S; c0 += kc) {
+          const Tensor xk = NormedRows(*st, x, c0, std::min(kc, S - c0));
+          Tensor kchunk;
+          {
+            torch::AutoGradMode grad(true);
+            kchunk = m.indexer->Keys(xk);
+          }
+          if (kchunk.size(1) == 0) continue;
+          const Tensor dk = dkeys.narrow(1, c0 / 4, kchunk.size(1)).to(kchunk.scalar_type());
+          sums.Add(torch::autograd::grad({kchunk}, weights, {dk}, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true));
+        }
+      } else {
+        std::vector<Tensor> d = torch::autograd::grad({keys}, weights, {dkeys.to(keys.scalar_type())},
+                                                      /*retain_graph=*/false, /*create_graph=*/false,
+                                                      /*allow_unused=*/true);
+        sums.Add(d);
+      }
     }
     sums.WriteGrads();
     return {dx, Tensor()};
@@ -1039,8 +1096,11 @@ class DsaAttentionImpl::ShardedFunction : public torch::autograd::Function<Shard
   }
 };
 
-Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl, const SequenceGroup* group) {
+Tensor DsaAttentionImpl::SparseHeads(const Tensor& x_in, Kl* kl, const SequenceGroup* group, RMSNormImpl* norm) {
   const bool sharded = group != nullptr && group->size() > 1;
+  // The norm runs inside the tiled Function only where it keeps x for a backward of its own.
+  const bool fold = norm != nullptr && !sharded && torch::GradMode::is_enabled();
+  const Tensor x = norm != nullptr && !fold ? norm->forward(x_in) : x_in;
   DsaSelectionIo sel;
   const int64_t B = x.size(0), S = x.size(1);
   if (selection_mode_ == SelectionMode::kReplay) {
@@ -1066,6 +1126,7 @@ Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl, const SequenceGrou
   }
   auto st = c10::make_intrusive<DsaTileState>();
   st->mixer = this;
+  st->norm = fold ? norm : nullptr;
   st->group = sharded ? group : nullptr;
   st->selection = std::move(sel);
   st->kl = kl != nullptr && x.size(1) >= 4;
@@ -1081,8 +1142,10 @@ Tensor DsaAttentionImpl::SparseHeads(const Tensor& x, Kl* kl, const SequenceGrou
   return r[0];
 }
 
-Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend* backend, Kl* kl) {
-  if (stage_ == IndexerStage::kSparse) return SparseHeads(x, kl);
+Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x_in, const AttentionBackend* backend, Kl* kl,
+                                         RMSNormImpl* norm) {
+  if (stage_ == IndexerStage::kSparse) return SparseHeads(x_in, kl, nullptr, norm);
+  const Tensor x = norm != nullptr ? norm->forward(x_in) : x_in;
   const int64_t B = x.size(0), S = x.size(1), H = heads_, D = head_dim_;
   Tensor q = SplitHeads(q_proj, q_lora, x);  // (B, H, S, D)
   Tensor k = SplitHeads(k_proj, k_lora, x);  // (B, Hkv, S, D)
@@ -1112,7 +1175,7 @@ Tensor DsaAttentionImpl::HeadsOfDocument(const Tensor& x, const AttentionBackend
 }
 
 Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
-                               Tensor* indexer_loss, const SequenceGroup* group) {
+                               Tensor* indexer_loss, const SequenceGroup* group, RMSNormImpl* input_norm) {
   TORCH_CHECK(!backward_in_forward_ || stage_ == IndexerStage::kDenseWarmup,
               "DSA: the indexer's backward in the forward is for the dense_warmup stage only");
   bool trains = indexer_loss != nullptr && loss_weight_ > 0 && KlGrad();
@@ -1135,9 +1198,11 @@ Tensor DsaAttentionImpl::Heads(const Tensor& x, const AttentionMeta& meta, const
                 ") must divide the layer's query heads (", heads_, ") and KV heads (", kv_heads_, ")");
     TORCH_CHECK(x.size(1) % 4 == 0, "DSA: a context-parallel rank's positions (", x.size(1),
                 ") must be a multiple of 4 (the indexer's pools count from the sequence's first token)");
-    y = SparseHeads(x, trains ? &kl : nullptr, group);
+    y = SparseHeads(x, trains ? &kl : nullptr, group, input_norm);
   } else {
-    y = PerDocument(x, meta, [&](const Tensor& xd) { return HeadsOfDocument(xd, backend, trains ? &kl : nullptr); });
+    y = PerDocument(x, meta, [&](const Tensor& xd) {
+      return HeadsOfDocument(xd, backend, trains ? &kl : nullptr, input_norm);
+    });
   }
   if (trains && kl.sum.defined()) {
     torch::AutoGradMode grad(KlGrad());

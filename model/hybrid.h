@@ -30,6 +30,8 @@
 
 namespace odyssey::model {
 
+class RMSNormImpl;  // model/layers.h
+
 // Depthwise causal 1-d convolution over the sequence (no bias): weight (C, 1, kernel), as a
 // Conv1d with groups = C stores it; output t sees inputs t-kernel+1..t. The module holds the
 // weight (its checkpoint name); the KDA mixer applies it with its SiLU through
@@ -217,8 +219,16 @@ class DsaAttentionImpl : public torch::nn::Module {
   // memory per rank is the one-rank layer's at S/P tokens, plus one tile's input.
   // REQUIRES: P divides the query and KV heads; 4 divides S/P (pools and their bias slots count
   // from the sequence's first token); the sparse indexer stage; rows are not packed.
+  //
+  // With `input_norm` x is the layer's input before that norm (the decoder layer's
+  // input_layernorm), and the result is that of Heads(input_norm(x)). In the sparse stage on one
+  // rank with grad, the norm runs inside the tiled Function: its backward keeps x, which the
+  // layer holds anyway, where it kept the norm's output, one (T, hidden) more for the whole
+  // backward, and normalizes a tile of rows at a time (the norm's weight gradient summed over
+  // the tiles). Elsewhere the norm runs first.
   torch::Tensor Heads(const torch::Tensor& x, const AttentionMeta& meta, const AttentionBackend* backend,
-                      torch::Tensor* indexer_loss, const SequenceGroup* group = nullptr);
+                      torch::Tensor* indexer_loss, const SequenceGroup* group = nullptr,
+                      RMSNormImpl* input_norm = nullptr);
   void InitSpecial(const std::optional<at::Generator>& gen);  // draws nothing today
   // Keeping the sparse stage's pool selections between a layer's passes of one step (the memory
   // stack's keep_selection, engine/memory/strategy.h). kRecord: select afresh and keep each
@@ -265,12 +275,14 @@ class DsaAttentionImpl : public torch::nn::Module {
   class ShardedFunction;
   // proj(x) for x (B, S, hidden) split into heads of head_dim: (B, heads, S, head_dim), a view.
   torch::Tensor SplitHeads(const torch::nn::Linear& proj, const LoraAdapter& lora, const torch::Tensor& x);
-  torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl);
+  torch::Tensor HeadsOfDocument(const torch::Tensor& x, const AttentionBackend* backend, Kl* kl, RMSNormImpl* norm);
   // Whether the indexer's KL is built with grad: grad mode on, or its backward in the forward.
   bool KlGrad() const { return torch::GradMode::is_enabled() || backward_in_forward_; }
   // The sparse stage over query tiles: without grad directly, with grad through TiledFunction;
   // with a group of more than one rank, through ShardedFunction.
-  torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl, const SequenceGroup* group = nullptr);
+  // With `norm` (one rank, grad on) x is the norm's input (Heads' input_norm).
+  torch::Tensor SparseHeads(const torch::Tensor& x, Kl* kl, const SequenceGroup* group = nullptr,
+                            RMSNormImpl* norm = nullptr);
   int64_t heads_, kv_heads_, head_dim_, top_pools_;
   int64_t tile_ = kDefaultTile;
   int64_t head_groups_ = 1;

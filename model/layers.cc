@@ -190,8 +190,11 @@ torch::Tensor DecoderLayerImpl::AttentionBlock(const torch::Tensor& h, const Lay
     return ResidualLinear(h, kda->Heads(input_layernorm(h), ctx.attention, ctx.sequence), kda->o_proj, kda->o_lora);
   if (dsa) {
     torch::Tensor indexer_loss;  // set when the indexer trains in this pass
-    torch::Tensor y = ResidualLinear(h, dsa->Heads(input_layernorm(h), ctx.attention, ctx.backend, &indexer_loss, ctx.sequence),
-                                     dsa->o_proj, dsa->o_lora);
+    // The norm goes in with h: in the sparse stage its tiled Function normalizes a tile at a time
+    // in backward instead of keeping the norm's output (model/hybrid.h).
+    torch::Tensor y = ResidualLinear(
+        h, dsa->Heads(h, ctx.attention, ctx.backend, &indexer_loss, ctx.sequence, input_layernorm.get()),
+        dsa->o_proj, dsa->o_lora);
     return indexer_loss.defined()
                ? InjectAuxLoss(y, indexer_loss, dsa->indexer_loss_weight() * dsa->gradient_scale())
                : y;

@@ -6,6 +6,7 @@
 // Thread safety: modules are used by one thread at a time.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -60,6 +61,11 @@ struct LayerContext {
   // layers; null: one rank holds whole rows. The dense attention's context parallelism is its
   // backend's (engine/parallel/ulysses.h).
   const SequenceGroup* sequence = nullptr;
+  // Recomputes the layer stack's input (the embedding of the ids) without a graph, equal to it
+  // bit for bit; CausalLMImpl::Hidden sets it. A runner may call it in backward instead of
+  // keeping the input from forward (engine/memory/strategy.cc: the first checkpoint, one
+  // (B, S, hidden), is never stored). Empty: the input cannot be recomputed.
+  std::function<torch::Tensor()> stack_input;
 };
 
 class AttentionImpl : public torch::nn::Module {

@@ -506,6 +506,66 @@ TEST(HybridModelTest, DsaTilesEqualPlainAutograd) {
   EXPECT_THROW(m->set_head_groups(3), c10::Error);  // not a divisor of the 2 KV heads
 }
 
+// The layer's input norm folded into the DSA layer's tiled Function (Heads' input_norm: the
+// backward normalizes a tile of rows at a time, the pooled keys by chunks of whole pools, and
+// keeps the norm's input, not its output) equals the norm run first under plain autograd: the
+// output, the KL, the input's gradient, every parameter's and the norm weight's, with tiles that
+// split a pool, one token long at the end, or the whole row, in one and two KV-head groups; and
+// without grad.
+TEST(HybridModelTest, DsaFoldedInputNormEqualsTheNormFirst) {
+  ModelConfig c = TinyHybrid();
+  DsaAttention m = RandomFp64Dsa(c, 29);
+  RMSNorm norm(c.hidden_size, c.rms_norm_eps);
+  norm->to(torch::kFloat64);
+  {
+    torch::NoGradGuard no_grad;
+    norm->weight.copy_(1.0 + 0.3 * torch::randn({c.hidden_size}, torch::kFloat64));
+  }
+  const int64_t B = 2, S = 161, H = c.num_attention_heads, D = c.HeadDim();
+  const torch::Tensor h = 2.0 * torch::randn({B, S, c.hidden_size}, torch::kFloat64);
+  const torch::Tensor gy = torch::randn({B, S, H * D}, torch::kFloat64);
+  using Grads = std::map<std::string, torch::Tensor>;
+  auto run = [&](bool folded) {
+    m->zero_grad();
+    norm->zero_grad();
+    torch::Tensor hi = h.clone().requires_grad_(true);
+    torch::Tensor kl;
+    torch::Tensor y = folded ? m->Heads(hi, AttentionMeta{}, nullptr, &kl, nullptr, norm.get())
+                             : m->Heads(norm(hi), AttentionMeta{}, nullptr, &kl);
+    EXPECT_TRUE(kl.defined());
+    ((y * gy).sum() + 0.7 * kl).backward();
+    Grads out = {{"y", y.detach()}, {"kl", kl.detach().to(torch::kFloat64).view({1})}, {"dh", hi.grad()},
+                 {"norm.weight", norm->weight.grad().clone()}};
+    for (auto& p : m->named_parameters()) {
+      if (p.key().rfind("o_proj.", 0) == 0) continue;
+      EXPECT_TRUE(p.value().grad().defined()) << p.key() << " folded " << folded;
+      if (p.value().grad().defined()) out[p.key()] = p.value().grad().clone();
+    }
+    return out;
+  };
+  for (auto [tile, groups] : std::vector<std::pair<int64_t, int64_t>>{{1000, 1}, {37, 1}, {6, 2}, {160, 1}, {37, 2}}) {
+    m->set_tile(tile);
+    m->set_head_groups(groups);
+    const Grads want = run(false), got = run(true);
+    ASSERT_GT(want.at("norm.weight").abs().max().item<double>(), 0.0);
+    ASSERT_GT(want.at("indexer.wk.weight").abs().max().item<double>(), 0.0);
+    for (const auto& [name, w] : want) {
+      // The KL and the indexer's gradients leave in fp32 (as in DsaTilesEqualPlainAutograd); the
+      // norm's backward computes in fp32 (kernels::RmsNormRowsBackward), and folded it runs per
+      // tile and per KV-head group, its input's and weight's gradients summed in another order.
+      const bool fp32 = name == "kl" || name.find("indexer.") == 0;
+      const bool through_norm = name == "dh" || name == "norm.weight";
+      const double bar = (through_norm ? 1e-5 : fp32 ? 1e-6 : 1e-10) * (1.0 + w.abs().max().item<double>());
+      ASSERT_TRUE(got.count(name)) << name;
+      EXPECT_LT((got.at(name) - w).abs().max().item<double>(), bar) << name << " tile " << tile << " groups " << groups;
+    }
+    torch::NoGradGuard no_grad;
+    EXPECT_LT((m->Heads(h, AttentionMeta{}, nullptr, nullptr, nullptr, norm.get()) - want.at("y")).abs().max().item<double>(),
+              1e-10)
+        << "no grad, tile " << tile;
+  }
+}
+
 // Kept selections (DsaAttentionImpl::set_selection_mode): a kRecord pass keeps each call's pool
 // selection; a kReplay pass uses them in order, whatever its input, and so equals the layer
 // computed with the recorded input's selection (not its own); a replay without grad keeps them,

@@ -187,19 +187,28 @@ Prediction Predict(const Request& r) {
   }
   persistent.emplace_back("workspaces and small buffers", kOverhead);
 
-  // Checkpointed layer inputs: C of them, `on_gpu` kept on the device (the last ones), the rest
-  // in pinned host memory. Backward frees each as its layer is done, so the GPU holds them all
-  // only at the top of backward; an offloaded input comes back with the next one prefetched.
-  const int64_t C = st.NumCheckpoints(L);
-  const int64_t on_gpu = recompute ? (st.offload ? std::min(st.device_resident, C) : C) : 0;
-  p.host_bytes = recompute && st.offload ? (C - on_gpu) * act : 0;
-  const int64_t ckpt_top = !recompute ? 0 : st.offload ? std::max<int64_t>(on_gpu, std::min<int64_t>(C, 2)) : C;
+  // Checkpointed layer inputs: C of them. The first (the embedding of the ids) is not kept: its
+  // group's backward recomputes it (engine/memory/strategy.cc). Of the other C - 1, `on_gpu`
+  // stay on the device (the last ones), the rest in pinned host memory. Backward frees each as
+  // its layer is done, so the GPU holds them all only at the top of backward; an offloaded input
+  // comes back with the next one prefetched (none below the second group: the first is
+  // recomputed).
+  // (With r.keeps_first_input the first is kept like the others and prefetched for the bottom
+  // group.)
+  const bool first_kept = r.keeps_first_input;
+  const int64_t C = st.NumCheckpoints(L), kept = first_kept ? C : std::max<int64_t>(C - 1, 0);
+  const int64_t on_gpu = recompute ? (st.offload ? std::min(st.device_resident, kept) : kept) : 0;
+  p.host_bytes = recompute && st.offload ? (kept - on_gpu) * act : 0;
+  // At the top: the resident inputs, or the top group's own and the one below it, prefetched.
+  const int64_t top_fetched = std::min<int64_t>(C, first_kept ? 2 : C >= 3 ? 2 : 1);
+  const int64_t ckpt_top = !recompute ? 0 : std::max<int64_t>(on_gpu, st.offload ? top_fetched : 1);
   const int64_t ckpt_bottom = recompute ? 1 : 0;
-  // Between the two, the second group from the bottom: its own input and the bottom group's,
-  // prefetched or kept, are both on the GPU while nearly every gradient already is (measured:
-  // hybrid-3b at 1M with the optimizer on the GPU peaked 3.1 GiB above both ends, in a DSA layer
-  // of that group). Only where a group lies between the top and the bottom.
-  const int64_t ckpt_middle = recompute && C >= 3 ? 2 : 0;
+  // Between the two, the second group from the bottom: its own input on the GPU (and the bottom
+  // group's, prefetched or kept, where it is kept) while nearly every gradient already is
+  // (measured: hybrid-3b at 1M with the optimizer on the GPU peaked 3.1 GiB above both ends, in a
+  // DSA layer of that group, with both inputs there). Only where a group lies between the top
+  // and the bottom.
+  const int64_t ckpt_middle = recompute && C >= 3 ? (first_kept ? 2 : 1) : 0;
   const int64_t group_layers = st.recompute == Recompute::kEveryK ? st.every_k : 1;
   // Gradients appear as backward produces them: the head's (V x H; with tied embeddings the
   // embedding's too) at the loss, then a layer's at a time. With the optimizer on the host each
@@ -287,8 +296,8 @@ Prediction Predict(const Request& r) {
     const int64_t kda_state = 2 * (Ts / C) * Hk * K * K * 4;
     const int64_t kda_segment = Ts * HK * 180 + kda_state;
     // DSA: the sparse stage runs in query tiles (model::kDsaTile; model/hybrid.h). Its backward
-    // holds, per token of the sequence: the layer's norm output (the Function's input) and its
-    // gradient, the pool selection and the KL's fp32 target, the log-sum-exp, the incoming
+    // holds, per token of the sequence: the gradient of the Function's input (the layer's input,
+    // the norm folded in; with r.dsa_keeps_normed_input also the norm's output, kept), the pool selection and the KL's fp32 target, the log-sum-exp, the incoming
     // gradient, k and v and their fp32 gradient accumulators (~34 KB a token for hybrid-3b), the
     // last two of one KV-head group at a time (st.head_groups; DsaAttentionImpl::set_head_groups:
     // 12 KB a token at 1 group, 1.5 KB at 8); per
@@ -306,7 +315,9 @@ Prediction Predict(const Request& r) {
     const int64_t dsa_indices = Tq * (W * 4 + 2 * qd * e);
     const int64_t dsa_stream = 13 * T * m.hidden * e / 5;
     const int64_t dsa_per_token =
-        T * (2 * m.hidden * e + 8 * kp + 4 * m.heads + qd * e + 2 * kvd * (4 + e) / groups) + dsa_indices + dsa_stream;
+        T * ((r.dsa_keeps_normed_input ? 2 : 1) * m.hidden * e + 8 * kp + 4 * m.heads + qd * e +
+             2 * kvd * (4 + e) / groups) +
+        dsa_indices + dsa_stream;
     const int64_t indexer_scores = std::max<int64_t>(int64_t{256} << 20, 64 * 256 * HI * 4 * 2);
     const int64_t dsa_blocks = indexer_scores;
     // Context parallel (model/hybrid.h): each layer's backward also holds its output gradient in

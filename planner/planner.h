@@ -100,6 +100,15 @@ struct Request {
   MemoryStrategy strategy;
   Hardware hardware;
   int64_t param_bytes = 2;  // 2: bf16 params and activations; 4: fp32
+  // The layer stack's first input (the embedding's output) kept like the other checkpoints, not
+  // recomputed in its group's backward: a runner given no LayerContext::stack_input, and the
+  // engine before 2026-12-06 (the twenty-first session), which planner_test's older measured
+  // rows ran. Default: recomputed (engine/memory/strategy.cc).
+  bool keeps_first_input = false;
+  // A DSA layer's tiled backward keeps its norm's output (the engine before the same session)
+  // where it now keeps the norm's input, which the layer holds anyway (model/hybrid.h, Heads'
+  // input_norm): one (T, hidden) more. For planner_test's older measured rows.
+  bool dsa_keeps_normed_input = false;
 };
 
 struct Prediction {

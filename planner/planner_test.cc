@@ -42,6 +42,7 @@ TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
   r.model = Llama3B();
   r.seq_len = 65536;
   r.strategy = StrategyOf("layer", 2, false, 0, 8192, 2048, 1);
+  r.keeps_first_input = true;  // the first layer's input kept like the others (below: recomputed)
   Prediction p = Predict(r);
   EXPECT_EQ(Term(p, "params"), r.model.params * 2);
   EXPECT_EQ(Term(p, "optimizer state"), r.model.params * 12);
@@ -78,6 +79,33 @@ TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
   p = Predict(r);
   EXPECT_EQ(p.host_bytes, 7 * act);
   EXPECT_EQ(Term(p, "inputs of the group"), 3 * act);
+
+  // The engine's way: the first layer's input (the embedding of the ids) is recomputed in its
+  // backward, never kept. One input fewer on the GPU at the top without offload, and in the pool
+  // with it; the second layer's backward no longer has the first's input prefetched beside its
+  // own, so the first layer's backward (every gradient but its own, one input) is the peak.
+  r.keeps_first_input = false;
+  r.strategy = StrategyOf("layer", 2, false, 0, 8192, 2048, 1);
+  p = Predict(r);
+  EXPECT_EQ(Term(p, "checkpointed"), 27 * act);
+  r.strategy.offload = true;
+  r.strategy.device_resident = 3;
+  p = Predict(r);
+  EXPECT_EQ(p.host_bytes, 24 * act);
+  EXPECT_EQ(p.peak_phase, "first layer's backward");
+  EXPECT_EQ(Term(p, "checkpointed"), act);
+  r.strategy = StrategyOf("every_k", 4, true, 0, 8192, 2048, 1);
+  p = Predict(r);
+  EXPECT_EQ(p.host_bytes, 6 * act);
+  // Everything on the device: 7 groups keep 6 inputs, all there at the top of backward.
+  r.strategy.device_resident = 7;
+  p = Predict(r);
+  EXPECT_EQ(p.host_bytes, 0);
+  r.strategy.offload = false;
+  r.strategy.device_resident = 0;
+  const Prediction kept_all = Predict(r);
+  EXPECT_EQ(kept_all.host_bytes, 0);
+  EXPECT_EQ(kept_all.gpu_peak_bytes, p.gpu_peak_bytes);
 }
 
 // An MoE MLP works a tile at a time (model/moe.h): untiled, its working set is the whole
@@ -623,6 +651,10 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     int64_t batch = 1;
     bool dense_warmup = false;  // the DSA layers' indexer stage dense_warmup
     int64_t kda_chunk = 0;      // the KDA layers' chunk size (0: the shape's)
+    // The engine kept the stack's first input like the other checkpoints, and a DSA layer's
+    // backward its norm's output (every row measured before the twenty-first session's changes;
+    // Request::keeps_first_input, dsa_keeps_normed_input).
+    bool before_21 = true;
   };
   auto keep = [](MemoryStrategy s) {
     s.keep_attention = true;
@@ -720,6 +752,8 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     r.seq_len = row.seq;
     r.batch_size = row.batch;
     r.strategy = row.strategy;
+    r.keeps_first_input = row.before_21;
+    r.dsa_keeps_normed_input = row.before_21;
     const Prediction p = Predict(r);
     std::cout << row.shape << " x" << row.layers << " " << row.batch << "x" << row.seq << " " << row.strategy.Describe()
               << ": predicted / measured GPU peak " << static_cast<double>(p.gpu_peak_bytes) / row.measured_gpu

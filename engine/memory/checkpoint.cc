@@ -59,6 +59,8 @@ struct BlockState : torch::CustomClassHolder {
   std::shared_ptr<void> keepalive;  // e.g. an inner store that must outlive this block
   std::string label;                // "layer N" / "layers A-B": the profiler's phase names
   std::function<void()> after_backward;  // the block's gradients are in (MemoryStack's hook)
+  std::function<torch::Tensor()> regenerate;  // x again, in place of the store's slot
+  std::vector<int64_t> sizes;                 // x's, checked against what regenerate returns
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -80,8 +82,13 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       torch::NoGradGuard no_grad;
       y = state->body(x, /*recompute=*/false);
     }
-    absl::Status s = state->store->Save(state->slot, x.detach());
-    TORCH_CHECK(s.ok(), std::string(s.message()));
+    if (state->regenerate) {
+      state->sizes = x.sizes().vec();
+      state->store->Regenerated(state->slot);
+    } else {
+      absl::Status s = state->store->Save(state->slot, x.detach());
+      TORCH_CHECK(s.ok(), std::string(s.message()));
+    }
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return y;
   }
@@ -90,7 +97,16 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   // moving the incoming gradient out leaves no reference to it in the frames around this call.
   static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     auto state = c10::static_intrusive_pointer_cast<BlockState>(ctx->saved_data["state"].toCapsule());
-    torch::Tensor x = state->store->Take(state->slot).detach().requires_grad_(true);
+    torch::Tensor x;
+    if (state->regenerate) {
+      x = state->regenerate();
+      TORCH_CHECK(x.sizes() == c10::IntArrayRef(state->sizes), "checkpointed block '", state->label,
+                  "': its regenerated input has shape ", x.sizes(), ", the forward's had ",
+                  c10::IntArrayRef(state->sizes));
+    } else {
+      x = state->store->Take(state->slot);
+    }
+    x = x.detach().requires_grad_(true);
     torch::Tensor y;
     {
       ProfilePhase phase(state->label + " recompute");
@@ -269,7 +285,7 @@ torch::Tensor ShapeOnly(const torch::Tensor& like) {
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive, std::function<void()> after_backward,
-                              const std::string& label) {
+                              const std::string& label, std::function<torch::Tensor()> regenerate) {
   ProfilePhase phase(label + " forward");
   if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
   auto state = c10::make_intrusive<BlockState>();
@@ -279,6 +295,7 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
   state->slot = slot;
   state->keepalive = std::move(keepalive);
   state->after_backward = std::move(after_backward);
+  state->regenerate = std::move(regenerate);
   // The Function records a backward node only for inputs that need grad; the block's
   // parameters need it even when x does not.
   return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);

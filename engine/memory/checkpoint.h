@@ -25,9 +25,11 @@ using BlockBody = std::function<torch::Tensor(const torch::Tensor& x, bool recom
 // back-propagates through it, then calls `after_backward` (if any): the block's parameters
 // have their gradients from this backward by then. With grad disabled this is body(x, false).
 // `label` names the block's phases in a profile ("<label> forward", "... recompute", "... backward").
+// With `regenerate` (it returns x's values again, without a graph) nothing is saved: the slot is
+// marked regenerated and backward calls it instead (the stack's first block: the embedding).
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive = nullptr, std::function<void()> after_backward = nullptr,
-                              const std::string& label = "block");
+                              const std::string& label = "block", std::function<torch::Tensor()> regenerate = nullptr);
 
 // A tensor of `like`'s shape, dtype and device whose storage is one element (every stride 0):
 // the stand-in for a block output whose value is never read, only its shape and graph (a nested

@@ -43,6 +43,7 @@ struct Result {
   int64_t attention_forwards = 0;  // calls of the attention kernel's forward (Causal, CausalWithStats)
   int64_t mlp_forwards = 0;        // MLP forwards (of whole rows or of tiles): calls of aten::silu
   int64_t stash_bytes_after = 0;   // bytes the attention stash still holds after the last backward
+  int64_t host_pool_bytes = 0;     // the offload pool's after the last step
 };
 
 // Calls on_forward before each forward of an attention kernel (Causal, CausalWithStats);
@@ -163,6 +164,7 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   }
   r.mlp_forwards = silu.calls();
   r.stash_bytes_after = (*stack)->attention_stash()->bytes();
+  r.host_pool_bytes = (*stack)->host_pool_bytes();
   // Frozen parameters (a LoRA base) have none; a strategy that loses a gradient shows as a
   // missing name in ExpectSameGradients.
   for (auto& p : m->named_parameters())
@@ -329,7 +331,57 @@ TEST_F(MemoryStrategyTest, OffloadToHostPool) {
   o.recompute = planner::Recompute::kLayer;
   o.offload = true;
   o.device_resident = 1;
-  ExpectSameGradients(RunStrategy(o), *plain_);
+  const Result got = RunStrategy(o);
+  ExpectSameGradients(got, *plain_);
+  // Five layer inputs: the last on the device, the first (the embedding of the ids) recomputed
+  // in its backward, the three between in the pool (B x S x hidden fp32 each).
+  const RunSetup setup;
+  EXPECT_EQ(got.host_pool_bytes, 3 * setup.B * setup.S * setup.config.hidden_size * 4);
+}
+
+// The stack's first checkpoint is not kept: its block recomputes its input (the embedding)
+// in backward, once, and nothing reads the store's slot. Gradients are plain autograd's; a
+// regenerated input of another shape is refused, naming the block.
+TEST(CheckpointBlockTest, RegeneratedInputIsRecomputedNotKept) {
+  torch::manual_seed(9);
+  const torch::Tensor w = torch::randn({16, 16}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor e = torch::randn({30, 16}, torch::kFloat64).requires_grad_(true);  // an embedding
+  const torch::Tensor ids = torch::randint(0, 30, {2, 24}, torch::kInt64);
+  auto f = [&](const torch::Tensor& x) { return torch::tanh(torch::matmul(x, w)) + x; };
+  int regenerated = 0;
+  SavedInputs store(nullptr, 0);
+  store.BeginStep(2);
+  const torch::Tensor x = e.index_select(0, ids.reshape(-1)).view({2, 24, 16});
+  const torch::Tensor y0 = CheckpointBlock(x, [&](const torch::Tensor& xi, bool) { return f(xi); }, &store, 0, nullptr,
+                                           nullptr, "layer 0", [&] {
+                                             ++regenerated;
+                                             torch::NoGradGuard no_grad;
+                                             return e.index_select(0, ids.reshape(-1)).view({2, 24, 16});
+                                           });
+  const torch::Tensor y = CheckpointBlock(y0, [&](const torch::Tensor& xi, bool) { return f(xi); }, &store, 1);
+  EXPECT_EQ(store.device_bytes(), y0.nbytes()) << "only the second block's input is kept";
+  const torch::Tensor g = torch::randn_like(y);
+  y.backward(g);
+  EXPECT_EQ(regenerated, 1);
+  const torch::Tensor dw = w.grad().clone(), de = e.grad().clone();
+  w.mutable_grad() = torch::Tensor();
+  e.mutable_grad() = torch::Tensor();
+  f(f(e.index_select(0, ids.reshape(-1)).view({2, 24, 16}))).backward(g);
+  EXPECT_TRUE(torch::allclose(dw, w.grad(), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(de, e.grad(), 1e-12, 1e-12));
+  EXPECT_THROW(store.Take(0), c10::Error);
+
+  store.BeginStep(1);
+  const torch::Tensor bad = CheckpointBlock(x.detach(), [&](const torch::Tensor& xi, bool) { return f(xi); }, &store, 0,
+                                            nullptr, nullptr, "layer 0", [&] { return torch::zeros({2, 23, 16}, x.options()); });
+  try {
+    bad.sum().backward();
+    ADD_FAILURE() << "a regenerated input of another shape was taken";
+  } catch (const c10::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("checkpointed block 'layer 0': its regenerated input has shape [2, 23, 16]"),
+              std::string::npos)
+        << err.what();
+  }
 }
 
 TEST_F(MemoryStrategyTest, TiledMlp) {
@@ -813,7 +865,7 @@ TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
   planner::MemoryStrategy o;
   o.recompute = planner::Recompute::kLayer;
   o.offload = true;
-  o.host_budget_bytes = 3 * 2 * 50 * 64 * 4;  // room for 3 of the 5 layer inputs
+  o.host_budget_bytes = 3 * 2 * 50 * 64 * 4;  // room for 3 of the 4 layer inputs it keeps (the first: recomputed)
   auto stack = MemoryStack::Create(o, 5);
   ASSERT_TRUE(stack.ok());
   absl::Status s = (*stack)->Prepare(2, 50, 64, torch::kFloat32);
@@ -821,11 +873,12 @@ TEST(MemoryStrategyOptionsTest, HostBudgetIsEnforcedAndSaysByHowMuch) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("over memory.host_budget_bytes"), std::string::npos) << s;
   EXPECT_NE(s.message().find("by 0.00 GiB"), std::string::npos) << s;  // 25.6 KB over
-  // Keeping the last two on the device fits.
+  // Keeping the last two on the device fits: the pool holds the two between them and the first,
+  // which the runner recomputes from the ids.
   o.device_resident = 2;
   stack = MemoryStack::Create(o, 5);
   ASSERT_TRUE((*stack)->Prepare(2, 50, 64, torch::kFloat32).ok());
-  EXPECT_EQ((*stack)->host_pool_bytes(), 3 * 2 * 50 * 64 * 4);
+  EXPECT_EQ((*stack)->host_pool_bytes(), 2 * 2 * 50 * 64 * 4);
 }
 
 // A slot that must grow grows by half again (so a run of slowly growing RL requests does not

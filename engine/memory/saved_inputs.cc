@@ -17,6 +17,7 @@ struct SavedInputs::Entry {
   std::vector<int64_t> sizes;
   torch::Device dev{torch::kCPU};
   bool fetching = false;
+  bool regenerated = false;  // nothing kept: the block recomputes its input
 #ifdef ODYSSEY_WITH_CUDA
   at::cuda::CUDAEvent offloaded;  // device->host copy done
   at::cuda::CUDAEvent fetched;    // host->device copy done
@@ -40,14 +41,21 @@ void SavedInputs::BeginStep(int64_t num_slots) {
     if (!e) e = std::make_unique<Entry>();
     e->device = torch::Tensor();
     e->fetching = false;
+    e->regenerated = false;
   }
 }
 
 bool SavedInputs::Resident(int64_t slot) const { return pool_ == nullptr || slot >= num_slots_ - device_resident_; }
 
+void SavedInputs::Regenerated(int64_t slot) {
+  TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
+  entries_[slot]->regenerated = true;
+}
+
 absl::Status SavedInputs::Save(int64_t slot, const torch::Tensor& x) {
   TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
   Entry& e = *entries_[slot];
+  e.regenerated = false;
   e.sizes = x.sizes().vec();
   e.dev = x.device();
   if (Resident(slot)) {
@@ -81,7 +89,7 @@ absl::Status SavedInputs::Save(int64_t slot, const torch::Tensor& x) {
 
 void SavedInputs::StartFetch(int64_t slot) {
   Entry& e = *entries_[slot];
-  if (e.device.defined() || e.fetching) return;
+  if (e.device.defined() || e.fetching || e.regenerated) return;
 #ifdef ODYSSEY_WITH_CUDA
   if (e.dev.is_cuda()) {
     c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(e.dev.index());
@@ -109,6 +117,7 @@ void SavedInputs::StartFetch(int64_t slot) {
 torch::Tensor SavedInputs::Take(int64_t slot) {
   TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
   Entry& e = *entries_[slot];
+  TORCH_CHECK(!e.regenerated, "slot ", slot, " kept nothing: its block regenerates its input");
   if (!e.device.defined()) StartFetch(slot);
 #ifdef ODYSSEY_WITH_CUDA
   if (e.fetching) {

@@ -32,6 +32,9 @@ class SavedInputs {
   void BeginStep(int64_t num_slots);
   // Forward: keeps or offloads x (B, S, H) for slot `slot`.
   absl::Status Save(int64_t slot, const torch::Tensor& x);
+  // Forward: slot `slot` keeps nothing; its block recomputes its input in backward (and so
+  // never takes it, and the slot above it prefetches nothing).
+  void Regenerated(int64_t slot);
   // Backward: x of slot `slot` on its device, ready on the current stream; starts the prefetch
   // of slot - 1. Each slot is taken once per step.
   torch::Tensor Take(int64_t slot);

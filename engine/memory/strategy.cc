@@ -28,7 +28,10 @@ int64_t MemoryStack::NumCheckpoints() const { return strategy_.NumCheckpoints(nu
 absl::Status MemoryStack::Prepare(int64_t B, int64_t S, int64_t hidden, torch::Dtype dtype) {
   if (!pool_) return absl::OkStatus();
   const int64_t offloaded = std::max<int64_t>(0, NumCheckpoints() - strategy_.device_resident);
-  for (int64_t slot = 0; slot < offloaded; ++slot) {
+  // Slot 0, the stack's input, is recomputed from the ids where the model can (Runner): the
+  // pool keeps none for it. (A runner called without LayerContext::stack_input saves it, and the
+  // pool allocates that slot then.)
+  for (int64_t slot = 1; slot < offloaded; ++slot) {
     absl::StatusOr<torch::Tensor> t = pool_->Slot(slot, B * S * hidden, dtype);
     if (!t.ok()) return t.status();
   }
@@ -119,8 +122,11 @@ model::LayerStackRunner MemoryStack::Runner() {
       std::function<void()> after_backward;
       if (hooks_.after_backward) after_backward = [this, first, count] { hooks_.after_backward(first, count); };
       if (hooks_.before_forward) hooks_.before_forward(first, count);
+      // The first group's input is the embedding of the ids: recomputed in its backward (a lookup),
+      // not kept on the device or in the pool.
       h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward),
-                          count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1));
+                          count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1),
+                          g == 0 ? ctx.stack_input : nullptr);
       if (hooks_.after_forward) hooks_.after_forward(first, count, /*kept=*/false);
     }
     return h;
