@@ -17,7 +17,8 @@ namespace odyssey::engine {
 
 struct HostAdamW::Param {
   torch::Tensor param;                      // the model's tensor (contiguous)
-  torch::Tensor master, exp_avg, exp_avg_sq;  // (numel,) fp32 host
+  torch::Tensor master;                     // (numel,) fp32 host
+  torch::Tensor exp_avg, exp_avg_sq;        // (numel,) host, fp32 (bf16 with bf16_moments)
   // (numel,) param dtype, host (pinned on CUDA): where the gradient lands (CUDA, deferred_cpu);
   // on CUDA a bf16 param's update replaces it there in place for the upload (one buffer each way).
   torch::Tensor grad_staging;
@@ -75,15 +76,16 @@ HostAdamW::HostAdamW(std::vector<torch::Tensor> params, const HostOptimizerOptio
     q->decay = DecaysWeights(p);
     q->bf16 = p.scalar_type() == torch::kBFloat16;
     const int64_t n = p.numel();
-    auto state = [&] { return states_->Slot(state_block++, n, torch::kFloat32).value(); };
+    auto state = [&](torch::Dtype dtype) { return states_->Slot(state_block++, n, dtype).value(); };
     if (!cuda_ && !q->bf16) {
       q->master = p.detach().view({-1});  // an fp32 CPU parameter is its own master: no copy
     } else {
-      q->master = state();
+      q->master = state(torch::kFloat32);
       q->master.copy_(p.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
     }
-    q->exp_avg = state().zero_();
-    q->exp_avg_sq = state().zero_();
+    const torch::Dtype moments = options_.bf16_moments ? torch::kBFloat16 : torch::kFloat32;
+    q->exp_avg = state(moments).zero_();
+    q->exp_avg_sq = state(moments).zero_();
     if (cuda_ || options_.deferred_cpu) q->grad_staging = staging_->Slot(staging_block++, n, p.scalar_type()).value();
     params_.push_back(std::move(q));
   }
@@ -263,8 +265,15 @@ void HostAdamW::Update(const Param& p, int64_t begin, int64_t end) const {
     torch::Tensor dst = cuda_ ? p.grad_staging : p.param;
     out = reinterpret_cast<uint16_t*>(dst.data_ptr()) + begin;
   }
-  HostAdamWUpdate(p.k, end - begin, grad, p.bf16, p.master.data_ptr<float>() + begin,
-                  p.exp_avg.data_ptr<float>() + begin, p.exp_avg_sq.data_ptr<float>() + begin, out);
+  float* master = p.master.data_ptr<float>() + begin;
+  if (options_.bf16_moments) {
+    HostAdamWUpdateBf16Moments(p.k, end - begin, grad, p.bf16, master,
+                               reinterpret_cast<uint16_t*>(p.exp_avg.data_ptr()) + begin,
+                               reinterpret_cast<uint16_t*>(p.exp_avg_sq.data_ptr()) + begin, out);
+  } else {
+    HostAdamWUpdate(p.k, end - begin, grad, p.bf16, master, p.exp_avg.data_ptr<float>() + begin,
+                    p.exp_avg_sq.data_ptr<float>() + begin, out);
+  }
 }
 
 void HostAdamW::Publish(int64_t i) {

@@ -25,13 +25,28 @@ AdamWConstants AdamWConstants::For(const AdamWStep& s, bool decay) {
 
 namespace {
 
-// One loop per (gradient type, bf16 output, lerp form): no branch inside (a select on a
-// loop-invariant flag keeps g++ -O2 from vectorizing the loop).
+// The moments' storage: fp32 as is, or bf16 widened exactly when read and rounded to nearest
+// even when stored (bf16 moments). The math between is the same fp32 either way. On values, not
+// pointers, so the loop indexes its own __restrict pointers (through a helper's, g++ versions
+// the loop for aliasing or leaves it scalar).
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t b) { return Bf16Value(b); }
+template <typename Moment>
+inline Moment Narrow(float x) {
+  if constexpr (std::is_same_v<Moment, uint16_t>) {
+    return Bf16Bits(x);
+  } else {
+    return x;
+  }
+}
+
+// One loop per (moment storage, gradient type, bf16 output, lerp form): no branch inside (a
+// select on a loop-invariant flag keeps g++ -O2 from vectorizing the loop).
 // kInPlace: the bf16 gradient buffer receives the rounded parameter (element i is read before it
 // is written), through one pointer so that no aliasing check keeps the loop scalar.
-template <bool kBf16Grad, bool kBf16Out, bool kFromEnd, bool kInPlace = false>
+template <typename Moment, bool kBf16Grad, bool kBf16Out, bool kFromEnd, bool kInPlace = false>
 void UpdateLoop(const AdamWConstants& k, int64_t n, const void* grad_v, float* __restrict master,
-                float* __restrict exp_avg, float* __restrict exp_avg_sq, uint16_t* __restrict out_v) {
+                Moment* __restrict exp_avg, Moment* __restrict exp_avg_sq, uint16_t* __restrict out_v) {
   static_assert(!kInPlace || (kBf16Grad && kBf16Out));
   uint16_t* __restrict out = kInPlace ? static_cast<uint16_t*>(const_cast<void*>(grad_v)) : out_v;
   const uint16_t* __restrict grad16 = kInPlace ? out : static_cast<const uint16_t*>(grad_v);
@@ -48,25 +63,45 @@ void UpdateLoop(const AdamWConstants& k, int64_t n, const void* grad_v, float* _
     } else {
       g = grad32[i] * scale;
     }
-    const float m0 = exp_avg[i];
-    const float m = (kFromEnd ? g : m0) + coeff * (g - m0);    // exp_avg.lerp_(g, 1 - beta1)
-    const float v = exp_avg_sq[i] * beta2 + omb2 * g * g;       // mul_(beta2).addcmul_(g, g, 1 - beta2)
-    const float denom = std::sqrt(v) / sqrt_bc2 + eps;          // (v.sqrt() / sqrt(bc2)).add_(eps)
-    const float p = master[i] * decay + step_size * m / denom;  // mul_(1 - lr wd); addcdiv_(m, denom, -lr/bc1)
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    const float m0 = Widen(exp_avg[i]);
+    const float m = (kFromEnd ? g : m0) + coeff * (g - m0);          // exp_avg.lerp_(g, 1 - beta1)
+    const float v = Widen(exp_avg_sq[i]) * beta2 + omb2 * g * g;     // mul_(beta2).addcmul_(g, g, 1 - beta2)
+    const float denom = std::sqrt(v) / sqrt_bc2 + eps;               // (v.sqrt() / sqrt(bc2)).add_(eps)
+    const float p = master[i] * decay + step_size * m / denom;       // mul_(1 - lr wd); addcdiv_(m, denom, -lr/bc1)
+    // This step's update used m and v in fp32; bf16 moments round only what the next step reads.
+    exp_avg[i] = Narrow<Moment>(m);
+    exp_avg_sq[i] = Narrow<Moment>(v);
     master[i] = p;
     if constexpr (kBf16Out) out[i] = Bf16Bits(p);
   }
 }
 
-template <bool kBf16Grad, bool kBf16Out, bool kInPlace = false>
-void Dispatch(const AdamWConstants& k, int64_t n, const void* grad, float* master, float* exp_avg, float* exp_avg_sq,
-              uint16_t* out) {
+template <typename Moment, bool kBf16Grad, bool kBf16Out, bool kInPlace = false>
+void Dispatch(const AdamWConstants& k, int64_t n, const void* grad, float* master, Moment* exp_avg,
+              Moment* exp_avg_sq, uint16_t* out) {
   if (k.lerp_from_end) {
-    UpdateLoop<kBf16Grad, kBf16Out, true, kInPlace>(k, n, grad, master, exp_avg, exp_avg_sq, out);
+    UpdateLoop<Moment, kBf16Grad, kBf16Out, true, kInPlace>(k, n, grad, master, exp_avg, exp_avg_sq, out);
   } else {
-    UpdateLoop<kBf16Grad, kBf16Out, false, kInPlace>(k, n, grad, master, exp_avg, exp_avg_sq, out);
+    UpdateLoop<Moment, kBf16Grad, kBf16Out, false, kInPlace>(k, n, grad, master, exp_avg, exp_avg_sq, out);
+  }
+}
+
+// Both public entries: the moments' storage is the only difference.
+template <typename Moment>
+void Update(const AdamWConstants& k, int64_t n, const void* grad, bool grad_bf16, float* master, Moment* exp_avg,
+            Moment* exp_avg_sq, uint16_t* param_bf16) {
+  if (grad_bf16) {
+    if (param_bf16 == grad) {
+      Dispatch<Moment, true, true, true>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
+    } else if (param_bf16 != nullptr) {
+      Dispatch<Moment, true, true>(k, n, grad, master, exp_avg, exp_avg_sq, param_bf16);
+    } else {
+      Dispatch<Moment, true, false>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
+    }
+  } else if (param_bf16 != nullptr) {
+    Dispatch<Moment, false, true>(k, n, grad, master, exp_avg, exp_avg_sq, param_bf16);
+  } else {
+    Dispatch<Moment, false, false>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
   }
 }
 
@@ -74,19 +109,12 @@ void Dispatch(const AdamWConstants& k, int64_t n, const void* grad, float* maste
 
 void HostAdamWUpdate(const AdamWConstants& k, int64_t n, const void* grad, bool grad_bf16, float* master,
                      float* exp_avg, float* exp_avg_sq, uint16_t* param_bf16) {
-  if (grad_bf16) {
-    if (param_bf16 == grad) {
-      Dispatch<true, true, true>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
-    } else if (param_bf16 != nullptr) {
-      Dispatch<true, true>(k, n, grad, master, exp_avg, exp_avg_sq, param_bf16);
-    } else {
-      Dispatch<true, false>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
-    }
-  } else if (param_bf16 != nullptr) {
-    Dispatch<false, true>(k, n, grad, master, exp_avg, exp_avg_sq, param_bf16);
-  } else {
-    Dispatch<false, false>(k, n, grad, master, exp_avg, exp_avg_sq, nullptr);
-  }
+  Update(k, n, grad, grad_bf16, master, exp_avg, exp_avg_sq, param_bf16);
+}
+
+void HostAdamWUpdateBf16Moments(const AdamWConstants& k, int64_t n, const void* grad, bool grad_bf16, float* master,
+                                uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* param_bf16) {
+  Update(k, n, grad, grad_bf16, master, exp_avg, exp_avg_sq, param_bf16);
 }
 
 }  // namespace odyssey::engine

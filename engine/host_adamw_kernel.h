@@ -1,5 +1,5 @@
-// The host AdamW kernel: one AdamW update over fp32 master weights and moments in host
-// memory, and the bf16 conversions it needs. Plain C++ (no libtorch), built on its own with
+// The host AdamW kernel: one AdamW update over fp32 master weights and fp32 (or bf16) moments in
+// host memory, and the bf16 conversions it needs. Plain C++ (no libtorch), built on its own with
 // -fno-math-errno so its loops vectorize (sqrt need not set errno: v >= 0 there); no -march
 // flags, so the baseline x86-64 build (SSE2) is what runs on every machine.
 //
@@ -56,5 +56,12 @@ struct AdamWConstants {
 // param_bf16 == grad.
 void HostAdamWUpdate(const AdamWConstants& k, int64_t n, const void* grad, bool grad_bf16, float* master,
                      float* exp_avg, float* exp_avg_sq, uint16_t* param_bf16);
+// The same with bf16 moments (bf16 bits; HostOptimizerOptions::bf16_moments): each moment is
+// read widened to fp32 (exact), updated and used by the step in fp32 exactly as above, and stored
+// rounded to nearest even (Bf16Bits). So the master and the bf16 output of one step equal
+// HostAdamWUpdate's from the same (bf16-representable) moments; the rounding reaches the
+// parameters only through what the next step reads. Same REQUIRES.
+void HostAdamWUpdateBf16Moments(const AdamWConstants& k, int64_t n, const void* grad, bool grad_bf16, float* master,
+                                uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* param_bf16);
 
 }  // namespace odyssey::engine

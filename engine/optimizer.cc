@@ -91,6 +91,8 @@ GradClip GradClipScale(const std::vector<torch::Tensor>& params, double max_norm
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
              bool states_on_host, const HostOptimizerOptions& host)
     : options_(options) {
+  TORCH_CHECK(states_on_host || !host.bf16_moments,
+              "bf16 moments need the optimizer state on the host (memory.optimizer_on_host)");
   torch::NoGradGuard no_grad;
   if (states_on_host) {
     std::vector<torch::Tensor> params;
@@ -183,8 +185,9 @@ std::vector<std::pair<std::string, torch::Tensor>> AdamW::StateTensors() const {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   out.emplace_back("step", torch::tensor(steps_, torch::kInt64));
   for (const Slot& s : slots_) {
-    out.emplace_back("exp_avg." + s.name, s.exp_avg);
-    out.emplace_back("exp_avg_sq." + s.name, s.exp_avg_sq);
+    // bf16 moments go out as fp32 (exact): checkpoints keep one format.
+    out.emplace_back("exp_avg." + s.name, s.exp_avg.to(torch::kFloat32));
+    out.emplace_back("exp_avg_sq." + s.name, s.exp_avg_sq.to(torch::kFloat32));
     if (!s.master.is_same(s.param) && (s.param.scalar_type() != torch::kFloat32 || !s.on_host)) {
       out.emplace_back("master." + s.name, s.master);
     }
@@ -220,6 +223,7 @@ absl::Status AdamW::LoadStateTensors(const std::vector<std::pair<std::string, to
     if (!m.ok()) return m.status();
     auto v = get("exp_avg_sq." + s.name, s.exp_avg_sq);
     if (!v.ok()) return v.status();
+    // Into bf16 moments (bf16_moments): rounded to nearest even, as the kernel stores them.
     s.exp_avg.copy_(*m);
     s.exp_avg_sq.copy_(*v);
     if (s.param.scalar_type() != torch::kFloat32) {

@@ -3,8 +3,9 @@
 //
 // A parameter in fp32 is its own master; a bf16/fp16 one gets an fp32 master copy, updated in
 // fp32 and copied back (rounded) into the parameter after each step, so small updates are not
-// lost to bf16 rounding. Moments are fp32. The update is torch.optim.AdamW's (decoupled weight
-// decay, bias correction), with decay applied only to parameters of 2+ dimensions.
+// lost to bf16 rounding. Moments are fp32 (bf16 on the host with HostOptimizerOptions::
+// bf16_moments; checkpoints hold fp32 either way). The update is torch.optim.AdamW's (decoupled
+// weight decay, bias correction), with decay applied only to parameters of 2+ dimensions.
 // With states_on_host the state lives in host memory and the update runs on CPU threads
 // (HostAdamW, engine/host_adamw.h): on CUDA it overlaps the next forward, so whatever reads the
 // parameters between Step and the next Step must wait for them (WaitParams / Finish; the
@@ -72,8 +73,11 @@ class AdamW {
   // CPU threads (HostAdamW, configured by `host`): only the bf16 gradients go to the host and the
   // bf16 parameters come back (about 4 bytes per parameter over PCIe per step, through one pinned
   // 2-byte staging buffer per parameter), overlapped with backward (GradsReady) and with the next
-  // forward (WaitParams). Fixed for the optimizer's life.
+  // forward (WaitParams). host.bf16_moments: 8 bytes per parameter on the host instead of 12
+  // (engine/host_adamw.h). Fixed for the optimizer's life.
   // REQUIRES (states_on_host): the params are fp32 or bf16, contiguous, on one device.
+  // REQUIRES: !host.bf16_moments unless states_on_host (TORCH_CHECK: the device path keeps fp32
+  // moments only).
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const AdamWOptions& options,
         bool states_on_host = false, const HostOptimizerOptions& host = {});
 
@@ -112,9 +116,11 @@ class AdamW {
 
   // Optimizer state by name for checkpoints: "exp_avg.<param>", "exp_avg_sq.<param>",
   // "master.<param>" (only for non-fp32 params), "step" (int64 scalar). Waits for an update in
-  // flight (host state); the tensors are live views of the state.
+  // flight (host state); the tensors are live views of the state, except bf16 moments
+  // (bf16_moments), which come as fp32 copies: a checkpoint has one format whatever the setting.
   std::vector<std::pair<std::string, torch::Tensor>> StateTensors() const;
-  // Restores what StateTensors() returned; errors name the missing or mismatched tensor.
+  // Restores what StateTensors() returned; errors name the missing or mismatched tensor. fp32
+  // moments loaded into bf16 ones are rounded to nearest even (so either setting loads either's).
   absl::Status LoadStateTensors(const std::vector<std::pair<std::string, torch::Tensor>>& tensors);
 
  private:
@@ -122,7 +128,7 @@ class AdamW {
     std::string name;
     torch::Tensor param;
     torch::Tensor master;  // fp32; same storage as param when param is fp32 (on the device)
-    torch::Tensor exp_avg, exp_avg_sq;  // fp32, param's shape
+    torch::Tensor exp_avg, exp_avg_sq;  // param's shape; fp32 (bf16 with host bf16_moments)
     bool decay = false;
     bool on_host = false;  // master and moments are host_'s (views)
   };
