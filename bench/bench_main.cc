@@ -230,6 +230,8 @@ int main(int argc, char** argv) {
   app.add_flag("--keep-selection", o.memory.keep_selection,
                "DSA layers keep the first forward's pool selections in pinned host memory; the recompute runs no "
                "indexer scoring");
+  app.add_flag("--bf16-moments", o.memory.bf16_moments,
+               "with --optimizer-on-host: AdamW's moments in bf16 on the host (fp32 masters kept)");
   app.add_flag("--optimizer-on-host", o.memory.optimizer_on_host,
                "fp32 master weights and moments in host memory, AdamW on CPU threads overlapped with the step");
   app.add_option("--host-budget-bytes", o.memory.host_budget_bytes, "pinned host budget in bytes (0: none)");

@@ -246,6 +246,7 @@ void PrintStrategy(const v1::PlanResponse& p) {
   absl::StrAppend(&strategy, " mlp_tile=", m.mlp_tile_tokens(), " loss_tile=", m.loss_tile_tokens(),
                   " head_groups=", p.attention_head_groups());
   if (p.optimizer_on_host()) absl::StrAppend(&strategy, " optimizer_on_host");
+  if (m.bf16_moments()) absl::StrAppend(&strategy, " bf16_moments");
   if (m.keep_selection()) absl::StrAppend(&strategy, " keep_selection");
   std::cout << "strategy: " << strategy << "\n";
   std::cout << "GPU peak " << GiB(p.gpu_peak_bytes()) << " of " << GiB(p.planned_gpu_bytes()) << "; pinned host "

@@ -87,6 +87,8 @@ Trainer::~Trainer() {
 Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data,
                  torch::Device device, torch::Dtype dtype)
     : options_(std::move(options)), model_(std::move(model)), data_(std::move(data)), device_(device), dtype_(dtype) {
+  // The memory strategy's bf16 moments are the host optimizer's (Create validated the pair).
+  if (options_.memory.bf16_moments) options_.host_optimizer.bf16_moments = true;
   std::vector<std::pair<std::string, torch::Tensor>> named;
   layer_params_.resize(static_cast<size_t>(model_->config().num_hidden_layers));
   const std::string layers_prefix = "model.layers.";

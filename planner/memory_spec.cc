@@ -61,6 +61,11 @@ absl::StatusOr<MemoryFields> MemoryFieldsFromProto(const v1::MemorySpec& m, absl
                                        "the recompute");
     f.keep_selection = m.keep_selection();
   }
+  if (m.has_bf16_moments()) {
+    if (m.bf16_moments() && f.optimizer_on_host == false)
+      return invalid("bf16_moments", "needs memory.optimizer_on_host: the device optimizer keeps fp32 moments");
+    f.bf16_moments = m.bf16_moments();
+  }
   if (f.offload == true && f.recompute == Recompute::kNone)
     return invalid("offload", "\"on\" needs memory.recompute \"layer\" or \"every_k\": it offloads the checkpointed inputs");
   return f;
@@ -78,6 +83,7 @@ void MemoryStrategyToProto(const MemoryStrategy& s, v1::MemorySpec* m) {
   m->set_keep_attention(s.keep_attention);
   m->set_optimizer_on_host(s.optimizer_on_host);
   m->set_keep_selection(s.keep_selection);
+  m->set_bf16_moments(s.bf16_moments);
 }
 
 Hardware MachineHardware(int64_t device_memory_bytes, int64_t host_memory_bytes, int64_t spec_host_budget_bytes) {

@@ -16,7 +16,7 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_FALSE(none->recompute || none->every_k || none->offload || none->device_resident || none->mlp_tile ||
                none->loss_tile || none->head_groups || none->keep_attention || none->optimizer_on_host ||
-               none->keep_selection);
+               none->keep_selection || none->bf16_moments);
   EXPECT_EQ(none->ApplyTo(MemoryStrategy{}), MemoryStrategy{});
   m.set_offload("auto");
   EXPECT_FALSE(MemoryFieldsFromProto(m)->offload);
@@ -31,6 +31,7 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   m.set_keep_attention(true);
   m.set_optimizer_on_host(true);
   m.set_keep_selection(true);
+  m.set_bf16_moments(true);
   m.set_recompute_every_k(4);
   absl::StatusOr<MemoryFields> f = MemoryFieldsFromProto(m);
   ASSERT_TRUE(f.ok()) << f.status();
@@ -47,6 +48,7 @@ TEST(MemorySpecTest, UnsetFieldsStayUnsetAndSetOnesArrive) {
   EXPECT_TRUE(s.keep_attention);
   EXPECT_TRUE(s.optimizer_on_host);
   EXPECT_TRUE(s.keep_selection);
+  EXPECT_TRUE(s.bf16_moments);
 
   // The proto written back from the strategy reads as the same strategy.
   v1::MemorySpec back;
@@ -92,6 +94,11 @@ TEST(MemorySpecTest, RefusalsNameTheFieldAndTheRule) {
          m.set_keep_selection(true);
        },
        "spec.memory.keep_selection: needs memory.recompute \"layer\" or \"every_k\""},
+      {[](v1::MemorySpec& m) {
+         m.set_optimizer_on_host(false);
+         m.set_bf16_moments(true);
+       },
+       "spec.memory.bf16_moments: needs memory.optimizer_on_host"},
   };
   for (const Case& c : cases) {
     v1::MemorySpec m;

@@ -48,6 +48,9 @@ absl::Status MemoryStrategy::Validate() const {
         "memory.keep_selection needs memory.recompute 'layer' or 'every_k': the selections are kept for the recompute");
   if (host_budget_bytes < 0)
     return absl::InvalidArgumentError(absl::StrCat("memory.host_budget_bytes (", host_budget_bytes, ") must be >= 0"));
+  if (bf16_moments && !optimizer_on_host)
+    return absl::InvalidArgumentError(
+        "memory.bf16_moments needs memory.optimizer_on_host: the device optimizer keeps fp32 moments");
   return absl::OkStatus();
 }
 
@@ -72,6 +75,7 @@ std::string MemoryStrategy::Describe() const {
   if (optimizer_on_host) absl::StrAppend(&s, " optimizer_on_host");
   if (keep_attention) absl::StrAppend(&s, " keep_attention");
   if (keep_selection) absl::StrAppend(&s, " keep_selection");
+  if (bf16_moments) absl::StrAppend(&s, " bf16_moments");
   return s;
 }
 
@@ -89,12 +93,12 @@ int64_t MemoryStrategy::NumCheckpoints(int64_t num_layers) const {
 
 bool MemoryFields::AllSet() const {
   return recompute && every_k && offload && device_resident && mlp_tile && loss_tile && head_groups &&
-         keep_attention && optimizer_on_host && keep_selection;
+         keep_attention && optimizer_on_host && keep_selection && bf16_moments;
 }
 
 bool MemoryFields::AnySet() const {
   return recompute || every_k || offload || device_resident || mlp_tile || loss_tile || head_groups ||
-         keep_attention || optimizer_on_host || keep_selection;
+         keep_attention || optimizer_on_host || keep_selection || bf16_moments;
 }
 
 MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
@@ -108,6 +112,7 @@ MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
   if (keep_attention) s.keep_attention = *keep_attention;
   if (optimizer_on_host) s.optimizer_on_host = *optimizer_on_host;
   if (keep_selection) s.keep_selection = *keep_selection;
+  if (bf16_moments) s.bf16_moments = *bf16_moments;
   if (host_budget_bytes > 0) s.host_budget_bytes = host_budget_bytes;
   // A choice that the spec's fields made meaningless is dropped, not kept to fail validation:
   // a chosen offload with the spec's recompute "none", a chosen kept attention with the spec's
@@ -115,6 +120,7 @@ MemoryStrategy MemoryFields::ApplyTo(MemoryStrategy s) const {
   if (!offload && s.recompute == Recompute::kNone) s.offload = false;
   if (!keep_attention && s.recompute != Recompute::kLayer) s.keep_attention = false;
   if (!keep_selection && s.recompute == Recompute::kNone) s.keep_selection = false;
+  if (!bf16_moments && !s.optimizer_on_host) s.bf16_moments = false;
   if (!s.offload && !device_resident) s.device_resident = 0;
   return s;
 }

@@ -44,6 +44,9 @@ struct MemoryStrategy {
   // DSA layers (sparse stage) keep the first forward's pool selections in pinned host memory;
   // their recomputes run no indexer scoring (needs recompute)
   bool keep_selection = false;
+  // With optimizer_on_host: AdamW's moments in bf16 (the fp32 masters kept; 8 bytes a parameter
+  // of host state where 12; engine/host_adamw.h HostOptimizerOptions::bf16_moments)
+  bool bf16_moments = false;
 
   // Checks the strategy on its own; messages name the field and the rule
   // ("memory.every_k (1) must be >= 2").
@@ -70,6 +73,7 @@ struct MemoryFields {
   std::optional<bool> keep_attention;
   std::optional<bool> optimizer_on_host;
   std::optional<bool> keep_selection;
+  std::optional<bool> bf16_moments;
   // Not a choice of the planner's: the pinned host memory the job may use; 0 = the machine's
   // limit (HostBudget()).
   int64_t host_budget_bytes = 0;

@@ -142,6 +142,12 @@ ModelShape ShapeOf(const model::ModelConfig& c, const model::LoraConfig& lora) {
   return m;
 }
 
+// The host optimizer's pageable state a parameter: the fp32 master and the two moments, fp32 or
+// bf16 (engine/host_adamw.h).
+namespace {
+int64_t HostStateBytes(const MemoryStrategy& st) { return st.bf16_moments ? 4 + 2 + 2 : 12; }
+}  // namespace
+
 Prediction Predict(const Request& r) {
   const ModelShape& m = r.model;
   const MemoryStrategy& st = r.strategy;
@@ -433,7 +439,7 @@ Prediction Predict(const Request& r) {
     TakePeak(persistent,
              {{"forward (dense warm-up: no backward through the layers)", fwd}, {"loss", loss}, {"optimizer step", step}},
              p);
-    p.host_bytes = st.optimizer_on_host ? trainable * (12 + e) : 0;
+    p.host_bytes = st.optimizer_on_host ? trainable * (HostStateBytes(st) + e) : 0;
     p.fits = Fits(p, r.hardware);
     return p;
   }
@@ -504,10 +510,10 @@ Prediction Predict(const Request& r) {
                                                              {"optimizer step", step_phase}};
   if (ckpt_middle > 0) phases.emplace_back("second group's backward", layer_phase(Depth::kMiddle));
   TakePeak(persistent, phases, p);
-  // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable) and the
-  // pinned staging its copies go through (one buffer in the params' dtype: the gradient goes
-  // down in it, the updated parameter comes back up in it).
-  if (st.optimizer_on_host) p.host_bytes += trainable * (12 + e);
+  // The host optimizer: fp32 master and moments (12 bytes per parameter, pageable; 8 with bf16
+  // moments) and the pinned staging its copies go through (one buffer in the params' dtype: the
+  // gradient goes down in it, the updated parameter comes back up in it).
+  if (st.optimizer_on_host) p.host_bytes += trainable * (HostStateBytes(st) + e);
   // keep_selection: each DSA layer's pool selections (int32, index_top_k / 4 a token), from the
   // first forward to the layer's recompute, in pinned host memory: libtorch's pinned caching
   // allocator, whose blocks are powers of two.
@@ -582,13 +588,14 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     return false;
   };
   auto candidate = [](Recompute recompute, int64_t every_k, bool offload, int64_t device_resident,
-                      bool optimizer_on_host) {
+                      bool optimizer_on_host, bool bf16_moments = false) {
     MemoryStrategy s;
     s.recompute = recompute;
     s.every_k = every_k;
     s.offload = offload;
     s.device_resident = device_resident;
     s.optimizer_on_host = optimizer_on_host;
+    s.bf16_moments = bf16_moments;
     return s;
   };
   // 0. Keeping attention outputs (no attention re-forward), everything else on the GPU.
@@ -598,6 +605,8 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
   // 4. All of that again with the optimizer state on the host (its update runs on CPU threads,
   //    overlapped with backward and the next forward but not wholly hidden; ~4 bytes of PCIe
   //    traffic per parameter per step), for models whose state alone crowds the GPU.
+  // 5. And again with its moments in bf16 (a third less host state; a numerics choice, DeepSeek-V3's),
+  //    only where the host cannot hold fp32 moments beside the offloaded inputs.
   if (model.warmup_params > 0) {
     // The dense warm-up's step runs its layers without grad (Predict): recompute and offload
     // have nothing to keep, so the plan names neither. The indexers' optimizer state on the
@@ -625,13 +634,15 @@ Search SearchStrategies(const ModelShape& model, int64_t seq_len, int64_t batch_
     keep.offload = true;
     if (consider(keep)) return out;
   }
-  for (bool host_optimizer : {false, true}) {
-    if (consider(candidate(Recompute::kLayer, 2, false, 0, host_optimizer))) return out;
+  for (int placement : {0, 1, 2}) {  // the optimizer on the GPU, on the host, on the host with bf16 moments
+    const bool host_optimizer = placement > 0, bf16_moments = placement == 2;
+    if (consider(candidate(Recompute::kLayer, 2, false, 0, host_optimizer, bf16_moments))) return out;
     for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{7}}) {
       const Recompute mode = k == 1 ? Recompute::kLayer : Recompute::kEveryK;
       const int64_t checkpoints = (model.layers + k - 1) / k;
       for (int64_t resident = checkpoints - 1; resident >= 0; --resident) {
-        if (consider(candidate(mode, std::max<int64_t>(k, 2), true, resident, host_optimizer))) return out;
+        if (consider(candidate(mode, std::max<int64_t>(k, 2), true, resident, host_optimizer, bf16_moments)))
+          return out;
       }
     }
   }

@@ -108,6 +108,51 @@ TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
   EXPECT_EQ(kept_all.gpu_peak_bytes, p.gpu_peak_bytes);
 }
 
+// The host optimizer's bf16 moments: 8 bytes a parameter of host state where fp32 moments take
+// 12, and the planner chooses them only where the host cannot hold fp32 moments beside the
+// offloaded inputs (a numerics choice: not for a length that fits without it).
+TEST(PlannerTest, Bf16MomentsAreChosenOnlyWhereFp32MomentsDoNotFit) {
+  Request r;
+  r.model = Llama3B();
+  r.seq_len = 262144;
+  r.strategy = StrategyOf("layer", 2, true, 0, 8192, 2048, 1);
+  r.strategy.optimizer_on_host = true;
+  const Prediction fp32 = Predict(r);
+  r.strategy.bf16_moments = true;
+  const Prediction bf16 = Predict(r);
+  EXPECT_EQ(fp32.host_bytes - bf16.host_bytes, r.model.params * 4);
+  EXPECT_EQ(fp32.gpu_peak_bytes, bf16.gpu_peak_bytes);
+  // hybrid-3b: fp32 moments up to the longest length they fit; bf16 only beyond.
+  const ModelShape hybrid = ShapeOf(*model::NamedShape("hybrid-3b"));
+  Hardware h200;
+  h200.gpu_bytes = int64_t{136} << 30;
+  h200.host_bytes = int64_t{110} << 30;
+  for (int64_t seq : {int64_t{1} << 20, int64_t{1753088}}) {
+    absl::StatusOr<Choice> c = Choose(hybrid, seq, 1, h200, {});
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_FALSE(c->strategy.bf16_moments) << seq << " " << c->strategy.Describe();
+  }
+  // Less host memory: wherever the choice takes bf16 moments, the same strategy with fp32 ones
+  // does not fit; some budget needs them.
+  bool chosen = false;
+  for (int64_t gib = 110; gib >= 40; gib -= 5) {
+    h200.host_bytes = gib << 30;
+    absl::StatusOr<Choice> c = Choose(hybrid, 1753088, 1, h200, {});
+    if (!c.ok()) continue;
+    if (!c->strategy.bf16_moments) continue;
+    chosen = true;
+    EXPECT_TRUE(c->strategy.optimizer_on_host);
+    Request fp;
+    fp.model = hybrid;
+    fp.seq_len = 1753088;
+    fp.hardware = h200;
+    fp.strategy = c->strategy;
+    fp.strategy.bf16_moments = false;
+    EXPECT_FALSE(Predict(fp).fits) << gib << " GiB: " << c->strategy.Describe();
+  }
+  EXPECT_TRUE(chosen);
+}
+
 // An MoE MLP works a tile at a time (model/moe.h): untiled, its working set is the whole
 // sequence's k gathered rows and intermediates; with mlp_tile, a tile's. Each MoE layer's routing
 // (top-k int32 indices) waits for its backward and is counted.
@@ -543,6 +588,8 @@ TEST(PlannerTest, MemoryFieldsWinOverTheChoice) {
   f.optimizer_on_host = false;
   EXPECT_FALSE(f.AllSet());
   f.keep_selection = false;
+  EXPECT_FALSE(f.AllSet());
+  f.bf16_moments = false;
   EXPECT_TRUE(f.AllSet());
   // A choice the spec's fields made meaningless is dropped: the planner's offload under the
   // spec's recompute "none", its kept attention under the spec's nested groups.
@@ -626,6 +673,7 @@ TEST(PlannerTest, PlanJobAgreesWithPredict) {
   q.fields.head_groups = 1;
   q.fields.keep_attention = false;
   q.fields.optimizer_on_host = false;
+  q.fields.bf16_moments = false;
   auto plan = PlanJob(q);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->strategy.recompute, Recompute::kNone);

@@ -858,6 +858,11 @@ TEST(MemoryStrategyOptionsTest, ValidationNamesFieldAndRule) {
   o = planner::MemoryStrategy{};
   o.keep_attention = true;
   EXPECT_NE(o.Validate().message().find("memory.keep_attention needs memory.recompute 'layer'"), std::string::npos);
+  o = planner::MemoryStrategy{};
+  o.bf16_moments = true;
+  EXPECT_NE(o.Validate().message().find("memory.bf16_moments needs memory.optimizer_on_host"), std::string::npos);
+  o.optimizer_on_host = true;
+  EXPECT_TRUE(o.Validate().ok());
   EXPECT_FALSE(kernels::MakeAttentionBackend("math", 0).ok());
 }
 

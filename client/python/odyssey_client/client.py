@@ -181,6 +181,7 @@ class ServiceClient:
                        loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                        attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                        optimizer_on_host: Optional[bool] = None, keep_selection: Optional[bool] = None,
+                       bf16_moments: Optional[bool] = None,
                        grad_clip: float = 0.0, phase_times: bool = False,
                        seed: int = 0, display_name: str = "",
                        checkpoint_directory: str = "", priority: int = 0, lora_rank: int = 0,
@@ -199,7 +200,7 @@ class ServiceClient:
         controller's planner checks). idle_timeout_seconds: the session ends SUCCEEDED after this
         long without calls (0 = the server's default, an hour). recompute/offload/tiles/
         host_budget_bytes/device_resident/attention_head_groups/keep_attention/optimizer_on_host/
-        keep_selection:
+        keep_selection/bf16_moments:
         the fields of JobSpec.memory ("" / 0 / None = the planner's choice).
         grad_clip: gradient-norm clipping of every optim_step (<= 0: none; each optim_step carries
         its own AdamW settings). seed: model initialization of named shapes. world_size: workers
@@ -223,7 +224,7 @@ class ServiceClient:
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
                              keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
-                             keep_selection=keep_selection, phase_times=phase_times,
+                             keep_selection=keep_selection, bf16_moments=bf16_moments, phase_times=phase_times,
                              grad_clip=grad_clip, seed=seed, display_name=display_name,
                              checkpoint_directory=checkpoint_directory, priority=priority, lora_rank=lora_rank,
                              lora_alpha=lora_alpha, lora_target_modules=lora_target_modules, lora_merge=lora_merge)
@@ -239,6 +240,7 @@ class ServiceClient:
                      loss_tile_tokens: int = 0, host_budget_bytes: int = 0, device_resident: Optional[int] = None,
                      attention_head_groups: int = 0, keep_attention: Optional[bool] = None,
                      optimizer_on_host: Optional[bool] = None, keep_selection: Optional[bool] = None,
+                       bf16_moments: Optional[bool] = None,
                      gpu_bytes: int = 0, host_bytes: int = 0,
                      max_seq_len: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
                      lora_target_modules: Sequence[str] = ()) -> "pb.PlanResponse":
@@ -255,7 +257,7 @@ class ServiceClient:
                              loss_tile_tokens=loss_tile_tokens, host_budget_bytes=host_budget_bytes,
                              device_resident=device_resident, attention_head_groups=attention_head_groups,
                              keep_attention=keep_attention, optimizer_on_host=optimizer_on_host,
-                             keep_selection=keep_selection,
+                             keep_selection=keep_selection, bf16_moments=bf16_moments,
                              lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules)
         return self._call("Plan", self.planner.Plan, pb.PlanRequest(spec=spec, gpu_bytes=gpu_bytes,
                                                                     host_bytes=host_bytes, max_seq_len=max_seq_len))
@@ -308,7 +310,8 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
                   offload: str = "", mlp_tile_tokens: int = 0, loss_tile_tokens: int = 0, host_budget_bytes: int = 0,
                   device_resident: Optional[int] = None, attention_head_groups: int = 0,
                   keep_attention: Optional[bool] = None, optimizer_on_host: Optional[bool] = None,
-                  keep_selection: Optional[bool] = None, phase_times: bool = False,
+                  keep_selection: Optional[bool] = None,
+                  bf16_moments: Optional[bool] = None, phase_times: bool = False,
                   grad_clip: float = 0.0, seed: int = 0, display_name: str = "", checkpoint_directory: str = "",
                   priority: int = 0, lora_rank: int = 0, lora_alpha: float = 0.0,
                   lora_target_modules: Sequence[str] = (), lora_merge: bool = False) -> "pb.JobSpec":
@@ -325,6 +328,8 @@ def _session_spec(model: str, *, seq_len: int, batch_size: int, idle_timeout_sec
         memory.optimizer_on_host = optimizer_on_host
     if keep_selection is not None:
         memory.keep_selection = keep_selection
+    if bf16_moments is not None:
+        memory.bf16_moments = bf16_moments
     return pb.JobSpec(
         kind=pb.RL_SESSION, display_name=display_name, priority=priority,
         model=pb.ModelSpec(name=model, dtype=dtype, attention=attention, indexer_stage=indexer_stage),

@@ -439,13 +439,14 @@ class SessionTest(unittest.TestCase):
         self.client.create_session("tiny", seq_len=8, batch_size=1)
         self.client.create_session("tiny", seq_len=8, batch_size=1, recompute="layer", offload="on",
                                    device_resident=0, attention_head_groups=2, keep_attention=False,
-                                   optimizer_on_host=True, keep_selection=True)
+                                   optimizer_on_host=True, keep_selection=True, bf16_moments=True)
         unset, given = self.jobs.created[0].spec.memory, self.jobs.created[1].spec.memory
-        for field in ("device_resident", "keep_attention", "optimizer_on_host", "keep_selection"):
+        for field in ("device_resident", "keep_attention", "optimizer_on_host", "keep_selection", "bf16_moments"):
             self.assertFalse(unset.HasField(field), field)  # left to the planner
             self.assertTrue(given.HasField(field), field)
         self.assertEqual((given.device_resident, given.attention_head_groups, given.keep_attention,
-                          given.optimizer_on_host, given.keep_selection), (0, 2, False, True, True))
+                          given.optimizer_on_host, given.keep_selection, given.bf16_moments),
+                         (0, 2, False, True, True, True))
 
     def test_phase_times_reach_the_spec_and_the_results(self):
         self.jobs.script["jobs/1"] = [(pb.Job.RUNNING, "")]
