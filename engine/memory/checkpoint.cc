@@ -61,6 +61,7 @@ struct BlockState : torch::CustomClassHolder {
   std::function<void()> after_backward;  // the block's gradients are in (MemoryStack's hook)
   std::function<torch::Tensor()> regenerate;  // x again, in place of the store's slot
   std::vector<int64_t> sizes;                 // x's, checked against what regenerate returns
+  bool prefetch_below = true;                 // Take starts slot - 1's copy (else the body does)
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -104,7 +105,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                   "': its regenerated input has shape ", x.sizes(), ", the forward's had ",
                   c10::IntArrayRef(state->sizes));
     } else {
-      x = state->store->Take(state->slot);
+      x = state->store->Take(state->slot, state->prefetch_below);
     }
     x = x.detach().requires_grad_(true);
     torch::Tensor y;
@@ -285,7 +286,8 @@ torch::Tensor ShapeOnly(const torch::Tensor& like) {
 
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive, std::function<void()> after_backward,
-                              const std::string& label, std::function<torch::Tensor()> regenerate) {
+                              const std::string& label, std::function<torch::Tensor()> regenerate,
+                              bool prefetch_below) {
   ProfilePhase phase(label + " forward");
   if (!torch::GradMode::is_enabled()) return body(x, /*recompute=*/false);
   auto state = c10::make_intrusive<BlockState>();
@@ -296,6 +298,7 @@ torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInput
   state->keepalive = std::move(keepalive);
   state->after_backward = std::move(after_backward);
   state->regenerate = std::move(regenerate);
+  state->prefetch_below = prefetch_below;
   // The Function records a backward node only for inputs that need grad; the block's
   // parameters need it even when x does not.
   return CheckpointFunction::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), state);

@@ -27,9 +27,12 @@ using BlockBody = std::function<torch::Tensor(const torch::Tensor& x, bool recom
 // `label` names the block's phases in a profile ("<label> forward", "... recompute", "... backward").
 // With `regenerate` (it returns x's values again, without a graph) nothing is saved: the slot is
 // marked regenerated and backward calls it instead (the stack's first block: the embedding).
+// `prefetch_below` false: backward takes x without starting the copy of slot - 1 back from the
+// host; the body starts it (SavedInputs::Prefetch) when it is due.
 torch::Tensor CheckpointBlock(const torch::Tensor& x, BlockBody body, SavedInputs* store, int64_t slot,
                               std::shared_ptr<void> keepalive = nullptr, std::function<void()> after_backward = nullptr,
-                              const std::string& label = "block", std::function<torch::Tensor()> regenerate = nullptr);
+                              const std::string& label = "block", std::function<torch::Tensor()> regenerate = nullptr,
+                              bool prefetch_below = true);
 
 // A tensor of `like`'s shape, dtype and device whose storage is one element (every stride 0):
 // the stand-in for a block output whose value is never read, only its shape and graph (a nested

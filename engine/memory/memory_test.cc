@@ -108,6 +108,8 @@ struct RunSetup {
   model::LoraConfig lora;  // rank > 0: adapters on a frozen base (B drawn nonzero, so A gets gradients too)
   // Called after each step's forward and loss, before its backward (which recomputes).
   std::function<void(model::CausalLMImpl&)> before_backward;
+  // Called once with the memory stack, before the first step (hooks, observers).
+  std::function<void(MemoryStack&)> with_stack;
 };
 
 Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups = 1, int steps = 1, const RunSetup& setup = {}) {
@@ -124,6 +126,7 @@ Result RunStrategy(const planner::MemoryStrategy& options, int64_t head_groups =
   }
   auto stack = MemoryStack::Create(options, c.num_hidden_layers);
   EXPECT_TRUE(stack.ok()) << stack.status();
+  if (setup.with_stack) setup.with_stack(**stack);
   Result r;
   std::shared_ptr<const kernels::AttentionBackend> kernel =
       std::make_shared<const ObservedAttention>(kernels::MakeAttentionBackend(setup.attention).value(),
@@ -337,6 +340,43 @@ TEST_F(MemoryStrategyTest, OffloadToHostPool) {
   // in its backward, the three between in the pool (B x S x hidden fp32 each).
   const RunSetup setup;
   EXPECT_EQ(got.host_pool_bytes, 3 * setup.B * setup.S * setup.config.hidden_size * 4);
+}
+
+// Nested groups with offload: the input of the group below comes back from the host while the
+// group's bottom layer runs its backward, not from the group's start (its upper layers run
+// without it beside them); a group of one layer starts it at once. Gradients are plain
+// autograd's.
+TEST(MemoryStrategyNestedOffloadTest, TheGroupBelowsInputComesBackAtTheGroupsBottomLayer) {
+  RunSetup setup;
+  setup.config.num_hidden_layers = 7;  // groups (0, 1), (2, 3), (4, 5), (6)
+  planner::MemoryStrategy o;
+  o.recompute = planner::Recompute::kEveryK;
+  o.every_k = 2;
+  o.offload = true;
+  std::map<int64_t, int64_t> at_recompute;    // group's first layer -> saved bytes on the device
+  std::map<int64_t, int64_t> after_backward;  // the same when the group's backward is done
+  const int64_t input = setup.B * setup.S * setup.config.hidden_size * 4;
+  setup.with_stack = [&](MemoryStack& stack) {
+    LayerHooks hooks;
+    hooks.before_recompute = [&at_recompute, &stack](int64_t first, int64_t) {
+      at_recompute[first] = stack.saved_device_bytes();
+    };
+    hooks.after_backward = [&after_backward, &stack](int64_t first, int64_t) {
+      after_backward[first] = stack.saved_device_bytes();
+    };
+    stack.set_layer_hooks(hooks);
+  };
+  const Result got = RunStrategy(o, 1, 1, setup);
+  RunSetup plain_setup;
+  plain_setup.config.num_hidden_layers = 7;
+  ExpectSameGradients(got, RunStrategy(planner::MemoryStrategy{}, 1, 1, plain_setup));
+  // At each group's start its own input is taken (off the books); nothing of the group below
+  // has come back yet, except below the group of one, which starts its copy at once.
+  EXPECT_EQ(at_recompute.at(6), input) << "the group of one took slot 3 and started slot 2's copy";
+  EXPECT_EQ(at_recompute.at(4), 0) << "slot 1 comes back only at layer 4's backward";
+  EXPECT_EQ(after_backward.at(4), input) << "slot 1 came back during the group's backward";
+  EXPECT_EQ(at_recompute.at(2), 0) << "slot 0 is recomputed, never fetched";
+  EXPECT_EQ(at_recompute.at(0), 0);
 }
 
 // The stack's first checkpoint is not kept: its block recomputes its input (the embedding)

@@ -114,7 +114,12 @@ void SavedInputs::StartFetch(int64_t slot) {
   e.device = e.host.to(e.dev, /*non_blocking=*/false, /*copy=*/true);
 }
 
-torch::Tensor SavedInputs::Take(int64_t slot) {
+void SavedInputs::Prefetch(int64_t slot) {
+  TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
+  if (!Resident(slot)) StartFetch(slot);
+}
+
+torch::Tensor SavedInputs::Take(int64_t slot, bool prefetch_below) {
   TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
   Entry& e = *entries_[slot];
   TORCH_CHECK(!e.regenerated, "slot ", slot, " kept nothing: its block regenerates its input");
@@ -128,7 +133,7 @@ torch::Tensor SavedInputs::Take(int64_t slot) {
   torch::Tensor x = e.device;
   e.device = torch::Tensor();
   // Overlap the next block's host->device copy with this block's recompute.
-  if (slot > 0 && !Resident(slot - 1)) StartFetch(slot - 1);
+  if (prefetch_below && slot > 0) Prefetch(slot - 1);
   return x;
 }
 

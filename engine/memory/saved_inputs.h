@@ -36,8 +36,12 @@ class SavedInputs {
   // never takes it, and the slot above it prefetches nothing).
   void Regenerated(int64_t slot);
   // Backward: x of slot `slot` on its device, ready on the current stream; starts the prefetch
-  // of slot - 1. Each slot is taken once per step.
-  torch::Tensor Take(int64_t slot);
+  // of slot - 1 unless `prefetch_below` is false (the caller calls Prefetch later). Each slot is
+  // taken once per step.
+  torch::Tensor Take(int64_t slot, bool prefetch_below = true);
+  // Starts bringing slot `slot` back to the device if it is offloaded (not resident, not
+  // regenerated, not already coming): a later Take finds it there or on its way.
+  void Prefetch(int64_t slot);
   // Bytes of device memory held by saved inputs now.
   int64_t device_bytes() const;
   bool offloading() const { return pool_ != nullptr; }

@@ -81,7 +81,7 @@ model::LayerStackRunner MemoryStack::Runner() {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * k, count = std::min(k, L - first);
       std::vector<model::DecoderLayer> group(layers.begin() + first, layers.begin() + first + count);
-      BlockBody body = [this, group, ctx, first, count](const torch::Tensor& x, bool recompute) {
+      BlockBody body = [this, group, ctx, first, count, g](const torch::Tensor& x, bool recompute) {
         if (recompute && hooks_.before_recompute) hooks_.before_recompute(first, count);
         torch::Tensor y = x;
         if (strategy_.keep_attention) {  // recompute == "layer": one layer per group
@@ -102,10 +102,15 @@ model::LayerStackRunner MemoryStack::Runner() {
         inner->BeginStep(static_cast<int64_t>(group.size()));
         for (size_t j = 0; j < group.size(); ++j) {
           model::DecoderLayer layer = group[j];
-          const bool last = j + 1 == group.size();
+          const bool last = j + 1 == group.size(), bottom = j == 0;
           y = CheckpointBlock(
               y,
-              [this, layer, ctx, last](const torch::Tensor& xi, bool inner_recompute) {
+              [this, layer, ctx, last, bottom, g](const torch::Tensor& xi, bool inner_recompute) {
+                // The group below's input comes back from the host while this group's bottom
+                // layer runs its backward (the last of the group's), not from the group's start:
+                // the group's upper layers (with a DSA layer on top, hybrid-3b's peak) run
+                // without it beside them.
+                if (bottom && inner_recompute && g > 0) saved_->Prefetch(g - 1);
                 // The last layer's output is the group's, whose value is never read: its first
                 // inner pass only has to save xi, so the layer does not run. A whole layer
                 // forward saved per group: with a DSA layer last, its indexer's selection too.
@@ -126,7 +131,7 @@ model::LayerStackRunner MemoryStack::Runner() {
       // not kept on the device or in the pool.
       h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward),
                           count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1),
-                          g == 0 ? ctx.stack_input : nullptr);
+                          g == 0 ? ctx.stack_input : nullptr, /*prefetch_below=*/count == 1 || strategy_.keep_attention);
       if (hooks_.after_forward) hooks_.after_forward(first, count, /*kept=*/false);
     }
     return h;

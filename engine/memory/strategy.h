@@ -84,6 +84,8 @@ class MemoryStack {
   // Where StashingAttention records (used only with keep_attention).
   AttentionStash* attention_stash() { return &stash_; }
   int64_t host_pool_bytes() const { return pool_ ? pool_->allocated_bytes() : 0; }
+  // Bytes of the checkpointed inputs on the device now (resident, taken or on their way back).
+  int64_t saved_device_bytes() const { return saved_->device_bytes(); }
   int64_t NumCheckpoints() const;
 
  private:
