@@ -716,6 +716,10 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     s.keep_selection = true;
     return s;
   };
+  auto bf16 = [](MemoryStrategy s) {
+    s.bf16_moments = true;
+    return s;
+  };
   const std::vector<Row> rows = {
       {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, false, 0, 8192, 2048, 1)), 74674474496, 0},
       {"llama-3.2-3b", 28, 65536, keep(StrategyOf("layer", 2, true, 0, 8192, 2048, 1)), 64205491712, 11274289152},
@@ -782,6 +786,18 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
        53854863360 + 3606690168LL * 14},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 1))), 57797627904, -1},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 8))), 48867692544, -1},
+      // The same 8-group cut after the twenty-first session's changes (the stack's first input
+      // recomputed, the DSA layer's input norm inside its tiled Function; one H100): 48.87 ->
+      // 43.20 GB, the peak now in a KDA layer ("layer 2 backward > kda backward: scans and chunk
+      // gradients"; the plan still names the DSA layer's backward, 1.048x).
+      {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 8))), 43201766400, -1, 1,
+       false, 0, false},
+      // Llama-3.2-3B at 16K, layer recompute, nothing offloaded, the optimizer on the host with
+      // fp32 and with bf16 moments (twenty-first session, one H100; pageable state exact).
+      {"llama-3.2-3b", 28, 16384, on_host(StrategyOf("layer", 2, false, 0, 0, 0, 1)), 34636585984,
+       3212749824LL * 14, 1, false, 0, false},
+      {"llama-3.2-3b", 28, 16384, bf16(on_host(StrategyOf("layer", 2, false, 0, 0, 0, 1))), 34636585984,
+       3212749824LL * 10, 1, false, 0, false},
       // The dense warm-up step at 128K (2026-12-05, eleventh session, on one H100: allocations do
       // not depend on the card; the 64K Llama peak above the release measured the same bytes on
       // both): no backward through the layers, the KL target by the CUDA kernels and its indexer
