@@ -42,6 +42,14 @@ class IndexerBackwardInForward {
   model::CausalLM& m_;
 };
 
+// The host optimizer's options for a job: the trainer's, with the memory strategy's bf16 moments
+// (Create validated them against optimizer_on_host).
+HostOptimizerOptions HostOptionsOf(const TrainerOptions& o) {
+  HostOptimizerOptions h = o.host_optimizer;
+  h.bf16_moments = h.bf16_moments || o.memory.bf16_moments;
+  return h;
+}
+
 }  // namespace
 
 absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
@@ -87,8 +95,6 @@ Trainer::~Trainer() {
 Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<DataSource> data,
                  torch::Device device, torch::Dtype dtype)
     : options_(std::move(options)), model_(std::move(model)), data_(std::move(data)), device_(device), dtype_(dtype) {
-  // The memory strategy's bf16 moments are the host optimizer's (Create validated the pair).
-  if (options_.memory.bf16_moments) options_.host_optimizer.bf16_moments = true;
   std::vector<std::pair<std::string, torch::Tensor>> named;
   layer_params_.resize(static_cast<size_t>(model_->config().num_hidden_layers));
   const std::string layers_prefix = "model.layers.";
@@ -112,7 +118,7 @@ Trainer::Trainer(TrainerOptions options, model::CausalLM model, std::unique_ptr<
   // Sharded: the optimizer is built over the shards (ShardParameters), never over whole tensors.
   if (!options_.shard_params)
     optimizer_ = std::make_unique<AdamW>(std::move(named), options_.optimizer, options_.memory.optimizer_on_host,
-                                         options_.host_optimizer);
+                                         HostOptionsOf(options_));
   if (options_.schedule.total_steps == 0) options_.schedule.total_steps = options_.steps;
 }
 
@@ -1043,7 +1049,7 @@ absl::Status Trainer::ShardParameters(Communicator& group) {
   // The optimizer's index i is parameter i's shard: the host optimizer's per-layer seams
   // (WaitParams, GradsReady) keep their meaning.
   optimizer_ = std::make_unique<AdamW>(shards_->NamedShards(), options_.optimizer, options_.memory.optimizer_on_host,
-                                       options_.host_optimizer);
+                                       HostOptionsOf(options_));
   return absl::OkStatus();
 }
 

@@ -55,7 +55,6 @@ void SavedInputs::Regenerated(int64_t slot) {
 absl::Status SavedInputs::Save(int64_t slot, const torch::Tensor& x) {
   TORCH_CHECK(slot >= 0 && slot < num_slots_, "slot out of range");
   Entry& e = *entries_[slot];
-  e.regenerated = false;
   e.sizes = x.sizes().vec();
   e.dev = x.device();
   if (Resident(slot)) {

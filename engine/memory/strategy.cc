@@ -131,7 +131,7 @@ model::LayerStackRunner MemoryStack::Runner() {
       // not kept on the device or in the pool.
       h = CheckpointBlock(h, std::move(body), saved_.get(), g, nullptr, std::move(after_backward),
                           count == 1 ? absl::StrCat("layer ", first) : absl::StrCat("layers ", first, "-", first + count - 1),
-                          g == 0 ? ctx.stack_input : nullptr, /*prefetch_below=*/count == 1 || strategy_.keep_attention);
+                          g == 0 ? ctx.stack_input : nullptr, /*prefetch_below=*/count == 1);
       if (hooks_.after_forward) hooks_.after_forward(first, count, /*kept=*/false);
     }
     return h;
