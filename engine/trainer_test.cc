@@ -744,6 +744,49 @@ TEST(TrainerTest, HostOptimizerCheckpointResumesExactly) {
   std::filesystem::remove_all(dir);
 }
 
+// memory.bf16_moments acts through the trainer: the host optimizer keeps bf16 moments (the
+// checkpoint's fp32 moments are all bf16 values; with fp32 moments they are not). Without the
+// optimizer on the host it is refused, naming both fields.
+TEST(TrainerTest, Bf16MomentsFromTheMemoryStrategyReachTheHostOptimizer) {
+  auto dir = std::filesystem::temp_directory_path() / "odyssey_trainer_test_bf16_moments";
+  TrainerOptions o = TinyKjv(10);
+  o.data.seq_len = 32;
+  o.data.batch_size = 2;
+  o.memory = Recompute(planner::Recompute::kLayer);
+  o.memory.bf16_moments = true;
+  absl::StatusOr<std::unique_ptr<Trainer>> refused = Trainer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("memory.bf16_moments needs memory.optimizer_on_host"), std::string::npos)
+      << refused.status();
+  o.memory.optimizer_on_host = true;
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 moments" : "fp32 moments");
+    o.memory.bf16_moments = bf16;
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int i = 0; i < 3; ++i) (*t)->TrainStep();
+    std::filesystem::remove_all(dir);
+    ASSERT_TRUE((*t)->SaveCheckpoint(dir.string()).ok());
+    auto file = model::SafetensorsFile::Open((dir / "optimizer.safetensors").string());
+    ASSERT_TRUE(file.ok()) << file.status();
+    int64_t moments = 0, off_bf16 = 0;
+    for (const auto& [name, info] : (*file)->tensors()) {
+      if (name.rfind("exp_avg", 0) != 0) continue;
+      const torch::Tensor m = *(*file)->Read(name);
+      ASSERT_EQ(m.scalar_type(), torch::kFloat32) << name;
+      ++moments;
+      off_bf16 += (m.to(torch::kBFloat16).to(torch::kFloat32) != m).sum().item<int64_t>();
+    }
+    ASSERT_GT(moments, 0);
+    if (bf16) {
+      EXPECT_EQ(off_bf16, 0);
+    } else {
+      EXPECT_GT(off_bf16, 0);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // On the GPU (bf16, cuDNN attention, layer recompute): the host optimizer's pipeline (early
 // gradient copies from each layer's backward, the update overlapping the next forward behind
 // WaitParams) trains as the device optimizer does. bf16 rounding differs between the two (the
