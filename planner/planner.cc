@@ -206,7 +206,15 @@ Prediction Predict(const Request& r) {
   const int64_t on_gpu = recompute ? (st.offload ? std::min(st.device_resident, kept) : kept) : 0;
   p.host_bytes = recompute && st.offload ? (kept - on_gpu) * act : 0;
   // At the top: the resident inputs, or the top group's own and the one below it, prefetched.
-  const int64_t top_fetched = std::min<int64_t>(C, first_kept ? 2 : C >= 3 ? 2 : 1);
+  // Nested groups (every_k, k >= 2) start that copy at their bottom layer's backward, once the
+  // k - 1 inputs of the layers above it are freed (engine/memory/strategy.cc): their top layer
+  // runs beside its own input alone, and the bottom layer holds its own and the prefetched one
+  // where k - 1 >= 1 inner inputs stood, with the same layer working set, so never more than the
+  // top. A one-layer top group (L % k == 1) prefetches as it starts.
+  const bool deferred_prefetch = st.recompute == Recompute::kEveryK && st.every_k >= 2 &&
+                                 L % st.every_k != 1 && !r.prefetches_at_group_top;
+  const int64_t top_fetched =
+      std::min<int64_t>(C, deferred_prefetch ? 1 : first_kept ? 2 : C >= 3 ? 2 : 1);
   const int64_t ckpt_top = !recompute ? 0 : std::max<int64_t>(on_gpu, st.offload ? top_fetched : 1);
   const int64_t ckpt_bottom = recompute ? 1 : 0;
   // Between the two, the second group from the bottom: its own input on the GPU (and the bottom

@@ -109,6 +109,10 @@ struct Request {
   // where it now keeps the norm's input, which the layer holds anyway (model/hybrid.h, Heads'
   // input_norm): one (T, hidden) more. For planner_test's older measured rows.
   bool dsa_keeps_normed_input = false;
+  // A nested group's (recompute every_k, k >= 2) backward starts the copy of the input below back
+  // from the host as it begins, as the engine did before the same session; it now starts it at
+  // the group's bottom layer (engine/memory/strategy.cc). For planner_test's older measured rows.
+  bool prefetches_at_group_top = false;
 };
 
 struct Prediction {

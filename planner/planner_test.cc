@@ -106,6 +106,36 @@ TEST(PlannerTest, StaticAndCheckpointTermsAreExact) {
   const Prediction kept_all = Predict(r);
   EXPECT_EQ(kept_all.host_bytes, 0);
   EXPECT_EQ(kept_all.gpu_peak_bytes, p.gpu_peak_bytes);
+
+  // One input on the device, the optimizer on the host (each layer's gradients leave with its
+  // backward): nested groups fetch the input below at their bottom layer, where the three inner
+  // inputs above it are gone, so the top layer runs beside its own input alone and the first
+  // layer's backward (one layer's gradients more) is the peak. A group that prefetched as it
+  // began (the engine before the twenty-first session) holds two at the top, the peak there.
+  r.strategy = StrategyOf("every_k", 4, true, 1, 8192, 2048, 1);
+  r.strategy.optimizer_on_host = true;
+  p = Predict(r);
+  EXPECT_EQ(p.host_bytes - r.model.params * 14, 5 * act);
+  EXPECT_EQ(p.peak_phase, "first layer's backward");
+  EXPECT_EQ(Term(p, "checkpointed"), act);
+  EXPECT_EQ(Term(p, "inputs of the group"), 3 * act);
+  r.prefetches_at_group_top = true;
+  const Prediction at_top = Predict(r);
+  EXPECT_EQ(at_top.peak_phase, "last layer's backward");
+  EXPECT_EQ(Term(at_top, "checkpointed"), 2 * act);
+  EXPECT_EQ(at_top.gpu_peak_bytes - p.gpu_peak_bytes, act - layer_params * 2);
+  r.prefetches_at_group_top = false;
+  // Groups of one layer, and a one-layer top group (29 layers in groups of 4), still prefetch as
+  // their backward begins.
+  r.strategy.recompute = Recompute::kLayer;
+  p = Predict(r);
+  EXPECT_EQ(p.peak_phase, "last layer's backward");
+  EXPECT_EQ(Term(p, "checkpointed"), 2 * act);
+  r.strategy.recompute = Recompute::kEveryK;
+  r.model.layers = 29;
+  p = Predict(r);
+  EXPECT_EQ(p.peak_phase, "last layer's backward");
+  EXPECT_EQ(Term(p, "checkpointed"), 2 * act);
 }
 
 // The host optimizer's bf16 moments: 8 bytes a parameter of host state where fp32 moments take
@@ -699,9 +729,10 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     int64_t batch = 1;
     bool dense_warmup = false;  // the DSA layers' indexer stage dense_warmup
     int64_t kda_chunk = 0;      // the KDA layers' chunk size (0: the shape's)
-    // The engine kept the stack's first input like the other checkpoints, and a DSA layer's
-    // backward its norm's output (every row measured before the twenty-first session's changes;
-    // Request::keeps_first_input, dsa_keeps_normed_input).
+    // The engine kept the stack's first input like the other checkpoints, a DSA layer's backward
+    // its norm's output, and a nested group prefetched the input below as its backward began
+    // (every row measured before the twenty-first session's changes; Request::keeps_first_input,
+    // dsa_keeps_normed_input, prefetches_at_group_top).
     bool before_21 = true;
   };
   auto keep = [](MemoryStrategy s) {
@@ -818,6 +849,7 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
     r.strategy = row.strategy;
     r.keeps_first_input = row.before_21;
     r.dsa_keeps_normed_input = row.before_21;
+    r.prefetches_at_group_top = row.before_21;
     const Prediction p = Predict(r);
     std::cout << row.shape << " x" << row.layers << " " << row.batch << "x" << row.seq << " " << row.strategy.Describe()
               << ": predicted / measured GPU peak " << static_cast<double>(p.gpu_peak_bytes) / row.measured_gpu
