@@ -108,7 +108,10 @@ fi
 
 killed=0 survived=() broken=() targets=() sums=()
 start=$(date +%s)
-for i in "${!names[@]}"; do
+# File by file (the table's order within a file): a file restored after its mutant need not be
+# compiled again before its next mutant, only after its last.
+mapfile -t order < <(for i in "${!names[@]}"; do printf '%s\t%s\n' "${files[$i]}" "$i"; done | sort -s -t $'\t' -k1,1 | cut -f2)
+for i in "${order[@]}"; do
   n="${names[$i]}"
   if [ -n "$only" ] && ! [[ "$n" =~ $only ]]; then continue; fi
   f="${files[$i]}" b="${builds[$i]}" t="${tests[$i]}"
