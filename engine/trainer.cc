@@ -42,11 +42,12 @@ class IndexerBackwardInForward {
   model::CausalLM& m_;
 };
 
-// The host optimizer's options for a job: the trainer's, with the memory strategy's bf16 moments
-// (Create validated them against optimizer_on_host).
+// The host optimizer's options for a job: the trainer's threads and chunking, the moments' dtype
+// the memory strategy's alone (Create validated it against optimizer_on_host), so no second
+// switch can ask the device optimizer for bf16 moments.
 HostOptimizerOptions HostOptionsOf(const TrainerOptions& o) {
   HostOptimizerOptions h = o.host_optimizer;
-  h.bf16_moments = h.bf16_moments || o.memory.bf16_moments;
+  h.bf16_moments = o.memory.bf16_moments;
   return h;
 }
 

@@ -116,7 +116,7 @@ struct TrainerOptions {
   // on the host); the default is plain autograd. See planner/memory_strategy.h.
   planner::MemoryStrategy memory;
   // With memory.optimizer_on_host: the host optimizer's worker threads and chunking (tests also
-  // set deferred_cpu; see engine/host_adamw.h).
+  // set deferred_cpu; see engine/host_adamw.h). Its bf16_moments is memory.bf16_moments's.
   HostOptimizerOptions host_optimizer;
   // LoRA adapters (rank > 0): the base weights frozen in their dtype (no gradients, no optimizer
   // state), only the adapters trained; checkpoints are PEFT adapter folders (model/weights.h
