@@ -79,6 +79,11 @@ absl::Status TrainerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("rl_group_tokens (", rl_group_tokens, ") must be >= 0"));
   if (absl::Status s = optimizer.Validate(); !s.ok()) return s;
   if (absl::Status s = schedule.Validate(); !s.ok()) return s;
+  // The moments' dtype is the memory strategy's alone (HostOptionsOf): a second switch that
+  // asked for bf16 moments without it would be ignored, so it is refused.
+  if (host_optimizer.bf16_moments && !memory.bf16_moments)
+    return absl::InvalidArgumentError(
+        "host_optimizer.bf16_moments must be false: the moments' dtype is set by memory.bf16_moments");
   return absl::OkStatus();
 }
 

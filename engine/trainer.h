@@ -116,7 +116,8 @@ struct TrainerOptions {
   // on the host); the default is plain autograd. See planner/memory_strategy.h.
   planner::MemoryStrategy memory;
   // With memory.optimizer_on_host: the host optimizer's worker threads and chunking (tests also
-  // set deferred_cpu; see engine/host_adamw.h). Its bf16_moments is memory.bf16_moments's.
+  // set deferred_cpu; see engine/host_adamw.h). Its bf16_moments is memory.bf16_moments's; setting
+  // it true without memory.bf16_moments is refused.
   HostOptimizerOptions host_optimizer;
   // LoRA adapters (rank > 0): the base weights frozen in their dtype (no gradients, no optimizer
   // state), only the adapters trained; checkpoints are PEFT adapter folders (model/weights.h

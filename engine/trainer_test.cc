@@ -759,9 +759,16 @@ TEST(TrainerTest, Bf16MomentsFromTheMemoryStrategyReachTheHostOptimizer) {
   EXPECT_NE(refused.status().message().find("memory.bf16_moments needs memory.optimizer_on_host"), std::string::npos)
       << refused.status();
   o.memory.optimizer_on_host = true;
+  o.memory.bf16_moments = false;
+  o.host_optimizer.bf16_moments = true;  // the second switch alone would be ignored: refused
+  refused = Trainer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("host_optimizer.bf16_moments must be false"), std::string::npos)
+      << refused.status();
   for (bool bf16 : {false, true}) {
     SCOPED_TRACE(bf16 ? "bf16 moments" : "fp32 moments");
     o.memory.bf16_moments = bf16;
+    o.host_optimizer.bf16_moments = bf16;  // agreeing with memory.bf16_moments is accepted
     auto t = Trainer::Create(o);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int i = 0; i < 3; ++i) (*t)->TrainStep();
