@@ -584,15 +584,23 @@ TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
   }
+  // `two_keys`: every key item is one of two, so a query's scores take two values and the
+  // top_k-th is shared by about half the row. The select kernel sorts the keys that share the
+  // top_k-th key's 16 high bits itself when at most kSelectCandidates do
+  // (kernels/cuda/dsa_indexer.cu's kCandidates), and otherwise takes two more radix passes over
+  // the row; that case's rows run both ways (checked below).
+  constexpr int64_t kSelectCandidates = 2048;
   struct Case {
     int64_t B, HI, S, D, pool, top_k, workspace;
+    bool two_keys = false;
   };
   for (const Case& c : {Case{2, 32, 1237, 128, 4, 64, int64_t{1} << 28}, Case{1, 5, 3001, 64, 4, 97, 64 * 1024},
                         Case{1, 32, 2050, 128, 1, 512, 200 * 1024}, Case{2, 7, 700, 128, 1, 1000, int64_t{1} << 28},
-                        Case{1, 32, 4099, 128, 4, 512, 1 << 20}}) {
+                        Case{1, 32, 4099, 128, 4, 512, 1 << 20}, Case{1, 4, 6000, 64, 1, 64, int64_t{1} << 28, true}}) {
     const std::string name = "B" + std::to_string(c.B) + " HI" + std::to_string(c.HI) + " S" + std::to_string(c.S) +
                              " D" + std::to_string(c.D) + " pool" + std::to_string(c.pool) + " top_k" +
-                             std::to_string(c.top_k) + " ws" + std::to_string(c.workspace);
+                             std::to_string(c.top_k) + " ws" + std::to_string(c.workspace) +
+                             (c.two_keys ? " two keys" : "");
     const int64_t P = c.pool == 1 ? c.S : c.S / c.pool;
     DsaIndexerOptions o;
     o.top_k = c.top_k;
@@ -604,7 +612,8 @@ TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
       Tensor q, k, w;
       if (exact) {
         q = torch::randint(-2, 3, {c.B, c.HI, c.S, c.D}).to(bf);
-        k = torch::randint(-2, 3, {c.B, P, c.D}).to(bf);
+        k = c.two_keys ? torch::randint(-2, 3, {c.B, 2, c.D}).index_select(1, torch::randint(0, 2, {P})).to(bf)
+                       : torch::randint(-2, 3, {c.B, P, c.D}).to(bf);
         w = torch::pow(2.0, torch::randint(-3, 1, {c.B, c.S, c.HI})) * (torch::randint(0, 2, {c.B, c.S, c.HI}) * 2 - 1);
         w = w.to(bf);
       } else {
@@ -626,6 +635,18 @@ TEST(DsaIndexer, KernelSelectsAsTheLibtorchPath_cuda) {
         EXPECT_TRUE(torch::equal(got, ref)) << name << ": " << got.ne(ref).sum().item<int64_t>() << " entries differ";
         ExpectFollowsRule(got, scores, c.top_k, c.pool, &rows);
         EXPECT_EQ(rows, c.B * c.S) << name;
+        if (c.two_keys) {
+          // Rows whose top_k-th score is shared by more keys than the kernel sorts itself, and
+          // rows past top_k visible items where it is not (exact scores: equal values, equal keys).
+          int64_t many = 0, few = 0;
+          for (int64_t t = c.top_k; t < c.S; ++t) {
+            const Tensor row = scores[0][t].narrow(0, 0, t + 1);
+            const double kth = std::get<0>(row.topk(c.top_k)).min().item<double>();
+            (row.eq(kth).sum().item<int64_t>() > kSelectCandidates ? many : few) += 1;
+          }
+          EXPECT_GT(many, 0) << name << ": no row took the radix passes to the end";
+          EXPECT_GT(few, 0) << name << ": no row sorted its candidates itself";
+        }
       } else {
         EXPECT_TRUE(torch::equal(got.lt(0), ref.lt(0))) << name << ": padding differs";
         auto at = [&](const Tensor& sel) {

@@ -37,7 +37,10 @@ using bf16 = __nv_bfloat16;
 constexpr int kQueries = 64;   // queries per score block
 constexpr int kItems = static_cast<int>(kIndexerItemTile);  // items per score block
 constexpr int kScoreThreads = 128;
-constexpr int kSelectThreads = 256;
+constexpr int kSelectThreads = 512;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kLoads = 4;         // 16-byte loads a thread has in flight in a pass over a row
+constexpr int kCandidates = 2048;  // keys sharing the 16-bit prefix that the select sorts itself
 using mma::kFull;
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -212,26 +215,95 @@ __device__ __forceinline__ unsigned long long Composite(unsigned key, int64_t it
   return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(item));
 }
 
-// Calls f(i, key) for every visible item of a row, 16-byte loads (ld is a multiple of 4).
+// Calls f(valid, i, key) for every item of a row's first n, in steps that every lane of the
+// block runs (f may use warp collectives; `valid` is false past n). Each thread has kLoads
+// 16-byte loads in flight before it uses any (ld is a multiple of 4, so the last group of four
+// stays inside the row's storage).
 template <typename F>
 __device__ __forceinline__ void ForRow(const float* row, int64_t n, F&& f) {
-  const int64_t n4 = n / 4;
-  for (int64_t i = threadIdx.x; i < n4; i += kSelectThreads) {
-    const float4 v = reinterpret_cast<const float4*>(row)[i];
-    f(4 * i, OrderKey(v.x));
-    f(4 * i + 1, OrderKey(v.y));
-    f(4 * i + 2, OrderKey(v.z));
-    f(4 * i + 3, OrderKey(v.w));
+  const int64_t n4 = (n + 3) / 4;
+  for (int64_t base = 0; base < n4; base += int64_t{kLoads} * kSelectThreads) {
+    float4 v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t i4 = base + u * kSelectThreads + threadIdx.x;
+      v[u] = i4 < n4 ? reinterpret_cast<const float4*>(row)[i4] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t i = 4 * (base + u * kSelectThreads + threadIdx.x);
+      f(i < n, i, OrderKey(v[u].x));
+      f(i + 1 < n, i + 1, OrderKey(v[u].y));
+      f(i + 2 < n, i + 2, OrderKey(v[u].z));
+      f(i + 3 < n, i + 3, OrderKey(v[u].w));
+    }
   }
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kSelectThreads) f(i, OrderKey(row[i]));
+}
+
+// Adds one to h[bin] for each lane with `in` (every lane of the warp calls it). A row's keys
+// crowd into a few bins (the first pass's 8 bits are the sign and 7 exponent bits), so shared
+// atomics on one address from 32 lanes would serialize: two rounds let a leader add the count of
+// every lane in its bin, the lanes left add one each.
+__device__ __forceinline__ void CountInBin(unsigned* h, bool in, unsigned bin, int lane) {
+  unsigned pending = __ballot_sync(kFull, in);
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    if (pending == 0u) return;  // uniform: a ballot
+    const int leader = __ffs(pending) - 1;
+    const unsigned lb = __shfl_sync(kFull, bin, leader);
+    const unsigned same = __ballot_sync(kFull, ((pending >> lane) & 1u) && bin == lb);
+    if (lane == leader) atomicAdd(&h[lb], static_cast<unsigned>(__popc(same)));
+    pending &= ~same;
+  }
+  if ((pending >> lane) & 1u) atomicAdd(&h[bin], 1u);
+}
+
+// Appends `x` at slots of *count for the lanes with `take` (every lane of the warp calls it): one
+// atomic a warp.
+__device__ __forceinline__ void Append(unsigned long long* out, unsigned* count, bool take, unsigned long long x,
+                                       int lane) {
+  const unsigned b = __ballot_sync(kFull, take);
+  if (b == 0u) return;
+  const int leader = __ffs(b) - 1;
+  unsigned base = 0;
+  if (lane == leader) base = atomicAdd(count, static_cast<unsigned>(__popc(b)));
+  base = __shfl_sync(kFull, base, leader);
+  if (take) out[base + __popc(b & ((1u << lane) - 1u))] = x;
+}
+
+// Bitonic sort of a[0, n) descending (n a power of two), by the block.
+__device__ __forceinline__ void SortDescending(unsigned long long* a, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long x = a[i], y = a[j];
+          const bool descending = (i & size) == 0;
+          if ((x < y) == descending) a[i] = y, a[j] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Shared memory of the select kernel: the selection (kCap), the candidates (kCandidates), a
+// histogram a warp and their sum.
+template <int kCap>
+constexpr size_t SelectSharedBytes() {
+  return (kCap + kCandidates) * sizeof(unsigned long long) + (kSelectWarps + 1) * 256 * sizeof(unsigned);
 }
 
 template <int kCap>
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
-  __shared__ unsigned long long sel[kCap];
-  __shared__ unsigned hist[256];
-  __shared__ unsigned s_bin, s_remaining, s_gt, s_eq_base;
-  __shared__ unsigned warp_count[kSelectThreads / 32];
+  extern __shared__ __align__(16) unsigned char select_smem[];
+  unsigned long long* const sel = reinterpret_cast<unsigned long long*>(select_smem);  // (kCap)
+  unsigned long long* const cand = sel + kCap;                                       // (kCandidates)
+  unsigned* const warp_hist = reinterpret_cast<unsigned*>(cand + kCandidates);       // (kSelectWarps, 256)
+  unsigned* const hist = warp_hist + kSelectWarps * 256;                             // (256)
+  __shared__ unsigned s_bin, s_remaining, s_count, s_gt, s_nc, s_eq_base;
+  __shared__ unsigned warp_count[kSelectWarps];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t r = blockIdx.x;
   const int64_t t = c.t0 + r;
@@ -243,13 +315,21 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
     for (int64_t i = tid; i < n; i += kSelectThreads) sel[i] = Composite(OrderKey(row[i]), i);
     taken = static_cast<int>(n);
   } else {
-    unsigned prefix = 0, mask = 0, remaining = static_cast<unsigned>(k);
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kSelectThreads) hist[i] = 0;
+    unsigned prefix = 0, mask = 0, remaining = static_cast<unsigned>(k), count = 0;
+    // One radix pass of 8 bits at `shift` over the keys under the prefix found so far.
+    auto pass = [&](int shift) {
+      for (int i = tid; i < (kSelectWarps + 1) * 256; i += kSelectThreads) warp_hist[i] = 0;
       __syncthreads();
-      ForRow(row, n, [&](int64_t, unsigned key) {
-        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+      unsigned* const mine = warp_hist + warp * 256;
+      ForRow(row, n, [&](bool valid, int64_t, unsigned key) {
+        CountInBin(mine, valid && (key & mask) == prefix, (key >> shift) & 255u, lane);
       });
+      __syncthreads();
+      for (int b = tid; b < 256; b += kSelectThreads) {
+        unsigned sum = 0;
+        for (int w = 0; w < kSelectWarps; ++w) sum += warp_hist[w * 256 + b];
+        hist[b] = sum;
+      }
       __syncthreads();
       if (warp == 0) {
         // Lane l holds bins 8l .. 8l + 7; counts above a bin are those of higher bins.
@@ -268,6 +348,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
             if (above + cnt[e] >= remaining) {
               s_bin = lane * 8 + e;
               s_remaining = remaining - above;
+              s_count = cnt[e];
               break;
             }
             above += cnt[e];
@@ -278,51 +359,65 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
       prefix |= s_bin << shift;
       mask |= 255u << shift;
       remaining = s_remaining;
-      __syncthreads();  // s_bin, s_remaining are rewritten by the next pass
-    }
-    // prefix is the top_k-th largest key T: k - remaining keys lie above it, and the first
-    // `remaining` (by index) of those equal to it complete the selection.
-    const unsigned threshold = prefix;
-    const unsigned above = static_cast<unsigned>(k) - remaining;
-    if (tid == 0) s_gt = 0, s_eq_base = 0;
+      count = s_count;
+      __syncthreads();  // s_bin, s_remaining, s_count are rewritten by the next pass
+    };
+    pass(24);
+    pass(16);
+    // k - remaining keys lie above the 16-bit prefix, `count` >= remaining share it.
+    if (tid == 0) s_gt = 0, s_nc = 0;
     __syncthreads();
-    for (int64_t base = 0; base < n; base += kSelectThreads) {
-      const int64_t i = base + tid;
-      const unsigned key = i < n ? OrderKey(row[i]) : 0u;
-      const bool gt = i < n && key > threshold, eq = i < n && key == threshold;
-      if (gt) sel[atomicAdd(&s_gt, 1u)] = Composite(key, i);
-      const unsigned ballot = __ballot_sync(kFull, eq);
-      if (lane == 0) warp_count[warp] = __popc(ballot);
+    if (count <= static_cast<unsigned>(kCandidates)) {
+      // Few share it (the usual case: 16 bits resolve a score to 1/128 of an octave): one more
+      // pass takes the keys above it and those sharing it, and the rest runs in shared memory.
+      ForRow(row, n, [&](bool valid, int64_t i, unsigned key) {
+        const unsigned high = key & 0xffff0000u;
+        const unsigned long long x = Composite(key, i);
+        Append(sel, &s_gt, valid && high > prefix, x, lane);
+        Append(cand, &s_nc, valid && high == prefix, x, lane);
+      });
       __syncthreads();
-      unsigned pos = s_eq_base + __popc(ballot & ((1u << lane) - 1u));
-      for (int w = 0; w < warp; ++w) pos += warp_count[w];
-      if (eq && pos < remaining) sel[above + pos] = Composite(key, i);
+      int m = 2;
+      while (m < static_cast<int>(count)) m <<= 1;
+      for (int i = static_cast<int>(count) + tid; i < m; i += kSelectThreads) cand[i] = 0ull;  // below every item
       __syncthreads();
-      if (tid == 0) {
-        unsigned total = 0;
-        for (int w = 0; w < kSelectThreads / 32; ++w) total += warp_count[w];
-        s_eq_base += total;
+      SortDescending(cand, m);
+      const unsigned above = static_cast<unsigned>(k) - remaining;
+      for (int i = tid; i < static_cast<int>(remaining); i += kSelectThreads) sel[above + i] = cand[i];
+    } else {
+      // Many share it (ties): the last two passes over the row, then the items above the
+      // top_k-th largest key T and, in index order, the first `remaining` equal to it.
+      pass(8);
+      pass(0);
+      const unsigned threshold = prefix;
+      const unsigned above = static_cast<unsigned>(k) - remaining;
+      if (tid == 0) s_eq_base = 0;
+      __syncthreads();
+      for (int64_t base = 0; base < n; base += kSelectThreads) {
+        const int64_t i = base + tid;
+        const unsigned key = i < n ? OrderKey(row[i]) : 0u;
+        const bool gt = i < n && key > threshold, eq = i < n && key == threshold;
+        Append(sel, &s_gt, gt, Composite(key, i), lane);
+        const unsigned ballot = __ballot_sync(kFull, eq);
+        if (lane == 0) warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        unsigned pos = s_eq_base + __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) pos += warp_count[w];
+        if (eq && pos < remaining) sel[above + pos] = Composite(key, i);
+        __syncthreads();
+        if (tid == 0) {
+          unsigned total = 0;
+          for (int w = 0; w < kSelectWarps; ++w) total += warp_count[w];
+          s_eq_base += total;
+        }
+        __syncthreads();
       }
-      __syncthreads();
     }
     taken = k;
   }
   for (int i = taken + tid; i < kCap; i += kSelectThreads) sel[i] = 0ull;  // below every item
   __syncthreads();
-  // Bitonic sort, descending.
-  for (int size = 2; size <= kCap; size <<= 1) {
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int i = tid; i < kCap; i += kSelectThreads) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const unsigned long long a = sel[i], b = sel[j];
-          const bool descending = (i & size) == 0;
-          if ((a < b) == descending) sel[i] = b, sel[j] = a;
-        }
-      }
-      __syncthreads();
-    }
-  }
+  SortDescending(sel, kCap);
   int32_t* out = c.out + (t - c.q0) * c.top_k;
   for (int i = tid; i < k; i += kSelectThreads) {
     out[i] = i < taken ? static_cast<int32_t>(0xffffffffu - static_cast<unsigned>(sel[i] & 0xffffffffull)) : -1;
@@ -343,7 +438,11 @@ int LaunchScores(const IndexerChunk& c, cudaStream_t stream) {
 
 template <int kCap>
 int LaunchSelect(const IndexerChunk& c, cudaStream_t stream) {
-  SelectKernel<kCap><<<static_cast<unsigned>(c.rows), kSelectThreads, 0, stream>>>(c);
+  constexpr size_t smem = SelectSharedBytes<kCap>();
+  cudaError_t e = cudaFuncSetAttribute(SelectKernel<kCap>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  SelectKernel<kCap><<<static_cast<unsigned>(c.rows), kSelectThreads, smem, stream>>>(c);
   return static_cast<int>(cudaGetLastError());
 }
 
