@@ -16,10 +16,21 @@
 // query of the block sees skips its products.
 //
 // Select: keys are the scores' bits made order-preserving as unsigned integers (-0 folded into
-// +0, which compares equal to it). Four 8-bit radix passes over the row find the top_k-th
-// largest key T and how many of the keys equal to T belong in (those of the lowest indices: the
-// rule); one pass gathers the items above T (any order) and, in index order, the first of those
-// equal to T; a bitonic sort of (key << 32 | ~index) orders them by the rule.
+// +0, which compares equal to it); an item's composite (key << 32 | ~index) orders items by the
+// rule. Two 8-bit radix passes over the row find the 16 high bits H of the top_k-th largest key
+// and how many keys share them. Where at most kCandidates do (16 bits place a score within 1/128
+// of an octave, so near the top_k-th of a long row that is tens to hundreds of keys), a third
+// pass gathers the items above H and the composites of those sharing H; a bitonic sort of the
+// latter in shared memory gives the first of them by the rule. Otherwise (ties: many equal
+// scores) two more passes find the top_k-th largest key T itself and a last one gathers the
+// items above T and, in index order, the first of those equal to T. A bitonic sort of the
+// selection's composites orders it by the rule.
+//
+// A row is one block's, read at most five times from memory (three as a rule) with four 16-byte
+// loads a thread in flight: at 1M+ tokens a chunk of the 256 MiB workspace holds ~128-256 rows,
+// about one a multiprocessor, so the select's speed is that of a block streaming its row. The
+// histograms are one a warp, and the lanes of a warp that fall in one bin count by one atomic
+// (a row's keys crowd into a few bins of the first pass), so shared atomics do not serialize.
 #include "kernels/cuda/dsa_indexer.h"
 
 #include <cuda_bf16.h>

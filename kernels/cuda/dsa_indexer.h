@@ -8,9 +8,12 @@
 //     128-item tile (the keys held in registers across heads), one index head at a time, each head's relu'd product weighted by w and
 //     summed in registers: the (rows, items) fp32 scores go to a workspace, the per-head
 //     products never leave the multiprocessor. Tiles no query of the block sees are skipped.
-//   - Select: one block a row; an exact radix select of the top_k-th largest score (four passes
-//     of 8 bits over the row's visible items), the items above it and the lowest-index items
-//     equal to it gathered, then a bitonic sort of (score, index) pairs into the rule's order.
+//   - Select: one block a row; an exact radix select of the top_k-th largest score: two passes
+//     of 8 bits over the row's visible items, then one that gathers the items above the 16 bits
+//     found and those sharing them, sorted in shared memory where they are few (at most 2048;
+//     otherwise two more radix passes, and the items above the top_k-th score and the
+//     lowest-index ones equal to it gathered); a bitonic sort of (score, index) pairs puts the
+//     selection into the rule's order.
 //     Deterministic; no state between rows.
 // The workspace bounds the memory: rows x ld fp32 for a chunk, ld >= the chunk's visible items.
 //
