@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   static_assert(MT % 2 == 0, "m-tiles run in pairs");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem);                      // (2, kQueries, LD); first the keys (kItems, LD)
-  float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (kQueries, HI)
+  float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (HI, kQueries): a warp's 8 rows in 8 banks
   const int HI = static_cast<int>(c.HI);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kQueries;  // first row of the block (in the chunk)
   const int64_t last_row = min(r0 + kQueries, c.rows) - 1;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   CpAsyncCommit();
   for (int i = tid; i < kQueries * HI; i += kScoreThreads) {
     const int row = i / HI, j = i % HI;
-    ws[i] = c.w[(c.t0 - c.q0 + min(r0 + row, last_row)) * c.HI + j];
+    ws[j * kQueries + row] = c.w[(c.t0 - c.q0 + min(r0 + row, last_row)) * c.HI + j];
   }
   CpAsyncWait<0>();
   __syncthreads();
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const int mrow = (mp + h2) * 16 + g;
-          const float w0 = ws[mrow * HI + head], w1 = ws[(mrow + 8) * HI + head];
+          const float w0 = ws[head * kQueries + mrow], w1 = ws[head * kQueries + mrow + 8];
 #pragma unroll
           for (int n = 0; n < 2 * NP; ++n) {
             acc[mp + h2][n][0] += w0 * fmaxf(s[h2][n][0], 0.f);
