@@ -1,19 +1,19 @@
 // The lightning indexer's scores and top-k selection (see dsa_indexer.h).
 //
-// Scores: a block of 4 warps owns 64 queries x 128 items; a warp owns 32 of the items for all
-// 64 queries. The items' keys (128 x D bf16) are staged once through shared memory into each
-// warp's registers as its mma B fragments (D / 16 k-steps x 4 n-tiles: 64 registers a lane at
-// D = 128) and stay there for every index head. The queries of one head at a time (64 x D bf16)
-// stream through two cp.async buffers, the next head's in flight while this one's products run;
-// a warp reads each head's A fragments by ldmatrix (rows padded by 16 bytes: row stride D + 8
-// elements, so 8 consecutive rows start in 8 different 16-byte bank groups and ldmatrix is
-// conflict-free) and runs mma.sync m16n8k16 over two m-tiles at a time (8 independent
-// accumulator chains). One ldmatrix feeds 4 mma (before: keys re-read from shared memory for
-// every head, 72 ldmatrix per 128 mma); shared memory is the two query buffers only. Each
-// head's products go relu, times w[t, j], into fp32 accumulators in registers; after the last
-// head the block writes its tile of scores divided by sqrt(D) (the reference's order of
-// operations, so exactly representable inputs give the reference's bits). A warp whose items no
-// query of the block sees skips its products.
+// Scores: a block of 4 warps owns 64 queries x 128 items; a warp owns 32 of the items for all 64
+// queries. The items' keys (128 x D bf16) are staged once through shared memory into each warp's
+// registers as its mma B fragments (D / 16 k-steps x 4 n-tiles: 64 registers a lane at D = 128) and
+// stay there for every index head. The queries of one head at a time (64 x D bf16) stream through
+// three cp.async buffers, the next two heads' in flight while this one's products run (one barrier
+// a head); a warp reads each head's A fragments by ldmatrix (rows padded by 16 bytes: row stride D
+// + 8 elements, so 8 consecutive rows start in 8 different 16-byte bank groups and ldmatrix is
+// conflict-free) and runs mma.sync m16n8k16 over two m-tiles at a time (8 independent accumulator
+// chains). One ldmatrix feeds 4 mma (before: keys re-read from shared memory for every head, 72
+// ldmatrix per 128 mma); shared memory holds the query buffers and the head weights (head-major, so
+// the 8 rows a warp reads at once lie in 8 banks). Each head's products go relu, times w[t, j],
+// into fp32 accumulators in registers; after the last head the block writes its tile of scores
+// divided by sqrt(D) (the reference's order of operations, so exactly representable inputs give the
+// reference's bits). A warp whose items no query of the block sees skips its products.
 //
 // Select: keys are the scores' bits made order-preserving as unsigned integers (-0 folded into
 // +0, which compares equal to it); an item's composite (key << 32 | ~index) orders items by the
@@ -46,6 +46,7 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr int kQueries = 64;   // queries per score block
+constexpr int kQueryBuffers = 3;  // heads of queries staged in shared memory
 constexpr int kItems = static_cast<int>(kIndexerItemTile);  // items per score block
 constexpr int kScoreThreads = 128;
 constexpr int kSelectThreads = 512;
@@ -82,11 +83,11 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   constexpr int kWarpItems = kItems / (kScoreThreads / 32);  // 32: the items a warp owns
   constexpr int NP = kWarpItems / 16;                        // pairs of 8-item n-tiles
   constexpr int MT = kQueries / 16;                          // 16-query m-tiles
-  static_assert(kItems == 2 * kQueries, "the key tile is staged in the two query buffers");
+  static_assert(kItems <= kQueryBuffers * kQueries, "the key tile is staged in the query buffers");
   static_assert(MT % 2 == 0, "m-tiles run in pairs");
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* qs = reinterpret_cast<bf16*>(smem);                      // (2, kQueries, LD); first the keys (kItems, LD)
-  float* ws = reinterpret_cast<float*>(qs + 2 * kQueries * LD);  // (HI, kQueries): a warp's 8 rows in 8 banks
+  bf16* qs = reinterpret_cast<bf16*>(smem);  // (kQueryBuffers, kQueries, LD); first the keys (kItems, LD)
+  float* ws = reinterpret_cast<float*>(qs + kQueryBuffers * kQueries * LD);  // (HI, kQueries): a warp's 8 rows in 8 banks
   const int HI = static_cast<int>(c.HI);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kQueries;  // first row of the block (in the chunk)
   const int64_t last_row = min(r0 + kQueries, c.rows) - 1;
@@ -136,6 +137,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
   };
   stage_queries(0, 0);
   CpAsyncCommit();
+  if (HI > 1) {
+    stage_queries(1, 1);
+    CpAsyncCommit();
+  }
 
   float acc[MT][2 * NP][4];
 #pragma unroll
@@ -147,17 +152,21 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
     }
   }
   const int g = lane / 4;  // accumulator rows g and g + 8 of an m-tile
+  // Three query buffers, two heads in flight: one barrier a head (after it, every warp is done
+  // with the previous head's buffer, which the head after next fills).
   for (int head = 0; head < HI; ++head) {
     if (head + 1 < HI) {
-      stage_queries(head + 1, (head + 1) & 1);
-      CpAsyncCommit();
-      CpAsyncWait<1>();  // this head's group landed
+      CpAsyncWait<1>();  // this head's group landed (the next one's may be in flight)
     } else {
       CpAsyncWait<0>();
     }
     __syncthreads();
+    if (head + 2 < HI) {
+      stage_queries(head + 2, (head + 2) % kQueryBuffers);
+      CpAsyncCommit();
+    }
     if (live) {
-      const bf16* qb = qs + (head & 1) * kQueries * LD;
+      const bf16* qb = qs + (head % kQueryBuffers) * kQueries * LD;
 #pragma unroll
       for (int mp = 0; mp < MT; mp += 2) {  // two m-tiles at a time: 4 NP independent chains
         float s[2][2 * NP][4];
@@ -197,7 +206,6 @@ __global__ void __launch_bounds__(kScoreThreads, 2) ScoreKernel(IndexerChunk c) 
         }
       }
     }
-    __syncthreads();  // the buffer this head used is the one the head after next fills
   }
   if (!live) return;
   const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(D)));
@@ -437,7 +445,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerChunk c) {
 
 template <int D>
 int LaunchScores(const IndexerChunk& c, cudaStream_t stream) {
-  const size_t smem = 2 * static_cast<size_t>(kQueries) * (D + 8) * sizeof(bf16) +
+  const size_t smem = kQueryBuffers * static_cast<size_t>(kQueries) * (D + 8) * sizeof(bf16) +
                       static_cast<size_t>(kQueries) * c.HI * sizeof(float);
   cudaError_t e = cudaFuncSetAttribute(ScoreKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
