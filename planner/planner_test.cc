@@ -815,6 +815,11 @@ TEST(PlannerTest, PredictionsBoundThePeaksMeasuredOnOneH200) {
       // the peak in "layers 4-7 backward > layer 7 backward > dsa sparse attention backward".
       {"hybrid-3b", 28, 1753088, on_host(StrategyOf("every_k", 4, true, 2, 10922, 1046, 8)), 141177746944,
        53854863360 + 3606690168LL * 14},
+      // The nested groups' deferred prefetch at one resident input (2026-12-07, twenty-fourth
+      // session, one H100): hybrid-3b cut to 12 layers, three groups of 4, at 1M, 132.7 s a step;
+      // the peak in "layers 0-3 backward > layer 3 backward > dsa sparse attention backward".
+      {"hybrid-3b", 12, 1048576, on_host(StrategyOf("every_k", 4, true, 1, 10922, 1046, 8)), 70766104576, -1, 1, false,
+       0, false},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 1))), 57797627904, -1},
       {"hybrid-3b", 4, 786432, kept(on_host(StrategyOf("layer", 2, true, 2, 10922, 1046, 8))), 48867692544, -1},
       // The same 8-group cut after the twenty-first session's changes (the stack's first input
