@@ -8,7 +8,10 @@
 //     fla's chunk_kda with. --variants picks which of those run (0 kernels, 1 fp32 on CUDA cores, 2 intra
 //     backward by libtorch, 3 libtorch; all by default), --chunk 32|64 and --segment the KdaOptions
 //     (64 and 32768 by default); --kda-direct on|off whether the kernels read the caller's inputs
-//     directly (on, the default) or prepared fp32 copies (kernels::SetKdaDirectInputs). --gate
+//     directly (on, the default) or prepared fp32 copies (kernels::SetKdaDirectInputs);
+//     --kda-scan-operands tf32|bf16 whether the forward's state scan reads qg, kg and W as bf16
+//     (kernels::SetKdaScanBf16Operands; the library's default otherwise) and --kda-scan-value-block
+//     32|16 the value columns a block of that scan owns (SetKdaScanValueBlock). --gate
 //     mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
@@ -134,6 +137,8 @@ int Run(int argc, char** argv) {
   int64_t heads = 24, kv_heads = 8, dim = 128, selected = 2048, iters = 3, reference_tokens = 65536;
   int64_t index_heads = 32, index_dim = 128;
   std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools", kda_direct = "on";
+  std::string kda_scan_operands = odyssey::kernels::KdaScanBf16Operands() ? "bf16" : "tf32";
+  int64_t kda_value_block = 32;
   std::vector<int64_t> warmup_blocks = {0};
   std::vector<int64_t> kda_variants = {0, 1, 2, 3};
   odyssey::kernels::KdaOptions kda_options;
@@ -161,12 +166,14 @@ int Run(int argc, char** argv) {
       else if (a == "--chunk") kda_options.chunk_size = ParseInt(v);
       else if (a == "--segment") kda_options.segment = ParseInt(v);
       else if (a == "--kda-direct") kda_direct = v;
+      else if (a == "--kda-scan-operands") kda_scan_operands = v;
+      else if (a == "--kda-scan-value-block") kda_value_block = ParseInt(v);
       else if (a == "--variants") kda_variants = ParseList(v);
       else
         return refuse(absl::StrCat("unknown flag ", odyssey::WireText(a),
                                    " (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, "
                                    "--gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --kda-direct, "
-                                   "--variants, --json)"));
+                                   "--kda-scan-operands, --kda-scan-value-block, --variants, --json)"));
     } catch (const std::logic_error&) {  // std::stoll's invalid_argument and out_of_range
       return refuse(absl::StrCat(a, ": ", odyssey::WireText(v), " is not an integer (or a comma-separated list of them)"));
     }
@@ -203,6 +210,11 @@ int Run(int argc, char** argv) {
   if (kda_direct != "on" && kda_direct != "off")
     return refuse(absl::StrCat("--kda-direct: ", odyssey::WireText(kda_direct), " is neither on nor off"));
   odyssey::kernels::SetKdaDirectInputs(kda_direct == "on");
+  if (kda_scan_operands != "tf32" && kda_scan_operands != "bf16")
+    return refuse(absl::StrCat("--kda-scan-operands: ", odyssey::WireText(kda_scan_operands), " is neither tf32 nor bf16"));
+  if (!odyssey::kernels::SetKdaScanValueBlock(static_cast<int>(kda_value_block == 16 ? 16 : kda_value_block == 32 ? 32 : 0)))
+    return refuse(absl::StrCat("--kda-scan-value-block: ", kda_value_block, " is neither 32 nor 16"));
+  odyssey::kernels::SetKdaScanBf16Operands(kda_scan_operands == "bf16");
   for (int64_t variant : kda_variants) {
     if (variant < 0 || variant > 3)
       return refuse(absl::StrCat("--variants: ", variant,
@@ -268,7 +280,12 @@ int Run(int argc, char** argv) {
         for (auto* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = torch::Tensor();
       };
       const double both = Seconds(forward_backward, static_cast<int>(iters));
-      std::printf("| KDA chunked, %s, %s gate | %lld | %.1f | %.1f | %.0f | |\n", name, gate.c_str(), static_cast<long long>(T), fwd * 1e3,
+      // The forward scan's operands where they are bf16 (variants 0 and 2: the tensor-core scans).
+      const std::string operands =
+          odyssey::kernels::KdaScanBf16Operands() && variant != 1
+              ? absl::StrCat(", bf16 scan operands, value block ", kda_value_block)
+              : "";
+      std::printf("| KDA chunked, %s%s, %s gate | %lld | %.1f | %.1f | %.0f | |\n", name, operands.c_str(), gate.c_str(), static_cast<long long>(T), fwd * 1e3,
                   both * 1e3, static_cast<double>(T) / both);
       std::fflush(stdout);
       if (!profile_dir.empty() && variant == 0 && T == tokens.back()) {
@@ -281,7 +298,9 @@ int Run(int argc, char** argv) {
       odyssey::kernels::SetKdaIntraBackwardPath(odyssey::kernels::KdaIntraBackwardPath::kAuto);
       Json(json, std::string("{\"op\":\"") + json_op + "\",\"gate\":\"" + gate + "\",\"tokens\":" + std::to_string(T) + ",\"heads\":" + std::to_string(heads) +
                      ",\"dim\":" + std::to_string(dim) + ",\"chunk\":" + std::to_string(kda_options.chunk_size) +
-                     ",\"segment\":" + std::to_string(kda_options.segment) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     ",\"segment\":" + std::to_string(kda_options.segment) +
+                     ",\"scan_operand_storage\":\"" + (operands.empty() ? "fp32" : "bf16") + "\",\"value_block\":" +
+                     std::to_string(kda_value_block) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }
     // The lightning indexer's selection: top selected / 4 pools of 4 keys per query.

@@ -62,6 +62,8 @@ Tensor ExpandHeads(const Tensor& x, int64_t HV) { return RepeatHeads(x, HV / x.s
 
 // The chunk-parallel quantities of spec 1.3, every tensor (B, HV, N, C, .) for N chunks of C.
 struct Intra {
+  // qg, kg and W are bf16 where the forward's kernels keep them so (SetKdaScanBf16Operands):
+  // only the forward's state scan reads them then.
   Tensor qg;   // (B, HV, N, C, K) scale * q * exp(G)
   Tensor kg;   // (B, HV, N, C, K) k * exp(G_C - G)
   Tensor W;    // (B, HV, N, C, K) T diag(beta) (k * exp(G))
@@ -120,6 +122,9 @@ std::atomic<int64_t> sub_forward_kernel_runs{0};
 std::atomic<int64_t> direct_input_runs{0};
 std::atomic<int64_t> direct_grad_runs{0};
 std::atomic<bool> direct_inputs{true};
+std::atomic<bool> scan_bf16_operands{false};
+std::atomic<int> scan_value_block{32};
+std::atomic<int64_t> bf16_operand_scans{0};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
@@ -140,26 +145,29 @@ bool KernelReadable(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   return KernelDtypes(q, k, v) && KernelDtype(beta) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1;
 }
 
-// The chunk quantities' outputs allocated in `in` (fp32, G's device) and the arguments of the
-// kernels that write them (kernels/cuda/kda_intra.h), without a cache; q is scaled by q_scale as
-// the kernels read it.
+// The chunk quantities' outputs allocated in `in` (fp32, G's device; qg, kg and W bf16 with
+// `wqk_bf16`) and the arguments of the kernels that write them (kernels/cuda/kda_intra.h),
+// without a cache; q is scaled by q_scale as the kernels read it.
 cuda::KdaIntraArgs IntraArgsOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, const Tensor& Gd,
-                               int64_t C, Intra* in, double q_scale) {
+                               int64_t C, Intra* in, double q_scale, bool wqk_bf16 = false) {
   const int64_t B = q.size(0), HV = q.size(1), L = q.size(2), K = q.size(3), V = v.size(3), N = Gd.size(2);
   auto opts = Gd.options();
-  in->qg = torch::empty({B, HV, N, C, K}, opts);
-  in->kg = torch::empty({B, HV, N, C, K}, opts);
-  in->W = torch::empty({B, HV, N, C, K}, opts);
+  const auto wqk = wqk_bf16 ? opts.dtype(torch::kBFloat16) : opts;
+  in->qg = torch::empty({B, HV, N, C, K}, wqk);
+  in->kg = torch::empty({B, HV, N, C, K}, wqk);
+  in->W = torch::empty({B, HV, N, C, K}, wqk);
   in->U = torch::empty({B, HV, N, C, V}, opts);
   in->Aqk = torch::empty({B, HV, N, C, C}, opts);
   in->eGC = torch::empty({B, HV, N, K}, opts);
   cuda::KdaIntraArgs a{q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), Gd.data_ptr<float>(),
                        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
                        v.stride(1), v.stride(2), beta.stride(0), beta.stride(1), beta.stride(2), B, HV, N, C, K, V, L,
-                       in->qg.data_ptr<float>(), in->kg.data_ptr<float>(), in->W.data_ptr<float>(),
+                       static_cast<float*>(in->qg.data_ptr()), static_cast<float*>(in->kg.data_ptr()),
+                       static_cast<float*>(in->W.data_ptr()),
                        in->U.data_ptr<float>(), in->Aqk.data_ptr<float>(), in->eGC.data_ptr<float>(), nullptr};
   a.bf16 = Bf16Bits(q, k, v, beta);
   a.q_scale = static_cast<float>(q_scale);
+  a.wqk_bf16 = wqk_bf16;
   return a;
 }
 
@@ -171,12 +179,20 @@ Tensor Dense(const Tensor& t) {
 }
 void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
+// Whether the forward's state scan takes qg, kg and W in bf16 for these sizes: the switch on, the
+// tensor-core scans, and sizes the kernels take (KernelScans' rule, the value block's).
+bool ScanTakesBf16Operands(int64_t BH, int64_t C, int64_t K, int64_t V) {
+  return scan_bf16_operands.load() && scan_tensor_cores.load() && FusedKernelsEnabled() && BH <= 65535 &&
+         V % 8 == 0 && cuda::KdaScanBf16OperandsSupported(C, K, V, scan_value_block.load());
+}
+
 // The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for CUDA
 // tensors of supported sizes while FusedKernelsEnabled(): G fp32, q, k, v, beta fp32 or bf16 (all
 // fp32 with a cache, whose chunked inputs libtorch reads), q scaled by q_scale as read; false: the
-// caller builds them with libtorch ops.
+// caller builds them with libtorch ops. `for_forward_scan`: the quantities feed only the forward's
+// state scan (with an output), which takes qg, kg and W in bf16 where ScanTakesBf16Operands.
 bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
-                   Intra* in, IntraCache* cache, double q_scale) {
+                   Intra* in, IntraCache* cache, double q_scale, bool for_forward_scan = false) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
@@ -188,7 +204,8 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   c10::cuda::CUDAGuard guard(q.device());
   const Tensor Gd = Dense(G);
   auto opts = Gd.options();
-  cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in, q_scale);
+  const bool wqk_bf16 = for_forward_scan && cache == nullptr && ScanTakesBf16Operands(B * HV, C, K, V);
+  cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in, q_scale, wqk_bf16);
   cuda::KdaIntraCache kc{};
   if (cache != nullptr) {
     in->T = torch::empty({B, HV, N, C, C}, opts);
@@ -260,9 +277,9 @@ Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, c
 // KdaDecayedGramForm(G); all in the compute dtype (ComputeIntraFor below also lets the kernels
 // read the caller's tensors). The whole-chunk form shares its factors
 // between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
-// autograd) keeps what IntraBackward reads.
+// autograd) keeps what IntraBackward reads. `for_forward_scan` as IntraByKernel's.
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
-                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr) {
+                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr, bool for_forward_scan = false) {
   TORCH_CHECK(cache == nullptr || form == KdaGramForm::kWholeChunk,
               "KDA: the hand backward's cache is for the whole-chunk Gram form only");
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -272,7 +289,7 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                                                                               v.requires_grad() || G.requires_grad() ||
                                                                               beta.requires_grad()))) {
     Intra in;
-    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0)) return in;
+    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0, for_forward_scan)) return in;
   }
 #endif
   const bool recorded = torch::GradMode::is_enabled() &&
@@ -478,9 +495,15 @@ ReverseResult ReverseLoop(const Intra& in, const Tensor& dO, const Tensor& P, co
 Tensor ReverseP(const Intra& in, const Tensor& dO) { return in.Aqk.transpose(-1, -2).matmul(dO); }
 
 #ifdef ODYSSEY_KERNELS_CUDA
+// qg, kg and W in bf16: IntraByKernel kept them so for the forward's scan.
+bool Bf16Operands(const Intra& in) { return in.W.scalar_type() == torch::kBFloat16; }
+
 bool KernelScans(const Intra& in) {
-  return FusedKernelsEnabled() && in.W.is_cuda() && in.W.scalar_type() == torch::kFloat32 &&
-         in.W.size(0) * in.W.size(1) <= 65535 && cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
+  const bool dtypes = in.W.scalar_type() == torch::kFloat32 ||
+                      (Bf16Operands(in) && ScanTakesBf16Operands(in.W.size(0) * in.W.size(1), in.W.size(3),
+                                                                 in.W.size(4), in.U.size(4)));
+  return FusedKernelsEnabled() && in.W.is_cuda() && dtypes && in.W.size(0) * in.W.size(1) <= 65535 &&
+         cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
 }
 
 ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
@@ -494,10 +517,17 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   if (want_o) r.o = torch::empty({B, HV, N, C, V}, opts);
   if (want_states) r.vt = torch::empty({B, HV, N, C, V}, opts), r.states = torch::empty({B, HV, N, K, V}, opts);
   r.S = torch::empty({B, HV, K, V}, opts);
-  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  // (bf16 storage for qg, kg and W under bf16_operands: the kernel reads their bits.)
+  auto ptr = [](const Tensor& t) { return t.defined() ? static_cast<float*>(t.data_ptr()) : nullptr; };
   cuda::KdaScanForwardArgs a{ptr(W), ptr(U), ptr(kg), ptr(eGC), ptr(qg), ptr(Aqk), ptr(h),
                              ptr(r.o), ptr(r.vt), ptr(r.states), ptr(r.S), B * HV, N, C, K, V};
   a.tf32 = scan_tensor_cores.load();
+  if (Bf16Operands(in)) {
+    TORCH_CHECK(want_o && a.tf32, "kda scan forward: bf16 operands feed only the forward's tensor-core scan");
+    a.bf16_operands = true;
+    a.value_block = scan_value_block.load();
+    bf16_operand_scans.fetch_add(1);
+  }
   CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
   if (a.tf32) scan_tensor_core_launches.fetch_add(1);
   return r;
@@ -629,11 +659,14 @@ class SegmentInputs {
 // ComputeIntra over a segment's inputs: its kernels on the caller's tensors where they take them
 // (no cache: IntraBackward's libtorch ops read the cache's chunked inputs in fp32), else
 // ComputeIntra of the prepared form.
-Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm form, IntraCache* cache = nullptr) {
+// `for_forward_scan` as IntraByKernel's.
+Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm form, IntraCache* cache = nullptr,
+                      bool for_forward_scan = false) {
   if (cache == nullptr && x.Direct()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     Intra in;
-    if (form == KdaGramForm::kWholeChunk && IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale)) {
+    if (form == KdaGramForm::kWholeChunk &&
+        IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale, for_forward_scan)) {
       direct_input_runs.fetch_add(1);
       return in;
     }
@@ -644,7 +677,7 @@ Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm 
     }
   }
   const Segment& p = x.Prepared();
-  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache);
+  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache, for_forward_scan);
 }
 
 // Inputs as the caller gave them (q, k with H heads, any float dtype), h0 (B, HV, K, V) in the
@@ -680,7 +713,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         Tensor G = ChunkCumsum(x.g, C, ct);
         const KdaGramForm form = KdaDecayedGramForm(G);
         forms.push_back(static_cast<int64_t>(form));
-        in = ComputeIntraFor(x, G, C, form);
+        in = ComputeIntraFor(x, G, C, form, nullptr, /*for_forward_scan=*/true);
       }
       RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
@@ -825,6 +858,14 @@ int64_t KdaSubBlockForwardKernelRuns() { return sub_forward_kernel_runs.load(); 
 int64_t KdaDirectInputRuns() { return direct_input_runs.load(); }
 int64_t KdaDirectGradientRuns() { return direct_grad_runs.load(); }
 void SetKdaDirectInputs(bool enabled) { direct_inputs.store(enabled); }
+void SetKdaScanBf16Operands(bool enabled) { scan_bf16_operands.store(enabled); }
+bool KdaScanBf16Operands() { return scan_bf16_operands.load(); }
+bool SetKdaScanValueBlock(int columns) {
+  if (columns != 16 && columns != 32) return false;
+  scan_value_block.store(columns);
+  return true;
+}
+int64_t KdaBf16OperandScans() { return bf16_operand_scans.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -375,6 +375,61 @@ TEST(Kda, Tf32ScanKernelsWithinTwiceTheTf32LibtorchError_cuda) {
   ScanKernelsAgainstLibtorch(/*tf32=*/true);
 }
 
+// The forward's state scan with qg, kg and W in bf16 (SetKdaScanBf16Operands), at both value
+// blocks: the output and the final state inside the spec's bars against the fp64 truth, and every
+// gradient too (the backward recomputes in fp32 from entry states the bf16 scan produced). The
+// scan takes the bf16 operands exactly in the whole-chunk segments (the intra kernel writes
+// them), at the sizes its value block has (16: C = 64 and K >= 64); the others keep fp32 and
+// their results equal the TF32 path's (to 1e-6, far below bf16's rounding).
+TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
+  EXPECT_FALSE(KdaScanBf16Operands());
+  EXPECT_FALSE(SetKdaScanValueBlock(24));
+  for (int block : {32, 16}) {
+    ASSERT_TRUE(SetKdaScanValueBlock(block));
+    for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 1, 2, 1000, 64, 96, -5.0},
+                          Case{1, 2, 2, 200, 32, 32, -0.02}, Case{1, 2, 2, 150, 128, 128, -0.1},
+                          Case{1, 3, 3, 700, 64, 64, -0.05}}) {
+      for (int64_t C : {64, 32}) {
+        const std::string tag = Name(c) + " C" + std::to_string(C) + " block " + std::to_string(block);
+        Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 14);
+        Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+        Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+        KdaOptions opt;
+        opt.chunk_size = C;
+        opt.segment = 4 * C;
+        std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
+        Inputs f = in.To(torch::kFloat32, torch::kCUDA);
+        Tensor dOf = dO.to(torch::kCUDA, torch::kFloat32), dSf = dS.to(torch::kCUDA, torch::kFloat32);
+        std::vector<Tensor> tf32 = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+        SetKdaScanBf16Operands(true);
+        const int64_t before = KdaBf16OperandScans();
+        std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+        SetKdaScanBf16Operands(false);
+        int64_t whole = 0;
+        for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) whole += form == KdaGramForm::kWholeChunk;
+        const bool sizes = block == 32 || (C == 64 && c.K >= 64);
+        const int64_t want = sizes ? whole : 0;
+        EXPECT_EQ(KdaBf16OperandScans() - before, want) << tag;
+        for (size_t i = 0; i < truth.size(); ++i) {
+          const std::string what = tag + " " + (i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S"));
+          EXPECT_LE(RelRms(got[i].cpu(), truth[i]), kSpecBars[i]) << what << ": the spec's bar";
+          if (want == 0) {
+            EXPECT_LE(RelRms(got[i].cpu(), tf32[i].cpu()), 1e-6) << what << ": fp32 operands changed";
+          }
+        }
+        if (want > 0) {
+          EXPECT_FALSE(torch::equal(got[6], tf32[6])) << tag << ": o did not change";
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(SetKdaScanValueBlock(32));
+}
+
 // The intra-chunk backward kernel's own block code (kernels/cuda/kda_intra_backward_body.h),
 // emulated on the CPU: its gradients within twice the libtorch backward's error against the fp64
 // truth, with the threads of each phase in order and in reverse giving the same bits (no thread

@@ -158,8 +158,8 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
         sKp[dl * L::kLdT + i] = kp;
         sKm[dl * L::kLdT + i] = km;
         sQp[dl * L::kLdT + i] = qp;
-        a.qg[ck + e] = qq * eg;
-        a.kg[ck + e] = kk * ec;
+        KdaStore(a.qg, a.wqk_bf16, ck + e, qq * eg);
+        KdaStore(a.kg, a.wqk_bf16, ck + e, kk * ec);
         if (i == 0) a.eGC[chunk * K + d] = expf(gc);
         if (p.cache) {
           p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
@@ -288,7 +288,13 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {  // the lane's rows g and g + 8, two adjacent columns each
         const int i = ti0 + kda_bwd::FragRow(lane, 2 * h2), d = td0 + kda_bwd::FragCol(lane, 2 * h2);
-        *reinterpret_cast<float2*>(dst + static_cast<int64_t>(i) * cols + d) = make_float2(out[2 * h2], out[2 * h2 + 1]);
+        const int64_t at = static_cast<int64_t>(i) * cols + d;
+        if (is_x && a.wqk_bf16) {
+          KdaStore(a.W, true, ck + at, out[2 * h2]);
+          KdaStore(a.W, true, ck + at + 1, out[2 * h2 + 1]);
+        } else {
+          *reinterpret_cast<float2*>(dst + at) = make_float2(out[2 * h2], out[2 * h2 + 1]);
+        }
       }
     }
     return;
@@ -343,7 +349,8 @@ bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
 
 int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
-      a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16)) {
+      a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
+      (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};

@@ -129,6 +129,10 @@ struct KdaIntraArgs {
   // KdaIntraForward's Grams and W = T X, U = T Y on the tensor cores (TF32 operands, fp32 sums;
   // V a multiple of 8, else the CUDA-core form); the factors and the UT inverse stay fp32.
   bool tf32 = false;
+  // W, qg and kg written as bf16 (rounded to nearest even; their pointers then point at bf16
+  // storage): what the forward's state scan reads as its bf16 operands
+  // (KdaScanForwardArgs::bf16_operands). Needs tf32, V a multiple of 8 and no cache.
+  bool wqk_bf16 = false;
 };
 int KdaIntraForward(const KdaIntraArgs& args, void* stream);
 

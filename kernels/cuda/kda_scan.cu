@@ -320,9 +320,18 @@ bool KdaScanSupported(int64_t C, int64_t K, int64_t V) {
   return (C == 32 || C == 64) && (K == 32 || K == 64 || K == 128) && V > 0 && V % kBV == 0;
 }
 
+bool KdaScanBf16OperandsSupported(int64_t C, int64_t K, int64_t V, int value_block) {
+  return KdaScanSupported(C, K, V) && (value_block == 32 || (value_block == 16 && C == 64 && K >= 64));
+}
+
 int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
   if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 ||
       (a.qg == nullptr) != (a.o == nullptr) || (a.qg == nullptr) != (a.Aqk == nullptr)) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  // bf16 operands: the tensor-core kernel with an output, at a value block it has.
+  if (a.bf16_operands ? !a.tf32 || a.qg == nullptr || !KdaScanBf16OperandsSupported(a.C, a.K, a.V, a.value_block)
+                      : a.value_block != 32) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (a.tf32) return KdaScanForwardTf32(a, stream);

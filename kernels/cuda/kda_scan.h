@@ -27,12 +27,21 @@ bool KdaScanSupported(int64_t C, int64_t K, int64_t V);
 //   vt_c = U_c - W_c S,  o_c = qg_c S + Aqk_c vt_c,  S <- eGC_c (.) S + kg_c^T vt_c.
 // qg, Aqk and o may be null together (no output: the backward's recompute of the states); vt and
 // states (S before each chunk) are written where not null. hN gets the final state.
+// bf16_operands (the tensor-core kernel with an output only): W, kg and qg hold bf16 values (their
+// pointers point at the bf16 bits; the forward's intra kernel wrote them rounded), read as the
+// products' TF32 operands unchanged; U, Aqk, the state and every sum stay fp32. value_block: the
+// value columns a block owns, 32, or 16 with bf16_operands at C = 64 and K >= 64 (twice the
+// blocks, for grids that would not fill the multiprocessors).
 struct KdaScanForwardArgs {
   const float *W, *U, *kg, *eGC, *qg, *Aqk, *h0;
   float *o, *vt, *states, *hN;
   int64_t BH, N, C, K, V;
   bool tf32 = false;
+  bool bf16_operands = false;
+  int value_block = 32;
 };
+// Whether KdaScanForward takes bf16_operands with this value_block for these sizes.
+bool KdaScanBf16OperandsSupported(int64_t C, int64_t K, int64_t V, int value_block);
 int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
 
 // Reverse scan from dSN (the gradient of the final state; null = zeros), chunks N-1 down to 0,

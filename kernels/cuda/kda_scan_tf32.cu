@@ -72,11 +72,11 @@ __device__ __forceinline__ void LoadAT(uint32_t (&a)[4], const float* t, int ld,
   a[0] = Tf32(r0[0]), a[1] = Tf32(r0[8]), a[2] = Tf32(r0[ld]), a[3] = Tf32(r0[ld + 8]);
 }
 // B = a (rows x 32) slice (stride kSLd), columns [n0, n0 + 8); `negate` flips its sign.
-template <bool negate = false>
+template <bool negate = false, int ld = kSLd>
 __device__ __forceinline__ void LoadB(uint32_t& b0, uint32_t& b1, const float* s, int k0, int n0, int g, int c) {
-  const float* p = s + (k0 + 2 * c) * kSLd + n0 + g;
+  const float* p = s + (k0 + 2 * c) * ld + n0 + g;
   b0 = Tf32(negate ? -p[0] : p[0]);
-  b1 = Tf32(negate ? -p[kSLd] : p[kSLd]);
+  b1 = Tf32(negate ? -p[ld] : p[ld]);
 }
 
 // The accumulator element e of a lane: row g + 8 (e / 2), column 2c + e % 2 of its 16 x 8 tile.
@@ -142,44 +142,99 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
   }
 }
 
+// The forward's blocks own BV value columns (32, or 16 for the bf16 form where 32 would leave
+// multiprocessors idle) and its shared memory holds two staging buffers, one a phase: buffer 0
+// phase 0's W and qg, buffer 1 phase 1's kg and Aqk. kB16: W, qg and kg are bf16 (the intra
+// kernel rounded them, KdaScanForwardArgs::bf16_operands), staged as bf16 at a row stride of K + 8
+// elements (K / 2 + 4 words, 4 mod 32): the row-read fragments (W, qg) and the transposed ones
+// (kg) load free of bank conflicts, and a bf16 value is its TF32 operand as it is (the top 16 bits
+// of an fp32), so nothing converts. Aqk stays fp32 at a stride of C + 8. A chunk then reads
+// 2 C K + 4 C C bytes from L2 instead of 12 C K + 4 C C, and the block's shared memory (98 KB
+// at C = 64, K = 128) leaves room for two blocks a multiprocessor.
+template <int C, int K, int BV, bool kB16>
+struct ForwardLayout {
+  static constexpr int kSLd = BV + 4;  // the state's and vt's copies: 4 mod 32 (B fragments)
+  static constexpr int kCRowTiles = C / 16;
+  static constexpr int kCN = (BV / 8) * kCRowTiles / kWarps;  // column tiles of 8 per warp
+  static constexpr int kKRowTiles = K / 16;
+  static constexpr int kKN = (BV / 8) * kKRowTiles / kWarps;
+  static constexpr int kLdH = K / 2 + 4;  // words a row of a staged bf16 tile
+  static constexpr int kLdAqk = kB16 ? C + 8 : Layout<C, K>::kLdRow;
+  static constexpr int kTileH = C * kLdH;
+  static constexpr int kBuf1 = kB16 ? 2 * kTileH : 2 * Layout<C, K>::kTile;  // floats before buffer 1
+  static constexpr int kSecond = kB16 ? kTileH : Layout<C, K>::kTile;        // a buffer's second tile
+  static constexpr int kFloats = kBuf1 + kSecond + (kB16 ? C * kLdAqk : Layout<C, K>::kTile) + K * kSLd + C * kSLd;
+  static constexpr int kBlocksPerSm = kB16 ? 2 : 1;
+  static_assert(kCN >= 1 && kKN >= 1 && kCN * kWarps == (BV / 8) * kCRowTiles && kKN * kWarps == (BV / 8) * kKRowTiles,
+                "the warps must split the (C x BV) and (K x BV) products evenly");
+};
+
+// The bf16 forms of LoadA and LoadAT over a tile staged as bf16 (w: its 32-bit words, ldw words a
+// row): the same fragments and the same permutation of k.
+__device__ __forceinline__ void LoadA16(uint32_t (&a)[4], const uint32_t* w, int ldw, int m0, int k0, int g, int c) {
+  const uint32_t x = w[(m0 + g) * ldw + k0 / 2 + c], y = w[(m0 + g + 8) * ldw + k0 / 2 + c];
+  a[0] = x << 16, a[2] = x & 0xffff0000u, a[1] = y << 16, a[3] = y & 0xffff0000u;
+}
+__device__ __forceinline__ void LoadAT16(uint32_t (&a)[4], const uint16_t* t, int ld, int m0, int k0, int g, int c) {
+  const uint16_t* r0 = t + (k0 + 2 * c) * ld + m0 + g;
+  a[0] = static_cast<uint32_t>(r0[0]) << 16, a[1] = static_cast<uint32_t>(r0[8]) << 16;
+  a[2] = static_cast<uint32_t>(r0[ld]) << 16, a[3] = static_cast<uint32_t>(r0[ld + 8]) << 16;
+}
+
 // Two phases a chunk, each staging its tiles together (so the products of a phase that do not
 // depend on each other run as independent mma chains, and a chunk waits at 4 barriers, not 8):
 //   0: W and qg: vt = U - W S and o = qg S (one B fragment of S feeds both);
 //   1: kg and Aqk: S <- eGC (.) S + kg^T vt and o += Aqk vt.
 // The chain from one chunk's state to the next runs through W S and kg^T vt only.
-template <int C, int K, bool kOut>
-__global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForwardArgs a) {
-  using L = Layout<C, K>;
+template <int C, int K, int BV, bool kOut, bool kB16>
+__global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlocksPerSm))
+    ScanForwardTf32Kernel(KdaScanForwardArgs a) {
+  using L = ForwardLayout<C, K, BV, kB16>;
+  using R = Layout<C, K>;
+  constexpr int kLd = L::kSLd;
   extern __shared__ float4 shared4[];
   float* const sh = reinterpret_cast<float*>(shared4);
-  float* const Ss = sh + 4 * L::kTile;  // (K x 32) the state, as the next products' operand
-  float* const vts = Ss + K * kSLd;     // (C x 32)
+  float* const Ss = sh + L::kBuf1 + L::kSecond + (kB16 ? C * L::kLdAqk : R::kTile);  // (K x BV) the state
+  float* const vts = Ss + K * kLd;                                                      // (C x BV)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
   const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
   const int km0 = (warp % L::kKRowTiles) * 16, kn0 = (warp / L::kKRowTiles) * L::kKN * 8;
-  const int64_t bh = blockIdx.y, N = a.N, V = a.V, v0 = static_cast<int64_t>(blockIdx.x) * kBV;
-  const float* W = a.W + bh * N * C * K;
-  const float* kg = a.kg + bh * N * C * K;
-  const float* qg = kOut ? a.qg + bh * N * C * K : nullptr;
+  const int64_t bh = blockIdx.y, N = a.N, V = a.V, v0 = static_cast<int64_t>(blockIdx.x) * BV;
+  // Element e of W, kg or qg (fp32 or bf16) as the float pointer Stage takes.
+  constexpr int64_t kEl = kB16 ? 2 : 4;
+  auto at = [&](const float* base, int64_t e) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(base) + e * kEl);
+  };
+  const int64_t ck = bh * N * C * K;
   const float* Aqk = kOut ? a.Aqk + bh * N * C * C : nullptr;
   const float* U = a.U + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
   constexpr int kPhases = 2;
   auto issue = [&](int64_t j) {
     const int64_t c = j / kPhases;
-    float* dst = sh + (j & 1) * 2 * L::kTile;
     if (j % kPhases == 0) {
-      Stage(dst, L::kLdRow, W + c * C * K, C, K, K);
-      if (kOut) Stage(dst + L::kTile, L::kLdRow, qg + c * C * K, C, K, K);
+      float* dst = sh;
+      if constexpr (kB16) {
+        Stage(dst, L::kLdH, at(a.W, ck + c * C * K), C, K / 2, K / 2);
+        if (kOut) Stage(dst + L::kTileH, L::kLdH, at(a.qg, ck + c * C * K), C, K / 2, K / 2);
+      } else {
+        Stage(dst, R::kLdRow, at(a.W, ck + c * C * K), C, K, K);
+        if (kOut) Stage(dst + R::kTile, R::kLdRow, at(a.qg, ck + c * C * K), C, K, K);
+      }
     } else {
-      Stage(dst, L::kLdCol, kg + c * C * K, C, K, K);
-      if (kOut) Stage(dst + L::kTile, L::kLdRow, Aqk + c * C * C, C, C, C);
+      float* dst = sh + L::kBuf1;
+      if constexpr (kB16) {
+        Stage(dst, L::kLdH, at(a.kg, ck + c * C * K), C, K / 2, K / 2);
+      } else {
+        Stage(dst, R::kLdCol, at(a.kg, ck + c * C * K), C, K, K);
+      }
+      if (kOut) Stage(dst + L::kSecond, L::kLdAqk, Aqk + c * C * C, C, C, C);
     }
     __pipeline_commit();
   };
   float S[L::kKN][4], u[L::kCN][4], un[L::kCN][4], out[L::kCN][4];
   FragLoad(S, a.h0 != nullptr ? a.h0 + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
-  FragStore(Ss, kSLd, S, km0, kn0, g, c4);
+  FragStore(Ss, kLd, S, km0, kn0, g, c4);
   FragLoad(u, U, V, cm0, cn0, g, c4);
   issue(0);
   const int64_t total = N * kPhases;
@@ -188,8 +243,8 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
     for (int p = 0; p < kPhases; ++p) {
       const int64_t j = c * kPhases + p;
       PipelineStep(j, total, issue);
-      const float* t = sh + (j & 1) * 2 * L::kTile;
-      const float* t2 = t + L::kTile;
+      const float* t = sh + (p == 0 ? 0 : L::kBuf1);
+      const float* t2 = t + L::kSecond;
       if (p == 0) {
         if (a.states != nullptr) FragStore(a.states + (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
         if (c + 1 < N) FragLoad(un, U + (c + 1) * C * V, V, cm0, cn0, g, c4);
@@ -199,12 +254,17 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
 #pragma unroll
         for (int k0 = 0; k0 < K; k0 += 8) {
           uint32_t aw[4], aq[4];
-          LoadA(aw, t, L::kLdRow, cm0, k0, g, c4);
-          if (kOut) LoadA(aq, t2, L::kLdRow, cm0, k0, g, c4);
+          if constexpr (kB16) {
+            LoadA16(aw, reinterpret_cast<const uint32_t*>(t), L::kLdH, cm0, k0, g, c4);
+            if (kOut) LoadA16(aq, reinterpret_cast<const uint32_t*>(t2), L::kLdH, cm0, k0, g, c4);
+          } else {
+            LoadA(aw, t, R::kLdRow, cm0, k0, g, c4);
+            if (kOut) LoadA(aq, t2, R::kLdRow, cm0, k0, g, c4);
+          }
 #pragma unroll
           for (int i = 0; i < L::kCN; ++i) {
             uint32_t b0, b1;
-            LoadB(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
+            LoadB<false, kLd>(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
             MmaTf32(acc[i], aw, b0, b1);
             if (kOut) MmaTf32(out[i], aq, b0, b1);
           }
@@ -213,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][e] = u[i][e] - acc[i][e];
-        FragStore(vts, kSLd, acc, cm0, cn0, g, c4);
+        FragStore(vts, kLd, acc, cm0, cn0, g, c4);
         if (a.vt != nullptr) FragStore(a.vt + (bh * N + c) * C * V + v0, V, acc, cm0, cn0, g, c4);
       } else {
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
@@ -222,25 +282,29 @@ __global__ void __launch_bounds__(kThreads) ScanForwardTf32Kernel(KdaScanForward
 #pragma unroll
         for (int k0 = 0; k0 < C; k0 += 8) {
           uint32_t ak[4];
-          LoadAT(ak, t, L::kLdCol, km0, k0, g, c4);
+          if constexpr (kB16) {
+            LoadAT16(ak, reinterpret_cast<const uint16_t*>(t), 2 * L::kLdH, km0, k0, g, c4);
+          } else {
+            LoadAT(ak, t, R::kLdCol, km0, k0, g, c4);
+          }
 #pragma unroll
           for (int i = 0; i < L::kKN; ++i) {
             uint32_t b0, b1;
-            LoadB(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
+            LoadB<false, kLd>(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
             MmaTf32(S[i], ak, b0, b1);
           }
           if (kOut) {
             uint32_t aa[4];
-            LoadA(aa, t2, L::kLdRow, cm0, k0, g, c4);
+            LoadA(aa, t2, L::kLdAqk, cm0, k0, g, c4);
 #pragma unroll
             for (int i = 0; i < L::kCN; ++i) {
               uint32_t b0, b1;
-              LoadB(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
+              LoadB<false, kLd>(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
               MmaTf32(out[i], aa, b0, b1);
             }
           }
         }
-        FragStore(Ss, kSLd, S, km0, kn0, g, c4);
+        FragStore(Ss, kLd, S, km0, kn0, g, c4);
         if (kOut) FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
@@ -486,11 +550,35 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
   }
 }
 
+// One launch of the forward kernel over the (V / BV, BH) grid.
+template <int C, int K, int BV, bool kOut, bool kB16>
+int LaunchForward(const KdaScanForwardArgs& a, cudaStream_t stream) {
+  auto* kernel = &ScanForwardTf32Kernel<C, K, BV, kOut, kB16>;
+  const int bytes = static_cast<int>(ForwardLayout<C, K, BV, kB16>::kFloats * sizeof(float));
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // All of the multiprocessor's unified L1 as shared memory: room for two bf16-form blocks.
+  if (e == cudaSuccess && kB16) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  }
+  if (e != cudaSuccess) return static_cast<int>(e);
+  const dim3 grid(static_cast<unsigned>(a.V / BV), static_cast<unsigned>(a.BH));
+  kernel<<<grid, kThreads, bytes, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <int C, int K>
 int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
-  const size_t bytes = Layout<C, K>::kFloats * sizeof(float);
-  return a.qg != nullptr ? Launch(&ScanForwardTf32Kernel<C, K, true>, a, bytes, stream)
-                         : Launch(&ScanForwardTf32Kernel<C, K, false>, a, bytes, stream);
+  if (a.bf16_operands) {
+    // Blocks of 16 value columns where the 32-column grid would not fill the multiprocessors
+    // twice over (the warps need C = 64 and K >= 64 to split a 16-column product).
+    if constexpr (C == 64 && K >= 64) {
+      if (a.value_block == 16) return LaunchForward<C, K, 16, true, true>(a, stream);
+    }
+    return LaunchForward<C, K, 32, true, true>(a, stream);
+  }
+  return a.qg != nullptr ? LaunchForward<C, K, 32, true, false>(a, stream)
+                         : LaunchForward<C, K, 32, false, false>(a, stream);
 }
 
 template <int C, int K>
