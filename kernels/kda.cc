@@ -122,7 +122,7 @@ std::atomic<int64_t> sub_forward_kernel_runs{0};
 std::atomic<int64_t> direct_input_runs{0};
 std::atomic<int64_t> direct_grad_runs{0};
 std::atomic<bool> direct_inputs{true};
-std::atomic<bool> scan_bf16_operands{false};
+std::atomic<bool> scan_bf16_operands{true};
 std::atomic<int> scan_value_block{32};
 std::atomic<int64_t> bf16_operand_scans{0};
 

@@ -112,7 +112,7 @@ int64_t KdaDirectGradientRuns();
 // caller's inputs directly where they can (default on; off: the prepared fp32 copies).
 void SetKdaDirectInputs(bool enabled);
 // Process-wide (set before the calls; benchmarks compare): whether the forward's state scan reads
-// qg, kg and W as bf16 (the forward's intra kernel rounds them as it writes them; default off).
+// qg, kg and W as bf16 (the forward's intra kernel rounds them as it writes them; default on).
 // Their products keep TF32 arithmetic: a bf16 value is its TF32 operand as it is, with 7 mantissa
 // bits where the TF32 rounding of the fp32 value keeps 10; U, Aqk and the state stay fp32, and
 // the backward recomputes the chunk quantities in fp32 as before. It halves what the scan reads

@@ -291,6 +291,7 @@ TEST(Kda, SegmentsEqualOneSegmentFp64) {
 void ScanKernelsAgainstLibtorch(bool tf32) {
   constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
   SetKdaScanTensorCores(tf32);
+  SetKdaScanBf16Operands(false);  // TF32 operands throughout, as the reference's (the bf16 ones: below)
   for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 1, 2, 1000, 64, 96, -5.0},
                         Case{1, 2, 2, 200, 32, 32, -0.02}, Case{1, 2, 2, 150, 128, 128, -0.1}}) {
     for (int64_t C : {64, 32}) {
@@ -359,6 +360,7 @@ void ScanKernelsAgainstLibtorch(bool tf32) {
     }
   }
   SetKdaScanTensorCores(true);
+  SetKdaScanBf16Operands(true);
 }
 
 TEST(Kda, ScanKernelsWithinTwiceTheLibtorchScansError_cuda) {
@@ -386,7 +388,7 @@ TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
   }
   constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
-  EXPECT_FALSE(KdaScanBf16Operands());
+  EXPECT_TRUE(KdaScanBf16Operands());  // the default
   EXPECT_FALSE(SetKdaScanValueBlock(24));
   for (int block : {32, 16}) {
     ASSERT_TRUE(SetKdaScanValueBlock(block));
@@ -404,11 +406,11 @@ TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
         std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
         Inputs f = in.To(torch::kFloat32, torch::kCUDA);
         Tensor dOf = dO.to(torch::kCUDA, torch::kFloat32), dSf = dS.to(torch::kCUDA, torch::kFloat32);
+        SetKdaScanBf16Operands(false);
         std::vector<Tensor> tf32 = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
         SetKdaScanBf16Operands(true);
         const int64_t before = KdaBf16OperandScans();
         std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
-        SetKdaScanBf16Operands(false);
         int64_t whole = 0;
         for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) whole += form == KdaGramForm::kWholeChunk;
         const bool sizes = block == 32 || (C == 64 && c.K >= 64);

@@ -71,12 +71,20 @@ __device__ __forceinline__ void LoadAT(uint32_t (&a)[4], const float* t, int ld,
   const float* r0 = t + (k0 + 2 * c) * ld + m0 + g;
   a[0] = Tf32(r0[0]), a[1] = Tf32(r0[8]), a[2] = Tf32(r0[ld]), a[3] = Tf32(r0[ld + 8]);
 }
-// B = a (rows x 32) slice (stride kSLd), columns [n0, n0 + 8); `negate` flips its sign.
-template <bool negate = false, int ld = kSLd>
+// B = a (rows x 32) slice (stride ld), columns [n0, n0 + 8); `negate` flips its sign. `rounded`:
+// the slice holds TF32 values already (FragStoreTf32 wrote it), taken as they are: the same bits
+// as rounding here (cvt.rna rounds -x to -Tf32(x)), one conversion an element instead of one a
+// use.
+template <bool negate = false, int ld = kSLd, bool rounded = false>
 __device__ __forceinline__ void LoadB(uint32_t& b0, uint32_t& b1, const float* s, int k0, int n0, int g, int c) {
   const float* p = s + (k0 + 2 * c) * ld + n0 + g;
-  b0 = Tf32(negate ? -p[0] : p[0]);
-  b1 = Tf32(negate ? -p[ld] : p[ld]);
+  if constexpr (rounded) {
+    b0 = __float_as_uint(negate ? -p[0] : p[0]);
+    b1 = __float_as_uint(negate ? -p[ld] : p[ld]);
+  } else {
+    b0 = Tf32(negate ? -p[0] : p[0]);
+    b1 = Tf32(negate ? -p[ld] : p[ld]);
+  }
 }
 
 // The accumulator element e of a lane: row g + 8 (e / 2), column 2c + e % 2 of its 16 x 8 tile.
@@ -102,6 +110,17 @@ __device__ __forceinline__ void FragStore(float* dst, int64_t ld, const float (&
       *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
           make_float2(f[j][2 * h], f[j][2 * h + 1]);
 }
+// FragStore of the fragments rounded to TF32: a B operand slice that LoadB<.., true> reads.
+template <int n>
+__device__ __forceinline__ void FragStoreTf32(float* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g,
+                                              int c) {
+#pragma unroll
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
+          make_float2(__uint_as_float(Tf32(f[j][2 * h])), __uint_as_float(Tf32(f[j][2 * h + 1])));
+}
 template <int n>
 __device__ __forceinline__ void Zero(float (&f)[n][4]) {
 #pragma unroll
@@ -110,7 +129,7 @@ __device__ __forceinline__ void Zero(float (&f)[n][4]) {
 
 // acc (rows [m0, m0 + 16), n column tiles from n0) += tile (row-major, `depth` columns) x slice
 // (depth x 32).
-template <int n, int depth>
+template <int n, int depth, bool rounded = false>
 __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                int n0, int g, int c) {
 #pragma unroll
@@ -120,13 +139,13 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
-      LoadB(b0, b1, s, k0, n0 + 8 * j, g, c);
+      LoadB<false, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
       MmaTf32(acc[j], a, b0, b1);
     }
   }
 }
 // acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it.
-template <int n, int depth, bool negate = false>
+template <int n, int depth, bool negate = false, bool rounded = false>
 __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                      int n0, int g, int c) {
 #pragma unroll
@@ -136,7 +155,7 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
-      LoadB<negate>(b0, b1, s, k0, n0 + 8 * j, g, c);
+      LoadB<negate, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
       MmaTf32(acc[j], a, b0, b1);
     }
   }
@@ -234,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
   };
   float S[L::kKN][4], u[L::kCN][4], un[L::kCN][4], out[L::kCN][4];
   FragLoad(S, a.h0 != nullptr ? a.h0 + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
-  FragStore(Ss, kLd, S, km0, kn0, g, c4);
+  FragStoreTf32(Ss, kLd, S, km0, kn0, g, c4);
   FragLoad(u, U, V, cm0, cn0, g, c4);
   issue(0);
   const int64_t total = N * kPhases;
@@ -264,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
 #pragma unroll
           for (int i = 0; i < L::kCN; ++i) {
             uint32_t b0, b1;
-            LoadB<false, kLd>(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
+            LoadB<false, kLd, true>(b0, b1, Ss, k0, cn0 + 8 * i, g, c4);
             MmaTf32(acc[i], aw, b0, b1);
             if (kOut) MmaTf32(out[i], aq, b0, b1);
           }
@@ -273,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][e] = u[i][e] - acc[i][e];
-        FragStore(vts, kLd, acc, cm0, cn0, g, c4);
+        FragStoreTf32(vts, kLd, acc, cm0, cn0, g, c4);
         if (a.vt != nullptr) FragStore(a.vt + (bh * N + c) * C * V + v0, V, acc, cm0, cn0, g, c4);
       } else {
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
@@ -290,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
 #pragma unroll
           for (int i = 0; i < L::kKN; ++i) {
             uint32_t b0, b1;
-            LoadB<false, kLd>(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
+            LoadB<false, kLd, true>(b0, b1, vts, k0, kn0 + 8 * i, g, c4);
             MmaTf32(S[i], ak, b0, b1);
           }
           if (kOut) {
@@ -299,12 +318,12 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
 #pragma unroll
             for (int i = 0; i < L::kCN; ++i) {
               uint32_t b0, b1;
-              LoadB<false, kLd>(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
+              LoadB<false, kLd, true>(b0, b1, vts, k0, cn0 + 8 * i, g, c4);
               MmaTf32(out[i], aa, b0, b1);
             }
           }
         }
-        FragStore(Ss, kLd, S, km0, kn0, g, c4);
+        FragStoreTf32(Ss, kLd, S, km0, kn0, g, c4);
         if (kOut) FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
@@ -368,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   };
   float dS[L::kKN][4], pr[L::kCN][4], pn[L::kCN][4];
   FragLoad(dS, a.dSN != nullptr ? a.dSN + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
-  FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
+  FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
   const int64_t total = 1 + 2 * N;
   issue(0);
   issue(1);
@@ -389,17 +408,17 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
-        RowsTimesSlice<L::kCN, K>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
+        RowsTimesSlice<L::kCN, K, true>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
         TransposedTimesSlice<L::kKN, C>(dS, t + L::kTile, L::kLdCol, dOslice(c), km0, kn0, g, c4);
-        FragStore(dvts, kSLd, pr, cm0, cn0, g, c4);
+        FragStoreTf32(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
-        TransposedTimesSlice<L::kKN, C, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
+        TransposedTimesSlice<L::kKN, C, true, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
         Zero(pn);
         if (c > 0) {
           TransposedTimesSlice<L::kCN, C>(pn, t + L::kTile, L::kLdCol, dOslice(c - 1), cm0, cn0, g, c4);
         }
-        FragStore(dSs, kSLd, dS, km0, kn0, g, c4);
+        FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
