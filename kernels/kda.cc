@@ -62,8 +62,8 @@ Tensor ExpandHeads(const Tensor& x, int64_t HV) { return RepeatHeads(x, HV / x.s
 
 // The chunk-parallel quantities of spec 1.3, every tensor (B, HV, N, C, .) for N chunks of C.
 struct Intra {
-  // qg, kg and W are bf16 where the forward's kernels keep them so (SetKdaScanBf16Operands):
-  // only the forward's state scan reads them then.
+  // qg, kg and W are bf16 where the kernels keep them so (SetKdaScanBf16Operands): only the
+  // state scans read them then.
   Tensor qg;   // (B, HV, N, C, K) scale * q * exp(G)
   Tensor kg;   // (B, HV, N, C, K) k * exp(G_C - G)
   Tensor W;    // (B, HV, N, C, K) T diag(beta) (k * exp(G))
@@ -179,7 +179,7 @@ Tensor Dense(const Tensor& t) {
 }
 void* Stream(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-// Whether the forward's state scan takes qg, kg and W in bf16 for these sizes: the switch on, the
+// Whether the state scans take qg, kg and W in bf16 for these sizes: the switch on, the
 // tensor-core scans, and sizes the kernels take (KernelScans' rule, the value block's).
 bool ScanTakesBf16Operands(int64_t BH, int64_t C, int64_t K, int64_t V) {
   return scan_bf16_operands.load() && scan_tensor_cores.load() && FusedKernelsEnabled() && BH <= 65535 &&
@@ -189,10 +189,11 @@ bool ScanTakesBf16Operands(int64_t BH, int64_t C, int64_t K, int64_t V) {
 // The whole-chunk form's quantities by one CUDA kernel (kernels/cuda/kda_intra.h) for CUDA
 // tensors of supported sizes while FusedKernelsEnabled(): G fp32, q, k, v, beta fp32 or bf16 (all
 // fp32 with a cache, whose chunked inputs libtorch reads), q scaled by q_scale as read; false: the
-// caller builds them with libtorch ops. `for_forward_scan`: the quantities feed only the forward's
-// state scan (with an output), which takes qg, kg and W in bf16 where ScanTakesBf16Operands.
+// caller builds them with libtorch ops. `for_scans`: qg, kg and W feed only the state scans (the
+// forward's; the backward's recompute and reverse scan where the intra backward is the kernel's),
+// which take them in bf16 where ScanTakesBf16Operands.
 bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
-                   Intra* in, IntraCache* cache, double q_scale, bool for_forward_scan = false) {
+                   Intra* in, IntraCache* cache, double q_scale, bool for_scans = false) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
@@ -204,7 +205,7 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   c10::cuda::CUDAGuard guard(q.device());
   const Tensor Gd = Dense(G);
   auto opts = Gd.options();
-  const bool wqk_bf16 = for_forward_scan && cache == nullptr && ScanTakesBf16Operands(B * HV, C, K, V);
+  const bool wqk_bf16 = for_scans && cache == nullptr && ScanTakesBf16Operands(B * HV, C, K, V);
   cuda::KdaIntraArgs a = IntraArgsOf(q, k, v, beta, Gd, C, in, q_scale, wqk_bf16);
   cuda::KdaIntraCache kc{};
   if (cache != nullptr) {
@@ -277,9 +278,9 @@ Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, c
 // KdaDecayedGramForm(G); all in the compute dtype (ComputeIntraFor below also lets the kernels
 // read the caller's tensors). The whole-chunk form shares its factors
 // between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
-// autograd) keeps what IntraBackward reads. `for_forward_scan` as IntraByKernel's.
+// autograd) keeps what IntraBackward reads. `for_scans` as IntraByKernel's.
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
-                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr, bool for_forward_scan = false) {
+                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr, bool for_scans = false) {
   TORCH_CHECK(cache == nullptr || form == KdaGramForm::kWholeChunk,
               "KDA: the hand backward's cache is for the whole-chunk Gram form only");
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -289,7 +290,7 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                                                                               v.requires_grad() || G.requires_grad() ||
                                                                               beta.requires_grad()))) {
     Intra in;
-    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0, for_forward_scan)) return in;
+    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0, for_scans)) return in;
   }
 #endif
   const bool recorded = torch::GradMode::is_enabled() &&
@@ -523,9 +524,9 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
                              ptr(r.o), ptr(r.vt), ptr(r.states), ptr(r.S), B * HV, N, C, K, V};
   a.tf32 = scan_tensor_cores.load();
   if (Bf16Operands(in)) {
-    TORCH_CHECK(want_o && a.tf32, "kda scan forward: bf16 operands feed only the forward's tensor-core scan");
+    TORCH_CHECK(a.tf32, "kda scan forward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
-    a.value_block = scan_value_block.load();
+    a.value_block = want_o ? scan_value_block.load() : 32;  // 16-column blocks: with the output only
     bf16_operand_scans.fetch_add(1);
   }
   CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
@@ -541,14 +542,20 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
   // The tensor-core kernel forms P from Aqk itself; the fp32 one reads it.
   Tensor W = Dense(in.W), kg = Dense(in.kg), eGC = Dense(in.eGC), qg = Dense(in.qg), dOd = Dense(dO),
          dSNd = Dense(dSN), Aqk = tf32 ? Dense(in.Aqk) : Tensor(), Pd = tf32 ? Tensor() : Dense(ReverseP(in, dOd));
-  auto opts = W.options();
+  auto opts = eGC.options();  // fp32 (W may be bf16)
   ReverseResult r{torch::empty({B, HV, N, C, V}, opts), torch::empty({B, HV, N, K, V}, opts),
                   torch::empty({B, HV, K, V}, opts)};
-  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  // (bf16 storage for qg, kg and W under bf16_operands: the kernel reads their bits.)
+  auto ptr = [](const Tensor& t) { return t.defined() ? static_cast<float*>(t.data_ptr()) : nullptr; };
   cuda::KdaScanBackwardArgs a{ptr(W),     ptr(kg),   ptr(eGC),  ptr(qg),    ptr(dOd), ptr(Pd), ptr(dSNd),
                               ptr(r.dvt), ptr(r.dS), ptr(r.dS0), B * HV, N,        C,       K,         V};
   a.tf32 = tf32;
   a.Aqk = ptr(Aqk);
+  if (Bf16Operands(in)) {
+    TORCH_CHECK(tf32, "kda scan backward: bf16 operands feed only the tensor-core scans");
+    a.bf16_operands = true;
+    bf16_operand_scans.fetch_add(1);
+  }
   CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");
   if (a.tf32) scan_tensor_core_launches.fetch_add(1);
   return r;
@@ -659,14 +666,14 @@ class SegmentInputs {
 // ComputeIntra over a segment's inputs: its kernels on the caller's tensors where they take them
 // (no cache: IntraBackward's libtorch ops read the cache's chunked inputs in fp32), else
 // ComputeIntra of the prepared form.
-// `for_forward_scan` as IntraByKernel's.
+// `for_scans` as IntraByKernel's.
 Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm form, IntraCache* cache = nullptr,
-                      bool for_forward_scan = false) {
+                      bool for_scans = false) {
   if (cache == nullptr && x.Direct()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     Intra in;
     if (form == KdaGramForm::kWholeChunk &&
-        IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale, for_forward_scan)) {
+        IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale, for_scans)) {
       direct_input_runs.fetch_add(1);
       return in;
     }
@@ -677,7 +684,7 @@ Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm 
     }
   }
   const Segment& p = x.Prepared();
-  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache, for_forward_scan);
+  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache, for_scans);
 }
 
 // Inputs as the caller gave them (q, k with H heads, any float dtype), h0 (B, HV, K, V) in the
@@ -713,7 +720,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         Tensor G = ChunkCumsum(x.g, C, ct);
         const KdaGramForm form = KdaDecayedGramForm(G);
         forms.push_back(static_cast<int64_t>(form));
-        in = ComputeIntraFor(x, G, C, form, nullptr, /*for_forward_scan=*/true);
+        in = ComputeIntraFor(x, G, C, form, nullptr, /*for_scans=*/true);
       }
       RECORD_USER_SCOPE("kda forward: scan");
       ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
@@ -768,8 +775,10 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         }
         by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
         if (by_hand) {
-          // The kernel recomputes its factors itself: the recompute keeps nothing for it.
-          in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache);
+          // The kernel recomputes its factors itself: the recompute keeps nothing for it, and
+          // only the scans read qg, kg and W (bf16 where the forward's scan read them so: the
+          // states are recomputed from the operands the forward used).
+          in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache, /*for_scans=*/by_kernel);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);

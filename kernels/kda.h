@@ -111,21 +111,24 @@ int64_t KdaDirectGradientRuns();
 // Process-wide (set before the calls; benchmarks compare): whether the chunk kernels read the
 // caller's inputs directly where they can (default on; off: the prepared fp32 copies).
 void SetKdaDirectInputs(bool enabled);
-// Process-wide (set before the calls; benchmarks compare): whether the forward's state scan reads
-// qg, kg and W as bf16 (the forward's intra kernel rounds them as it writes them; default on).
-// Their products keep TF32 arithmetic: a bf16 value is its TF32 operand as it is, with 7 mantissa
-// bits where the TF32 rounding of the fp32 value keeps 10; U, Aqk and the state stay fp32, and
-// the backward recomputes the chunk quantities in fp32 as before. It halves what the scan reads
-// for those three tiles (bench/kda_operand_precision.py: the output's relative RMS error against
-// the fp32 recurrence 1.25e-3 where TF32 gives 4.0e-4; the spec's bar is 5e-3). Only with the
-// tensor-core scans (SetKdaScanTensorCores) and the CUDA kernels; elsewhere it changes nothing.
+// Process-wide (set before the calls; benchmarks compare): whether the state scans read qg, kg and
+// W as bf16 (default on): the forward's, and, where the intra-chunk backward is the kernel's, the
+// backward's recompute of the states and its reverse scan. The whole-chunk intra kernel rounds
+// them as it writes them. Their products keep TF32 arithmetic: a bf16 value is its TF32 operand
+// as it is, with 7 mantissa bits where the TF32 rounding of the fp32 value keeps 10; U, Aqk, the
+// state and every sum stay fp32, and the backward recomputes the states from the same bf16
+// operands the forward's scan read. It halves what the scans read for those three tiles (bench/kda_operand_precision.py: the
+// output's relative RMS error against the fp32 recurrence 1.25e-3 where TF32 gives 4.0e-4; the
+// spec's bar is 5e-3). Only with the tensor-core scans (SetKdaScanTensorCores) and the CUDA
+// kernels; elsewhere it changes nothing.
 void SetKdaScanBf16Operands(bool enabled);
 bool KdaScanBf16Operands();
-// The value columns a block of that bf16-operand scan owns: 32 (default) or 16 (twice the blocks,
-// two a multiprocessor; for C = 64 and K >= 64, else the scan keeps fp32 operands). False, and
-// nothing changes, for any other value.
+// The value columns a block of the forward's bf16-operand scan owns: 32 (default) or 16 (twice
+// the blocks, two a multiprocessor; for C = 64 and K >= 64, else the scans keep fp32 operands).
+// False, and nothing changes, for any other value.
 bool SetKdaScanValueBlock(int columns);
-// Forward scans that read bf16 operands so far in this process (tests prove which path ran).
+// State scans (forward or reverse) that read bf16 operands so far in this process (tests prove
+// which path ran).
 int64_t KdaBf16OperandScans();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i

@@ -377,12 +377,12 @@ TEST(Kda, Tf32ScanKernelsWithinTwiceTheTf32LibtorchError_cuda) {
   ScanKernelsAgainstLibtorch(/*tf32=*/true);
 }
 
-// The forward's state scan with qg, kg and W in bf16 (SetKdaScanBf16Operands), at both value
-// blocks: the output and the final state inside the spec's bars against the fp64 truth, and every
-// gradient too (the backward recomputes in fp32 from entry states the bf16 scan produced). The
-// scan takes the bf16 operands exactly in the whole-chunk segments (the intra kernel writes
-// them), at the sizes its value block has (16: C = 64 and K >= 64); the others keep fp32 and
-// their results equal the TF32 path's (to 1e-6, far below bf16's rounding).
+// The state scans with qg, kg and W in bf16 (SetKdaScanBf16Operands), at both value blocks: the
+// output, the final state and every gradient inside the spec's bars against the fp64 truth. The
+// three scans of a segment (the forward's, the backward's recompute and reverse scan) take the
+// bf16 operands exactly in the whole-chunk segments (the intra kernel writes them), at the sizes
+// the value block has (16: C = 64 and K >= 64); the others keep fp32 and their results equal the
+// TF32 path's (to 1e-6, far below bf16's rounding).
 TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
   if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
     GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
@@ -414,7 +414,7 @@ TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
         int64_t whole = 0;
         for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) whole += form == KdaGramForm::kWholeChunk;
         const bool sizes = block == 32 || (C == 64 && c.K >= 64);
-        const int64_t want = sizes ? whole : 0;
+        const int64_t want = sizes ? 3 * whole : 0;
         EXPECT_EQ(KdaBf16OperandScans() - before, want) << tag;
         for (size_t i = 0; i < truth.size(); ++i) {
           const std::string what = tag + " " + (i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S"));

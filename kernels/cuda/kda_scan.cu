@@ -329,8 +329,9 @@ int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
       (a.qg == nullptr) != (a.o == nullptr) || (a.qg == nullptr) != (a.Aqk == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  // bf16 operands: the tensor-core kernel with an output, at a value block it has.
-  if (a.bf16_operands ? !a.tf32 || a.qg == nullptr || !KdaScanBf16OperandsSupported(a.C, a.K, a.V, a.value_block)
+  // bf16 operands: the tensor-core kernel, at a value block it has (16 only with an output).
+  if (a.bf16_operands ? !a.tf32 || !KdaScanBf16OperandsSupported(a.C, a.K, a.V, a.value_block) ||
+                            (a.qg == nullptr && a.value_block != 32)
                       : a.value_block != 32) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -340,7 +341,7 @@ int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
 
 int KdaScanBackward(const KdaScanBackwardArgs& a, void* stream) {
   if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 ||
-      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr)) {
+      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr) || (a.bf16_operands && !a.tf32)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (a.tf32) return KdaScanBackwardTf32(a, stream);

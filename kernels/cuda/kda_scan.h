@@ -27,11 +27,11 @@ bool KdaScanSupported(int64_t C, int64_t K, int64_t V);
 //   vt_c = U_c - W_c S,  o_c = qg_c S + Aqk_c vt_c,  S <- eGC_c (.) S + kg_c^T vt_c.
 // qg, Aqk and o may be null together (no output: the backward's recompute of the states); vt and
 // states (S before each chunk) are written where not null. hN gets the final state.
-// bf16_operands (the tensor-core kernel with an output only): W, kg and qg hold bf16 values (their
-// pointers point at the bf16 bits; the forward's intra kernel wrote them rounded), read as the
-// products' TF32 operands unchanged; U, Aqk, the state and every sum stay fp32. value_block: the
-// value columns a block owns, 32, or 16 with bf16_operands at C = 64 and K >= 64 (twice the
-// blocks, for grids that would not fill the multiprocessors).
+// bf16_operands (the tensor-core kernel only): W, kg and qg hold bf16 values (their pointers point
+// at the bf16 bits; the intra kernel wrote them rounded), read as the products' TF32 operands
+// unchanged; U, Aqk, the state and every sum stay fp32. value_block: the value columns a block
+// owns, 32, or 16 with bf16_operands and an output at C = 64 and K >= 64 (twice the blocks, for
+// grids that would not fill the multiprocessors).
 struct KdaScanForwardArgs {
   const float *W, *U, *kg, *eGC, *qg, *Aqk, *h0;
   float *o, *vt, *states, *hN;
@@ -51,12 +51,14 @@ int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
 // dS0 gets the gradient of h0. The fp32 kernel reads P; the tensor-core one (`tf32`) forms each
 // P_c from Aqk and dO itself, an independent product beside the scan's chain, and reads Aqk
 // instead (the other may be null).
+// bf16_operands (the tensor-core kernel only): W, kg and qg hold bf16 values, as the forward's.
 struct KdaScanBackwardArgs {
   const float *W, *kg, *eGC, *qg, *dO, *P, *dSN;
   float *dvt, *dS, *dS0;
   int64_t BH, N, C, K, V;
   bool tf32 = false;
   const float* Aqk = nullptr;
+  bool bf16_operands = false;
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 

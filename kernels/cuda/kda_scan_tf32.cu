@@ -127,15 +127,32 @@ __device__ __forceinline__ void Zero(float (&f)[n][4]) {
   for (int j = 0; j < n; ++j) f[j][0] = f[j][1] = f[j][2] = f[j][3] = 0.f;
 }
 
+// The bf16 forms of LoadA and LoadAT over a tile staged as bf16 (w: its 32-bit words, ldw words a
+// row): the same fragments and the same permutation of k.
+__device__ __forceinline__ void LoadA16(uint32_t (&a)[4], const uint32_t* w, int ldw, int m0, int k0, int g, int c) {
+  const uint32_t x = w[(m0 + g) * ldw + k0 / 2 + c], y = w[(m0 + g + 8) * ldw + k0 / 2 + c];
+  a[0] = x << 16, a[2] = x & 0xffff0000u, a[1] = y << 16, a[3] = y & 0xffff0000u;
+}
+__device__ __forceinline__ void LoadAT16(uint32_t (&a)[4], const uint16_t* t, int ld, int m0, int k0, int g, int c) {
+  const uint16_t* r0 = t + (k0 + 2 * c) * ld + m0 + g;
+  a[0] = static_cast<uint32_t>(r0[0]) << 16, a[1] = static_cast<uint32_t>(r0[8]) << 16;
+  a[2] = static_cast<uint32_t>(r0[ld]) << 16, a[3] = static_cast<uint32_t>(r0[ld + 8]) << 16;
+}
+
 // acc (rows [m0, m0 + 16), n column tiles from n0) += tile (row-major, `depth` columns) x slice
-// (depth x 32).
-template <int n, int depth, bool rounded = false>
+// (depth x 32). `a16`: the tile is staged as bf16, ld in 32-bit words (LoadA16); `rounded` as
+// LoadB's.
+template <int n, int depth, bool rounded = false, bool a16 = false>
 __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                int n0, int g, int c) {
 #pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
-    LoadA(a, t, ld, m0, k0, g, c);
+    if constexpr (a16) {
+      LoadA16(a, reinterpret_cast<const uint32_t*>(t), ld, m0, k0, g, c);
+    } else {
+      LoadA(a, t, ld, m0, k0, g, c);
+    }
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
@@ -144,14 +161,19 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
     }
   }
 }
-// acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it.
-template <int n, int depth, bool negate = false, bool rounded = false>
+// acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it. `a16` as
+// RowsTimesSlice's (ld in words: a row is 2 ld bf16 values).
+template <int n, int depth, bool negate = false, bool rounded = false, bool a16 = false>
 __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                      int n0, int g, int c) {
 #pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
-    LoadAT(a, t, ld, m0, k0, g, c);
+    if constexpr (a16) {
+      LoadAT16(a, reinterpret_cast<const uint16_t*>(t), 2 * ld, m0, k0, g, c);
+    } else {
+      LoadAT(a, t, ld, m0, k0, g, c);
+    }
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
@@ -187,18 +209,6 @@ struct ForwardLayout {
   static_assert(kCN >= 1 && kKN >= 1 && kCN * kWarps == (BV / 8) * kCRowTiles && kKN * kWarps == (BV / 8) * kKRowTiles,
                 "the warps must split the (C x BV) and (K x BV) products evenly");
 };
-
-// The bf16 forms of LoadA and LoadAT over a tile staged as bf16 (w: its 32-bit words, ldw words a
-// row): the same fragments and the same permutation of k.
-__device__ __forceinline__ void LoadA16(uint32_t (&a)[4], const uint32_t* w, int ldw, int m0, int k0, int g, int c) {
-  const uint32_t x = w[(m0 + g) * ldw + k0 / 2 + c], y = w[(m0 + g + 8) * ldw + k0 / 2 + c];
-  a[0] = x << 16, a[2] = x & 0xffff0000u, a[1] = y << 16, a[3] = y & 0xffff0000u;
-}
-__device__ __forceinline__ void LoadAT16(uint32_t (&a)[4], const uint16_t* t, int ld, int m0, int k0, int g, int c) {
-  const uint16_t* r0 = t + (k0 + 2 * c) * ld + m0 + g;
-  a[0] = static_cast<uint32_t>(r0[0]) << 16, a[1] = static_cast<uint32_t>(r0[8]) << 16;
-  a[2] = static_cast<uint32_t>(r0[ld]) << 16, a[3] = static_cast<uint32_t>(r0[ld + 8]) << 16;
-}
 
 // Two phases a chunk, each staging its tiles together (so the products of a phase that do not
 // depend on each other run as independent mma chains, and a chunk waits at 4 barriers, not 8):
@@ -336,55 +346,87 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
   FragStore(a.hN + bh * K * V + v0, V, S, km0, kn0, g, c4);
 }
 
+// The reverse scan's two staging buffers: buffer 0 phase 1's W (read transposed) and the next
+// chunk's Aqk (read transposed; the prologue's for the last chunk), buffer 1 phase 0's kg (read
+// by rows) and qg (transposed). kB16: W, kg and qg bf16 as the forward's (ForwardLayout), Aqk fp32
+// at a stride of C + 4 (4 mod 32: transposed fragments).
+template <int C, int K, bool kB16>
+struct BackwardLayout {
+  using R = Layout<C, K>;
+  static constexpr int kLdH = K / 2 + 4;
+  static constexpr int kTileH = C * kLdH;
+  static constexpr int kAqk = kB16 ? kTileH : R::kTile;         // Aqk's offset in buffer 0
+  static constexpr int kLdAqk = kB16 ? C + 4 : R::kLdCol;
+  static constexpr int kBuf1 = kB16 ? kTileH + C * kLdAqk : 2 * R::kTile;  // floats before buffer 1
+  static constexpr int kSecond = kB16 ? kTileH : R::kTile;      // qg's offset in buffer 1
+  static constexpr int kEnd = kBuf1 + (kB16 ? 2 * kTileH : 2 * R::kTile);
+  // Both buffers, the state gradient's copy (K x 32), dvt's (C x 32) and dO's two slices.
+  static constexpr int kFloats = kEnd + K * kSLd + 3 * C * kSLd;
+};
+
 // Two phases a chunk, c from N - 1 down, the state gradient dS in the accumulators:
 //   0: kg and qg: dvt = P + kg dS (from dS's shared copy) and, independently,
 //      dS <- eGC (.) dS + qg^T dO;
 //   1: W, and the next chunk's Aqk and dO: dS -= W^T dvt, copied to shared memory for the next
 //      chunk, and, independently, the next chunk's P = Aqk^T dO (so P is never written out).
 // dO's slice is double-buffered by chunk: staged in phase 1 of the chunk after it (a prologue
-// for the last chunk), read there for P and in its own phase 0.
-template <int C, int K>
+// for the last chunk), read there for P and in its own phase 0. kB16: W, kg and qg are bf16
+// (KdaScanBackwardArgs::bf16_operands).
+template <int C, int K, bool kB16>
 __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
   using L = Layout<C, K>;
+  using BL = BackwardLayout<C, K, kB16>;
   extern __shared__ float4 shared4[];
   float* const sh = reinterpret_cast<float*>(shared4);
-  float* const dSs = sh + 4 * L::kTile;  // (K x 32) the gradient of the state after chunk c
-  float* const dvts = dSs + K * kSLd;    // (C x 32)
-  float* const dOs = dvts + C * kSLd;    // 2 x (C x 32): chunk c's slice at dOs + (c & 1) C kSLd
+  float* const buf1 = sh + BL::kBuf1;
+  float* const dSs = sh + BL::kEnd;    // (K x 32) the gradient of the state after chunk c
+  float* const dvts = dSs + K * kSLd;  // (C x 32)
+  float* const dOs = dvts + C * kSLd;  // 2 x (C x 32): chunk c's slice at dOs + (c & 1) C kSLd
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
   const int cm0 = (warp % L::kCRowTiles) * 16, cn0 = (warp / L::kCRowTiles) * L::kCN * 8;
   const int km0 = (warp % L::kKRowTiles) * 16, kn0 = (warp / L::kKRowTiles) * L::kKN * 8;
   const int64_t bh = blockIdx.y, N = a.N, V = a.V, v0 = static_cast<int64_t>(blockIdx.x) * kBV;
-  const float* W = a.W + bh * N * C * K;
-  const float* kg = a.kg + bh * N * C * K;
-  const float* qg = a.qg + bh * N * C * K;
+  // Chunk c's tile of W, kg or qg (fp32 or bf16) as the float pointer Stage takes.
+  auto tile = [&](const float* base, int64_t c) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(base) +
+                                          (bh * N + c) * C * K * (kB16 ? 2 : 4));
+  };
+  // Stages one (C x K) tile of W, kg or qg at dst: rows at `ld` floats (fp32) or as bf16.
+  auto stage_wqk = [&](float* dst, int ld, const float* base, int64_t c) {
+    if constexpr (kB16) {
+      Stage(dst, BL::kLdH, tile(base, c), C, K / 2, K / 2);
+    } else {
+      Stage(dst, ld, tile(base, c), C, K, K);
+    }
+  };
   const float* Aqk = a.Aqk + bh * N * C * C;
   const float* dO = a.dO + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
   auto dOslice = [&](int64_t c) { return dOs + (c & 1) * C * kSLd; };
-  // Chunk c's Aqk (read transposed) into dst's second tile and its dO slice into its buffer.
-  auto stage_p = [&](float* dst, int64_t c) {
-    Stage(dst + L::kTile, L::kLdCol, Aqk + c * C * C, C, C, C);
+  // Chunk c's Aqk (read transposed) into buffer 0 and its dO slice into its buffer.
+  auto stage_p = [&](int64_t c) {
+    Stage(sh + BL::kAqk, BL::kLdAqk, Aqk + c * C * C, C, C, C);
     Stage(dOslice(c), kSLd, dO + c * C * V, C, kBV, V);
   };
   // Group 0: the last chunk's Aqk and dO; then groups 1 + 2 step + p, p the phase of chunk
-  // N - 1 - step.
+  // N - 1 - step (phase 0 in buffer 1, phase 1 in buffer 0).
   auto issue = [&](int64_t j) {
-    float* dst = sh + (j & 1) * 2 * L::kTile;
     if (j == 0) {
-      stage_p(dst, N - 1);
+      stage_p(N - 1);
     } else {
       const int64_t c = N - 1 - (j - 1) / 2;
       if ((j - 1) % 2 == 0) {
-        Stage(dst, L::kLdRow, kg + c * C * K, C, K, K);
-        Stage(dst + L::kTile, L::kLdCol, qg + c * C * K, C, K, K);
+        stage_wqk(buf1, L::kLdRow, a.kg, c);
+        stage_wqk(buf1 + BL::kSecond, L::kLdCol, a.qg, c);
       } else {
-        Stage(dst, L::kLdCol, W + c * C * K, C, K, K);
-        if (c > 0) stage_p(dst, c - 1);
+        stage_wqk(sh, L::kLdCol, a.W, c);
+        if (c > 0) stage_p(c - 1);
       }
     }
     __pipeline_commit();
   };
+  // The A tiles' strides: fp32 floats, or the bf16 rows' words.
+  constexpr int kRowLd = kB16 ? BL::kLdH : L::kLdRow, kColLd = kB16 ? BL::kLdH : L::kLdCol;
   float dS[L::kKN][4], pr[L::kCN][4], pn[L::kCN][4];
   FragLoad(dS, a.dSN != nullptr ? a.dSN + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
   FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
@@ -394,7 +436,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   __pipeline_wait_prior(1);
   __syncthreads();
   Zero(pr);
-  TransposedTimesSlice<L::kCN, C>(pr, sh + L::kTile, L::kLdCol, dOslice(N - 1), cm0, cn0, g, c4);
+  TransposedTimesSlice<L::kCN, C>(pr, sh + BL::kAqk, BL::kLdAqk, dOslice(N - 1), cm0, cn0, g, c4);
   __syncthreads();
   for (int64_t step = 0; step < N; ++step) {
     const int64_t c = N - 1 - step;
@@ -402,21 +444,21 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
     for (int p = 0; p < 2; ++p) {
       const int64_t j = 1 + step * 2 + p;
       PipelineStep(j, total, issue);
-      const float* t = sh + (j & 1) * 2 * L::kTile;
       if (p == 0) {
         FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
-        RowsTimesSlice<L::kCN, K, true>(pr, t, L::kLdRow, dSs, cm0, cn0, g, c4);
-        TransposedTimesSlice<L::kKN, C>(dS, t + L::kTile, L::kLdCol, dOslice(c), km0, kn0, g, c4);
+        RowsTimesSlice<L::kCN, K, true, kB16>(pr, buf1, kRowLd, dSs, cm0, cn0, g, c4);
+        TransposedTimesSlice<L::kKN, C, false, false, kB16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0, kn0, g,
+                                                             c4);
         FragStoreTf32(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
-        TransposedTimesSlice<L::kKN, C, true, true>(dS, t, L::kLdCol, dvts, km0, kn0, g, c4);
+        TransposedTimesSlice<L::kKN, C, true, true, kB16>(dS, sh, kColLd, dvts, km0, kn0, g, c4);
         Zero(pn);
         if (c > 0) {
-          TransposedTimesSlice<L::kCN, C>(pn, t + L::kTile, L::kLdCol, dOslice(c - 1), cm0, cn0, g, c4);
+          TransposedTimesSlice<L::kCN, C>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0, cn0, g, c4);
         }
         FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
@@ -589,6 +631,7 @@ int LaunchForward(const KdaScanForwardArgs& a, cudaStream_t stream) {
 template <int C, int K>
 int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
   if (a.bf16_operands) {
+    if (a.qg == nullptr) return LaunchForward<C, K, 32, false, true>(a, stream);
     // Blocks of 16 value columns where the 32-column grid would not fill the multiprocessors
     // twice over (the warps need C = 64 and K >= 64 to split a 16-column product).
     if constexpr (C == 64 && K >= 64) {
@@ -602,7 +645,10 @@ int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
 
 template <int C, int K>
 int Backward(const KdaScanBackwardArgs& a, cudaStream_t stream) {
-  return Launch(&ScanBackwardTf32Kernel<C, K>, a, Layout<C, K>::kFloats * sizeof(float), stream);
+  if (a.bf16_operands) {
+    return Launch(&ScanBackwardTf32Kernel<C, K, true>, a, BackwardLayout<C, K, true>::kFloats * sizeof(float), stream);
+  }
+  return Launch(&ScanBackwardTf32Kernel<C, K, false>, a, BackwardLayout<C, K, false>::kFloats * sizeof(float), stream);
 }
 
 }  // namespace
