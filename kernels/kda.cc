@@ -516,7 +516,12 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   auto opts = U.options();
   ScanResult r;
   if (want_o) r.o = torch::empty({B, HV, N, C, V}, opts);
-  if (want_states) r.vt = torch::empty({B, HV, N, C, V}, opts), r.states = torch::empty({B, HV, N, K, V}, opts);
+  // With bf16 operands the per-chunk states are kept in bf16 too: only the chunk gradients'
+  // kernel reads them, as TF32 operands.
+  if (want_states) {
+    r.vt = torch::empty({B, HV, N, C, V}, opts);
+    r.states = torch::empty({B, HV, N, K, V}, Bf16Operands(in) ? opts.dtype(torch::kBFloat16) : opts);
+  }
   r.S = torch::empty({B, HV, K, V}, opts);
   // (bf16 storage for qg, kg and W under bf16_operands: the kernel reads their bits.)
   auto ptr = [](const Tensor& t) { return t.defined() ? static_cast<float*>(t.data_ptr()) : nullptr; };
@@ -527,6 +532,7 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
     TORCH_CHECK(a.tf32, "kda scan forward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
     a.value_block = want_o ? scan_value_block.load() : 32;  // 16-column blocks: with the output only
+    a.states_bf16 = want_states;
     bf16_operand_scans.fetch_add(1);
   }
   CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
@@ -543,7 +549,9 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
   Tensor W = Dense(in.W), kg = Dense(in.kg), eGC = Dense(in.eGC), qg = Dense(in.qg), dOd = Dense(dO),
          dSNd = Dense(dSN), Aqk = tf32 ? Dense(in.Aqk) : Tensor(), Pd = tf32 ? Tensor() : Dense(ReverseP(in, dOd));
   auto opts = eGC.options();  // fp32 (W may be bf16)
-  ReverseResult r{torch::empty({B, HV, N, C, V}, opts), torch::empty({B, HV, N, K, V}, opts),
+  // dS (per chunk) in bf16 with bf16 operands, as the forward's states.
+  ReverseResult r{torch::empty({B, HV, N, C, V}, opts),
+                  torch::empty({B, HV, N, K, V}, Bf16Operands(in) ? opts.dtype(torch::kBFloat16) : opts),
                   torch::empty({B, HV, K, V}, opts)};
   // (bf16 storage for qg, kg and W under bf16_operands: the kernel reads their bits.)
   auto ptr = [](const Tensor& t) { return t.defined() ? static_cast<float*>(t.data_ptr()) : nullptr; };
@@ -554,6 +562,7 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
   if (Bf16Operands(in)) {
     TORCH_CHECK(tf32, "kda scan backward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
+    a.dS_bf16 = true;
     bf16_operand_scans.fetch_add(1);
   }
   CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");
@@ -591,15 +600,17 @@ ChunkGradsResult ChunkGrads(const Intra& in, const ScanResult& f, const ReverseR
                   V = f.states.size(4);
     c10::cuda::CUDAGuard guard(dO.device());
     Tensor h = Dense(f.states), dS = Dense(r.dS), dOd = Dense(dO), vt = Dense(f.vt), dvt = Dense(r.dvt);
-    auto opts = h.options();
+    auto opts = dOd.options();  // fp32 (h and dS may be bf16: the scans kept them so)
     ChunkGradsResult g{torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, K}, opts),
                        torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, C}, opts),
                        torch::empty({B, HV, N, K}, opts)};
-    cuda::KdaChunkGradsArgs a{h.data_ptr<float>(),     dS.data_ptr<float>(),    dOd.data_ptr<float>(),
+    TORCH_CHECK(h.scalar_type() == dS.scalar_type(), "kda chunk gradients: the states and their gradients differ in dtype");
+    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()), dOd.data_ptr<float>(),
                               vt.data_ptr<float>(),    dvt.data_ptr<float>(),   g.dqg.data_ptr<float>(),
                               g.dW.data_ptr<float>(),  g.dkg.data_ptr<float>(), g.dAqk.data_ptr<float>(),
                               g.deGC.data_ptr<float>(), B * HV,                 N,
                               C,                       K,                       V};
+    a.bf16 = h.scalar_type() == torch::kBFloat16;
     CheckKernelLaunch(cuda::KdaChunkGrads(a, Stream(h)), "kda chunk gradients");
     scan_tensor_core_launches.fetch_add(1);
     return g;

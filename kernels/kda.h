@@ -117,7 +117,9 @@ void SetKdaDirectInputs(bool enabled);
 // them as it writes them. Their products keep TF32 arithmetic: a bf16 value is its TF32 operand
 // as it is, with 7 mantissa bits where the TF32 rounding of the fp32 value keeps 10; U, Aqk, the
 // state and every sum stay fp32, and the backward recomputes the states from the same bf16
-// operands the forward's scan read. It halves what the scans read for those three tiles (bench/kda_operand_precision.py: the
+// operands the forward's scan read, keeping the per-chunk states and their gradients (which only
+// the chunk gradients' kernel reads, as TF32 operands) in bf16 too. It halves what the scans read
+// for those three tiles and what the chunk gradients read of the states (bench/kda_operand_precision.py: the
 // output's relative RMS error against the fp32 recurrence 1.25e-3 where TF32 gives 4.0e-4; the
 // spec's bar is 5e-3). Only with the tensor-core scans (SetKdaScanTensorCores) and the CUDA
 // kernels; elsewhere it changes nothing.

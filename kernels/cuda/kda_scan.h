@@ -39,6 +39,7 @@ struct KdaScanForwardArgs {
   bool tf32 = false;
   bool bf16_operands = false;
   int value_block = 32;
+  bool states_bf16 = false;  // states written as bf16 (the tensor-core kernel; KdaChunkGrads reads them)
 };
 // Whether KdaScanForward takes bf16_operands with this value_block for these sizes.
 bool KdaScanBf16OperandsSupported(int64_t C, int64_t K, int64_t V, int value_block);
@@ -59,6 +60,7 @@ struct KdaScanBackwardArgs {
   bool tf32 = false;
   const float* Aqk = nullptr;
   bool bf16_operands = false;
+  bool dS_bf16 = false;  // dS written as bf16 (the tensor-core kernel; KdaChunkGrads reads it)
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 
@@ -71,10 +73,13 @@ int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 // shared memory in slices of 32 value columns, the next slice in flight while one is used.
 // Shapes as above; outputs contiguous: dqg, dW, dkg (BH, N, C, K), dAqk (BH, N, C, C), deGC
 // (BH, N, K). Sizes as KdaScanSupported.
+// bf16: states and dS hold bf16 values (the scans' states_bf16 and dS_bf16), each its own TF32
+// operand; deGC's products and sums stay fp32.
 struct KdaChunkGradsArgs {
   const float *states, *dS, *dO, *vt, *dvt;
   float *dqg, *dW, *dkg, *dAqk, *deGC;
   int64_t BH, N, C, K, V;
+  bool bf16 = false;
 };
 int KdaChunkGrads(const KdaChunkGradsArgs& args, void* stream);
 

@@ -15,6 +15,7 @@
 // so that every fragment load is free of bank conflicts: tiles read by rows (A = tile) have a
 // stride of 8 (mod 32) floats, tiles read transposed (A = tile^T) and the (rows x 32) slices
 // (B operands) of 4 (mod 32).
+#include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -109,6 +110,27 @@ __device__ __forceinline__ void FragStore(float* dst, int64_t ld, const float (&
     for (int h = 0; h < 2; ++h)
       *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
           make_float2(f[j][2 * h], f[j][2 * h + 1]);
+}
+// FragStore to a bf16 matrix (its elements' bits; rounded to nearest even), a pair a 4-byte store.
+template <int n>
+__device__ __forceinline__ void FragStoreBf16(uint16_t* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g,
+                                              int c) {
+#pragma unroll
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<__nv_bfloat162*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
+          __floats2bfloat162_rn(f[j][2 * h], f[j][2 * h + 1]);
+}
+// The state (or its gradient) before chunk c to a.states or a.dS: fp32, or bf16 with `bf16`.
+template <int n>
+__device__ __forceinline__ void StoreState(float* base, bool bf16, int64_t at, int64_t V, const float (&f)[n][4],
+                                           int m0, int n0, int g, int c) {
+  if (bf16) {
+    FragStoreBf16(reinterpret_cast<uint16_t*>(base) + at, V, f, m0, n0, g, c);
+  } else {
+    FragStore(base + at, V, f, m0, n0, g, c);
+  }
 }
 // FragStore of the fragments rounded to TF32: a B operand slice that LoadB<.., true> reads.
 template <int n>
@@ -275,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
       const float* t = sh + (p == 0 ? 0 : L::kBuf1);
       const float* t2 = t + L::kSecond;
       if (p == 0) {
-        if (a.states != nullptr) FragStore(a.states + (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
+        if (a.states != nullptr) StoreState(a.states, a.states_bf16, (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
         if (c + 1 < N) FragLoad(un, U + (c + 1) * C * V, V, cm0, cn0, g, c4);
         float acc[L::kCN][4];
         Zero(acc);
@@ -445,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
       const int64_t j = 1 + step * 2 + p;
       PipelineStep(j, total, issue);
       if (p == 0) {
-        FragStore(a.dS + (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
+        StoreState(a.dS, a.dS_bf16, (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
@@ -483,9 +505,13 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLd = kBV + 8;
 
-template <int C, int K>
+constexpr int kLdH = kBV / 2 + 4;  // words a row of a bf16 (K x 32) slice (4 mod 32)
+
+// kB16: h and dS are bf16 (KdaChunkGradsArgs::bf16), staged as bf16 at kLdH words a row.
+template <int C, int K, bool kB16 = false>
 struct Layout {
-  static constexpr int kStage = (2 * K + 3 * C) * kLd;  // h, dS (K x 32); dO, vt, dvt (C x 32)
+  static constexpr int kLdS = kB16 ? kLdH : kLd;  // h's and dS's rows (floats or words)
+  static constexpr int kStage = 2 * K * kLdS + 3 * C * kLd;  // h, dS (K x 32); dO, vt, dvt (C x 32)
   static constexpr int kFloats = 2 * kStage;
   static constexpr int kRowTiles = C / 16;
   static constexpr int kWarpsPerRow = kWarps / kRowTiles;
@@ -501,6 +527,20 @@ __device__ __forceinline__ void LoadBT(uint32_t& b0, uint32_t& b1, const float* 
   const float2 v = *reinterpret_cast<const float2*>(x + (n0 + g) * kLd + k0 + 2 * c);
   b0 = Tf32(v.x), b1 = Tf32(v.y);
 }
+// The same from a bf16 slice (kLdH words a row): the pair is one word, each half its TF32 operand.
+__device__ __forceinline__ void LoadBT16(uint32_t& b0, uint32_t& b1, const float* x, int n0, int k0, int g, int c) {
+  const uint32_t w = reinterpret_cast<const uint32_t*>(x)[(n0 + g) * kLdH + k0 / 2 + c];
+  b0 = w << 16, b1 = w & 0xffff0000u;
+}
+// Element (r, e) of an h or dS slice, fp32 or bf16.
+template <bool kB16>
+__device__ __forceinline__ float SliceAt(const float* x, int r, int e) {
+  if constexpr (kB16) {
+    return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(x)[r * 2 * kLdH + e]) << 16);
+  } else {
+    return x[r * kLd + e];
+  }
+}
 
 // One 16 x 8 accumulator tile to rows [m0, m0 + 16) x columns [n0, n0 + 8) of a row-major matrix,
 // times `sign`.
@@ -514,9 +554,9 @@ __device__ __forceinline__ void StoreTile(float* dst, int64_t ld, const float (&
 
 }  // namespace chunk_grads
 
-template <int C, int K>
+template <int C, int K, bool kB16>
 __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(KdaChunkGradsArgs a) {
-  using L = chunk_grads::Layout<C, K>;
+  using L = chunk_grads::Layout<C, K, kB16>;
   using chunk_grads::kLd;
   using chunk_grads::LoadBT;
   using chunk_grads::StoreTile;
@@ -532,11 +572,19 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
   auto issue = [&](int64_t j) {
     const int64_t it = item_of(j), v0 = (j % slices) * kBV;
     float* h = sh + (j & 1) * L::kStage;
-    Stage<kNT>(h, kLd, a.states + it * K * V + v0, K, kBV, V);
-    Stage<kNT>(h + K * kLd, kLd, a.dS + it * K * V + v0, K, kBV, V);
-    Stage<kNT>(h + 2 * K * kLd, kLd, a.dO + it * C * V + v0, C, kBV, V);
-    Stage<kNT>(h + 2 * K * kLd + C * kLd, kLd, a.vt + it * C * V + v0, C, kBV, V);
-    Stage<kNT>(h + 2 * K * kLd + 2 * C * kLd, kLd, a.dvt + it * C * V + v0, C, kBV, V);
+    if constexpr (kB16) {  // (as floats: pairs of bf16)
+      const float* hs = reinterpret_cast<const float*>(reinterpret_cast<const uint16_t*>(a.states) + it * K * V + v0);
+      const float* ds = reinterpret_cast<const float*>(reinterpret_cast<const uint16_t*>(a.dS) + it * K * V + v0);
+      Stage<kNT>(h, L::kLdS, hs, K, kBV / 2, V / 2);
+      Stage<kNT>(h + K * L::kLdS, L::kLdS, ds, K, kBV / 2, V / 2);
+    } else {
+      Stage<kNT>(h, kLd, a.states + it * K * V + v0, K, kBV, V);
+      Stage<kNT>(h + K * kLd, kLd, a.dS + it * K * V + v0, K, kBV, V);
+    }
+    float* const rest = h + 2 * K * L::kLdS;
+    Stage<kNT>(rest, kLd, a.dO + it * C * V + v0, C, kBV, V);
+    Stage<kNT>(rest + C * kLd, kLd, a.vt + it * C * V + v0, C, kBV, V);
+    Stage<kNT>(rest + 2 * C * kLd, kLd, a.dvt + it * C * V + v0, C, kBV, V);
     __pipeline_commit();
   };
   float dq[L::kKT][4], dw[L::kKT][4], dk[L::kKT][4], da[L::kCT][4];
@@ -553,8 +601,8 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
       eg = 0.f;
     }
     const float* h = sh + (j & 1) * L::kStage;
-    const float* dS = h + K * kLd;
-    const float* dO = dS + K * kLd;
+    const float* dS = h + K * L::kLdS;
+    const float* dO = dS + K * L::kLdS;
     const float* vt = dO + C * kLd;
     const float* dvt = vt + C * kLd;
 #pragma unroll
@@ -568,10 +616,18 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
         const int n0 = (wc + L::kWarpsPerRow * i) * 8;
         if (n0 < K) {
           uint32_t b0, b1;
-          LoadBT(b0, b1, h, n0, k0, g, c4);
+          if constexpr (kB16) {
+            chunk_grads::LoadBT16(b0, b1, h, n0, k0, g, c4);
+          } else {
+            LoadBT(b0, b1, h, n0, k0, g, c4);
+          }
           MmaTf32(dq[i], ao, b0, b1);
           MmaTf32(dw[i], ad, b0, b1);
-          LoadBT(b0, b1, dS, n0, k0, g, c4);
+          if constexpr (kB16) {
+            chunk_grads::LoadBT16(b0, b1, dS, n0, k0, g, c4);
+          } else {
+            LoadBT(b0, b1, dS, n0, k0, g, c4);
+          }
           MmaTf32(dk[i], av, b0, b1);
         }
       }
@@ -586,7 +642,9 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
       }
     }
 #pragma unroll
-    for (int e = 0; e < kCpt; ++e) eg = fmaf(h[er * kLd + ec + e], dS[er * kLd + ec + e], eg);
+    for (int e = 0; e < kCpt; ++e) {
+      eg = fmaf(chunk_grads::SliceAt<kB16>(h, er, ec + e), chunk_grads::SliceAt<kB16>(dS, er, ec + e), eg);
+    }
     if (slice == slices - 1) {
       const int64_t it = item_of(j);
 #pragma unroll
@@ -675,8 +733,9 @@ int KdaChunkGrads(const KdaChunkGradsArgs& a, void* stream) {
   if (e != cudaSuccess) return static_cast<int>(e);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    auto* kernel = &ChunkGradsTf32Kernel<C, K>;
-    const size_t bytes = chunk_grads::Layout<C, K>::kFloats * sizeof(float);
+    auto* kernel = a.bf16 ? &ChunkGradsTf32Kernel<C, K, true> : &ChunkGradsTf32Kernel<C, K, false>;
+    const size_t bytes = (a.bf16 ? chunk_grads::Layout<C, K, true>::kFloats : chunk_grads::Layout<C, K, false>::kFloats) *
+                         sizeof(float);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     if (err != cudaSuccess) return static_cast<int>(err);
     int per_sm = 0;
