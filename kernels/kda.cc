@@ -447,7 +447,8 @@ bool GradsOutTake(const std::vector<Tensor>& out, const Tensor& q) {
 
 // The inter-chunk scan (spec 1.3 steps 3-4) of one segment's chunks, all (B, HV, n, ., .).
 struct ScanResult {
-  Tensor o;       // (B, HV, n, C, V) when asked for
+  Tensor o;       // (B, HV, n, C, V) when asked for, unless the kernel wrote it into the caller's rows
+  bool o_in_rows = false;  // the kernel wrote o into ScanForward's `o_rows`
   Tensor vt;      // (B, HV, n, C, V) the new values U - W S, with the states
   Tensor states;  // (B, HV, n, K, V) the state before each chunk, when asked for
   Tensor S;       // (B, HV, K, V) the state after the last chunk
@@ -507,7 +508,23 @@ bool KernelScans(const Intra& in) {
          cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
 }
 
-ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
+// Whether the tensor-core scan writes o straight into `rows` (B, HV, len, V): fp32 or bf16, each
+// token's V values contiguous, tokens V apart, (batch, head) as one index.
+bool ScanWritesRows(const Tensor& rows, int64_t V) {
+  return rows.defined() && scan_tensor_cores.load() && rows.is_cuda() && rows.dim() == 4 &&
+         (rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kBFloat16) && rows.size(3) == V &&
+         rows.stride(3) == 1 && rows.stride(2) == V && rows.stride(0) == rows.size(1) * rows.stride(1) &&
+         reinterpret_cast<uintptr_t>(rows.data_ptr()) % 8 == 0;
+}
+
+// Whether the backward's kernels (the tensor-core reverse scan and the chunk gradients) read o's
+// gradient as the caller's bf16: then the segment's dO stays bf16 (exactly the values the fp32
+// copy would hold), half the bytes to lay out and read.
+bool KernelsTakeBf16Grad(const Intra& in, const Tensor& grad) {
+  return grad.defined() && grad.scalar_type() == torch::kBFloat16 && scan_tensor_cores.load() && KernelScans(in);
+}
+
+ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states, const Tensor& o_rows) {
   const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),
                 V = in.U.size(4);
   c10::cuda::CUDAGuard guard(in.W.device());
@@ -515,7 +532,8 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   Tensor qg = want_o ? Dense(in.qg) : Tensor(), Aqk = want_o ? Dense(in.Aqk) : Tensor();
   auto opts = U.options();
   ScanResult r;
-  if (want_o) r.o = torch::empty({B, HV, N, C, V}, opts);
+  r.o_in_rows = want_o && ScanWritesRows(o_rows, V);
+  if (want_o && !r.o_in_rows) r.o = torch::empty({B, HV, N, C, V}, opts);
   // With bf16 operands the per-chunk states are kept in bf16 too: only the chunk gradients'
   // kernel reads them, as TF32 operands.
   if (want_states) {
@@ -528,6 +546,12 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   cuda::KdaScanForwardArgs a{ptr(W), ptr(U), ptr(kg), ptr(eGC), ptr(qg), ptr(Aqk), ptr(h),
                              ptr(r.o), ptr(r.vt), ptr(r.states), ptr(r.S), B * HV, N, C, K, V};
   a.tf32 = scan_tensor_cores.load();
+  if (r.o_in_rows) {
+    a.o_rows = o_rows.data_ptr();
+    a.o_rows_bf16 = o_rows.scalar_type() == torch::kBFloat16;
+    a.o_bh_stride = o_rows.stride(1);
+    a.o_len = o_rows.size(2);
+  }
   if (Bf16Operands(in)) {
     TORCH_CHECK(a.tf32, "kda scan forward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
@@ -559,6 +583,7 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
                               ptr(r.dvt), ptr(r.dS), ptr(r.dS0), B * HV, N,        C,       K,         V};
   a.tf32 = tf32;
   a.Aqk = ptr(Aqk);
+  a.dO_bf16 = dOd.scalar_type() == torch::kBFloat16;
   if (Bf16Operands(in)) {
     TORCH_CHECK(tf32, "kda scan backward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
@@ -571,9 +596,12 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
 }
 #endif
 
-ScanResult ScanForward(const Intra& in, const Tensor& h0, bool want_o, bool want_states) {
+// `o_rows` (optional, with want_o): where o's rows go, (B, HV, len, V) with len <= n C; the
+// tensor-core scan writes them there itself where it can (ScanResult::o_in_rows), in their dtype.
+ScanResult ScanForward(const Intra& in, const Tensor& h0, bool want_o, bool want_states,
+                       const Tensor& o_rows = Tensor()) {
 #ifdef ODYSSEY_KERNELS_CUDA
-  if (KernelScans(in)) return ScanKernel(in, h0, want_o, want_states);
+  if (KernelScans(in)) return ScanKernel(in, h0, want_o, want_states, o_rows);
 #endif
   return ScanLoop(in, h0, want_o, want_states);
 }
@@ -600,17 +628,19 @@ ChunkGradsResult ChunkGrads(const Intra& in, const ScanResult& f, const ReverseR
                   V = f.states.size(4);
     c10::cuda::CUDAGuard guard(dO.device());
     Tensor h = Dense(f.states), dS = Dense(r.dS), dOd = Dense(dO), vt = Dense(f.vt), dvt = Dense(r.dvt);
-    auto opts = dOd.options();  // fp32 (h and dS may be bf16: the scans kept them so)
+    auto opts = vt.options();  // fp32 (h, dS and dO may be bf16)
     ChunkGradsResult g{torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, K}, opts),
                        torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, C}, opts),
                        torch::empty({B, HV, N, K}, opts)};
     TORCH_CHECK(h.scalar_type() == dS.scalar_type(), "kda chunk gradients: the states and their gradients differ in dtype");
-    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()), dOd.data_ptr<float>(),
+    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()),
+                              static_cast<float*>(dOd.data_ptr()),
                               vt.data_ptr<float>(),    dvt.data_ptr<float>(),   g.dqg.data_ptr<float>(),
                               g.dW.data_ptr<float>(),  g.dkg.data_ptr<float>(), g.dAqk.data_ptr<float>(),
                               g.deGC.data_ptr<float>(), B * HV,                 N,
                               C,                       K,                       V};
     a.bf16 = h.scalar_type() == torch::kBFloat16;
+    a.dO_bf16 = dOd.scalar_type() == torch::kBFloat16;
     CheckKernelLaunch(cuda::KdaChunkGrads(a, Stream(h)), "kda chunk gradients");
     scan_tensor_core_launches.fetch_add(1);
     return g;
@@ -734,8 +764,9 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         in = ComputeIntraFor(x, G, C, form, nullptr, /*for_scans=*/true);
       }
       RECORD_USER_SCOPE("kda forward: scan");
-      ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false);
-      o.narrow(2, t0, len).copy_(r.o.reshape({r.o.size(0), r.o.size(1), -1, r.o.size(-1)}).narrow(2, 0, len));
+      Tensor rows = o.narrow(2, t0, len);
+      ScanResult r = ScanForward(in, S, /*want_o=*/true, /*want_states=*/false, rows);
+      if (!r.o_in_rows) rows.copy_(r.o.reshape({r.o.size(0), r.o.size(1), -1, r.o.size(-1)}).narrow(2, 0, len));
       S = r.S;
     }
     ctx->save_for_backward({q, k, v, g, beta, torch::stack(entry, 0)});
@@ -803,7 +834,13 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
       // Cast and laid out densely in one pass: the model hands a transposed view (its heads'
       // layout), which the scan and chunk-gradient kernels would otherwise each copy (Dense).
-      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct, /*non_blocking=*/false, /*copy=*/false,
+      // bf16 where the kernels take it as it is (KernelsTakeBf16Grad).
+      bool grad16 = false;
+#ifdef ODYSSEY_KERNELS_CUDA
+      grad16 = KernelsTakeBf16Grad(in, grads[0]);
+#endif
+      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(grad16 ? torch::kBFloat16 : ct,
+                                                                               /*non_blocking=*/false, /*copy=*/false,
                                                                                c10::MemoryFormat::Contiguous),
                                              C)
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)

@@ -325,26 +325,27 @@ bool KdaScanBf16OperandsSupported(int64_t C, int64_t K, int64_t V, int value_blo
 }
 
 int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
-  if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 ||
-      (a.qg == nullptr) != (a.o == nullptr) || (a.qg == nullptr) != (a.Aqk == nullptr)) {
+  // An output (qg and Aqk set) goes to exactly one of o and o_rows; o_rows on the tensor cores.
+  const bool out = a.qg != nullptr;
+  if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 || out != (a.Aqk != nullptr) ||
+      (out ? (a.o == nullptr) == (a.o_rows == nullptr) : a.o != nullptr || a.o_rows != nullptr) ||
+      (a.o_rows != nullptr && (!a.tf32 || a.o_len < 0 || a.o_len > a.N * a.C))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   // bf16 operands: the tensor-core kernel, at a value block it has (16 only with an output).
   if (a.bf16_operands ? !a.tf32 || !KdaScanBf16OperandsSupported(a.C, a.K, a.V, a.value_block) ||
-                            (a.qg == nullptr && a.value_block != 32)
+                            (!out && a.value_block != 32)
                       : a.value_block != 32) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  if (a.states_bf16 && (!a.tf32 || a.states == nullptr)) {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
+  if (a.states_bf16 && (!a.tf32 || a.states == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   if (a.tf32) return KdaScanForwardTf32(a, stream);
   ODYSSEY_KDA_DISPATCH(Forward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
 }
 
 int KdaScanBackward(const KdaScanBackwardArgs& a, void* stream) {
   if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 ||
-      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr) || ((a.bf16_operands || a.dS_bf16) && !a.tf32)) {
+      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr) || ((a.bf16_operands || a.dS_bf16 || a.dO_bf16) && !a.tf32)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (a.tf32) return KdaScanBackwardTf32(a, stream);

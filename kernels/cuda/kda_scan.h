@@ -40,6 +40,12 @@ struct KdaScanForwardArgs {
   bool bf16_operands = false;
   int value_block = 32;
   bool states_bf16 = false;  // states written as bf16 (the tensor-core kernel; KdaChunkGrads reads them)
+  // The tensor-core kernel with an output: o_rows non-null writes o there instead of `o`, token t
+  // of (batch x head) bh at o_rows + bh o_bh_stride + t V (elements), fp32 or bf16 (`o_rows_bf16`,
+  // rounded to nearest even), for t < o_len only (the rows past it are the last chunk's padding).
+  void* o_rows = nullptr;
+  bool o_rows_bf16 = false;
+  int64_t o_bh_stride = 0, o_len = 0;
 };
 // Whether KdaScanForward takes bf16_operands with this value_block for these sizes.
 bool KdaScanBf16OperandsSupported(int64_t C, int64_t K, int64_t V, int value_block);
@@ -61,6 +67,7 @@ struct KdaScanBackwardArgs {
   const float* Aqk = nullptr;
   bool bf16_operands = false;
   bool dS_bf16 = false;  // dS written as bf16 (the tensor-core kernel; KdaChunkGrads reads it)
+  bool dO_bf16 = false;  // dO holds bf16 values (the tensor-core kernel)
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 
@@ -80,6 +87,7 @@ struct KdaChunkGradsArgs {
   float *dqg, *dW, *dkg, *dAqk, *deGC;
   int64_t BH, N, C, K, V;
   bool bf16 = false;
+  bool dO_bf16 = false;  // dO holds bf16 values
 };
 int KdaChunkGrads(const KdaChunkGradsArgs& args, void* stream);
 

@@ -88,6 +88,17 @@ __device__ __forceinline__ void LoadB(uint32_t& b0, uint32_t& b1, const float* s
   }
 }
 
+// LoadB over a (rows x 32) slice staged as bf16 (ld bf16 values a row): each value its own TF32
+// operand.
+template <int ld>
+__device__ __forceinline__ void LoadB16(uint32_t& b0, uint32_t& b1, const float* s, int k0, int n0, int g, int c) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(s) + (k0 + 2 * c) * ld + n0 + g;
+  b0 = static_cast<uint32_t>(p[0]) << 16, b1 = static_cast<uint32_t>(p[ld]) << 16;
+}
+// The row stride, in bf16 values, of a (rows x 32) slice staged as bf16: 20 words (4 mod 32), so
+// LoadB16's pairs of rows 2 apart fall in distinct banks.
+constexpr int kSLd16 = kBV + 8;
+
 // The accumulator element e of a lane: row g + 8 (e / 2), column 2c + e % 2 of its 16 x 8 tile.
 // Fragments of `n` column tiles from rows [m0, m0 + 16) x columns [n0, n0 + 8 n) of a row-major
 // matrix (stride ld floats) to registers, in pairs (8-byte accesses); src null = zeros.
@@ -130,6 +141,27 @@ __device__ __forceinline__ void StoreState(float* base, bool bf16, int64_t at, i
     FragStoreBf16(reinterpret_cast<uint16_t*>(base) + at, V, f, m0, n0, g, c);
   } else {
     FragStore(base + at, V, f, m0, n0, g, c);
+  }
+}
+// The output fragments of the chunk starting at token t0 to the caller's rows
+// (KdaScanForwardArgs::o_rows), fp32 or bf16, the rows at or past o_len skipped.
+template <int n>
+__device__ __forceinline__ void StoreRows(const KdaScanForwardArgs& a, int64_t bh, int64_t t0, int64_t v0,
+                                          const float (&f)[n][4], int m0, int n0, int g, int c) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = t0 + m0 + g + 8 * h;
+    if (t >= a.o_len) continue;
+    const int64_t row = bh * a.o_bh_stride + t * a.V + v0 + n0 + 2 * c;
+#pragma unroll
+    for (int j = 0; j < n; ++j) {
+      if (a.o_rows_bf16) {
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<uint16_t*>(a.o_rows) + row + 8 * j) =
+            __floats2bfloat162_rn(f[j][2 * h], f[j][2 * h + 1]);
+      } else {
+        *reinterpret_cast<float2*>(static_cast<float*>(a.o_rows) + row + 8 * j) = make_float2(f[j][2 * h], f[j][2 * h + 1]);
+      }
+    }
   }
 }
 // FragStore of the fragments rounded to TF32: a B operand slice that LoadB<.., true> reads.
@@ -185,9 +217,11 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
 }
 // acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it. `a16` as
 // RowsTimesSlice's (ld in words: a row is 2 ld bf16 values).
-template <int n, int depth, bool negate = false, bool rounded = false, bool a16 = false>
+// `b16`: the slice is staged as bf16 (kSLd16 values a row; not with `negate` or `rounded`).
+template <int n, int depth, bool negate = false, bool rounded = false, bool a16 = false, bool b16 = false>
 __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                      int n0, int g, int c) {
+  static_assert(!b16 || (!negate && !rounded), "a bf16 slice is read as it is");
 #pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
@@ -199,7 +233,11 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
-      LoadB<negate, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
+      if constexpr (b16) {
+        LoadB16<kSLd16>(b0, b1, s, k0, n0 + 8 * j, g, c);
+      } else {
+        LoadB<negate, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
+      }
       MmaTf32(acc[j], a, b0, b1);
     }
   }
@@ -356,7 +394,13 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
           }
         }
         FragStoreTf32(Ss, kLd, S, km0, kn0, g, c4);
-        if (kOut) FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
+        if (kOut) {
+          if (a.o_rows == nullptr) {
+            FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
+          } else {
+            StoreRows(a, bh, c * C, v0, out, cm0, cn0, g, c4);
+          }
+        }
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
@@ -393,8 +437,8 @@ struct BackwardLayout {
 //      chunk, and, independently, the next chunk's P = Aqk^T dO (so P is never written out).
 // dO's slice is double-buffered by chunk: staged in phase 1 of the chunk after it (a prologue
 // for the last chunk), read there for P and in its own phase 0. kB16: W, kg and qg are bf16
-// (KdaScanBackwardArgs::bf16_operands).
-template <int C, int K, bool kB16>
+// (KdaScanBackwardArgs::bf16_operands); kO16: dO is bf16 (dO_bf16), its slices staged so.
+template <int C, int K, bool kB16, bool kO16>
 __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
   using L = Layout<C, K>;
   using BL = BackwardLayout<C, K, kB16>;
@@ -422,13 +466,21 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
     }
   };
   const float* Aqk = a.Aqk + bh * N * C * C;
-  const float* dO = a.dO + bh * N * C * V + v0;
+  // dO's element e of this (batch x head), fp32 or bf16, as the float pointer Stage takes.
+  auto dO_at = [&](int64_t e) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(a.dO) +
+                                          (bh * N * C * V + v0 + e) * (kO16 ? 2 : 4));
+  };
   const float* eGC = a.eGC + bh * N * K;
   auto dOslice = [&](int64_t c) { return dOs + (c & 1) * C * kSLd; };
   // Chunk c's Aqk (read transposed) into buffer 0 and its dO slice into its buffer.
   auto stage_p = [&](int64_t c) {
     Stage(sh + BL::kAqk, BL::kLdAqk, Aqk + c * C * C, C, C, C);
-    Stage(dOslice(c), kSLd, dO + c * C * V, C, kBV, V);
+    if constexpr (kO16) {
+      Stage(dOslice(c), kSLd16 / 2, dO_at(c * C * V), C, kBV / 2, V / 2);
+    } else {
+      Stage(dOslice(c), kSLd, dO_at(c * C * V), C, kBV, V);
+    }
   };
   // Group 0: the last chunk's Aqk and dO; then groups 1 + 2 step + p, p the phase of chunk
   // N - 1 - step (phase 0 in buffer 1, phase 1 in buffer 0).
@@ -458,7 +510,8 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   __pipeline_wait_prior(1);
   __syncthreads();
   Zero(pr);
-  TransposedTimesSlice<L::kCN, C>(pr, sh + BL::kAqk, BL::kLdAqk, dOslice(N - 1), cm0, cn0, g, c4);
+  TransposedTimesSlice<L::kCN, C, false, false, false, kO16>(pr, sh + BL::kAqk, BL::kLdAqk, dOslice(N - 1), cm0, cn0,
+                                                            g, c4);
   __syncthreads();
   for (int64_t step = 0; step < N; ++step) {
     const int64_t c = N - 1 - step;
@@ -472,15 +525,16 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
         RowsTimesSlice<L::kCN, K, true, kB16>(pr, buf1, kRowLd, dSs, cm0, cn0, g, c4);
-        TransposedTimesSlice<L::kKN, C, false, false, kB16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0, kn0, g,
-                                                             c4);
+        TransposedTimesSlice<L::kKN, C, false, false, kB16, kO16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0,
+                                                                   kn0, g, c4);
         FragStoreTf32(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true, true, kB16>(dS, sh, kColLd, dvts, km0, kn0, g, c4);
         Zero(pn);
         if (c > 0) {
-          TransposedTimesSlice<L::kCN, C>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0, cn0, g, c4);
+          TransposedTimesSlice<L::kCN, C, false, false, false, kO16>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0,
+                                                                    cn0, g, c4);
         }
         FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
@@ -554,7 +608,8 @@ __device__ __forceinline__ void StoreTile(float* dst, int64_t ld, const float (&
 
 }  // namespace chunk_grads
 
-template <int C, int K, bool kB16>
+// kO16: dO is bf16 (KdaChunkGradsArgs::dO_bf16), staged so at kLdH words a row.
+template <int C, int K, bool kB16, bool kO16>
 __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(KdaChunkGradsArgs a) {
   using L = chunk_grads::Layout<C, K, kB16>;
   using chunk_grads::kLd;
@@ -582,7 +637,12 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
       Stage<kNT>(h + K * kLd, kLd, a.dS + it * K * V + v0, K, kBV, V);
     }
     float* const rest = h + 2 * K * L::kLdS;
-    Stage<kNT>(rest, kLd, a.dO + it * C * V + v0, C, kBV, V);
+    if constexpr (kO16) {
+      const float* o16 = reinterpret_cast<const float*>(reinterpret_cast<const uint16_t*>(a.dO) + it * C * V + v0);
+      Stage<kNT>(rest, chunk_grads::kLdH, o16, C, kBV / 2, V / 2);
+    } else {
+      Stage<kNT>(rest, kLd, a.dO + it * C * V + v0, C, kBV, V);
+    }
     Stage<kNT>(rest + C * kLd, kLd, a.vt + it * C * V + v0, C, kBV, V);
     Stage<kNT>(rest + 2 * C * kLd, kLd, a.dvt + it * C * V + v0, C, kBV, V);
     __pipeline_commit();
@@ -608,7 +668,11 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
 #pragma unroll
     for (int k0 = 0; k0 < kBV; k0 += 8) {
       uint32_t ao[4], av[4], ad[4];
-      LoadA(ao, dO, kLd, m0, k0, g, c4);
+      if constexpr (kO16) {
+        LoadA16(ao, reinterpret_cast<const uint32_t*>(dO), chunk_grads::kLdH, m0, k0, g, c4);
+      } else {
+        LoadA(ao, dO, kLd, m0, k0, g, c4);
+      }
       LoadA(av, vt, kLd, m0, k0, g, c4);
       LoadA(ad, dvt, kLd, m0, k0, g, c4);
 #pragma unroll
@@ -703,10 +767,14 @@ int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
 
 template <int C, int K>
 int Backward(const KdaScanBackwardArgs& a, cudaStream_t stream) {
+  const size_t b16 = BackwardLayout<C, K, true>::kFloats * sizeof(float),
+               b32 = BackwardLayout<C, K, false>::kFloats * sizeof(float);
   if (a.bf16_operands) {
-    return Launch(&ScanBackwardTf32Kernel<C, K, true>, a, BackwardLayout<C, K, true>::kFloats * sizeof(float), stream);
+    return a.dO_bf16 ? Launch(&ScanBackwardTf32Kernel<C, K, true, true>, a, b16, stream)
+                     : Launch(&ScanBackwardTf32Kernel<C, K, true, false>, a, b16, stream);
   }
-  return Launch(&ScanBackwardTf32Kernel<C, K, false>, a, BackwardLayout<C, K, false>::kFloats * sizeof(float), stream);
+  return a.dO_bf16 ? Launch(&ScanBackwardTf32Kernel<C, K, false, true>, a, b32, stream)
+                   : Launch(&ScanBackwardTf32Kernel<C, K, false, false>, a, b32, stream);
 }
 
 }  // namespace
@@ -733,7 +801,9 @@ int KdaChunkGrads(const KdaChunkGradsArgs& a, void* stream) {
   if (e != cudaSuccess) return static_cast<int>(e);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    auto* kernel = a.bf16 ? &ChunkGradsTf32Kernel<C, K, true> : &ChunkGradsTf32Kernel<C, K, false>;
+    auto* kernel = a.bf16 ? (a.dO_bf16 ? &ChunkGradsTf32Kernel<C, K, true, true> : &ChunkGradsTf32Kernel<C, K, true, false>)
+                          : (a.dO_bf16 ? &ChunkGradsTf32Kernel<C, K, false, true>
+                                       : &ChunkGradsTf32Kernel<C, K, false, false>);
     const size_t bytes = (a.bf16 ? chunk_grads::Layout<C, K, true>::kFloats : chunk_grads::Layout<C, K, false>::kFloats) *
                          sizeof(float);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
