@@ -517,13 +517,6 @@ bool ScanWritesRows(const Tensor& rows, int64_t V) {
          reinterpret_cast<uintptr_t>(rows.data_ptr()) % 8 == 0;
 }
 
-// Whether the backward's kernels (the tensor-core reverse scan and the chunk gradients) read o's
-// gradient as the caller's bf16: then the segment's dO stays bf16 (exactly the values the fp32
-// copy would hold), half the bytes to lay out and read.
-bool KernelsTakeBf16Grad(const Intra& in, const Tensor& grad) {
-  return grad.defined() && grad.scalar_type() == torch::kBFloat16 && scan_tensor_cores.load() && KernelScans(in);
-}
-
 ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_states, const Tensor& o_rows) {
   const int64_t B = in.W.size(0), HV = in.W.size(1), N = in.W.size(2), C = in.W.size(3), K = in.W.size(4),
                 V = in.U.size(4);
@@ -583,7 +576,6 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
                               ptr(r.dvt), ptr(r.dS), ptr(r.dS0), B * HV, N,        C,       K,         V};
   a.tf32 = tf32;
   a.Aqk = ptr(Aqk);
-  a.dO_bf16 = dOd.scalar_type() == torch::kBFloat16;
   if (Bf16Operands(in)) {
     TORCH_CHECK(tf32, "kda scan backward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
@@ -628,19 +620,17 @@ ChunkGradsResult ChunkGrads(const Intra& in, const ScanResult& f, const ReverseR
                   V = f.states.size(4);
     c10::cuda::CUDAGuard guard(dO.device());
     Tensor h = Dense(f.states), dS = Dense(r.dS), dOd = Dense(dO), vt = Dense(f.vt), dvt = Dense(r.dvt);
-    auto opts = vt.options();  // fp32 (h, dS and dO may be bf16)
+    auto opts = vt.options();  // fp32 (h and dS may be bf16)
     ChunkGradsResult g{torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, K}, opts),
                        torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, C}, opts),
                        torch::empty({B, HV, N, K}, opts)};
     TORCH_CHECK(h.scalar_type() == dS.scalar_type(), "kda chunk gradients: the states and their gradients differ in dtype");
-    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()),
-                              static_cast<float*>(dOd.data_ptr()),
+    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()), dOd.data_ptr<float>(),
                               vt.data_ptr<float>(),    dvt.data_ptr<float>(),   g.dqg.data_ptr<float>(),
                               g.dW.data_ptr<float>(),  g.dkg.data_ptr<float>(), g.dAqk.data_ptr<float>(),
                               g.deGC.data_ptr<float>(), B * HV,                 N,
                               C,                       K,                       V};
     a.bf16 = h.scalar_type() == torch::kBFloat16;
-    a.dO_bf16 = dOd.scalar_type() == torch::kBFloat16;
     CheckKernelLaunch(cuda::KdaChunkGrads(a, Stream(h)), "kda chunk gradients");
     scan_tensor_core_launches.fetch_add(1);
     return g;
@@ -834,13 +824,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       ScanResult f = ScanForward(in, entry[seg], /*want_o=*/false, /*want_states=*/true);
       // Cast and laid out densely in one pass: the model hands a transposed view (its heads'
       // layout), which the scan and chunk-gradient kernels would otherwise each copy (Dense).
-      // bf16 where the kernels take it as it is (KernelsTakeBf16Grad).
-      bool grad16 = false;
-#ifdef ODYSSEY_KERNELS_CUDA
-      grad16 = KernelsTakeBf16Grad(in, grads[0]);
-#endif
-      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(grad16 ? torch::kBFloat16 : ct,
-                                                                               /*non_blocking=*/false, /*copy=*/false,
+      Tensor dO = grads[0].defined() ? Chunk(grads[0].narrow(2, t0, len).to(ct, /*non_blocking=*/false, /*copy=*/false,
                                                                                c10::MemoryFormat::Contiguous),
                                              C)
                                      : torch::zeros_like(in.U);  // (B, HV, n, C, V)

@@ -67,7 +67,6 @@ struct KdaScanBackwardArgs {
   const float* Aqk = nullptr;
   bool bf16_operands = false;
   bool dS_bf16 = false;  // dS written as bf16 (the tensor-core kernel; KdaChunkGrads reads it)
-  bool dO_bf16 = false;  // dO holds bf16 values (the tensor-core kernel)
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 
@@ -87,7 +86,6 @@ struct KdaChunkGradsArgs {
   float *dqg, *dW, *dkg, *dAqk, *deGC;
   int64_t BH, N, C, K, V;
   bool bf16 = false;
-  bool dO_bf16 = false;  // dO holds bf16 values
 };
 int KdaChunkGrads(const KdaChunkGradsArgs& args, void* stream);
 

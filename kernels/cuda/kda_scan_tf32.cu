@@ -52,9 +52,7 @@ struct Layout {
   // The state (K x 32): the same over its K rows.
   static constexpr int kKRowTiles = K / 16;
   static constexpr int kKN = 4 * kKRowTiles / kWarps;
-  // Two staging buffers of two tiles each, the state's (or its gradient's) copy (K x 32), three
-  // (C x 32) slices (the forward uses one).
-  static constexpr int kFloats = 4 * kTile + K * kSLd + 3 * C * kSLd;
+  // (Each scan's shared memory: ForwardLayout, BackwardLayout.)
   static_assert(kCN >= 1 && kKN >= 1, "C and K must be at least 32");
 };
 
@@ -87,17 +85,6 @@ __device__ __forceinline__ void LoadB(uint32_t& b0, uint32_t& b1, const float* s
     b1 = Tf32(negate ? -p[ld] : p[ld]);
   }
 }
-
-// LoadB over a (rows x 32) slice staged as bf16 (ld bf16 values a row): each value its own TF32
-// operand.
-template <int ld>
-__device__ __forceinline__ void LoadB16(uint32_t& b0, uint32_t& b1, const float* s, int k0, int n0, int g, int c) {
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(s) + (k0 + 2 * c) * ld + n0 + g;
-  b0 = static_cast<uint32_t>(p[0]) << 16, b1 = static_cast<uint32_t>(p[ld]) << 16;
-}
-// The row stride, in bf16 values, of a (rows x 32) slice staged as bf16: 20 words (4 mod 32), so
-// LoadB16's pairs of rows 2 apart fall in distinct banks.
-constexpr int kSLd16 = kBV + 8;
 
 // The accumulator element e of a lane: row g + 8 (e / 2), column 2c + e % 2 of its 16 x 8 tile.
 // Fragments of `n` column tiles from rows [m0, m0 + 16) x columns [n0, n0 + 8 n) of a row-major
@@ -217,11 +204,9 @@ __device__ __forceinline__ void RowsTimesSlice(float (&acc)[n][4], const float* 
 }
 // acc += tile^T (tile row-major with `depth` rows) x slice (depth x 32), or minus it. `a16` as
 // RowsTimesSlice's (ld in words: a row is 2 ld bf16 values).
-// `b16`: the slice is staged as bf16 (kSLd16 values a row; not with `negate` or `rounded`).
-template <int n, int depth, bool negate = false, bool rounded = false, bool a16 = false, bool b16 = false>
+template <int n, int depth, bool negate = false, bool rounded = false, bool a16 = false>
 __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const float* t, int ld, const float* s, int m0,
                                                      int n0, int g, int c) {
-  static_assert(!b16 || (!negate && !rounded), "a bf16 slice is read as it is");
 #pragma unroll
   for (int k0 = 0; k0 < depth; k0 += 8) {
     uint32_t a[4];
@@ -233,11 +218,7 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       uint32_t b0, b1;
-      if constexpr (b16) {
-        LoadB16<kSLd16>(b0, b1, s, k0, n0 + 8 * j, g, c);
-      } else {
-        LoadB<negate, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
-      }
+      LoadB<negate, kSLd, rounded>(b0, b1, s, k0, n0 + 8 * j, g, c);
       MmaTf32(acc[j], a, b0, b1);
     }
   }
@@ -437,8 +418,8 @@ struct BackwardLayout {
 //      chunk, and, independently, the next chunk's P = Aqk^T dO (so P is never written out).
 // dO's slice is double-buffered by chunk: staged in phase 1 of the chunk after it (a prologue
 // for the last chunk), read there for P and in its own phase 0. kB16: W, kg and qg are bf16
-// (KdaScanBackwardArgs::bf16_operands); kO16: dO is bf16 (dO_bf16), its slices staged so.
-template <int C, int K, bool kB16, bool kO16>
+// (KdaScanBackwardArgs::bf16_operands).
+template <int C, int K, bool kB16>
 __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwardArgs a) {
   using L = Layout<C, K>;
   using BL = BackwardLayout<C, K, kB16>;
@@ -466,21 +447,13 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
     }
   };
   const float* Aqk = a.Aqk + bh * N * C * C;
-  // dO's element e of this (batch x head), fp32 or bf16, as the float pointer Stage takes.
-  auto dO_at = [&](int64_t e) {
-    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(a.dO) +
-                                          (bh * N * C * V + v0 + e) * (kO16 ? 2 : 4));
-  };
+  const float* dO = a.dO + bh * N * C * V + v0;
   const float* eGC = a.eGC + bh * N * K;
   auto dOslice = [&](int64_t c) { return dOs + (c & 1) * C * kSLd; };
   // Chunk c's Aqk (read transposed) into buffer 0 and its dO slice into its buffer.
   auto stage_p = [&](int64_t c) {
     Stage(sh + BL::kAqk, BL::kLdAqk, Aqk + c * C * C, C, C, C);
-    if constexpr (kO16) {
-      Stage(dOslice(c), kSLd16 / 2, dO_at(c * C * V), C, kBV / 2, V / 2);
-    } else {
-      Stage(dOslice(c), kSLd, dO_at(c * C * V), C, kBV, V);
-    }
+    Stage(dOslice(c), kSLd, dO + c * C * V, C, kBV, V);
   };
   // Group 0: the last chunk's Aqk and dO; then groups 1 + 2 step + p, p the phase of chunk
   // N - 1 - step (phase 0 in buffer 1, phase 1 in buffer 0).
@@ -510,8 +483,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   __pipeline_wait_prior(1);
   __syncthreads();
   Zero(pr);
-  TransposedTimesSlice<L::kCN, C, false, false, false, kO16>(pr, sh + BL::kAqk, BL::kLdAqk, dOslice(N - 1), cm0, cn0,
-                                                            g, c4);
+  TransposedTimesSlice<L::kCN, C>(pr, sh + BL::kAqk, BL::kLdAqk, dOslice(N - 1), cm0, cn0, g, c4);
   __syncthreads();
   for (int64_t step = 0; step < N; ++step) {
     const int64_t c = N - 1 - step;
@@ -525,16 +497,15 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
         RowsTimesSlice<L::kCN, K, true, kB16>(pr, buf1, kRowLd, dSs, cm0, cn0, g, c4);
-        TransposedTimesSlice<L::kKN, C, false, false, kB16, kO16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0,
-                                                                   kn0, g, c4);
+        TransposedTimesSlice<L::kKN, C, false, false, kB16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0, kn0, g,
+                                                             c4);
         FragStoreTf32(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true, true, kB16>(dS, sh, kColLd, dvts, km0, kn0, g, c4);
         Zero(pn);
         if (c > 0) {
-          TransposedTimesSlice<L::kCN, C, false, false, false, kO16>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0,
-                                                                    cn0, g, c4);
+          TransposedTimesSlice<L::kCN, C>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0, cn0, g, c4);
         }
         FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
@@ -608,8 +579,7 @@ __device__ __forceinline__ void StoreTile(float* dst, int64_t ld, const float (&
 
 }  // namespace chunk_grads
 
-// kO16: dO is bf16 (KdaChunkGradsArgs::dO_bf16), staged so at kLdH words a row.
-template <int C, int K, bool kB16, bool kO16>
+template <int C, int K, bool kB16>
 __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(KdaChunkGradsArgs a) {
   using L = chunk_grads::Layout<C, K, kB16>;
   using chunk_grads::kLd;
@@ -637,12 +607,7 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
       Stage<kNT>(h + K * kLd, kLd, a.dS + it * K * V + v0, K, kBV, V);
     }
     float* const rest = h + 2 * K * L::kLdS;
-    if constexpr (kO16) {
-      const float* o16 = reinterpret_cast<const float*>(reinterpret_cast<const uint16_t*>(a.dO) + it * C * V + v0);
-      Stage<kNT>(rest, chunk_grads::kLdH, o16, C, kBV / 2, V / 2);
-    } else {
-      Stage<kNT>(rest, kLd, a.dO + it * C * V + v0, C, kBV, V);
-    }
+    Stage<kNT>(rest, kLd, a.dO + it * C * V + v0, C, kBV, V);
     Stage<kNT>(rest + C * kLd, kLd, a.vt + it * C * V + v0, C, kBV, V);
     Stage<kNT>(rest + 2 * C * kLd, kLd, a.dvt + it * C * V + v0, C, kBV, V);
     __pipeline_commit();
@@ -668,11 +633,7 @@ __global__ void __launch_bounds__(chunk_grads::kThreads) ChunkGradsTf32Kernel(Kd
 #pragma unroll
     for (int k0 = 0; k0 < kBV; k0 += 8) {
       uint32_t ao[4], av[4], ad[4];
-      if constexpr (kO16) {
-        LoadA16(ao, reinterpret_cast<const uint32_t*>(dO), chunk_grads::kLdH, m0, k0, g, c4);
-      } else {
-        LoadA(ao, dO, kLd, m0, k0, g, c4);
-      }
+      LoadA(ao, dO, kLd, m0, k0, g, c4);
       LoadA(av, vt, kLd, m0, k0, g, c4);
       LoadA(ad, dvt, kLd, m0, k0, g, c4);
 #pragma unroll
@@ -767,14 +728,10 @@ int Forward(const KdaScanForwardArgs& a, cudaStream_t stream) {
 
 template <int C, int K>
 int Backward(const KdaScanBackwardArgs& a, cudaStream_t stream) {
-  const size_t b16 = BackwardLayout<C, K, true>::kFloats * sizeof(float),
-               b32 = BackwardLayout<C, K, false>::kFloats * sizeof(float);
   if (a.bf16_operands) {
-    return a.dO_bf16 ? Launch(&ScanBackwardTf32Kernel<C, K, true, true>, a, b16, stream)
-                     : Launch(&ScanBackwardTf32Kernel<C, K, true, false>, a, b16, stream);
+    return Launch(&ScanBackwardTf32Kernel<C, K, true>, a, BackwardLayout<C, K, true>::kFloats * sizeof(float), stream);
   }
-  return a.dO_bf16 ? Launch(&ScanBackwardTf32Kernel<C, K, false, true>, a, b32, stream)
-                   : Launch(&ScanBackwardTf32Kernel<C, K, false, false>, a, b32, stream);
+  return Launch(&ScanBackwardTf32Kernel<C, K, false>, a, BackwardLayout<C, K, false>::kFloats * sizeof(float), stream);
 }
 
 }  // namespace
@@ -801,9 +758,7 @@ int KdaChunkGrads(const KdaChunkGradsArgs& a, void* stream) {
   if (e != cudaSuccess) return static_cast<int>(e);
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
-    auto* kernel = a.bf16 ? (a.dO_bf16 ? &ChunkGradsTf32Kernel<C, K, true, true> : &ChunkGradsTf32Kernel<C, K, true, false>)
-                          : (a.dO_bf16 ? &ChunkGradsTf32Kernel<C, K, false, true>
-                                       : &ChunkGradsTf32Kernel<C, K, false, false>);
+    auto* kernel = a.bf16 ? &ChunkGradsTf32Kernel<C, K, true> : &ChunkGradsTf32Kernel<C, K, false>;
     const size_t bytes = (a.bf16 ? chunk_grads::Layout<C, K, true>::kFloats : chunk_grads::Layout<C, K, false>::kFloats) *
                          sizeof(float);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
