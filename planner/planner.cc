@@ -303,7 +303,10 @@ Prediction Predict(const Request& r) {
     // 12-04 fit had ~327 KB, and three (T, hidden) that grow with the
     // sequence beyond the checkpointed inputs and the incoming gradient. Fitted, not attributed
     // (the layer's recomputed output, its input's gradient and the mixer's output gradient are
-    // candidates).
+    // candidates). Since the twenty-fifth session (2026-12-07) the CUDA kernels keep h and its
+    // gradient in bf16 and the recomputed qg, kg and W too (kernels::SetKdaScanBf16Operands, the
+    // default): kda_state below still counts fp32 h, so the plan over-counts a segment by half of
+    // it (~0.2 GB at hybrid-3b's 8K segments) until a measured peak refits these terms.
     const int64_t Tt = std::min(T, model::kKdaTile), Ts = std::min(Tt, model::kKdaSegment);
     const int64_t kda_stream = 3 * T * m.hidden * e;
     const int64_t kda_tile = Tt * HK * 19;
