@@ -210,10 +210,14 @@ int Run(int argc, char** argv) {
   if (kda_direct != "on" && kda_direct != "off")
     return refuse(absl::StrCat("--kda-direct: ", odyssey::WireText(kda_direct), " is neither on nor off"));
   odyssey::kernels::SetKdaDirectInputs(kda_direct == "on");
-  if (kda_scan_operands != "tf32" && kda_scan_operands != "bf16")
-    return refuse(absl::StrCat("--kda-scan-operands: ", odyssey::WireText(kda_scan_operands), " is neither tf32 nor bf16"));
-  if (!odyssey::kernels::SetKdaScanValueBlock(static_cast<int>(kda_value_block == 16 ? 16 : kda_value_block == 32 ? 32 : 0)))
+  if (kda_scan_operands != "tf32" && kda_scan_operands != "bf16") {
+    return refuse(
+        absl::StrCat("--kda-scan-operands: ", odyssey::WireText(kda_scan_operands), " is neither tf32 nor bf16"));
+  }
+  if ((kda_value_block != 16 && kda_value_block != 32) ||
+      !odyssey::kernels::SetKdaScanValueBlock(static_cast<int>(kda_value_block))) {
     return refuse(absl::StrCat("--kda-scan-value-block: ", kda_value_block, " is neither 32 nor 16"));
+  }
   odyssey::kernels::SetKdaScanBf16Operands(kda_scan_operands == "bf16");
   for (int64_t variant : kda_variants) {
     if (variant < 0 || variant > 3)
@@ -285,8 +289,8 @@ int Run(int argc, char** argv) {
           odyssey::kernels::KdaScanBf16Operands() && variant != 1
               ? absl::StrCat(", bf16 scan operands, value block ", kda_value_block)
               : "";
-      std::printf("| KDA chunked, %s%s, %s gate | %lld | %.1f | %.1f | %.0f | |\n", name, operands.c_str(), gate.c_str(), static_cast<long long>(T), fwd * 1e3,
-                  both * 1e3, static_cast<double>(T) / both);
+      std::printf("| KDA chunked, %s%s, %s gate | %lld | %.1f | %.1f | %.0f | |\n", name, operands.c_str(),
+                  gate.c_str(), static_cast<long long>(T), fwd * 1e3, both * 1e3, static_cast<double>(T) / both);
       std::fflush(stdout);
       if (!profile_dir.empty() && variant == 0 && T == tokens.back()) {
         // One more forward + backward under the profiler: kda.cc's phases ("kda forward",

@@ -497,7 +497,7 @@ ReverseResult ReverseLoop(const Intra& in, const Tensor& dO, const Tensor& P, co
 Tensor ReverseP(const Intra& in, const Tensor& dO) { return in.Aqk.transpose(-1, -2).matmul(dO); }
 
 #ifdef ODYSSEY_KERNELS_CUDA
-// qg, kg and W in bf16: IntraByKernel kept them so for the forward's scan.
+// qg, kg and W in bf16: IntraByKernel kept them so for the state scans.
 bool Bf16Operands(const Intra& in) { return in.W.scalar_type() == torch::kBFloat16; }
 
 bool KernelScans(const Intra& in) {
@@ -508,12 +508,14 @@ bool KernelScans(const Intra& in) {
          cuda::KdaScanSupported(in.W.size(3), in.W.size(4), in.U.size(4));
 }
 
-// Whether the tensor-core scan writes o straight into `rows` (B, HV, len, V): fp32 or bf16, each
-// token's V values contiguous, tokens V apart, (batch, head) as one index.
-bool ScanWritesRows(const Tensor& rows, int64_t V) {
+// Whether the tensor-core scan writes o straight into `rows` (B, HV, len, V) for BH = B x HV and
+// len <= tokens (the segment's chunks): fp32 or bf16, each token's V values contiguous, tokens V
+// apart, (batch, head) as one index.
+bool ScanWritesRows(const Tensor& rows, int64_t BH, int64_t tokens, int64_t V) {
   return rows.defined() && scan_tensor_cores.load() && rows.is_cuda() && rows.dim() == 4 &&
-         (rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kBFloat16) && rows.size(3) == V &&
-         rows.stride(3) == 1 && rows.stride(2) == V && rows.stride(0) == rows.size(1) * rows.stride(1) &&
+         (rows.scalar_type() == torch::kFloat32 || rows.scalar_type() == torch::kBFloat16) &&
+         rows.size(0) * rows.size(1) == BH && rows.size(2) <= tokens && rows.size(3) == V && rows.stride(3) == 1 &&
+         rows.stride(2) == V && rows.stride(0) == rows.size(1) * rows.stride(1) &&
          reinterpret_cast<uintptr_t>(rows.data_ptr()) % 8 == 0;
 }
 
@@ -525,7 +527,7 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
   Tensor qg = want_o ? Dense(in.qg) : Tensor(), Aqk = want_o ? Dense(in.Aqk) : Tensor();
   auto opts = U.options();
   ScanResult r;
-  r.o_in_rows = want_o && ScanWritesRows(o_rows, V);
+  r.o_in_rows = want_o && ScanWritesRows(o_rows, B * HV, N * C, V);
   if (want_o && !r.o_in_rows) r.o = torch::empty({B, HV, N, C, V}, opts);
   // With bf16 operands the per-chunk states are kept in bf16 too: only the chunk gradients'
   // kernel reads them, as TF32 operands.
@@ -624,8 +626,10 @@ ChunkGradsResult ChunkGrads(const Intra& in, const ScanResult& f, const ReverseR
     ChunkGradsResult g{torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, K}, opts),
                        torch::empty({B, HV, N, C, K}, opts), torch::empty({B, HV, N, C, C}, opts),
                        torch::empty({B, HV, N, K}, opts)};
-    TORCH_CHECK(h.scalar_type() == dS.scalar_type(), "kda chunk gradients: the states and their gradients differ in dtype");
-    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()), dOd.data_ptr<float>(),
+    TORCH_CHECK(h.scalar_type() == dS.scalar_type(),
+                "kda chunk gradients: the states and their gradients differ in dtype");
+    cuda::KdaChunkGradsArgs a{static_cast<float*>(h.data_ptr()), static_cast<float*>(dS.data_ptr()),
+                              dOd.data_ptr<float>(),
                               vt.data_ptr<float>(),    dvt.data_ptr<float>(),   g.dqg.data_ptr<float>(),
                               g.dW.data_ptr<float>(),  g.dkg.data_ptr<float>(), g.dAqk.data_ptr<float>(),
                               g.deGC.data_ptr<float>(), B * HV,                 N,

@@ -121,8 +121,8 @@ void SetKdaDirectInputs(bool enabled);
 // the chunk gradients' kernel reads, as TF32 operands) in bf16 too. It halves what the scans read
 // for those three tiles and what the chunk gradients read of the states
 // (bench/kda_operand_precision.py: the output's relative RMS error against the fp32 recurrence
-// 1.25e-3 where TF32 gives 4.0e-4; the spec's bar is 5e-3). Only with the tensor-core scans (SetKdaScanTensorCores) and the CUDA
-// kernels; elsewhere it changes nothing.
+// 1.25e-3 where TF32 gives 4.0e-4; the spec's bar is 5e-3). Only with the tensor-core scans
+// (SetKdaScanTensorCores) and the CUDA kernels; elsewhere it changes nothing.
 void SetKdaScanBf16Operands(bool enabled);
 bool KdaScanBf16Operands();
 // The value columns a block of the forward's bf16-operand scan owns: 32 (default) or 16 (twice

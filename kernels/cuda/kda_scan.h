@@ -6,8 +6,9 @@
 // shared memory, one thread block per (batch x head, 32 value columns): value columns of the
 // state never mix, so a head's V columns split across blocks.
 //
-// Raw device pointers (no CUDA or libtorch headers here), all fp32 and contiguous, BH = batch x
-// value heads, N chunks of C tokens:
+// Raw device pointers (no CUDA or libtorch headers here), contiguous and fp32 (W, kg, qg, states
+// and dS bf16 where the tensor-core kernels' flags below say), BH = batch x value heads, N chunks
+// of C tokens:
 //   W, kg, qg (BH, N, C, K)   U, vt, o, dO, P, dvt (BH, N, C, V)   Aqk (BH, N, C, C)
 //   eGC (BH, N, K)            states, dS (BH, N, K, V)             h0, hN, dSN, dS0 (BH, K, V)
 // Supported: C in {32, 64}, K in {32, 64, 128}, V a multiple of 32, 16-byte aligned pointers

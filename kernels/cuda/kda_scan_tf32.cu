@@ -146,7 +146,8 @@ __device__ __forceinline__ void StoreRows(const KdaScanForwardArgs& a, int64_t b
         *reinterpret_cast<__nv_bfloat162*>(static_cast<uint16_t*>(a.o_rows) + row + 8 * j) =
             __floats2bfloat162_rn(f[j][2 * h], f[j][2 * h + 1]);
       } else {
-        *reinterpret_cast<float2*>(static_cast<float*>(a.o_rows) + row + 8 * j) = make_float2(f[j][2 * h], f[j][2 * h + 1]);
+        *reinterpret_cast<float2*>(static_cast<float*>(a.o_rows) + row + 8 * j) =
+            make_float2(f[j][2 * h], f[j][2 * h + 1]);
       }
     }
   }
@@ -231,7 +232,7 @@ __device__ __forceinline__ void TransposedTimesSlice(float (&acc)[n][4], const f
 // elements (K / 2 + 4 words, 4 mod 32): the row-read fragments (W, qg) and the transposed ones
 // (kg) load free of bank conflicts, and a bf16 value is its TF32 operand as it is (the top 16 bits
 // of an fp32), so nothing converts. Aqk stays fp32 at a stride of C + 8. A chunk then reads
-// 2 C K + 4 C C bytes from L2 instead of 12 C K + 4 C C, and the block's shared memory (98 KB
+// 6 C K + 4 C C bytes from L2 instead of 12 C K + 4 C C, and the block's shared memory (96 KiB
 // at C = 64, K = 128) leaves room for two blocks a multiprocessor.
 template <int C, int K, int BV, bool kB16>
 struct ForwardLayout {
@@ -759,8 +760,8 @@ int KdaChunkGrads(const KdaChunkGradsArgs& a, void* stream) {
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     auto* kernel = a.bf16 ? &ChunkGradsTf32Kernel<C, K, true> : &ChunkGradsTf32Kernel<C, K, false>;
-    const size_t bytes = (a.bf16 ? chunk_grads::Layout<C, K, true>::kFloats : chunk_grads::Layout<C, K, false>::kFloats) *
-                         sizeof(float);
+    const size_t floats = a.bf16 ? chunk_grads::Layout<C, K, true>::kFloats : chunk_grads::Layout<C, K, false>::kFloats;
+    const size_t bytes = floats * sizeof(float);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     if (err != cudaSuccess) return static_cast<int>(err);
     int per_sm = 0;
