@@ -656,6 +656,34 @@ TEST(Kda, ScanTensorCoreSwitchChangesNothingOnTheCpu) {
   for (size_t i = 0; i < on.size(); ++i) EXPECT_TRUE(torch::equal(on[i], off[i])) << i;
 }
 
+// The bf16 scan operands are the CUDA kernels' (SetKdaScanBf16Operands): on the CPU both settings
+// and both value blocks run the same libtorch path, bit for bit, forward and backward, and no scan
+// counts as a bf16 one. The switch starts on; the value block takes 32 and 16 only.
+TEST(Kda, Bf16ScanOperandSwitchChangesNothingOnTheCpu) {
+  EXPECT_TRUE(KdaScanBf16Operands());
+  for (int bad : {0, 8, 24, 64, -32}) EXPECT_FALSE(SetKdaScanValueBlock(bad)) << bad;
+  const Case c{1, 2, 2, 150, 64, 64, -0.1};
+  Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 15).To(torch::kFloat32, torch::kCPU);
+  Tensor dO = torch::randn({c.B, c.HV, c.T, c.V});
+  Tensor dS = torch::randn({c.B, c.HV, c.K, c.V});
+  KdaOptions opt;
+  const int64_t scans = KdaBf16OperandScans();
+  std::vector<Tensor> on = Grads(true, in, dO, dS, opt, /*forward=*/true);
+  ASSERT_TRUE(SetKdaScanValueBlock(16));
+  std::vector<Tensor> narrow = Grads(true, in, dO, dS, opt, /*forward=*/true);
+  ASSERT_TRUE(SetKdaScanValueBlock(32));
+  SetKdaScanBf16Operands(false);
+  EXPECT_FALSE(KdaScanBf16Operands());
+  std::vector<Tensor> off = Grads(true, in, dO, dS, opt, /*forward=*/true);
+  SetKdaScanBf16Operands(true);
+  EXPECT_EQ(KdaBf16OperandScans(), scans);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) {
+    EXPECT_TRUE(torch::equal(on[i], off[i])) << i;
+    EXPECT_TRUE(torch::equal(on[i], narrow[i])) << i;
+  }
+}
+
 // Both forms of the diagonal blocks: per-token decay up to 1 (blocks decay by < 16: the matmul
 // around the middle row) and up to 8 (blocks decay by up to 128 > 60: element-wise).
 TEST(Kda, DecayedGramEqualsItsDefinition) {
