@@ -551,7 +551,6 @@ ScanResult ScanKernel(const Intra& in, const Tensor& h0, bool want_o, bool want_
     TORCH_CHECK(a.tf32, "kda scan forward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
     a.value_block = want_o ? scan_value_block.load() : 32;  // 16-column blocks: with the output only
-    a.states_bf16 = want_states;
     bf16_operand_scans.fetch_add(1);
   }
   CheckKernelLaunch(cuda::KdaScanForward(a, Stream(W)), "kda scan forward");
@@ -581,7 +580,6 @@ ReverseResult ReverseKernel(const Intra& in, const Tensor& dO, const Tensor& dSN
   if (Bf16Operands(in)) {
     TORCH_CHECK(tf32, "kda scan backward: bf16 operands feed only the tensor-core scans");
     a.bf16_operands = true;
-    a.dS_bf16 = true;
     bf16_operand_scans.fetch_add(1);
   }
   CheckKernelLaunch(cuda::KdaScanBackward(a, Stream(W)), "kda scan backward");

@@ -338,14 +338,13 @@ int KdaScanForward(const KdaScanForwardArgs& a, void* stream) {
                       : a.value_block != 32) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  if (a.states_bf16 && (!a.tf32 || a.states == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   if (a.tf32) return KdaScanForwardTf32(a, stream);
   ODYSSEY_KDA_DISPATCH(Forward, a.C, a.K, a, static_cast<cudaStream_t>(stream));
 }
 
 int KdaScanBackward(const KdaScanBackwardArgs& a, void* stream) {
   if (!KdaScanSupported(a.C, a.K, a.V) || a.N <= 0 || a.BH <= 0 || a.BH > 65535 ||
-      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr) || ((a.bf16_operands || a.dS_bf16) && !a.tf32)) {
+      (a.tf32 ? a.Aqk == nullptr : a.P == nullptr) || (a.bf16_operands && !a.tf32)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (a.tf32) return KdaScanBackwardTf32(a, stream);

@@ -30,9 +30,10 @@ bool KdaScanSupported(int64_t C, int64_t K, int64_t V);
 // states (S before each chunk) are written where not null. hN gets the final state.
 // bf16_operands (the tensor-core kernel only): W, kg and qg hold bf16 values (their pointers point
 // at the bf16 bits; the intra kernel wrote them rounded), read as the products' TF32 operands
-// unchanged; U, Aqk, the state and every sum stay fp32. value_block: the value columns a block
-// owns, 32, or 16 with bf16_operands and an output at C = 64 and K >= 64 (twice the blocks, for
-// grids that would not fill the multiprocessors).
+// unchanged; U, Aqk, the state and every sum stay fp32. The per-chunk states (where written) are
+// then written as bf16, for KdaChunkGrads. value_block: the value columns a block owns, 32, or 16
+// with bf16_operands and an output at C = 64 and K >= 64 (twice the blocks, for grids that would
+// not fill the multiprocessors).
 struct KdaScanForwardArgs {
   const float *W, *U, *kg, *eGC, *qg, *Aqk, *h0;
   float *o, *vt, *states, *hN;
@@ -40,7 +41,6 @@ struct KdaScanForwardArgs {
   bool tf32 = false;
   bool bf16_operands = false;
   int value_block = 32;
-  bool states_bf16 = false;  // states written as bf16 (the tensor-core kernel; KdaChunkGrads reads them)
   // The tensor-core kernel with an output: o_rows non-null writes o there instead of `o`, token t
   // of (batch x head) bh at o_rows + bh o_bh_stride + t V (elements), fp32 or bf16 (`o_rows_bf16`,
   // rounded to nearest even), for t < o_len only (the rows past it are the last chunk's padding).
@@ -59,7 +59,8 @@ int KdaScanForward(const KdaScanForwardArgs& args, void* stream);
 // dS0 gets the gradient of h0. The fp32 kernel reads P; the tensor-core one (`tf32`) forms each
 // P_c from Aqk and dO itself, an independent product beside the scan's chain, and reads Aqk
 // instead (the other may be null).
-// bf16_operands (the tensor-core kernel only): W, kg and qg hold bf16 values, as the forward's.
+// bf16_operands (the tensor-core kernel only): W, kg and qg hold bf16 values, as the forward's, and
+// dS is written as bf16, for KdaChunkGrads.
 struct KdaScanBackwardArgs {
   const float *W, *kg, *eGC, *qg, *dO, *P, *dSN;
   float *dvt, *dS, *dS0;
@@ -67,7 +68,6 @@ struct KdaScanBackwardArgs {
   bool tf32 = false;
   const float* Aqk = nullptr;
   bool bf16_operands = false;
-  bool dS_bf16 = false;  // dS written as bf16 (the tensor-core kernel; KdaChunkGrads reads it)
 };
 int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 
@@ -80,7 +80,7 @@ int KdaScanBackward(const KdaScanBackwardArgs& args, void* stream);
 // shared memory in slices of 32 value columns, the next slice in flight while one is used.
 // Shapes as above; outputs contiguous: dqg, dW, dkg (BH, N, C, K), dAqk (BH, N, C, C), deGC
 // (BH, N, K). Sizes as KdaScanSupported.
-// bf16: states and dS hold bf16 values (the scans' states_bf16 and dS_bf16), each its own TF32
+// bf16: states and dS hold bf16 values (the bf16-operand scans wrote them), each its own TF32
 // operand; deGC's products and sums stay fp32.
 struct KdaChunkGradsArgs {
   const float *states, *dS, *dO, *vt, *dvt;

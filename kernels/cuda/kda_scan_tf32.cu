@@ -71,7 +71,7 @@ __device__ __forceinline__ void LoadAT(uint32_t (&a)[4], const float* t, int ld,
   a[0] = Tf32(r0[0]), a[1] = Tf32(r0[8]), a[2] = Tf32(r0[ld]), a[3] = Tf32(r0[ld + 8]);
 }
 // B = a (rows x 32) slice (stride ld), columns [n0, n0 + 8); `negate` flips its sign. `rounded`:
-// the slice holds TF32 values already (FragStoreTf32 wrote it), taken as they are: the same bits
+// the slice holds TF32 values already (FragStore<Out::kTf32> wrote it), taken as they are: the same bits
 // as rounding here (cvt.rna rounds -x to -Tf32(x)), one conversion an element instead of one a
 // use.
 template <bool negate = false, int ld = kSLd, bool rounded = false>
@@ -100,32 +100,36 @@ __device__ __forceinline__ void FragLoad(float (&f)[n][4], const float* src, int
       f[j][2 * h] = x.x, f[j][2 * h + 1] = x.y;
     }
 }
-template <int n>
-__device__ __forceinline__ void FragStore(float* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g, int c) {
+// How FragStore writes an element pair: as it is (fp32), rounded to TF32 (a B operand slice that
+// LoadB<.., true> reads as it is), or as bf16 (its bits, rounded to nearest even; one 4-byte store).
+enum class Out { kFp32, kTf32, kBf16 };
+template <Out out>
+__device__ __forceinline__ void StorePair(void* p, float x, float y) {
+  if constexpr (out == Out::kBf16) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+  } else if constexpr (out == Out::kTf32) {
+    *reinterpret_cast<float2*>(p) = make_float2(__uint_as_float(Tf32(x)), __uint_as_float(Tf32(y)));
+  } else {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  }
+}
+// The fragments to a row-major matrix (stride ld elements of T: float, or uint16_t for kBf16).
+template <Out out = Out::kFp32, int n, typename T>
+__device__ __forceinline__ void FragStore(T* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g, int c) {
+  static_assert((out == Out::kBf16) == (sizeof(T) == 2), "bf16 pairs go to 16-bit storage, the others to fp32");
 #pragma unroll
   for (int j = 0; j < n; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
-          make_float2(f[j][2 * h], f[j][2 * h + 1]);
+      StorePair<out>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c, f[j][2 * h], f[j][2 * h + 1]);
 }
-// FragStore to a bf16 matrix (its elements' bits; rounded to nearest even), a pair a 4-byte store.
-template <int n>
-__device__ __forceinline__ void FragStoreBf16(uint16_t* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g,
-                                              int c) {
-#pragma unroll
-  for (int j = 0; j < n; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<__nv_bfloat162*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
-          __floats2bfloat162_rn(f[j][2 * h], f[j][2 * h + 1]);
-}
-// The state (or its gradient) before chunk c to a.states or a.dS: fp32, or bf16 with `bf16`.
-template <int n>
-__device__ __forceinline__ void StoreState(float* base, bool bf16, int64_t at, int64_t V, const float (&f)[n][4],
-                                           int m0, int n0, int g, int c) {
-  if (bf16) {
-    FragStoreBf16(reinterpret_cast<uint16_t*>(base) + at, V, f, m0, n0, g, c);
+// The state (or its gradient) before chunk c to a.states or a.dS: fp32, or bf16 with kB16 (the
+// bf16-operand scans keep them so for KdaChunkGrads).
+template <bool kB16, int n>
+__device__ __forceinline__ void StoreState(float* base, int64_t at, int64_t V, const float (&f)[n][4], int m0, int n0,
+                                           int g, int c) {
+  if constexpr (kB16) {
+    FragStore<Out::kBf16>(reinterpret_cast<uint16_t*>(base) + at, V, f, m0, n0, g, c);
   } else {
     FragStore(base + at, V, f, m0, n0, g, c);
   }
@@ -143,25 +147,12 @@ __device__ __forceinline__ void StoreRows(const KdaScanForwardArgs& a, int64_t b
 #pragma unroll
     for (int j = 0; j < n; ++j) {
       if (a.o_rows_bf16) {
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<uint16_t*>(a.o_rows) + row + 8 * j) =
-            __floats2bfloat162_rn(f[j][2 * h], f[j][2 * h + 1]);
+        StorePair<Out::kBf16>(static_cast<uint16_t*>(a.o_rows) + row + 8 * j, f[j][2 * h], f[j][2 * h + 1]);
       } else {
-        *reinterpret_cast<float2*>(static_cast<float*>(a.o_rows) + row + 8 * j) =
-            make_float2(f[j][2 * h], f[j][2 * h + 1]);
+        StorePair<Out::kFp32>(static_cast<float*>(a.o_rows) + row + 8 * j, f[j][2 * h], f[j][2 * h + 1]);
       }
     }
   }
-}
-// FragStore of the fragments rounded to TF32: a B operand slice that LoadB<.., true> reads.
-template <int n>
-__device__ __forceinline__ void FragStoreTf32(float* dst, int64_t ld, const float (&f)[n][4], int m0, int n0, int g,
-                                              int c) {
-#pragma unroll
-  for (int j = 0; j < n; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float2*>(dst + (m0 + g + 8 * h) * ld + n0 + 8 * j + 2 * c) =
-          make_float2(__uint_as_float(Tf32(f[j][2 * h])), __uint_as_float(Tf32(f[j][2 * h + 1])));
 }
 template <int n>
 __device__ __forceinline__ void Zero(float (&f)[n][4]) {
@@ -305,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
   };
   float S[L::kKN][4], u[L::kCN][4], un[L::kCN][4], out[L::kCN][4];
   FragLoad(S, a.h0 != nullptr ? a.h0 + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
-  FragStoreTf32(Ss, kLd, S, km0, kn0, g, c4);
+  FragStore<Out::kTf32>(Ss, kLd, S, km0, kn0, g, c4);
   FragLoad(u, U, V, cm0, cn0, g, c4);
   issue(0);
   const int64_t total = N * kPhases;
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
       const float* t = sh + (p == 0 ? 0 : L::kBuf1);
       const float* t2 = t + L::kSecond;
       if (p == 0) {
-        if (a.states != nullptr) StoreState(a.states, a.states_bf16, (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
+        if (a.states != nullptr) StoreState<kB16>(a.states, (bh * N + c) * K * V + v0, V, S, km0, kn0, g, c4);
         if (c + 1 < N) FragLoad(un, U + (c + 1) * C * V, V, cm0, cn0, g, c4);
         float acc[L::kCN][4];
         Zero(acc);
@@ -344,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][e] = u[i][e] - acc[i][e];
-        FragStoreTf32(vts, kLd, acc, cm0, cn0, g, c4);
+        FragStore<Out::kTf32>(vts, kLd, acc, cm0, cn0, g, c4);
         if (a.vt != nullptr) FragStore(a.vt + (bh * N + c) * C * V + v0, V, acc, cm0, cn0, g, c4);
       } else {
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
@@ -375,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, (ForwardLayout<C, K, BV, kB16>::kBlo
             }
           }
         }
-        FragStoreTf32(Ss, kLd, S, km0, kn0, g, c4);
+        FragStore<Out::kTf32>(Ss, kLd, S, km0, kn0, g, c4);
         if (kOut) {
           if (a.o_rows == nullptr) {
             FragStore(a.o + (bh * N + c) * C * V + v0, V, out, cm0, cn0, g, c4);
@@ -477,7 +468,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
   constexpr int kRowLd = kB16 ? BL::kLdH : L::kLdRow, kColLd = kB16 ? BL::kLdH : L::kLdCol;
   float dS[L::kKN][4], pr[L::kCN][4], pn[L::kCN][4];
   FragLoad(dS, a.dSN != nullptr ? a.dSN + bh * K * V + v0 : nullptr, V, km0, kn0, g, c4);
-  FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
+  FragStore<Out::kTf32>(dSs, kSLd, dS, km0, kn0, g, c4);
   const int64_t total = 1 + 2 * N;
   issue(0);
   issue(1);
@@ -493,14 +484,14 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
       const int64_t j = 1 + step * 2 + p;
       PipelineStep(j, total, issue);
       if (p == 0) {
-        StoreState(a.dS, a.dS_bf16, (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
+        StoreState<kB16>(a.dS, (bh * N + c) * K * V + v0, V, dS, km0, kn0, g, c4);
         const float eg0 = eGC[c * K + km0 + g], eg1 = eGC[c * K + km0 + g + 8];
 #pragma unroll
         for (int i = 0; i < L::kKN; ++i) dS[i][0] *= eg0, dS[i][1] *= eg0, dS[i][2] *= eg1, dS[i][3] *= eg1;
         RowsTimesSlice<L::kCN, K, true, kB16>(pr, buf1, kRowLd, dSs, cm0, cn0, g, c4);
         TransposedTimesSlice<L::kKN, C, false, false, kB16>(dS, buf1 + BL::kSecond, kColLd, dOslice(c), km0, kn0, g,
                                                              c4);
-        FragStoreTf32(dvts, kSLd, pr, cm0, cn0, g, c4);
+        FragStore<Out::kTf32>(dvts, kSLd, pr, cm0, cn0, g, c4);
         FragStore(a.dvt + (bh * N + c) * C * V + v0, V, pr, cm0, cn0, g, c4);
       } else {
         TransposedTimesSlice<L::kKN, C, true, true, kB16>(dS, sh, kColLd, dvts, km0, kn0, g, c4);
@@ -508,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) ScanBackwardTf32Kernel(KdaScanBackwa
         if (c > 0) {
           TransposedTimesSlice<L::kCN, C>(pn, sh + BL::kAqk, BL::kLdAqk, dOslice(c - 1), cm0, cn0, g, c4);
         }
-        FragStoreTf32(dSs, kSLd, dS, km0, kn0, g, c4);
+        FragStore<Out::kTf32>(dSs, kSLd, dS, km0, kn0, g, c4);
 #pragma unroll
         for (int i = 0; i < L::kCN; ++i)
 #pragma unroll
