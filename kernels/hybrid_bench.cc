@@ -11,7 +11,9 @@
 //     directly (on, the default) or prepared fp32 copies (kernels::SetKdaDirectInputs);
 //     --kda-scan-operands tf32|bf16 whether the forward's state scan reads qg, kg and W as bf16
 //     (kernels::SetKdaScanBf16Operands; the library's default otherwise) and --kda-scan-value-block
-//     32|16 the value columns a block of that scan owns (SetKdaScanValueBlock). --gate
+//     32|16 the value columns a block of that scan owns (SetKdaScanValueBlock);
+//     --kda-backward-inverse read|recompute whether the intra backward kernel reads the recompute's
+//     UT inverse or inverts again (kernels::SetKdaIntraBackwardReadsInverse). --gate
 //     mild|strong picks the log-decay (below); --profile DIR
 //     records one more forward + backward at the last length into DIR/kda_trace.json.
 //   - sparse attention: kernels::SparseAttention over W selected keys per query (GQA 24/8 x 128),
@@ -139,6 +141,7 @@ int Run(int argc, char** argv) {
   std::string json, ops = "kda,sparse,dense", gate = "mild", profile_dir, selection = "pools", kda_direct = "on";
   std::string kda_scan_operands = odyssey::kernels::KdaScanBf16Operands() ? "bf16" : "tf32";
   int64_t kda_value_block = 32;
+  std::string kda_backward_inverse = odyssey::kernels::KdaIntraBackwardReadsInverse() ? "read" : "recompute";
   std::vector<int64_t> warmup_blocks = {0};
   std::vector<int64_t> kda_variants = {0, 1, 2, 3};
   odyssey::kernels::KdaOptions kda_options;
@@ -168,12 +171,13 @@ int Run(int argc, char** argv) {
       else if (a == "--kda-direct") kda_direct = v;
       else if (a == "--kda-scan-operands") kda_scan_operands = v;
       else if (a == "--kda-scan-value-block") kda_value_block = ParseInt(v);
+      else if (a == "--kda-backward-inverse") kda_backward_inverse = v;
       else if (a == "--variants") kda_variants = ParseList(v);
       else
         return refuse(absl::StrCat("unknown flag ", odyssey::WireText(a),
                                    " (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, "
                                    "--gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --kda-direct, "
-                                   "--kda-scan-operands, --kda-scan-value-block, --variants, --json)"));
+                                   "--kda-scan-operands, --kda-scan-value-block, --kda-backward-inverse, --variants, --json)"));
     } catch (const std::logic_error&) {  // std::stoll's invalid_argument and out_of_range
       return refuse(absl::StrCat(a, ": ", odyssey::WireText(v), " is not an integer (or a comma-separated list of them)"));
     }
@@ -219,6 +223,11 @@ int Run(int argc, char** argv) {
     return refuse(absl::StrCat("--kda-scan-value-block: ", kda_value_block, " is neither 32 nor 16"));
   }
   odyssey::kernels::SetKdaScanBf16Operands(kda_scan_operands == "bf16");
+  if (kda_backward_inverse != "read" && kda_backward_inverse != "recompute") {
+    return refuse(absl::StrCat("--kda-backward-inverse: ", odyssey::WireText(kda_backward_inverse),
+                               " is neither read nor recompute"));
+  }
+  odyssey::kernels::SetKdaIntraBackwardReadsInverse(kda_backward_inverse == "read");
   for (int64_t variant : kda_variants) {
     if (variant < 0 || variant > 3)
       return refuse(absl::StrCat("--variants: ", variant,
@@ -304,7 +313,8 @@ int Run(int argc, char** argv) {
                      ",\"dim\":" + std::to_string(dim) + ",\"chunk\":" + std::to_string(kda_options.chunk_size) +
                      ",\"segment\":" + std::to_string(kda_options.segment) +
                      ",\"scan_operand_storage\":\"" + (operands.empty() ? "fp32" : "bf16") + "\",\"value_block\":" +
-                     std::to_string(kda_value_block) + ",\"forward_ms\":" + std::to_string(fwd * 1e3) +
+                     std::to_string(kda_value_block) + ",\"backward_inverse\":\"" + kda_backward_inverse +
+                     "\",\"forward_ms\":" + std::to_string(fwd * 1e3) +
                      ",\"forward_backward_ms\":" + std::to_string(both * 1e3) + "}");
     }
     // The lightning indexer's selection: top selected / 4 pools of 4 keys per query.

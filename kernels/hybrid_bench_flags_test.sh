@@ -25,6 +25,7 @@ refused "--gate: medium is neither mild nor strong" --gate medium
 refused "--kda-direct: some is neither on nor off" --kda-direct some
 refused "--kda-scan-operands: fp16 is neither tf32 nor bf16" --kda-scan-operands fp16
 refused "--kda-scan-value-block: 8 is neither 32 nor 16" --kda-scan-value-block 8
+refused "--kda-backward-inverse: keep is neither read nor recompute" --kda-backward-inverse keep
 refused "--ops: unknown op attention" --ops kda,attention
 refused "unknown flag --chunks" --chunks 32
 refused "--json needs a value" --ops kda --json

@@ -125,6 +125,8 @@ std::atomic<bool> direct_inputs{true};
 std::atomic<bool> scan_bf16_operands{true};
 std::atomic<int> scan_value_block{32};
 std::atomic<int64_t> bf16_operand_scans{0};
+std::atomic<bool> intra_backward_reads_inverse{true};
+std::atomic<int64_t> inverse_reads{0};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
@@ -191,9 +193,10 @@ bool ScanTakesBf16Operands(int64_t BH, int64_t C, int64_t K, int64_t V) {
 // fp32 with a cache, whose chunked inputs libtorch reads), q scaled by q_scale as read; false: the
 // caller builds them with libtorch ops. `for_scans`: qg, kg and W feed only the state scans (the
 // forward's; the backward's recompute and reverse scan where the intra backward is the kernel's),
-// which take them in bf16 where ScanTakesBf16Operands.
+// which take them in bf16 where ScanTakesBf16Operands. `keep_T` (no cache): T = (I + A_kk)^-1 kept
+// in in->T (fp32) for the intra backward kernel of the same segment (KdaIntraBackwardArgs::T).
 bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta, int64_t C,
-                   Intra* in, IntraCache* cache, double q_scale, bool for_scans = false) {
+                   Intra* in, IntraCache* cache, double q_scale, bool for_scans = false, bool keep_T = false) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2);
   const bool fp32 = q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32 && beta.scalar_type() == torch::kFloat32;
@@ -221,6 +224,10 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
           f(cache->km), f(cache->X), f(cache->Y), f(cache->EC), f(cache->eG)};
   }
   if (cache != nullptr) a.cache = &kc;
+  if (keep_T && cache == nullptr) {
+    in->T = torch::empty({B, HV, N, C, C}, opts);
+    a.T_out = in->T.data_ptr<float>();
+  }
   a.tf32 = scan_tensor_cores.load();  // the Grams and W, U on the tensor cores with the scans
   CheckKernelLaunch(cuda::KdaIntraForward(a, Stream(q)), "kda intra-chunk forward");
   return true;
@@ -385,7 +392,8 @@ IntraGrads IntraBackward(const Intra& in, const IntraCache& c, const Tensor& dqg
 IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G,
                                  const Tensor& beta, double q_scale, const Tensor& dqg, const Tensor& dkg,
                                  const Tensor& dW, const Tensor& dU, const Tensor& dAqk, const Tensor& deGC,
-                                 int64_t len, bool sub_blocks, double dq_scale, const std::vector<Tensor>* out) {
+                                 int64_t len, bool sub_blocks, double dq_scale, const std::vector<Tensor>* out,
+                                 const Tensor& T = Tensor()) {
   const int64_t B = q.size(0), HV = q.size(1), K = q.size(3), V = v.size(3), N = G.size(2), C = G.size(3);
   auto dense = [](const Tensor& t) { return t.contiguous(); };
   const Tensor Gd = dense(G), dqgd = dense(dqg), dkgd = dense(dkg), dWd = dense(dW), dUd = dense(dU),
@@ -423,6 +431,15 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
   a.bf16 = Bf16Bits(q, k, v, beta);
   a.q_scale = static_cast<float>(q_scale);
   a.dq_scale = static_cast<float>(dq_scale);
+  // The recompute's inverse (fp32, the whole-chunk form, on 16 bytes: the kernel copies its rows
+  // by cp.async), read instead of inverting again.
+  Tensor Td;
+  if (T.defined() && !sub_blocks && T.scalar_type() == torch::kFloat32 && T.device() == q.device()) {
+    Td = T.contiguous();
+    if (reinterpret_cast<uintptr_t>(Td.data_ptr()) % 16 != 0) Td = Td.clone();
+    a.T = Td.data_ptr<float>();
+    inverse_reads.fetch_add(1);
+  }
   if (q.is_cuda()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     c10::cuda::CUDAGuard guard(q.device());
@@ -699,14 +716,14 @@ class SegmentInputs {
 // ComputeIntra over a segment's inputs: its kernels on the caller's tensors where they take them
 // (no cache: IntraBackward's libtorch ops read the cache's chunked inputs in fp32), else
 // ComputeIntra of the prepared form.
-// `for_scans` as IntraByKernel's.
+// `for_scans` and `keep_T` as IntraByKernel's (the libtorch form computes T either way).
 Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm form, IntraCache* cache = nullptr,
-                      bool for_scans = false) {
+                      bool for_scans = false, bool keep_T = false) {
   if (cache == nullptr && x.Direct()) {
 #ifdef ODYSSEY_KERNELS_CUDA
     Intra in;
     if (form == KdaGramForm::kWholeChunk &&
-        IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale, for_scans)) {
+        IntraByKernel(x.q, x.k, x.v, G, x.beta, C, &in, nullptr, x.scale, for_scans, keep_T)) {
       direct_input_runs.fetch_add(1);
       return in;
     }
@@ -811,8 +828,10 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
         if (by_hand) {
           // The kernel recomputes its factors itself: the recompute keeps nothing for it, and
           // only the scans read qg, kg and W (bf16 where the forward's scan read them so: the
-          // states are recomputed from the operands the forward used).
-          in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache, /*for_scans=*/by_kernel);
+          // states are recomputed from the operands the forward used); it reads T, the one
+          // quantity whose recompute is serial (KdaIntraBackwardReadsInverse).
+          in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache, /*for_scans=*/by_kernel,
+                               /*keep_T=*/by_kernel && !sub_blocks && intra_backward_reads_inverse.load());
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);
@@ -849,7 +868,8 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
           // dq leaves as the caller's q's gradient: times the scale either way (the prepared q
           // holds it, the direct one is scaled as read).
           d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
-                                    sub_blocks, scale, direct_out ? &out : nullptr);
+                                    sub_blocks, scale, direct_out ? &out : nullptr,
+                                    intra_backward_reads_inverse.load() ? in.T : Tensor());
           dq_scaled = true;
           if (x.Direct()) direct_input_runs.fetch_add(1);
           if (direct_out) direct_grad_runs.fetch_add(1);
@@ -909,6 +929,9 @@ bool SetKdaScanValueBlock(int columns) {
   return true;
 }
 int64_t KdaBf16OperandScans() { return bf16_operand_scans.load(); }
+void SetKdaIntraBackwardReadsInverse(bool enabled) { intra_backward_reads_inverse.store(enabled); }
+bool KdaIntraBackwardReadsInverse() { return intra_backward_reads_inverse.load(); }
+int64_t KdaIntraBackwardInverseReads() { return inverse_reads.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -132,6 +132,17 @@ bool SetKdaScanValueBlock(int columns);
 // State scans (forward or reverse) that read bf16 operands so far in this process (tests prove
 // which path ran).
 int64_t KdaBf16OperandScans();
+// Process-wide (set before the calls; benchmarks compare): whether the intra-chunk backward kernel
+// reads the UT inverse T = (I + A_kk)^-1 that the backward's recompute of the segment computed
+// (the kernel's, kept as one fp32 C x C tile a chunk: 0.2 GB a 32K-token segment at 24 heads, only
+// while that segment's backward runs) instead of inverting again (default on). The spec lets the
+// backward keep T; the inverse is the kernel's serial part (forward substitution, then 2 (C / 16
+// - 1) phases each ending at a barrier). Whole-chunk Gram form only; elsewhere nothing changes.
+void SetKdaIntraBackwardReadsInverse(bool enabled);
+bool KdaIntraBackwardReadsInverse();
+// Intra backward kernel passes (segments; on CUDA or emulated) that read a given T so far in this
+// process (tests prove which path ran).
+int64_t KdaIntraBackwardInverseReads();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

@@ -68,6 +68,9 @@ void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads)
   if (!KdaGradOutsValid(a)) {
     throw std::invalid_argument("KDA block code: a gradient without a destination, or dq, dk, dv not in q's dtype");
   }
+  if (a.T != nullptr && a.sub_blocks) {
+    throw std::invalid_argument("KDA block code: a given inverse T is for the whole-chunk Gram form only");
+  }
   ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     // The kernel also wants dW and dU on 16 bytes for this form (its cp.async rows); here they
@@ -78,11 +81,19 @@ void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads)
       constexpr int nt = kKdaIntraBackwardThreads;
       const int phases = kda_bwd::Phases(C);
       const int64_t smem = kda_bwd::SmemFloats(C, K, a.V, tc);
+      // A given T (the whole-chunk form's): the kernel's kGivenT instance, whose inverse phases
+      // do nothing (the kernel skips them and their barriers).
+      const bool given = a.T != nullptr;
       if (tc) {
         Emulate<kda_bwd::Carry<C, K, true>>(a.B * a.HV, a.N, phases, smem, reverse_threads,
                                             [&](int p, float* sm, int64_t bh, int64_t n, int tid, auto& carry) {
-                                              kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16>(p, a, sm, bh, n,
-                                                                                                     tid, nt, carry);
+                                              if (given) {
+                                                kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16, true>(
+                                                    p, a, sm, bh, n, tid, nt, carry);
+                                              } else {
+                                                kda_bwd::KdaIntraBackwardPhase<C, K, false, true, b16>(p, a, sm, bh, n,
+                                                                                                       tid, nt, carry);
+                                              }
                                             });
       } else {
         Emulate<kda_bwd::Carry<C, K, false>>(
@@ -90,6 +101,8 @@ void KdaIntraBackwardOnHost(const KdaIntraBackwardArgs& a, bool reverse_threads)
             [&](int p, float* sm, int64_t bh, int64_t n, int tid, auto& carry) {
               if (a.sub_blocks) {
                 kda_bwd::KdaIntraBackwardPhase<C, K, true, false, b16>(p, a, sm, bh, n, tid, nt, carry);
+              } else if (given) {
+                kda_bwd::KdaIntraBackwardPhase<C, K, false, false, b16, true>(p, a, sm, bh, n, tid, nt, carry);
               } else {
                 kda_bwd::KdaIntraBackwardPhase<C, K, false, false, b16>(p, a, sm, bh, n, tid, nt, carry);
               }

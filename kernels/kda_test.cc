@@ -432,6 +432,59 @@ TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
   ASSERT_TRUE(SetKdaScanValueBlock(32));
 }
 
+// The intra backward kernel reading the UT inverse that the backward's recompute (the intra
+// kernel) computed (SetKdaIntraBackwardReadsInverse, the default) against it inverting again:
+// the same gradients to rounding (the two inverses are the same substitutions on the same TF32
+// Grams), one read per whole-chunk segment and none with the switch off or in the sub-block form,
+// both inside the spec's bars against fp64; fp32 and bf16 inputs, C 64 and 32.
+TEST(Kda, IntraBackwardKernelReadsTheRecomputesInverse_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  constexpr double kSpecBars[] = {0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.005, 0.005};
+  EXPECT_TRUE(KdaIntraBackwardReadsInverse());
+  for (const Case& c : {Case{2, 2, 4, 300, 128, 64, -0.5}, Case{1, 2, 2, 150, 128, 128, -0.1},
+                        Case{1, 2, 2, 400, 64, 64, -3.0}}) {  // the last: the sub-block form
+    for (int64_t C : {64, 32}) {
+      for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        const std::string tag = Name(c) + " C" + std::to_string(C) + (dtype == torch::kBFloat16 ? " bf16" : " fp32");
+        Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 16);
+        Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
+        Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
+        KdaOptions opt;
+        opt.chunk_size = C;
+        opt.segment = 4 * C;
+        Inputs f = in.To(dtype, torch::kCUDA);
+        // The truth from the inputs and dO as the op sees them (bf16-rounded where bf16).
+        Tensor dOf = dO.to(torch::kCUDA, dtype), dSf = dS.to(torch::kCUDA, torch::kFloat32);
+        std::vector<Tensor> truth =
+            Grads(true, f.To(torch::kFloat64, torch::kCPU), dOf.to(torch::kCPU, torch::kFloat64), dS, opt, true);
+        int64_t whole = 0;
+        for (KdaGramForm form : SegmentForms(in.g, C, opt.segment)) whole += form == KdaGramForm::kWholeChunk;
+        SetKdaIntraBackwardReadsInverse(false);
+        int64_t reads = KdaIntraBackwardInverseReads();
+        std::vector<Tensor> inverted = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+        EXPECT_EQ(KdaIntraBackwardInverseReads(), reads) << tag;
+        SetKdaIntraBackwardReadsInverse(true);
+        reads = KdaIntraBackwardInverseReads();
+        std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+        EXPECT_EQ(KdaIntraBackwardInverseReads() - reads, whole) << tag;
+        for (size_t i = 0; i < truth.size(); ++i) {
+          const std::string what = tag + " " + (i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S"));
+          const Tensor g32 = got[i].to(torch::kFloat32).cpu(), i32 = inverted[i].to(torch::kFloat32).cpu();
+          // fp32: rounding; bf16: at most a few elements a bf16 step apart.
+          EXPECT_LE(RelRms(g32, i32), dtype == torch::kBFloat16 ? 1e-3 : 1e-5) << what << ": reading T changed it";
+          if (whole == 0) {
+            EXPECT_TRUE(torch::equal(g32, i32)) << what;
+          }
+          const double bar = dtype == torch::kBFloat16 ? 2 * kSpecBars[i] : kSpecBars[i];
+          EXPECT_LE(RelRms(g32.to(torch::kFloat64), truth[i]), bar) << what << ": the spec's bar";
+        }
+      }
+    }
+  }
+}
+
 // The intra-chunk backward kernel's own block code (kernels/cuda/kda_intra_backward_body.h),
 // emulated on the CPU: its gradients within twice the libtorch backward's error against the fp64
 // truth, with the threads of each phase in order and in reverse giving the same bits (no thread
@@ -476,9 +529,16 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
     // fp32, so its indexing is what this checks).
     for (bool tc : {false, true}) {
       SetKdaScanTensorCores(tc);
+      // The block code inverting A_kk itself, then (the default) reading the recompute's T.
+      EXPECT_TRUE(KdaIntraBackwardReadsInverse());
+      SetKdaIntraBackwardReadsInverse(false);
+      SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
+      const int64_t inverse_reads = KdaIntraBackwardInverseReads();
+      const std::vector<Tensor> inverted = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      EXPECT_EQ(KdaIntraBackwardInverseReads(), inverse_reads);
+      SetKdaIntraBackwardReadsInverse(true);
       const int64_t runs = KdaIntraBackwardKernelRuns(), forward_runs = KdaSubBlockForwardKernelRuns(),
                     direct = KdaDirectInputRuns(), direct_grads = KdaDirectGradientRuns();
-      SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHost);
       const std::vector<Tensor> got = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
       SetKdaIntraBackwardPath(KdaIntraBackwardPath::kKernelCodeOnHostReversed);
       const std::vector<Tensor> reversed = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
@@ -495,12 +555,20 @@ TEST(Kda, IntraBackwardKernelCodeWithinTwiceTheLibtorchError) {
       EXPECT_EQ(KdaDirectInputRuns() - direct, c.H == c.HV ? (sh.form == sub ? 6 : 2) * segments : 0) << name;
       // And the backward's input gradients written by the block code itself where it read directly.
       EXPECT_EQ(KdaDirectGradientRuns() - direct_grads, c.H == c.HV ? 2 * segments : 0) << name;
+      // The recompute's T read by every whole-chunk backward (shared memory starts as NaN: a T
+      // not in place would show), none by the sub-block form's, which inverts its own.
+      EXPECT_EQ(KdaIntraBackwardInverseReads() - inverse_reads, sh.form == whole ? 2 * segments : 0) << name;
       for (size_t i = 0; i < truth.size(); ++i) {
         const std::string what = i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S");
         const double floor = i == 3 ? 64 * FLT_EPSILON : 1e-6;
         EXPECT_LE(RelRms(got[i], truth[i]), 2 * RelRms(ref[i], truth[i]) + floor) << name << " " << what;
         EXPECT_TRUE(torch::equal(got[i], reversed[i])) << name << " " << what
                                                         << ": threads in reverse order changed the result";
+        // The libtorch T (a triangular solve) against the block's own substitution: rounding only.
+        EXPECT_LE(RelRms(got[i], inverted[i]), 1e-5) << name << " " << what << ": the given T changed it";
+        if (sh.form == sub) {
+          EXPECT_TRUE(torch::equal(got[i], inverted[i])) << name << " " << what;
+        }
       }
     }
     SetKdaScanTensorCores(true);

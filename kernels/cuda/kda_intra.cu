@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
     }
     __syncthreads();
   }
-  if (p.cache) {
-    for (int e = tid; e < C * C; e += kThreads) p.c.T[cc + e] = sT[(e / C) * L::kLdA + e % C];
+  if (float* Td = p.cache ? p.c.T : a.T_out; Td != nullptr) {
+    for (int e = tid; e < C * C; e += kThreads) Td[cc + e] = sT[(e / C) * L::kLdA + e % C];
   }
   // D: W = T X, U = T Y by 4 x 4 tiles (rows r0.., columns c0..); T is lower: j <= r0 + 3. kTc:
   // by 16 x 8 warp tiles on the tensor cores, T's columns m < i0 + 16.
@@ -350,7 +350,8 @@ bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
 int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
       a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
-      (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr))) {
+      (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr)) ||
+      (a.T_out != nullptr && a.cache != nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};

@@ -133,6 +133,9 @@ struct KdaIntraArgs {
   // storage): what the forward's state scan reads as its bf16 operands
   // (KdaScanForwardArgs::bf16_operands). Needs tf32, V a multiple of 8 and no cache.
   bool wqk_bf16 = false;
+  // Set: T = (I + A_kk)^-1 also written here, fp32 (BH, N, C, C) row-major, for the intra-chunk
+  // backward of the same segment to read (KdaIntraBackwardArgs::T) instead of inverting again.
+  float* T_out = nullptr;
 };
 int KdaIntraForward(const KdaIntraArgs& args, void* stream);
 

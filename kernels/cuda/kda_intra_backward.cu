@@ -16,12 +16,15 @@ namespace {
 
 // kIn16: q, k, v bf16 (else fp32), fixed at compile time so the loads of the inner loops carry no
 // branch.
-template <int C, int K, bool kSub, bool kTc, bool kIn16>
+// kGivenT: the block reads T (KdaIntraBackwardArgs::T), and the inverse's row phases are skipped
+// with their barriers.
+template <int C, int K, bool kSub, bool kTc, bool kIn16, bool kGivenT = false>
 __global__ void __launch_bounds__(kKdaIntraBackwardThreads) IntraBackwardKernel(KdaIntraBackwardArgs a) {
   extern __shared__ float sm[];
   kda_bwd::Carry<C, K, kTc> carry;  // the thread's registers from one phase to a later one
   for (int phase = 0; phase < kda_bwd::Phases(C); ++phase) {
-    kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc, kIn16>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x,
+    if (kGivenT && kda_bwd::InverseRowPhase(C, phase)) phase = kda_bwd::InverseRowPhaseEnd(C);
+    kda_bwd::KdaIntraBackwardPhase<C, K, kSub, kTc, kIn16, kGivenT>(phase, a, sm, blockIdx.y, blockIdx.x, threadIdx.x,
                                                            kKdaIntraBackwardThreads, carry);
     __syncthreads();
   }
@@ -69,7 +72,9 @@ int KdaIntraSubBlockForward(const KdaIntraArgs& a, void* stream) {
 }
 
 int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
-  if (!Valid(a) || !KdaGradOutsValid(a)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!Valid(a) || !KdaGradOutsValid(a) || (a.T != nullptr && (a.sub_blocks || reinterpret_cast<uintptr_t>(a.T) % 16 != 0))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
     constexpr int C = decltype(c)::value, K = decltype(k)::value;
     // The tensor-core form copies dW's and dU's rows by 16-byte cp.async: it takes them only where
@@ -81,9 +86,13 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
     const auto s = static_cast<cudaStream_t>(stream);
     auto by_input = [&](auto in16) {
       constexpr bool b16 = decltype(in16)::value;
-      if (tc) return Launch(&IntraBackwardKernel<C, K, false, true, b16>, a, floats, s);
-      return a.sub_blocks ? Launch(&IntraBackwardKernel<C, K, true, false, b16>, a, floats, s)
-                          : Launch(&IntraBackwardKernel<C, K, false, false, b16>, a, floats, s);
+      if (tc) {
+        return a.T != nullptr ? Launch(&IntraBackwardKernel<C, K, false, true, b16, true>, a, floats, s)
+                              : Launch(&IntraBackwardKernel<C, K, false, true, b16>, a, floats, s);
+      }
+      if (a.sub_blocks) return Launch(&IntraBackwardKernel<C, K, true, false, b16>, a, floats, s);
+      return a.T != nullptr ? Launch(&IntraBackwardKernel<C, K, false, false, b16, true>, a, floats, s)
+                            : Launch(&IntraBackwardKernel<C, K, false, false, b16>, a, floats, s);
     };
     return KdaQkvBf16(a.bf16) ? by_input(std::true_type{}) : by_input(std::false_type{});
   });

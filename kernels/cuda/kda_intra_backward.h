@@ -2,7 +2,8 @@
 // (`sub_blocks`): spec 1.4 steps 4-6, what kernels/kda.cc's IntraBackward computes from ~40 libtorch ops over (B, HV, N,
 // C, K) fp32 tensors, in one thread block of 512 threads per (batch x head, chunk). The block
 // recomputes the chunk's factors (Ep, Em, kp, km, qp, X, Y), the Gram L_kk and the UT inverse T
-// = (I + diag(beta) L_kk)^-1 from q, k, v, beta and G (nothing of the forward's is kept), then
+// = (I + diag(beta) L_kk)^-1 from q, k, v, beta and G (of the forward's quantities it may read T,
+// the one whose recompute costs barriers: KdaIntraBackwardArgs::T), then
 //   dT = dW X^T + dU Y^T, dX = T^T dW, dY = T^T dU, dA_kk = strict_lower(-T^T dT T^T),
 //   dL = diag(beta) dA_kk, dA = lower(dAqk), dkp = dL km, dqp = dA km, dkm = dL^T kp + dA^T qp,
 //   dq = dqp Ep + dqg eG, dk = dkp Ep + dkm Em + dX beta eG + dkg EC, dv = dY beta,
@@ -56,6 +57,11 @@ struct KdaIntraBackwardArgs {
   uint8_t bf16 = 0;     // kKdaBf16* bits (kernels/cuda/kda_intra.h): which of q, k, v, beta are bf16
   float q_scale = 1.f;  // q as read is q * q_scale
   float dq_scale = 1.f;  // dq leaves as q's gradient times this (q_scale: the caller's unscaled q's)
+  // The whole-chunk form only (not with sub_blocks): the chunks' UT inverse T (BH, N, C, C) fp32,
+  // as the forward kernel wrote it from the same inputs (KdaIntraArgs::T_out), starting on 16
+  // bytes. The block reads it instead of inverting (A_kk's substitutions: 1 + 2 (C / 16 - 1)
+  // phases and their barriers); null: the block inverts.
+  const float* T = nullptr;
 };
 
 // Whether the gradients' destinations are set and dq, dk and dv take q's dtype, as the block code

@@ -72,6 +72,10 @@ KDA_HD constexpr bool TensorCoreForm(bool sub_blocks, int64_t V) { return !sub_b
 // 0 beta; 1 factors; 2 Grams; 3 the inverse's diagonal blocks; two per later block row; then dT,
 // dX and dY, R, dA_kk, dL, the products of dL and dA, the last.
 KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 7; }
+// The inverse's phases after its diagonal blocks (two a later block row): no work and no barrier
+// where the block reads T instead (KdaIntraBackwardArgs::T).
+KDA_HD constexpr bool InverseRowPhase(int C, int phase) { return phase >= 4 && phase < 4 + 2 * (C / kB - 1); }
+KDA_HD constexpr int InverseRowPhaseEnd(int C) { return 4 + 2 * (C / kB - 1); }
 
 // acc[x][y] += sum over m in [m0, m1) of a(i0 + x, m) b(m, j0 + y), with a(i, m) = a[i * ai + m * am]
 // and b(m, j) = b[m * bm + j * bj] (strides pick a matrix or its transpose).
@@ -303,6 +307,7 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
   } else if (phase == 3) {
     b.InverseDiagonal(tid, nt);
   } else if (phase < 4 + 2 * kRows) {
+    if constexpr (Blk::InverseGiven()) return true;
     const int r0 = kB * (1 + (phase - 4) / 2);
     if ((phase - 4) % 2 == 0) {
       InvertRowProduct<C>(r0, b.S1, b.S2, b.P, b.ldC, tid, nt);
@@ -342,14 +347,19 @@ struct Carry {
 // warp, TF32 operands) instead of 4 x 4 register tiles a thread (fp32); the whole-chunk form only
 // (TensorCoreForm). Every output element is written by the one lane or thread that owns it, in
 // both.
-template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false>
+// kGivenT: the block reads T (KdaIntraBackwardArgs::T) instead of inverting; the whole-chunk form
+// only. A compile-time choice: checked at run time it cost the kernel registers (and spills).
+template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false, bool kGivenT = false>
 struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   static_assert(!(kSub && kTc), "the tensor-core products take the whole-chunk form only");
+  static_assert(!(kSub && kGivenT), "a given T is the whole-chunk form's");
   using Base = ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16>;
   KDA_CHUNK_VIEW(Base)
 
   // The reference row of row i's factors.
   KDA_HD static int Ref(int i) { return kSub ? i / kB * kB : 0; }
+  // Whether the block reads T (the forward kernel's) instead of inverting.
+  KDA_HD static constexpr bool InverseGiven() { return kGivenT; }
   // Columns a partial row sum of dbeta covers in GradXY: a 4 x 4 tile's, or a lane's two.
   static constexpr int kPer = kTc ? 2 : 4;
   // Whether row i of the chunk is a token (rows past L are padding: no gradient leaves for them),
@@ -368,6 +378,9 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     if constexpr (kTc) {
       AsyncRows(B2, ldK, a.dW + ck, C, K, tid, nt);
       AsyncRows(B3, ldV, a.dU + cv, C, V, tid, nt);
+      if constexpr (kGivenT) AsyncRows(S2, ldC, a.T + cc, C, C, tid, nt);
+    } else if constexpr (kGivenT) {
+      for (int e = tid; e < C * C; e += nt) S2[(e / C) * ldC + e % C] = a.T[cc + e];
     }
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
@@ -422,8 +435,8 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       const int i = e / V, d = e % V;
       B0[i * ldV + d] = sB[i] * V_(i, d);
     }
-    InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt);
-    if constexpr (kTc) AsyncWait();  // dW and dU (Factors) in place before this phase's barrier
+    if constexpr (!kGivenT) InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt);
+    if constexpr (kTc) AsyncWait();  // dW, dU (and T) (Factors) in place before this phase's barrier
   }
   // dT = dW X^T + dU Y^T (A_kk's slot: T is complete).
   KDA_HD void GradT(int tid, int nt) {
@@ -741,10 +754,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
 
 // Phase `phase` of thread `tid` (of `nt`, which must be kKdaIntraBackwardThreads) of the block
 // of (bh, chunk n); `carry` the thread's own, kept from one phase to the next.
-template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false>
+template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false, bool kGivenT = false>
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
                                   int nt, Carry<C, K, kTc>& carry) {
-  Block<C, K, kSub, kTc, kIn16> b(a, sm, bh, n);
+  Block<C, K, kSub, kTc, kIn16, kGivenT> b(a, sm, bh, n);
   constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (!LeadingPhase<C>(phase, b, tid, nt)) {
     switch (phase - 4 - 2 * kRows) {
@@ -774,6 +787,7 @@ struct Block : ChunkView<C, K, KdaIntraArgs, false, kIn16> {
   KDA_CHUNK_VIEW(Base)
 
   KDA_HD static int Ref(int i) { return i / kB * kB; }
+  KDA_HD static constexpr bool InverseGiven() { return false; }  // it computes T
 
   KDA_HD void Factors(int tid, int nt) {
     for (int e = tid; e < C * K; e += nt) {
