@@ -285,9 +285,11 @@ Intra SubBlockIntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, c
 // KdaDecayedGramForm(G); all in the compute dtype (ComputeIntraFor below also lets the kernels
 // read the caller's tensors). The whole-chunk form shares its factors
 // between A_kk and A_qk. With `cache` (whole-chunk form only: the backward's recompute, without
-// autograd) keeps what IntraBackward reads. `for_scans` as IntraByKernel's.
+// autograd) keeps what IntraBackward reads. `for_scans` and `keep_T` as IntraByKernel's (the
+// libtorch form returns T either way).
 Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& G, const Tensor& beta,
-                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr, bool for_scans = false) {
+                   int64_t C, KdaGramForm form, IntraCache* cache = nullptr, bool for_scans = false,
+                   bool keep_T = false) {
   TORCH_CHECK(cache == nullptr || form == KdaGramForm::kWholeChunk,
               "KDA: the hand backward's cache is for the whole-chunk Gram form only");
 #ifdef ODYSSEY_KERNELS_CUDA
@@ -297,7 +299,7 @@ Intra ComputeIntra(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                                                                               v.requires_grad() || G.requires_grad() ||
                                                                               beta.requires_grad()))) {
     Intra in;
-    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0, for_scans)) return in;
+    if (IntraByKernel(q, k, v, G, beta, C, &in, cache, 1.0, for_scans, keep_T)) return in;
   }
 #endif
   const bool recorded = torch::GradMode::is_enabled() &&
@@ -734,7 +736,7 @@ Intra ComputeIntraFor(SegmentInputs& x, const Tensor& G, int64_t C, KdaGramForm 
     }
   }
   const Segment& p = x.Prepared();
-  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache, for_scans);
+  return ComputeIntra(p.q, p.k, p.v, G, p.beta, C, form, cache, for_scans, keep_T);
 }
 
 // Inputs as the caller gave them (q, k with H heads, any float dtype), h0 (B, HV, K, V) in the

@@ -306,7 +306,10 @@ Prediction Predict(const Request& r) {
     // candidates). Since the twenty-fifth session (2026-12-07) the CUDA kernels keep h and its
     // gradient in bf16 and the recomputed qg, kg and W too (kernels::SetKdaScanBf16Operands, the
     // default): kda_state below still counts fp32 h, so the plan over-counts a segment by half of
-    // it (~0.2 GB at hybrid-3b's 8K segments) until a measured peak refits these terms.
+    // it (~0.2 GB at hybrid-3b's 8K segments) until a measured peak refits these terms. Since the
+    // twenty-sixth session the backward also keeps its recompute's UT inverse for the intra
+    // backward kernel (kernels::SetKdaIntraBackwardReadsInverse): Ts x HV x C fp32, 50 MB at 8K
+    // segments, inside that over-count.
     const int64_t Tt = std::min(T, model::kKdaTile), Ts = std::min(Tt, model::kKdaSegment);
     const int64_t kda_stream = 3 * T * m.hidden * e;
     const int64_t kda_tile = Tt * HK * 19;
