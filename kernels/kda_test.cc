@@ -140,6 +140,22 @@ std::vector<Tensor> Grads(bool chunked, const Inputs& in, const Tensor& dO, cons
 
 const char* kGradNames[] = {"dq", "dk", "dv", "dg", "dbeta", "dh0"};
 
+// A case's fp64 inputs, random gradients of o and of the final state, chunks of C in segments of
+// 4 C (several segments at the cases' lengths).
+struct Run {
+  Inputs in;
+  Tensor dO, dS;
+  KdaOptions opt;
+};
+Run MakeRun(const Case& c, int64_t C, uint64_t seed) {
+  Run r{MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, seed),
+        torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64), torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64),
+        KdaOptions{}};
+  r.opt.chunk_size = C;
+  r.opt.segment = 4 * C;
+  return r;
+}
+
 TEST(Kda, ChunkedBackwardEqualsAutogradOfRecurrenceFp64) {
   for (const Case& c : {Case{1, 1, 2, 63, 60, 40, -5.0}, Case{2, 1, 2, 200, 100, 48, -0.05},
                         Case{1, 2, 2, 130, 60, 60, -1e-3}}) {
@@ -397,12 +413,7 @@ TEST(Kda, Bf16ScanOperandsInsideTheSpecBars_cuda) {
                           Case{1, 3, 3, 700, 64, 64, -0.05}}) {
       for (int64_t C : {64, 32}) {
         const std::string tag = Name(c) + " C" + std::to_string(C) + " block " + std::to_string(block);
-        Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 14);
-        Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
-        Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
-        KdaOptions opt;
-        opt.chunk_size = C;
-        opt.segment = 4 * C;
+        const auto [in, dO, dS, opt] = MakeRun(c, C, 14);
         std::vector<Tensor> truth = Grads(true, in, dO, dS, opt, /*forward=*/true);
         Inputs f = in.To(torch::kFloat32, torch::kCUDA);
         Tensor dOf = dO.to(torch::kCUDA, torch::kFloat32), dSf = dS.to(torch::kCUDA, torch::kFloat32);
@@ -448,12 +459,7 @@ TEST(Kda, IntraBackwardKernelReadsTheRecomputesInverse_cuda) {
     for (int64_t C : {64, 32}) {
       for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
         const std::string tag = Name(c) + " C" + std::to_string(C) + (dtype == torch::kBFloat16 ? " bf16" : " fp32");
-        Inputs in = MakeInputs(c.B, c.H, c.HV, c.T, c.K, c.V, c.lb, true, 16);
-        Tensor dO = torch::randn({c.B, c.HV, c.T, c.V}, torch::kFloat64);
-        Tensor dS = torch::randn({c.B, c.HV, c.K, c.V}, torch::kFloat64);
-        KdaOptions opt;
-        opt.chunk_size = C;
-        opt.segment = 4 * C;
+        const auto [in, dO, dS, opt] = MakeRun(c, C, 16);
         Inputs f = in.To(dtype, torch::kCUDA);
         // The truth from the inputs and dO as the op sees them (bf16-rounded where bf16).
         Tensor dOf = dO.to(torch::kCUDA, dtype), dSf = dS.to(torch::kCUDA, torch::kFloat32);
