@@ -177,7 +177,8 @@ int Run(int argc, char** argv) {
         return refuse(absl::StrCat("unknown flag ", odyssey::WireText(a),
                                    " (--tokens, --heads, --kv-heads, --dim, --selected, --iters, --ops, --reference-tokens, "
                                    "--gate, --profile, --selection, --warmup-blocks, --chunk, --segment, --kda-direct, "
-                                   "--kda-scan-operands, --kda-scan-value-block, --kda-backward-inverse, --variants, --json)"));
+                                   "--kda-scan-operands, --kda-scan-value-block, --kda-backward-inverse, --variants, "
+                                   "--json)"));
     } catch (const std::logic_error&) {  // std::stoll's invalid_argument and out_of_range
       return refuse(absl::StrCat(a, ": ", odyssey::WireText(v), " is not an integer (or a comma-separated list of them)"));
     }

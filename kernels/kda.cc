@@ -437,6 +437,8 @@ IntraGrads IntraBackwardByKernel(const Tensor& q, const Tensor& k, const Tensor&
   // by cp.async), read instead of inverting again.
   Tensor Td;
   if (T.defined() && !sub_blocks && T.scalar_type() == torch::kFloat32 && T.device() == q.device()) {
+    TORCH_CHECK(T.sizes() == torch::IntArrayRef({B, HV, N, C, C}), "KDA: the recompute's T has shape ", T.sizes(),
+                ", the intra backward wants (", B, ", ", HV, ", ", N, ", ", C, ", ", C, ")");
     Td = T.contiguous();
     if (reinterpret_cast<uintptr_t>(Td.data_ptr()) % 16 != 0) Td = Td.clone();
     a.T = Td.data_ptr<float>();

@@ -72,7 +72,8 @@ int KdaIntraSubBlockForward(const KdaIntraArgs& a, void* stream) {
 }
 
 int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
-  if (!Valid(a) || !KdaGradOutsValid(a) || (a.T != nullptr && (a.sub_blocks || reinterpret_cast<uintptr_t>(a.T) % 16 != 0))) {
+  const bool t_ok = a.T == nullptr || (!a.sub_blocks && reinterpret_cast<uintptr_t>(a.T) % 16 == 0);
+  if (!Valid(a) || !KdaGradOutsValid(a) || !t_ok) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   return ByChunkAndKey(a.C, a.K, [&](auto c, auto k) {
