@@ -815,6 +815,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
       SegmentInputs x;  // the by-hand forms' inputs, kept for the kernel's backward
       Tensor G;
       bool by_hand = false, by_kernel = false, sub_blocks = false;
+      bool read_T = false;  // the kernel reads the recompute's T (KdaIntraBackwardReadsInverse)
       {
         RECORD_USER_SCOPE("kda backward: intra recompute");
         torch::NoGradGuard no_grad;
@@ -829,13 +830,14 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
           by_kernel = BlockCodeTakes(kx.q, kx.k, kx.v, kx.beta, C);
         }
         by_hand = by_kernel || form == KdaGramForm::kWholeChunk;
+        read_T = by_kernel && !sub_blocks && intra_backward_reads_inverse.load();
         if (by_hand) {
           // The kernel recomputes its factors itself: the recompute keeps nothing for it, and
           // only the scans read qg, kg and W (bf16 where the forward's scan read them so: the
           // states are recomputed from the operands the forward used); it reads T, the one
           // quantity whose recompute is serial (KdaIntraBackwardReadsInverse).
           in = ComputeIntraFor(x, G, C, form, by_kernel ? nullptr : &cache, /*for_scans=*/by_kernel,
-                               /*keep_T=*/by_kernel && !sub_blocks && intra_backward_reads_inverse.load());
+                               /*keep_T=*/read_T);
         } else {
           for (int i = 0; i < 5; ++i) leaves.push_back(s[i].narrow(2, t0, len).detach().requires_grad_(true));
           torch::AutoGradMode enable(true);
@@ -873,7 +875,7 @@ struct KdaChunkFunction : public torch::autograd::Function<KdaChunkFunction> {
           // holds it, the direct one is scaled as read).
           d = IntraBackwardByKernel(kx.q, kx.k, kx.v, G, kx.beta, kx.q_scale, dqg, dkg, dW, r.dvt, dAqk, deGC, len,
                                     sub_blocks, scale, direct_out ? &out : nullptr,
-                                    intra_backward_reads_inverse.load() ? in.T : Tensor());
+                                    read_T ? in.T : Tensor());
           dq_scaled = true;
           if (x.Direct()) direct_input_runs.fetch_add(1);
           if (direct_out) direct_grad_runs.fetch_add(1);

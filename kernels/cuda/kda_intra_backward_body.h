@@ -71,11 +71,13 @@ KDA_HD int64_t SmemFloats(int64_t C, int64_t K, int64_t V, bool tc = false) {
 KDA_HD constexpr bool TensorCoreForm(bool sub_blocks, int64_t V) { return !sub_blocks && V % 8 == 0; }
 // 0 beta; 1 factors; 2 Grams; 3 the inverse's diagonal blocks; two per later block row; then dT,
 // dX and dY, R, dA_kk, dL, the products of dL and dA, the last.
-KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 7; }
+// The phase after the leading ones (LeadingPhase: beta, factors, Grams, the inverse's diagonal
+// blocks, two per later block row), where each block's own phases start.
+KDA_HD constexpr int InverseRowPhaseEnd(int C) { return 4 + 2 * (C / kB - 1); }
+KDA_HD constexpr int Phases(int C) { return InverseRowPhaseEnd(C) + 7; }
 // The inverse's phases after its diagonal blocks (two a later block row): no work and no barrier
 // where the block reads T instead (KdaIntraBackwardArgs::T).
-KDA_HD constexpr bool InverseRowPhase(int C, int phase) { return phase >= 4 && phase < 4 + 2 * (C / kB - 1); }
-KDA_HD constexpr int InverseRowPhaseEnd(int C) { return 4 + 2 * (C / kB - 1); }
+KDA_HD constexpr bool InverseRowPhase(int C, int phase) { return phase >= 4 && phase < InverseRowPhaseEnd(C); }
 
 // acc[x][y] += sum over m in [m0, m1) of a(i0 + x, m) b(m, j0 + y), with a(i, m) = a[i * ai + m * am]
 // and b(m, j) = b[m * bm + j * bj] (strides pick a matrix or its transpose).
@@ -297,7 +299,6 @@ struct ChunkView {
 // blocks, two per later block row. False for a phase after them (the block's own).
 template <int C, class Blk>
 KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
-  constexpr int kRows = C / kB - 1;
   if (phase == 0) {
     b.LoadBeta(tid, nt);
   } else if (phase == 1) {
@@ -306,7 +307,7 @@ KDA_HD bool LeadingPhase(int phase, Blk& b, int tid, int nt) {
     b.Grams(tid, nt);
   } else if (phase == 3) {
     b.InverseDiagonal(tid, nt);
-  } else if (phase < 4 + 2 * kRows) {
+  } else if (phase < InverseRowPhaseEnd(C)) {
     if constexpr (Blk::InverseGiven()) return true;
     const int r0 = kB * (1 + (phase - 4) / 2);
     if ((phase - 4) % 2 == 0) {
@@ -758,9 +759,8 @@ template <int C, int K, bool kSub, bool kTc = false, bool kIn16 = false, bool kG
 KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, float* sm, int64_t bh, int64_t n, int tid,
                                   int nt, Carry<C, K, kTc>& carry) {
   Block<C, K, kSub, kTc, kIn16, kGivenT> b(a, sm, bh, n);
-  constexpr int kRows = C / kB - 1;  // block rows after the first: two phases each
   if (!LeadingPhase<C>(phase, b, tid, nt)) {
-    switch (phase - 4 - 2 * kRows) {
+    switch (phase - InverseRowPhaseEnd(C)) {
       case 0: b.GradT(tid, nt); break;
       case 1: b.GradXY(tid, nt, carry); break;
       case 2: b.GradR(tid, nt); break;
@@ -779,7 +779,7 @@ KDA_HD void KdaIntraBackwardPhase(int phase, const KdaIntraBackwardArgs& a, floa
 // dbeta's slot unused).
 namespace sub_forward {
 
-KDA_HD constexpr int Phases(int C) { return 4 + 2 * (C / kB - 1) + 1; }
+KDA_HD constexpr int Phases(int C) { return InverseRowPhaseEnd(C) + 1; }
 
 template <int C, int K, bool kIn16 = false>
 struct Block : ChunkView<C, K, KdaIntraArgs, false, kIn16> {
