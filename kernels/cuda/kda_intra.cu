@@ -2,10 +2,10 @@
 // cores. One block of 512 threads per (batch x head, chunk), the chunk in shared memory, two blocks
 // to a multiprocessor (shared memory ~105 KB a block at C = 64, K = V = 128; 64 registers a
 // thread): one block's barriers and serial steps (the inverse) overlap the other's loads. Phases:
-//   A: element-wise over one slice of KS = min(K, 64) key columns at a time (a warp's lanes on
-//      consecutive columns of a row: coalesced global access): kp, km, qp of the slice into shared
-//      memory transposed (column d's C values contiguous); qg, kg, eGC (and the cache's factors)
-//      out.
+//   A: element-wise over one slice of KS = min(K, 64) key columns at a time, 4 consecutive
+//      columns of a row a thread (vector loads of G, q, k and stores of qg, kg; a warp 8 rows x 16
+//      columns): kp, km, qp of the slice into shared memory transposed (column d's C values
+//      contiguous); qg, kg, eGC (and the cache's factors) out.
 //   B: the two Grams by 4 x 4 tiles, half the threads on Lkk = strict_lower(kp km^T), half on
 //      Aqk = lower(qp km^T), each tile's sums in registers across the slices; a tile's rows and
 //      columns are one float4 each per column d (the rows' a broadcast within the warp), tiles
@@ -19,12 +19,17 @@
 // With `tf32` (KdaIntraArgs; V a multiple of 8) B and D run on the tensor cores instead: 16 x 8
 // warp tiles of mma.sync m16n8k8 (kda_bwd::WarpTile, TF32 operands, fp32 sums), a warp's Gram
 // tiles summed in its registers across the slices; A_kk and T then have rows of C + 4 (the
-// fragments' rows in distinct banks). The factors, X, Y and the inverse are the same code.
+// fragments' rows in distinct banks). The factors, X, Y and the inverse are the same code, except
+// that the tensor-core form stores kp, km, qp, X and Y already rounded to TF32 (once each, where
+// every fragment load rounded them before: the same sums, bit for bit) and takes exp by ex2.approx
+// (Exp). Those two and the vector loads cut the instructions a block issues by a quarter (ncu at
+// 32K tokens: 1.62 G -> 1.20 G, 2.56 -> 2.18 ms).
 // Before the slices (one block a multiprocessor, 227 KB) the kernel held all of kp, km, qp, X, Y
 // and T's transpose at once: 25% occupancy, latency-bound (ncu at 32K tokens: 3.75 ms, 910 GB/s,
 // 9 cycles a warp between issues).
 #include "kernels/cuda/kda_intra.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -41,7 +46,52 @@ struct Params {
   KdaIntraArgs a;
   KdaIntraCache c;
   bool cache;
+  bool vec;  // q, k and v take 4-element vector loads (Load4): base and strides aligned to them
 };
+
+// exp(x): in the tensor-core form (kFast) ex2.approx of x log2(e) (two instructions; relative
+// error ~1e-6 where |x| <= 60, the whole-chunk form's bound, against the TF32 operands' 5e-4),
+// else the full-precision expf (about nine).
+template <bool kFast>
+__device__ __forceinline__ float Exp(float x) {
+  if constexpr (kFast) {
+    return __expf(x);
+  } else {
+    return expf(x);
+  }
+}
+
+// Elements i .. i + 3 of an input row (i a multiple of 4): one 8-byte (bf16) or 16-byte (fp32)
+// load where `vec`, else four.
+template <bool kIn16>
+__device__ __forceinline__ float4 Load4(const void* p, int64_t i, bool vec) {
+  if (vec) {
+    if constexpr (kIn16) {
+      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + i);
+      return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                         __uint_as_float(u.y & 0xffff0000u));
+    } else {
+      return *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    }
+  }
+  return make_float4(KdaLoadAs<kIn16>(p, i), KdaLoadAs<kIn16>(p, i + 1), KdaLoadAs<kIn16>(p, i + 2),
+                     KdaLoadAs<kIn16>(p, i + 3));
+}
+
+// Two bf16 rounded to nearest even (libtorch's casts' rounding, KdaStore's), as one 32-bit word.
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// Elements i .. i + 3 of a contiguous output (i a multiple of 4, the base 16-byte aligned): one
+// store, bf16 or fp32.
+__device__ __forceinline__ void Store4(void* p, bool bf16, int64_t i, float4 v) {
+  if (bf16) {
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p) + i) = make_uint2(PackBf16(v.x, v.y), PackBf16(v.z, v.w));
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = v;
+  }
+}
 
 // acc[x][y] += a[x] b[y]: one step of a 4 x 4 tile's product, a and b read as float4 from shared
 // memory.
@@ -129,44 +179,56 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   const int lane = tid % 32, warp = tid / 32;
   float tacc[kPerWarp][4] = {};
 
-  // A thread's elements e = tid + s kThreads of a slice share their column (kThreads is a multiple
-  // of KS), and the inputs of 4 of them are loaded before any is used: the loads are in flight
-  // together instead of one element's at a time (the stores below may alias the inputs as far as
-  // the compiler knows, so it would not hoist them itself).
-  static_assert(kThreads % KS == 0 && (C * KS) % kThreads == 0 && K % KS == 0, "a thread's elements share a column");
-  constexpr int kPer = C * KS / kThreads, kBatch = kPer < 4 ? kPer : 4;
+  // A thread takes 4 consecutive columns of one row at a time: one vector load of G, k and q each,
+  // one store of qg and kg each. A warp covers 8 rows x 16 columns (a bf16 row's 16 columns are
+  // one 32-byte sector); the 2 groups of a thread share their columns (rows 32 apart), so the
+  // columns' G_0 and G_C are loaded once, and both groups' inputs are loaded before either is
+  // used (the stores may alias the inputs as far as the compiler knows: it would not hoist them).
+  // The transposed stores into the slices meet 2-way bank conflicts.
+  constexpr int kGroups = C * KS / 4, kIter = kGroups > kThreads ? kGroups / kThreads : 1;
+  static_assert(kGroups % 32 == 0 && (kGroups <= kThreads || kGroups % kThreads == 0) && K % KS == 0 &&
+                    (KS / 16) * (C / 8) * 32 == kGroups,
+                "a warp's 8 x 16 tile of a slice");
+  const int wt = tid / 32, at_col = 16 * (wt % (KS / 16)) + 4 * (lane % 4);
+  const bool a_on = tid < kGroups;
   for (int d0 = 0; d0 < K; d0 += KS) {
-    const int dl = tid % KS, d = d0 + dl;
-    const float g0 = G[d], gc = G[(C - 1) * K + d];
-    for (int s0 = 0; s0 < kPer; s0 += kBatch) {
-      float gs[kBatch], ks[kBatch], qs[kBatch];
-#pragma unroll
-      for (int s = 0; s < kBatch; ++s) {
-        const int i = (tid + (s0 + s) * kThreads) / KS;
+    const int dl = at_col, d = d0 + dl;
+    if (a_on) {
+      const float4 g04 = *reinterpret_cast<const float4*>(G + d), gc4 = *reinterpret_cast<const float4*>(G + (C - 1) * K + d);
+#pragma unroll 1
+      for (int s = 0; s < kIter; ++s) {
+        const int i = 8 * ((tid + s * kThreads) / 32 / (KS / 16)) + lane / 4;
         const int64_t t = t0 + i;
         const bool in = t < a.L;
-        gs[s] = G[i * K + d];
-        ks[s] = in ? k(t, d) : 0.f;
-        qs[s] = in ? q(t, d) : 0.f;
-      }
+        const float4 g4 = *reinterpret_cast<const float4*>(G + i * K + d);
+        const float4 k4 = in ? Load4<kIn16>(kp, t * a.k_st + d, p.vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 q4 = in ? Load4<kIn16>(qp, t * a.q_st + d, p.vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float gv[4] = {g4.x, g4.y, g4.z, g4.w}, g0v[4] = {g04.x, g04.y, g04.z, g04.w},
+                    gcv[4] = {gc4.x, gc4.y, gc4.z, gc4.w}, kv[4] = {k4.x, k4.y, k4.z, k4.w},
+                    qv[4] = {q4.x * a.q_scale, q4.y * a.q_scale, q4.z * a.q_scale, q4.w * a.q_scale};
+        float qgv[4], kgv[4];
 #pragma unroll
-      for (int s = 0; s < kBatch; ++s) {
-        const int i = (tid + (s0 + s) * kThreads) / KS, e = i * K + d;
-        const float g = gs[s], kk = ks[s], qq = qs[s];
-        const float ep = expf(g - g0), em = expf(g0 - g), eg = expf(g), ec = expf(gc - g);
-        const float kp = kk * ep, km = kk * em, qp = qq * ep;
-        sKp[dl * L::kLdT + i] = kp;
-        sKm[dl * L::kLdT + i] = km;
-        sQp[dl * L::kLdT + i] = qp;
-        KdaStore(a.qg, a.wqk_bf16, ck + e, qq * eg);
-        KdaStore(a.kg, a.wqk_bf16, ck + e, kk * ec);
-        if (i == 0) a.eGC[chunk * K + d] = expf(gc);
-        if (p.cache) {
-          p.c.Ep[ck + e] = ep, p.c.Em[ck + e] = em, p.c.eG[ck + e] = eg, p.c.EC[ck + e] = ec;
-          p.c.kp[ck + e] = kp, p.c.km[ck + e] = km, p.c.qp[ck + e] = qp, p.c.X[ck + e] = sB[i] * kk * eg;
+        for (int x = 0; x < 4; ++x) {
+          const float g = gv[x], g0 = g0v[x], kk = kv[x], qq = qv[x];
+          const float ep = Exp<kTc>(g - g0), em = Exp<kTc>(g0 - g), eg = Exp<kTc>(g), ec = Exp<kTc>(gcv[x] - g);
+          const float kpx = kk * ep, kmx = kk * em, qpx = qq * ep;
+          // The tensor-core Grams read these as TF32: rounded once here (WarpTile's kARounded).
+          sKp[(dl + x) * L::kLdT + i] = kTc ? mma::Tf32Rounded(kpx) : kpx;
+          sKm[(dl + x) * L::kLdT + i] = kTc ? mma::Tf32Rounded(kmx) : kmx;
+          sQp[(dl + x) * L::kLdT + i] = kTc ? mma::Tf32Rounded(qpx) : qpx;
+          qgv[x] = qq * eg;
+          kgv[x] = kk * ec;
+          if (p.cache) {
+            const int64_t e = ck + i * K + d + x;
+            p.c.Ep[e] = ep, p.c.Em[e] = em, p.c.eG[e] = eg, p.c.EC[e] = ec;
+            p.c.kp[e] = kpx, p.c.km[e] = kmx, p.c.qp[e] = qpx, p.c.X[e] = sB[i] * kk * eg;
+          }
         }
+        Store4(a.qg, a.wqk_bf16, ck + i * K + d, make_float4(qgv[0], qgv[1], qgv[2], qgv[3]));
+        Store4(a.kg, a.wqk_bf16, ck + i * K + d, make_float4(kgv[0], kgv[1], kgv[2], kgv[3]));
       }
     }
+    if (tid < KS) a.eGC[chunk * K + d0 + tid] = Exp<kTc>(G[(C - 1) * K + d0 + tid]);
     __syncthreads();
     if constexpr (kTc) {
 #pragma unroll
@@ -176,7 +238,8 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
         const int u = t % kGramTiles, ti0 = 16 * (u / (C / 8)), tj0 = 8 * (u % (C / 8));
         // a(i, m) = rows[m][i], b(m, j) = km[m][j]: the slices are stored transposed.
         if (tj0 < ti0 + 16) {
-          kda_bwd::WarpTile(tacc[w], t < kGramTiles ? sKp : sQp, 1, L::kLdT, sKm, L::kLdT, 1, ti0, tj0, 0, KS, lane);
+          kda_bwd::WarpTile<true, true>(tacc[w], t < kGramTiles ? sKp : sQp, 1, L::kLdT, sKm, L::kLdT, 1, ti0, tj0, 0, KS,
+                                        lane);
         }
       }
     } else if (gram && tj <= ti) {
@@ -221,19 +284,44 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
       }
     }
   }
-  // X and Y into the slices' region (free since the last barrier); k and G again from global
-  // memory (the block read them above: mostly L2 hits).
-  for (int e = tid; e < C * K; e += kThreads) {
-    const int i = e / K, d = e % K;
+  // X and Y into the slices' region (free since the last barrier), 4 columns a thread at a time
+  // (vector loads and stores; the tensor-core form's products read them rounded to TF32, once
+  // here); k and G again from global memory (the block read them above: mostly L2 hits).
+  for (int e4 = tid; e4 < C * K / 4; e4 += kThreads) {
+    const int i = e4 / (K / 4), d = 4 * (e4 % (K / 4));
     const int64_t t = t0 + i;
-    sX[i * L::kLdX + d] = t < a.L ? sB[i] * k(t, d) * expf(G[e]) : 0.f;
+    float xv[4] = {0.f, 0.f, 0.f, 0.f};
+    if (t < a.L) {
+      const float4 k4 = Load4<kIn16>(kp, t * a.k_st + d, p.vec), g4 = *reinterpret_cast<const float4*>(G + i * K + d);
+      const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, gv[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float xx = sB[i] * kv[x] * Exp<kTc>(gv[x]);
+        xv[x] = kTc ? mma::Tf32Rounded(xx) : xx;
+      }
+    }
+    *reinterpret_cast<float4*>(sX + i * L::kLdX + d) = make_float4(xv[0], xv[1], xv[2], xv[3]);
   }
-  for (int e = tid; e < C * V; e += kThreads) {
-    const int i = e / V, d = e % V;
-    const int64_t t = t0 + i;
-    const float y = sB[i] * (t < a.L ? v(t, d) : 0.f);
-    sY[i * ldy + d] = y;
-    if (p.cache) p.c.Y[cv + e] = y;
+  {
+    // Y's (row, column) walk without a division by the run-time V: e4 = tid + s kThreads advances
+    // the row by kThreads / (V / 4) and the column by 4 (kThreads % (V / 4)), carrying one row.
+    const int vq = V / 4, step_i = kThreads / vq, step_d = 4 * (kThreads % vq);
+    for (int i = tid / vq, d = 4 * (tid % vq); i < C;) {
+      const int64_t t = t0 + i;
+      const float4 v4 = t < a.L ? Load4<kIn16>(vp, t * a.v_st + d, p.vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float yv[4] = {sB[i] * v4.x, sB[i] * v4.y, sB[i] * v4.z, sB[i] * v4.w};
+      if (p.cache) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) p.c.Y[cv + i * V + d + x] = yv[x];
+      }
+      *reinterpret_cast<float4*>(sY + i * ldy + d) =
+          kTc ? make_float4(mma::Tf32Rounded(yv[0]), mma::Tf32Rounded(yv[1]), mma::Tf32Rounded(yv[2]),
+                            mma::Tf32Rounded(yv[3]))
+              : make_float4(yv[0], yv[1], yv[2], yv[3]);
+      d += step_d;
+      i += step_i;
+      if (d >= V) d -= V, ++i;
+    }
   }
   __syncthreads();
   // C: T = (I + A_kk)^-1. The diagonal blocks: thread c owns column c of its block.
@@ -283,15 +371,16 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
       const int cols = is_x ? K : V, u = is_x ? t : t - xt;
       const int ti0 = 16 * (u / (cols / 8)), td0 = 8 * (u % (cols / 8));
       float out[4] = {};
-      kda_bwd::WarpTile(out, sT, L::kLdA, 1, is_x ? sX : sY, is_x ? L::kLdX : ldy, 1, ti0, td0, 0, ti0 + 16, lane);
+      kda_bwd::WarpTile<false, true>(out, sT, L::kLdA, 1, is_x ? sX : sY, is_x ? L::kLdX : ldy, 1, ti0, td0, 0,
+                                     ti0 + 16, lane);
       float* dst = is_x ? a.W + ck : a.U + cv;
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {  // the lane's rows g and g + 8, two adjacent columns each
         const int i = ti0 + kda_bwd::FragRow(lane, 2 * h2), d = td0 + kda_bwd::FragCol(lane, 2 * h2);
         const int64_t at = static_cast<int64_t>(i) * cols + d;
         if (is_x && a.wqk_bf16) {
-          KdaStore(a.W, true, ck + at, out[2 * h2]);
-          KdaStore(a.W, true, ck + at + 1, out[2 * h2 + 1]);
+          *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(static_cast<void*>(a.W)) + ck + at) =
+              PackBf16(out[2 * h2], out[2 * h2 + 1]);
         } else {
           *reinterpret_cast<float2*>(dst + at) = make_float2(out[2 * h2], out[2 * h2 + 1]);
         }
@@ -341,6 +430,8 @@ int Launch(const Params& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+bool Aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
 }  // namespace
 
 bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
@@ -351,10 +442,16 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
       a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
       (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr)) ||
-      (a.T_out != nullptr && a.cache != nullptr)) {
+      (a.T_out != nullptr && a.cache != nullptr) || !Aligned(a.qg, 16) || !Aligned(a.kg, 16) || !Aligned(a.W, 16)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr};
+  // Vector loads of q, k and v (4 elements: 8 bytes bf16, 16 fp32) where every row they start at
+  // is aligned to one.
+  const int64_t vb = KdaQkvBf16(a.bf16) ? 8 : 16;
+  const bool vec = Aligned(a.q, vb) && Aligned(a.k, vb) && Aligned(a.v, vb) && a.q_sb % 4 == 0 && a.q_sh % 4 == 0 &&
+                   a.q_st % 4 == 0 && a.k_sb % 4 == 0 && a.k_sh % 4 == 0 && a.k_st % 4 == 0 && a.v_sb % 4 == 0 &&
+                   a.v_sh % 4 == 0 && a.v_st % 4 == 0;
+  const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr, vec};
   const auto s = static_cast<cudaStream_t>(stream);
   // The tensor-core form needs every product's width a whole number of 8-column tiles.
   const bool tc = a.tf32 && a.V % 8 == 0;

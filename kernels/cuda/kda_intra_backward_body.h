@@ -132,16 +132,23 @@ KDA_HD int FragCol(int lane, int e) { return 2 * (lane % 4) + e % 2; }
 // lane's elements, a and b strided as TileProduct's. On the GPU the warp's lanes run it together
 // (one mma per 8 of m, operands rounded to TF32); the CPU emulation runs each lane alone, in fp32,
 // over the same shared-memory elements, so it checks the indexing, not the rounding.
+// kARounded / kBRounded: that operand already holds Tf32Rounded values (the writer rounded each
+// element once, instead of every fragment load rounding it again: two instructions an operand
+// element, about half of a tile step's); its bits then go to the mma as they are. The sums are
+// bit for bit those of rounding here.
+template <bool kARounded = false, bool kBRounded = false>
 KDA_HD void WarpTile(float (&acc)[4], const float* a, int ai, int am, const float* b, int bm, int bj, int i0, int j0,
                      int m0, int m1, int lane) {
 #if defined(__CUDA_ARCH__)
   const int g = lane / 4, c = lane % 4;
   const float* ar = a + (i0 + g) * ai;
   const float* bc = b + (j0 + g) * bj;
+  auto op_a = [](float x) { return kARounded ? __float_as_uint(x) : mma::Tf32(x); };
+  auto op_b = [](float x) { return kBRounded ? __float_as_uint(x) : mma::Tf32(x); };
   for (int m = m0; m < m1; m += 8) {
-    const uint32_t af[4] = {mma::Tf32(ar[(m + c) * am]), mma::Tf32(ar[8 * ai + (m + c) * am]),
-                            mma::Tf32(ar[(m + c + 4) * am]), mma::Tf32(ar[8 * ai + (m + c + 4) * am])};
-    mma::MmaTf32(acc, af, mma::Tf32(bc[(m + c) * bm]), mma::Tf32(bc[(m + c + 4) * bm]));
+    const uint32_t af[4] = {op_a(ar[(m + c) * am]), op_a(ar[8 * ai + (m + c) * am]), op_a(ar[(m + c + 4) * am]),
+                            op_a(ar[8 * ai + (m + c + 4) * am])};
+    mma::MmaTf32(acc, af, op_b(bc[(m + c) * bm]), op_b(bc[(m + c + 4) * bm]));
   }
 #else
   for (int e = 0; e < 4; ++e) {

@@ -49,6 +49,9 @@ __device__ __forceinline__ uint32_t Tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
+// x rounded as Tf32 does, kept as a float: what a shared-memory operand holds when its writer rounds
+// each element once (kda_bwd::WarpTile's kARounded / kBRounded) instead of every fragment load.
+__device__ __forceinline__ float Tf32Rounded(float x) { return __uint_as_float(Tf32(x)); }
 // d += a b, mma.sync m16n8k8 with TF32 operands (from Tf32) and fp32 sums. Fragments (lane =
 // 4 g + c): a0 (g, c), a1 (g + 8, c), a2 (g, c + 4), a3 (g + 8, c + 4); b0 (c, g), b1 (c + 4, g);
 // the accumulator as m16n8k16's.
