@@ -127,6 +127,7 @@ std::atomic<int> scan_value_block{32};
 std::atomic<int64_t> bf16_operand_scans{0};
 std::atomic<bool> intra_backward_reads_inverse{true};
 std::atomic<int64_t> inverse_reads{0};
+std::atomic<int64_t> intra_element_loads{0};
 
 // The kernels' bits (kernels/cuda/kda_intra.h kKdaBf16*) of the inputs that are bf16.
 uint8_t Bf16Bits(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta) {
@@ -229,6 +230,7 @@ bool IntraByKernel(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
     a.T_out = in->T.data_ptr<float>();
   }
   a.tf32 = scan_tensor_cores.load();  // the Grams and W, U on the tensor cores with the scans
+  if (!cuda::KdaIntraVectorLoads(a)) intra_element_loads.fetch_add(1);
   CheckKernelLaunch(cuda::KdaIntraForward(a, Stream(q)), "kda intra-chunk forward");
   return true;
 }
@@ -938,6 +940,7 @@ int64_t KdaBf16OperandScans() { return bf16_operand_scans.load(); }
 void SetKdaIntraBackwardReadsInverse(bool enabled) { intra_backward_reads_inverse.store(enabled); }
 bool KdaIntraBackwardReadsInverse() { return intra_backward_reads_inverse.load(); }
 int64_t KdaIntraBackwardInverseReads() { return inverse_reads.load(); }
+int64_t KdaIntraElementLoadLaunches() { return intra_element_loads.load(); }
 
 KdaGramForm KdaDecayedGramForm(const Tensor& G) {
   constexpr double kMaxDecay = 60.0;  // e-folds: exp(+-60) is finite and far from fp32's limits

@@ -143,6 +143,10 @@ bool KdaIntraBackwardReadsInverse();
 // Intra backward kernel passes (segments; on CUDA or emulated) that read a given T so far in this
 // process (tests prove which path ran).
 int64_t KdaIntraBackwardInverseReads();
+// Intra kernel launches (kernels/cuda/kda_intra.h) that read q, k and v one element at a time
+// because a base or a stride is not aligned to a 4-element vector (cuda::KdaIntraVectorLoads) so
+// far in this process; the aligned inputs every caller here passes take the vector loads.
+int64_t KdaIntraElementLoadLaunches();
 
 // M[..., i, j] = sum_d x[..., i, d] y[..., j, d] exp(G[..., i, d] - G[..., j, d]) for j < i
 // (strict) or j <= i, zero above. x, y, G (..., C, K) with C a multiple of 16 and G

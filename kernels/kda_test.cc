@@ -491,6 +491,57 @@ TEST(Kda, IntraBackwardKernelReadsTheRecomputesInverse_cuda) {
   }
 }
 
+// The intra kernel reading q, k and v four elements a load (aligned inputs: every caller's) against
+// one element a load (the same values at an odd element offset with odd row strides; the launches
+// that took it counted by KdaIntraElementLoadLaunches): the same outputs and gradients to
+// rounding; fp32 and bf16 inputs, the CUDA-core and the tensor-core forms.
+TEST(Kda, IntraKernelElementLoadsEqualVectorLoads_cuda) {
+  if (!torch::cuda::is_available() || !FusedKernelsBuilt()) {
+    GTEST_SKIP() << (torch::cuda::is_available() ? "a build without ODYSSEY_CUDA kernels" : "no CUDA device");
+  }
+  const Case c{1, 2, 2, 300, 64, 32, -0.1};
+  for (bool tf32 : {false, true}) {
+    SetKdaScanTensorCores(tf32);
+    SetKdaScanBf16Operands(tf32);
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      const std::string tag =
+          std::string(tf32 ? "tensor cores " : "CUDA cores ") + (dtype == torch::kBFloat16 ? "bf16" : "fp32");
+      const auto [in, dO, dS, opt] = MakeRun(c, 64, 17);
+      const Inputs f = in.To(dtype, torch::kCUDA);
+      const Tensor dOf = dO.to(torch::kCUDA, dtype), dSf = dS.to(torch::kCUDA, torch::kFloat32);
+      int64_t element = KdaIntraElementLoadLaunches();
+      const std::vector<Tensor> aligned = Grads(true, f, dOf, dSf, opt, /*forward=*/true);
+      EXPECT_EQ(KdaIntraElementLoadLaunches(), element) << tag << ": aligned inputs took the element loads";
+      // q, k and v one element into buffers whose rows are one element longer.
+      std::vector<Tensor> bufs;
+      for (const Tensor& t : {f.q, f.k, f.v}) {
+        std::vector<int64_t> sizes = t.sizes().vec();
+        ++sizes.back();
+        Tensor b = torch::zeros(sizes, t.options());
+        b.narrow(-1, 1, t.size(-1)).copy_(t);
+        bufs.push_back(b.requires_grad_());
+      }
+      auto odd = [&](int i) { return bufs[i].narrow(-1, 1, bufs[i].size(-1) - 1); };
+      std::vector<Tensor> rest{f.g.clone().requires_grad_(), f.beta.clone().requires_grad_(),
+                               f.h0.clone().requires_grad_()};
+      element = KdaIntraElementLoadLaunches();
+      auto [o, s] = KdaChunked(odd(0), odd(1), odd(2), rest[0], rest[1], rest[2], opt);
+      ((o.to(dOf.scalar_type()) * dOf).sum() + (s.to(torch::kFloat32) * dSf).sum()).backward();
+      EXPECT_GT(KdaIntraElementLoadLaunches(), element) << tag << ": the element loads did not run";
+      std::vector<Tensor> got;
+      for (int i = 0; i < 3; ++i) got.push_back(bufs[i].grad().narrow(-1, 1, bufs[i].size(-1) - 1));
+      for (const Tensor& r : rest) got.push_back(r.grad());
+      got.push_back(o.detach()), got.push_back(s.detach());
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string what = tag + " " + (i < 6 ? kGradNames[i] : (i == 6 ? "o" : "S"));
+        EXPECT_LE(RelRms(got[i].to(torch::kFloat32).cpu(), aligned[i].to(torch::kFloat32).cpu()), 1e-6) << what;
+      }
+    }
+  }
+  SetKdaScanTensorCores(true);
+  SetKdaScanBf16Operands(true);
+}
+
 // The intra-chunk backward kernel's own block code (kernels/cuda/kda_intra_backward_body.h),
 // emulated on the CPU: its gradients within twice the libtorch backward's error against the fp64
 // truth, with the threads of each phase in order and in reverse giving the same bits (no thread

@@ -438,6 +438,13 @@ bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
   return (C == 32 || C == 64) && (K == 32 || K == 64 || K == 128) && V >= 4 && V <= 128 && V % 4 == 0;
 }
 
+bool KdaIntraVectorLoads(const KdaIntraArgs& a) {
+  const int64_t bytes = KdaQkvBf16(a.bf16) ? 8 : 16;
+  return Aligned(a.q, bytes) && Aligned(a.k, bytes) && Aligned(a.v, bytes) && a.q_sb % 4 == 0 && a.q_sh % 4 == 0 &&
+         a.q_st % 4 == 0 && a.k_sb % 4 == 0 && a.k_sh % 4 == 0 && a.k_st % 4 == 0 && a.v_sb % 4 == 0 &&
+         a.v_sh % 4 == 0 && a.v_st % 4 == 0;
+}
+
 int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
       a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
@@ -445,13 +452,7 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
       (a.T_out != nullptr && a.cache != nullptr) || !Aligned(a.qg, 16) || !Aligned(a.kg, 16) || !Aligned(a.W, 16)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  // Vector loads of q, k and v (4 elements: 8 bytes bf16, 16 fp32) where every row they start at
-  // is aligned to one.
-  const int64_t vb = KdaQkvBf16(a.bf16) ? 8 : 16;
-  const bool vec = Aligned(a.q, vb) && Aligned(a.k, vb) && Aligned(a.v, vb) && a.q_sb % 4 == 0 && a.q_sh % 4 == 0 &&
-                   a.q_st % 4 == 0 && a.k_sb % 4 == 0 && a.k_sh % 4 == 0 && a.k_st % 4 == 0 && a.v_sb % 4 == 0 &&
-                   a.v_sh % 4 == 0 && a.v_st % 4 == 0;
-  const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr, vec};
+  const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr, KdaIntraVectorLoads(a)};
   const auto s = static_cast<cudaStream_t>(stream);
   // The tensor-core form needs every product's width a whole number of 8-column tiles.
   const bool tc = a.tf32 && a.V % 8 == 0;

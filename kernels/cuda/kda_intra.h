@@ -138,5 +138,8 @@ struct KdaIntraArgs {
   float* T_out = nullptr;
 };
 int KdaIntraForward(const KdaIntraArgs& args, void* stream);
+// Whether KdaIntraForward reads q, k and v 4 elements a load (8 bytes bf16, 16 fp32): their bases
+// and every batch, head and token stride aligned to that; else one element a load (same values).
+bool KdaIntraVectorLoads(const KdaIntraArgs& args);
 
 }  // namespace odyssey::kernels::cuda
