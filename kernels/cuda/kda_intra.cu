@@ -147,16 +147,14 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
 
   const int64_t n = blockIdx.x, bh = blockIdx.y, b = bh / a.HV, h = bh % a.HV;
   const int64_t chunk = bh * a.N + n, t0 = n * C;
-  // The inputs, fp32 or bf16 (kIn16; beta by its own bit): token t's element d; q scaled as read.
+  // The inputs, fp32 or bf16 (kIn16; beta by its own bit), the block's (batch, head): token t's
+  // element d at t * stride + d (Load4; q scaled as read).
   using In = std::conditional_t<kIn16, uint16_t, float>;
   const In* qp = static_cast<const In*>(a.q) + b * a.q_sb + h * a.q_sh;
   const In* kp = static_cast<const In*>(a.k) + b * a.k_sb + h * a.k_sh;
   const In* vp = static_cast<const In*>(a.v) + b * a.v_sb + h * a.v_sh;
   const int64_t bo = b * a.b_sb + h * a.b_sh;
   const bool b16 = a.bf16 & kKdaBf16Beta;
-  auto q = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(qp, t * a.q_st + d) * a.q_scale; };
-  auto k = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(kp, t * a.k_st + d); };
-  auto v = [&](int64_t t, int d) { return KdaLoadAs<kIn16>(vp, t * a.v_st + d); };
   const float* G = a.G + chunk * C * K;
   const int64_t ck = chunk * C * K, cv = chunk * C * V, cc = chunk * C * C;
   const int tid = threadIdx.x;
@@ -182,9 +180,9 @@ __global__ void __launch_bounds__(kThreads, 2) IntraKernel(Params p) {
   // A thread takes 4 consecutive columns of one row at a time: one vector load of G, k and q each,
   // one store of qg and kg each. A warp covers 8 rows x 16 columns (a bf16 row's 16 columns are
   // one 32-byte sector); the 2 groups of a thread share their columns (rows 32 apart), so the
-  // columns' G_0 and G_C are loaded once, and both groups' inputs are loaded before either is
-  // used (the stores may alias the inputs as far as the compiler knows: it would not hoist them).
-  // The transposed stores into the slices meet 2-way bank conflicts.
+  // columns' G_0 and G_C are loaded once. A group at a time (loading both groups' inputs first
+  // spilled: the Gram accumulators stay live through this phase). The transposed stores into the
+  // slices meet 2-way bank conflicts.
   constexpr int kGroups = C * KS / 4, kIter = kGroups > kThreads ? kGroups / kThreads : 1;
   static_assert(kGroups % 32 == 0 && (kGroups <= kThreads || kGroups % kThreads == 0) && K % KS == 0 &&
                     (KS / 16) * (C / 8) * 32 == kGroups,
@@ -449,7 +447,8 @@ int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
       a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
       (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr)) ||
-      (a.T_out != nullptr && a.cache != nullptr) || !Aligned(a.qg, 16) || !Aligned(a.kg, 16) || !Aligned(a.W, 16)) {
+      (a.T_out != nullptr && a.cache != nullptr) || !Aligned(a.G, 16) || !Aligned(a.qg, 16) || !Aligned(a.kg, 16) ||
+      !Aligned(a.W, 16)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr, KdaIntraVectorLoads(a)};

@@ -19,9 +19,10 @@
 // are all fp32 or all bf16, beta either (`bf16`'s bits, KdaLoad), as the caller holds them: the
 // block converts as it reads, and multiplies q by `q_scale`, so no fp32 copy of the inputs is
 // ever made.
-// G (BH, N, C, K) contiguous: the chunk-local cumulative sums of g, padding included. Outputs
-// contiguous: qg, kg, W, Ep, Em, qp, kp, km, X, EC, eG (BH, N, C, K); U, Y (BH, N, C, V); Aqk, T,
-// Lkk (BH, N, C, C); eGC (BH, N, K). Supported: KdaIntraSupported. Returns the launch's
+// G (BH, N, C, K) contiguous, 16-byte aligned: the chunk-local cumulative sums of g, padding
+// included. Outputs contiguous: qg, kg, W, Ep, Em, qp, kp, km, X, EC, eG (BH, N, C, K); U, Y
+// (BH, N, C, V); Aqk, T, Lkk (BH, N, C, C); eGC (BH, N, K); qg, kg and W 16-byte aligned (written
+// 4 elements a store; refused otherwise). Supported: KdaIntraSupported. Returns the launch's
 // cudaError_t as an int (0 = success). Only built with ODYSSEY_CUDA.
 #pragma once
 
