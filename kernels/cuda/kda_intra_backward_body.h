@@ -158,27 +158,6 @@ KDA_HD void WarpTile(float (&acc)[4], const float* a, int ai, int am, const floa
 #endif
 }
 
-// exp(x) in the block's element-wise work: the tensor-core form (kFast) on the GPU takes ex2.approx
-// of x log2(e) (2 instructions, relative error ~1e-6 for the whole-chunk form's |x| <= 60, far
-// under its TF32 operands' 5e-4), everything else the full-precision expf (about 9).
-template <bool kFast>
-KDA_HD float ExpOf(float x) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (kFast) return __expf(x);
-#endif
-  return expf(x);
-}
-// x as a tensor-core operand slot holds it (kTc, on the GPU): rounded to TF32 once where written,
-// so WarpTile's kARounded / kBRounded fragment loads take its bits as they are. The CPU
-// emulation keeps fp32 (it checks the indexing, not the rounding).
-template <bool kTc>
-KDA_HD float OperandOf(float x) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (kTc) return mma::Tf32Rounded(x);
-#endif
-  return x;
-}
-
 // rows x cols floats from global src (rows of cols) into shared dst (row stride ld), by 16-byte
 // pieces (cols, ld and both addresses multiples of 4 floats): on the GPU asynchronous (cp.async;
 // each thread waits for its own with AsyncWait, before the barrier after which others read them),
@@ -414,11 +393,11 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
       const float kk = K_(i, d), gi = G[e], gr = G[Ref(i) * K + d];
-      B0[i * ldK + d] = OperandOf<kTc>(kk * ExpOf<kTc>(gi - gr));
+      B0[i * ldK + d] = kk * expf(gi - gr);
       // kSub: k itself, decayed per block row on the fly; else km = k Em (the reference row is 0).
-      B1[i * ldK + d] = kSub ? kk : OperandOf<kTc>(kk * ExpOf<kTc>(gr - gi));
+      B1[i * ldK + d] = kSub ? kk : kk * expf(gr - gi);
       if (!kTc) B2[i * ldK + d] = a.dW[ck + e];
-      B4[i * ldK + d] = OperandOf<kTc>(sB[i] * kk * ExpOf<kTc>(gi));
+      B4[i * ldK + d] = sB[i] * kk * expf(gi);
     }
     if (!kTc) {
       for (int e = tid; e < C * V; e += nt) B3[(e / V) * ldV + e % V] = a.dU[cv + e];
@@ -436,7 +415,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
         const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
         float acc[4] = {};
-        if (j0 < i0 + 16) WarpTile<true, true>(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K, lane);
+        if (j0 < i0 + 16) WarpTile(acc, B0, ldK, 1, B1, 1, ldK, i0, j0, 0, K, lane);
         for (int e = 0; e < 4; ++e) GramOut(i0 + FragRow(lane, e), j0 + FragCol(lane, e), acc[e]);
       }
       return;
@@ -462,7 +441,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
   KDA_HD void InverseDiagonal(int tid, int nt) {
     for (int e = tid; e < C * V; e += nt) {
       const int i = e / V, d = e % V;
-      B0[i * ldV + d] = OperandOf<kTc>(sB[i] * V_(i, d));
+      B0[i * ldV + d] = sB[i] * V_(i, d);
     }
     if constexpr (!kGivenT) InvertDiagonalBlocks<C>(S1, S2, ldC, tid, nt);
     if constexpr (kTc) AsyncWait();  // dW, dU (and T) (Factors) in place before this phase's barrier
@@ -474,9 +453,9 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
         const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
         float acc[4] = {};
-        WarpTile<false, true>(acc, B2, ldK, 1, B4, 1, ldK, i0, j0, 0, K, lane);
-        WarpTile<false, true>(acc, B3, ldV, 1, B0, 1, ldV, i0, j0, 0, V, lane);
-        for (int e = 0; e < 4; ++e) S1[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = OperandOf<kTc>(acc[e]);
+        WarpTile(acc, B2, ldK, 1, B4, 1, ldK, i0, j0, 0, K, lane);
+        WarpTile(acc, B3, ldV, 1, B0, 1, ldV, i0, j0, 0, V, lane);
+        for (int e = 0; e < 4; ++e) S1[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = acc[e];
       }
       return;
     }
@@ -504,7 +483,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     return {V_(i, d), 0.f};
   }
   KDA_HD float XYOut(bool is_x, int i, int d, float g, XYIn in) {
-    if (is_x) return g * (in.kv * ExpOf<kTc>(in.gi));
+    if (is_x) return g * (in.kv * expf(in.gi));
     if (Token(i)) KdaStoreAs<kIn16>(a.dv.p, At(a.dv, i, d), g * sB[i]);
     return g * in.kv;
   }
@@ -587,8 +566,8 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
         const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
         float acc[4] = {};
-        WarpTile<true, false>(acc, S1, ldC, 1, S2, 1, ldC, i0, j0, 0, j0 + 8, lane);
-        for (int e = 0; e < 4; ++e) B2[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = OperandOf<kTc>(acc[e]);
+        WarpTile(acc, S1, ldC, 1, S2, 1, ldC, i0, j0, 0, j0 + 8, lane);
+        for (int e = 0; e < 4; ++e) B2[(i0 + FragRow(lane, e)) * ldC + j0 + FragCol(lane, e)] = acc[e];
       }
       return;
     }
@@ -612,12 +591,12 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
       for (int tile = tid / 32; tile < (C / 16) * (C / 8); tile += nt / 32) {
         const int i0 = 16 * (tile / (C / 8)), j0 = 8 * (tile % (C / 8));
         float acc[4] = {};
-        if (j0 < i0 + 16) WarpTile<false, true>(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C, lane);
+        if (j0 < i0 + 16) WarpTile(acc, S2, 1, ldC, B2, ldC, 1, i0, j0, i0, C, lane);
         float part[2] = {};
         for (int e = 0; e < 4; ++e) {
           const int i = i0 + FragRow(lane, e), j = j0 + FragCol(lane, e);
           const float da = j < i ? -acc[e] : 0.f;
-          B3[i * ldC + j] = OperandOf<kTc>(da * sB[i]);
+          B3[i * ldC + j] = da * sB[i];
           part[e / 2] = fmaf(da, S0[i * ldC + j], part[e / 2]);
         }
         for (int h = 0; h < 2; ++h) S1[(i0 + FragRow(lane, 2 * h)) * ldC + j0 / 2 + lane % 4] = part[h];
@@ -652,13 +631,13 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     }
     for (int e = tid; e < C * K; e += nt) {
       const int i = e / K, d = e % K;
-      const float ep = ExpOf<kTc>(G[e] - G[Ref(i) * K + d]);
-      B0[i * ldK + d] = OperandOf<kTc>(K_(i, d) * ep);
-      B4[i * ldK + d] = OperandOf<kTc>(Q_(i, d) * ep);
+      const float ep = expf(G[e] - G[Ref(i) * K + d]);
+      B0[i * ldK + d] = K_(i, d) * ep;
+      B4[i * ldK + d] = Q_(i, d) * ep;
     }
     for (int e = tid; e < C * C; e += nt) {
       const int i = e / C, j = e % C;
-      B2[i * ldC + j] = j <= i ? OperandOf<kTc>(a.dAqk[cc + e]) : 0.f;
+      B2[i * ldC + j] = j <= i ? a.dAqk[cc + e] : 0.f;
     }
   }
   // By tiles of rows r and columns d: dkp = dL km (dL strict lower: columns j < r), dqp = dA km
@@ -674,14 +653,13 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     return {a.dqg[o], a.dkg[o], K_(r, d), Q_(r, d), G[r * K + d], G[Ref(r) * K + d], G[(C - 1) * K + d]};
   }
   KDA_HD float QKOut(int r, int d, float dkp, float dqp, float dkm, float gx, const QKIn& in) {
-    const float ep = ExpOf<kTc>(in.gi - in.gr), eg = ExpOf<kTc>(in.gi), ec = ExpOf<kTc>(in.gc - in.gi), kk = in.kk,
-                qq = in.qq;
+    const float ep = expf(in.gi - in.gr), eg = expf(in.gi), ec = expf(in.gc - in.gi), kk = in.kk, qq = in.qq;
     const float dqg = in.dqg, dkg = in.dkg;
     if (Token(r)) KdaStoreAs<kIn16>(a.dq.p, At(a.dq, r, d), (dqg * eg + dqp * ep) * a.dq_scale);
     // Whole-chunk form: dkm is the gradient of km = k Em (Em against row 0, the reference row), so
     // dk gains dkm Em, dG loses dkm km. kSub: dkm is already the gradient of k (the factor folded
     // in), and dG loses dkm k.
-    const float em = kSub ? 1.f : ExpOf<kTc>(in.gr - in.gi);
+    const float em = kSub ? 1.f : expf(in.gr - in.gi);
     const float xk = gx * sB[r] * eg;  // dX's term of dk (X = diag(beta) k eG)
     if (Token(r)) KdaStoreAs<kIn16>(a.dk.p, At(a.dk, r, d), dkg * ec + xk + dkp * ep + dkm * em);
     const float kg = dkg * (kk * ec);
@@ -704,11 +682,10 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
         QKIn in[4];  // in flight while the products run
         for (int e = 0; e < 4; ++e) in[e] = QKLoad(r0 + FragRow(lane, e), d0 + FragCol(lane, e));
         float dkp[4] = {}, dqp[4] = {}, dkm[4] = {}, kg[4];
-        // Every operand here was rounded where written (dL, dA, km, kp, qp).
-        WarpTile<true, true>(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
-        WarpTile<true, true>(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
-        WarpTile<true, true>(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C, lane);
-        WarpTile<true, true>(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C, lane);
+        WarpTile(dkp, B3, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
+        WarpTile(dqp, B2, ldC, 1, B1, ldK, 1, r0, d0, 0, r0 + 16, lane);
+        WarpTile(dkm, B3, 1, ldC, B0, ldK, 1, r0, d0, r0, C, lane);
+        WarpTile(dkm, B2, 1, ldC, B4, ldK, 1, r0, d0, r0, C, lane);
         for (int e = 0; e < 4; ++e) {
           kg[e] = QKOut(r0 + FragRow(lane, e), d0 + FragCol(lane, e), dkp[e], dqp[e], dkm[e], carry.gx[j][e], in[e]);
         }
@@ -769,7 +746,7 @@ struct Block : ChunkView<C, K, KdaIntraBackwardArgs, kTc, kIn16> {
     constexpr int kParts = static_cast<int>(PartRows(C, kTc));
     for (int w = tid; w < K * kSegs; w += nt) {
       const int d = w % K, i0 = w / K * kB;
-      float s = a.deGC[chunk * K + d] * ExpOf<kTc>(G[(C - 1) * K + d]);
+      float s = a.deGC[chunk * K + d] * expf(G[(C - 1) * K + d]);
       for (int p = 0; p < kParts; ++p) s += Parts()[p * K + d];
       for (int i = C - 1; i >= i0 + kB; --i) s += Tail()[i * (K + 1) + d];
       for (int i = i0 + kB - 1; i >= i0; --i) {
