@@ -135,7 +135,11 @@ KDA_HD int FragCol(int lane, int e) { return 2 * (lane % 4) + e % 2; }
 // kARounded / kBRounded: that operand already holds Tf32Rounded values (the writer rounded each
 // element once, instead of every fragment load rounding it again: two instructions an operand
 // element, about half of a tile step's); its bits then go to the mma as they are. The sums are
-// bit for bit those of rounding here.
+// bit for bit those of rounding here. The intra kernel's slices, X and Y are stored so; this
+// block's own operands are not: rounded where written (with ex2.approx exp) it issued 6% fewer
+// instructions but ran 25% slower on an H100 (13.0 cycles between a warp's issues against 9.4,
+// 5.6 of them waiting on L1TEX loads; a 4-byte spill in the kGivenT instance), twenty-seventh
+// session, docs/benchmarks.md.
 template <bool kARounded = false, bool kBRounded = false>
 KDA_HD void WarpTile(float (&acc)[4], const float* a, int ai, int am, const float* b, int bm, int bj, int i0, int j0,
                      int m0, int m1, int lane) {
