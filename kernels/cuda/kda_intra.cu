@@ -428,8 +428,6 @@ int Launch(const Params& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-bool Aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
 }  // namespace
 
 bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
@@ -438,17 +436,17 @@ bool KdaIntraSupported(int64_t C, int64_t K, int64_t V) {
 
 bool KdaIntraVectorLoads(const KdaIntraArgs& a) {
   const int64_t bytes = KdaQkvBf16(a.bf16) ? 8 : 16;
-  return Aligned(a.q, bytes) && Aligned(a.k, bytes) && Aligned(a.v, bytes) && a.q_sb % 4 == 0 && a.q_sh % 4 == 0 &&
-         a.q_st % 4 == 0 && a.k_sb % 4 == 0 && a.k_sh % 4 == 0 && a.k_st % 4 == 0 && a.v_sb % 4 == 0 &&
-         a.v_sh % 4 == 0 && a.v_st % 4 == 0;
+  return KdaAligned(a.q, bytes) && KdaAligned(a.k, bytes) && KdaAligned(a.v, bytes) && a.q_sb % 4 == 0 &&
+         a.q_sh % 4 == 0 && a.q_st % 4 == 0 && a.k_sb % 4 == 0 && a.k_sh % 4 == 0 && a.k_st % 4 == 0 &&
+         a.v_sb % 4 == 0 && a.v_sh % 4 == 0 && a.v_st % 4 == 0;
 }
 
 int KdaIntraForward(const KdaIntraArgs& a, void* stream) {
   if (!KdaIntraSupported(a.C, a.K, a.V) || a.N <= 0 || a.B <= 0 || a.HV <= 0 || a.B * a.HV > 65535 ||
       a.N > 2147483647 || a.L > a.N * a.C || !KdaQkvSameDtype(a.bf16) ||
       (a.wqk_bf16 && (!a.tf32 || a.V % 8 != 0 || a.cache != nullptr)) ||
-      (a.T_out != nullptr && a.cache != nullptr) || !Aligned(a.G, 16) || !Aligned(a.qg, 16) || !Aligned(a.kg, 16) ||
-      !Aligned(a.W, 16)) {
+      (a.T_out != nullptr && a.cache != nullptr) || !KdaAligned(a.G, 16) || !KdaAligned(a.qg, 16) ||
+      !KdaAligned(a.kg, 16) || !KdaAligned(a.W, 16)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const Params p{a, a.cache != nullptr ? *a.cache : KdaIntraCache{}, a.cache != nullptr, KdaIntraVectorLoads(a)};

@@ -112,6 +112,9 @@ KDA_LOAD_HD bool KdaQkvSameDtype(uint8_t bits) {
   return m == 0 || m == (kKdaBf16Q | kKdaBf16K | kKdaBf16V);
 }
 KDA_LOAD_HD bool KdaQkvBf16(uint8_t bits) { return (bits & kKdaBf16Q) != 0; }
+// Whether p starts on a multiple of `bytes` (the launchers' checks before vector loads, stores and
+// cp.async copies).
+KDA_LOAD_HD bool KdaAligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 #undef KDA_LOAD_HD
 
 struct KdaIntraCache {

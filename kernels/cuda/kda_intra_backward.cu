@@ -72,7 +72,7 @@ int KdaIntraSubBlockForward(const KdaIntraArgs& a, void* stream) {
 }
 
 int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
-  const bool t_ok = a.T == nullptr || (!a.sub_blocks && reinterpret_cast<uintptr_t>(a.T) % 16 == 0);
+  const bool t_ok = a.T == nullptr || (!a.sub_blocks && KdaAligned(a.T, 16));
   if (!Valid(a) || !KdaGradOutsValid(a) || !t_ok) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -81,8 +81,8 @@ int KdaIntraBackward(const KdaIntraBackwardArgs& a, void* stream) {
     // The tensor-core form copies dW's and dU's rows by 16-byte cp.async: it takes them only where
     // both start on 16 bytes (fresh allocations do; a view into the middle of one may not), and
     // the CUDA-core form, which loads them element by element, runs otherwise.
-    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    const bool tc = a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V) && aligned(a.dW) && aligned(a.dU);
+    const bool tc =
+        a.tf32 && kda_bwd::TensorCoreForm(a.sub_blocks, a.V) && KdaAligned(a.dW, 16) && KdaAligned(a.dU, 16);
     const int64_t floats = kda_bwd::SmemFloats(C, K, a.V, tc);
     const auto s = static_cast<cudaStream_t>(stream);
     auto by_input = [&](auto in16) {
